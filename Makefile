@@ -1,0 +1,49 @@
+# Two commands do all the set-up: `make run` and `make test`.
+SHELL := /bin/bash
+PYTHON ?= $(shell command -v python3.11 || command -v python3)
+VENV := .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed
+# Development machines carry the CPU build of this torch locally; GPU machines use their own.
+CPU_TORCH := torch==2.13.0
+PIP := $(BIN)/python -m pip --disable-pip-version-check --quiet
+
+.PHONY: setup run test lint format services clean
+
+setup: $(STAMP)
+
+$(STAMP): pyproject.toml Makefile
+	@$(PYTHON) -c 'import sys; sys.exit(sys.version_info < (3, 11))' || \
+		{ echo "Tollgate needs Python >= 3.11 (found $$($(PYTHON) --version))"; exit 1; }
+	@test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	@if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then \
+		echo "CUDA found: keeping this machine's torch build"; \
+	else \
+		echo "no CUDA: installing the CPU build ($(CPU_TORCH))"; \
+		$(PIP) install "$(CPU_TORCH)" 2>&1 | grep -v "is ignored: it is neither" || true; \
+	fi
+	@echo "installing tollgate and its dev tools into $(VENV)"
+	@set -o pipefail; $(PIP) install -e '.[dev]' 2>&1 | grep -v "is ignored: it is neither"
+	@touch $(STAMP)
+
+run: setup
+	$(BIN)/tollgate db upgrade
+	$(BIN)/tollgate serve
+
+lint: setup
+	$(BIN)/ruff check .
+	$(BIN)/ruff format --check .
+	$(BIN)/mypy
+
+format: setup
+	$(BIN)/ruff format .
+	$(BIN)/ruff check --fix .
+
+services:
+	@bash infra/scripts/ensure-services.sh
+
+test: setup lint services
+	$(BIN)/pytest
+
+clean:
+	rm -rf $(VENV) .tollgate .pytest_cache .mypy_cache .ruff_cache

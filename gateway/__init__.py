@@ -1,0 +1,1 @@
+"""Tollgate's OpenAI-compatible gateway."""

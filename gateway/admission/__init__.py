@@ -1,0 +1,1 @@
+"""Admission: who is calling and whether they may."""

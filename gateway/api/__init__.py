@@ -1,0 +1,1 @@
+"""OpenAI-compatible routes and their schemas."""

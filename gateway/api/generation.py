@@ -1,0 +1,186 @@
+"""Running one admitted request through the engine: streamed as SSE, or whole.
+
+Every exit path — completion, engine failure, client disconnect — aborts what is left
+in the engine and settles exactly one usage row.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from typing import Any
+
+from backend import RequestOutput, SamplingParams
+from gateway.api.schemas import encode
+from gateway.dispatch.engine_client import EngineClient
+from gateway.errors import ApiError, InternalError
+from gateway.metering import Charge, Outcome, UsageRecorder
+from tenants.models import UsageStatus
+
+
+class ChatFormat:
+    object = "chat.completion"
+    chunk_object = "chat.completion.chunk"
+    id_prefix = "chatcmpl-"
+
+    @staticmethod
+    def choice(text: str, finish_reason: str | None) -> dict[str, Any]:
+        message = {"role": "assistant", "content": text}
+        return {"index": 0, "message": message, "finish_reason": finish_reason, "logprobs": None}
+
+    @staticmethod
+    def delta(text: str, finish_reason: str | None, first: bool) -> dict[str, Any]:
+        delta: dict[str, str] = {"role": "assistant", "content": text} if first else {}
+        if text and not first:
+            delta["content"] = text
+        return {"index": 0, "delta": delta, "finish_reason": finish_reason, "logprobs": None}
+
+
+class TextFormat:
+    object = "text_completion"
+    chunk_object = "text_completion"
+    id_prefix = "cmpl-"
+
+    @staticmethod
+    def choice(text: str, finish_reason: str | None) -> dict[str, Any]:
+        return {"index": 0, "text": text, "finish_reason": finish_reason, "logprobs": None}
+
+    @staticmethod
+    def delta(text: str, finish_reason: str | None, first: bool) -> dict[str, Any]:
+        return TextFormat.choice(text, finish_reason)
+
+
+Format = type[ChatFormat] | type[TextFormat]
+
+
+@dataclass
+class Job:
+    charge: Charge
+    format: Format
+    prompt: list[int]
+    params: SamplingParams
+    include_usage: bool = False
+    created: int = field(default_factory=lambda: int(time.time()))
+    started: float = field(default_factory=time.monotonic)
+
+    @property
+    def response_id(self) -> str:
+        return self.format.id_prefix + self.charge.request_id.removeprefix("req_")
+
+    def envelope(self, choices: list[dict[str, Any]], chunk: bool) -> dict[str, Any]:
+        return {
+            "id": self.response_id,
+            "object": self.format.chunk_object if chunk else self.format.object,
+            "created": self.created,
+            "model": self.charge.model,
+            "choices": choices,
+        }
+
+
+def _observe(outcome: Outcome, job: Job, out: RequestOutput) -> None:
+    outcome.prompt_tokens = out.prompt_tokens
+    outcome.cached_tokens = out.cached_tokens
+    outcome.completion_tokens = out.completion_tokens
+    if outcome.queue_ms is None and out.first_scheduled_time is not None:
+        outcome.queue_ms = (out.first_scheduled_time - out.arrival_time) * 1000
+    if outcome.ttft_ms is None and out.completion_tokens > 0:
+        outcome.ttft_ms = (time.monotonic() - job.started) * 1000
+    if out.finished:
+        outcome.finish_reason = out.finish_reason
+
+
+def _usage(outcome: Outcome) -> dict[str, Any]:
+    return {
+        "prompt_tokens": outcome.prompt_tokens,
+        "completion_tokens": outcome.completion_tokens,
+        "total_tokens": outcome.prompt_tokens + outcome.completion_tokens,
+        "prompt_tokens_details": {"cached_tokens": outcome.cached_tokens},
+    }
+
+
+def _fail(outcome: Outcome, exc: BaseException) -> ApiError:
+    outcome.status = UsageStatus.FAILED
+    error = exc if isinstance(exc, ApiError) else InternalError("the engine failed this request")
+    outcome.error = error.code or error.type
+    return error
+
+
+async def complete(job: Job, engine: EngineClient, recorder: UsageRecorder) -> dict[str, Any]:
+    """Run to the end and return the whole response body."""
+    outcome = Outcome(prompt_tokens=len(job.prompt))
+    rid = job.charge.request_id
+    pieces: list[str] = []
+    settled = False
+    try:
+        async for out in engine.generate(
+            job.prompt, job.params, rid, tenant=job.charge.principal.tenant_id
+        ):
+            _observe(outcome, job, out)
+            pieces.append(out.text)
+        outcome.e2e_ms = (time.monotonic() - job.started) * 1000
+        settled = True
+        await asyncio.shield(recorder.settle(job.charge, outcome))
+    except Exception as exc:
+        error = _fail(outcome, exc)
+        settled = True
+        recorder.settle(job.charge, outcome)
+        raise error from exc
+    finally:
+        if not settled:  # cancelled: the client went away
+            engine.abort(rid)
+            outcome.status = UsageStatus.CANCELLED
+            outcome.e2e_ms = (time.monotonic() - job.started) * 1000
+            recorder.settle(job.charge, outcome)
+    body = job.envelope([job.format.choice("".join(pieces), outcome.finish_reason)], chunk=False)
+    body["usage"] = _usage(outcome)
+    return body
+
+
+def _sse(payload: dict[str, Any]) -> bytes:
+    return b"data: " + encode(payload) + b"\n\n"
+
+
+async def stream(job: Job, engine: EngineClient, recorder: UsageRecorder) -> AsyncIterator[bytes]:
+    """Server-sent events; the completion tokens billed are the ones written out."""
+    outcome = Outcome(prompt_tokens=len(job.prompt))
+    rid = job.charge.request_id
+    delivered = 0
+    settled = False
+
+    def chunk(text: str, finish_reason: str | None, first: bool) -> bytes:
+        body = job.envelope([job.format.delta(text, finish_reason, first)], chunk=True)
+        if job.include_usage:
+            body["usage"] = None
+        return _sse(body)
+
+    try:
+        yield chunk("", None, first=True)
+        async for out in engine.generate(
+            job.prompt, job.params, rid, tenant=job.charge.principal.tenant_id
+        ):
+            _observe(outcome, job, out)
+            if out.text:
+                yield chunk(out.text, None, first=False)
+            delivered = out.completion_tokens  # reached only once the chunk was sent
+        yield chunk("", outcome.finish_reason, first=False)
+        outcome.e2e_ms = (time.monotonic() - job.started) * 1000
+        settled = True
+        await asyncio.shield(recorder.settle(job.charge, outcome))
+        if job.include_usage:
+            yield _sse({**job.envelope([], chunk=True), "usage": _usage(outcome)})
+        yield b"data: [DONE]\n\n"
+    except Exception as exc:
+        error = _fail(outcome, exc)
+        if not settled:
+            settled = True
+            recorder.settle(job.charge, outcome)
+        yield _sse(error.body())
+    finally:
+        if not settled:  # the client disconnected mid-stream
+            engine.abort(rid)
+            outcome.status = UsageStatus.CANCELLED
+            outcome.completion_tokens = delivered
+            outcome.e2e_ms = (time.monotonic() - job.started) * 1000
+            recorder.settle(job.charge, outcome)

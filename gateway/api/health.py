@@ -1,0 +1,38 @@
+"""Liveness and readiness probes (no authentication: they reveal nothing)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from litestar import MediaType, Response, get
+from sqlalchemy import text
+
+from gateway.runtime import Runtime
+
+
+@get("/healthz", media_type=MediaType.JSON)
+async def healthz() -> dict[str, str]:
+    """The process is up and serving HTTP."""
+    return {"status": "ok"}
+
+
+@get("/readyz", media_type=MediaType.JSON)
+async def readyz(runtime: Runtime) -> Response[dict[str, Any]]:
+    """Ready for traffic: the database answers and the engine is running."""
+    checks = {"database": await _database_ok(runtime), "engine": _engine_ok(runtime)}
+    ready = all(checks.values())
+    body = {"status": "ready" if ready else "not_ready", "checks": checks}
+    return Response(body, status_code=200 if ready else 503)
+
+
+async def _database_ok(runtime: Runtime) -> bool:
+    try:
+        async with runtime.db.connect() as connection:
+            await connection.execute(text("SELECT 1"))
+    except Exception:
+        return False
+    return True
+
+
+def _engine_ok(runtime: Runtime) -> bool:
+    return runtime.engine_client is not None and runtime.engine_client.is_ready()

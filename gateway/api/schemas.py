@@ -1,0 +1,117 @@
+"""Request bodies of the OpenAI-compatible API, decoded and validated by msgspec.
+
+Unknown fields are ignored (clients send many); wrong types and out-of-range values
+are rejected with the offending field named in `param`.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Annotated, Any, Literal, TypeVar
+
+import msgspec
+from msgspec import Meta, Struct
+
+from gateway.errors import InvalidRequest
+
+Temperature = Annotated[float, Meta(ge=0.0, le=2.0)]
+TopP = Annotated[float, Meta(gt=0.0, le=1.0)]
+PositiveInt = Annotated[int, Meta(ge=1)]
+NonNegativeInt = Annotated[int, Meta(ge=0)]
+TokenId = Annotated[int, Meta(ge=0)]
+StopList = Annotated[list[str], Meta(max_length=4)]
+
+
+class StreamOptions(Struct):
+    include_usage: bool = False
+
+
+class TextPart(Struct):
+    type: Literal["text"]
+    text: str
+
+
+class ChatMessage(Struct):
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | list[TextPart] | None = None
+    name: str | None = None
+
+    def text(self) -> str:
+        if self.content is None:
+            return ""
+        if isinstance(self.content, str):
+            return self.content
+        return "".join(part.text for part in self.content)
+
+
+class SamplingFields(Struct, kw_only=True):
+    """Fields shared by chat and text completions."""
+
+    model: str
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    max_tokens: PositiveInt | None = None
+    temperature: Temperature | None = None
+    top_p: TopP | None = None
+    top_k: NonNegativeInt | None = None
+    n: Annotated[int, Meta(ge=1, le=1)] = 1
+    stop: str | StopList | None = None
+    seed: int | None = None
+    ignore_eos: bool = False
+    user: str | None = None
+
+    def stop_strings(self) -> list[str]:
+        if self.stop is None:
+            return []
+        return [self.stop] if isinstance(self.stop, str) else list(self.stop)
+
+    def include_usage(self) -> bool:
+        return self.stream_options is not None and self.stream_options.include_usage
+
+
+class ChatCompletionRequest(SamplingFields, kw_only=True):
+    messages: Annotated[list[ChatMessage], Meta(min_length=1)]
+    max_completion_tokens: PositiveInt | None = None
+
+    def output_limit(self) -> int | None:
+        return self.max_completion_tokens or self.max_tokens
+
+
+class CompletionRequest(SamplingFields, kw_only=True):
+    prompt: str | Annotated[list[TokenId], Meta(min_length=1)]
+
+    def output_limit(self) -> int | None:
+        return self.max_tokens
+
+
+RequestT = TypeVar("RequestT", ChatCompletionRequest, CompletionRequest)
+
+_PATH = re.compile(r" - at `\$\.?([^`]*)`$")
+_MISSING = re.compile(r"missing required field `([^`]+)`")
+
+
+def decode(body: bytes, kind: type[RequestT]) -> RequestT:
+    """Decode a JSON body or raise InvalidRequest naming the offending field."""
+    try:
+        return msgspec.json.decode(body, type=kind)
+    except msgspec.ValidationError as exc:
+        raise InvalidRequest(_clean(str(exc)), param=_param_of(str(exc))) from None
+    except msgspec.DecodeError as exc:
+        raise InvalidRequest(f"request body is not valid JSON: {exc}") from None
+
+
+def _param_of(message: str) -> str | None:
+    missing = _MISSING.search(message)
+    at = _PATH.search(message)
+    path = at.group(1) if at else ""
+    if missing:
+        return f"{path}.{missing.group(1)}" if path else missing.group(1)
+    return path or None
+
+
+def _clean(message: str) -> str:
+    return _PATH.sub(lambda m: f" (at '{m.group(1)}')" if m.group(1) else "", message)
+
+
+def encode(payload: Any) -> bytes:
+    return msgspec.json.encode(payload)

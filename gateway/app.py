@@ -1,0 +1,81 @@
+"""The Litestar app factory. Nothing happens at import time; settings are read here."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import AsyncIterator, Callable
+from contextlib import asynccontextmanager
+
+from backend.builtin import BUILTIN_MODEL_DIR
+from litestar import Litestar
+from litestar.di import Provide
+from litestar.exceptions import HTTPException
+
+from backend import EngineConfig
+from gateway.api.health import healthz, readyz
+from gateway.api.openai import OpenAIController
+from gateway.dispatch.engine_client import EngineClient, InProcessEngineClient
+from gateway.errors import (
+    ApiError,
+    handle_api_error,
+    handle_domain_error,
+    handle_http_exception,
+    handle_unexpected,
+)
+from gateway.metering import UsageRecorder
+from gateway.runtime import Runtime, provide_runtime
+from gateway.settings import Settings
+from tenants.db import create_engine, session_factory
+from tenants.errors import DomainError
+from tenants.pricing import DEFAULT_PRICE
+
+log = logging.getLogger(__name__)
+
+
+def engine_config(settings: Settings) -> EngineConfig:
+    return EngineConfig(kv_cache_bytes=settings.kv_cache_bytes, max_num_seqs=settings.max_num_seqs)
+
+
+def create_app(
+    settings: Settings | None = None,
+    engine_client: EngineClient | None = None,
+    on_ready: Callable[[str], None] | None = None,
+) -> Litestar:
+    """Build the gateway. Pass `engine_client` to share one engine (tests); otherwise the
+    in-process engine loads `settings.model_path` (or the built-in model) at startup."""
+    settings = settings or Settings.from_env()
+
+    @asynccontextmanager
+    async def lifespan(app: Litestar) -> AsyncIterator[None]:
+        db = create_engine(settings.database_url)
+        sessions = session_factory(db)
+        runtime = Runtime(settings, db, sessions, UsageRecorder(sessions, DEFAULT_PRICE))
+        app.state.runtime = runtime
+        owned = engine_client is None
+        runtime.engine_client = engine_client or await InProcessEngineClient.load(
+            settings.model_path or BUILTIN_MODEL_DIR, engine_config(settings)
+        )
+        log.info("engine ready: model %s", runtime.engine_client.model_name)
+        if on_ready is not None:
+            on_ready(runtime.engine_client.model_name)
+        try:
+            yield
+        finally:
+            await runtime.recorder.drain()
+            if owned:
+                await runtime.engine_client.close()
+            await db.dispose()
+
+    return Litestar(
+        route_handlers=[OpenAIController, healthz, readyz],
+        dependencies={"runtime": Provide(provide_runtime, sync_to_thread=False)},
+        exception_handlers={
+            ApiError: handle_api_error,
+            DomainError: handle_domain_error,
+            HTTPException: handle_http_exception,
+            Exception: handle_unexpected,
+        },
+        lifespan=[lifespan],
+        openapi_config=None,
+        debug=False,
+    )

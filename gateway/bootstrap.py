@@ -1,0 +1,86 @@
+"""The first admin key: from TOLLGATE_ADMIN_KEY, or generated once into the data folder."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+from sqlalchemy import select
+from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
+
+from gateway.settings import Settings, SettingsError
+from tenants import keys
+from tenants.models import ApiKey, KeyRole, Tenant
+from tenants.services import ApiKeyService, TenantService
+
+ADMIN_TENANT = "admin"
+
+
+@dataclass(frozen=True)
+class AdminKey:
+    secret: str | None  # None when an admin key exists but its secret is not known here
+    created: bool
+
+
+async def ensure_admin_key(
+    settings: Settings, sessions: async_sessionmaker[AsyncSession]
+) -> AdminKey:
+    async with sessions.begin() as session:
+        tenant = await _admin_tenant(session)
+        if settings.admin_key is not None:
+            created = await _adopt(session, tenant, settings.admin_key)
+            return AdminKey(settings.admin_key, created)
+        service = ApiKeyService(session)
+        if await service.count_admin_keys() > 0:
+            return AdminKey(await _known_admin_key(settings, service), created=False)
+        created_key = await service.create(tenant, "bootstrap", KeyRole.ADMIN)
+    _write_key_file(settings, created_key.secret)
+    return AdminKey(created_key.secret, created=True)
+
+
+async def _admin_tenant(session: AsyncSession) -> Tenant:
+    service = TenantService(session)
+    return await service.find(ADMIN_TENANT) or await service.create(ADMIN_TENANT)
+
+
+async def _adopt(session: AsyncSession, tenant: Tenant, secret: str) -> bool:
+    """Store the hash of a key given by the operator, unless it is already there."""
+    prefix = keys.key_prefix(secret)
+    if prefix is None:
+        raise SettingsError(
+            "TOLLGATE_ADMIN_KEY is not a Tollgate key (tg-XXXXXXXX_…); "
+            "make one with `tollgate keys create --tenant admin --admin`"
+        )
+    existing = await session.scalar(select(ApiKey).where(ApiKey.prefix == prefix))
+    if existing is not None:
+        if not keys.matches(secret, existing.key_hash):
+            raise SettingsError("TOLLGATE_ADMIN_KEY clashes with another key's prefix")
+        return False
+    session.add(
+        ApiKey(
+            tenant_id=tenant.id,
+            prefix=prefix,
+            key_hash=keys.hash_key(secret),
+            name="bootstrap",
+            role=KeyRole.ADMIN,
+        )
+    )
+    return True
+
+
+async def _known_admin_key(settings: Settings, service: ApiKeyService) -> str | None:
+    """The key in the data folder, if it is still a working admin key."""
+    try:
+        secret = settings.admin_key_file.read_text().strip()
+    except FileNotFoundError:
+        return None
+    principal = await service.authenticate(secret)
+    return secret if principal is not None and principal.role == KeyRole.ADMIN else None
+
+
+def _write_key_file(settings: Settings, secret: str) -> None:
+    """Owner-only file so `make run` can show the key again; like a Jupyter token."""
+    settings.data_dir.mkdir(parents=True, exist_ok=True)
+    fd = os.open(settings.admin_key_file, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "w") as handle:
+        handle.write(secret + "\n")

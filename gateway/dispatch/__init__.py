@@ -1,0 +1,1 @@
+"""How the gateway reaches an engine: the EngineClient seam and its implementations."""

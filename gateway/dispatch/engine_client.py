@@ -1,0 +1,82 @@
+"""The one seam between gateway and engine.
+
+The in-process client wraps `backend.AsyncEngine`; remote replicas over HTTP plug in
+behind the same protocol.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Protocol
+
+from backend import AsyncEngine, EngineConfig, RequestOutput, SamplingParams
+
+
+class EngineClient(Protocol):
+    model_name: str
+    max_model_len: int
+
+    def encode(self, text: str) -> list[int]: ...
+
+    def render_chat(self, messages: list[dict[str, str]]) -> str: ...
+
+    def generate(
+        self,
+        prompt: list[int],
+        params: SamplingParams,
+        request_id: str,
+        *,
+        priority: int = 0,
+        tenant: str | None = None,
+    ) -> AsyncIterator[RequestOutput]: ...
+
+    def abort(self, request_id: str) -> None: ...
+
+    def is_ready(self) -> bool: ...
+
+    async def close(self) -> None: ...
+
+
+class InProcessEngineClient:
+    """The engine in this process; its step loop runs in its own thread."""
+
+    def __init__(self, engine: AsyncEngine) -> None:
+        self.engine = engine
+        self.model_name = engine.model_name
+        self.max_model_len = engine.max_model_len
+
+    @classmethod
+    async def load(cls, model_path: Path, config: EngineConfig) -> InProcessEngineClient:
+        # Loading reads weights from disk: keep it off the event loop.
+        engine = await asyncio.to_thread(AsyncEngine.from_pretrained, model_path, config)
+        return cls(engine)
+
+    def encode(self, text: str) -> list[int]:
+        return self.engine.tokenizer.encode(text)
+
+    def render_chat(self, messages: list[dict[str, str]]) -> str:
+        return self.engine.tokenizer.apply_chat_template(messages)
+
+    def generate(
+        self,
+        prompt: list[int],
+        params: SamplingParams,
+        request_id: str,
+        *,
+        priority: int = 0,
+        tenant: str | None = None,
+    ) -> AsyncIterator[RequestOutput]:
+        return self.engine.generate(
+            prompt, params, request_id=request_id, priority=priority, tenant=tenant
+        )
+
+    def abort(self, request_id: str) -> None:
+        self.engine.abort(request_id)
+
+    def is_ready(self) -> bool:
+        return self.engine.is_running()
+
+    async def close(self) -> None:
+        await self.engine.shutdown()

@@ -1,0 +1,155 @@
+"""Typed errors at the HTTP boundary, rendered in the OpenAI error shape.
+
+Each failure class has its own type, status and code so clients (the `openai` SDK
+maps statuses to exception classes) can tell them apart.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any, ClassVar
+
+import msgspec
+from litestar import MediaType, Request, Response
+from litestar.exceptions import HTTPException
+
+from tenants.errors import ConflictError, InvalidInputError, NotFoundError
+
+log = logging.getLogger(__name__)
+
+
+class ApiError(Exception):
+    status: ClassVar[int] = 500
+    type: ClassVar[str] = "server_error"
+    default_code: ClassVar[str | None] = None
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        param: str | None = None,
+        code: str | None = None,
+        headers: dict[str, str] | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.message = message
+        self.param = param
+        self.code = code or self.default_code
+        self.headers = headers or {}
+
+    def body(self) -> dict[str, Any]:
+        return {
+            "error": {
+                "message": self.message,
+                "type": self.type,
+                "param": self.param,
+                "code": self.code,
+            }
+        }
+
+
+class InvalidRequest(ApiError):
+    status = 400
+    type = "invalid_request_error"
+
+
+class AuthenticationFailed(ApiError):
+    status = 401
+    type = "authentication_error"
+    default_code = "invalid_api_key"
+
+
+class PermissionDenied(ApiError):
+    status = 403
+    type = "permission_error"
+
+
+class NotFound(ApiError):
+    status = 404
+    type = "not_found_error"
+
+
+class Conflict(ApiError):
+    status = 409
+    type = "conflict_error"
+
+
+class ContextLengthExceeded(ApiError):
+    status = 413
+    type = "invalid_request_error"
+    default_code = "context_length_exceeded"
+
+
+class RateLimited(ApiError):
+    status = 429
+    type = "rate_limit_error"
+    default_code = "rate_limit_exceeded"
+
+
+class Cancelled(ApiError):
+    status = 499
+    type = "cancelled"
+    default_code = "client_closed_request"
+
+
+class EngineUnavailable(ApiError):
+    status = 503
+    type = "server_error"
+    default_code = "engine_unavailable"
+
+
+class Overloaded(ApiError):
+    status = 503
+    type = "server_error"
+    default_code = "overloaded"
+
+
+class DeadlineExceeded(ApiError):
+    status = 504
+    type = "timeout_error"
+    default_code = "deadline_exceeded"
+
+
+class InternalError(ApiError):
+    status = 500
+    type = "server_error"
+    default_code = "internal_error"
+
+
+def error_response(error: ApiError) -> Response[bytes]:
+    return Response(
+        content=msgspec.json.encode(error.body()),
+        status_code=error.status,
+        media_type=MediaType.JSON,
+        headers=error.headers,
+    )
+
+
+def handle_api_error(_: Request[Any, Any, Any], exc: Exception) -> Response[bytes]:
+    return error_response(exc if isinstance(exc, ApiError) else InternalError("internal error"))
+
+
+def handle_domain_error(_: Request[Any, Any, Any], exc: Exception) -> Response[bytes]:
+    mapped: dict[type[Exception], type[ApiError]] = {
+        NotFoundError: NotFound,
+        ConflictError: Conflict,
+        InvalidInputError: InvalidRequest,
+    }
+    return error_response(mapped.get(type(exc), InternalError)(str(exc)))
+
+
+def handle_http_exception(_: Request[Any, Any, Any], exc: Exception) -> Response[bytes]:
+    """Litestar's own errors (404 route, 405 method, 400 parse) in the OpenAI shape."""
+    status = exc.status_code if isinstance(exc, HTTPException) else 500
+    detail = exc.detail if isinstance(exc, HTTPException) else "internal error"
+    kinds = {400: InvalidRequest, 401: AuthenticationFailed, 403: PermissionDenied, 404: NotFound}
+    error = kinds.get(status, InternalError)(detail)
+    response = error_response(error)
+    response.status_code = status
+    return response
+
+
+def handle_unexpected(request: Request[Any, Any, Any], exc: Exception) -> Response[bytes]:
+    # A defect: never echo internals (they may hold prompt text) to the client.
+    log.error("unhandled %s on %s", type(exc).__name__, request.url.path, exc_info=exc)
+    return error_response(InternalError("internal error"))

@@ -1,0 +1,90 @@
+"""Settlement: every finished request writes exactly one usage_events row.
+
+Writes run as tracked tasks so a client disconnect (which cancels the request's task)
+cannot interrupt them, and shutdown waits for them: nothing metered is lost.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from dataclasses import dataclass
+
+from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
+
+from tenants.models import UsageEvent, UsageStatus
+from tenants.pricing import Price
+from tenants.services import Principal, UsageService
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class Outcome:
+    """What one request consumed, filled in as it runs."""
+
+    status: UsageStatus = UsageStatus.COMPLETED
+    finish_reason: str | None = None
+    prompt_tokens: int = 0
+    cached_tokens: int = 0
+    completion_tokens: int = 0
+    queue_ms: float | None = None
+    ttft_ms: float | None = None
+    e2e_ms: float | None = None
+    error: str | None = None
+
+
+@dataclass(frozen=True)
+class Charge:
+    """The identity of a request for the ledger."""
+
+    request_id: str
+    principal: Principal
+    model: str
+    endpoint: str
+
+
+class UsageRecorder:
+    def __init__(self, sessions: async_sessionmaker[AsyncSession], price: Price) -> None:
+        self.sessions = sessions
+        self.price = price
+        self._pending: set[asyncio.Task[None]] = set()
+
+    def settle(self, charge: Charge, outcome: Outcome) -> asyncio.Task[None]:
+        task = asyncio.get_running_loop().create_task(self._write(charge, outcome))
+        self._pending.add(task)
+        task.add_done_callback(self._pending.discard)
+        return task
+
+    async def _write(self, charge: Charge, outcome: Outcome) -> None:
+        event = UsageEvent(
+            request_id=charge.request_id,
+            tenant_id=charge.principal.tenant_id,
+            api_key_id=charge.principal.key_id,
+            model=charge.model,
+            endpoint=charge.endpoint,
+            status=outcome.status,
+            finish_reason=outcome.finish_reason,
+            prompt_tokens=outcome.prompt_tokens,
+            cached_tokens=outcome.cached_tokens,
+            completion_tokens=outcome.completion_tokens,
+            cost_micros=self.price.cost_micros(
+                outcome.prompt_tokens, outcome.cached_tokens, outcome.completion_tokens
+            ),
+            queue_ms=outcome.queue_ms,
+            ttft_ms=outcome.ttft_ms,
+            e2e_ms=outcome.e2e_ms,
+            error=outcome.error,
+        )
+        try:
+            async with self.sessions.begin() as session:
+                await UsageService(session).record(event)
+        except Exception:
+            # Never silently: the request id lets an operator reconcile by hand.
+            log.exception("usage row not written", extra={"request_id": charge.request_id})
+            raise
+
+    async def drain(self) -> None:
+        """Wait for every pending write (shutdown, and tests that read the ledger)."""
+        while self._pending:
+            await asyncio.gather(*list(self._pending), return_exceptions=True)

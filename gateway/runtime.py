@@ -1,0 +1,33 @@
+"""What a running gateway holds: settings, database, engine client and the recorder."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from litestar.datastructures import State
+from sqlalchemy.ext.asyncio import AsyncEngine, AsyncSession, async_sessionmaker
+
+from gateway.dispatch.engine_client import EngineClient
+from gateway.errors import EngineUnavailable
+from gateway.metering import UsageRecorder
+from gateway.settings import Settings
+
+
+@dataclass
+class Runtime:
+    settings: Settings
+    db: AsyncEngine
+    sessions: async_sessionmaker[AsyncSession]
+    recorder: UsageRecorder
+    engine_client: EngineClient | None = None
+
+    @property
+    def engine(self) -> EngineClient:
+        if self.engine_client is None or not self.engine_client.is_ready():
+            raise EngineUnavailable("the model is not loaded yet", headers={"Retry-After": "1"})
+        return self.engine_client
+
+
+def provide_runtime(state: State) -> Runtime:
+    runtime: Runtime = state.runtime
+    return runtime

@@ -1,0 +1,66 @@
+"""`tollgate serve`: migrate the embedded database, bootstrap the admin key, run uvicorn."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import sys
+
+import uvicorn
+from sqlalchemy.engine import make_url
+
+from gateway.app import create_app
+from gateway.bootstrap import AdminKey, ensure_admin_key
+from gateway.settings import Settings
+from tenants import db
+
+
+def serve(settings: Settings) -> int:
+    logging.basicConfig(
+        level=settings.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s %(message)s"
+    )
+    _migrate_or_explain(settings)
+    admin = asyncio.run(_bootstrap(settings))
+    app = create_app(settings, on_ready=lambda model: _banner(settings, admin, model))
+    config = uvicorn.Config(
+        app, host=settings.host, port=settings.port, log_level=settings.log_level, lifespan="on"
+    )
+    uvicorn.Server(config).run()
+    return 0
+
+
+def _migrate_or_explain(settings: Settings) -> None:
+    """The embedded SQLite database migrates itself; a shared PostgreSQL is migrated once,
+    by `tollgate db upgrade`, not by every replica at start."""
+    if make_url(settings.database_url).get_backend_name() == "sqlite":
+        db.upgrade(settings.database_url)
+        return
+    if db.current_revision(settings.database_url) is None:
+        sys.exit("tollgate: the database has no schema yet; run `tollgate db upgrade` first")
+
+
+async def _bootstrap(settings: Settings) -> AdminKey:
+    engine = db.create_engine(settings.database_url)
+    try:
+        return await ensure_admin_key(settings, db.session_factory(engine))
+    finally:
+        await engine.dispose()
+
+
+def _banner(settings: Settings, admin: AdminKey, model: str) -> None:
+    host = "127.0.0.1" if settings.host in ("0.0.0.0", "::") else settings.host
+    base = f"http://{host}:{settings.port}"
+    key = admin.secret or "$TOLLGATE_KEY"
+    lines = [
+        "",
+        f"Tollgate is ready on {base}",
+        f"Admin key{' (new)' if admin.created else ''}: {key}",
+        "",
+        "Try it:",
+        f"  curl -N {base}/v1/chat/completions \\",
+        f"    -H 'Authorization: Bearer {key}' -H 'Content-Type: application/json' \\",
+        f'    -d \'{{"model": "{model}", "stream": true, "max_tokens": 64,'
+        ' "messages": [{"role": "user", "content": "What does json.dumps do?"}]}\'',
+        "",
+    ]
+    print("\n".join(lines), flush=True)

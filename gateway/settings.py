@@ -1,0 +1,69 @@
+"""Settings from environment variables, read when the app or CLI starts, never at import."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass, replace
+from pathlib import Path
+
+DEFAULT_DATA_DIR = Path(".tollgate")
+
+
+class SettingsError(ValueError):
+    """A setting has a value that cannot be used; the message names the variable."""
+
+
+@dataclass(frozen=True)
+class Settings:
+    database_url: str
+    redis_url: str | None
+    model_path: Path | None  # None: the built-in model
+    host: str
+    port: int
+    data_dir: Path
+    admin_key: str | None  # bootstrap: ensure this admin key exists
+    kv_cache_bytes: int
+    max_num_seqs: int
+    log_level: str
+
+    @classmethod
+    def from_env(cls, env: Mapping[str, str] | None = None) -> Settings:
+        env = os.environ if env is None else env
+        data_dir = Path(env.get("TOLLGATE_DATA_DIR", str(DEFAULT_DATA_DIR)))
+        model = env.get("TOLLGATE_MODEL", "").strip()
+        return cls(
+            database_url=env.get("TOLLGATE_DATABASE_URL", "").strip()
+            or f"sqlite:///{data_dir / 'tollgate.db'}",
+            redis_url=env.get("TOLLGATE_REDIS_URL", "").strip() or None,
+            model_path=Path(model) if model else None,
+            host=env.get("TOLLGATE_HOST", "127.0.0.1"),
+            port=_int(env, "TOLLGATE_PORT", 8000, low=0, high=65535),
+            data_dir=data_dir,
+            admin_key=env.get("TOLLGATE_ADMIN_KEY", "").strip() or None,
+            kv_cache_bytes=_int(env, "TOLLGATE_KV_CACHE_BYTES", 256 * 2**20, low=2**20),
+            max_num_seqs=_int(env, "TOLLGATE_MAX_NUM_SEQS", 32, low=1, high=4096),
+            log_level=env.get("TOLLGATE_LOG_LEVEL", "info").lower(),
+        )
+
+    def with_overrides(self, **changes: object) -> Settings:
+        """A copy with command-line flags applied (None means: keep the env value)."""
+        return replace(self, **{k: v for k, v in changes.items() if v is not None})  # type: ignore[arg-type]
+
+    @property
+    def admin_key_file(self) -> Path:
+        return self.data_dir / "admin-key"
+
+
+def _int(env: Mapping[str, str], name: str, default: int, low: int, high: int | None = None) -> int:
+    raw = env.get(name, "").strip()
+    if not raw:
+        return default
+    try:
+        value = int(raw)
+    except ValueError:
+        raise SettingsError(f"{name} must be an integer, got {raw!r}") from None
+    if value < low or (high is not None and value > high):
+        bound = f"between {low} and {high}" if high is not None else f"at least {low}"
+        raise SettingsError(f"{name} must be {bound}, got {value}")
+    return value

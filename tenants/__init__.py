@@ -1,0 +1,1 @@
+"""The business domain: tenants, plans, API keys and the usage ledger."""

@@ -1,0 +1,97 @@
+"""Database engines, sessions and migrations for both modes (SQLite and PostgreSQL)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from alembic import command
+from alembic.config import Config
+from sqlalchemy import event
+from sqlalchemy.engine import URL, make_url
+from sqlalchemy.ext.asyncio import (
+    AsyncEngine,
+    AsyncSession,
+    async_sessionmaker,
+    create_async_engine,
+)
+
+MIGRATIONS_DIR = Path(__file__).resolve().parent.parent / "migrations"
+
+_ASYNC_DRIVERS = {"sqlite": "sqlite+aiosqlite", "postgresql": "postgresql+psycopg"}
+_SYNC_DRIVERS = {"sqlite": "sqlite", "postgresql": "postgresql+psycopg"}
+
+
+def _with_driver(url: str, drivers: dict[str, str]) -> URL:
+    parsed = make_url(url)
+    backend = parsed.get_backend_name()
+    if backend not in drivers:
+        raise ValueError(f"unsupported database {backend!r}: use sqlite or postgresql")
+    return parsed.set(drivername=drivers[backend])
+
+
+def async_url(url: str) -> URL:
+    """`postgresql://…` or `sqlite:///…` as the async driver URL the app uses."""
+    return _with_driver(url, _ASYNC_DRIVERS)
+
+
+def sync_url(url: str) -> URL:
+    """The same database through a synchronous driver, for Alembic."""
+    return _with_driver(url, _SYNC_DRIVERS)
+
+
+def _ensure_sqlite_dir(url: URL) -> None:
+    if url.get_backend_name() == "sqlite" and url.database and url.database != ":memory:":
+        Path(url.database).parent.mkdir(parents=True, exist_ok=True)
+
+
+def create_engine(url: str) -> AsyncEngine:
+    parsed = async_url(url)
+    _ensure_sqlite_dir(parsed)
+    if parsed.get_backend_name() == "sqlite":
+        engine = create_async_engine(parsed, connect_args={"timeout": 30})
+        event.listen(engine.sync_engine, "connect", _sqlite_pragmas)
+        return engine
+    return create_async_engine(parsed, pool_size=10, max_overflow=20, pool_pre_ping=True)
+
+
+def _sqlite_pragmas(dbapi_connection: object, _record: object) -> None:
+    cursor = dbapi_connection.cursor()  # type: ignore[attr-defined]
+    cursor.execute("PRAGMA journal_mode=WAL")
+    cursor.execute("PRAGMA foreign_keys=ON")
+    cursor.execute("PRAGMA busy_timeout=30000")
+    cursor.close()
+
+
+def session_factory(engine: AsyncEngine) -> async_sessionmaker[AsyncSession]:
+    return async_sessionmaker(engine, expire_on_commit=False)
+
+
+def alembic_config(url: str) -> Config:
+    config = Config()
+    config.set_main_option("script_location", str(MIGRATIONS_DIR))
+    parsed = sync_url(url)
+    _ensure_sqlite_dir(parsed)
+    # Alembic's config is an ini parser: escape % so passwords survive interpolation.
+    rendered = parsed.render_as_string(hide_password=False).replace("%", "%%")
+    config.set_main_option("sqlalchemy.url", rendered)
+    return config
+
+
+def upgrade(url: str, revision: str = "head") -> None:
+    command.upgrade(alembic_config(url), revision)
+
+
+def downgrade(url: str, revision: str = "base") -> None:
+    command.downgrade(alembic_config(url), revision)
+
+
+def current_revision(url: str) -> str | None:
+    from alembic.runtime.migration import MigrationContext
+    from sqlalchemy import create_engine as create_sync_engine
+
+    engine = create_sync_engine(sync_url(url))
+    try:
+        with engine.connect() as connection:
+            return MigrationContext.configure(connection).get_current_revision()
+    finally:
+        engine.dispose()

@@ -1,0 +1,32 @@
+"""Token prices in integer micro-units of currency per million tokens.
+
+One default price applies to every model until the versioned price book arrives.
+Integer arithmetic throughout: money is never a float.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+TOKENS_PER_UNIT = 1_000_000
+
+
+@dataclass(frozen=True)
+class Price:
+    input_micros_per_mtok: int
+    cached_input_micros_per_mtok: int
+    output_micros_per_mtok: int
+
+    def cost_micros(self, prompt_tokens: int, cached_tokens: int, completion_tokens: int) -> int:
+        """Cost rounded up to a whole micro-unit, so nothing is given away by rounding."""
+        uncached = prompt_tokens - cached_tokens
+        numerator = (
+            uncached * self.input_micros_per_mtok
+            + cached_tokens * self.cached_input_micros_per_mtok
+            + completion_tokens * self.output_micros_per_mtok
+        )
+        return -(-numerator // TOKENS_PER_UNIT)
+
+
+# $0.10 / $0.05 / $0.40 per million input / cached input / output tokens.
+DEFAULT_PRICE = Price(100_000, 50_000, 400_000)

@@ -1,0 +1,91 @@
+"""Shared fixtures: databases built by the Alembic migrations (SQLite and PostgreSQL),
+one engine on the built-in model for the whole session, and app clients."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import AsyncIterator
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+from backend.builtin import BUILTIN_MODEL_DIR
+from litestar.testing import AsyncTestClient
+from sqlalchemy import create_engine, text
+from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
+
+from gateway.app import create_app, engine_config
+from gateway.dispatch.engine_client import InProcessEngineClient
+from gateway.settings import Settings
+from tenants import db
+from tenants.models import KeyRole
+from tenants.services import ApiKeyService, TenantService
+
+POSTGRES_URL = os.environ.get(
+    "TOLLGATE_TEST_DATABASE_URL",
+    "postgresql+psycopg://postgres:postgres@127.0.0.1:5432/tollgate_test",
+)
+
+
+def reset_postgres(url: str) -> None:
+    """An empty public schema, so every test starts from the migrations alone."""
+    engine = create_engine(db.sync_url(url), isolation_level="AUTOCOMMIT")
+    try:
+        with engine.connect() as connection:
+            connection.execute(text("DROP SCHEMA public CASCADE"))
+            connection.execute(text("CREATE SCHEMA public"))
+    finally:
+        engine.dispose()
+
+
+@pytest.fixture(params=["sqlite", "postgresql"])
+def database_url(request: pytest.FixtureRequest, tmp_path: Path) -> str:
+    """A migrated, empty database of each kind."""
+    if request.param == "sqlite":
+        url = f"sqlite:///{tmp_path / 'tollgate.db'}"
+    else:
+        url = POSTGRES_URL
+        reset_postgres(url)
+    db.upgrade(url)
+    return url
+
+
+@pytest.fixture
+def settings(database_url: str, tmp_path: Path) -> Settings:
+    base = Settings.from_env({})
+    return replace(base, database_url=database_url, data_dir=tmp_path / "data")
+
+
+@pytest.fixture
+async def sessions(database_url: str) -> AsyncIterator[async_sessionmaker[AsyncSession]]:
+    engine = db.create_engine(database_url)
+    yield db.session_factory(engine)
+    await engine.dispose()
+
+
+@pytest.fixture(scope="session")
+async def engine_client() -> AsyncIterator[InProcessEngineClient]:
+    """One engine on the built-in model, shared by every app test."""
+    client = await InProcessEngineClient.load(
+        BUILTIN_MODEL_DIR, engine_config(Settings.from_env({}))
+    )
+    yield client
+    await client.close()
+
+
+@pytest.fixture
+async def client(
+    settings: Settings, engine_client: InProcessEngineClient
+) -> AsyncIterator[AsyncTestClient[object]]:
+    app = create_app(settings, engine_client=engine_client)
+    async with AsyncTestClient(app=app) as test_client:
+        yield test_client  # type: ignore[misc]
+
+
+@pytest.fixture
+async def tenant_key(sessions: async_sessionmaker[AsyncSession]) -> str:
+    """The secret of a fresh key for tenant 'acme'."""
+    async with sessions.begin() as session:
+        tenant = await TenantService(session).create("acme")
+        created = await ApiKeyService(session).create(tenant, "test", KeyRole.TENANT)
+    return created.secret

@@ -1,0 +1,180 @@
+"""`tollgate serve` as a subprocess on a free loopback port, driven by the `openai` client."""
+
+from __future__ import annotations
+
+import os
+import queue
+import re
+import socket
+import subprocess
+import sys
+import threading
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import openai
+import pytest
+from sqlalchemy import create_engine, text
+
+pytestmark = pytest.mark.e2e
+
+STARTUP_TIMEOUT_S = 120
+
+
+@dataclass
+class Server:
+    base_url: str
+    admin_key: str
+    model: str
+    database_url: str
+    output: list[str]
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port: int = sock.getsockname()[1]
+        return port
+
+
+def _read_lines(stream: object, lines: queue.Queue[str]) -> None:
+    for line in stream:  # type: ignore[attr-defined]
+        lines.put(line)
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
+    data_dir = tmp_path_factory.mktemp("serve")
+    port = _free_port()
+    env = {
+        **os.environ,
+        "TOLLGATE_DATA_DIR": str(data_dir),
+        "TOLLGATE_DATABASE_URL": "",
+        "TOLLGATE_ADMIN_KEY": "",
+        "PYTHONUNBUFFERED": "1",
+    }
+    tollgate = Path(sys.executable).parent / "tollgate"
+    process = subprocess.Popen(
+        [str(tollgate), "serve", "--port", str(port)],
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+    lines: queue.Queue[str] = queue.Queue()
+    threading.Thread(target=_read_lines, args=(process.stdout, lines), daemon=True).start()
+    output: list[str] = []
+    try:
+        while not any("Tollgate is ready" in line for line in output):
+            try:
+                output.append(lines.get(timeout=STARTUP_TIMEOUT_S))
+            except queue.Empty:
+                pytest.fail("tollgate serve did not become ready:\n" + "".join(output))
+        # The banner's remaining lines follow the ready line at once.
+        while not any("curl" in line for line in output):
+            output.append(lines.get(timeout=10))
+        banner = "".join(output)
+        admin_key = re.search(r"Admin key \(new\): (tg-\S+)", banner)
+        model = re.search(r'"model": "([^"]+)"', banner)
+        assert admin_key and model, banner
+        yield Server(
+            base_url=f"http://127.0.0.1:{port}/v1",
+            admin_key=admin_key.group(1),
+            model=model.group(1),
+            database_url=f"sqlite:///{data_dir / 'tollgate.db'}",
+            output=output,
+        )
+    finally:
+        process.terminate()
+        try:
+            process.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait()
+
+
+def _client(server: Server, key: str | None = None) -> openai.OpenAI:
+    return openai.OpenAI(base_url=server.base_url, api_key=key or server.admin_key, max_retries=0)
+
+
+def _usage_rows(server: Server) -> int:
+    engine = create_engine(server.database_url)
+    try:
+        with engine.connect() as connection:
+            return int(connection.execute(text("SELECT count(*) FROM usage_events")).scalar_one())
+    finally:
+        engine.dispose()
+
+
+def test_chat_streams_and_not(server: Server) -> None:
+    client = _client(server)
+    messages = [{"role": "user", "content": "What does json.dumps do?"}]
+    before = _usage_rows(server)
+    whole = client.chat.completions.create(
+        model=server.model,
+        messages=messages,
+        max_tokens=16,
+        temperature=0,  # type: ignore[arg-type]
+    )
+    text_whole = whole.choices[0].message.content
+    assert text_whole
+    assert whole.usage is not None and 0 < whole.usage.completion_tokens <= 16
+    stream = client.chat.completions.create(
+        model=server.model,
+        messages=messages,  # type: ignore[arg-type]
+        max_tokens=16,
+        temperature=0,
+        stream=True,
+    )
+    pieces = [chunk.choices[0].delta.content or "" for chunk in stream if chunk.choices]
+    assert len([p for p in pieces if p]) > 1  # really streamed, not one blob
+    assert "".join(pieces) == text_whole
+    assert _usage_rows(server) == before + 2
+
+
+def test_completions_and_models(server: Server) -> None:
+    client = _client(server)
+    assert [m.id for m in client.models.list()] == [server.model]
+    completion = client.completions.create(
+        model=server.model, prompt="Return the", max_tokens=8, temperature=0
+    )
+    assert completion.choices[0].text
+    streamed = client.completions.create(
+        model=server.model, prompt="Return the", max_tokens=8, temperature=0, stream=True
+    )
+    assert "".join(c.choices[0].text for c in streamed) == completion.choices[0].text
+
+
+def test_errors_map_to_openai_exceptions(server: Server) -> None:
+    before = _usage_rows(server)
+    with pytest.raises(openai.AuthenticationError):
+        _client(server, "tg-AAAAAAAA_" + "x" * 43).models.list()
+    with pytest.raises(openai.BadRequestError) as info:
+        _client(server).chat.completions.create(model=server.model, messages=[])
+    assert info.value.body is not None
+    with pytest.raises(openai.NotFoundError):
+        _client(server).chat.completions.create(
+            model="gpt-nothing", messages=[{"role": "user", "content": "hi"}]
+        )
+    assert _usage_rows(server) == before
+
+
+def test_new_tenant_key_from_the_cli_works(server: Server) -> None:
+    env = {**os.environ, "TOLLGATE_DATABASE_URL": server.database_url}
+    tollgate = str(Path(sys.executable).parent / "tollgate")
+    subprocess.run([tollgate, "tenants", "create", "beta"], env=env, check=True)
+    created = subprocess.run(
+        [tollgate, "keys", "create", "--tenant", "beta"],
+        env=env,
+        check=True,
+        capture_output=True,
+        text=True,
+    )
+    key = created.stdout.strip()
+    assert key.startswith("tg-")
+    reply = _client(server, key).completions.create(model=server.model, prompt="The", max_tokens=4)
+    assert reply.usage is not None and reply.usage.completion_tokens > 0
+    subprocess.run([tollgate, "keys", "revoke", key.split("_")[0]], env=env, check=True)
+    with pytest.raises(openai.AuthenticationError):
+        _client(server, key).models.list()

@@ -1,0 +1,220 @@
+"""The gateway app on SQLite and on PostgreSQL, with the real engine on the built-in model."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import pytest
+from litestar.testing import AsyncTestClient
+from sqlalchemy import func, select
+from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
+
+from gateway.dispatch.engine_client import InProcessEngineClient
+from tenants.models import UsageEvent
+from tenants.services import ApiKeyService
+
+Client = AsyncTestClient[Any]
+Sessions = async_sessionmaker[AsyncSession]
+
+
+def _auth(key: str) -> dict[str, str]:
+    return {"Authorization": f"Bearer {key}"}
+
+
+def _chat(model: str, **extra: Any) -> dict[str, Any]:
+    messages = [{"role": "user", "content": "What does json.dumps do?"}]
+    return {"model": model, "messages": messages, "max_tokens": 12, "temperature": 0, **extra}
+
+
+async def _ledger(sessions: Sessions) -> list[UsageEvent]:
+    async with sessions() as session:
+        return list((await session.execute(select(UsageEvent))).scalars())
+
+
+def _sse_events(body: str) -> list[str]:
+    return [line.removeprefix("data: ") for line in body.split("\n\n") if line.startswith("data: ")]
+
+
+async def test_chat_completion_is_metered(
+    client: Client, tenant_key: str, sessions: Sessions, engine_client: InProcessEngineClient
+) -> None:
+    response = await client.post(
+        "/v1/chat/completions", json=_chat(engine_client.model_name), headers=_auth(tenant_key)
+    )
+    assert response.status_code == 200, response.text
+    body = response.json()
+    assert body["object"] == "chat.completion"
+    assert body["choices"][0]["message"]["role"] == "assistant"
+    assert body["choices"][0]["message"]["content"]
+    assert body["choices"][0]["finish_reason"] in ("stop", "length")
+    usage = body["usage"]
+    assert usage["completion_tokens"] <= 12
+    assert usage["total_tokens"] == usage["prompt_tokens"] + usage["completion_tokens"]
+    request_id = response.headers["x-request-id"]
+
+    [row] = await _ledger(sessions)
+    assert row.request_id == request_id
+    assert row.status == "completed"
+    assert (row.prompt_tokens, row.completion_tokens) == (
+        usage["prompt_tokens"],
+        usage["completion_tokens"],
+    )
+    assert row.cost_micros > 0
+    assert row.e2e_ms is not None and row.ttft_ms is not None
+    assert row.ttft_ms <= row.e2e_ms
+
+
+async def test_greedy_chat_is_deterministic(
+    client: Client, tenant_key: str, engine_client: InProcessEngineClient
+) -> None:
+    payload = _chat(engine_client.model_name)
+    first = await client.post("/v1/chat/completions", json=payload, headers=_auth(tenant_key))
+    second = await client.post("/v1/chat/completions", json=payload, headers=_auth(tenant_key))
+    text = first.json()["choices"][0]["message"]["content"]
+    assert text == second.json()["choices"][0]["message"]["content"]
+
+
+async def test_streamed_chat_matches_the_whole_response(
+    client: Client, tenant_key: str, sessions: Sessions, engine_client: InProcessEngineClient
+) -> None:
+    payload = _chat(engine_client.model_name)
+    whole = await client.post("/v1/chat/completions", json=payload, headers=_auth(tenant_key))
+    streamed = await client.post(
+        "/v1/chat/completions",
+        json={**payload, "stream": True, "stream_options": {"include_usage": True}},
+        headers=_auth(tenant_key),
+    )
+    assert streamed.status_code == 200
+    assert streamed.headers["content-type"].startswith("text/event-stream")
+    events = _sse_events(streamed.text)
+    assert events[-1] == "[DONE]"
+    chunks = [json.loads(event) for event in events[:-1]]
+    assert chunks[0]["choices"][0]["delta"]["role"] == "assistant"
+    text = "".join(c["choices"][0]["delta"].get("content", "") for c in chunks if c["choices"])
+    assert text == whole.json()["choices"][0]["message"]["content"]
+    assert chunks[-2]["choices"][0]["finish_reason"] in ("stop", "length")
+    assert chunks[-1]["choices"] == []
+    assert chunks[-1]["usage"] == whole.json()["usage"]
+    assert all(c["usage"] is None for c in chunks[:-1])
+    rows = await _ledger(sessions)
+    assert len(rows) == 2
+    assert {r.completion_tokens for r in rows} == {whole.json()["usage"]["completion_tokens"]}
+
+
+async def test_text_completion_with_text_and_token_ids(
+    client: Client, tenant_key: str, engine_client: InProcessEngineClient
+) -> None:
+    base = {"model": engine_client.model_name, "max_tokens": 8, "temperature": 0}
+    as_text = await client.post(
+        "/v1/completions", json={**base, "prompt": "Return the"}, headers=_auth(tenant_key)
+    )
+    assert as_text.status_code == 200, as_text.text
+    ids = engine_client.encode("Return the")
+    as_ids = await client.post(
+        "/v1/completions", json={**base, "prompt": ids}, headers=_auth(tenant_key)
+    )
+    assert as_text.json()["object"] == "text_completion"
+    assert as_text.json()["choices"][0]["text"] == as_ids.json()["choices"][0]["text"]
+    assert as_ids.json()["usage"]["prompt_tokens"] == len(ids)
+
+
+async def test_models_lists_the_engine_model(
+    client: Client, tenant_key: str, engine_client: InProcessEngineClient
+) -> None:
+    response = await client.get("/v1/models", headers=_auth(tenant_key))
+    assert response.status_code == 200
+    assert [m["id"] for m in response.json()["data"]] == [engine_client.model_name]
+
+
+async def _assert_error(response: Any, status: int, param: str | None = None) -> dict[str, Any]:
+    assert response.status_code == status, response.text
+    error = response.json()["error"]
+    assert set(error) == {"message", "type", "param", "code"}
+    assert error["param"] == param
+    return dict(error)
+
+
+@pytest.mark.parametrize(
+    "header",
+    [None, "Bearer nonsense", "Bearer tg-AAAAAAAA_" + "x" * 43, "Basic Zm9vOmJhcg=="],
+)
+async def test_bad_keys_get_401_and_no_ledger_row(
+    client: Client, sessions: Sessions, header: str | None, engine_client: InProcessEngineClient
+) -> None:
+    headers = {"Authorization": header} if header else {}
+    response = await client.post(
+        "/v1/chat/completions", json=_chat(engine_client.model_name), headers=headers
+    )
+    error = await _assert_error(response, 401)
+    assert error["type"] == "authentication_error"
+    assert await _ledger(sessions) == []
+
+
+async def test_revoked_key_gets_401(
+    client: Client, tenant_key: str, sessions: Sessions, engine_client: InProcessEngineClient
+) -> None:
+    async with sessions.begin() as session:
+        await ApiKeyService(session).revoke(tenant_key.split("_")[0])
+    response = await client.post(
+        "/v1/chat/completions", json=_chat(engine_client.model_name), headers=_auth(tenant_key)
+    )
+    await _assert_error(response, 401)
+    assert await _ledger(sessions) == []
+
+
+async def test_invalid_bodies_get_400_naming_the_field(
+    client: Client, tenant_key: str, sessions: Sessions, engine_client: InProcessEngineClient
+) -> None:
+    model = engine_client.model_name
+    url, headers = "/v1/chat/completions", _auth(tenant_key)
+    missing = await client.post(url, json={"model": model}, headers=headers)
+    error = await _assert_error(missing, 400, "messages")
+    assert error["type"] == "invalid_request_error"
+    malformed = await client.post(url, content=b'{"model": ', headers=headers)
+    await _assert_error(malformed, 400)
+    out_of_range = await client.post(url, json=_chat(model, temperature=5), headers=headers)
+    await _assert_error(out_of_range, 400, "temperature")
+    unknown_model = await client.post(url, json=_chat("no-such-model"), headers=headers)
+    assert (await _assert_error(unknown_model, 404, "model"))["code"] == "model_not_found"
+    too_long = await client.post(url, json=_chat(model, max_tokens=10**6), headers=headers)
+    await _assert_error(too_long, 400, "max_tokens")
+    assert await _ledger(sessions) == []
+
+
+async def test_prompt_longer_than_the_context_gets_413(
+    client: Client, tenant_key: str, engine_client: InProcessEngineClient
+) -> None:
+    prompt = [5] * (engine_client.max_model_len + 1)
+    response = await client.post(
+        "/v1/completions",
+        json={"model": engine_client.model_name, "prompt": prompt},
+        headers=_auth(tenant_key),
+    )
+    assert (await _assert_error(response, 413))["code"] == "context_length_exceeded"
+
+
+async def test_probes(client: Client) -> None:
+    assert (await client.get("/healthz")).json() == {"status": "ok"}
+    ready = await client.get("/readyz")
+    assert ready.status_code == 200
+    assert ready.json()["checks"] == {"database": True, "engine": True}
+
+
+async def test_unknown_route_is_404_in_openai_shape(client: Client) -> None:
+    response = await client.get("/v1/nothing")
+    await _assert_error(response, 404)
+
+
+async def test_ledger_counts_one_row_per_finished_request(
+    client: Client, tenant_key: str, sessions: Sessions, engine_client: InProcessEngineClient
+) -> None:
+    payload = _chat(engine_client.model_name, max_tokens=4)
+    for _ in range(3):
+        response = await client.post(
+            "/v1/chat/completions", json=payload, headers=_auth(tenant_key)
+        )
+        assert response.status_code == 200
+    async with sessions() as session:
+        count = await session.scalar(select(func.count()).select_from(UsageEvent))
+    assert count == 3

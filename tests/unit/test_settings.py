@@ -1,0 +1,46 @@
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from gateway.settings import Settings, SettingsError
+
+
+def test_defaults_are_the_embedded_mode() -> None:
+    settings = Settings.from_env({})
+    assert settings.database_url == "sqlite:///.tollgate/tollgate.db"
+    assert settings.redis_url is None
+    assert settings.model_path is None
+    assert (settings.host, settings.port) == ("127.0.0.1", 8000)
+
+
+def test_environment_overrides() -> None:
+    settings = Settings.from_env(
+        {
+            "TOLLGATE_DATABASE_URL": "postgresql://u@127.0.0.1/db",
+            "TOLLGATE_REDIS_URL": "redis://127.0.0.1:6379/0",
+            "TOLLGATE_MODEL": "/models/llama",
+            "TOLLGATE_HOST": "0.0.0.0",
+            "TOLLGATE_PORT": "9000",
+            "TOLLGATE_DATA_DIR": "/var/lib/tollgate",
+        }
+    )
+    assert settings.database_url == "postgresql://u@127.0.0.1/db"
+    assert settings.redis_url == "redis://127.0.0.1:6379/0"
+    assert settings.model_path == Path("/models/llama")
+    assert settings.port == 9000
+    assert settings.admin_key_file == Path("/var/lib/tollgate/admin-key")
+
+
+@pytest.mark.parametrize(("value", "fragment"), [("x", "integer"), ("70000", "between")])
+def test_bad_port_names_the_variable(value: str, fragment: str) -> None:
+    with pytest.raises(SettingsError, match="TOLLGATE_PORT") as info:
+        Settings.from_env({"TOLLGATE_PORT": value})
+    assert fragment in str(info.value)
+
+
+def test_flags_override_only_what_is_given() -> None:
+    settings = Settings.from_env({"TOLLGATE_PORT": "9000"})
+    changed = settings.with_overrides(host="0.0.0.0", port=None)
+    assert (changed.host, changed.port) == ("0.0.0.0", 9000)
