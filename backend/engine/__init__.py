@@ -1,0 +1,1 @@
+"""The engine: requests, KV blocks, scheduler, model runner, step loop and async front."""

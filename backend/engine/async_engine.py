@@ -1,0 +1,144 @@
+"""The asyncio front: the engine steps in its own thread; each step's outputs are handed
+to the event loop with call_soon_threadsafe, into one asyncio.Queue per request."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import threading
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from pathlib import Path
+
+from backend.config import EngineConfig
+from backend.engine.engine import Engine
+from backend.errors import EngineDeadError
+from backend.outputs import EngineStats, RequestOutput
+from backend.sampling import SamplingParams
+from backend.tokenizer import Tokenizer
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class _Stream:
+    loop: asyncio.AbstractEventLoop
+    queue: asyncio.Queue[RequestOutput | BaseException]
+
+
+class AsyncEngine:
+    def __init__(self, engine: Engine, model_name: str | None = None) -> None:
+        self.engine = engine
+        self.model_name = model_name or engine.model_dir.name
+        self._streams: dict[str, _Stream] = {}
+        self._lock = threading.Lock()
+        self._wake = threading.Event()
+        self._stopping = False
+        self._error: BaseException | None = None
+        self._thread = threading.Thread(target=self._run, name="tollgate-engine", daemon=True)
+        self._thread.start()
+
+    @classmethod
+    def from_pretrained(cls, path: Path | str, config: EngineConfig | None = None) -> AsyncEngine:
+        """Loads the checkpoint (blocking) and starts the step thread."""
+        return cls(Engine(path, config))
+
+    @property
+    def max_model_len(self) -> int:
+        return self.engine.max_model_len
+
+    @property
+    def tokenizer(self) -> Tokenizer:
+        return self.engine.tokenizer
+
+    def stats(self) -> EngineStats:
+        return self.engine.stats()
+
+    def is_running(self) -> bool:
+        """False once shut down or after the step loop crashed (readiness probe)."""
+        return self._thread.is_alive() and not self._stopping and self._error is None
+
+    async def generate(
+        self,
+        prompt: str | list[int],
+        params: SamplingParams,
+        request_id: str,
+        priority: int = 0,
+        deadline: float | None = None,
+        tenant: str | None = None,
+    ) -> AsyncIterator[RequestOutput]:
+        """Yields deltas until one has finished=True. Leaving early (break, aclose, task
+        cancellation) aborts the request in the engine."""
+        self._check_alive()
+        stream = _Stream(asyncio.get_running_loop(), asyncio.Queue())
+        with self._lock:
+            if request_id in self._streams:
+                raise ValueError(f"request id {request_id!r} is already being generated")
+            self._streams[request_id] = stream
+        added = finished = False
+        try:
+            self.engine.add_request(request_id, prompt, params, priority, deadline, tenant)
+            added = True
+            self._wake.set()
+            while not finished:
+                item = await stream.queue.get()
+                if isinstance(item, BaseException):
+                    raise item
+                finished = item.finished
+                yield item
+        finally:
+            with self._lock:
+                self._streams.pop(request_id, None)
+            if added and not finished:
+                self.abort(request_id)
+
+    def abort(self, request_id: str) -> None:
+        """Thread-safe and idempotent; an unknown or finished id is a no-op."""
+        self.engine.abort(request_id)
+        self._wake.set()
+
+    async def shutdown(self) -> None:
+        """Stops the step thread; generators still running raise EngineDeadError."""
+        self._stopping = True
+        self._wake.set()
+        await asyncio.to_thread(self._thread.join)
+
+    def _check_alive(self) -> None:
+        if self._error is not None:
+            raise EngineDeadError(f"engine stopped: {self._error!r}")
+        if self._stopping:
+            raise EngineDeadError("engine is shut down")
+
+    # -- the step thread ----------------------------------------------------------------
+
+    def _run(self) -> None:
+        try:
+            while not self._stopping:
+                if not self.engine.has_work():
+                    self._wake.wait()
+                    self._wake.clear()
+                    continue
+                self._dispatch(self.engine.step())
+        except BaseException as exc:
+            log.exception("engine step loop crashed")
+            self._error = exc
+        self._fail_all(self._error or EngineDeadError("engine is shut down"))
+
+    def _dispatch(self, outputs: list[RequestOutput]) -> None:
+        with self._lock:
+            targets = [(self._streams.get(o.request_id), o) for o in outputs]
+        for stream, out in targets:
+            if stream is not None:  # the consumer may have gone; its abort is on the way
+                _put(stream, out)
+
+    def _fail_all(self, exc: BaseException) -> None:
+        with self._lock:
+            streams = list(self._streams.values())
+        for stream in streams:
+            _put(stream, EngineDeadError(f"engine stopped: {exc!r}"))
+
+
+def _put(stream: _Stream, item: RequestOutput | BaseException) -> None:
+    with contextlib.suppress(RuntimeError):  # a closed event loop: nobody is listening
+        stream.loop.call_soon_threadsafe(stream.queue.put_nowait, item)

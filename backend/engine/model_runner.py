@@ -1,0 +1,112 @@
+"""Owns the model and the KV cache tensors; turns a SchedulerOutput into one forward pass
+over a flat batch and one sampled token per request that asked for it."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from backend.config import EngineConfig
+from backend.engine.batch import ModelRunnerOutput, ScheduledRequest, SchedulerOutput
+from backend.layers.attention import AttentionBackend, AttentionMetadata, TorchPagedAttention
+from backend.layers.sampler import sample
+from backend.loader import load_model, resolve_dtype
+from backend.models.config import ModelConfig
+
+
+class ModelRunner:
+    def __init__(
+        self, model_dir: Path, model_config: ModelConfig, config: EngineConfig, max_model_len: int
+    ) -> None:
+        self.config = config
+        self.device = torch.device(config.device)
+        if self.device.type == "cuda" and not torch.cuda.is_available():
+            raise ValueError(f"device {config.device!r} requested but CUDA is not available")
+        self.dtype = resolve_dtype(config.dtype, self.device, model_config)
+        self.attention: AttentionBackend = TorchPagedAttention()
+        self.model = load_model(
+            model_dir,
+            model_config,
+            dtype=self.dtype,
+            device=self.device,
+            max_positions=max_model_len,
+            backend=self.attention,
+        )
+        self.num_blocks = config.num_kv_blocks or config.kv_cache_bytes // kv_bytes_per_block(
+            model_config, config.block_size, self.dtype
+        )
+        # [layers][2 (K, V)][num_blocks, block_size, kv_heads, head_dim]
+        self.kv_cache = torch.zeros(
+            model_config.num_layers,
+            2,
+            self.num_blocks,
+            config.block_size,
+            model_config.num_kv_heads,
+            model_config.head_dim,
+            dtype=self.dtype,
+            device=self.device,
+        )
+        self._generators: dict[str, torch.Generator] = {}
+
+    @torch.inference_mode()
+    def execute(self, batch: SchedulerOutput) -> ModelRunnerOutput:
+        for request_id in batch.finished_request_ids:
+            self._generators.pop(request_id, None)
+        if not batch.requests:
+            return ModelRunnerOutput({})
+        input_ids, positions, meta = self._prepare(batch)
+        hidden = self.model(input_ids, positions, self.kv_cache, meta)
+        rows = [i for i, r in enumerate(batch.requests) if r.sample]
+        if not rows:
+            return ModelRunnerOutput({})
+        last = torch.tensor([meta.query_start_loc[i + 1] - 1 for i in rows], device=self.device)
+        logits = self.model.logits(hidden[last])
+        reqs = [batch.requests[i] for i in rows]
+        tokens = sample(logits, [r.params for r in reqs], [self._generator(r) for r in reqs])
+        return ModelRunnerOutput({r.request_id: t for r, t in zip(reqs, tokens, strict=True)})
+
+    def _prepare(
+        self, batch: SchedulerOutput
+    ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
+        bs = self.config.block_size
+        input_ids: list[int] = []
+        positions: list[int] = []
+        slots: list[int] = []
+        seq_lens: list[int] = []
+        starts = [0]
+        for r in batch.requests:
+            pos = range(r.start_pos, r.start_pos + len(r.token_ids))
+            input_ids += r.token_ids
+            positions += pos
+            slots += [r.block_ids[p // bs] * bs + p % bs for p in pos]
+            seq_lens.append(pos.stop)
+            starts.append(starts[-1] + len(pos))
+        width = max(len(r.block_ids) for r in batch.requests)
+        tables = [r.block_ids + [0] * (width - len(r.block_ids)) for r in batch.requests]
+        meta = AttentionMetadata(
+            slot_mapping=self._tensor(slots),
+            block_tables=self._tensor(tables),
+            seq_lens=seq_lens,
+            query_start_loc=starts,
+            block_size=bs,
+        )
+        return self._tensor(input_ids), self._tensor(positions), meta
+
+    def _tensor(self, data: list[int] | list[list[int]]) -> torch.Tensor:
+        return torch.tensor(data, dtype=torch.int64).to(self.device, non_blocking=True)
+
+    def _generator(self, r: ScheduledRequest) -> torch.Generator | None:
+        """A seeded request draws from its own generator, created on its first sample."""
+        if r.params.seed is None:
+            return None
+        if r.request_id not in self._generators:
+            gen = torch.Generator(self.device).manual_seed(r.params.seed)
+            self._generators[r.request_id] = gen
+        return self._generators[r.request_id]
+
+
+def kv_bytes_per_block(cfg: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
+    """2 (K and V) x layers x block_size x kv_heads x head_dim x bytes per element."""
+    elem = torch.empty((), dtype=dtype).element_size()
+    return 2 * cfg.num_layers * block_size * cfg.num_kv_heads * cfg.head_dim * elem

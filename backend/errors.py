@@ -1,0 +1,34 @@
+"""Typed errors the engine raises; the gateway maps them to HTTP responses."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+
+class EngineError(Exception):
+    """Base class for every error raised by the backend."""
+
+
+class CheckpointError(EngineError):
+    """A checkpoint folder cannot be loaded; names the file and the problem."""
+
+    def __init__(self, path: Path | str, problem: str) -> None:
+        super().__init__(f"{path}: {problem}")
+        self.path = Path(path)
+        self.problem = problem
+
+
+class PromptTooLongError(EngineError, ValueError):
+    """The prompt does not fit the model's context (OpenAI: context_length_exceeded)."""
+
+    def __init__(self, prompt_tokens: int, max_model_len: int) -> None:
+        super().__init__(
+            f"prompt has {prompt_tokens} tokens; max_model_len is {max_model_len} "
+            "and at least one token must be generated"
+        )
+        self.prompt_tokens = prompt_tokens
+        self.max_model_len = max_model_len
+
+
+class EngineDeadError(EngineError):
+    """The step loop has stopped (shutdown or a crash); no request can be served."""

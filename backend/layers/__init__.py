@@ -1,0 +1,1 @@
+"""Building blocks of the Llama family, each a small torch module or function."""

@@ -1,0 +1,52 @@
+"""Turns last-position logits into one token per sequence."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from backend.sampling import SamplingParams
+
+
+def sample(
+    logits: torch.Tensor,
+    params: Sequence[SamplingParams],
+    generators: Sequence[torch.Generator | None],
+) -> list[int]:
+    """logits: [B, vocab]. Greedy rows take the argmax; the others draw with the
+    exponential trick (argmax of p / q, q ~ Exp(1)), each seeded row from its own
+    generator so its draw does not depend on the rest of the batch."""
+    logits = logits.float()
+    greedy = logits.argmax(dim=-1)
+    if all(p.greedy for p in params):
+        return greedy.tolist()  # type: ignore[no-any-return]
+    temps = torch.tensor([p.temperature or 1.0 for p in params], device=logits.device)
+    probs = torch.softmax(_top_k_top_p(logits / temps[:, None], params), dim=-1)
+    q = torch.empty_like(probs).exponential_()
+    for i, gen in enumerate(generators):
+        if gen is not None:
+            q[i].exponential_(generator=gen)
+    sampled = probs.div_(q.clamp_min_(1e-10)).argmax(dim=-1)
+    is_greedy = torch.tensor([p.greedy for p in params], device=logits.device)
+    return torch.where(is_greedy, greedy, sampled).tolist()  # type: ignore[no-any-return]
+
+
+def _top_k_top_p(logits: torch.Tensor, params: Sequence[SamplingParams]) -> torch.Tensor:
+    use_k = any(p.top_k for p in params)
+    use_p = any(p.top_p < 1 for p in params)
+    if not (use_k or use_p):
+        return logits
+    vocab = logits.shape[-1]
+    sorted_logits, order = logits.sort(dim=-1, descending=True)
+    if use_k:
+        k = torch.tensor([p.top_k or vocab for p in params], device=logits.device)
+        ranks = torch.arange(vocab, device=logits.device)
+        sorted_logits.masked_fill_(ranks[None, :] >= k[:, None], float("-inf"))
+    if use_p:
+        top_p = torch.tensor([p.top_p for p in params], device=logits.device)
+        sorted_probs = torch.softmax(sorted_logits, dim=-1)
+        # Drop a token once the tokens ranked above it already cover top_p (keeps >= 1).
+        mass_before = sorted_probs.cumsum(dim=-1) - sorted_probs
+        sorted_logits.masked_fill_(mass_before > top_p[:, None], float("-inf"))
+    return torch.full_like(logits, float("-inf")).scatter_(-1, order, sorted_logits)

@@ -1,0 +1,116 @@
+"""Llama, Qwen2 and Mistral: one decoder, configured by ModelConfig.
+
+Parameter names follow Hugging Face, except that q/k/v and gate/up are fused;
+`packed_weights` tells the loader where each checkpoint tensor goes."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from backend.layers.attention import AttentionBackend, AttentionMetadata
+from backend.layers.mlp import GatedMLP
+from backend.layers.rmsnorm import RMSNorm
+from backend.layers.rotary import RotaryEmbedding
+from backend.models.config import ModelConfig
+
+
+class LlamaAttention(nn.Module):
+    def __init__(self, cfg: ModelConfig, backend: AttentionBackend) -> None:
+        super().__init__()
+        self.cfg = cfg
+        self.backend = backend
+        self.scale = cfg.head_dim**-0.5
+        self.qkv_proj = nn.Linear(cfg.hidden_size, cfg.q_size + 2 * cfg.kv_size, bias=cfg.qkv_bias)
+        self.o_proj = nn.Linear(cfg.q_size, cfg.hidden_size, bias=cfg.o_bias)
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        positions: torch.Tensor,
+        rotary: RotaryEmbedding,
+        kv_cache: torch.Tensor,
+        meta: AttentionMetadata,
+    ) -> torch.Tensor:
+        cfg = self.cfg
+        q, k, v = self.qkv_proj(x).split([cfg.q_size, cfg.kv_size, cfg.kv_size], dim=-1)
+        q = q.view(-1, cfg.num_heads, cfg.head_dim)
+        k = k.view(-1, cfg.num_kv_heads, cfg.head_dim)
+        v = v.view(-1, cfg.num_kv_heads, cfg.head_dim)
+        q, k = rotary(positions, q, k)
+        self.backend.write_kv(k, v, kv_cache, meta)
+        out = self.backend.attend(q, kv_cache, meta, self.scale)
+        return self.o_proj(out.flatten(1))  # type: ignore[no-any-return]
+
+
+class LlamaDecoderLayer(nn.Module):
+    def __init__(self, cfg: ModelConfig, backend: AttentionBackend) -> None:
+        super().__init__()
+        self.self_attn = LlamaAttention(cfg, backend)
+        self.mlp = GatedMLP(cfg.hidden_size, cfg.intermediate_size, cfg.mlp_bias)
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        positions: torch.Tensor,
+        rotary: RotaryEmbedding,
+        kv_cache: torch.Tensor,
+        meta: AttentionMetadata,
+    ) -> torch.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), positions, rotary, kv_cache, meta)
+        return x + self.mlp(self.post_attention_layernorm(x))  # type: ignore[no-any-return]
+
+
+class LlamaModel(nn.Module):
+    def __init__(self, cfg: ModelConfig, max_positions: int, backend: AttentionBackend) -> None:
+        super().__init__()
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(LlamaDecoderLayer(cfg, backend) for _ in range(cfg.num_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.rotary = RotaryEmbedding(cfg.head_dim, max_positions, cfg.rope_theta, cfg.rope_scaling)
+
+
+class LlamaForCausalLM(nn.Module):
+    # checkpoint name part -> (our fused parameter name part, shard index)
+    packed_weights = {
+        "q_proj": ("qkv_proj", 0),
+        "k_proj": ("qkv_proj", 1),
+        "v_proj": ("qkv_proj", 2),
+        "gate_proj": ("gate_up_proj", 0),
+        "up_proj": ("gate_up_proj", 1),
+    }
+
+    def __init__(self, cfg: ModelConfig, max_positions: int, backend: AttentionBackend) -> None:
+        super().__init__()
+        self.cfg = cfg
+        self.model = LlamaModel(cfg, max_positions, backend)
+        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        if cfg.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+
+    def shard_sizes(self, fused: str) -> list[int]:
+        """Row counts of the checkpoint tensors stacked into a fused parameter."""
+        cfg = self.cfg
+        if fused == "qkv_proj":
+            return [cfg.q_size, cfg.kv_size, cfg.kv_size]
+        return [cfg.intermediate_size, cfg.intermediate_size]
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        kv_caches: torch.Tensor,
+        meta: AttentionMetadata,
+    ) -> torch.Tensor:
+        """input_ids, positions: [T]; kv_caches: [layers, 2, blocks, block_size, kv_heads, D].
+        Returns hidden states [T, hidden]; call `logits` on the rows that sample."""
+        m = self.model
+        x = m.embed_tokens(input_ids)
+        for i, layer in enumerate(m.layers):
+            x = layer(x, positions, m.rotary, kv_caches[i], meta)
+        return m.norm(x)  # type: ignore[no-any-return]
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(hidden).float()  # type: ignore[no-any-return]
