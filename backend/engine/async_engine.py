@@ -35,7 +35,8 @@ class AsyncEngine:
         self._lock = threading.Lock()
         self._wake = threading.Event()
         self._stopping = False
-        self._error: BaseException | None = None
+        self._error: BaseException | None = None  # what crashed the step loop
+        self._dead: str | None = None  # why the loop has ended, once it has
         self._thread = threading.Thread(target=self._run, name="tollgate-engine", daemon=True)
         self._thread.start()
 
@@ -57,7 +58,7 @@ class AsyncEngine:
 
     def is_running(self) -> bool:
         """False once shut down or after the step loop crashed (readiness probe)."""
-        return self._thread.is_alive() and not self._stopping and self._error is None
+        return self._thread.is_alive() and not self._stopping and self._dead is None
 
     async def generate(
         self,
@@ -70,9 +71,10 @@ class AsyncEngine:
     ) -> AsyncIterator[RequestOutput]:
         """Yields deltas until one has finished=True. Leaving early (break, aclose, task
         cancellation) aborts the request in the engine."""
-        self._check_alive()
         stream = _Stream(asyncio.get_running_loop(), asyncio.Queue())
-        with self._lock:
+        with self._lock:  # the same lock _fail_all takes, so no stream is left unanswered
+            if self._dead is not None:
+                raise EngineDeadError(self._dead)
             if request_id in self._streams:
                 raise ValueError(f"request id {request_id!r} is already being generated")
             self._streams[request_id] = stream
@@ -104,12 +106,6 @@ class AsyncEngine:
         self._wake.set()
         await asyncio.to_thread(self._thread.join)
 
-    def _check_alive(self) -> None:
-        if self._error is not None:
-            raise EngineDeadError(f"engine stopped: {self._error!r}")
-        if self._stopping:
-            raise EngineDeadError("engine is shut down")
-
     # -- the step thread ----------------------------------------------------------------
 
     def _run(self) -> None:
@@ -123,7 +119,8 @@ class AsyncEngine:
         except BaseException as exc:
             log.exception("engine step loop crashed")
             self._error = exc
-        self._fail_all(self._error or EngineDeadError("engine is shut down"))
+        reason = f"engine stopped: {self._error!r}" if self._error else "engine is shut down"
+        self._fail_all(reason)
 
     def _dispatch(self, outputs: list[RequestOutput]) -> None:
         with self._lock:
@@ -132,11 +129,12 @@ class AsyncEngine:
             if stream is not None:  # the consumer may have gone; its abort is on the way
                 _put(stream, out)
 
-    def _fail_all(self, exc: BaseException) -> None:
+    def _fail_all(self, reason: str) -> None:
         with self._lock:
+            self._dead = reason
             streams = list(self._streams.values())
         for stream in streams:
-            _put(stream, EngineDeadError(f"engine stopped: {exc!r}"))
+            _put(stream, EngineDeadError(reason))
 
 
 def _put(stream: _Stream, item: RequestOutput | BaseException) -> None:

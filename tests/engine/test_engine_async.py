@@ -1,0 +1,145 @@
+"""The asyncio front: streaming deltas, concurrency, and every way a consumer can leave."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+from contextlib import aclosing
+from pathlib import Path
+
+import pytest
+
+from backend import AsyncEngine, EngineDeadError, PromptTooLongError, RequestOutput
+from backend.engine.engine import Engine
+from backend.sampling import SamplingParams
+from tests.engine.engine_support import SMALL, make_engine, run_to_completion, text_of, tokens_of
+
+GREEDY = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
+LONG = SamplingParams(max_tokens=80, temperature=0, ignore_eos=True)
+
+
+@pytest.fixture
+async def engine(llama_dir: Path) -> AsyncIterator[AsyncEngine]:
+    engine = AsyncEngine(make_engine(llama_dir))
+    yield engine
+    await engine.shutdown()
+
+
+async def collect(
+    engine: AsyncEngine, prompt: str, params: SamplingParams, rid: str
+) -> list[RequestOutput]:
+    return [out async for out in engine.generate(prompt, params, rid)]
+
+
+async def assert_idle(engine: AsyncEngine) -> None:
+    """A follow-up request that needs several steps: once it finishes, every abort queued
+    before it has been applied at a step boundary."""
+    await collect(engine, "follow-up", SamplingParams(max_tokens=3, temperature=0), "follow-up")
+    stats = engine.stats()
+    assert (stats.num_running, stats.num_waiting, stats.kv_blocks_used) == (0, 0, 0)
+
+
+def sync_reference(llama_dir: Path, prompt: str, params: SamplingParams) -> list[RequestOutput]:
+    sync = make_engine(llama_dir)
+    sync.add_request("ref", prompt, params)
+    return run_to_completion(sync)["ref"]
+
+
+async def test_from_pretrained_exposes_the_interface(llama_dir: Path) -> None:
+    engine = await asyncio.to_thread(AsyncEngine.from_pretrained, llama_dir, SMALL)
+    try:
+        assert engine.model_name == "llama" and engine.max_model_len == 96
+        assert engine.is_running()
+        ids = engine.tokenizer.encode("hello")
+        assert engine.tokenizer.decode(ids) == "hello"
+        assert engine.tokenizer.apply_chat_template([{"role": "user", "content": "hi"}])
+    finally:
+        await engine.shutdown()
+    assert not engine.is_running()
+    with pytest.raises(EngineDeadError):
+        await collect(engine, "x", GREEDY, "late")
+
+
+async def test_streams_deltas_like_the_sync_engine(engine: AsyncEngine, llama_dir: Path) -> None:
+    outs = await collect(engine, "The quick brown fox", GREEDY, "a")
+    ref = sync_reference(llama_dir, "The quick brown fox", GREEDY)
+    assert tokens_of(outs) == tokens_of(ref) and text_of(outs) == text_of(ref)
+    assert [o.finished for o in outs] == [False] * 11 + [True]
+    assert outs[-1].finish_reason == "length" and outs[-1].completion_tokens == 12
+
+
+async def test_concurrent_requests(engine: AsyncEngine, llama_dir: Path) -> None:
+    prompts = ["The quick", "Paged attention stores", "héllo wörld", "def main():"]
+    results = await asyncio.gather(
+        *(collect(engine, p, GREEDY, f"c{i}") for i, p in enumerate(prompts))
+    )
+    for prompt, outs in zip(prompts, results, strict=True):
+        assert tokens_of(outs) == tokens_of(sync_reference(llama_dir, prompt, GREEDY))
+
+
+async def test_aclose_aborts(engine: AsyncEngine) -> None:
+    async with aclosing(engine.generate("The quick", LONG, "leaver")) as stream:
+        async for out in stream:
+            assert not out.finished
+            break
+    await assert_idle(engine)
+
+
+async def test_plain_break_aborts(engine: AsyncEngine) -> None:
+    async for _ in engine.generate("The quick", LONG, "breaker"):
+        break  # the generator is finalised (and aborts) once dropped
+    await assert_idle(engine)
+
+
+async def test_cancelling_the_consumer_aborts(engine: AsyncEngine) -> None:
+    started = asyncio.Event()
+
+    async def consume() -> None:
+        async for _ in engine.generate("The quick", LONG, "cancelled"):
+            started.set()
+
+    task = asyncio.create_task(consume())
+    await started.wait()
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    await assert_idle(engine)
+
+
+async def test_engine_abort_ends_the_stream(engine: AsyncEngine) -> None:
+    outs: list[RequestOutput] = []
+    async for out in engine.generate("The quick", LONG, "victim"):
+        outs.append(out)
+        if len(outs) == 2:
+            engine.abort("victim")
+            engine.abort("victim")
+            engine.abort("unknown")
+    assert outs[-1].finished and outs[-1].finish_reason == "abort"
+    assert len(outs) < 80
+    await assert_idle(engine)
+
+
+async def test_invalid_request_raises_and_frees_the_id(engine: AsyncEngine) -> None:
+    with pytest.raises(PromptTooLongError):
+        await collect(engine, "x" * 500, GREEDY, "bad")
+    assert len(await collect(engine, "ok", GREEDY, "bad")) == 12
+    async with aclosing(engine.generate("a", LONG, "twice")) as first:
+        await anext(first)
+        with pytest.raises(ValueError, match="already"):
+            await collect(engine, "b", GREEDY, "twice")
+
+
+async def test_a_crashed_step_loop_fails_every_stream(llama_dir: Path) -> None:
+    sync: Engine = make_engine(llama_dir)
+
+    def broken_step() -> list[RequestOutput]:
+        raise RuntimeError("kernel exploded")
+
+    sync.step = broken_step  # type: ignore[method-assign]
+    engine = AsyncEngine(sync)
+    with pytest.raises(EngineDeadError, match="kernel exploded"):
+        await collect(engine, "x", GREEDY, "doomed")
+    assert not engine.is_running()
+    with pytest.raises(EngineDeadError):
+        await collect(engine, "x", GREEDY, "after")
+    await engine.shutdown()

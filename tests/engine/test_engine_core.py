@@ -1,0 +1,202 @@
+"""Engine behaviour on a tiny random Llama: sampling, stops, limits, aborts, batching."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from backend.engine.engine import Engine
+from backend.errors import PromptTooLongError
+from backend.outputs import RequestOutput
+from backend.sampling import SamplingParams
+from tests.engine.engine_support import (
+    check_blocks,
+    make_engine,
+    run_to_completion,
+    text_of,
+    tokens_of,
+)
+
+GREEDY = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
+PROMPT = "The quick brown fox"
+
+
+def generate(
+    engine: Engine, prompt: str | list[int], params: SamplingParams
+) -> list[RequestOutput]:
+    engine.add_request("solo", prompt, params)
+    return run_to_completion(engine)["solo"]
+
+
+def test_seeded_sampling_is_the_same_alone_and_in_a_batch(llama_dir: Path) -> None:
+    engine = make_engine(llama_dir)
+    seeded = SamplingParams(max_tokens=16, temperature=1.0, top_k=40, top_p=0.9, seed=1234)
+    alone = tokens_of(generate(engine, PROMPT, seeded))
+
+    engine.add_request("other-greedy", "Paged attention", GREEDY)
+    engine.add_request("seeded", PROMPT, seeded)
+    engine.add_request("other-seeded", "héllo", SamplingParams(max_tokens=20, seed=7))
+    engine.add_request("other-random", "def main", SamplingParams(max_tokens=20))
+    batched = run_to_completion(engine)
+    assert tokens_of(batched["seeded"]) == alone
+    assert tokens_of(generate(engine, PROMPT, SamplingParams(max_tokens=16, seed=99))) != alone
+
+
+def test_outputs_are_deltas_with_cumulative_counts(llama_dir: Path) -> None:
+    engine = make_engine(llama_dir)
+    outs = generate(engine, PROMPT, GREEDY)
+    assert [len(o.token_ids) for o in outs] == [1] * 24
+    assert [o.completion_tokens for o in outs] == list(range(1, 25))
+    assert [o.finished for o in outs] == [False] * 23 + [True]
+    assert outs[-1].finish_reason == "length"
+    assert outs[0].prompt_tokens == len(engine.tokenizer.encode(PROMPT))
+    assert text_of(outs) == engine.tokenizer.decode(tokens_of(outs))
+    first = outs[0]
+    assert first.first_scheduled_time is not None and first.first_token_time is not None
+    assert first.arrival_time <= first.first_scheduled_time <= first.first_token_time
+
+
+def test_stop_string_is_cut_from_the_text(llama_dir: Path) -> None:
+    engine = make_engine(llama_dir)
+    full = text_of(generate(engine, PROMPT, GREEDY))
+    stop = full[6:9]
+    assert stop.strip(), f"degenerate greedy text {full!r}"
+    outs = generate(engine, PROMPT, SamplingParams(max_tokens=24, temperature=0, stop=[stop]))
+    assert text_of(outs) == full[: full.index(stop)]
+    assert outs[-1].finish_reason == "stop"
+    assert len(tokens_of(outs)) < 24
+
+
+def test_stop_token_ends_the_request_without_its_text(llama_dir: Path) -> None:
+    engine = make_engine(llama_dir)
+    tokens = tokens_of(generate(engine, PROMPT, GREEDY))
+    stop_id = tokens[4]
+    first = tokens.index(stop_id)
+    params = SamplingParams(max_tokens=24, temperature=0, stop_token_ids=[stop_id])
+    outs = generate(engine, PROMPT, params)
+    assert tokens_of(outs) == tokens[: first + 1]
+    assert text_of(outs) == engine.tokenizer.decode(tokens[:first])
+    assert outs[-1].finish_reason == "stop"
+
+
+def test_eos_stops_unless_ignored(llama_dir: Path) -> None:
+    engine = make_engine(llama_dir)
+    tokens = tokens_of(generate(engine, PROMPT, GREEDY))
+    eos = tokens[3]  # pretend the model's EOS is a token it is about to produce
+    engine.tokenizer.eos_token_ids = frozenset({eos})
+    outs = generate(engine, PROMPT, SamplingParams(max_tokens=24, temperature=0))
+    assert tokens_of(outs) == tokens[: tokens.index(eos) + 1]
+    assert outs[-1].finish_reason == "stop"
+    assert tokens_of(generate(engine, PROMPT, GREEDY)) == tokens  # ignore_eos=True
+
+
+def test_length_is_capped_by_max_model_len(llama_dir: Path) -> None:
+    engine = make_engine(llama_dir, max_model_len=20, max_num_batched_tokens=64)
+    prompt = list(range(2, 17))  # 15 tokens
+    outs = generate(engine, prompt, SamplingParams(max_tokens=100, temperature=0, ignore_eos=True))
+    assert len(tokens_of(outs)) == 5
+    assert outs[-1].finish_reason == "length"
+
+
+def test_invalid_requests_raise_in_the_caller(llama_dir: Path) -> None:
+    engine = make_engine(llama_dir, max_model_len=20, max_num_batched_tokens=64)
+    with pytest.raises(PromptTooLongError) as err:
+        engine.add_request("long", list(range(2, 22)), GREEDY)
+    assert err.value.prompt_tokens == 20 and err.value.max_model_len == 20
+    with pytest.raises(ValueError, match="empty"):
+        engine.add_request("empty", [], GREEDY)
+    with pytest.raises(ValueError, match="token ids"):
+        engine.add_request("oov", [10**6], GREEDY)
+    engine.add_request("dup", PROMPT, GREEDY)
+    with pytest.raises(ValueError, match="already"):
+        engine.add_request("dup", PROMPT, GREEDY)
+    run_to_completion(engine)
+    engine.add_request("dup", PROMPT, GREEDY)  # a finished id may be used again
+
+
+def test_abort_frees_blocks_and_repeats_are_harmless(llama_dir: Path) -> None:
+    engine = make_engine(llama_dir)
+    for i in range(3):
+        engine.add_request(f"r{i}", PROMPT, GREEDY)
+    engine.step()
+    engine.step()
+    used = engine.block_manager.num_used_blocks
+    engine.abort("r1")
+    engine.abort("r1")
+    engine.abort("never-existed")
+    outs = engine.step()
+    aborted = [o for o in outs if o.request_id == "r1"]
+    assert len(aborted) == 1 and aborted[0].finish_reason == "abort" and aborted[0].finished
+    assert aborted[0].token_ids == [] and aborted[0].text == ""
+    assert engine.block_manager.num_used_blocks < used
+    check_blocks(engine)
+    engine.abort("r1")  # already finished
+    results = run_to_completion(engine)
+    assert "r1" not in results and {"r0", "r2"} <= results.keys()
+    engine.abort("r0")  # finished normally
+    engine.step()
+    bm = engine.block_manager
+    assert bm.num_free_blocks == bm.num_blocks and not engine.has_work()
+
+
+def test_abort_during_the_forward_pass_wins_over_its_tokens(llama_dir: Path) -> None:
+    """The race of vLLM #29987: an abort that lands while the final step runs must end
+    the request as "abort", not as a normal completion."""
+    engine = make_engine(llama_dir)
+    run = engine.runner.execute
+
+    def run_then_abort(batch):  # type: ignore[no-untyped-def]
+        result = run(batch)
+        engine.abort("last")
+        return result
+
+    engine.runner.execute = run_then_abort  # type: ignore[method-assign]
+    engine.add_request("last", PROMPT, SamplingParams(max_tokens=1, temperature=0))
+    outs = engine.step()
+    assert [(o.request_id, o.finish_reason, o.token_ids) for o in outs] == [("last", "abort", [])]
+    assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
+
+
+def test_abort_of_a_request_still_in_the_inbox(llama_dir: Path) -> None:
+    engine = make_engine(llama_dir)
+    engine.add_request("queued", PROMPT, GREEDY)
+    engine.abort("queued")
+    outs = engine.step()
+    assert [(o.request_id, o.finish_reason) for o in outs] == [("queued", "abort")]
+    assert not engine.has_work()
+
+
+def test_max_num_seqs_and_continuous_batching(llama_dir: Path) -> None:
+    engine = make_engine(llama_dir, max_num_seqs=2)
+    for i in range(4):
+        engine.add_request(f"r{i}", PROMPT, SamplingParams(max_tokens=3 + i, temperature=0))
+    finished_at: dict[str, int] = {}
+    step = 0
+    while engine.has_work():
+        outs = engine.step()
+        step += 1
+        assert engine.stats().num_running <= 2
+        check_blocks(engine)
+        finished_at.update({o.request_id: step for o in outs if o.finished})
+    # r2 starts as soon as r0 leaves, not when the whole first batch is done.
+    assert finished_at["r0"] < finished_at["r1"] < finished_at["r2"] < finished_at["r3"]
+    assert finished_at["r2"] == finished_at["r0"] + 5
+    stats = engine.stats()
+    assert (stats.num_running, stats.num_waiting, stats.kv_blocks_used) == (0, 0, 0)
+    assert stats.num_steps == step
+
+
+def test_kv_pool_admission_waits_for_room(llama_dir: Path) -> None:
+    # 24 blocks of 4 tokens: each request may grow to 5 + 40 tokens = 12 blocks.
+    engine = make_engine(llama_dir, num_kv_blocks=24, max_model_len=96)
+    params = SamplingParams(max_tokens=40, temperature=0, ignore_eos=True)
+    for i in range(3):
+        engine.add_request(f"r{i}", [5, 6, 7, 8, 9], params)
+    first = engine.step()
+    assert engine.stats().num_running == 2 and engine.stats().num_waiting == 1
+    assert engine.stats().kv_blocks_used == 4
+    results = run_to_completion(engine)
+    for out in first:
+        results[out.request_id].insert(0, out)
+    assert all(len(tokens_of(results[f"r{i}"])) == 40 for i in range(3))
