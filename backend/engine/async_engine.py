@@ -7,7 +7,7 @@ import asyncio
 import contextlib
 import logging
 import threading
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -68,7 +68,7 @@ class AsyncEngine:
         priority: int = 0,
         deadline: float | None = None,
         tenant: str | None = None,
-    ) -> AsyncIterator[RequestOutput]:
+    ) -> AsyncGenerator[RequestOutput, None]:
         """Yields deltas until one has finished=True. Leaving early (break, aclose, task
         cancellation) aborts the request in the engine."""
         stream = _Stream(asyncio.get_running_loop(), asyncio.Queue())

@@ -83,12 +83,13 @@ def build_checkpoint(folder: Path, kind: str = "llama", **overrides: Any) -> Pat
     if kind == "llama":
         rope = {
             "rope_type": "llama3",
+            "rope_theta": 10000.0,
             "factor": 8.0,
             "low_freq_factor": 1.0,
             "high_freq_factor": 4.0,
             "original_max_position_embeddings": 32,
         }
-        cfg: Any = LlamaConfig(**common, attention_bias=True, rope_scaling=rope, **overrides)
+        cfg: Any = LlamaConfig(**common, attention_bias=True, rope_parameters=rope, **overrides)
         model: Any = LlamaForCausalLM(cfg)
     elif kind == "qwen2":
         cfg = Qwen2Config(**common, tie_word_embeddings=True, **overrides)

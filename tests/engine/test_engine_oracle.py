@@ -22,7 +22,8 @@ def prompts(vocab: int) -> list[list[int]]:
 def hf_greedy(path: Path, prompt_list: list[list[int]]) -> list[list[int]]:
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(path).eval()
+    model = AutoModelForCausalLM.from_pretrained(path)
+    model.eval()  # type: ignore[no-untyped-call]
     refs = []
     with torch.no_grad():
         for p in prompt_list:

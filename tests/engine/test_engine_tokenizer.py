@@ -48,7 +48,7 @@ def test_chat_template(tok: Tokenizer) -> None:
     assert text == f"{BOS}<|system|>be brief{EOS}<|user|>hi{EOS}<|assistant|>"
     without_prompt = tok.apply_chat_template(messages, add_generation_prompt=False)
     assert without_prompt == text.removesuffix("<|assistant|>")
-    assert tok.encode(text).count(tok.bos_token_id) == 1
+    assert tok.encode(text).count(0) == 1  # one BOS
 
 
 def test_chat_template_raise_exception_becomes_value_error(tok: Tokenizer) -> None:
@@ -89,7 +89,7 @@ def test_multibyte_characters_are_held_back_until_complete(tok: Tokenizer) -> No
 @settings(max_examples=60, deadline=None)
 @given(
     prefix=st.text(alphabet="ab é日🙂\n", max_size=8),
-    text=st.text(alphabet=st.characters(codec="utf-8", exclude_categories=("Cs",)), max_size=30),
+    text=st.text(alphabet=st.characters(codec="utf-8", exclude_categories=["Cs"]), max_size=30),
 )
 def test_streamed_text_equals_full_decode(tok: Tokenizer, prefix: str, text: str) -> None:
     prompt = tok.encode(prefix)

@@ -1,0 +1,96 @@
+"""Layers against plain references: paged attention, rotary scaling, the sampler."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch.nn import functional
+
+from backend.layers.attention import AttentionMetadata, TorchPagedAttention
+from backend.layers.rotary import inverse_frequencies
+from backend.layers.sampler import sample
+from backend.sampling import SamplingParams
+
+
+def test_paged_attention_equals_dense_causal_attention() -> None:
+    torch.manual_seed(0)
+    heads, kv_heads, dim, bs = 4, 2, 8, 4
+    cache = torch.zeros(2, 16, bs, kv_heads, dim)
+    backend = TorchPagedAttention()
+    lens, tables = [7, 3], [[5, 2], [9]]  # scattered, non-contiguous blocks
+    q = torch.randn(sum(lens), heads, dim)
+    k, v = torch.randn(2, sum(lens), kv_heads, dim)
+    slots = [t[p // bs] * bs + p % bs for t, n in zip(tables, lens, strict=True) for p in range(n)]
+    meta = AttentionMetadata(
+        slot_mapping=torch.tensor(slots),
+        block_tables=torch.tensor([[5, 2], [9, 0]]),
+        seq_lens=lens,
+        query_start_loc=[0, 7, 10],
+        block_size=bs,
+    )
+    backend.write_kv(k, v, cache, meta)
+    out = backend.attend(q, cache, meta, scale=dim**-0.5)
+    for start, end in ((0, 7), (7, 10)):
+        ref = functional.scaled_dot_product_attention(
+            q[start:end].transpose(0, 1),
+            k[start:end].repeat_interleave(2, 1).transpose(0, 1),
+            v[start:end].repeat_interleave(2, 1).transpose(0, 1),
+            is_causal=True,
+        ).transpose(0, 1)
+        torch.testing.assert_close(out[start:end], ref)
+
+
+@pytest.mark.parametrize(
+    "scaling",
+    [
+        {
+            "rope_type": "llama3",
+            "factor": 8.0,
+            "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 32,
+        },
+        {"rope_type": "linear", "factor": 4.0},
+    ],
+)
+def test_rope_scaling_matches_transformers(scaling: dict[str, object]) -> None:
+    from transformers import LlamaConfig
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    cfg = LlamaConfig(
+        hidden_size=128, num_attention_heads=4, rope_parameters={"rope_theta": 500000.0, **scaling}
+    )
+    expected, _ = ROPE_INIT_FUNCTIONS[str(scaling["rope_type"])](cfg, "cpu")
+    torch.testing.assert_close(inverse_frequencies(32, 500000.0, scaling), expected)
+
+
+def test_greedy_top_k_1_and_tiny_top_p_pick_the_argmax() -> None:
+    logits = torch.randn(4, 50, generator=torch.Generator().manual_seed(1))
+    params = [
+        SamplingParams(temperature=0),
+        SamplingParams(top_k=1),
+        SamplingParams(top_p=1e-6),
+        SamplingParams(temperature=0.01, seed=3),
+    ]
+    gens = [None, None, None, torch.Generator().manual_seed(3)]
+    assert sample(logits, params, gens) == logits.argmax(-1).tolist()
+
+
+def test_top_k_and_top_p_restrict_the_support() -> None:
+    logits = torch.tensor([[4.0, 3.0, 2.0, 1.0, 0.0]]).repeat(200, 1)
+    top_k = sample(logits, [SamplingParams(top_k=2)] * 200, [None] * 200)
+    assert set(top_k) == {0, 1}
+    # softmax: 0.64, 0.24, 0.09, ... -> top_p 0.8 keeps the first two tokens.
+    top_p = sample(logits, [SamplingParams(top_p=0.8)] * 200, [None] * 200)
+    assert set(top_p) == {0, 1}
+
+
+def test_a_seeded_row_ignores_its_neighbours() -> None:
+    logits = torch.zeros(3, 1000)
+    p = SamplingParams(seed=5)
+
+    def draw(batch: int) -> int:
+        gens = [torch.Generator().manual_seed(5)] + [None] * (batch - 1)
+        return sample(logits[:batch], [p] * batch, gens)[0]
+
+    assert draw(1) == draw(3)

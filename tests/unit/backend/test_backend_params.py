@@ -1,0 +1,72 @@
+"""EngineConfig and SamplingParams validate with ValueErrors that name the field."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+from backend import EngineConfig, SamplingParams
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "field"),
+    [
+        ({"block_size": 0}, "block_size"),
+        ({"num_kv_blocks": -1}, "num_kv_blocks"),
+        ({"kv_cache_bytes": 1.5}, "kv_cache_bytes"),
+        ({"max_num_seqs": True}, "max_num_seqs"),
+        ({"max_num_batched_tokens": 0}, "max_num_batched_tokens"),
+        ({"max_model_len": 0}, "max_model_len"),
+        ({"max_model_len": 4096, "max_num_batched_tokens": 2048}, "max_model_len"),
+        ({"dtype": "float64"}, "dtype"),
+        ({"device": "tpu"}, "device"),
+    ],
+)
+def test_engine_config_rejects(kwargs: dict[str, object], field: str) -> None:
+    with pytest.raises(ValueError, match=field):
+        EngineConfig(**kwargs)  # type: ignore[arg-type]
+
+
+def test_engine_config_accepts_the_defaults_and_cuda() -> None:
+    assert EngineConfig().block_size == 16
+    assert EngineConfig(device="cuda:1", dtype="bfloat16", num_kv_blocks=10).device == "cuda:1"
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "field"),
+    [
+        ({"max_tokens": 0}, "max_tokens"),
+        ({"max_tokens": 2.0}, "max_tokens"),
+        ({"temperature": -0.1}, "temperature"),
+        ({"temperature": float("nan")}, "temperature"),
+        ({"top_p": 0.0}, "top_p"),
+        ({"top_p": 1.5}, "top_p"),
+        ({"top_k": -1}, "top_k"),
+        ({"seed": "7"}, "seed"),
+        ({"stop": "###"}, "stop"),
+        ({"stop": [""]}, "stop"),
+        ({"stop_token_ids": [-1]}, "stop_token_ids"),
+    ],
+)
+def test_sampling_params_reject(kwargs: dict[str, object], field: str) -> None:
+    with pytest.raises(ValueError, match=field):
+        SamplingParams(**kwargs)  # type: ignore[arg-type]
+
+
+def test_sampling_params_defaults_follow_the_interface() -> None:
+    p = SamplingParams()
+    assert (p.max_tokens, p.temperature, p.top_p, p.top_k, p.seed) == (16, 1.0, 1.0, 0, None)
+    assert (p.stop, p.stop_token_ids, p.ignore_eos, p.greedy) == ([], [], False, False)
+    assert SamplingParams(temperature=0).greedy
+
+
+def test_importing_backend_does_no_work() -> None:
+    code = (
+        "import sys, backend; "
+        "assert 'torch' not in sys.modules, 'torch imported'; "
+        "backend.SamplingParams(); backend.EngineConfig(); "
+        "assert backend.AsyncEngine.__name__ == 'AsyncEngine'"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=60)
