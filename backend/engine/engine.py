@@ -23,7 +23,10 @@ from backend.tokenizer import IncrementalDetokenizer, Tokenizer
 
 
 @dataclass
-class _TextState:
+class _Live:
+    """A request between add_request and its final output, with its text state."""
+
+    request: Request
     detok: IncrementalDetokenizer
     text: str = ""  # all output text so far (cut at a stop string)
     sent: int = 0  # characters of `text` already handed out
@@ -50,8 +53,8 @@ class Engine:
         self.num_steps = 0
         self._lock = threading.Lock()
         self._inbox: list[Request] = []
-        self._aborts: list[str] = []
-        self._texts: dict[str, _TextState] = {}  # every request not yet finished
+        self._aborts: list[Request] = []
+        self._live: dict[str, _Live] = {}
 
     # -- any thread ---------------------------------------------------------------------
 
@@ -79,15 +82,18 @@ class Engine:
             tenant=tenant,
         )
         with self._lock:
-            if request_id in self._texts:
+            if request_id in self._live:
                 raise ValueError(f"request id {request_id!r} is already in the engine")
-            self._texts[request_id] = _TextState(IncrementalDetokenizer(self.tokenizer, ids))
+            self._live[request_id] = _Live(req, IncrementalDetokenizer(self.tokenizer, ids))
             self._inbox.append(req)
 
     def abort(self, request_id: str) -> None:
-        """Idempotent; takes effect at the next step boundary. Unknown ids are ignored."""
+        """Idempotent; takes effect at the next step boundary. Unknown or finished ids are
+        ignored. The abort is bound to the request live now, not to a later one reusing the id."""
         with self._lock:
-            self._aborts.append(request_id)
+            live = self._live.get(request_id)
+            if live is not None:
+                self._aborts.append(live.request)
 
     def has_work(self) -> bool:
         with self._lock:
@@ -127,7 +133,9 @@ class Engine:
 
     def _apply_aborts(self) -> list[RequestOutput]:
         with self._lock:
-            ids, self._aborts = self._aborts, []
+            reqs, self._aborts = self._aborts, []
+        live = self.scheduler.requests
+        ids = [r.request_id for r in reqs if live.get(r.request_id) is r]
         done = self.scheduler.finish_requests(ids, RequestStatus.FINISHED_ABORTED)
         return [self._finish(req, "", [], []) for req in done]
 
@@ -135,7 +143,7 @@ class Engine:
         now = time.monotonic()
         if req.first_token_time is None:
             req.first_token_time = now
-        state = self._texts[req.request_id]
+        state = self._live[req.request_id]
         status = self._stop_status(req, token)
         old_len = len(state.text)
         if status != RequestStatus.FINISHED_STOPPED:  # a stop token's text is never shown
@@ -169,7 +177,7 @@ class Engine:
         self, req: Request, text: str, token_ids: list[int], times: list[float]
     ) -> RequestOutput:
         with self._lock:
-            self._texts.pop(req.request_id, None)
+            self._live.pop(req.request_id, None)
         return self._output(req, text, token_ids, times)
 
     def _output(

@@ -134,8 +134,10 @@ def test_abort_frees_blocks_and_repeats_are_harmless(llama_dir: Path) -> None:
     engine.abort("r1")  # already finished
     results = run_to_completion(engine)
     assert "r1" not in results and {"r0", "r2"} <= results.keys()
-    engine.abort("r0")  # finished normally
-    engine.step()
+    engine.abort("r0")  # finished normally: a no-op, and not inherited by a reused id
+    engine.add_request("r0", PROMPT, GREEDY)
+    again = run_to_completion(engine)["r0"]
+    assert again[-1].finish_reason == "length" and len(tokens_of(again)) == 24
     bm = engine.block_manager
     assert bm.num_free_blocks == bm.num_blocks and not engine.has_work()
 
