@@ -143,3 +143,19 @@ async def test_a_crashed_step_loop_fails_every_stream(llama_dir: Path) -> None:
     with pytest.raises(EngineDeadError):
         await collect(engine, "x", GREEDY, "after")
     await engine.shutdown()
+
+
+async def test_shutdown_fails_open_streams(llama_dir: Path) -> None:
+    engine = AsyncEngine(make_engine(llama_dir))
+    seen: list[RequestOutput] = []
+
+    async def consume() -> None:
+        async for out in engine.generate("The quick", LONG, "open"):
+            seen.append(out)
+            if len(seen) == 1:
+                await engine.shutdown()
+
+    with pytest.raises(EngineDeadError, match="shut down"):
+        await consume()
+    assert len(seen) < 80 and not engine.is_running()
+    await engine.shutdown()  # a second call is harmless
