@@ -126,8 +126,9 @@ def _load_weights(model: LlamaForCausalLM, model_dir: Path) -> None:
             raise CheckpointError(file, f"unexpected tensor {name!r}")
         param = params[target].data
         if shard is not None:
-            sizes = model.shard_sizes(target.split(".")[-2])
-            param = param.narrow(0, sum(sizes[: shard[1]]), sizes[shard[1]])
+            fused, index = shard
+            sizes = model.shard_sizes(fused)
+            param = param.narrow(0, sum(sizes[:index]), sizes[index])
         if tuple(tensor.shape) != tuple(param.shape):
             raise CheckpointError(
                 file,
