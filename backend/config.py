@@ -24,11 +24,14 @@ class EngineConfig:
     max_model_len: int | None = None
     dtype: str = "auto"  # "auto": float32 on CPU, the checkpoint's dtype on CUDA
     device: str = "cpu"
+    # CPU threads for torch ops (process-wide). None keeps torch's default; on a small
+    # machine one thread fewer than the cores leaves the event loop room to stream.
+    cpu_threads: int | None = None
 
     def __post_init__(self) -> None:
         for name in ("block_size", "kv_cache_bytes", "max_num_seqs", "max_num_batched_tokens"):
             _positive(name, getattr(self, name))
-        for name in ("num_kv_blocks", "max_model_len"):
+        for name in ("num_kv_blocks", "max_model_len", "cpu_threads"):
             if getattr(self, name) is not None:
                 _positive(name, getattr(self, name))
         if self.dtype not in DTYPES:

@@ -3,15 +3,15 @@
 from __future__ import annotations
 
 import logging
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 
-from backend.builtin import BUILTIN_MODEL_DIR
 from litestar import Litestar
 from litestar.di import Provide
 from litestar.exceptions import HTTPException
 
 from backend import EngineConfig
+from backend.builtin import BUILTIN_MODEL_DIR
 from gateway.api.health import healthz, readyz
 from gateway.api.openai import OpenAIController
 from gateway.dispatch.engine_client import EngineClient, InProcessEngineClient
@@ -33,13 +33,16 @@ log = logging.getLogger(__name__)
 
 
 def engine_config(settings: Settings) -> EngineConfig:
-    return EngineConfig(kv_cache_bytes=settings.kv_cache_bytes, max_num_seqs=settings.max_num_seqs)
+    return EngineConfig(
+        kv_cache_bytes=settings.kv_cache_bytes,
+        max_num_seqs=settings.max_num_seqs,
+        cpu_threads=settings.engine_threads,
+    )
 
 
 def create_app(
     settings: Settings | None = None,
     engine_client: EngineClient | None = None,
-    on_ready: Callable[[str], None] | None = None,
 ) -> Litestar:
     """Build the gateway. Pass `engine_client` to share one engine (tests); otherwise the
     in-process engine loads `settings.model_path` (or the built-in model) at startup."""
@@ -56,8 +59,6 @@ def create_app(
             settings.model_path or BUILTIN_MODEL_DIR, engine_config(settings)
         )
         log.info("engine ready: model %s", runtime.engine_client.model_name)
-        if on_ready is not None:
-            on_ready(runtime.engine_client.model_name)
         try:
             yield
         finally:

@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import socket
 import sys
+from collections.abc import Callable
 
 import uvicorn
 from sqlalchemy.engine import make_url
@@ -21,12 +23,26 @@ def serve(settings: Settings) -> int:
     )
     _migrate_or_explain(settings)
     admin = asyncio.run(_bootstrap(settings))
-    app = create_app(settings, on_ready=lambda model: _banner(settings, admin, model))
+    app = create_app(settings)
     config = uvicorn.Config(
         app, host=settings.host, port=settings.port, log_level=settings.log_level, lifespan="on"
     )
-    uvicorn.Server(config).run()
-    return 0
+    server = _Server(config, lambda: _banner(settings, admin, app.state.runtime.engine.model_name))
+    server.run()
+    return 0 if server.started else 1
+
+
+class _Server(uvicorn.Server):
+    """Prints the banner once the socket listens, so the printed curl works at once."""
+
+    def __init__(self, config: uvicorn.Config, on_started: Callable[[], None]) -> None:
+        super().__init__(config)
+        self.on_started = on_started
+
+    async def startup(self, sockets: list[socket.socket] | None = None) -> None:
+        await super().startup(sockets)
+        if self.started:
+            self.on_started()
 
 
 def _migrate_or_explain(settings: Settings) -> None:

@@ -25,6 +25,7 @@ class Settings:
     admin_key: str | None  # bootstrap: ensure this admin key exists
     kv_cache_bytes: int
     max_num_seqs: int
+    engine_threads: int
     log_level: str
 
     @classmethod
@@ -43,6 +44,9 @@ class Settings:
             admin_key=env.get("TOLLGATE_ADMIN_KEY", "").strip() or None,
             kv_cache_bytes=_int(env, "TOLLGATE_KV_CACHE_BYTES", 256 * 2**20, low=2**20),
             max_num_seqs=_int(env, "TOLLGATE_MAX_NUM_SEQS", 32, low=1, high=4096),
+            engine_threads=_int(
+                env, "TOLLGATE_ENGINE_THREADS", max(1, (os.cpu_count() or 2) - 1), low=1
+            ),
             log_level=env.get("TOLLGATE_LOG_LEVEL", "info").lower(),
         )
 

@@ -86,7 +86,7 @@ class ApiKeyService:
         if tenant is not None:
             query = query.where(ApiKey.tenant_id == tenant.id)
         result = await self.session.execute(query.order_by(Tenant.name, ApiKey.created_at))
-        return [(key, tenant_name) for key, tenant_name in result.tuples()]
+        return [(key, tenant_name) for key, tenant_name in result.all()]
 
     async def revoke(self, key_id_or_prefix: str) -> ApiKey:
         result = await self.session.execute(
@@ -112,7 +112,7 @@ class ApiKeyService:
             .join(Tenant, Tenant.id == ApiKey.tenant_id)
             .where(ApiKey.prefix == prefix)
         )
-        row = result.tuples().one_or_none()
+        row = result.one_or_none()
         if row is None:
             return None
         key, tenant_name = row

@@ -9,7 +9,7 @@ from dataclasses import replace
 from pathlib import Path
 
 import pytest
-from backend.builtin import BUILTIN_MODEL_DIR
+from litestar import Litestar
 from litestar.testing import AsyncTestClient
 from sqlalchemy import create_engine, text
 from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
@@ -65,10 +65,11 @@ async def sessions(database_url: str) -> AsyncIterator[async_sessionmaker[AsyncS
 
 @pytest.fixture(scope="session")
 async def engine_client() -> AsyncIterator[InProcessEngineClient]:
-    """One engine on the built-in model, shared by every app test."""
-    client = await InProcessEngineClient.load(
-        BUILTIN_MODEL_DIR, engine_config(Settings.from_env({}))
-    )
+    """One engine on the built-in model (or TOLLGATE_TEST_MODEL), shared by every app test."""
+    from backend.builtin import BUILTIN_MODEL_DIR
+
+    model = Path(os.environ.get("TOLLGATE_TEST_MODEL") or BUILTIN_MODEL_DIR)
+    client = await InProcessEngineClient.load(model, engine_config(Settings.from_env({})))
     yield client
     await client.close()
 
@@ -76,10 +77,10 @@ async def engine_client() -> AsyncIterator[InProcessEngineClient]:
 @pytest.fixture
 async def client(
     settings: Settings, engine_client: InProcessEngineClient
-) -> AsyncIterator[AsyncTestClient[object]]:
+) -> AsyncIterator[AsyncTestClient[Litestar]]:
     app = create_app(settings, engine_client=engine_client)
     async with AsyncTestClient(app=app) as test_client:
-        yield test_client  # type: ignore[misc]
+        yield test_client
 
 
 @pytest.fixture

@@ -23,6 +23,8 @@ class ModelRunner:
         self.device = torch.device(config.device)
         if self.device.type == "cuda" and not torch.cuda.is_available():
             raise ValueError(f"device {config.device!r} requested but CUDA is not available")
+        if self.device.type == "cpu" and config.cpu_threads is not None:
+            torch.set_num_threads(config.cpu_threads)
         self.dtype = resolve_dtype(config.dtype, self.device, model_config)
         self.attention: AttentionBackend = TorchPagedAttention()
         self.model = load_model(

@@ -6,6 +6,7 @@ from __future__ import annotations
 from typing import Any
 
 from litestar import Request
+from litestar.di import NamedDependency
 
 from gateway.errors import AuthenticationFailed
 from gateway.runtime import Runtime
@@ -20,7 +21,9 @@ def bearer_token(request: Request[Any, Any, Any]) -> str | None:
     return token.strip()
 
 
-async def authenticate(request: Request[Any, Any, Any], runtime: Runtime) -> Principal:
+async def authenticate(
+    request: Request[Any, Any, Any], runtime: NamedDependency[Runtime]
+) -> Principal:
     token = bearer_token(request)
     if token is None:
         raise AuthenticationFailed(

@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 from litestar import MediaType, Response, get
+from litestar.di import NamedDependency
 from sqlalchemy import text
 
 from gateway.runtime import Runtime
@@ -17,7 +18,7 @@ async def healthz() -> dict[str, str]:
 
 
 @get("/readyz", media_type=MediaType.JSON)
-async def readyz(runtime: Runtime) -> Response[dict[str, Any]]:
+async def readyz(runtime: NamedDependency[Runtime]) -> Response[dict[str, Any]]:
     """Ready for traffic: the database answers and the engine is running."""
     checks = {"database": await _database_ok(runtime), "engine": _engine_ok(runtime)}
     ready = all(checks.values())

@@ -6,7 +6,8 @@ import uuid
 from typing import Any
 
 from litestar import Controller, MediaType, Request, Response, get, post
-from litestar.di import Provide
+from litestar.di import NamedDependency, Provide
+from litestar.params import FromPath
 from litestar.response import Stream
 
 from backend import SamplingParams
@@ -63,13 +64,13 @@ def _sampling(fields: SamplingFields, limit: int | None, room: int) -> SamplingP
         raise InvalidRequest(str(exc)) from None
 
 
-def _room(prompt: list[int], engine: EngineClient) -> int:
+def _room(prompt: list[int], engine: EngineClient, param: str) -> int:
     room = engine.max_model_len - len(prompt)
     if room <= 0:
         raise ContextLengthExceeded(
             f"the prompt is {len(prompt)} tokens; this model's context is "
             f"{engine.max_model_len} tokens",
-            param="messages",
+            param=param,
         )
     return room
 
@@ -80,19 +81,29 @@ class OpenAIController(Controller):
 
     @post("/chat/completions", status_code=200)
     async def chat_completions(
-        self, request: Request[Any, Any, Any], principal: Principal, runtime: Runtime
+        self,
+        request: Request[Any, Any, Any],
+        principal: NamedDependency[Principal],
+        runtime: NamedDependency[Runtime],
     ) -> Response[Any]:
         body = decode(await request.body(), ChatCompletionRequest)
         engine = runtime.engine
         _check_model(body.model, engine)
         messages = [{"role": m.role, "content": m.text()} for m in body.messages]
-        prompt = engine.encode(engine.render_chat(messages))
-        params = _sampling(body, body.output_limit(), _room(prompt, engine))
+        try:
+            rendered = engine.render_chat(messages)
+        except ValueError as exc:  # the template refused these messages (e.g. role order)
+            raise InvalidRequest(str(exc), param="messages") from None
+        prompt = engine.encode(rendered)
+        params = _sampling(body, body.output_limit(), _room(prompt, engine, "messages"))
         return await _run(runtime, principal, body, ChatFormat, "chat.completions", prompt, params)
 
     @post("/completions", status_code=200)
     async def completions(
-        self, request: Request[Any, Any, Any], principal: Principal, runtime: Runtime
+        self,
+        request: Request[Any, Any, Any],
+        principal: NamedDependency[Principal],
+        runtime: NamedDependency[Runtime],
     ) -> Response[Any]:
         body = decode(await request.body(), CompletionRequest)
         engine = runtime.engine
@@ -100,16 +111,21 @@ class OpenAIController(Controller):
         prompt = engine.encode(body.prompt) if isinstance(body.prompt, str) else body.prompt
         if not prompt:
             raise InvalidRequest("the prompt is empty", param="prompt")
-        params = _sampling(body, body.output_limit(), _room(prompt, engine))
+        params = _sampling(body, body.output_limit(), _room(prompt, engine, "prompt"))
         return await _run(runtime, principal, body, TextFormat, "completions", prompt, params)
 
     @get("/models")
-    async def list_models(self, runtime: Runtime, principal: Principal) -> dict[str, Any]:
+    async def list_models(
+        self, runtime: NamedDependency[Runtime], principal: NamedDependency[Principal]
+    ) -> dict[str, Any]:
         return {"object": "list", "data": [_model_card(runtime.engine)]}
 
     @get("/models/{model_id:str}")
     async def get_model(
-        self, model_id: str, runtime: Runtime, principal: Principal
+        self,
+        model_id: FromPath[str],
+        runtime: NamedDependency[Runtime],
+        principal: NamedDependency[Principal],
     ) -> dict[str, Any]:
         engine = runtime.engine
         _check_model(model_id, engine)
@@ -127,8 +143,8 @@ def _model_card(engine: EngineClient) -> dict[str, Any]:
 
 
 async def _run(
-    runtime: Runtime,
-    principal: Principal,
+    runtime: NamedDependency[Runtime],
+    principal: NamedDependency[Principal],
     body: SamplingFields,
     fmt: Format,
     endpoint: str,

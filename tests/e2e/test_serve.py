@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import queue
 import re
@@ -9,12 +10,14 @@ import socket
 import subprocess
 import sys
 import threading
+import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
 import openai
 import pytest
+from openai.types.chat import ChatCompletionChunk, ChatCompletionMessageParam
 from sqlalchemy import create_engine, text
 
 pytestmark = pytest.mark.e2e
@@ -52,6 +55,7 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
         "TOLLGATE_DATA_DIR": str(data_dir),
         "TOLLGATE_DATABASE_URL": "",
         "TOLLGATE_ADMIN_KEY": "",
+        "TOLLGATE_MODEL": os.environ.get("TOLLGATE_TEST_MODEL", ""),  # empty: the built-in
         "PYTHONUNBUFFERED": "1",
     }
     tollgate = Path(sys.executable).parent / "tollgate"
@@ -66,13 +70,14 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
     threading.Thread(target=_read_lines, args=(process.stdout, lines), daemon=True).start()
     output: list[str] = []
     try:
+        deadline = time.monotonic() + STARTUP_TIMEOUT_S
         while not any("Tollgate is ready" in line for line in output):
-            try:
-                output.append(lines.get(timeout=STARTUP_TIMEOUT_S))
-            except queue.Empty:
+            if process.poll() is not None or time.monotonic() > deadline:
                 pytest.fail("tollgate serve did not become ready:\n" + "".join(output))
+            with contextlib.suppress(queue.Empty):
+                output.append(lines.get(timeout=1))
         # The banner's remaining lines follow the ready line at once.
-        while not any("curl" in line for line in output):
+        while not any('"model"' in line for line in output):
             output.append(lines.get(timeout=10))
         banner = "".join(output)
         admin_key = re.search(r"Admin key \(new\): (tg-\S+)", banner)
@@ -109,25 +114,28 @@ def _usage_rows(server: Server) -> int:
 
 def test_chat_streams_and_not(server: Server) -> None:
     client = _client(server)
-    messages = [{"role": "user", "content": "What does json.dumps do?"}]
+    messages: list[ChatCompletionMessageParam] = [
+        {"role": "user", "content": "What does json.dumps do?"}
+    ]
     before = _usage_rows(server)
     whole = client.chat.completions.create(
         model=server.model,
         messages=messages,
         max_tokens=16,
-        temperature=0,  # type: ignore[arg-type]
+        temperature=0,
     )
     text_whole = whole.choices[0].message.content
     assert text_whole
     assert whole.usage is not None and 0 < whole.usage.completion_tokens <= 16
     stream = client.chat.completions.create(
         model=server.model,
-        messages=messages,  # type: ignore[arg-type]
+        messages=messages,
         max_tokens=16,
         temperature=0,
         stream=True,
     )
-    pieces = [chunk.choices[0].delta.content or "" for chunk in stream if chunk.choices]
+    chunks = [chunk for chunk in stream if isinstance(chunk, ChatCompletionChunk)]
+    pieces = [chunk.choices[0].delta.content or "" for chunk in chunks if chunk.choices]
     assert len([p for p in pieces if p]) > 1  # really streamed, not one blob
     assert "".join(pieces) == text_whole
     assert _usage_rows(server) == before + 2

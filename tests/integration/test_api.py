@@ -191,7 +191,7 @@ async def test_prompt_longer_than_the_context_gets_413(
         json={"model": engine_client.model_name, "prompt": prompt},
         headers=_auth(tenant_key),
     )
-    assert (await _assert_error(response, 413))["code"] == "context_length_exceeded"
+    assert (await _assert_error(response, 413, "prompt"))["code"] == "context_length_exceeded"
 
 
 async def test_probes(client: Client) -> None:
