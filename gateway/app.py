@@ -15,6 +15,7 @@ from backend.builtin import BUILTIN_MODEL_DIR
 from gateway.api.health import healthz, readyz
 from gateway.api.openai import OpenAIController
 from gateway.dispatch.engine_client import EngineClient, InProcessEngineClient
+from gateway.dispatch.remote import RemoteEngineClient
 from gateway.errors import (
     ApiError,
     handle_api_error,
@@ -40,6 +41,18 @@ def engine_config(settings: Settings) -> EngineConfig:
     )
 
 
+async def connect_engine(settings: Settings) -> EngineClient:
+    """Remote replicas when TOLLGATE_BACKENDS is set; otherwise the engine in this process."""
+    if settings.backends:
+        assert settings.backend_secret is not None  # Settings checks this pairing
+        return await RemoteEngineClient.connect(
+            settings.backends, settings.backend_secret, settings.data_dir
+        )
+    return await InProcessEngineClient.load(
+        settings.model_path or BUILTIN_MODEL_DIR, engine_config(settings)
+    )
+
+
 def create_app(
     settings: Settings | None = None,
     engine_client: EngineClient | None = None,
@@ -55,9 +68,7 @@ def create_app(
         runtime = Runtime(settings, db, sessions, UsageRecorder(sessions, DEFAULT_PRICE))
         app.state.runtime = runtime
         owned = engine_client is None
-        runtime.engine_client = engine_client or await InProcessEngineClient.load(
-            settings.model_path or BUILTIN_MODEL_DIR, engine_config(settings)
-        )
+        runtime.engine_client = engine_client or await connect_engine(settings)
         log.info("engine ready: model %s", runtime.engine_client.model_name)
         try:
             yield

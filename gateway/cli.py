@@ -42,6 +42,16 @@ def _parser() -> argparse.ArgumentParser:
     serve.add_argument("--model", type=Path, help="checkpoint folder (TOLLGATE_MODEL)")
     serve.set_defaults(handler=_serve)
 
+    backend = commands.add_parser("backend", help="inference backend replicas")
+    backend_commands = backend.add_subparsers(required=True)
+    backend_serve = backend_commands.add_parser(
+        "serve", help="run the engine behind the internal HTTP API (TOLLGATE_BACKEND_SECRET)"
+    )
+    backend_serve.add_argument("--model", type=Path, help="checkpoint folder (default: built-in)")
+    backend_serve.add_argument("--host", default="127.0.0.1")
+    backend_serve.add_argument("--port", type=int, default=9000)
+    backend_serve.set_defaults(handler=_backend_serve)
+
     database = commands.add_parser("db", help="database schema").add_subparsers(required=True)
     upgrade = database.add_parser("upgrade", help="apply migrations")
     upgrade.add_argument("revision", nargs="?", default="head")
@@ -91,6 +101,13 @@ def _serve(settings: Settings, args: argparse.Namespace) -> int:
 
     settings = settings.with_overrides(host=args.host, port=args.port, model_path=args.model)
     return serve(settings)
+
+
+def _backend_serve(settings: Settings, args: argparse.Namespace) -> int:
+    from gateway.serve import serve_backend
+
+    model = args.model or settings.model_path
+    return serve_backend(settings.with_overrides(host=args.host, port=args.port, model_path=model))
 
 
 def _db_upgrade(settings: Settings, args: argparse.Namespace) -> int:

@@ -51,13 +51,19 @@ class UsageRecorder:
         self._pending: set[asyncio.Task[None]] = set()
 
     def settle(self, charge: Charge, outcome: Outcome) -> asyncio.Task[None]:
-        task = asyncio.get_running_loop().create_task(self._write(charge, outcome))
+        """Write the row for this outcome as it is now (later changes do not leak in)."""
+        task = asyncio.get_running_loop().create_task(self._write(self._event(charge, outcome)))
         self._pending.add(task)
         task.add_done_callback(self._pending.discard)
         return task
 
-    async def _write(self, charge: Charge, outcome: Outcome) -> None:
-        event = UsageEvent(
+    def _event(self, charge: Charge, outcome: Outcome) -> UsageEvent:
+        # A request that failed on our side before sending anything costs the tenant nothing.
+        free = outcome.status == UsageStatus.FAILED and outcome.completion_tokens == 0
+        cost = self.price.cost_micros(
+            outcome.prompt_tokens, outcome.cached_tokens, outcome.completion_tokens
+        )
+        return UsageEvent(
             request_id=charge.request_id,
             tenant_id=charge.principal.tenant_id,
             api_key_id=charge.principal.key_id,
@@ -68,20 +74,20 @@ class UsageRecorder:
             prompt_tokens=outcome.prompt_tokens,
             cached_tokens=outcome.cached_tokens,
             completion_tokens=outcome.completion_tokens,
-            cost_micros=self.price.cost_micros(
-                outcome.prompt_tokens, outcome.cached_tokens, outcome.completion_tokens
-            ),
+            cost_micros=0 if free else cost,
             queue_ms=outcome.queue_ms,
             ttft_ms=outcome.ttft_ms,
             e2e_ms=outcome.e2e_ms,
             error=outcome.error,
         )
+
+    async def _write(self, event: UsageEvent) -> None:
         try:
             async with self.sessions.begin() as session:
                 await UsageService(session).record(event)
         except Exception:
             # Never silently: the request id lets an operator reconcile by hand.
-            log.exception("usage row not written", extra={"request_id": charge.request_id})
+            log.exception("usage row not written", extra={"request_id": event.request_id})
             raise
 
     async def drain(self) -> None:

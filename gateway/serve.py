@@ -11,7 +11,7 @@ from collections.abc import Callable
 import uvicorn
 from sqlalchemy.engine import make_url
 
-from gateway.app import create_app
+from gateway.app import create_app, engine_config
 from gateway.bootstrap import AdminKey, ensure_admin_key
 from gateway.settings import Settings
 from tenants import db
@@ -43,6 +43,31 @@ class _Server(uvicorn.Server):
         await super().startup(sockets)
         if self.started:
             self.on_started()
+
+
+def serve_backend(settings: Settings) -> int:
+    """One engine replica behind the internal HTTP API; gateways reach it by URL."""
+    from backend import AsyncEngine
+    from backend.builtin import BUILTIN_MODEL_DIR
+    from backend.server import create_backend_app
+
+    logging.basicConfig(
+        level=settings.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s %(message)s"
+    )
+    if not settings.backend_secret:
+        sys.exit("tollgate: set TOLLGATE_BACKEND_SECRET, the secret gateways must present")
+    model_dir = settings.model_path or BUILTIN_MODEL_DIR
+    engine = AsyncEngine.from_pretrained(model_dir, engine_config(settings))
+    app = create_backend_app(engine, model_dir, settings.backend_secret)
+    config = uvicorn.Config(
+        app, host=settings.host, port=settings.port, log_level=settings.log_level, lifespan="on"
+    )
+    banner = (
+        f"Tollgate backend ({engine.model_name}) ready on http://{settings.host}:{settings.port}"
+    )
+    server = _Server(config, lambda: print(banner, flush=True))
+    server.run()
+    return 0 if server.started else 1
 
 
 def _migrate_or_explain(settings: Settings) -> None:

@@ -26,6 +26,9 @@ class Settings:
     kv_cache_bytes: int
     max_num_seqs: int
     engine_threads: int
+    request_timeout_s: float
+    backends: tuple[str, ...]  # empty: the in-process engine
+    backend_secret: str | None
     log_level: str
 
     @classmethod
@@ -48,11 +51,22 @@ class Settings:
                 env, "TOLLGATE_ENGINE_THREADS", max(1, (os.cpu_count() or 2) - 1), low=1
             ),
             log_level=env.get("TOLLGATE_LOG_LEVEL", "info").lower(),
+            request_timeout_s=float(_int(env, "TOLLGATE_REQUEST_TIMEOUT_S", 600, low=1)),
+            backends=tuple(
+                url.strip().rstrip("/")
+                for url in env.get("TOLLGATE_BACKENDS", "").split(",")
+                if url.strip()
+            ),
+            backend_secret=env.get("TOLLGATE_BACKEND_SECRET", "").strip() or None,
         )
 
     def with_overrides(self, **changes: object) -> Settings:
         """A copy with command-line flags applied (None means: keep the env value)."""
         return replace(self, **{k: v for k, v in changes.items() if v is not None})  # type: ignore[arg-type]
+
+    def __post_init__(self) -> None:
+        if self.backends and not self.backend_secret:
+            raise SettingsError("TOLLGATE_BACKENDS needs TOLLGATE_BACKEND_SECRET (shared secret)")
 
     @property
     def admin_key_file(self) -> Path:

@@ -3,12 +3,14 @@ one engine on the built-in model for the whole session, and app clients."""
 
 from __future__ import annotations
 
+import asyncio
 import os
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import replace
 from pathlib import Path
 
 import pytest
+import uvicorn
 from litestar import Litestar
 from litestar.testing import AsyncTestClient
 from sqlalchemy import create_engine, text
@@ -90,3 +92,34 @@ async def tenant_key(sessions: async_sessionmaker[AsyncSession]) -> str:
         tenant = await TenantService(session).create("acme")
         created = await ApiKeyService(session).create(tenant, "test", KeyRole.TENANT)
     return created.secret
+
+
+async def eventually(check: Callable[[], Awaitable[bool] | bool], timeout_s: float = 10.0) -> None:
+    """Poll a condition that another task or process makes true (bounded, never a bare sleep)."""
+    deadline = asyncio.get_running_loop().time() + timeout_s
+    while True:
+        result = check()
+        if isinstance(result, Awaitable):
+            result = await result
+        if result:
+            return
+        if asyncio.get_running_loop().time() > deadline:
+            raise AssertionError(f"condition not met within {timeout_s} s")
+        await asyncio.sleep(0.01)
+
+
+@pytest.fixture
+async def live_server(
+    settings: Settings, engine_client: InProcessEngineClient
+) -> AsyncIterator[tuple[Litestar, str]]:
+    """The app behind a real uvicorn on a free loopback port, in this event loop."""
+    app = create_app(settings, engine_client=engine_client)
+    config = uvicorn.Config(app, host="127.0.0.1", port=0, lifespan="on", log_level="warning")
+    server = uvicorn.Server(config)
+    task = asyncio.create_task(server.serve())
+    await eventually(lambda: server.started or task.done())
+    assert server.started, "uvicorn did not start"
+    port = server.servers[0].sockets[0].getsockname()[1]
+    yield app, f"http://127.0.0.1:{port}"
+    server.should_exit = True
+    await task

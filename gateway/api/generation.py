@@ -12,10 +12,16 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any
 
-from backend import RequestOutput, SamplingParams
+from backend import EngineDeadError, RequestOutput, SamplingParams
 from gateway.api.schemas import encode
 from gateway.dispatch.engine_client import EngineClient
-from gateway.errors import ApiError, InternalError
+from gateway.errors import (
+    ApiError,
+    DeadlineExceeded,
+    EngineUnavailable,
+    InternalError,
+    InvalidRequest,
+)
 from gateway.metering import Charge, Outcome, UsageRecorder
 from tenants.models import UsageStatus
 
@@ -62,6 +68,7 @@ class Job:
     prompt: list[int]
     params: SamplingParams
     include_usage: bool = False
+    timeout_s: float = 600.0
     created: int = field(default_factory=lambda: int(time.time()))
     started: float = field(default_factory=time.monotonic)
 
@@ -100,42 +107,76 @@ def _usage(outcome: Outcome) -> dict[str, Any]:
     }
 
 
-def _fail(outcome: Outcome, exc: BaseException) -> ApiError:
+def _fail(outcome: Outcome, exc: BaseException, delivered: int) -> ApiError:
+    """Map an engine-side failure to its API error; bill only what reached the client."""
+    if isinstance(exc, ApiError):
+        error = exc
+    elif isinstance(exc, EngineDeadError):
+        error = EngineUnavailable("the engine stopped; retry shortly", headers={"Retry-After": "1"})
+    elif isinstance(exc, ValueError):
+        error = InvalidRequest(str(exc))
+    else:
+        error = InternalError("the engine failed this request")
     outcome.status = UsageStatus.FAILED
-    error = exc if isinstance(exc, ApiError) else InternalError("the engine failed this request")
     outcome.error = error.code or error.type
+    outcome.completion_tokens = delivered
     return error
+
+
+def _cancelled(outcome: Outcome, delivered: int) -> Outcome:
+    outcome.status = UsageStatus.CANCELLED
+    outcome.completion_tokens = delivered
+    return outcome
+
+
+async def _outputs(job: Job, engine: EngineClient) -> AsyncIterator[RequestOutput]:
+    """The engine's outputs for this job, under its server-side deadline. A timeout closes
+    the engine's stream, which aborts the request there."""
+    deadline = asyncio.get_running_loop().time() + job.timeout_s
+    outputs = engine.generate(
+        job.prompt, job.params, job.charge.request_id, tenant=job.charge.principal.tenant_id
+    )
+    while True:
+        try:
+            async with asyncio.timeout_at(deadline):
+                out = await anext(outputs)
+        except StopAsyncIteration:
+            return
+        except TimeoutError:
+            raise DeadlineExceeded(
+                f"the request did not finish within {job.timeout_s:g} s"
+            ) from None
+        yield out
 
 
 async def complete(job: Job, engine: EngineClient, recorder: UsageRecorder) -> dict[str, Any]:
     """Run to the end and return the whole response body."""
     outcome = Outcome(prompt_tokens=len(job.prompt))
-    rid = job.charge.request_id
     pieces: list[str] = []
     settled = False
     try:
-        async for out in engine.generate(
-            job.prompt, job.params, rid, tenant=job.charge.principal.tenant_id
-        ):
+        async for out in _outputs(job, engine):
             _observe(outcome, job, out)
             pieces.append(out.text)
-        outcome.e2e_ms = (time.monotonic() - job.started) * 1000
         settled = True
-        await asyncio.shield(recorder.settle(job.charge, outcome))
+        await asyncio.shield(recorder.settle(job.charge, _finish(outcome, job)))
     except Exception as exc:
-        error = _fail(outcome, exc)
+        error = _fail(outcome, exc, delivered=0)
         settled = True
-        recorder.settle(job.charge, outcome)
+        recorder.settle(job.charge, _finish(outcome, job))
         raise error from exc
     finally:
-        if not settled:  # cancelled: the client went away
-            engine.abort(rid)
-            outcome.status = UsageStatus.CANCELLED
-            outcome.e2e_ms = (time.monotonic() - job.started) * 1000
-            recorder.settle(job.charge, outcome)
+        if not settled:  # cancelled: the client went away before the answer was sent
+            engine.abort(job.charge.request_id)
+            recorder.settle(job.charge, _finish(_cancelled(outcome, 0), job))
     body = job.envelope([job.format.choice("".join(pieces), outcome.finish_reason)], chunk=False)
     body["usage"] = _usage(outcome)
     return body
+
+
+def _finish(outcome: Outcome, job: Job) -> Outcome:
+    outcome.e2e_ms = (time.monotonic() - job.started) * 1000
+    return outcome
 
 
 def _sse(payload: dict[str, Any]) -> bytes:
@@ -145,7 +186,6 @@ def _sse(payload: dict[str, Any]) -> bytes:
 async def stream(job: Job, engine: EngineClient, recorder: UsageRecorder) -> AsyncIterator[bytes]:
     """Server-sent events; the completion tokens billed are the ones written out."""
     outcome = Outcome(prompt_tokens=len(job.prompt))
-    rid = job.charge.request_id
     delivered = 0
     settled = False
 
@@ -157,30 +197,24 @@ async def stream(job: Job, engine: EngineClient, recorder: UsageRecorder) -> Asy
 
     try:
         yield chunk("", None, first=True)
-        async for out in engine.generate(
-            job.prompt, job.params, rid, tenant=job.charge.principal.tenant_id
-        ):
+        async for out in _outputs(job, engine):
             _observe(outcome, job, out)
             if out.text:
                 yield chunk(out.text, None, first=False)
             delivered = out.completion_tokens  # reached only once the chunk was sent
         yield chunk("", outcome.finish_reason, first=False)
-        outcome.e2e_ms = (time.monotonic() - job.started) * 1000
         settled = True
-        await asyncio.shield(recorder.settle(job.charge, outcome))
+        await asyncio.shield(recorder.settle(job.charge, _finish(outcome, job)))
         if job.include_usage:
             yield _sse({**job.envelope([], chunk=True), "usage": _usage(outcome)})
         yield b"data: [DONE]\n\n"
     except Exception as exc:
-        error = _fail(outcome, exc)
+        error = _fail(outcome, exc, delivered)
         if not settled:
             settled = True
-            recorder.settle(job.charge, outcome)
+            recorder.settle(job.charge, _finish(outcome, job))
         yield _sse(error.body())
     finally:
         if not settled:  # the client disconnected mid-stream
-            engine.abort(rid)
-            outcome.status = UsageStatus.CANCELLED
-            outcome.completion_tokens = delivered
-            outcome.e2e_ms = (time.monotonic() - job.started) * 1000
-            recorder.settle(job.charge, outcome)
+            engine.abort(job.charge.request_id)
+            recorder.settle(job.charge, _finish(_cancelled(outcome, delivered), job))

@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import uuid
-from typing import Any
+from collections.abc import Awaitable
+from typing import Any, TypeVar
 
 from litestar import Controller, MediaType, Request, Response, get, post
 from litestar.di import NamedDependency, Provide
@@ -21,10 +24,12 @@ from gateway.api.schemas import (
     decode,
 )
 from gateway.dispatch.engine_client import EngineClient
-from gateway.errors import ContextLengthExceeded, InvalidRequest, NotFound
+from gateway.errors import Cancelled, ContextLengthExceeded, InvalidRequest, NotFound
 from gateway.metering import Charge
 from gateway.runtime import Runtime
 from tenants.services import Principal
+
+T = TypeVar("T")
 
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 
@@ -96,7 +101,8 @@ class OpenAIController(Controller):
             raise InvalidRequest(str(exc), param="messages") from None
         prompt = engine.encode(rendered)
         params = _sampling(body, body.output_limit(), _room(prompt, engine, "messages"))
-        return await _run(runtime, principal, body, ChatFormat, "chat.completions", prompt, params)
+        job = _job(runtime, principal, body, ChatFormat, "chat.completions", prompt, params)
+        return await _respond(request, runtime, job, stream=body.stream)
 
     @post("/completions", status_code=200)
     async def completions(
@@ -112,7 +118,8 @@ class OpenAIController(Controller):
         if not prompt:
             raise InvalidRequest("the prompt is empty", param="prompt")
         params = _sampling(body, body.output_limit(), _room(prompt, engine, "prompt"))
-        return await _run(runtime, principal, body, TextFormat, "completions", prompt, params)
+        job = _job(runtime, principal, body, TextFormat, "completions", prompt, params)
+        return await _respond(request, runtime, job, stream=body.stream)
 
     @get("/models")
     async def list_models(
@@ -142,29 +149,56 @@ def _model_card(engine: EngineClient) -> dict[str, Any]:
     }
 
 
-async def _run(
-    runtime: NamedDependency[Runtime],
-    principal: NamedDependency[Principal],
+def _job(
+    runtime: Runtime,
+    principal: Principal,
     body: SamplingFields,
     fmt: Format,
     endpoint: str,
     prompt: list[int],
     params: SamplingParams,
-) -> Response[Any]:
-    request_id = new_request_id()
-    job = Job(
-        charge=Charge(request_id, principal, body.model, endpoint),
+) -> Job:
+    return Job(
+        charge=Charge(new_request_id(), principal, body.model, endpoint),
         format=fmt,
         prompt=prompt,
         params=params,
         include_usage=body.include_usage(),
+        timeout_s=runtime.settings.request_timeout_s,
     )
-    headers = {"x-request-id": request_id}
-    if body.stream:
-        return Stream(
-            generation.stream(job, runtime.engine, runtime.recorder),
-            media_type="text/event-stream",
-            headers={**SSE_HEADERS, **headers},
-        )
-    result = await generation.complete(job, runtime.engine, runtime.recorder)
+
+
+async def _respond(
+    request: Request[Any, Any, Any], runtime: Runtime, job: Job, *, stream: bool
+) -> Response[Any]:
+    headers = {"x-request-id": job.charge.request_id}
+    if stream:
+        # Litestar cancels the stream when the client disconnects; generation aborts then.
+        events = generation.stream(job, runtime.engine, runtime.recorder)
+        return Stream(events, media_type="text/event-stream", headers={**SSE_HEADERS, **headers})
+    work = generation.complete(job, runtime.engine, runtime.recorder)
+    result = await _unless_disconnected(request, work)
     return Response(result, media_type=MediaType.JSON, headers=headers)
+
+
+async def _unless_disconnected(request: Request[Any, Any, Any], work: Awaitable[T]) -> T:
+    """Await `work`, cancelling it (which aborts the engine request) if the client leaves."""
+    task = asyncio.ensure_future(work)
+    watcher = asyncio.ensure_future(_disconnected(request))
+    try:
+        await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watcher.cancel()
+        if not task.done():
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+    if task.cancelled():
+        raise Cancelled("the client closed the connection")
+    return task.result()
+
+
+async def _disconnected(request: Request[Any, Any, Any]) -> None:
+    # The body has been read, so the next ASGI message is the disconnect.
+    while (await request.receive())["type"] != "http.disconnect":
+        pass

@@ -1,0 +1,158 @@
+"""The engine behind an internal HTTP API, for remote mode (`tollgate backend serve`).
+
+Every route but /healthz needs the shared secret in `x-tollgate-secret`. Generation
+streams newline-delimited JSON, one RequestOutput per line; a client that disconnects
+aborts its request, so the engine never works for nobody.
+"""
+
+from __future__ import annotations
+
+import hmac
+import time
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import msgspec
+from litestar import Litestar, MediaType, Request, Response, Router, get, post
+from litestar.connection import ASGIConnection
+from litestar.exceptions import NotAuthorizedException
+from litestar.handlers.base import BaseRouteHandler
+from litestar.response import Stream
+
+from backend.errors import EngineDeadError
+from backend.sampling import SamplingParams
+
+if TYPE_CHECKING:
+    from backend.engine.async_engine import AsyncEngine
+
+SECRET_HEADER = "x-tollgate-secret"  # noqa: S105 (a header name, not a secret)
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "generation_config.json")
+
+
+class GenerateBody(msgspec.Struct):
+    request_id: str
+    prompt: list[int]
+    params: SamplingParams
+    priority: int = 0
+    tenant: str | None = None
+    timeout_s: float | None = None  # relative: monotonic clocks differ between hosts
+
+
+class AbortBody(msgspec.Struct):
+    request_id: str
+
+
+def _engine(request: Request[Any, Any, Any]) -> AsyncEngine:
+    engine: AsyncEngine = request.app.state.engine
+    return engine
+
+
+@post("/internal/generate", status_code=200)
+async def generate(request: Request[Any, Any, Any]) -> Response[Any]:
+    try:
+        body = msgspec.json.decode(await request.body(), type=GenerateBody)
+    except (msgspec.ValidationError, msgspec.DecodeError, ValueError) as exc:
+        return Response({"error": str(exc)}, status_code=400)
+    engine = _engine(request)
+    if not engine.is_running():
+        return Response({"error": "engine is not running"}, status_code=503)
+    deadline = None if body.timeout_s is None else time.monotonic() + body.timeout_s
+    outputs = engine.generate(
+        body.prompt,
+        body.params,
+        request_id=body.request_id,
+        priority=body.priority,
+        deadline=deadline,
+        tenant=body.tenant,
+    )
+    return Stream(_ndjson(outputs), media_type="application/x-ndjson")
+
+
+async def _ndjson(outputs: AsyncIterator[Any]) -> AsyncIterator[bytes]:
+    encoder = msgspec.json.Encoder()
+    try:
+        async for out in outputs:
+            yield encoder.encode(out) + b"\n"
+    except (ValueError, EngineDeadError) as exc:
+        # The request never started, or the engine died: the client gets a typed error line.
+        kind = "engine_dead" if isinstance(exc, EngineDeadError) else "invalid_request"
+        yield encoder.encode({"error": str(exc), "kind": kind}) + b"\n"
+
+
+@post("/internal/abort", status_code=200)
+async def abort(request: Request[Any, Any, Any]) -> dict[str, bool]:
+    body = msgspec.json.decode(await request.body(), type=AbortBody)
+    _engine(request).abort(body.request_id)
+    return {"ok": True}
+
+
+@get("/internal/info", media_type=MediaType.JSON)
+async def info(request: Request[Any, Any, Any]) -> dict[str, Any]:
+    """What a gateway needs to tokenize locally: the model's name, context and tokenizer."""
+    engine = _engine(request)
+    model_dir: Path = request.app.state.model_dir
+    files = {
+        name: (model_dir / name).read_text(encoding="utf-8")
+        for name in TOKENIZER_FILES
+        if (model_dir / name).is_file()
+    }
+    return {"model": engine.model_name, "max_model_len": engine.max_model_len, "files": files}
+
+
+@get("/internal/stats", media_type=MediaType.JSON)
+async def stats(request: Request[Any, Any, Any]) -> dict[str, Any]:
+    engine = _engine(request)
+    stats: dict[str, Any] = msgspec.to_builtins(engine.stats())
+    return {"running": engine.is_running(), **stats}
+
+
+@get("/metrics", media_type=MediaType.TEXT)
+async def metrics(request: Request[Any, Any, Any]) -> str:
+    engine = _engine(request)
+    lines = []
+    for name, value in msgspec.to_builtins(engine.stats()).items():
+        if isinstance(value, int | float) and not isinstance(value, bool):
+            metric = f"tollgate_engine_{name}"
+            lines += [f"# TYPE {metric} gauge", f"{metric} {value}"]
+    return "\n".join(lines) + "\n"
+
+
+@get("/healthz", media_type=MediaType.JSON)
+async def healthz(request: Request[Any, Any, Any]) -> Response[dict[str, str]]:
+    running = _engine(request).is_running()
+    return Response({"status": "ok" if running else "dead"}, status_code=200 if running else 503)
+
+
+def create_backend_app(engine: AsyncEngine, model_dir: Path, secret: str) -> Litestar:
+    if not secret:
+        raise ValueError("the backend needs a shared secret (TOLLGATE_BACKEND_SECRET)")
+
+    def require_secret(connection: ASGIConnection[Any, Any, Any, Any], _: BaseRouteHandler) -> None:
+        # The header for gateways; a bearer token for Prometheus scrapers.
+        given = connection.headers.get(SECRET_HEADER) or connection.headers.get(
+            "authorization", ""
+        ).removeprefix("Bearer ")
+        if not hmac.compare_digest(given.encode(), secret.encode()):
+            raise NotAuthorizedException("missing or wrong backend secret")
+
+    @asynccontextmanager
+    async def lifespan(app: Litestar) -> AsyncIterator[None]:
+        app.state.engine = engine
+        app.state.model_dir = model_dir
+        try:
+            yield
+        finally:
+            await engine.shutdown()
+
+    return Litestar(
+        route_handlers=[
+            Router(
+                "/", route_handlers=[generate, abort, info, stats, metrics], guards=[require_secret]
+            ),
+            healthz,
+        ],
+        lifespan=[lifespan],
+        openapi_config=None,
+    )

@@ -1,0 +1,212 @@
+"""The engine as remote backend replicas over the internal HTTP API (backend/server.py).
+
+A request is retried on another replica only while nothing of it has been handed back,
+so no client ever sees a token twice; a replica that dies mid-stream fails that stream
+with EngineUnavailable, which the gateway turns into a clean error event.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import AsyncIterator, Sequence
+from pathlib import Path
+from typing import Any
+
+import httpx
+import msgspec
+
+from backend import RequestOutput, SamplingParams
+from backend.server import SECRET_HEADER
+from backend.tokenizer import Tokenizer
+from gateway.dispatch.routing import Replica, affinity_key, pick
+from gateway.errors import EngineUnavailable
+
+log = logging.getLogger(__name__)
+
+HEALTH_INTERVAL_S = 1.0
+CONNECT_TIMEOUT_S = 2.0
+
+
+class ReplicaFailed(Exception):
+    """The replica broke the stream (connection lost, engine dead, bad reply)."""
+
+
+class RemoteEngineClient:
+    def __init__(
+        self,
+        replicas: Sequence[str],
+        secret: str,
+        tokenizer: Tokenizer,
+        model_name: str,
+        max_model_len: int,
+    ) -> None:
+        self.replicas = [Replica(url) for url in replicas]
+        self.tokenizer = tokenizer
+        self.model_name = model_name
+        self.max_model_len = max_model_len
+        self._http = httpx.AsyncClient(
+            headers={SECRET_HEADER: secret},
+            timeout=httpx.Timeout(None, connect=CONNECT_TIMEOUT_S),
+            limits=httpx.Limits(max_connections=None, max_keepalive_connections=64),
+        )
+        self._placements: dict[str, Replica] = {}
+        self._decoder = msgspec.json.Decoder(type=RequestOutput)
+        self._health: asyncio.Task[None] | None = None
+
+    @classmethod
+    async def connect(
+        cls, replicas: Sequence[str], secret: str, cache_dir: Path
+    ) -> RemoteEngineClient:
+        """Learn the model and its tokenizer from the first replica that answers."""
+        info = await _fetch_info(replicas, secret)
+        folder = cache_dir / "tokenizers" / info["model"]
+        folder.mkdir(parents=True, exist_ok=True)
+        for name, content in info["files"].items():
+            (folder / Path(name).name).write_text(content, encoding="utf-8")
+        client = cls(replicas, secret, Tokenizer(folder), info["model"], info["max_model_len"])
+        await client.refresh()
+        client._health = asyncio.get_running_loop().create_task(client._watch())
+        return client
+
+    def encode(self, text: str) -> list[int]:
+        return self.tokenizer.encode(text)
+
+    def render_chat(self, messages: list[dict[str, str]]) -> str:
+        return self.tokenizer.apply_chat_template(messages)
+
+    def is_ready(self) -> bool:
+        return any(r.healthy for r in self.replicas)
+
+    async def generate(
+        self,
+        prompt: list[int],
+        params: SamplingParams,
+        request_id: str,
+        *,
+        priority: int = 0,
+        tenant: str | None = None,
+    ) -> AsyncIterator[RequestOutput]:
+        body = msgspec.json.encode(
+            {
+                "request_id": request_id,
+                "prompt": prompt,
+                "params": params,
+                "priority": priority,
+                "tenant": tenant,
+            }
+        )
+        key = affinity_key(tenant, prompt)
+        tried: set[str] = set()
+        while True:
+            replica = pick(self.replicas, key, exclude=tried)
+            if replica is None:
+                raise EngineUnavailable(
+                    "no backend replica is available", headers={"Retry-After": "1"}
+                )
+            tried.add(replica.url)
+            started = False
+            replica.in_flight += 1
+            self._placements[request_id] = replica
+            try:
+                async for out in self._stream(replica, body):
+                    started = True
+                    yield out
+                return
+            except ReplicaFailed as exc:
+                replica.healthy = False  # the health check brings it back when it answers
+                log.warning("replica %s failed request %s: %s", replica.url, request_id, exc)
+                if started:
+                    raise EngineUnavailable(
+                        "the backend replica serving this request failed",
+                        code="replica_failed",
+                    ) from exc
+            finally:
+                replica.in_flight -= 1
+                self._placements.pop(request_id, None)
+
+    async def _stream(self, replica: Replica, body: bytes) -> AsyncIterator[RequestOutput]:
+        try:
+            async with self._http.stream(
+                "POST", f"{replica.url}/internal/generate", content=body
+            ) as response:
+                if response.status_code == 400:
+                    raise ValueError((await response.aread()).decode(errors="replace"))
+                if response.status_code != 200:
+                    raise ReplicaFailed(f"HTTP {response.status_code}")
+                async for line in response.aiter_lines():
+                    out = self._decode(line)
+                    yield out
+                    if out.finished:
+                        return
+        except httpx.TransportError as exc:
+            raise ReplicaFailed(repr(exc)) from exc
+        raise ReplicaFailed("the stream ended before the request finished")
+
+    def _decode(self, line: str) -> RequestOutput:
+        if line.startswith('{"error"'):
+            error: dict[str, Any] = msgspec.json.decode(line)
+            if error.get("kind") == "invalid_request":
+                raise ValueError(error["error"])
+            raise ReplicaFailed(error.get("error", "engine error"))
+        try:
+            return self._decoder.decode(line)
+        except msgspec.DecodeError as exc:
+            raise ReplicaFailed(f"unreadable reply: {exc}") from exc
+
+    def abort(self, request_id: str) -> None:
+        """Closing the stream already aborts on the replica; this says it explicitly."""
+        replica = self._placements.get(request_id)
+        if replica is not None:
+            asyncio.get_running_loop().create_task(self._abort(replica, request_id))
+
+    async def _abort(self, replica: Replica, request_id: str) -> None:
+        with contextlib.suppress(httpx.HTTPError):
+            await self._http.post(
+                f"{replica.url}/internal/abort", json={"request_id": request_id}, timeout=2.0
+            )
+
+    async def refresh(self) -> None:
+        """Poll every replica's stats: health and load for routing."""
+        await asyncio.gather(*(self._poll(r) for r in self.replicas))
+
+    async def _poll(self, replica: Replica) -> None:
+        try:
+            response = await self._http.get(f"{replica.url}/internal/stats", timeout=1.0)
+            stats = response.json() if response.status_code == 200 else None
+        except (httpx.HTTPError, ValueError):
+            stats = None
+        if stats is None or not stats.get("running"):
+            replica.healthy = False
+            return
+        replica.healthy = True
+        replica.waiting = int(stats.get("num_waiting", 0))
+        replica.running = int(stats.get("num_running", 0))
+        total = max(1, int(stats.get("kv_blocks_total", 1)))
+        replica.kv_used_fraction = int(stats.get("kv_blocks_used", 0)) / total
+
+    async def _watch(self) -> None:
+        while True:
+            await asyncio.sleep(HEALTH_INTERVAL_S)  # a polling period, not synchronisation
+            await self.refresh()
+
+    async def close(self) -> None:
+        if self._health is not None:
+            self._health.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._health
+        await self._http.aclose()
+
+
+async def _fetch_info(replicas: Sequence[str], secret: str) -> dict[str, Any]:
+    async with httpx.AsyncClient(headers={SECRET_HEADER: secret}, timeout=5.0) as http:
+        for url in replicas:
+            try:
+                response = await http.get(f"{url}/internal/info")
+            except httpx.HTTPError:
+                continue
+            if response.status_code == 200:
+                info: dict[str, Any] = response.json()
+                return info
+    raise EngineUnavailable(f"no backend replica answered: {', '.join(replicas)}")
