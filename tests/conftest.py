@@ -4,8 +4,9 @@ one engine on the built-in model for the whole session, and app clients."""
 from __future__ import annotations
 
 import asyncio
+import inspect
 import os
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Callable
 from dataclasses import replace
 from pathlib import Path
 
@@ -94,12 +95,12 @@ async def tenant_key(sessions: async_sessionmaker[AsyncSession]) -> str:
     return created.secret
 
 
-async def eventually(check: Callable[[], Awaitable[bool] | bool], timeout_s: float = 10.0) -> None:
+async def eventually(check: Callable[[], object], timeout_s: float = 10.0) -> None:
     """Poll a condition that another task or process makes true (bounded, never a bare sleep)."""
     deadline = asyncio.get_running_loop().time() + timeout_s
     while True:
         result = check()
-        if isinstance(result, Awaitable):
+        if inspect.isawaitable(result):
             result = await result
         if result:
             return
