@@ -2,27 +2,20 @@
 
 from __future__ import annotations
 
-import contextlib
 import os
-import queue
 import re
-import socket
 import subprocess
-import sys
-import threading
-import time
 from collections.abc import Iterator
 from dataclasses import dataclass
-from pathlib import Path
 
 import openai
 import pytest
 from openai.types.chat import ChatCompletionChunk, ChatCompletionMessageParam
 from sqlalchemy import create_engine, text
 
-pytestmark = pytest.mark.e2e
+from tests.e2e.processes import TOLLGATE, free_port, running, start
 
-STARTUP_TIMEOUT_S = 120
+pytestmark = pytest.mark.e2e
 
 
 @dataclass
@@ -31,55 +24,21 @@ class Server:
     admin_key: str
     model: str
     database_url: str
-    output: list[str]
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port: int = sock.getsockname()[1]
-        return port
-
-
-def _read_lines(stream: object, lines: queue.Queue[str]) -> None:
-    for line in stream:  # type: ignore[attr-defined]
-        lines.put(line)
 
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
     data_dir = tmp_path_factory.mktemp("serve")
-    port = _free_port()
+    port = free_port()
     env = {
-        **os.environ,
         "TOLLGATE_DATA_DIR": str(data_dir),
         "TOLLGATE_DATABASE_URL": "",
         "TOLLGATE_ADMIN_KEY": "",
         "TOLLGATE_MODEL": os.environ.get("TOLLGATE_TEST_MODEL", ""),  # empty: the built-in
-        "PYTHONUNBUFFERED": "1",
     }
-    tollgate = Path(sys.executable).parent / "tollgate"
-    process = subprocess.Popen(
-        [str(tollgate), "serve", "--port", str(port)],
-        env=env,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-    )
-    lines: queue.Queue[str] = queue.Queue()
-    threading.Thread(target=_read_lines, args=(process.stdout, lines), daemon=True).start()
-    output: list[str] = []
-    try:
-        deadline = time.monotonic() + STARTUP_TIMEOUT_S
-        while not any("Tollgate is ready" in line for line in output):
-            if process.poll() is not None or time.monotonic() > deadline:
-                pytest.fail("tollgate serve did not become ready:\n" + "".join(output))
-            with contextlib.suppress(queue.Empty):
-                output.append(lines.get(timeout=1))
-        # The banner's remaining lines follow the ready line at once.
-        while not any('"model"' in line for line in output):
-            output.append(lines.get(timeout=10))
-        banner = "".join(output)
+    process = start(["serve", "--port", str(port)], env)
+    with running(process):
+        banner = process.wait_for('"model"')  # the banner's last line, printed once listening
         admin_key = re.search(r"Admin key \(new\): (tg-\S+)", banner)
         model = re.search(r'"model": "([^"]+)"', banner)
         assert admin_key and model, banner
@@ -88,15 +47,7 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
             admin_key=admin_key.group(1),
             model=model.group(1),
             database_url=f"sqlite:///{data_dir / 'tollgate.db'}",
-            output=output,
         )
-    finally:
-        process.terminate()
-        try:
-            process.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            process.kill()
-            process.wait()
 
 
 def _client(server: Server, key: str | None = None) -> openai.OpenAI:
@@ -170,7 +121,7 @@ def test_errors_map_to_openai_exceptions(server: Server) -> None:
 
 def test_new_tenant_key_from_the_cli_works(server: Server) -> None:
     env = {**os.environ, "TOLLGATE_DATABASE_URL": server.database_url}
-    tollgate = str(Path(sys.executable).parent / "tollgate")
+    tollgate = TOLLGATE
     subprocess.run([tollgate, "tenants", "create", "beta"], env=env, check=True)
     created = subprocess.run(
         [tollgate, "keys", "create", "--tenant", "beta"],
