@@ -4,6 +4,7 @@ one engine on the built-in model for the whole session, and app clients."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import inspect
 import os
 from collections.abc import AsyncIterator, Callable
@@ -109,18 +110,25 @@ async def eventually(check: Callable[[], object], timeout_s: float = 10.0) -> No
         await asyncio.sleep(0.01)
 
 
-@pytest.fixture
-async def live_server(
-    settings: Settings, engine_client: InProcessEngineClient
-) -> AsyncIterator[tuple[Litestar, str]]:
-    """The app behind a real uvicorn on a free loopback port, in this event loop."""
-    app = create_app(settings, engine_client=engine_client)
+@contextlib.asynccontextmanager
+async def serving(app: Litestar) -> AsyncIterator[str]:
+    """Serve `app` with a real uvicorn on a free loopback port, in this event loop."""
     config = uvicorn.Config(app, host="127.0.0.1", port=0, lifespan="on", log_level="warning")
     server = uvicorn.Server(config)
     task = asyncio.create_task(server.serve())
     await eventually(lambda: server.started or task.done())
     assert server.started, "uvicorn did not start"
-    port = server.servers[0].sockets[0].getsockname()[1]
-    yield app, f"http://127.0.0.1:{port}"
-    server.should_exit = True
-    await task
+    try:
+        yield f"http://127.0.0.1:{server.servers[0].sockets[0].getsockname()[1]}"
+    finally:
+        server.should_exit = True
+        await task
+
+
+@pytest.fixture
+async def live_server(
+    settings: Settings, engine_client: InProcessEngineClient
+) -> AsyncIterator[tuple[Litestar, str]]:
+    app = create_app(settings, engine_client=engine_client)
+    async with serving(app) as base_url:
+        yield app, base_url

@@ -69,6 +69,8 @@ class Job:
     params: SamplingParams
     include_usage: bool = False
     timeout_s: float = 600.0
+    priority: int = 0
+    echo: str = ""  # completions: the prompt text, sent back before the answer
     created: int = field(default_factory=lambda: int(time.time()))
     started: float = field(default_factory=time.monotonic)
 
@@ -134,7 +136,11 @@ async def _outputs(job: Job, engine: EngineClient) -> AsyncIterator[RequestOutpu
     the engine's stream, which aborts the request there."""
     deadline = asyncio.get_running_loop().time() + job.timeout_s
     outputs = engine.generate(
-        job.prompt, job.params, job.charge.request_id, tenant=job.charge.principal.tenant_id
+        job.prompt,
+        job.params,
+        job.charge.request_id,
+        priority=job.priority,
+        tenant=job.charge.principal.tenant_id,
     )
     while True:
         try:
@@ -152,7 +158,7 @@ async def _outputs(job: Job, engine: EngineClient) -> AsyncIterator[RequestOutpu
 async def complete(job: Job, engine: EngineClient, recorder: UsageRecorder) -> dict[str, Any]:
     """Run to the end and return the whole response body."""
     outcome = Outcome(prompt_tokens=len(job.prompt))
-    pieces: list[str] = []
+    pieces: list[str] = [job.echo]
     settled = False
     try:
         async for out in _outputs(job, engine):
@@ -196,7 +202,7 @@ async def stream(job: Job, engine: EngineClient, recorder: UsageRecorder) -> Asy
         return _sse(body)
 
     try:
-        yield chunk("", None, first=True)
+        yield chunk(job.echo, None, first=True)
         async for out in _outputs(job, engine):
             _observe(outcome, job, out)
             if out.text:

@@ -119,6 +119,8 @@ class OpenAIController(Controller):
             raise InvalidRequest("the prompt is empty", param="prompt")
         params = _sampling(body, body.output_limit(), _room(prompt, engine, "prompt"))
         job = _job(runtime, principal, body, TextFormat, "completions", prompt, params)
+        if body.echo:
+            job.echo = body.prompt if isinstance(body.prompt, str) else engine.decode(prompt)
         return await _respond(request, runtime, job, stream=body.stream)
 
     @get("/models")
@@ -165,6 +167,7 @@ def _job(
         params=params,
         include_usage=body.include_usage(),
         timeout_s=runtime.settings.request_timeout_s,
+        priority=body.priority,
     )
 
 

@@ -20,6 +20,7 @@ PositiveInt = Annotated[int, Meta(ge=1)]
 NonNegativeInt = Annotated[int, Meta(ge=0)]
 TokenId = Annotated[int, Meta(ge=0)]
 StopList = Annotated[list[str], Meta(max_length=4)]
+MAX_PRIORITY = 9
 
 
 class StreamOptions(Struct):
@@ -58,6 +59,7 @@ class SamplingFields(Struct, kw_only=True):
     stop: str | StopList | None = None
     seed: int | None = None
     ignore_eos: bool = False
+    priority: Annotated[int, Meta(ge=0, le=MAX_PRIORITY)] = 0  # 0 is the most urgent
     user: str | None = None
 
     def stop_strings(self) -> list[str]:
@@ -79,6 +81,7 @@ class ChatCompletionRequest(SamplingFields, kw_only=True):
 
 class CompletionRequest(SamplingFields, kw_only=True):
     prompt: str | Annotated[list[TokenId], Meta(min_length=1)]
+    echo: bool = False
 
     def output_limit(self) -> int | None:
         return self.max_tokens

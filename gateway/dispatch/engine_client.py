@@ -20,6 +20,8 @@ class EngineClient(Protocol):
 
     def encode(self, text: str) -> list[int]: ...
 
+    def decode(self, ids: list[int]) -> str: ...
+
     def render_chat(self, messages: list[dict[str, str]]) -> str: ...
 
     def generate(
@@ -55,6 +57,9 @@ class InProcessEngineClient:
 
     def encode(self, text: str) -> list[int]:
         return self.engine.tokenizer.encode(text)
+
+    def decode(self, ids: list[int]) -> str:
+        return self.engine.tokenizer.decode(ids)
 
     def render_chat(self, messages: list[dict[str, str]]) -> str:
         return self.engine.tokenizer.apply_chat_template(messages)

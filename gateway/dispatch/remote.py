@@ -73,6 +73,9 @@ class RemoteEngineClient:
     def encode(self, text: str) -> list[int]:
         return self.tokenizer.encode(text)
 
+    def decode(self, ids: list[int]) -> str:
+        return self.tokenizer.decode(ids)
+
     def render_chat(self, messages: list[dict[str, str]]) -> str:
         return self.tokenizer.apply_chat_template(messages)
 

@@ -1,0 +1,189 @@
+"""The official `openai` client, sync and async, against a real server: the API works as
+the SDK expects, errors included."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+import openai
+import pytest
+from openai.types.chat import ChatCompletionMessageParam
+
+from gateway.app import create_app
+from gateway.dispatch.engine_client import InProcessEngineClient
+from gateway.settings import Settings
+from tenants import db
+from tests.conftest import serving
+
+MESSAGES: list[ChatCompletionMessageParam] = [
+    {"role": "user", "content": "What does json.dumps do?"}
+]
+
+
+@pytest.fixture
+def database_url(tmp_path: Path) -> str:
+    """SQLite only: these tests are about the API, the ledger is tested on both."""
+    url = f"sqlite:///{tmp_path / 'compat.db'}"
+    db.upgrade(url)
+    return url
+
+
+@pytest.fixture
+async def base_url(settings: Settings, engine_client: InProcessEngineClient) -> AsyncIterator[str]:
+    async with serving(create_app(settings, engine_client=engine_client)) as url:
+        yield url + "/v1"
+
+
+@pytest.fixture
+def clients(base_url: str, tenant_key: str) -> tuple[openai.OpenAI, openai.AsyncOpenAI]:
+    return (
+        openai.OpenAI(base_url=base_url, api_key=tenant_key, max_retries=0),
+        openai.AsyncOpenAI(base_url=base_url, api_key=tenant_key, max_retries=0),
+    )
+
+
+async def test_chat_sync_and_async_agree(
+    clients: tuple[openai.OpenAI, openai.AsyncOpenAI], engine_client: InProcessEngineClient
+) -> None:
+    sync, async_ = clients
+    model = engine_client.model_name
+    args: dict[str, Any] = {
+        "model": model,
+        "messages": MESSAGES,
+        "max_tokens": 10,
+        "temperature": 0,
+    }
+    first = await asyncio.to_thread(lambda: sync.chat.completions.create(**args))
+    second = await async_.chat.completions.create(**args)
+    assert first.choices[0].message.content == second.choices[0].message.content
+    assert first.choices[0].message.role == "assistant"
+    assert first.usage is not None and first.usage.prompt_tokens_details is not None
+    assert first.usage.prompt_tokens_details.cached_tokens is not None
+
+
+async def test_streaming_with_include_usage(
+    clients: tuple[openai.OpenAI, openai.AsyncOpenAI], engine_client: InProcessEngineClient
+) -> None:
+    _, client = clients
+    stream = await client.chat.completions.create(
+        model=engine_client.model_name,
+        messages=MESSAGES,
+        max_tokens=10,
+        temperature=0,
+        stream=True,
+        stream_options={"include_usage": True},
+    )
+    chunks = [chunk async for chunk in stream]
+    assert chunks[-1].choices == []
+    assert chunks[-1].usage is not None
+    assert all(chunk.usage is None for chunk in chunks[:-1])
+    assert 0 < chunks[-1].usage.completion_tokens <= 10
+    assert chunks[-2].choices[0].finish_reason in ("stop", "length")
+
+
+async def test_completions_echo_and_stream(
+    clients: tuple[openai.OpenAI, openai.AsyncOpenAI], engine_client: InProcessEngineClient
+) -> None:
+    _, client = clients
+    model = engine_client.model_name
+    plain = await client.completions.create(
+        model=model, prompt="Return the", max_tokens=6, temperature=0
+    )
+    echoed = await client.completions.create(
+        model=model, prompt="Return the", max_tokens=6, temperature=0, echo=True
+    )
+    assert echoed.choices[0].text == "Return the" + plain.choices[0].text
+    stream = await client.completions.create(
+        model=model, prompt="Return the", max_tokens=6, temperature=0, echo=True, stream=True
+    )
+    assert "".join([c.choices[0].text async for c in stream]) == echoed.choices[0].text
+
+
+async def test_stop_strings_cut_the_output(
+    clients: tuple[openai.OpenAI, openai.AsyncOpenAI], engine_client: InProcessEngineClient
+) -> None:
+    _, client = clients
+    args: dict[str, Any] = {
+        "model": engine_client.model_name,
+        "prompt": "Return the",
+        "max_tokens": 24,
+        "temperature": 0,
+        "extra_body": {"ignore_eos": True},
+    }
+    full = (await client.completions.create(**args)).choices[0].text
+    stop = full[len(full) // 2 :][:3]
+    assert stop.strip(), full
+    cut = await client.completions.create(**args, stop=[stop])
+    assert cut.choices[0].finish_reason == "stop"
+    assert cut.choices[0].text == full[: full.index(stop)]
+
+
+async def test_seed_reproduces_a_sampled_answer(
+    clients: tuple[openai.OpenAI, openai.AsyncOpenAI], engine_client: InProcessEngineClient
+) -> None:
+    _, client = clients
+    args: dict[str, Any] = {
+        "model": engine_client.model_name,
+        "prompt": "The",
+        "max_tokens": 16,
+        "temperature": 1.0,
+        "extra_body": {"ignore_eos": True},
+    }
+    texts = [(await client.completions.create(**args, seed=s)).choices[0].text for s in (7, 7, 8)]
+    assert texts[0] == texts[1]
+    assert texts[0] != texts[2]  # 16 sampled tokens: a collision would be a broken sampler
+
+
+async def test_request_id_header(
+    clients: tuple[openai.OpenAI, openai.AsyncOpenAI], engine_client: InProcessEngineClient
+) -> None:
+    _, client = clients
+    raw = await client.completions.with_raw_response.create(
+        model=engine_client.model_name, prompt="The", max_tokens=2
+    )
+    assert raw.headers["x-request-id"].startswith("req_")
+    assert raw.parse().id == "cmpl-" + raw.headers["x-request-id"].removeprefix("req_")
+
+
+async def test_each_error_has_its_exception_class(
+    clients: tuple[openai.OpenAI, openai.AsyncOpenAI],
+    base_url: str,
+    engine_client: InProcessEngineClient,
+) -> None:
+    _, client = clients
+    model = engine_client.model_name
+    stranger = openai.AsyncOpenAI(base_url=base_url, api_key="tg-nobody", max_retries=0)
+    with pytest.raises(openai.AuthenticationError):
+        await stranger.models.list()
+    with pytest.raises(openai.BadRequestError) as bad:
+        await client.chat.completions.create(model=model, messages=[])
+    assert bad.value.status_code == 400
+    with pytest.raises(openai.NotFoundError):
+        await client.chat.completions.create(model="no-such-model", messages=MESSAGES)
+    with pytest.raises(openai.APIStatusError) as too_long:
+        await client.completions.create(model=model, prompt=[1] * engine_client.max_model_len)
+    assert too_long.value.status_code == 413
+    with pytest.raises(openai.BadRequestError):
+        await client.completions.create(model=model, prompt="x", temperature=7)
+
+
+async def test_server_timeout_is_504_and_aborts(
+    settings: Settings, engine_client: InProcessEngineClient, tenant_key: str
+) -> None:
+    app = create_app(replace(settings, request_timeout_s=0.05), engine_client=engine_client)
+    async with serving(app) as url:
+        client = openai.AsyncOpenAI(base_url=url + "/v1", api_key=tenant_key, max_retries=0)
+        with pytest.raises(openai.InternalServerError) as info:
+            await client.completions.create(
+                model=engine_client.model_name,
+                prompt="The",
+                max_tokens=200,
+                extra_body={"ignore_eos": True},
+            )
+    assert info.value.status_code == 504
+    stats = engine_client.engine.stats()
+    assert stats.num_running == 0 and stats.kv_blocks_used == 0
