@@ -5,10 +5,23 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 
+@dataclass(frozen=True)
+class TokenLogprobs:
+    """Log-probabilities of one generated token under the model's raw distribution (before
+    temperature, top-k and top-p). `top` holds the `SamplingParams.logprobs` most likely
+    tokens as (token id, logprob), best first; it may or may not include `token_id`."""
+
+    token_id: int
+    logprob: float
+    rank: int  # 1 = the most likely token
+    top: list[tuple[int, float]]
+
+
 @dataclass
 class RequestOutput:
     """A delta: `text` and `token_ids` are new since the previous output of this request.
-    Times are time.monotonic() seconds."""
+    Times are time.monotonic() seconds. With SamplingParams.n > 1 each output belongs to
+    completion `index`; `finished` refers to that completion."""
 
     request_id: str
     text: str
@@ -16,16 +29,22 @@ class RequestOutput:
     finished: bool
     finish_reason: str | None  # "stop" | "length" | "abort"; None until finished
     prompt_tokens: int
-    completion_tokens: int  # cumulative
-    cached_tokens: int = 0
+    completion_tokens: int  # cumulative, for this completion
+    cached_tokens: int = 0  # prompt tokens served from the prefix cache
     arrival_time: float = 0.0
     first_scheduled_time: float | None = None  # queue time = this - arrival_time
     first_token_time: float | None = None
     token_times: list[float] = field(default_factory=list)  # one per id in token_ids
+    index: int = 0  # which of the n completions
+    logprobs: list[TokenLogprobs] | None = None  # one per id in token_ids, if requested
 
 
 @dataclass(frozen=True)
 class EngineStats:
+    """A snapshot. Every KV block is exactly one of used (referenced by a request), cached
+    (free, but holding a prefix that a later request may reuse; evicted LRU-first) or free.
+    `step_*` describe the last step; `total_*` and the counters are cumulative."""
+
     num_running: int
     num_waiting: int
     kv_blocks_total: int
@@ -33,3 +52,17 @@ class EngineStats:
     kv_blocks_free: int
     block_size: int
     num_steps: int
+    kv_blocks_cached: int = 0
+    prefix_cache_queries: int = 0  # tokens looked up in the prefix cache at admission
+    prefix_cache_hits: int = 0  # of those, tokens found (their prefill was skipped)
+    num_preemptions: int = 0
+    step_prefill_tokens: int = 0
+    step_decode_tokens: int = 0
+    total_prefill_tokens: int = 0
+    total_decode_tokens: int = 0
+
+    @property
+    def prefix_cache_hit_rate(self) -> float:
+        return (
+            self.prefix_cache_hits / self.prefix_cache_queries if self.prefix_cache_queries else 0.0
+        )

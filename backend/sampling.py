@@ -5,12 +5,19 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
+MAX_N = 16
+MAX_LOGPROBS = 20
+
 
 @dataclass(frozen=True)
 class SamplingParams:
     """temperature == 0 means greedy; top_k == 0 and top_p == 1 switch those filters off.
     A `seed` gives the request its own generator, so its tokens do not depend on what else
-    is in the batch. Stop strings are cut from the output text; stop tokens end it too."""
+    is in the batch. Stop strings are cut from the output text; stop tokens end it too.
+
+    `n` completions share the prompt's KV blocks; completion i draws with seed + i.
+    `logprobs` (0..MAX_LOGPROBS) adds each sampled token's logprob and that many
+    alternatives; None leaves them out."""
 
     max_tokens: int = 16
     temperature: float = 1.0
@@ -20,6 +27,8 @@ class SamplingParams:
     stop: list[str] = field(default_factory=list)
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
+    n: int = 1
+    logprobs: int | None = None
 
     def __post_init__(self) -> None:
         if not _is_int(self.max_tokens) or self.max_tokens < 1:
@@ -37,6 +46,13 @@ class SamplingParams:
         ids = self.stop_token_ids
         if not isinstance(ids, list) or not all(_is_int(t) and t >= 0 for t in ids):
             raise ValueError(f"stop_token_ids must be a list of token ids >= 0, got {ids!r}")
+        if not _is_int(self.n) or not 1 <= self.n <= MAX_N:
+            raise ValueError(f"n must be an integer in [1, {MAX_N}], got {self.n!r}")
+        lp = self.logprobs
+        if lp is not None and (not _is_int(lp) or not 0 <= lp <= MAX_LOGPROBS):
+            raise ValueError(
+                f"logprobs must be None or an integer in [0, {MAX_LOGPROBS}], got {lp!r}"
+            )
 
     @property
     def greedy(self) -> bool:

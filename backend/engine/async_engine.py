@@ -69,8 +69,9 @@ class AsyncEngine:
         deadline: float | None = None,
         tenant: str | None = None,
     ) -> AsyncGenerator[RequestOutput, None]:
-        """Yields deltas until one has finished=True. Leaving early (break, aclose, task
-        cancellation) aborts the request in the engine."""
+        """Yields deltas until every one of the params.n completions has yielded one with
+        finished=True. Leaving early (break, aclose, task cancellation) aborts the request
+        in the engine."""
         stream = _Stream(asyncio.get_running_loop(), asyncio.Queue())
         with self._lock:  # the same lock _fail_all takes, so no stream is left unanswered
             if self._dead is not None:
@@ -78,21 +79,22 @@ class AsyncEngine:
             if request_id in self._streams:
                 raise ValueError(f"request id {request_id!r} is already being generated")
             self._streams[request_id] = stream
-        added = finished = False
+        added = False
+        unfinished = params.n
         try:
             self.engine.add_request(request_id, prompt, params, priority, deadline, tenant)
             added = True
             self._wake.set()
-            while not finished:
+            while unfinished:
                 item = await stream.queue.get()
                 if isinstance(item, BaseException):
                     raise item
-                finished = item.finished
+                unfinished -= item.finished
                 yield item
         finally:
             with self._lock:
                 self._streams.pop(request_id, None)
-            if added and not finished:
+            if added and unfinished:
                 self.abort(request_id)
 
     def abort(self, request_id: str) -> None:

@@ -1,20 +1,21 @@
-"""The two small dataclasses that cross the scheduler / model runner seam each step."""
+"""The small dataclasses that cross the scheduler / model runner seam each step."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from backend.outputs import TokenLogprobs
 from backend.sampling import SamplingParams
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class ScheduledRequest:
     request_id: str
     token_ids: list[int]  # the tokens to compute this step
     start_pos: int  # == the request's num_computed_tokens before this step
     block_ids: list[int]  # the request's whole block table
     params: SamplingParams
-    sample: bool  # False for a prefill chunk that does not reach the prompt's end
+    sample: bool  # False for a chunk that does not reach the request's last token
 
 
 @dataclass(frozen=True)
@@ -22,12 +23,15 @@ class SchedulerOutput:
     requests: list[ScheduledRequest]
     # Requests that left since the last step, so the runner can drop their state.
     finished_request_ids: list[str] = field(default_factory=list)
+    num_prefill_tokens: int = 0  # prompt chunks and recomputation after preemption
+    num_decode_tokens: int = 0  # one per request generating its next token
 
     @property
     def num_tokens(self) -> int:
-        return sum(len(r.token_ids) for r in self.requests)
+        return self.num_prefill_tokens + self.num_decode_tokens
 
 
 @dataclass(frozen=True)
 class ModelRunnerOutput:
     sampled: dict[str, int]  # request id -> new token, for requests with sample=True
+    logprobs: dict[str, TokenLogprobs] = field(default_factory=dict)  # those that asked

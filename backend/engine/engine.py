@@ -5,6 +5,7 @@ thread that calls step(). New requests and aborts wait in an inbox until a step 
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
 from dataclasses import dataclass
@@ -13,18 +14,20 @@ from pathlib import Path
 from backend.config import EngineConfig
 from backend.engine.block_manager import BlockManager
 from backend.engine.model_runner import ModelRunner
-from backend.engine.request import Request, RequestStatus
+from backend.engine.request import Request, RequestStatus, fan_out
 from backend.engine.scheduler import Scheduler
 from backend.errors import PromptTooLongError
 from backend.loader import load_model_config
-from backend.outputs import EngineStats, RequestOutput
+from backend.outputs import EngineStats, RequestOutput, TokenLogprobs
 from backend.sampling import SamplingParams
 from backend.tokenizer import IncrementalDetokenizer, Tokenizer
 
+log = logging.getLogger(__name__)
+
 
 @dataclass
-class _Live:
-    """A request between add_request and its final output, with its text state."""
+class _Seq:
+    """One completion between add_request and its final output, with its text state."""
 
     request: Request
     detok: IncrementalDetokenizer
@@ -38,23 +41,38 @@ class Engine:
         self.model_dir = Path(model_dir)
         self.model_config = load_model_config(self.model_dir)
         self.tokenizer = Tokenizer(self.model_dir)
-        self.max_model_len = min(
-            config.max_model_len or config.max_num_batched_tokens,
-            self.model_config.max_position_embeddings,
+        context = self.model_config.max_position_embeddings
+        wanted = min(config.max_model_len or context, context)
+        self.runner = ModelRunner(self.model_dir, self.model_config, config, wanted)
+        self.block_manager = BlockManager(
+            self.runner.num_blocks, config.block_size, config.enable_prefix_caching
         )
-        self.runner = ModelRunner(self.model_dir, self.model_config, config, self.max_model_len)
-        self.block_manager = BlockManager(self.runner.num_blocks, config.block_size)
-        if self.block_manager.blocks_for(self.max_model_len) > self.block_manager.num_blocks:
-            raise ValueError(
-                f"the KV pool has {self.block_manager.num_blocks} blocks of {config.block_size} "
-                f"tokens, too few for one sequence of max_model_len={self.max_model_len}"
-            )
+        self.max_model_len = self._fit_max_model_len(wanted)
         self.scheduler = Scheduler(config, self.block_manager)
         self.num_steps = 0
+        self._step_tokens = (0, 0)  # prefill, decode tokens of the last step
+        self._total_tokens = (0, 0)
         self._lock = threading.Lock()
         self._inbox: list[Request] = []
         self._aborts: list[Request] = []
-        self._live: dict[str, _Live] = {}
+        self._groups: dict[str, list[Request]] = {}  # caller's id -> its n completions
+        self._seqs: dict[str, _Seq] = {}  # engine key -> completion state
+
+    def _fit_max_model_len(self, wanted: int) -> int:
+        """One sequence of max_model_len must fit the pool, or preemption could never
+        make room for it. An explicit max_model_len that does not fit is an error; the
+        default shrinks to what fits."""
+        bm = self.block_manager
+        capacity = bm.num_blocks * bm.block_size
+        if wanted <= capacity:
+            return wanted
+        if self.config.max_model_len is not None or capacity < 2:
+            raise ValueError(
+                f"the KV pool has {bm.num_blocks} blocks of {bm.block_size} tokens, "
+                f"too few for one sequence of max_model_len={wanted}"
+            )
+        log.info("max_model_len capped at %d tokens: the KV pool holds no more", capacity)
+        return capacity
 
     # -- any thread ---------------------------------------------------------------------
 
@@ -71,8 +89,10 @@ class Engine:
         that does not fit) in the caller's thread."""
         if not isinstance(params, SamplingParams):
             raise TypeError(f"params must be SamplingParams, got {type(params).__name__}")
+        if not isinstance(request_id, str) or "\0" in request_id:
+            raise ValueError("request_id must be a string without NUL characters")
         ids = self._prompt_ids(prompt)
-        req = Request(
+        reqs = fan_out(
             request_id,
             ids,
             params,
@@ -80,20 +100,24 @@ class Engine:
             priority=priority,
             deadline=deadline,
             tenant=tenant,
+            cache_salt=None if self.config.share_prefix_cache else tenant,
         )
         with self._lock:
-            if request_id in self._live:
+            if request_id in self._groups:
                 raise ValueError(f"request id {request_id!r} is already in the engine")
-            self._live[request_id] = _Live(req, IncrementalDetokenizer(self.tokenizer, ids))
-            self._inbox.append(req)
+            self._groups[request_id] = reqs
+            for req in reqs:
+                self._seqs[req.request_id] = _Seq(req, IncrementalDetokenizer(self.tokenizer, ids))
+            self._inbox += reqs
 
     def abort(self, request_id: str) -> None:
         """Idempotent; takes effect at the next step boundary. Unknown or finished ids are
-        ignored. The abort is bound to the request live now, not to a later one reusing the id."""
+        ignored. The abort is bound to the request live now, not to a later one reusing
+        the id. Aborts every completion of an n > 1 request."""
         with self._lock:
-            live = self._live.get(request_id)
-            if live is not None:
-                self._aborts.append(live.request)
+            reqs = self._groups.get(request_id)
+            if reqs is not None:
+                self._aborts += reqs
 
     def has_work(self) -> bool:
         with self._lock:
@@ -101,15 +125,23 @@ class Engine:
         return pending or self.scheduler.has_unfinished()
 
     def stats(self) -> EngineStats:
-        bm = self.block_manager
+        bm, sched = self.block_manager, self.scheduler
         return EngineStats(
-            num_running=len(self.scheduler.running),
-            num_waiting=len(self.scheduler.waiting) + len(self._inbox),
+            num_running=len(sched.running),
+            num_waiting=len(sched.waiting) + len(self._inbox),
             kv_blocks_total=bm.num_blocks,
             kv_blocks_used=bm.num_used_blocks,
-            kv_blocks_free=bm.num_free_blocks,
+            kv_blocks_free=bm.num_free_blocks - bm.num_cached_blocks,
             block_size=bm.block_size,
             num_steps=self.num_steps,
+            kv_blocks_cached=bm.num_cached_blocks,
+            prefix_cache_queries=sched.prefix_cache_queries,
+            prefix_cache_hits=sched.prefix_cache_hits,
+            num_preemptions=sched.num_preemptions,
+            step_prefill_tokens=self._step_tokens[0],
+            step_decode_tokens=self._step_tokens[1],
+            total_prefill_tokens=self._total_tokens[0],
+            total_decode_tokens=self._total_tokens[1],
         )
 
     # -- the step thread ----------------------------------------------------------------
@@ -127,8 +159,11 @@ class Engine:
         # Aborts that arrived during the forward pass win over its tokens.
         outputs += self._apply_aborts()
         for req, token in self.scheduler.update_from_output(batch, result):
-            outputs.append(self._process_token(req, token))
+            outputs.append(self._process_token(req, token, result.logprobs.get(req.request_id)))
         self.num_steps += 1
+        self._step_tokens = (batch.num_prefill_tokens, batch.num_decode_tokens)
+        prefill, decode = self._total_tokens
+        self._total_tokens = (prefill + batch.num_prefill_tokens, decode + batch.num_decode_tokens)
         return outputs
 
     def _apply_aborts(self) -> list[RequestOutput]:
@@ -137,13 +172,15 @@ class Engine:
         live = self.scheduler.requests
         ids = [r.request_id for r in reqs if live.get(r.request_id) is r]
         done = self.scheduler.finish_requests(ids, RequestStatus.FINISHED_ABORTED)
-        return [self._finish(req, "", [], []) for req in done]
+        return [self._finish(req, "", [], [], None) for req in done]
 
-    def _process_token(self, req: Request, token: int) -> RequestOutput:
+    def _process_token(
+        self, req: Request, token: int, logprobs: TokenLogprobs | None
+    ) -> RequestOutput:
         now = time.monotonic()
         if req.first_token_time is None:
             req.first_token_time = now
-        state = self._live[req.request_id]
+        state = self._seqs[req.request_id]
         status = self._stop_status(req, token)
         old_len = len(state.text)
         if status != RequestStatus.FINISHED_STOPPED:  # a stop token's text is never shown
@@ -159,10 +196,11 @@ class Engine:
         hold = 0 if status is not None or not stops else max(map(len, stops)) - 1
         end = max(len(state.text) - hold, state.sent)
         delta, state.sent = state.text[state.sent : end], end
+        lps = None if logprobs is None else [logprobs]
         if status is None:
-            return self._output(req, delta, [token], [now])
+            return self._output(req, delta, [token], [now], lps)
         self.scheduler.finish_requests([req.request_id], status)
-        return self._finish(req, delta, [token], [now])
+        return self._finish(req, delta, [token], [now], lps)
 
     def _stop_status(self, req: Request, token: int) -> RequestStatus | None:
         p = req.params
@@ -174,27 +212,45 @@ class Engine:
         return None
 
     def _finish(
-        self, req: Request, text: str, token_ids: list[int], times: list[float]
+        self,
+        req: Request,
+        text: str,
+        token_ids: list[int],
+        times: list[float],
+        logprobs: list[TokenLogprobs] | None,
     ) -> RequestOutput:
         with self._lock:
-            self._live.pop(req.request_id, None)
-        return self._output(req, text, token_ids, times)
+            self._seqs.pop(req.request_id, None)
+            group = self._groups.get(req.external_id)
+            if group is not None and all(r.is_finished for r in group):
+                del self._groups[req.external_id]
+        return self._output(req, text, token_ids, times, logprobs)
 
     def _output(
-        self, req: Request, text: str, token_ids: list[int], times: list[float]
+        self,
+        req: Request,
+        text: str,
+        token_ids: list[int],
+        times: list[float],
+        logprobs: list[TokenLogprobs] | None,
     ) -> RequestOutput:
+        if logprobs is None and req.params.logprobs is not None:
+            logprobs = []  # asked for, and none are new in this delta
         return RequestOutput(
-            request_id=req.request_id,
+            request_id=req.external_id,
             text=text,
             token_ids=token_ids,
             finished=req.is_finished,
             finish_reason=req.status.finish_reason,
             prompt_tokens=req.num_prompt_tokens,
             completion_tokens=len(req.output_token_ids),
+            cached_tokens=req.num_cached_tokens or 0,
             arrival_time=req.arrival_time,
             first_scheduled_time=req.first_scheduled_time,
             first_token_time=req.first_token_time,
             token_times=times,
+            index=req.index,
+            logprobs=logprobs,
         )
 
     def _prompt_ids(self, prompt: str | list[int]) -> list[int]:

@@ -10,9 +10,10 @@ import torch
 from backend.config import EngineConfig
 from backend.engine.batch import ModelRunnerOutput, ScheduledRequest, SchedulerOutput
 from backend.layers.attention import AttentionBackend, AttentionMetadata, TorchPagedAttention
-from backend.layers.sampler import sample
+from backend.layers.sampler import sample, token_logprobs
 from backend.loader import load_model, resolve_dtype
 from backend.models.config import ModelConfig
+from backend.outputs import TokenLogprobs
 
 
 class ModelRunner:
@@ -35,7 +36,7 @@ class ModelRunner:
             max_positions=max_model_len,
             backend=self.attention,
         )
-        self.num_blocks = config.num_kv_blocks or config.kv_cache_bytes // kv_bytes_per_block(
+        self.num_blocks = config.num_kv_blocks or self._kv_budget() // kv_bytes_per_block(
             model_config, config.block_size, self.dtype
         )
         # [layers][2 (K, V)][num_blocks, block_size, kv_heads, head_dim]
@@ -66,7 +67,27 @@ class ModelRunner:
         logits = self.model.logits(hidden[last])
         reqs = [batch.requests[i] for i in rows]
         tokens = sample(logits, [r.params for r in reqs], [self._generator(r) for r in reqs])
-        return ModelRunnerOutput({r.request_id: t for r, t in zip(reqs, tokens, strict=True)})
+        sampled = {r.request_id: t for r, t in zip(reqs, tokens, strict=True)}
+        return ModelRunnerOutput(sampled, self._logprobs(logits, reqs, tokens))
+
+    def _logprobs(
+        self, logits: torch.Tensor, reqs: list[ScheduledRequest], tokens: list[int]
+    ) -> dict[str, TokenLogprobs]:
+        want = [i for i, r in enumerate(reqs) if r.params.logprobs is not None]
+        if not want:
+            return {}
+        found = token_logprobs(
+            logits[want] if len(want) < len(reqs) else logits,
+            [tokens[i] for i in want],
+            [reqs[i].params.logprobs or 0 for i in want],
+        )
+        return {reqs[i].request_id: lp for i, lp in zip(want, found, strict=True)}
+
+    def _kv_budget(self) -> int:
+        if self.device.type != "cuda":
+            return self.config.kv_cache_bytes
+        free, total = torch.cuda.mem_get_info(self.device)
+        return gpu_kv_budget(total, free, self.config.gpu_memory_utilization)
 
     def _prepare(
         self, batch: SchedulerOutput
@@ -106,6 +127,13 @@ class ModelRunner:
             gen = torch.Generator(self.device).manual_seed(r.params.seed)
             self._generators[r.request_id] = gen
         return self._generators[r.request_id]
+
+
+def gpu_kv_budget(total: int, free: int, utilization: float) -> int:
+    """KV bytes on a GPU, measured once the weights are loaded: the engine may use
+    `utilization` of the device's memory, less what is already in use (weights, the CUDA
+    context, other processes). Activations live in the remaining headroom."""
+    return max(int(total * utilization) - (total - free), 0)
 
 
 def kv_bytes_per_block(cfg: ModelConfig, block_size: int, dtype: torch.dtype) -> int:

@@ -1,11 +1,12 @@
 """A request's state inside the engine. Progress has one measure: num_computed_tokens
-catches up with num_tokens (prompt + output); prefill and decode are not separate modes."""
+catches up with num_tokens (prompt + output); prefill, decode and recompute after a
+preemption are not separate modes."""
 
 from __future__ import annotations
 
 import enum
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from backend.sampling import SamplingParams
 
@@ -13,10 +14,11 @@ from backend.sampling import SamplingParams
 class RequestStatus(enum.IntEnum):
     WAITING = 0
     RUNNING = 1
+    PREEMPTED = 2  # back in the waiting queue, its output kept, its KV to be recomputed
     # Everything from here on is finished; is_finished compares against this.
-    FINISHED_STOPPED = 2
-    FINISHED_LENGTH = 3
-    FINISHED_ABORTED = 4
+    FINISHED_STOPPED = 3
+    FINISHED_LENGTH = 4
+    FINISHED_ABORTED = 5
 
     @property
     def is_finished(self) -> bool:
@@ -34,8 +36,12 @@ _FINISH_REASONS = {
 }
 
 
-@dataclass
+@dataclass(eq=False)  # identity equality: list.remove must find this very request
 class Request:
+    """`request_id` is the engine's key. Completion `index` of an n > 1 request is its own
+    Request (key `external_id + "\\0" + index` for index >= 1) that shares the prompt's
+    blocks of `fork_of`, the completion with index 0."""
+
     request_id: str
     prompt_token_ids: list[int]
     params: SamplingParams
@@ -43,12 +49,22 @@ class Request:
     priority: int = 0
     deadline: float | None = None
     tenant: str | None = None
+    cache_salt: str | None = None  # part of every block hash: no sharing across salts
+    external_id: str = ""  # the caller's id; defaults to request_id
+    index: int = 0
+    fork_of: Request | None = None
     arrival_time: float = field(default_factory=time.monotonic)
     status: RequestStatus = RequestStatus.WAITING
     output_token_ids: list[int] = field(default_factory=list)
     num_computed_tokens: int = 0
+    num_cached_tokens: int | None = None  # prefix-cache hit at first admission
+    num_preemptions: int = 0
+    block_hashes: list[bytes] = field(default_factory=list)  # chained, one per full block
     first_scheduled_time: float | None = None
     first_token_time: float | None = None
+
+    def __post_init__(self) -> None:
+        self.external_id = self.external_id or self.request_id
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -63,8 +79,44 @@ class Request:
         prompt_len = len(self.prompt_token_ids)
         if start >= prompt_len:
             return self.output_token_ids[start - prompt_len : end - prompt_len]
-        return (self.prompt_token_ids + self.output_token_ids)[start:end]
+        if end <= prompt_len:
+            return self.prompt_token_ids[start:end]
+        return self.prompt_token_ids[start:] + self.output_token_ids[: end - prompt_len]
 
     @property
     def is_finished(self) -> bool:
         return self.status.is_finished
+
+
+def fan_out(
+    request_id: str,
+    prompt_token_ids: list[int],
+    params: SamplingParams,
+    max_len: int,
+    *,
+    priority: int = 0,
+    deadline: float | None = None,
+    tenant: str | None = None,
+    cache_salt: str | None = None,
+) -> list[Request]:
+    """The params.n completions of one caller's request: index 0 keeps the caller's id;
+    index i draws with seed + i and is forked from index 0 (shares its prompt blocks)."""
+    reqs: list[Request] = []
+    for i in range(params.n):
+        seed = params.seed
+        reqs.append(
+            Request(
+                request_id if i == 0 else f"{request_id}\0{i}",
+                prompt_token_ids,
+                params if i == 0 or seed is None else replace(params, seed=seed + i),
+                max_len,
+                priority=priority,
+                deadline=deadline,
+                tenant=tenant,
+                cache_salt=cache_salt,
+                external_id=request_id,
+                index=i,
+                fork_of=reqs[0] if reqs else None,
+            )
+        )
+    return reqs

@@ -6,6 +6,7 @@ from collections.abc import Sequence
 
 import torch
 
+from backend.outputs import TokenLogprobs
 from backend.sampling import SamplingParams
 
 
@@ -50,3 +51,29 @@ def _top_k_top_p(logits: torch.Tensor, params: Sequence[SamplingParams]) -> torc
         mass_before = sorted_probs.cumsum(dim=-1) - sorted_probs
         sorted_logits.masked_fill_(mass_before > top_p[:, None], float("-inf"))
     return torch.full_like(logits, float("-inf")).scatter_(-1, order, sorted_logits)
+
+
+def token_logprobs(
+    logits: torch.Tensor, tokens: Sequence[int], num_top: Sequence[int]
+) -> list[TokenLogprobs]:
+    """Logprobs of each row's chosen token under the raw distribution, its rank, and the
+    row's num_top most likely alternatives (one topk for the whole batch)."""
+    logprobs = torch.log_softmax(logits.float(), dim=-1)
+    chosen = torch.tensor(tokens, device=logits.device)[:, None]
+    chosen_lp = logprobs.gather(-1, chosen)
+    ranks = (logprobs > chosen_lp).sum(-1) + 1
+    k = max(num_top)
+    top_lp, top_ids = logprobs.topk(k, dim=-1) if k else (logprobs[:, :0], chosen[:, :0])
+    rows = zip(
+        tokens,
+        chosen_lp[:, 0].tolist(),
+        ranks.tolist(),
+        top_ids.tolist(),
+        top_lp.tolist(),
+        num_top,
+        strict=True,
+    )
+    return [
+        TokenLogprobs(token, lp, rank, list(zip(ids[:n], lps[:n], strict=True)))
+        for token, lp, rank, ids, lps, n in rows
+    ]

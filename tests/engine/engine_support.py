@@ -13,6 +13,7 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, 
 from backend.config import EngineConfig
 from backend.engine.engine import Engine
 from backend.outputs import RequestOutput
+from tests.unit.backend.accounting import check_accounting
 
 BOS, EOS = "<s>", "</s>"
 CHAT_TEMPLATE = (
@@ -135,11 +136,8 @@ def run_to_completion(engine: Engine) -> dict[str, list[RequestOutput]]:
 
 
 def check_blocks(engine: Engine) -> None:
-    bm = engine.block_manager
-    assert bm.num_free_blocks + bm.num_used_blocks == bm.num_blocks
-    tables = [bm.block_ids(r.request_id) for r in engine.scheduler.running]
-    owned = [b for t in tables for b in t]
-    assert len(owned) == len(set(owned)) == bm.num_used_blocks
+    """free + cached + used == total; ref counts equal the tables holding each block."""
+    check_accounting(engine.block_manager, (r.request_id for r in engine.scheduler.running))
 
 
 def tokens_of(outputs: list[RequestOutput]) -> list[int]:

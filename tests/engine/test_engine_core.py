@@ -189,16 +189,18 @@ def test_max_num_seqs_and_continuous_batching(llama_dir: Path) -> None:
     assert stats.num_steps == step
 
 
-def test_kv_pool_admission_waits_for_room(llama_dir: Path) -> None:
-    # 24 blocks of 4 tokens: each request may grow to 5 + 40 tokens = 12 blocks.
-    engine = make_engine(llama_dir, num_kv_blocks=24, max_model_len=96)
+def test_a_small_kv_pool_preempts_and_recomputes(llama_dir: Path) -> None:
+    # 24 blocks of 4 tokens; each request grows to 5 + 40 tokens = 12 blocks.
     params = SamplingParams(max_tokens=40, temperature=0, ignore_eos=True)
-    for i in range(3):
-        engine.add_request(f"r{i}", [5, 6, 7, 8, 9], params)
-    first = engine.step()
-    assert engine.stats().num_running == 2 and engine.stats().num_waiting == 1
-    assert engine.stats().kv_blocks_used == 4
-    results = run_to_completion(engine)
-    for out in first:
-        results[out.request_id].insert(0, out)
-    assert all(len(tokens_of(results[f"r{i}"])) == 40 for i in range(3))
+    prompts = [[5 + i, 6, 7, 8, 9] for i in range(3)]
+    roomy = make_engine(llama_dir)
+    expected = []
+    for p in prompts:
+        expected.append(tokens_of(generate(roomy, p, params)))
+    engine = make_engine(llama_dir, num_kv_blocks=24, max_model_len=96)
+    for i, p in enumerate(prompts):
+        engine.add_request(f"r{i}", p, params)
+    results = run_to_completion(engine)  # checks the block books after every step
+    assert [tokens_of(results[f"r{i}"]) for i in range(3)] == expected
+    stats = engine.stats()
+    assert stats.num_preemptions > 0 and stats.kv_blocks_used == 0

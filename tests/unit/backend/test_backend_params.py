@@ -19,18 +19,23 @@ from backend import EngineConfig, SamplingParams
         ({"max_num_seqs": True}, "max_num_seqs"),
         ({"max_num_batched_tokens": 0}, "max_num_batched_tokens"),
         ({"max_model_len": 0}, "max_model_len"),
-        ({"max_model_len": 4096, "max_num_batched_tokens": 2048}, "max_model_len"),
+        ({"gpu_memory_utilization": 0.0}, "gpu_memory_utilization"),
+        ({"gpu_memory_utilization": 1.5}, "gpu_memory_utilization"),
+        ({"enable_prefix_caching": 1}, "enable_prefix_caching"),
+        ({"share_prefix_cache": "yes"}, "share_prefix_cache"),
         ({"dtype": "float64"}, "dtype"),
         ({"device": "tpu"}, "device"),
     ],
 )
 def test_engine_config_rejects(kwargs: dict[str, object], field: str) -> None:
-    with pytest.raises(ValueError, match=field):
+    with pytest.raises(ValueError, match=rf"^{field}\b"):
         EngineConfig(**kwargs)  # type: ignore[arg-type]
 
 
 def test_engine_config_accepts_the_defaults_and_cuda() -> None:
     assert EngineConfig().block_size == 16
+    # Chunked prefill: the context is no longer capped by the per-step token budget.
+    assert EngineConfig(max_model_len=8192, max_num_batched_tokens=512).max_model_len == 8192
     assert EngineConfig(device="cuda:1", dtype="bfloat16", num_kv_blocks=10).device == "cuda:1"
 
 
@@ -48,10 +53,15 @@ def test_engine_config_accepts_the_defaults_and_cuda() -> None:
         ({"stop": "###"}, "stop"),
         ({"stop": [""]}, "stop"),
         ({"stop_token_ids": [-1]}, "stop_token_ids"),
+        ({"n": 0}, "n"),
+        ({"n": 17}, "n"),
+        ({"logprobs": -1}, "logprobs"),
+        ({"logprobs": 21}, "logprobs"),
+        ({"logprobs": True}, "logprobs"),
     ],
 )
 def test_sampling_params_reject(kwargs: dict[str, object], field: str) -> None:
-    with pytest.raises(ValueError, match=field):
+    with pytest.raises(ValueError, match=rf"^{field}\b"):
         SamplingParams(**kwargs)  # type: ignore[arg-type]
 
 
@@ -59,6 +69,7 @@ def test_sampling_params_defaults_follow_the_interface() -> None:
     p = SamplingParams()
     assert (p.max_tokens, p.temperature, p.top_p, p.top_k, p.seed) == (16, 1.0, 1.0, 0, None)
     assert (p.stop, p.stop_token_ids, p.ignore_eos, p.greedy) == ([], [], False, False)
+    assert (p.n, p.logprobs) == (1, None)
     assert SamplingParams(temperature=0).greedy
 
 
