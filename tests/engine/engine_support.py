@@ -75,7 +75,7 @@ def build_checkpoint(folder: Path, kind: str = "llama", **overrides: Any) -> Pat
         "num_hidden_layers": 2,
         "num_attention_heads": 4,
         "num_key_value_heads": 2,
-        "max_position_embeddings": 256,
+        "max_position_embeddings": 1024,
         "bos_token_id": tok.token_to_id(BOS),
         "eos_token_id": tok.token_to_id(EOS),
         # Sharper logits than the default 0.02 so greedy argmax has no near-ties.
