@@ -7,6 +7,8 @@ import asyncio
 import logging
 import sys
 from collections.abc import Awaitable, Callable, Sequence
+from dataclasses import replace
+from decimal import Decimal, InvalidOperation
 from pathlib import Path
 from typing import TypeVar
 
@@ -15,8 +17,9 @@ from sqlalchemy.ext.asyncio import AsyncSession
 from gateway.settings import Settings, SettingsError
 from tenants import db
 from tenants.errors import DomainError
-from tenants.models import KeyRole
-from tenants.services import ApiKeyService, TenantService
+from tenants.limits import LIMIT_NAMES, LimitSet, PlanTerms
+from tenants.models import KeyRole, Plan
+from tenants.services import ApiKeyService, PlanService, TenantService
 
 T = TypeVar("T")
 
@@ -63,11 +66,29 @@ def _parser() -> argparse.ArgumentParser:
         handler=_db_current
     )
 
+    plans = commands.add_parser("plans", help="plans and their limits").add_subparsers(
+        required=True
+    )
+    create_plan = plans.add_parser("create", help="create a plan")
+    create_plan.add_argument("name")
+    _plan_flags(create_plan)
+    create_plan.set_defaults(handler=_plans_create)
+    update_plan = plans.add_parser("update", help="change a plan (flags not given stay)")
+    update_plan.add_argument("name")
+    _plan_flags(update_plan)
+    update_plan.set_defaults(handler=_plans_update)
+    plans.add_parser("list", help="list plans").set_defaults(handler=_plans_list)
+
     tenants = commands.add_parser("tenants", help="tenants").add_subparsers(required=True)
     create_tenant = tenants.add_parser("create", help="create a tenant")
     create_tenant.add_argument("name")
+    create_tenant.add_argument("--plan", help="plan name (default: none, i.e. unlimited)")
     create_tenant.set_defaults(handler=_tenants_create)
     tenants.add_parser("list", help="list tenants").set_defaults(handler=_tenants_list)
+    set_plan = tenants.add_parser("set-plan", help="move a tenant to a plan ('none': unlimited)")
+    set_plan.add_argument("name")
+    set_plan.add_argument("plan")
+    set_plan.set_defaults(handler=_tenants_set_plan)
 
     api_keys = commands.add_parser("keys", help="API keys").add_subparsers(required=True)
     create_key = api_keys.add_parser("create", help="create a key (printed once)")
@@ -78,10 +99,99 @@ def _parser() -> argparse.ArgumentParser:
     list_keys = api_keys.add_parser("list", help="list keys (prefixes only)")
     list_keys.add_argument("--tenant")
     list_keys.set_defaults(handler=_keys_list)
+    key_limits = api_keys.add_parser(
+        "limits", help="override the plan's limits for one key ('none' clears an override)"
+    )
+    key_limits.add_argument("key", help="key id or prefix")
+    _limit_flags(key_limits)
+    key_limits.set_defaults(handler=_keys_limits)
     revoke = api_keys.add_parser("revoke", help="revoke a key by id or prefix")
     revoke.add_argument("key")
     revoke.set_defaults(handler=_keys_revoke)
     return parser
+
+
+def _optional_int(text: str) -> int | None:
+    if text.lower() in ("none", "unlimited"):
+        return None
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"expected a whole number or 'none', got {text!r}"
+        ) from None
+    if value < 0:
+        raise argparse.ArgumentTypeError("must be >= 0")
+    return value
+
+
+def _budget(text: str) -> int | None:
+    """A monthly budget in currency units ('25.50'), stored in integer micro-units."""
+    if text.lower() in ("none", "unlimited"):
+        return None
+    try:
+        micros = Decimal(text) * 1_000_000
+    except InvalidOperation:
+        raise argparse.ArgumentTypeError(f"expected an amount like 25.50, got {text!r}") from None
+    if micros < 0 or micros != micros.to_integral_value():
+        raise argparse.ArgumentTypeError("budget must be >= 0 with at most 6 decimals")
+    return int(micros)
+
+
+_UNSET = object()  # a flag that was not given: keep the current value
+
+
+def _limit_flags(parser: argparse.ArgumentParser) -> None:
+    add = parser.add_argument
+    add("--rpm", type=_optional_int, default=_UNSET, help="requests per minute")
+    add("--tpm", type=_optional_int, default=_UNSET, help="tokens (in + out) per minute")
+    add("--concurrency", dest="max_concurrent", type=_optional_int, default=_UNSET)
+    add(
+        "--budget",
+        dest="monthly_budget_micros",
+        type=_budget,
+        default=_UNSET,
+        help="monthly budget in currency units, e.g. 25.00",
+    )
+    add("--max-tokens", dest="max_tokens_per_request", type=_optional_int, default=_UNSET)
+
+
+def _plan_flags(parser: argparse.ArgumentParser) -> None:
+    _limit_flags(parser)
+    add = parser.add_argument
+    add("--models", default=_UNSET, help="comma-separated allowed models, or 'all'")
+    add("--default-priority", type=int, default=_UNSET)
+    add("--max-priority", type=int, default=_UNSET, help="most urgent priority allowed (0-9)")
+    add("--weight", type=int, default=_UNSET, help="share of capacity under contention")
+
+
+def _limits_from(args: argparse.Namespace, current: LimitSet) -> LimitSet:
+    given = {n: getattr(args, n) for n in LIMIT_NAMES if getattr(args, n) is not _UNSET}
+    return replace(current, **given)
+
+
+def _terms_from(args: argparse.Namespace, current: PlanTerms) -> PlanTerms:
+    changes: dict[str, object] = {"limits": _limits_from(args, current.limits)}
+    if args.models is not _UNSET:
+        names = [m.strip() for m in args.models.split(",") if m.strip()]
+        changes["allowed_models"] = None if args.models == "all" else frozenset(names)
+    for name in ("default_priority", "max_priority", "weight"):
+        if getattr(args, name) is not _UNSET:
+            changes[name] = getattr(args, name)
+    return replace(current, **changes)  # type: ignore[arg-type]
+
+
+def _describe_plan(plan: Plan) -> str:
+    terms = PlanTerms.of(plan)
+    limits = ", ".join(
+        f"{name}={'-' if getattr(terms.limits, name) is None else getattr(terms.limits, name)}"
+        for name in LIMIT_NAMES
+    )
+    models = "all" if terms.allowed_models is None else ",".join(sorted(terms.allowed_models))
+    return (
+        f"{plan.name}\t{limits}\tmodels={models}\tpriority={terms.default_priority} "
+        f"(max {terms.max_priority})\tweight={terms.weight}"
+    )
 
 
 def _in_session(settings: Settings, work: Callable[[AsyncSession], Awaitable[T]]) -> T:
@@ -127,9 +237,62 @@ def _db_current(settings: Settings, args: argparse.Namespace) -> int:
     return 0
 
 
+def _plans_create(settings: Settings, args: argparse.Namespace) -> int:
+    async def work(session: AsyncSession) -> str:
+        plan = await PlanService(session).create(args.name, _terms_from(args, PlanTerms()))
+        return "created plan " + _describe_plan(plan)
+
+    print(_in_session(settings, work))
+    return 0
+
+
+def _plans_update(settings: Settings, args: argparse.Namespace) -> int:
+    async def work(session: AsyncSession) -> str:
+        service = PlanService(session)
+        current = PlanTerms.of(await service.get(args.name))
+        plan = await service.update(args.name, _terms_from(args, current))
+        return "updated plan " + _describe_plan(plan)
+
+    print(_in_session(settings, work))
+    return 0
+
+
+def _plans_list(settings: Settings, args: argparse.Namespace) -> int:
+    async def work(session: AsyncSession) -> list[str]:
+        return [_describe_plan(plan) for plan in await PlanService(session).list()]
+
+    print("\n".join(_in_session(settings, work)) or "no plans")
+    return 0
+
+
+def _tenants_set_plan(settings: Settings, args: argparse.Namespace) -> int:
+    async def work(session: AsyncSession) -> str:
+        plan = None if args.plan.lower() == "none" else args.plan
+        tenant = await TenantService(session).set_plan(args.name, plan)
+        return f"tenant {tenant.name} is on plan {plan or 'none (unlimited)'}"
+
+    print(_in_session(settings, work))
+    return 0
+
+
+def _keys_limits(settings: Settings, args: argparse.Namespace) -> int:
+    async def work(session: AsyncSession) -> str:
+        service = ApiKeyService(session)
+        key = await service.get(args.key)
+        limits = _limits_from(args, LimitSet.of(key))
+        await service.set_limits(args.key, limits)
+        shown = ", ".join(f"{n}={getattr(limits, n)}" for n in LIMIT_NAMES)
+        return f"key {key.prefix}: {shown} (None: the plan's)"
+
+    print(_in_session(settings, work))
+    return 0
+
+
 def _tenants_create(settings: Settings, args: argparse.Namespace) -> int:
     async def work(session: AsyncSession) -> str:
         tenant = await TenantService(session).create(args.name)
+        if args.plan:
+            await TenantService(session).set_plan(tenant.name, args.plan)
         return f"created tenant {tenant.name} ({tenant.id})"
 
     print(_in_session(settings, work))

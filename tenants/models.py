@@ -6,7 +6,7 @@ import enum
 import uuid
 from datetime import UTC, datetime
 
-from sqlalchemy import BigInteger, DateTime, ForeignKey, Index, Integer, String, Text
+from sqlalchemy import JSON, BigInteger, DateTime, ForeignKey, Index, Integer, String, Text
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column, relationship
 
 
@@ -39,11 +39,25 @@ class UsageStatus(enum.StrEnum):
     REJECTED = "rejected"
 
 
-class Plan(Base):
+class LimitColumns:
+    """Limits a plan sets and a key may override. None means unlimited (or: inherit)."""
+
+    rpm: Mapped[int | None] = mapped_column(Integer)
+    tpm: Mapped[int | None] = mapped_column(Integer)
+    max_concurrent: Mapped[int | None] = mapped_column(Integer)
+    monthly_budget_micros: Mapped[int | None] = mapped_column(BigInteger)
+    max_tokens_per_request: Mapped[int | None] = mapped_column(Integer)
+
+
+class Plan(LimitColumns, Base):
     __tablename__ = "plans"
 
     id: Mapped[str] = mapped_column(String(36), primary_key=True, default=new_id)
     name: Mapped[str] = mapped_column(String(100), unique=True)
+    allowed_models: Mapped[list[str] | None] = mapped_column(JSON)  # None: every model
+    default_priority: Mapped[int] = mapped_column(Integer, default=4)
+    max_priority: Mapped[int] = mapped_column(Integer, default=0)  # most urgent allowed
+    weight: Mapped[int] = mapped_column(Integer, default=1)  # share under contention
     created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
 
 
@@ -58,7 +72,7 @@ class Tenant(Base):
     plan: Mapped[Plan | None] = relationship(lazy="raise")
 
 
-class ApiKey(Base):
+class ApiKey(LimitColumns, Base):
     __tablename__ = "api_keys"
 
     id: Mapped[str] = mapped_column(String(36), primary_key=True, default=new_id)

@@ -14,6 +14,7 @@ from litestar.params import FromPath
 from litestar.response import Stream
 
 from backend import SamplingParams
+from gateway.admission import policy
 from gateway.admission.auth import authenticate
 from gateway.api import generation
 from gateway.api.generation import ChatFormat, Format, Job, TextFormat
@@ -24,7 +25,7 @@ from gateway.api.schemas import (
     decode,
 )
 from gateway.dispatch.engine_client import EngineClient
-from gateway.errors import Cancelled, ContextLengthExceeded, InvalidRequest, NotFound
+from gateway.errors import Cancelled, InvalidRequest
 from gateway.metering import Charge
 from gateway.runtime import Runtime
 from tenants.services import Principal
@@ -38,26 +39,10 @@ def new_request_id() -> str:
     return "req_" + uuid.uuid4().hex
 
 
-def _check_model(name: str, engine: EngineClient) -> None:
-    if name != engine.model_name:
-        raise NotFound(
-            f"the model {name!r} does not exist; GET /v1/models lists the available ones",
-            param="model",
-            code="model_not_found",
-        )
-
-
-def _sampling(fields: SamplingFields, limit: int | None, room: int) -> SamplingParams:
-    if limit is not None and limit > room:
-        raise InvalidRequest(
-            f"max_tokens is {limit} but only {room} tokens fit after the prompt "
-            "in the model's context",
-            param="max_tokens",
-            code="context_length_exceeded",
-        )
+def _sampling(fields: SamplingFields, max_tokens: int) -> SamplingParams:
     try:
         return SamplingParams(
-            max_tokens=limit or room,
+            max_tokens=max_tokens,
             temperature=1.0 if fields.temperature is None else fields.temperature,
             top_p=1.0 if fields.top_p is None else fields.top_p,
             top_k=fields.top_k or 0,
@@ -69,15 +54,11 @@ def _sampling(fields: SamplingFields, limit: int | None, room: int) -> SamplingP
         raise InvalidRequest(str(exc)) from None
 
 
-def _room(prompt: list[int], engine: EngineClient, param: str) -> int:
-    room = engine.max_model_len - len(prompt)
-    if room <= 0:
-        raise ContextLengthExceeded(
-            f"the prompt is {len(prompt)} tokens; this model's context is "
-            f"{engine.max_model_len} tokens",
-            param=param,
-        )
-    return room
+def _params(
+    principal: Principal, body: SamplingFields, prompt: list[int], engine: EngineClient, param: str
+) -> SamplingParams:
+    room = policy.room_for_output(len(prompt), engine.max_model_len, param)
+    return _sampling(body, policy.output_limit(principal, body.output_limit(), room))
 
 
 class OpenAIController(Controller):
@@ -93,14 +74,14 @@ class OpenAIController(Controller):
     ) -> Response[Any]:
         body = decode(await request.body(), ChatCompletionRequest)
         engine = runtime.engine
-        _check_model(body.model, engine)
+        policy.check_model(principal, body.model, engine.model_name)
         messages = [{"role": m.role, "content": m.text()} for m in body.messages]
         try:
             rendered = engine.render_chat(messages)
         except ValueError as exc:  # the template refused these messages (e.g. role order)
             raise InvalidRequest(str(exc), param="messages") from None
         prompt = engine.encode(rendered)
-        params = _sampling(body, body.output_limit(), _room(prompt, engine, "messages"))
+        params = _params(principal, body, prompt, engine, "messages")
         job = _job(runtime, principal, body, ChatFormat, "chat.completions", prompt, params)
         return await _respond(request, runtime, job, stream=body.stream)
 
@@ -113,11 +94,11 @@ class OpenAIController(Controller):
     ) -> Response[Any]:
         body = decode(await request.body(), CompletionRequest)
         engine = runtime.engine
-        _check_model(body.model, engine)
+        policy.check_model(principal, body.model, engine.model_name)
         prompt = engine.encode(body.prompt) if isinstance(body.prompt, str) else body.prompt
         if not prompt:
             raise InvalidRequest("the prompt is empty", param="prompt")
-        params = _sampling(body, body.output_limit(), _room(prompt, engine, "prompt"))
+        params = _params(principal, body, prompt, engine, "prompt")
         job = _job(runtime, principal, body, TextFormat, "completions", prompt, params)
         if body.echo:
             job.echo = body.prompt if isinstance(body.prompt, str) else engine.decode(prompt)
@@ -127,7 +108,9 @@ class OpenAIController(Controller):
     async def list_models(
         self, runtime: NamedDependency[Runtime], principal: NamedDependency[Principal]
     ) -> dict[str, Any]:
-        return {"object": "list", "data": [_model_card(runtime.engine)]}
+        engine = runtime.engine
+        names = policy.visible_models(principal, [engine.model_name])
+        return {"object": "list", "data": [_model_card(engine) for _ in names]}
 
     @get("/models/{model_id:str}")
     async def get_model(
@@ -137,7 +120,7 @@ class OpenAIController(Controller):
         principal: NamedDependency[Principal],
     ) -> dict[str, Any]:
         engine = runtime.engine
-        _check_model(model_id, engine)
+        policy.check_model(principal, model_id, engine.model_name)
         return _model_card(engine)
 
 
@@ -167,7 +150,7 @@ def _job(
         params=params,
         include_usage=body.include_usage(),
         timeout_s=runtime.settings.request_timeout_s,
-        priority=body.priority,
+        priority=policy.priority(principal, body.priority),
     )
 
 

@@ -13,6 +13,7 @@ import msgspec
 from msgspec import Meta, Struct
 
 from gateway.errors import InvalidRequest
+from tenants.limits import LOWEST_PRIORITY
 
 Temperature = Annotated[float, Meta(ge=0.0, le=2.0)]
 TopP = Annotated[float, Meta(gt=0.0, le=1.0)]
@@ -20,7 +21,6 @@ PositiveInt = Annotated[int, Meta(ge=1)]
 NonNegativeInt = Annotated[int, Meta(ge=0)]
 TokenId = Annotated[int, Meta(ge=0)]
 StopList = Annotated[list[str], Meta(max_length=4)]
-MAX_PRIORITY = 9
 
 
 class StreamOptions(Struct):
@@ -59,13 +59,16 @@ class SamplingFields(Struct, kw_only=True):
     stop: str | StopList | None = None
     seed: int | None = None
     ignore_eos: bool = False
-    priority: Annotated[int, Meta(ge=0, le=MAX_PRIORITY)] = 0  # 0 is the most urgent
+    priority: Annotated[int, Meta(ge=0, le=LOWEST_PRIORITY)] | None = None  # 0: most urgent
     user: str | None = None
 
     def stop_strings(self) -> list[str]:
         if self.stop is None:
             return []
         return [self.stop] if isinstance(self.stop, str) else list(self.stop)
+
+    def output_limit(self) -> int | None:
+        return self.max_tokens
 
     def include_usage(self) -> bool:
         return self.stream_options is not None and self.stream_options.include_usage
@@ -82,9 +85,6 @@ class ChatCompletionRequest(SamplingFields, kw_only=True):
 class CompletionRequest(SamplingFields, kw_only=True):
     prompt: str | Annotated[list[TokenId], Meta(min_length=1)]
     echo: bool = False
-
-    def output_limit(self) -> int | None:
-        return self.max_tokens
 
 
 RequestT = TypeVar("RequestT", ChatCompletionRequest, CompletionRequest)

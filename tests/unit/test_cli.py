@@ -7,6 +7,7 @@ from pathlib import Path
 import pytest
 
 from gateway.cli import main
+from tenants import db
 
 
 @pytest.fixture
@@ -45,4 +46,4 @@ def test_errors_are_reported_not_raised(cli_env: Path, capsys: pytest.CaptureFix
 def test_db_current(cli_env: Path, capsys: pytest.CaptureFixture[str]) -> None:
     capsys.readouterr()
     assert main(["db", "current"]) == 0
-    assert capsys.readouterr().out.strip() == "0001"
+    assert capsys.readouterr().out.strip() == db.head_revision()

@@ -1,0 +1,75 @@
+"""The plan's terms applied to one request: model, output length, priority."""
+
+from __future__ import annotations
+
+from gateway.errors import ContextLengthExceeded, InvalidRequest, NotFound, PermissionDenied
+from tenants.services import Principal
+
+
+def check_model(principal: Principal, name: str, served: str) -> None:
+    if name != served:
+        raise NotFound(
+            f"the model {name!r} does not exist; GET /v1/models lists the available ones",
+            param="model",
+            code="model_not_found",
+        )
+    if not principal.plan.allows_model(name):
+        raise PermissionDenied(
+            f"your plan does not include the model {name!r}",
+            param="model",
+            code="model_not_allowed",
+        )
+
+
+def visible_models(principal: Principal, served: list[str]) -> list[str]:
+    return [name for name in served if principal.plan.allows_model(name)]
+
+
+def max_tokens_cap(principal: Principal) -> int | None:
+    key_cap = principal.key_limits.max_tokens_per_request
+    return key_cap if key_cap is not None else principal.plan.limits.max_tokens_per_request
+
+
+def output_limit(principal: Principal, requested: int | None, room: int) -> int:
+    """How many tokens the request may generate: what it asked for, else all that fits,
+    never more than the context has room for or the plan allows."""
+    if requested is not None and requested > room:
+        raise InvalidRequest(
+            f"max_tokens is {requested} but only {room} tokens fit after the prompt "
+            "in the model's context",
+            param="max_tokens",
+            code="context_length_exceeded",
+        )
+    cap = max_tokens_cap(principal)
+    if requested is not None and cap is not None and requested > cap:
+        raise InvalidRequest(
+            f"max_tokens is {requested}; your plan allows at most {cap} per request",
+            param="max_tokens",
+            code="max_tokens_exceeded",
+        )
+    limit = requested or room
+    return min(limit, cap) if cap is not None else limit
+
+
+def room_for_output(prompt_tokens: int, max_model_len: int, param: str) -> int:
+    room = max_model_len - prompt_tokens
+    if room <= 0:
+        raise ContextLengthExceeded(
+            f"the prompt is {prompt_tokens} tokens; this model's context is {max_model_len} tokens",
+            param=param,
+        )
+    return room
+
+
+def priority(principal: Principal, requested: int | None) -> int:
+    """0 is the most urgent. A plan sets the default and the most urgent a tenant may ask for."""
+    if requested is None:
+        return principal.plan.default_priority
+    if requested < principal.plan.max_priority:
+        raise PermissionDenied(
+            f"priority {requested} is more urgent than your plan allows "
+            f"(at most {principal.plan.max_priority})",
+            param="priority",
+            code="priority_not_allowed",
+        )
+    return requested

@@ -1,0 +1,312 @@
+"""In-process quota store for the embedded default (one gateway process).
+
+Each operation runs to completion without awaiting, so it is atomic with respect to
+other tasks on the event loop; a short threading lock (never held across an await) also
+makes it safe from several threads or loops. Per-scope state mirrors the Redis layout:
+
+- window: admissions in order (time, id) with their tokens and a running total; entries
+  leave from the left as they age past WINDOW_S.
+- leases: id -> expiry, with a heap of (expiry, id) whose stale entries (renewed or
+  settled leases) are skipped when they surface; held: id -> (cost, period).
+- spent and reserved per period.
+
+The clock is injectable (a callable returning seconds) so tests move time without
+sleeping; it is clamped to never run backwards.
+"""
+
+from __future__ import annotations
+
+import heapq
+import threading
+import time
+from collections import deque
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+from tenants.quota.contract import (
+    DEFAULT_SETTLED_TTL_S,
+    WINDOW_US,
+    Denied,
+    DenyReason,
+    Granted,
+    Reservation,
+    ReservationIdError,
+    ReserveRequest,
+    ScopeUsage,
+    SettleResult,
+    check_charge,
+    check_lease,
+    check_settle,
+    retry_after,
+    window_status,
+)
+
+
+@dataclass(slots=True)
+class _ScopeState:
+    spent: dict[str, int] = field(default_factory=dict)
+    reserved: dict[str, int] = field(default_factory=dict)
+    leases: dict[str, int] = field(default_factory=dict)
+    lease_heap: list[tuple[int, str]] = field(default_factory=list)
+    held: dict[str, tuple[int, str]] = field(default_factory=dict)
+    window: deque[tuple[int, str]] = field(default_factory=deque)
+    window_tokens: dict[str, int] = field(default_factory=dict)
+    tokens_total: int = 0
+
+    def expire(self, now: int) -> int:
+        """Release every lease whose expiry is <= now; returns how many."""
+        released = 0
+        heap = self.lease_heap
+        while heap and heap[0][0] <= now:
+            expiry, rid = heapq.heappop(heap)
+            if self.leases.get(rid) == expiry:
+                self.release(rid)
+                released += 1
+        return released
+
+    def release(self, rid: str) -> bool:
+        """Return the lease of `rid` (its reserved cost and its slot) if it is held."""
+        if self.leases.pop(rid, None) is None:
+            return False
+        cost, period = self.held.pop(rid)
+        left = self.reserved[period] - cost
+        if left:
+            self.reserved[period] = left
+        else:
+            del self.reserved[period]
+        return True
+
+    def compact(self) -> None:
+        """Drop stale heap entries (settled or renewed leases) once they dominate."""
+        if len(self.lease_heap) > 2 * len(self.leases) + 64:
+            self.lease_heap = [(e, r) for e, r in self.lease_heap if self.leases.get(r) == e]
+            heapq.heapify(self.lease_heap)
+
+    def prune_window(self, now: int) -> None:
+        cutoff = now - WINDOW_US
+        window = self.window
+        while window and window[0][0] <= cutoff:
+            _, rid = window.popleft()
+            self.tokens_total -= self.window_tokens.pop(rid)
+
+    def earliest_lease(self) -> int:
+        heap = self.lease_heap
+        while heap and self.leases.get(heap[0][1]) != heap[0][0]:
+            heapq.heappop(heap)
+        return heap[0][0]
+
+    def tokens_retry(self, need: int, now: int) -> int:
+        """Microseconds until enough admissions leave the window to free `need` tokens."""
+        freed = 0
+        for admitted, rid in self.window:
+            freed += self.window_tokens[rid]
+            if freed >= need:
+                return admitted + WINDOW_US - now
+        return WINDOW_US
+
+    def newest(self) -> int:
+        return self.window[-1][0] if self.window else -1
+
+
+class MemoryQuotaStore:
+    """The quota store contract in one process. `clock` returns seconds (monotonic)."""
+
+    def __init__(
+        self,
+        *,
+        clock: Callable[[], float] = time.monotonic,
+        settled_ttl_s: float = DEFAULT_SETTLED_TTL_S,
+    ) -> None:
+        self._clock = clock
+        self._settled_ttl_us = int(settled_ttl_s * 1_000_000)
+        self._lock = threading.Lock()
+        self._last_now = 0
+        self._scopes: dict[str, _ScopeState] = {}
+        self._with_leases: set[str] = set()
+        self._done: dict[str, int] = {}
+        self._done_order: deque[tuple[int, str]] = deque()
+
+    def _now(self) -> int:
+        now = max(int(self._clock() * 1_000_000), self._last_now)
+        self._last_now = now
+        return now
+
+    def _scope(self, key: str, now: int) -> _ScopeState:
+        """The scope's state with expired leases released and the window pruned."""
+        state = self._scopes.get(key)
+        if state is None:
+            state = self._scopes[key] = _ScopeState()
+        state.expire(now)
+        state.prune_window(now)
+        if not state.leases:
+            self._with_leases.discard(key)
+        return state
+
+    def _is_done(self, charge_id: str, now: int) -> bool:
+        order = self._done_order
+        while order and order[0][0] <= now:
+            expiry, old = order.popleft()
+            if self._done.get(old) == expiry:
+                del self._done[old]
+        return charge_id in self._done
+
+    def _mark_done(self, charge_id: str, now: int) -> bool:
+        if self._is_done(charge_id, now):
+            return False
+        expiry = now + self._settled_ttl_us
+        self._done[charge_id] = expiry
+        self._done_order.append((expiry, charge_id))
+        return True
+
+    async def reserve(self, request: ReserveRequest) -> Granted | Denied:
+        with self._lock:
+            return self._reserve(request)
+
+    def _reserve(self, request: ReserveRequest) -> Granted | Denied:
+        rid = request.reservation_id
+        now = self._now()
+        if self._is_done(rid, now):
+            raise ReservationIdError(f"reservation {rid!r} was already settled")
+        states = [self._scope(scope.key, now) for scope in request.scopes]
+        first, first_limits = states[0], request.scopes[0].limits
+        if rid in first.leases:
+            return Granted(
+                request.reservation,
+                window_status(first_limits.rpm, len(first.window), first.newest(), now),
+                window_status(first_limits.tpm, first.tokens_total, first.newest(), now),
+            )
+        if rid in first.window_tokens:
+            raise ReservationIdError(f"reservation {rid!r} expired and is still in the window")
+        tokens, cost, period = request.tokens, request.cost_micros, request.period
+        for scope, state in zip(request.scopes, states, strict=True):
+            limits = scope.limits
+            reason: DenyReason | None = None
+            retry_us = -1
+            count = len(state.window)
+            if limits.rpm is not None and count >= limits.rpm:
+                reason = DenyReason.RPM
+                if limits.rpm > 0:
+                    retry_us = state.window[count - limits.rpm][0] + WINDOW_US - now
+            elif limits.tpm is not None and state.tokens_total + tokens > limits.tpm:
+                reason = DenyReason.TPM
+                if tokens <= limits.tpm:
+                    retry_us = state.tokens_retry(state.tokens_total + tokens - limits.tpm, now)
+            elif limits.max_concurrent is not None and len(state.leases) >= limits.max_concurrent:
+                reason = DenyReason.CONCURRENCY
+                if limits.max_concurrent > 0:
+                    retry_us = state.earliest_lease() - now
+            elif limits.budget_micros is not None and (
+                state.spent.get(period, 0) + state.reserved.get(period, 0) + cost
+                > limits.budget_micros
+            ):
+                reason = DenyReason.BUDGET
+            if reason is not None:
+                return Denied(
+                    reason,
+                    scope.key,
+                    retry_after(reason, retry_us),
+                    window_status(first_limits.rpm, len(first.window), first.newest(), now),
+                    window_status(first_limits.tpm, first.tokens_total, first.newest(), now),
+                )
+        expiry = now + check_lease(request.lease_s)
+        for scope, state in zip(request.scopes, states, strict=True):
+            state.window.append((now, rid))
+            state.window_tokens[rid] = tokens
+            state.tokens_total += tokens
+            state.leases[rid] = expiry
+            heapq.heappush(state.lease_heap, (expiry, rid))
+            state.held[rid] = (cost, period)
+            state.reserved[period] = state.reserved.get(period, 0) + cost
+            self._with_leases.add(scope.key)
+        return Granted(
+            request.reservation,
+            window_status(first_limits.rpm, len(first.window), now, now),
+            window_status(first_limits.tpm, first.tokens_total, now, now),
+        )
+
+    async def renew(self, reservations: Sequence[Reservation], lease_s: float) -> set[str]:
+        lease_us = check_lease(lease_s)
+        with self._lock:
+            now = self._now()
+            expiry = now + lease_us
+            renewed: set[str] = set()
+            for reservation in reservations:
+                rid = reservation.reservation_id
+                for index, key in enumerate(reservation.scope_keys):
+                    state = self._scopes.get(key)
+                    if state is None or state.leases.get(rid, -1) <= now:
+                        continue
+                    state.leases[rid] = expiry
+                    heapq.heappush(state.lease_heap, (expiry, rid))
+                    state.compact()
+                    if index == 0:
+                        renewed.add(rid)
+            return renewed
+
+    async def settle(
+        self, reservation: Reservation, actual_tokens: int, actual_cost_micros: int
+    ) -> SettleResult:
+        check_settle(actual_tokens, actual_cost_micros)
+        with self._lock:
+            rid, period = reservation.reservation_id, reservation.period
+            now = self._now()
+            states = [self._scope(key, now) for key in reservation.scope_keys]
+            released = False
+            for key, state in zip(reservation.scope_keys, states, strict=True):
+                released = state.release(rid) or released
+                state.compact()
+                if not state.leases:
+                    self._with_leases.discard(key)
+            charged = self._mark_done(rid, now)
+            if released or charged:
+                for state in states:
+                    old = state.window_tokens.get(rid)
+                    if old is not None:
+                        state.window_tokens[rid] = actual_tokens
+                        state.tokens_total += actual_tokens - old
+                    if charged:
+                        state.spent[period] = state.spent.get(period, 0) + actual_cost_micros
+            return SettleResult(released, charged)
+
+    async def charge(
+        self, charge_id: str, scope_keys: Sequence[str], period: str, cost_micros: int
+    ) -> bool:
+        check_charge(charge_id, scope_keys, period, cost_micros)
+        with self._lock:
+            now = self._now()
+            if not self._mark_done(charge_id, now):
+                return False
+            for key in scope_keys:
+                state = self._scope(key, now)
+                state.spent[period] = state.spent.get(period, 0) + cost_micros
+            return True
+
+    async def charged(self, charge_ids: Sequence[str]) -> set[str]:
+        with self._lock:
+            now = self._now()
+            return {cid for cid in charge_ids if self._is_done(cid, now)}
+
+    async def usage(self, scope_key: str, period: str) -> ScopeUsage:
+        with self._lock:
+            state = self._scope(scope_key, self._now())
+            return ScopeUsage(
+                spent_micros=state.spent.get(period, 0),
+                reserved_micros=state.reserved.get(period, 0),
+                concurrent=len(state.leases),
+                requests_in_window=len(state.window),
+                tokens_in_window=state.tokens_total,
+            )
+
+    async def expire_leases(self) -> int:
+        with self._lock:
+            now = self._now()
+            released = 0
+            for key in list(self._with_leases):
+                state = self._scopes[key]
+                released += state.expire(now)
+                if not state.leases:
+                    self._with_leases.discard(key)
+            return released
+
+    async def aclose(self) -> None:
+        return None
