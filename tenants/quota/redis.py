@@ -533,7 +533,9 @@ class RedisQuotaStore:
         """Sweep: two round trips per batch of due scopes (which scopes, then release)."""
         released = 0
         for _ in range(_SWEEP_MAX_ROUNDS):
-            due = [_text(name) for name in await self._due(keys=[self._active], args=[_SWEEP_BATCH])]
+            due = [
+                _text(name) for name in await self._due(keys=[self._active], args=[_SWEEP_BATCH])
+            ]
             if not due:
                 break
             keys = [self._active]

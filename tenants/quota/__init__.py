@@ -1,0 +1,66 @@
+"""The quota store: atomic check-and-reserve of rate limits, concurrency and budgets.
+
+`open_quota_store(redis_url)` picks the implementation: Redis (shared by gateway
+replicas, one Lua script per operation) when a URL is given, else the in-process store
+of the embedded default. Both keep the contract in `tenants.quota.contract`.
+"""
+
+from __future__ import annotations
+
+from tenants.quota.contract import (
+    CONCURRENCY_RETRY_HINT_S,
+    DEFAULT_SETTLED_TTL_S,
+    MAX_SCOPES,
+    WINDOW_S,
+    Denied,
+    DenyReason,
+    Granted,
+    Limits,
+    QuotaError,
+    QuotaStore,
+    Reservation,
+    ReservationIdError,
+    ReserveRequest,
+    Scope,
+    ScopeUsage,
+    SettleResult,
+    WindowStatus,
+    month_period,
+)
+from tenants.quota.memory import MemoryQuotaStore
+from tenants.quota.redis import RedisQuotaStore
+
+
+def open_quota_store(redis_url: str | None, *, prefix: str | None = None) -> QuotaStore:
+    """RedisQuotaStore on `redis_url` (its own pool, closed by aclose()), or a
+    MemoryQuotaStore when no URL is configured."""
+    if not redis_url:
+        return MemoryQuotaStore()
+    if prefix is None:
+        return RedisQuotaStore.from_url(redis_url)
+    return RedisQuotaStore.from_url(redis_url, prefix=prefix)
+
+
+__all__ = [
+    "CONCURRENCY_RETRY_HINT_S",
+    "DEFAULT_SETTLED_TTL_S",
+    "MAX_SCOPES",
+    "WINDOW_S",
+    "Denied",
+    "DenyReason",
+    "Granted",
+    "Limits",
+    "MemoryQuotaStore",
+    "QuotaError",
+    "QuotaStore",
+    "RedisQuotaStore",
+    "Reservation",
+    "ReservationIdError",
+    "ReserveRequest",
+    "Scope",
+    "ScopeUsage",
+    "SettleResult",
+    "WindowStatus",
+    "month_period",
+    "open_quota_store",
+]
