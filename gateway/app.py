@@ -5,13 +5,16 @@ from __future__ import annotations
 import logging
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
+from datetime import timedelta
 
 from litestar import Litestar
 from litestar.di import Provide
 from litestar.exceptions import HTTPException
+from redis.asyncio import Redis
 
 from backend import EngineConfig
 from backend.builtin import BUILTIN_MODEL_DIR
+from gateway.admission.idempotency import Idempotency
 from gateway.api.health import healthz, readyz
 from gateway.api.openai import OpenAIController
 from gateway.dispatch.engine_client import EngineClient, InProcessEngineClient
@@ -26,8 +29,10 @@ from gateway.errors import (
 from gateway.metering import UsageRecorder
 from gateway.runtime import Runtime, provide_runtime
 from gateway.settings import Settings
+from gateway.tasks import TaskSet
 from tenants.db import create_engine, session_factory
 from tenants.errors import DomainError
+from tenants.idempotency import InFlightLocks, MemoryLocks, RedisLocks
 from tenants.pricing import DEFAULT_PRICE
 
 log = logging.getLogger(__name__)
@@ -65,7 +70,23 @@ def create_app(
     async def lifespan(app: Litestar) -> AsyncIterator[None]:
         db = create_engine(settings.database_url)
         sessions = session_factory(db)
-        runtime = Runtime(settings, db, sessions, UsageRecorder(sessions, DEFAULT_PRICE))
+        redis = Redis.from_url(settings.redis_url) if settings.redis_url else None
+        locks: InFlightLocks = RedisLocks(redis) if redis is not None else MemoryLocks()
+        tasks = TaskSet()
+        runtime = Runtime(
+            settings=settings,
+            db=db,
+            sessions=sessions,
+            recorder=UsageRecorder(sessions, DEFAULT_PRICE, tasks),
+            idempotency=Idempotency(
+                sessions,
+                locks,
+                retention=timedelta(seconds=settings.idempotency_retention_s),
+                # A request cannot outlive its timeout, so neither need its lock.
+                lock_ttl_s=settings.request_timeout_s + 30,
+            ),
+            tasks=tasks,
+        )
         app.state.runtime = runtime
         owned = engine_client is None
         runtime.engine_client = engine_client or await connect_engine(settings)
@@ -73,9 +94,11 @@ def create_app(
         try:
             yield
         finally:
-            await runtime.recorder.drain()
+            await tasks.drain()
             if owned:
                 await runtime.engine_client.close()
+            if redis is not None:
+                await redis.aclose()
             await db.dispose()
 
     return Litestar(

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 
 from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
 
+from gateway.tasks import TaskSet
 from tenants.models import UsageEvent, UsageStatus
 from tenants.pricing import Price
 from tenants.services import Principal, UsageService
@@ -45,17 +46,16 @@ class Charge:
 
 
 class UsageRecorder:
-    def __init__(self, sessions: async_sessionmaker[AsyncSession], price: Price) -> None:
+    def __init__(
+        self, sessions: async_sessionmaker[AsyncSession], price: Price, tasks: TaskSet
+    ) -> None:
         self.sessions = sessions
         self.price = price
-        self._pending: set[asyncio.Task[None]] = set()
+        self.tasks = tasks
 
     def settle(self, charge: Charge, outcome: Outcome) -> asyncio.Task[None]:
         """Write the row for this outcome as it is now (later changes do not leak in)."""
-        task = asyncio.get_running_loop().create_task(self._write(self._event(charge, outcome)))
-        self._pending.add(task)
-        task.add_done_callback(self._pending.discard)
-        return task
+        return self.tasks.spawn(self._write(self._event(charge, outcome)))
 
     def _event(self, charge: Charge, outcome: Outcome) -> UsageEvent:
         # A request that failed on our side before sending anything costs the tenant nothing.
@@ -87,10 +87,5 @@ class UsageRecorder:
                 await UsageService(session).record(event)
         except Exception:
             # Never silently: the request id lets an operator reconcile by hand.
-            log.exception("usage row not written", extra={"request_id": event.request_id})
+            log.exception("usage row %s not written", event.request_id)
             raise
-
-    async def drain(self) -> None:
-        """Wait for every pending write (shutdown, and tests that read the ledger)."""
-        while self._pending:
-            await asyncio.gather(*list(self._pending), return_exceptions=True)

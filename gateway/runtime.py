@@ -7,10 +7,12 @@ from dataclasses import dataclass
 from litestar.datastructures import State
 from sqlalchemy.ext.asyncio import AsyncEngine, AsyncSession, async_sessionmaker
 
+from gateway.admission.idempotency import Idempotency
 from gateway.dispatch.engine_client import EngineClient
 from gateway.errors import EngineUnavailable
 from gateway.metering import UsageRecorder
 from gateway.settings import Settings
+from gateway.tasks import TaskSet
 
 
 @dataclass
@@ -19,6 +21,8 @@ class Runtime:
     db: AsyncEngine
     sessions: async_sessionmaker[AsyncSession]
     recorder: UsageRecorder
+    idempotency: Idempotency
+    tasks: TaskSet
     engine_client: EngineClient | None = None
 
     @property

@@ -27,6 +27,7 @@ class Settings:
     max_num_seqs: int
     engine_threads: int
     request_timeout_s: float
+    idempotency_retention_s: int
     backends: tuple[str, ...]  # empty: the in-process engine
     backend_secret: str | None
     log_level: str
@@ -52,6 +53,9 @@ class Settings:
             ),
             log_level=env.get("TOLLGATE_LOG_LEVEL", "info").lower(),
             request_timeout_s=float(_int(env, "TOLLGATE_REQUEST_TIMEOUT_S", 600, low=1)),
+            idempotency_retention_s=_int(
+                env, "TOLLGATE_IDEMPOTENCY_RETENTION_S", 24 * 3600, low=60
+            ),
             backends=tuple(
                 url.strip().rstrip("/")
                 for url in env.get("TOLLGATE_BACKENDS", "").split(",")

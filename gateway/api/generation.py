@@ -59,6 +59,7 @@ class TextFormat:
 
 
 Format = type[ChatFormat] | type[TextFormat]
+DONE = b"data: [DONE]\n\n"
 
 
 @dataclass
@@ -213,7 +214,7 @@ async def stream(job: Job, engine: EngineClient, recorder: UsageRecorder) -> Asy
         await asyncio.shield(recorder.settle(job.charge, _finish(outcome, job)))
         if job.include_usage:
             yield _sse({**job.envelope([], chunk=True), "usage": _usage(outcome)})
-        yield b"data: [DONE]\n\n"
+        yield DONE
     except Exception as exc:
         error = _fail(outcome, exc, delivered)
         if not settled:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import uuid
-from collections.abc import Awaitable
+from collections.abc import AsyncIterator, Awaitable
 from typing import Any, TypeVar
 
 from litestar import Controller, MediaType, Request, Response, get, post
@@ -14,8 +14,9 @@ from litestar.params import FromPath
 from litestar.response import Stream
 
 from backend import SamplingParams
-from gateway.admission import policy
+from gateway.admission import idempotency, policy
 from gateway.admission.auth import authenticate
+from gateway.admission.idempotency import Claim, Replay
 from gateway.api import generation
 from gateway.api.generation import ChatFormat, Format, Job, TextFormat
 from gateway.api.schemas import (
@@ -23,11 +24,13 @@ from gateway.api.schemas import (
     CompletionRequest,
     SamplingFields,
     decode,
+    encode,
 )
 from gateway.dispatch.engine_client import EngineClient
 from gateway.errors import Cancelled, InvalidRequest
 from gateway.metering import Charge
 from gateway.runtime import Runtime
+from tenants.models import IdempotencyRecord
 from tenants.services import Principal
 
 T = TypeVar("T")
@@ -83,7 +86,7 @@ class OpenAIController(Controller):
         prompt = engine.encode(rendered)
         params = _params(principal, body, prompt, engine, "messages")
         job = _job(runtime, principal, body, ChatFormat, "chat.completions", prompt, params)
-        return await _respond(request, runtime, job, stream=body.stream)
+        return await _respond(request, runtime, principal, job, stream=body.stream)
 
     @post("/completions", status_code=200)
     async def completions(
@@ -102,7 +105,7 @@ class OpenAIController(Controller):
         job = _job(runtime, principal, body, TextFormat, "completions", prompt, params)
         if body.echo:
             job.echo = body.prompt if isinstance(body.prompt, str) else engine.decode(prompt)
-        return await _respond(request, runtime, job, stream=body.stream)
+        return await _respond(request, runtime, principal, job, stream=body.stream)
 
     @get("/models")
     async def list_models(
@@ -155,16 +158,74 @@ def _job(
 
 
 async def _respond(
-    request: Request[Any, Any, Any], runtime: Runtime, job: Job, *, stream: bool
+    request: Request[Any, Any, Any],
+    runtime: Runtime,
+    principal: Principal,
+    job: Job,
+    *,
+    stream: bool,
 ) -> Response[Any]:
+    claim: Claim | None = None
+    raw_key = request.headers.get(idempotency.HEADER)
+    if raw_key is not None:
+        begun = await runtime.idempotency.begin(
+            principal, raw_key, job.charge.endpoint, await request.body()
+        )
+        if isinstance(begun, Replay):
+            return _replay(begun.record)
+        claim = begun
     headers = {"x-request-id": job.charge.request_id}
     if stream:
         # Litestar cancels the stream when the client disconnects; generation aborts then.
         events = generation.stream(job, runtime.engine, runtime.recorder)
+        if claim is not None:
+            events = _recorded(events, claim, runtime, job.charge.request_id)
         return Stream(events, media_type="text/event-stream", headers={**SSE_HEADERS, **headers})
     work = generation.complete(job, runtime.engine, runtime.recorder)
-    result = await _unless_disconnected(request, work)
+    try:
+        result = await _unless_disconnected(request, work)
+    except BaseException:
+        if claim is not None:  # not stored: a retry with this key runs afresh
+            runtime.tasks.spawn(runtime.idempotency.abandon(claim))
+        raise
+    if claim is not None:
+        body = encode(result)
+        await runtime.idempotency.finish(claim, job.charge.request_id, 200, MediaType.JSON, body)
     return Response(result, media_type=MediaType.JSON, headers=headers)
+
+
+def _replay(record: IdempotencyRecord) -> Response[Any]:
+    headers = {"x-request-id": record.request_id, "idempotent-replayed": "true"}
+    if record.media_type == "text/event-stream":
+        headers.update(SSE_HEADERS)
+    return Response(
+        record.body,
+        status_code=record.status_code,
+        media_type=record.media_type,
+        headers=headers,
+    )
+
+
+async def _recorded(
+    events: AsyncIterator[bytes], claim: Claim, runtime: Runtime, request_id: str
+) -> AsyncIterator[bytes]:
+    """Pass the stream through, and store it once whole, before its final event is sent,
+    so a retry after [DONE] always finds the replay."""
+    sent: list[bytes] = []
+    stored = False
+    try:
+        async for event in events:
+            if event == generation.DONE:
+                sent.append(event)
+                stored = True
+                body = b"".join(sent)
+                await runtime.idempotency.finish(claim, request_id, 200, "text/event-stream", body)
+            else:
+                sent.append(event)
+            yield event
+    finally:
+        if not stored:  # cancelled or failed: a retry with this key runs afresh
+            runtime.tasks.spawn(runtime.idempotency.abandon(claim))
 
 
 async def _unless_disconnected(request: Request[Any, Any, Any], work: Awaitable[T]) -> T:

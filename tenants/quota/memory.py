@@ -277,7 +277,7 @@ class MemoryQuotaStore:
             if not self._mark_done(charge_id, now):
                 return False
             for key in scope_keys:
-                state = self._scope(key, now)
+                state = self._scopes.get(key) or self._scopes.setdefault(key, _ScopeState())
                 state.spent[period] = state.spent.get(period, 0) + cost_micros
             return True
 
