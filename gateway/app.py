@@ -15,6 +15,7 @@ from redis.asyncio import Redis
 from backend import EngineConfig
 from backend.builtin import BUILTIN_MODEL_DIR
 from gateway.admission.idempotency import Idempotency
+from gateway.admission.quota import Admission
 from gateway.api.health import healthz, readyz
 from gateway.api.openai import OpenAIController
 from gateway.dispatch.engine_client import EngineClient, InProcessEngineClient
@@ -34,6 +35,7 @@ from tenants.db import create_engine, session_factory
 from tenants.errors import DomainError
 from tenants.idempotency import InFlightLocks, MemoryLocks, RedisLocks
 from tenants.pricing import DEFAULT_PRICE
+from tenants.quota import open_quota_store
 
 log = logging.getLogger(__name__)
 
@@ -73,11 +75,18 @@ def create_app(
         redis = Redis.from_url(settings.redis_url) if settings.redis_url else None
         locks: InFlightLocks = RedisLocks(redis) if redis is not None else MemoryLocks()
         tasks = TaskSet()
+        admission = Admission(
+            open_quota_store(settings.redis_url),
+            DEFAULT_PRICE,
+            max_life_s=settings.request_timeout_s + 30,
+        )
+        admission.start()
         runtime = Runtime(
             settings=settings,
             db=db,
             sessions=sessions,
-            recorder=UsageRecorder(sessions, DEFAULT_PRICE, tasks),
+            recorder=UsageRecorder(sessions, DEFAULT_PRICE, tasks, admission),
+            admission=admission,
             idempotency=Idempotency(
                 sessions,
                 locks,
@@ -95,6 +104,7 @@ def create_app(
             yield
         finally:
             await tasks.drain()
+            await admission.close()
             if owned:
                 await runtime.engine_client.close()
             if redis is not None:

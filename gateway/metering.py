@@ -12,9 +12,11 @@ from dataclasses import dataclass
 
 from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
 
+from gateway.admission.quota import Admission
 from gateway.tasks import TaskSet
 from tenants.models import UsageEvent, UsageStatus
 from tenants.pricing import Price
+from tenants.quota import Reservation
 from tenants.services import Principal, UsageService
 
 log = logging.getLogger(__name__)
@@ -43,19 +45,25 @@ class Charge:
     principal: Principal
     model: str
     endpoint: str
+    reservation: Reservation | None = None  # released by settling, after the ledger write
 
 
 class UsageRecorder:
     def __init__(
-        self, sessions: async_sessionmaker[AsyncSession], price: Price, tasks: TaskSet
+        self,
+        sessions: async_sessionmaker[AsyncSession],
+        price: Price,
+        tasks: TaskSet,
+        admission: Admission,
     ) -> None:
         self.sessions = sessions
         self.price = price
         self.tasks = tasks
+        self.admission = admission
 
     def settle(self, charge: Charge, outcome: Outcome) -> asyncio.Task[None]:
         """Write the row for this outcome as it is now (later changes do not leak in)."""
-        return self.tasks.spawn(self._write(self._event(charge, outcome)))
+        return self.tasks.spawn(self._write(charge.reservation, self._event(charge, outcome)))
 
     def _event(self, charge: Charge, outcome: Outcome) -> UsageEvent:
         # A request that failed on our side before sending anything costs the tenant nothing.
@@ -81,11 +89,19 @@ class UsageRecorder:
             error=outcome.error,
         )
 
-    async def _write(self, event: UsageEvent) -> None:
+    async def _write(self, reservation: Reservation | None, event: UsageEvent) -> None:
+        """Ledger first, then quota counters: spent always matches the ledger (a crash in
+        between leaves a row the reconciler charges later)."""
+        cost = event.cost_micros
+        tokens = event.prompt_tokens + event.completion_tokens
         try:
             async with self.sessions.begin() as session:
                 await UsageService(session).record(event)
         except Exception:
             # Never silently: the request id lets an operator reconcile by hand.
             log.exception("usage row %s not written", event.request_id)
+            cost = 0  # not in the ledger, so not in spent either
             raise
+        finally:
+            if reservation is not None:
+                await self.admission.settle(reservation, tokens, cost)

@@ -8,6 +8,7 @@ from litestar.datastructures import State
 from sqlalchemy.ext.asyncio import AsyncEngine, AsyncSession, async_sessionmaker
 
 from gateway.admission.idempotency import Idempotency
+from gateway.admission.quota import Admission
 from gateway.dispatch.engine_client import EngineClient
 from gateway.errors import EngineUnavailable
 from gateway.metering import UsageRecorder
@@ -22,6 +23,7 @@ class Runtime:
     sessions: async_sessionmaker[AsyncSession]
     recorder: UsageRecorder
     idempotency: Idempotency
+    admission: Admission
     tasks: TaskSet
     engine_client: EngineClient | None = None
 

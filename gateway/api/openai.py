@@ -6,6 +6,7 @@ import asyncio
 import contextlib
 import uuid
 from collections.abc import AsyncIterator, Awaitable
+from dataclasses import replace
 from typing import Any, TypeVar
 
 from litestar import Controller, MediaType, Request, Response, get, post
@@ -174,7 +175,16 @@ async def _respond(
         if isinstance(begun, Replay):
             return _replay(begun.record)
         claim = begun
-    headers = {"x-request-id": job.charge.request_id}
+    try:
+        ticket = await runtime.admission.reserve(
+            principal, job.charge.request_id, len(job.prompt), job.params.max_tokens
+        )
+    except BaseException:
+        if claim is not None:  # rejected, not stored: a retry with this key runs afresh
+            runtime.tasks.spawn(runtime.idempotency.abandon(claim))
+        raise
+    job.charge = replace(job.charge, reservation=ticket.reservation)
+    headers = {"x-request-id": job.charge.request_id, **ticket.headers}
     if stream:
         # Litestar cancels the stream when the client disconnects; generation aborts then.
         events = generation.stream(job, runtime.engine, runtime.recorder)
