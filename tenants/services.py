@@ -63,6 +63,12 @@ class TenantService:
             raise NotFoundError(f"no tenant named {name!r}")
         return tenant
 
+    async def get_by_id(self, tenant_id: str) -> Tenant:
+        tenant = await self.session.get(Tenant, tenant_id)
+        if tenant is None:
+            raise NotFoundError(f"no tenant with id {tenant_id!r}")
+        return tenant
+
     async def list(self) -> list[Tenant]:
         result = await self.session.execute(select(Tenant).order_by(Tenant.name))
         return list(result.scalars())

@@ -1,0 +1,153 @@
+"""Quotas through the API, on the in-process store and on Redis."""
+
+from __future__ import annotations
+
+import asyncio
+import uuid
+from collections.abc import AsyncIterator
+from dataclasses import replace
+from typing import Any
+
+import httpx
+import pytest
+from litestar import Litestar
+from sqlalchemy import func, select
+from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
+
+from gateway.app import create_app
+from gateway.dispatch.engine_client import InProcessEngineClient
+from gateway.runtime import Runtime
+from gateway.settings import Settings
+from tenants.limits import LimitSet, PlanTerms
+from tenants.models import UsageEvent
+from tenants.pricing import DEFAULT_PRICE
+from tenants.quota import month_period
+from tenants.services import ApiKeyService, PlanService, TenantService
+from tests.conftest import serving
+
+Sessions = async_sessionmaker[AsyncSession]
+
+
+@pytest.fixture(params=["memory", "redis"])
+async def app(
+    request: pytest.FixtureRequest, settings: Settings, engine_client: InProcessEngineClient
+) -> AsyncIterator[Litestar]:
+    """Served by uvicorn in this event loop, so tests may read the app's quota store."""
+    redis_url = "redis://127.0.0.1:6379/0" if request.param == "redis" else None
+    app = create_app(replace(settings, redis_url=redis_url), engine_client=engine_client)
+    async with serving(app) as base_url:
+        app.state.base_url = base_url
+        yield app
+
+
+def _client(app: Litestar) -> httpx.AsyncClient:
+    return httpx.AsyncClient(base_url=app.state.base_url, timeout=60)
+
+
+async def _tenant_key(sessions: Sessions, limits: LimitSet) -> tuple[str, str]:
+    """A fresh tenant (unique, so Redis counters never collide) on a plan with `limits`."""
+    name = f"t{uuid.uuid4().hex[:12]}"
+    async with sessions.begin() as session:
+        await PlanService(session).create(name, PlanTerms(limits=limits))
+        await TenantService(session).create(name)
+        tenant = await TenantService(session).set_plan(name, name)
+        return tenant.id, (await ApiKeyService(session).create(tenant)).secret
+
+
+def _body(model: str, max_tokens: int = 4) -> dict[str, Any]:
+    return {"model": model, "prompt": "Return the", "max_tokens": max_tokens, "temperature": 0}
+
+
+async def _ledger_cost(sessions: Sessions, tenant_id: str) -> int:
+    async with sessions() as session:
+        query = select(func.coalesce(func.sum(UsageEvent.cost_micros), 0)).where(
+            UsageEvent.tenant_id == tenant_id
+        )
+        return int(await session.scalar(query) or 0)
+
+
+async def test_budget_is_a_hard_cap_and_matches_the_ledger(
+    app: Litestar, sessions: Sessions, engine_client: InProcessEngineClient
+) -> None:
+    model = engine_client.model_name
+    prompt_tokens = len(engine_client.encode("Return the"))
+    worst = DEFAULT_PRICE.cost_micros(prompt_tokens, 0, 4)
+    tenant_id, key = await _tenant_key(sessions, LimitSet(monthly_budget_micros=3 * worst))
+    headers = {"Authorization": f"Bearer {key}"}
+    async with _client(app) as client:
+        responses = await asyncio.gather(
+            *(client.post("/v1/completions", json=_body(model), headers=headers) for _ in range(8))
+        )
+        codes = sorted(r.status_code for r in responses)
+        runtime: Runtime = app.state.runtime
+        await runtime.tasks.drain()
+        usage = await runtime.admission.store.usage(f"tenant:{tenant_id}", month_period())
+    assert codes.count(200) >= 3  # three worst cases always fit; actual costs may fit more
+    denied = [r for r in responses if r.status_code == 429]
+    assert denied, codes
+    assert all(r.json()["error"]["code"] == "insufficient_quota" for r in denied)
+    assert "retry-after" not in denied[0].headers
+    assert usage.reserved_micros == 0
+    assert usage.concurrent == 0
+    assert usage.spent_micros == await _ledger_cost(sessions, tenant_id)
+    assert usage.spent_micros <= 3 * worst
+
+
+async def test_requests_per_minute(
+    app: Litestar, sessions: Sessions, engine_client: InProcessEngineClient
+) -> None:
+    _, key = await _tenant_key(sessions, LimitSet(rpm=2))
+    headers = {"Authorization": f"Bearer {key}"}
+    body = _body(engine_client.model_name, max_tokens=1)
+    async with _client(app) as client:
+        first = await client.post("/v1/completions", json=body, headers=headers)
+        second = await client.post("/v1/completions", json=body, headers=headers)
+        third = await client.post("/v1/completions", json=body, headers=headers)
+    assert first.headers["x-ratelimit-limit-requests"] == "2"
+    assert first.headers["x-ratelimit-remaining-requests"] == "1"
+    assert second.headers["x-ratelimit-remaining-requests"] == "0"
+    assert third.status_code == 429
+    error = third.json()["error"]
+    assert (error["type"], error["code"]) == ("rate_limit_error", "rate_limit_exceeded")
+    assert 1 <= int(third.headers["retry-after"]) <= 60
+    assert third.headers["x-ratelimit-remaining-requests"] == "0"
+
+
+async def test_tokens_per_minute_counts_the_worst_case(
+    app: Litestar, sessions: Sessions, engine_client: InProcessEngineClient
+) -> None:
+    prompt_tokens = len(engine_client.encode("Return the"))
+    _, key = await _tenant_key(sessions, LimitSet(tpm=prompt_tokens + 10))
+    headers = {"Authorization": f"Bearer {key}"}
+    model = engine_client.model_name
+    async with _client(app) as client:
+        too_big = await client.post("/v1/completions", json=_body(model, 11), headers=headers)
+        fits = await client.post("/v1/completions", json=_body(model, 10), headers=headers)
+    assert too_big.status_code == 429
+    assert fits.status_code == 200
+    assert int(fits.headers["x-ratelimit-limit-tokens"]) == prompt_tokens + 10
+
+
+async def test_key_override_limits_one_key_only(
+    app: Litestar, sessions: Sessions, engine_client: InProcessEngineClient
+) -> None:
+    tenant_id, key = await _tenant_key(sessions, LimitSet(rpm=100))
+    async with sessions.begin() as session:
+        tenant = await TenantService(session).get_by_id(tenant_id)
+        other = (await ApiKeyService(session).create(tenant)).secret
+        await ApiKeyService(session).set_limits(key.split("_")[0], LimitSet(rpm=1))
+    body = _body(engine_client.model_name, max_tokens=1)
+    async with _client(app) as client:
+        limited = [
+            (
+                await client.post(
+                    "/v1/completions", json=body, headers={"Authorization": f"Bearer {key}"}
+                )
+            ).status_code
+            for _ in range(2)
+        ]
+        free = await client.post(
+            "/v1/completions", json=body, headers={"Authorization": f"Bearer {other}"}
+        )
+    assert limited == [200, 429]
+    assert free.status_code == 200
