@@ -39,7 +39,10 @@ class AttentionBackend(Protocol):
 
 
 class TorchPagedAttention:
-    """Reference backend: gathers each sequence's blocks and calls SDPA, one sequence at a time."""
+    """Reference backend: gathers each sequence's blocks and calls SDPA, one sequence at a
+    time. Query j of a sequence with n new tokens sits at position seq_len - n + j and sees
+    every key up to it: cached blocks (an earlier chunk, a prefix-cache hit, a preempted
+    request's recomputed part) and this step's keys alike."""
 
     def write_kv(
         self, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata
@@ -52,22 +55,26 @@ class TorchPagedAttention:
         self, q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata, scale: float
     ) -> torch.Tensor:
         out = torch.empty_like(q)
-        group = q.shape[1] // kv_cache.shape[-2]
+        _, heads, dim = q.shape
+        kv_heads = kv_cache.shape[-2]
+        group = heads // kv_heads
         for i, seq_len in enumerate(meta.seq_lens):
             start, end = meta.query_start_loc[i], meta.query_start_loc[i + 1]
-            blocks = meta.block_tables[i, : -(-seq_len // meta.block_size)]
-            k = kv_cache[0][blocks].flatten(0, 1)[:seq_len].repeat_interleave(group, dim=1)
-            v = kv_cache[1][blocks].flatten(0, 1)[:seq_len].repeat_interleave(group, dim=1)
-            # Query j sits at position seq_len - n + j and sees keys up to that position.
             n = end - start
-            q_pos = torch.arange(seq_len - n, seq_len, device=q.device)
-            mask = torch.arange(seq_len, device=q.device)[None, :] <= q_pos[:, None]
-            o = functional.scaled_dot_product_attention(
-                q[start:end].transpose(0, 1),
-                k.transpose(0, 1),
-                v.transpose(0, 1),
-                attn_mask=mask,
-                scale=scale,
-            )
-            out[start:end] = o.transpose(0, 1)
+            blocks = meta.block_tables[i, : -(-seq_len // meta.block_size)]
+            # Grouped-query attention without copying K/V per query head: the query heads
+            # that share a KV head form one batch row, the KV head is broadcast (stride 0).
+            shape = (kv_heads, group, seq_len, dim)
+            k = kv_cache[0][blocks].flatten(0, 1)[:seq_len].transpose(0, 1)[:, None].expand(shape)
+            v = kv_cache[1][blocks].flatten(0, 1)[:seq_len].transpose(0, 1)[:, None].expand(shape)
+            qg = q[start:end].view(n, kv_heads, group, dim).permute(1, 2, 0, 3)
+            mask = None if n == 1 else _causal_mask(n, seq_len, q.device)
+            o = functional.scaled_dot_product_attention(qg, k, v, attn_mask=mask, scale=scale)
+            out[start:end] = o.permute(2, 0, 1, 3).reshape(n, heads, dim)
         return out
+
+
+def _causal_mask(n: int, seq_len: int, device: torch.device) -> torch.Tensor:
+    """[n, seq_len]: query j (at position seq_len - n + j) sees keys 0..seq_len - n + j."""
+    q_pos = torch.arange(seq_len - n, seq_len, device=device)
+    return torch.arange(seq_len, device=device)[None, :] <= q_pos[:, None]

@@ -159,3 +159,23 @@ async def test_shutdown_fails_open_streams(llama_dir: Path) -> None:
         await consume()
     assert len(seen) < 80 and not engine.is_running()
     await engine.shutdown()  # a second call is harmless
+
+
+async def test_n_completions_stream_until_every_one_finishes(engine: AsyncEngine) -> None:
+    params = SamplingParams(max_tokens=5, temperature=0.8, seed=1, n=3, logprobs=1)
+    outs = await collect(engine, "The quick", params, "multi")
+    assert {o.index for o in outs} == {0, 1, 2} and outs[-1].finished
+    assert sum(o.finished for o in outs) == 3
+    for i in range(3):
+        mine = [o for o in outs if o.index == i]
+        assert [o.completion_tokens for o in mine] == [1, 2, 3, 4, 5]
+        assert all(o.logprobs is not None and len(o.logprobs) == 1 for o in mine)
+    await assert_idle(engine)
+
+
+async def test_leaving_an_n_request_aborts_every_completion(engine: AsyncEngine) -> None:
+    params = SamplingParams(max_tokens=80, temperature=0, ignore_eos=True, n=2)
+    async with aclosing(engine.generate("The quick", params, "multi-leaver")) as stream:
+        async for _ in stream:
+            break
+    await assert_idle(engine)

@@ -42,7 +42,7 @@ def oracle_prompts(vocab: int) -> list[list[int]]:
 def hf_greedy(path: Path, prompts: list[list[int]]) -> list[list[int]]:
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(path, torch_dtype=torch.float32)
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
     model.eval()  # type: ignore[no-untyped-call]
     refs = []
     with torch.no_grad():

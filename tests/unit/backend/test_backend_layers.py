@@ -6,9 +6,10 @@ import pytest
 import torch
 from torch.nn import functional
 
+from backend.engine.model_runner import gpu_kv_budget
 from backend.layers.attention import AttentionMetadata, TorchPagedAttention
 from backend.layers.rotary import inverse_frequencies
-from backend.layers.sampler import sample
+from backend.layers.sampler import sample, token_logprobs
 from backend.sampling import SamplingParams
 
 
@@ -38,6 +39,54 @@ def test_paged_attention_equals_dense_causal_attention() -> None:
             is_causal=True,
         ).transpose(0, 1)
         torch.testing.assert_close(out[start:end], ref)
+
+
+def test_paged_attention_over_cached_and_new_keys() -> None:
+    """Chunked prefill: a chunk's queries see the earlier chunks' keys (already in the
+    cache) and their own, causally, at an offset; a decode row sees everything."""
+    torch.manual_seed(1)
+    heads, kv_heads, dim, bs, total = 6, 2, 8, 4, 11
+    backend = TorchPagedAttention()
+    cache = torch.zeros(2, 8, bs, kv_heads, dim)
+    table = [6, 1, 4]  # 11 tokens in 3 scattered blocks
+    q = torch.randn(total, heads, dim)
+    k, v = torch.randn(2, total, kv_heads, dim)
+    dense = functional.scaled_dot_product_attention(
+        q.transpose(0, 1),
+        k.repeat_interleave(3, 1).transpose(0, 1),
+        v.repeat_interleave(3, 1).transpose(0, 1),
+        is_causal=True,
+    ).transpose(0, 1)
+    for start, end in ((0, 3), (3, 10), (10, 11)):  # chunk, chunk, then one decode token
+        pos = range(start, end)
+        meta = AttentionMetadata(
+            slot_mapping=torch.tensor([table[p // bs] * bs + p % bs for p in pos]),
+            block_tables=torch.tensor([table]),
+            seq_lens=[end],
+            query_start_loc=[0, end - start],
+            block_size=bs,
+        )
+        backend.write_kv(k[start:end], v[start:end], cache, meta)
+        out = backend.attend(q[start:end], cache, meta, scale=dim**-0.5)
+        torch.testing.assert_close(out, dense[start:end])
+
+
+def test_gpu_kv_budget_is_a_fraction_of_memory_less_what_is_used() -> None:
+    gib = 2**30
+    # 80 GiB device, 20 GiB in use after loading weights, 90%: 72 - 20 = 52 GiB for KV.
+    assert gpu_kv_budget(total=80 * gib, free=60 * gib, utilization=0.9) == 52 * gib
+    assert gpu_kv_budget(total=80 * gib, free=4 * gib, utilization=0.9) == 0
+
+
+def test_token_logprobs_rank_and_top() -> None:
+    logits = torch.tensor([[2.0, 1.0, 0.0, 3.0], [0.0, 0.0, 5.0, 1.0]])
+    lps = token_logprobs(logits, [0, 2], [2, 0])
+    ref = torch.log_softmax(logits, -1)
+    assert (lps[0].token_id, lps[0].rank) == (0, 2)
+    assert lps[0].logprob == pytest.approx(ref[0, 0].item())
+    assert [t for t, _ in lps[0].top] == [3, 0]
+    assert lps[0].top[0][1] == pytest.approx(ref[0, 3].item())
+    assert (lps[1].rank, lps[1].top) == (1, [])
 
 
 @pytest.mark.parametrize(

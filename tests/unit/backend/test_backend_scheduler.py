@@ -77,7 +77,7 @@ def test_chunked_prefill_lets_decodes_flow() -> None:
     s.add_request(request("short", 3, max_tokens=20))
     advance(s, s.schedule())
     s.add_request(request("long", 30))
-    steps = []
+    steps: list[list[tuple[str, int]]] = []
     while len(steps) < 6:
         out = s.schedule()
         steps.append(chunks(out))
@@ -139,7 +139,8 @@ def test_preemption_by_recompute_keeps_the_output() -> None:
     assert item.start_pos + len(item.token_ids) == 13
     assert item.start_pos == 12  # its three full blocks were still cached
     advance(s, out)
-    assert b.output_token_ids == [1, 2, 3, 3, 3, 7] and b.status == RequestStatus.RUNNING
+    assert b.output_token_ids == [1, 2, 3, 3, 3, 7]
+    assert s.running == [b]
 
 
 def test_a_preempted_request_scheduled_earlier_in_the_step_is_unscheduled() -> None:
