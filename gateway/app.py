@@ -78,6 +78,7 @@ def create_app(
         admission = Admission(
             open_quota_store(settings.redis_url),
             DEFAULT_PRICE,
+            lease_s=settings.lease_s,
             max_life_s=settings.request_timeout_s + 30,
         )
         admission.start()

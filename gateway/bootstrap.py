@@ -6,6 +6,7 @@ import os
 from dataclasses import dataclass
 
 from sqlalchemy import select
+from sqlalchemy.exc import IntegrityError
 from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
 
 from gateway.settings import Settings, SettingsError
@@ -23,6 +24,17 @@ class AdminKey:
 
 
 async def ensure_admin_key(
+    settings: Settings, sessions: async_sessionmaker[AsyncSession]
+) -> AdminKey:
+    """Idempotent, and safe when several replicas start at once: a replica that loses the
+    race to create the admin tenant or key finds the winner's on its second look."""
+    try:
+        return await _ensure_admin_key(settings, sessions)
+    except IntegrityError:
+        return await _ensure_admin_key(settings, sessions)
+
+
+async def _ensure_admin_key(
     settings: Settings, sessions: async_sessionmaker[AsyncSession]
 ) -> AdminKey:
     async with sessions.begin() as session:

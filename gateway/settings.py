@@ -28,6 +28,7 @@ class Settings:
     engine_threads: int
     request_timeout_s: float
     idempotency_retention_s: int
+    lease_s: int
     backends: tuple[str, ...]  # empty: the in-process engine
     backend_secret: str | None
     log_level: str
@@ -56,6 +57,7 @@ class Settings:
             idempotency_retention_s=_int(
                 env, "TOLLGATE_IDEMPOTENCY_RETENTION_S", 24 * 3600, low=60
             ),
+            lease_s=_int(env, "TOLLGATE_LEASE_S", 30, low=1, high=3600),
             backends=tuple(
                 url.strip().rstrip("/")
                 for url in env.get("TOLLGATE_BACKENDS", "").split(",")

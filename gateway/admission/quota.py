@@ -33,9 +33,6 @@ from tenants.services import Principal
 
 log = logging.getLogger(__name__)
 
-LEASE_S = 30.0  # a crashed gateway's reservations come back within this
-RENEW_EVERY_S = LEASE_S / 3
-
 
 class QuotaExceeded(RateLimited):
     """Out of budget: waiting does not help, so no Retry-After."""
@@ -79,9 +76,10 @@ def rate_headers(requests: WindowStatus, tokens: WindowStatus) -> dict[str, str]
 
 
 class Admission:
-    def __init__(self, store: QuotaStore, price: Price, max_life_s: float) -> None:
+    def __init__(self, store: QuotaStore, price: Price, lease_s: float, max_life_s: float) -> None:
         self.store = store
         self.price = price
+        self.lease_s = lease_s  # a crashed gateway's reservations come back within this
         # Renewal stops after max_life_s (past the request timeout): a reservation whose
         # settle never comes (a stream the client left before it began) then expires.
         self.max_life_s = max_life_s
@@ -98,7 +96,7 @@ class Admission:
                 tokens=prompt_tokens + max_tokens,
                 cost_micros=self.price.cost_micros(prompt_tokens, 0, max_tokens),
                 period=month_period(),
-                lease_s=LEASE_S,
+                lease_s=self.lease_s,
             )
         )
         if isinstance(outcome, Denied):
@@ -117,13 +115,13 @@ class Admission:
 
     async def _renew_forever(self) -> None:
         while True:
-            await asyncio.sleep(RENEW_EVERY_S)  # a renewal period, not synchronisation
+            await asyncio.sleep(self.lease_s / 3)  # a renewal period, not synchronisation
             now = asyncio.get_running_loop().time()
             for request_id in [r for r, (_, end) in self._live.items() if end < now]:
                 del self._live[request_id]
             if self._live:
                 try:
-                    await self.store.renew([r for r, _ in self._live.values()], LEASE_S)
+                    await self.store.renew([r for r, _ in self._live.values()], self.lease_s)
                 except Exception:  # Redis briefly away: the next round tries again
                     log.warning("lease renewal failed", exc_info=True)
 
