@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING, Any
 
 from backend.config import EngineConfig
 from backend.errors import CheckpointError, EngineDeadError, EngineError, PromptTooLongError
-from backend.outputs import EngineStats, RequestOutput
+from backend.outputs import EngineStats, RequestOutput, TokenLogprobs
 from backend.sampling import SamplingParams
 
 if TYPE_CHECKING:
@@ -25,6 +25,7 @@ __all__ = [
     "PromptTooLongError",
     "RequestOutput",
     "SamplingParams",
+    "TokenLogprobs",
 ]
 
 

@@ -108,6 +108,8 @@ def test_invalid_requests_raise_in_the_caller(llama_dir: Path) -> None:
         engine.add_request("empty", [], GREEDY)
     with pytest.raises(ValueError, match="token ids"):
         engine.add_request("oov", [10**6], GREEDY)
+    with pytest.raises(ValueError, match="NUL"):
+        engine.add_request("a\0b", PROMPT, GREEDY)
     engine.add_request("dup", PROMPT, GREEDY)
     with pytest.raises(ValueError, match="already"):
         engine.add_request("dup", PROMPT, GREEDY)
