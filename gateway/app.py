@@ -16,6 +16,7 @@ from backend import EngineConfig
 from backend.builtin import BUILTIN_MODEL_DIR
 from gateway.admission.idempotency import Idempotency
 from gateway.admission.quota import Admission
+from gateway.admission.reconcile import Upkeep
 from gateway.api.health import healthz, readyz
 from gateway.api.openai import OpenAIController
 from gateway.dispatch.engine_client import EngineClient, InProcessEngineClient
@@ -82,6 +83,8 @@ def create_app(
             max_life_s=settings.request_timeout_s + 30,
         )
         admission.start()
+        upkeep = Upkeep(sessions, admission.store, settings.lease_s)
+        upkeep.start()
         runtime = Runtime(
             settings=settings,
             db=db,
@@ -105,6 +108,7 @@ def create_app(
             yield
         finally:
             await tasks.drain()
+            await upkeep.close()
             await admission.close()
             if owned:
                 await runtime.engine_client.close()
