@@ -14,6 +14,7 @@ from redis.asyncio import Redis
 
 from backend import EngineConfig
 from backend.builtin import BUILTIN_MODEL_DIR
+from gateway.admin.controllers import AdminController
 from gateway.admission.idempotency import Idempotency
 from gateway.admission.quota import Admission
 from gateway.admission.reconcile import Upkeep
@@ -117,7 +118,7 @@ def create_app(
             await db.dispose()
 
     return Litestar(
-        route_handlers=[OpenAIController, healthz, readyz],
+        route_handlers=[OpenAIController, AdminController, healthz, readyz],
         dependencies={"runtime": Provide(provide_runtime, sync_to_thread=False)},
         exception_handlers={
             ApiError: handle_api_error,

@@ -87,13 +87,13 @@ class CompletionRequest(SamplingFields, kw_only=True):
     echo: bool = False
 
 
-RequestT = TypeVar("RequestT", ChatCompletionRequest, CompletionRequest)
+T = TypeVar("T")
 
 _PATH = re.compile(r" - at `\$\.?([^`]*)`$")
 _MISSING = re.compile(r"missing required field `([^`]+)`")
 
 
-def decode(body: bytes, kind: type[RequestT]) -> RequestT:
+def decode(body: bytes, kind: type[T]) -> T:
     """Decode a JSON body or raise InvalidRequest naming the offending field."""
     try:
         return msgspec.json.decode(body, type=kind)

@@ -1,0 +1,104 @@
+"""Admin API bodies and views."""
+
+from __future__ import annotations
+
+from typing import Annotated, Any
+
+import msgspec
+from msgspec import Meta, Struct
+
+from tenants.limits import LIMIT_NAMES, LOWEST_PRIORITY, LimitSet, PlanTerms
+from tenants.models import ApiKey, Plan, Tenant
+
+Limit = Annotated[int, Meta(ge=0)] | None
+Priority = Annotated[int, Meta(ge=0, le=LOWEST_PRIORITY)]
+UNSET: Any = msgspec.UNSET
+
+
+class LimitsBody(Struct, kw_only=True, forbid_unknown_fields=True):
+    """Fields left out keep their value; null clears a limit."""
+
+    rpm: Limit | msgspec.UnsetType = UNSET
+    tpm: Limit | msgspec.UnsetType = UNSET
+    max_concurrent: Limit | msgspec.UnsetType = UNSET
+    monthly_budget_micros: Limit | msgspec.UnsetType = UNSET
+    max_tokens_per_request: Limit | msgspec.UnsetType = UNSET
+
+    def merged(self, current: LimitSet) -> LimitSet:
+        given = {n: getattr(self, n) for n in LIMIT_NAMES if getattr(self, n) is not UNSET}
+        return LimitSet(**{**{n: getattr(current, n) for n in LIMIT_NAMES}, **given})
+
+
+class PlanBody(LimitsBody, kw_only=True, forbid_unknown_fields=True):
+    name: str | msgspec.UnsetType = UNSET
+    allowed_models: list[str] | msgspec.UnsetType | None = UNSET
+    default_priority: Priority | msgspec.UnsetType = UNSET
+    max_priority: Priority | msgspec.UnsetType = UNSET
+    weight: Annotated[int, Meta(ge=1)] | msgspec.UnsetType = UNSET
+
+    def terms(self, current: PlanTerms) -> PlanTerms:
+        models = current.allowed_models
+        if isinstance(self.allowed_models, list):
+            models = frozenset(self.allowed_models)
+        elif self.allowed_models is None:
+            models = None
+        return PlanTerms(
+            name=current.name,
+            limits=self.merged(current.limits),
+            allowed_models=models,
+            default_priority=_or(self.default_priority, current.default_priority),
+            max_priority=_or(self.max_priority, current.max_priority),
+            weight=_or(self.weight, current.weight),
+        )
+
+
+class TenantBody(Struct, kw_only=True, forbid_unknown_fields=True):
+    name: str
+    plan: str | None = None
+
+
+class TenantPatch(Struct, kw_only=True, forbid_unknown_fields=True):
+    plan: str | None
+
+
+class KeyBody(Struct, kw_only=True, forbid_unknown_fields=True):
+    name: str = ""
+    admin: bool = False
+
+
+def _or(value: Any, default: int) -> int:
+    return default if value is UNSET else int(value)
+
+
+def plan_view(plan: Plan) -> dict[str, Any]:
+    terms = PlanTerms.of(plan)
+    return {
+        "name": plan.name,
+        **{name: getattr(terms.limits, name) for name in LIMIT_NAMES},
+        "allowed_models": None if terms.allowed_models is None else sorted(terms.allowed_models),
+        "default_priority": terms.default_priority,
+        "max_priority": terms.max_priority,
+        "weight": terms.weight,
+    }
+
+
+def tenant_view(tenant: Tenant, plan_name: str | None) -> dict[str, Any]:
+    return {
+        "id": tenant.id,
+        "name": tenant.name,
+        "plan": plan_name,
+        "created_at": tenant.created_at.isoformat(),
+    }
+
+
+def key_view(key: ApiKey) -> dict[str, Any]:
+    return {
+        "id": key.id,
+        "prefix": key.prefix,
+        "name": key.name,
+        "role": key.role,
+        "status": key.status,
+        "created_at": key.created_at.isoformat(),
+        "last_used_at": key.last_used_at.isoformat() if key.last_used_at else None,
+        "limits": {name: getattr(key, name) for name in LIMIT_NAMES},
+    }
