@@ -12,7 +12,8 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any
 
-from backend import EngineDeadError, RequestOutput, SamplingParams
+from backend import EngineDeadError, RequestOutput, SamplingParams, TokenLogprobs
+from gateway.api.formats import Format
 from gateway.api.schemas import encode
 from gateway.dispatch.engine_client import EngineClient
 from gateway.errors import (
@@ -25,40 +26,6 @@ from gateway.errors import (
 from gateway.metering import Charge, Outcome, UsageRecorder
 from tenants.models import UsageStatus
 
-
-class ChatFormat:
-    object = "chat.completion"
-    chunk_object = "chat.completion.chunk"
-    id_prefix = "chatcmpl-"
-
-    @staticmethod
-    def choice(text: str, finish_reason: str | None) -> dict[str, Any]:
-        message = {"role": "assistant", "content": text}
-        return {"index": 0, "message": message, "finish_reason": finish_reason, "logprobs": None}
-
-    @staticmethod
-    def delta(text: str, finish_reason: str | None, first: bool) -> dict[str, Any]:
-        delta: dict[str, str] = {"role": "assistant", "content": text} if first else {}
-        if text and not first:
-            delta["content"] = text
-        return {"index": 0, "delta": delta, "finish_reason": finish_reason, "logprobs": None}
-
-
-class TextFormat:
-    object = "text_completion"
-    chunk_object = "text_completion"
-    id_prefix = "cmpl-"
-
-    @staticmethod
-    def choice(text: str, finish_reason: str | None) -> dict[str, Any]:
-        return {"index": 0, "text": text, "finish_reason": finish_reason, "logprobs": None}
-
-    @staticmethod
-    def delta(text: str, finish_reason: str | None, first: bool) -> dict[str, Any]:
-        return TextFormat.choice(text, finish_reason)
-
-
-Format = type[ChatFormat] | type[TextFormat]
 DONE = b"data: [DONE]\n\n"
 
 
@@ -89,16 +56,39 @@ class Job:
         }
 
 
-def _observe(outcome: Outcome, job: Job, out: RequestOutput) -> None:
+@dataclass
+class Choices:
+    """The n completions of one request as they arrive, interleaved by index."""
+
+    n: int
+    tokens: dict[int, int] = field(default_factory=dict)  # index -> completion tokens
+    finish: dict[int, str | None] = field(default_factory=dict)
+    texts: dict[int, list[str]] = field(default_factory=dict)
+    logprobs: dict[int, list[TokenLogprobs]] = field(default_factory=dict)
+
+    @property
+    def completion_tokens(self) -> int:
+        return sum(self.tokens.values())
+
+    def collect(self, out: RequestOutput) -> None:
+        """Keep text and logprobs too (for a whole, non-streamed response)."""
+        self.texts.setdefault(out.index, []).append(out.text)
+        if out.logprobs is not None:
+            self.logprobs.setdefault(out.index, []).extend(out.logprobs)
+
+
+def _observe(outcome: Outcome, choices: Choices, job: Job, out: RequestOutput) -> None:
     outcome.prompt_tokens = out.prompt_tokens
     outcome.cached_tokens = out.cached_tokens
-    outcome.completion_tokens = out.completion_tokens
+    choices.tokens[out.index] = out.completion_tokens
+    outcome.completion_tokens = choices.completion_tokens
     if outcome.queue_ms is None and out.first_scheduled_time is not None:
         outcome.queue_ms = (out.first_scheduled_time - out.arrival_time) * 1000
     if outcome.ttft_ms is None and out.completion_tokens > 0:
         outcome.ttft_ms = (time.monotonic() - job.started) * 1000
     if out.finished:
-        outcome.finish_reason = out.finish_reason
+        choices.finish[out.index] = out.finish_reason
+        outcome.finish_reason = choices.finish.get(0, out.finish_reason)
 
 
 def _usage(outcome: Outcome) -> dict[str, Any]:
@@ -159,12 +149,12 @@ async def _outputs(job: Job, engine: EngineClient) -> AsyncIterator[RequestOutpu
 async def complete(job: Job, engine: EngineClient, recorder: UsageRecorder) -> dict[str, Any]:
     """Run to the end and return the whole response body."""
     outcome = Outcome(prompt_tokens=len(job.prompt))
-    pieces: list[str] = [job.echo]
+    choices = Choices(job.params.n)
     settled = False
     try:
         async for out in _outputs(job, engine):
-            _observe(outcome, job, out)
-            pieces.append(out.text)
+            _observe(outcome, choices, job, out)
+            choices.collect(out)
         settled = True
         await asyncio.shield(recorder.settle(job.charge, _finish(outcome, job)))
     except Exception as exc:
@@ -176,7 +166,20 @@ async def complete(job: Job, engine: EngineClient, recorder: UsageRecorder) -> d
         if not settled:  # cancelled: the client went away before the answer was sent
             engine.abort(job.charge.request_id)
             recorder.settle(job.charge, _finish(_cancelled(outcome, 0), job))
-    body = job.envelope([job.format.choice("".join(pieces), outcome.finish_reason)], chunk=False)
+    want_logprobs = job.params.logprobs is not None
+    body = job.envelope(
+        [
+            job.format.choice(
+                index,
+                job.echo + "".join(choices.texts.get(index, [])),
+                choices.finish.get(index),
+                choices.logprobs.get(index, []) if want_logprobs else None,
+                engine.token_text,
+            )
+            for index in range(choices.n)
+        ],
+        chunk=False,
+    )
     body["usage"] = _usage(outcome)
     return body
 
@@ -193,23 +196,33 @@ def _sse(payload: dict[str, Any]) -> bytes:
 async def stream(job: Job, engine: EngineClient, recorder: UsageRecorder) -> AsyncIterator[bytes]:
     """Server-sent events; the completion tokens billed are the ones written out."""
     outcome = Outcome(prompt_tokens=len(job.prompt))
+    choices = Choices(job.params.n)
     delivered = 0
     settled = False
 
-    def chunk(text: str, finish_reason: str | None, first: bool) -> bytes:
-        body = job.envelope([job.format.delta(text, finish_reason, first)], chunk=True)
+    def chunk(
+        index: int,
+        text: str,
+        finish_reason: str | None,
+        first: bool = False,
+        logprobs: list[TokenLogprobs] | None = None,
+    ) -> bytes:
+        choice = job.format.delta(index, text, finish_reason, first, logprobs, engine.token_text)
+        body = job.envelope([choice], chunk=True)
         if job.include_usage:
             body["usage"] = None
         return _sse(body)
 
     try:
-        yield chunk(job.echo, None, first=True)
+        for index in range(choices.n):
+            yield chunk(index, job.echo, None, first=True)
         async for out in _outputs(job, engine):
-            _observe(outcome, job, out)
-            if out.text:
-                yield chunk(out.text, None, first=False)
-            delivered = out.completion_tokens  # reached only once the chunk was sent
-        yield chunk("", outcome.finish_reason, first=False)
+            _observe(outcome, choices, job, out)
+            if out.text or out.logprobs:
+                yield chunk(out.index, out.text, None, logprobs=out.logprobs)
+            delivered = choices.completion_tokens  # reached only once the chunk was sent
+            if out.finished:
+                yield chunk(out.index, "", out.finish_reason)
         settled = True
         await asyncio.shield(recorder.settle(job.charge, _finish(outcome, job)))
         if job.include_usage:

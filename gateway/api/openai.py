@@ -19,7 +19,8 @@ from gateway.admission import idempotency, policy
 from gateway.admission.auth import authenticate
 from gateway.admission.idempotency import Claim, Replay
 from gateway.api import generation
-from gateway.api.generation import ChatFormat, Format, Job, TextFormat
+from gateway.api.formats import ChatFormat, Format, TextFormat
+from gateway.api.generation import Job
 from gateway.api.schemas import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -53,6 +54,8 @@ def _sampling(fields: SamplingFields, max_tokens: int) -> SamplingParams:
             seed=fields.seed,
             stop=fields.stop_strings(),
             ignore_eos=fields.ignore_eos,
+            n=fields.n,
+            logprobs=fields.engine_logprobs(),
         )
     except ValueError as exc:
         raise InvalidRequest(str(exc)) from None
@@ -177,7 +180,7 @@ async def _respond(
         claim = begun
     try:
         ticket = await runtime.admission.reserve(
-            principal, job.charge.request_id, len(job.prompt), job.params.max_tokens
+            principal, job.charge.request_id, len(job.prompt), job.params.max_tokens * job.params.n
         )
     except BaseException:
         if claim is not None:  # rejected, not stored: a retry with this key runs afresh

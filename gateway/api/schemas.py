@@ -21,6 +21,7 @@ PositiveInt = Annotated[int, Meta(ge=1)]
 NonNegativeInt = Annotated[int, Meta(ge=0)]
 TokenId = Annotated[int, Meta(ge=0)]
 StopList = Annotated[list[str], Meta(max_length=4)]
+TopLogprobs = Annotated[int, Meta(ge=0, le=20)]
 
 
 class StreamOptions(Struct):
@@ -55,7 +56,7 @@ class SamplingFields(Struct, kw_only=True):
     temperature: Temperature | None = None
     top_p: TopP | None = None
     top_k: NonNegativeInt | None = None
-    n: Annotated[int, Meta(ge=1, le=1)] = 1
+    n: Annotated[int, Meta(ge=1, le=16)] = 1
     stop: str | StopList | None = None
     seed: int | None = None
     ignore_eos: bool = False
@@ -70,6 +71,10 @@ class SamplingFields(Struct, kw_only=True):
     def output_limit(self) -> int | None:
         return self.max_tokens
 
+    def engine_logprobs(self) -> int | None:
+        """How many alternatives per token the engine reports; None: no logprobs."""
+        return None
+
     def include_usage(self) -> bool:
         return self.stream_options is not None and self.stream_options.include_usage
 
@@ -77,6 +82,11 @@ class SamplingFields(Struct, kw_only=True):
 class ChatCompletionRequest(SamplingFields, kw_only=True):
     messages: Annotated[list[ChatMessage], Meta(min_length=1)]
     max_completion_tokens: PositiveInt | None = None
+    logprobs: bool = False
+    top_logprobs: TopLogprobs | None = None
+
+    def engine_logprobs(self) -> int | None:
+        return (self.top_logprobs or 0) if self.logprobs else None
 
     def output_limit(self) -> int | None:
         return self.max_completion_tokens or self.max_tokens
@@ -85,6 +95,10 @@ class ChatCompletionRequest(SamplingFields, kw_only=True):
 class CompletionRequest(SamplingFields, kw_only=True):
     prompt: str | Annotated[list[TokenId], Meta(min_length=1)]
     echo: bool = False
+    logprobs: TopLogprobs | None = None
+
+    def engine_logprobs(self) -> int | None:
+        return self.logprobs
 
 
 T = TypeVar("T")

@@ -22,6 +22,8 @@ class EngineClient(Protocol):
 
     def decode(self, ids: list[int]) -> str: ...
 
+    def token_text(self, token_id: int) -> str: ...
+
     def render_chat(self, messages: list[dict[str, str]]) -> str: ...
 
     def generate(
@@ -60,6 +62,9 @@ class InProcessEngineClient:
 
     def decode(self, ids: list[int]) -> str:
         return self.engine.tokenizer.decode(ids)
+
+    def token_text(self, token_id: int) -> str:
+        return self.decode([token_id])
 
     def render_chat(self, messages: list[dict[str, str]]) -> str:
         return self.engine.tokenizer.apply_chat_template(messages)

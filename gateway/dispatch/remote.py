@@ -76,6 +76,9 @@ class RemoteEngineClient:
     def decode(self, ids: list[int]) -> str:
         return self.tokenizer.decode(ids)
 
+    def token_text(self, token_id: int) -> str:
+        return self.decode([token_id])
+
     def render_chat(self, messages: list[dict[str, str]]) -> str:
         return self.tokenizer.apply_chat_template(messages)
 

@@ -187,3 +187,61 @@ async def test_server_timeout_is_504_and_aborts(
     assert info.value.status_code == 504
     stats = engine_client.engine.stats()
     assert stats.num_running == 0 and stats.kv_blocks_used == 0
+
+
+async def test_n_choices_sync_and_streamed(
+    clients: tuple[openai.OpenAI, openai.AsyncOpenAI], engine_client: InProcessEngineClient
+) -> None:
+    sync, client = clients
+    args: dict[str, Any] = {
+        "model": engine_client.model_name,
+        "messages": MESSAGES,
+        "max_tokens": 8,
+        "temperature": 1.0,
+        "seed": 11,
+        "n": 2,
+    }
+    whole = await asyncio.to_thread(lambda: sync.chat.completions.create(**args))
+    assert [c.index for c in whole.choices] == [0, 1]
+    assert whole.usage is not None
+    stream = await client.chat.completions.create(**args, stream=True)
+    texts = {0: "", 1: ""}
+    finished = set()
+    async for chunk in stream:
+        for choice in chunk.choices:
+            texts[choice.index] += choice.delta.content or ""
+            if choice.finish_reason:
+                finished.add(choice.index)
+    assert finished == {0, 1}
+    assert [texts[0], texts[1]] == [c.message.content for c in whole.choices]  # seeded
+    single = await client.chat.completions.create(**{**args, "n": 1})
+    assert single.choices[0].message.content == texts[0]  # choice 0 draws with the seed
+
+
+async def test_logprobs_chat_and_completions(
+    clients: tuple[openai.OpenAI, openai.AsyncOpenAI], engine_client: InProcessEngineClient
+) -> None:
+    _, client = clients
+    model = engine_client.model_name
+    chat = await client.chat.completions.create(
+        model=model, messages=MESSAGES, max_tokens=5, temperature=0, logprobs=True, top_logprobs=3
+    )
+    content = chat.choices[0].logprobs.content  # type: ignore[union-attr]
+    assert content is not None and len(content) == chat.usage.completion_tokens  # type: ignore[union-attr]
+    for entry in content:
+        assert len(entry.top_logprobs) == 3
+        assert entry.logprob <= 0
+        # Greedy: the chosen token is the most likely one.
+        assert entry.logprob == pytest.approx(max(t.logprob for t in entry.top_logprobs))
+    text = await client.completions.create(
+        model=model, prompt="Return the", max_tokens=5, temperature=0, logprobs=2
+    )
+    logprobs = text.choices[0].logprobs
+    assert logprobs is not None and logprobs.tokens is not None
+    assert text.usage is not None
+    assert (
+        len(logprobs.tokens) == len(logprobs.token_logprobs or []) == text.usage.completion_tokens
+    )
+    assert all(len(top) <= 2 for top in logprobs.top_logprobs or [])
+    plain = await client.completions.create(model=model, prompt="Return the", max_tokens=5)
+    assert plain.choices[0].logprobs is None
