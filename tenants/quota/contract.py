@@ -36,7 +36,8 @@ from enum import StrEnum
 from typing import Protocol, runtime_checkable
 
 WINDOW_S = 60
-"""Length of the sliding window behind rpm and tpm, in seconds."""
+"""Length of the sliding window behind rpm and tpm, in seconds. The stores take a
+window_s argument so tests can shorten it; every replica must use the same value."""
 WINDOW_US = WINDOW_S * 1_000_000
 MAX_SCOPES = 8
 """Most scopes one reservation may name."""
@@ -151,6 +152,13 @@ def check_lease(lease_s: float) -> int:
     if not 0.001 <= lease_s <= 30 * 24 * 3600:
         raise ValueError(f"lease_s must be between 0.001 and 30 days, got {lease_s}")
     return int(lease_s * 1_000_000)
+
+
+def check_window(window_s: float) -> int:
+    """window_s as whole microseconds, or ValueError."""
+    if not 0.001 <= window_s <= 24 * 3600:
+        raise ValueError(f"window_s must be between 0.001 s and one day, got {window_s}")
+    return int(window_s * 1_000_000)
 
 
 def check_settle(actual_tokens: int, actual_cost_micros: int) -> None:
@@ -288,9 +296,11 @@ def month_period(when: datetime | None = None) -> str:
     return f"{moment.year:04d}-{moment.month:02d}"
 
 
-def window_status(limit: int | None, used: int, newest_us: int, now_us: int) -> WindowStatus:
+def window_status(
+    limit: int | None, used: int, newest_us: int, now_us: int, window_us: int = WINDOW_US
+) -> WindowStatus:
     """A WindowStatus from a window's usage and its newest admission (-1 when empty)."""
-    reset_s = max(0, newest_us + WINDOW_US - now_us) / 1e6 if newest_us >= 0 else 0.0
+    reset_s = max(0, newest_us + window_us - now_us) / 1e6 if newest_us >= 0 else 0.0
     if limit is None:
         return WindowStatus(None, None, reset_s)
     return WindowStatus(limit, max(0, limit - used), reset_s)

@@ -25,18 +25,21 @@ from dataclasses import dataclass, field
 
 from tenants.quota.contract import (
     DEFAULT_SETTLED_TTL_S,
-    WINDOW_US,
+    WINDOW_S,
     Denied,
     DenyReason,
     Granted,
+    Limits,
     Reservation,
     ReservationIdError,
     ReserveRequest,
     ScopeUsage,
     SettleResult,
+    WindowStatus,
     check_charge,
     check_lease,
     check_settle,
+    check_window,
     retry_after,
     window_status,
 )
@@ -69,11 +72,11 @@ class _ScopeState:
         if self.leases.pop(rid, None) is None:
             return False
         cost, period = self.held.pop(rid)
-        left = self.reserved[period] - cost
+        left = self.reserved.get(period, 0) - cost
         if left:
             self.reserved[period] = left
         else:
-            del self.reserved[period]
+            self.reserved.pop(period, None)
         return True
 
     def compact(self) -> None:
@@ -82,8 +85,8 @@ class _ScopeState:
             self.lease_heap = [(e, r) for e, r in self.lease_heap if self.leases.get(r) == e]
             heapq.heapify(self.lease_heap)
 
-    def prune_window(self, now: int) -> None:
-        cutoff = now - WINDOW_US
+    def prune_window(self, now: int, window_us: int) -> None:
+        cutoff = now - window_us
         window = self.window
         while window and window[0][0] <= cutoff:
             _, rid = window.popleft()
@@ -95,14 +98,14 @@ class _ScopeState:
             heapq.heappop(heap)
         return heap[0][0]
 
-    def tokens_retry(self, need: int, now: int) -> int:
+    def tokens_retry(self, need: int, now: int, window_us: int) -> int:
         """Microseconds until enough admissions leave the window to free `need` tokens."""
         freed = 0
         for admitted, rid in self.window:
             freed += self.window_tokens[rid]
             if freed >= need:
-                return admitted + WINDOW_US - now
-        return WINDOW_US
+                return admitted + window_us - now
+        return window_us
 
     def newest(self) -> int:
         return self.window[-1][0] if self.window else -1
@@ -116,8 +119,10 @@ class MemoryQuotaStore:
         *,
         clock: Callable[[], float] = time.monotonic,
         settled_ttl_s: float = DEFAULT_SETTLED_TTL_S,
+        window_s: float = WINDOW_S,
     ) -> None:
         self._clock = clock
+        self._window_us = check_window(window_s)
         self._settled_ttl_us = int(settled_ttl_s * 1_000_000)
         self._lock = threading.Lock()
         self._last_now = 0
@@ -137,7 +142,7 @@ class MemoryQuotaStore:
         if state is None:
             state = self._scopes[key] = _ScopeState()
         state.expire(now)
-        state.prune_window(now)
+        state.prune_window(now, self._window_us)
         if not state.leases:
             self._with_leases.discard(key)
         return state
@@ -158,6 +163,16 @@ class MemoryQuotaStore:
         self._done_order.append((expiry, charge_id))
         return True
 
+    def _statuses(
+        self, limits: Limits, state: _ScopeState, now: int
+    ) -> tuple[WindowStatus, WindowStatus]:
+        """The requests and tokens status of a scope's window, for the headers."""
+        newest = state.newest()
+        return (
+            window_status(limits.rpm, len(state.window), newest, now, self._window_us),
+            window_status(limits.tpm, state.tokens_total, newest, now, self._window_us),
+        )
+
     async def reserve(self, request: ReserveRequest) -> Granted | Denied:
         with self._lock:
             return self._reserve(request)
@@ -170,14 +185,11 @@ class MemoryQuotaStore:
         states = [self._scope(scope.key, now) for scope in request.scopes]
         first, first_limits = states[0], request.scopes[0].limits
         if rid in first.leases:
-            return Granted(
-                request.reservation,
-                window_status(first_limits.rpm, len(first.window), first.newest(), now),
-                window_status(first_limits.tpm, first.tokens_total, first.newest(), now),
-            )
+            return Granted(request.reservation, *self._statuses(first_limits, first, now))
         if rid in first.window_tokens:
             raise ReservationIdError(f"reservation {rid!r} expired and is still in the window")
         tokens, cost, period = request.tokens, request.cost_micros, request.period
+        window_us = self._window_us
         for scope, state in zip(request.scopes, states, strict=True):
             limits = scope.limits
             reason: DenyReason | None = None
@@ -186,11 +198,12 @@ class MemoryQuotaStore:
             if limits.rpm is not None and count >= limits.rpm:
                 reason = DenyReason.RPM
                 if limits.rpm > 0:
-                    retry_us = state.window[count - limits.rpm][0] + WINDOW_US - now
+                    retry_us = state.window[count - limits.rpm][0] + window_us - now
             elif limits.tpm is not None and state.tokens_total + tokens > limits.tpm:
                 reason = DenyReason.TPM
                 if tokens <= limits.tpm:
-                    retry_us = state.tokens_retry(state.tokens_total + tokens - limits.tpm, now)
+                    need = state.tokens_total + tokens - limits.tpm
+                    retry_us = state.tokens_retry(need, now, window_us)
             elif limits.max_concurrent is not None and len(state.leases) >= limits.max_concurrent:
                 reason = DenyReason.CONCURRENCY
                 if limits.max_concurrent > 0:
@@ -205,8 +218,7 @@ class MemoryQuotaStore:
                     reason,
                     scope.key,
                     retry_after(reason, retry_us),
-                    window_status(first_limits.rpm, len(first.window), first.newest(), now),
-                    window_status(first_limits.tpm, first.tokens_total, first.newest(), now),
+                    *self._statuses(first_limits, first, now),
                 )
         expiry = now + check_lease(request.lease_s)
         for scope, state in zip(request.scopes, states, strict=True):
@@ -216,13 +228,10 @@ class MemoryQuotaStore:
             state.leases[rid] = expiry
             heapq.heappush(state.lease_heap, (expiry, rid))
             state.held[rid] = (cost, period)
-            state.reserved[period] = state.reserved.get(period, 0) + cost
+            if cost:
+                state.reserved[period] = state.reserved.get(period, 0) + cost
             self._with_leases.add(scope.key)
-        return Granted(
-            request.reservation,
-            window_status(first_limits.rpm, len(first.window), now, now),
-            window_status(first_limits.tpm, first.tokens_total, now, now),
-        )
+        return Granted(request.reservation, *self._statuses(first_limits, first, now))
 
     async def renew(self, reservations: Sequence[Reservation], lease_s: float) -> set[str]:
         lease_us = check_lease(lease_s)

@@ -35,6 +35,7 @@ from redis.asyncio import Redis
 
 from tenants.quota.contract import (
     DEFAULT_SETTLED_TTL_S,
+    WINDOW_S,
     Denied,
     DenyReason,
     Granted,
@@ -46,6 +47,7 @@ from tenants.quota.contract import (
     check_charge,
     check_lease,
     check_settle,
+    check_window,
     retry_after,
     window_status,
 )
@@ -55,7 +57,7 @@ DEFAULT_PREFIX = "tollgate:quota:"
 # Helpers shared by the scripts (prepended to each). A scope is addressed by its keys:
 # st, lease, held, win, wtok as in the module docstring.
 _LUA_HELPERS = """
-local WINDOW = 60000000  -- the sliding window, in microseconds
+local WINDOW = 60000000  -- the sliding window (us); scripts that prune set it from ARGV
 local PAGE = 256         -- entries handled per command when walking a ZSET
 
 local function int(x) return string.format('%d', x) end
@@ -132,8 +134,9 @@ end
 # KEYS[2]            done marker of this reservation id
 # KEYS[3+5(i-1)..]   scope i (i = 1..n): st, lease, held, win, wtok
 # ARGV[1] reservation id   ARGV[2] tokens (worst case)   ARGV[3] cost micros (worst case)
-# ARGV[4] period           ARGV[5] lease (us)            ARGV[6] n (number of scopes)
-# ARGV[7+5(i-1)..]   scope i: name, rpm, tpm, max_concurrent, budget (-1 = unlimited)
+# ARGV[4] period           ARGV[5] lease (us)            ARGV[6] window (us)
+# ARGV[7] n (number of scopes)
+# ARGV[8+5(i-1)..]   scope i: name, rpm, tpm, max_concurrent, budget (-1 = unlimited)
 # Returns {code, reason, scope index, retry us, now, count, tokens, newest} where code is
 # 1 granted, 2 granted before (live lease: a retry), 0 denied (reason 1 rpm, 2 tpm,
 # 3 concurrency, 4 budget; retry -1 = waiting cannot help), -1 id already settled,
@@ -160,14 +163,15 @@ end
 
 local active, done = KEYS[1], KEYS[2]
 local rid, tokens, cost = ARGV[1], tonumber(ARGV[2]), tonumber(ARGV[3])
-local period, lease_us, n = ARGV[4], tonumber(ARGV[5]), tonumber(ARGV[6])
+local period, lease_us, n = ARGV[4], tonumber(ARGV[5]), tonumber(ARGV[7])
+WINDOW = tonumber(ARGV[6])
 local now = now_us()
 
 if redis.call('EXISTS', done) == 1 then return {-1} end
 for i = 1, n do
   local k = 2 + 5 * (i - 1)
   if expire_scope(KEYS[k + 1], KEYS[k + 2], KEYS[k + 3], now) > 0 then
-    touch_active(active, KEYS[k + 2], ARGV[7 + 5 * (i - 1)])
+    touch_active(active, KEYS[k + 2], ARGV[8 + 5 * (i - 1)])
   end
   prune_window(KEYS[k + 1], KEYS[k + 4], KEYS[k + 5], now)
 end
@@ -179,7 +183,7 @@ if redis.call('ZSCORE', KEYS[6], rid) then return {-2} end
 
 local spent_field, reserved_field = 'spent:' .. period, 'reserved:' .. period
 for i = 1, n do
-  local k, a = 2 + 5 * (i - 1), 6 + 5 * (i - 1)
+  local k, a = 2 + 5 * (i - 1), 7 + 5 * (i - 1)
   local st, lease, win, wtok = KEYS[k + 1], KEYS[k + 2], KEYS[k + 4], KEYS[k + 5]
   local rpm, tpm = tonumber(ARGV[a + 2]), tonumber(ARGV[a + 3])
   local max_concurrent, budget = tonumber(ARGV[a + 4]), tonumber(ARGV[a + 5])
@@ -222,7 +226,7 @@ for i = 1, n do
   redis.call('ZADD', lease, expiry, rid)
   redis.call('HSET', held, rid, held_value)
   add(st, reserved_field, cost)
-  redis.call('ZADD', active, 'LT', expiry, ARGV[7 + 5 * (i - 1)])
+  redis.call('ZADD', active, 'LT', expiry, ARGV[8 + 5 * (i - 1)])
 end
 local count, total, newest = window_state(KEYS[3], KEYS[6])
 return {1, 0, 0, -1, now, count, total, newest}
@@ -234,15 +238,16 @@ return {1, 0, 0, -1, now, count, total, newest}
 # KEYS[2]            done marker of this reservation id
 # KEYS[3+5(i-1)..]   scope i: st, lease, held, win, wtok
 # ARGV[1] reservation id   ARGV[2] actual tokens   ARGV[3] actual cost micros
-# ARGV[4] period of the reservation   ARGV[5] done marker TTL (s)   ARGV[6] n
-# ARGV[6+i]          name of scope i
+# ARGV[4] period of the reservation   ARGV[5] done marker TTL (s)   ARGV[6] window (us)
+# ARGV[7] n          ARGV[7+i] name of scope i
 # Returns {released (0/1), charged (0/1)}.
 SETTLE_LUA = (
     _LUA_HELPERS
     + """
 local active, done = KEYS[1], KEYS[2]
 local rid, actual_tokens, actual_cost = ARGV[1], tonumber(ARGV[2]), tonumber(ARGV[3])
-local period, ttl, n = ARGV[4], ARGV[5], tonumber(ARGV[6])
+local period, ttl, n = ARGV[4], ARGV[5], tonumber(ARGV[7])
+WINDOW = tonumber(ARGV[6])
 local now = now_us()
 
 local released = 0
@@ -259,7 +264,7 @@ for i = 1, n do
     redis.call('ZREM', lease, rid)
     released = 1
   end
-  if expired > 0 then touch_active(active, lease, ARGV[6 + i]) end
+  if value or expired > 0 then touch_active(active, lease, ARGV[7 + i]) end
 end
 local charged = 0
 if redis.call('SET', done, '1', 'NX', 'EX', ttl) then charged = 1 end
@@ -326,12 +331,13 @@ return 1
 
 # usage: counters of one scope, after releasing its expired leases.
 # KEYS[1] active ZSET   KEYS[2..6] the scope's st, lease, held, win, wtok
-# ARGV[1] scope name   ARGV[2] period
+# ARGV[1] scope name   ARGV[2] period   ARGV[3] window (us)
 # Returns {spent, reserved, concurrent, requests in window, tokens in window}.
 USAGE_LUA = (
     _LUA_HELPERS
     + """
 local st, lease, held, win, wtok = KEYS[2], KEYS[3], KEYS[4], KEYS[5], KEYS[6]
+WINDOW = tonumber(ARGV[3])
 local now = now_us()
 if expire_scope(st, lease, held, now) > 0 then touch_active(KEYS[1], lease, ARGV[1]) end
 prune_window(st, win, wtok, now)
@@ -392,10 +398,12 @@ class RedisQuotaStore:
         *,
         prefix: str = DEFAULT_PREFIX,
         settled_ttl_s: int = DEFAULT_SETTLED_TTL_S,
+        window_s: float = WINDOW_S,
         owns_client: bool = False,
     ) -> None:
         if settled_ttl_s < 1:
             raise ValueError("settled_ttl_s must be at least 1 second")
+        self._window_us = check_window(window_s)
         self._client = client
         self._prefix = prefix
         self._settled_ttl_s = int(settled_ttl_s)
@@ -434,6 +442,7 @@ class RedisQuotaStore:
             request.cost_micros,
             request.period,
             check_lease(request.lease_s),
+            self._window_us,
             len(request.scopes),
         ]
         for scope in request.scopes:
@@ -454,8 +463,8 @@ class RedisQuotaStore:
             raise ReservationIdError(f"reservation {rid!r} expired and is still in the window")
         _, reason_code, index, retry_us, now, count, total, newest = (int(v) for v in result)
         first = request.scopes[0].limits
-        requests = window_status(first.rpm, count, newest, now)
-        tokens = window_status(first.tpm, total, newest, now)
+        requests = window_status(first.rpm, count, newest, now, self._window_us)
+        tokens = window_status(first.tpm, total, newest, now, self._window_us)
         if code == 0:
             reason = _REASONS[reason_code]
             return Denied(
@@ -502,6 +511,7 @@ class RedisQuotaStore:
             actual_cost_micros,
             reservation.period,
             self._settled_ttl_s,
+            self._window_us,
             len(reservation.scope_keys),
             *reservation.scope_keys,
         ]
@@ -525,7 +535,7 @@ class RedisQuotaStore:
     async def usage(self, scope_key: str, period: str) -> ScopeUsage:
         keys = [self._active, *self._scope_keys(scope_key)]
         spent, reserved, concurrent, requests, tokens = await self._usage(
-            keys=keys, args=[scope_key, period]
+            keys=keys, args=[scope_key, period, self._window_us]
         )
         return ScopeUsage(int(spent), int(reserved), int(concurrent), int(requests), int(tokens))
 
