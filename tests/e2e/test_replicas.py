@@ -127,3 +127,15 @@ def test_killing_a_replica_mid_stream(cluster: Cluster) -> None:
     failed = [tokens for status, tokens in rows if status == "failed"]
     assert len(failed) == 1 and failed[0] >= 5  # billed for what was streamed
     assert [status for status, _ in rows[-4:]] == ["completed"] * 4
+
+
+def test_no_replica_left_is_503(cluster: Cluster) -> None:
+    """Runs last: with every replica gone, requests fail fast with 503 and Retry-After."""
+    for _, process in cluster.backends:
+        if process.popen.poll() is None:
+            process.kill()
+    client = openai.OpenAI(base_url=cluster.gateway_url, api_key=cluster.admin_key, max_retries=0)
+    with pytest.raises(openai.InternalServerError) as info:
+        client.completions.create(model=cluster.model, prompt="The", max_tokens=2)
+    assert info.value.status_code == 503
+    assert info.value.response.headers["retry-after"] == "1"

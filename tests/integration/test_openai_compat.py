@@ -245,3 +245,28 @@ async def test_logprobs_chat_and_completions(
     assert all(len(top) <= 2 for top in logprobs.top_logprobs or [])
     plain = await client.completions.create(model=model, prompt="Return the", max_tokens=5)
     assert plain.choices[0].logprobs is None
+
+
+async def test_plan_and_quota_errors_have_their_exception_classes(
+    base_url: str, sessions: Any, engine_client: InProcessEngineClient
+) -> None:
+    from tenants.limits import LimitSet, PlanTerms
+    from tenants.services import ApiKeyService, PlanService, TenantService
+
+    async with sessions.begin() as session:
+        terms = PlanTerms(limits=LimitSet(rpm=1), max_priority=2)
+        await PlanService(session).create("tight", terms)
+        await TenantService(session).create("tightco")
+        tenant = await TenantService(session).set_plan("tightco", "tight")
+        key = (await ApiKeyService(session).create(tenant)).secret
+    client = openai.AsyncOpenAI(base_url=base_url, api_key=key, max_retries=0)
+    model = engine_client.model_name
+    with pytest.raises(openai.PermissionDeniedError):
+        await client.completions.create(
+            model=model, prompt="x", max_tokens=1, extra_body={"priority": 0}
+        )
+    await client.completions.create(model=model, prompt="x", max_tokens=1)
+    with pytest.raises(openai.RateLimitError) as limited:
+        await client.completions.create(model=model, prompt="x", max_tokens=1)
+    assert limited.value.response.headers["retry-after"]
+    assert limited.value.code == "rate_limit_exceeded"
