@@ -282,7 +282,9 @@ class QuotaStore(Protocol):
         ...
 
     async def expire_leases(self) -> int:
-        """Release every expired lease in every scope; returns how many were released."""
+        """Release every expired lease in every scope (the periodic sweep). Returns how
+        many scope leases it released: a reservation over two scopes counts twice, and
+        leases that an operation on their scope already released lazily are not counted."""
         ...
 
     async def aclose(self) -> None:

@@ -182,6 +182,7 @@ end
 if redis.call('ZSCORE', KEYS[6], rid) then return {-2} end
 
 local spent_field, reserved_field = 'spent:' .. period, 'reserved:' .. period
+local count1, total1 = 0, 0  -- scope 1's window before this admission
 for i = 1, n do
   local k, a = 2 + 5 * (i - 1), 7 + 5 * (i - 1)
   local st, lease, win, wtok = KEYS[k + 1], KEYS[k + 2], KEYS[k + 4], KEYS[k + 5]
@@ -190,6 +191,7 @@ for i = 1, n do
   local count = redis.call('ZCARD', win)
   local counters = redis.call('HMGET', st, 'wtokens', spent_field, reserved_field)
   local total = tonumber(counters[1] or 0)
+  if i == 1 then count1, total1 = count, total end
   local reason, retry = 0, -1
   if rpm >= 0 and count >= rpm then
     reason = 1
@@ -228,8 +230,7 @@ for i = 1, n do
   add(st, reserved_field, cost)
   redis.call('ZADD', active, 'LT', expiry, ARGV[8 + 5 * (i - 1)])
 end
-local count, total, newest = window_state(KEYS[3], KEYS[6])
-return {1, 0, 0, -1, now, count, total, newest}
+return {1, 0, 0, -1, now, count1 + 1, total1 + tokens, now}
 """
 )
 

@@ -49,6 +49,7 @@ from tenants.quota import (
     SettleResult,
     WindowStatus,
     month_period,
+    open_quota_store,
 )
 from tenants.quota.contract import WINDOW_US, check_lease
 
@@ -675,6 +676,18 @@ async def test_budgets_are_per_period(store: QuotaStore) -> None:
     assert isinstance(await store.reserve(november), Granted)
     assert (await store.usage("tenant:t", "2026-10")).reserved_micros == 100
     assert (await store.usage("tenant:t", "2026-11")).reserved_micros == 100
+
+
+async def test_open_quota_store_picks_the_implementation() -> None:
+    memory = open_quota_store(None)
+    assert isinstance(memory, MemoryQuotaStore)
+    assert isinstance(memory, QuotaStore)
+    prefix = f"tgtest:quota:{uuid.uuid4().hex}:"
+    shared = open_quota_store(REDIS_URL, prefix=prefix)
+    assert isinstance(shared, RedisQuotaStore)
+    assert isinstance(shared, QuotaStore)
+    assert shared.prefix == prefix
+    await shared.aclose()
 
 
 def test_requests_are_validated() -> None:
