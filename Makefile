@@ -7,6 +7,8 @@ STAMP := $(VENV)/.installed
 # Development machines carry the CPU build of this torch locally; GPU machines use their own.
 CPU_TORCH := torch==2.13.0
 PIP := $(BIN)/python -m pip --disable-pip-version-check --quiet
+# Some machines list local package folders that do not exist; pip warns for each.
+PIP_NOISE := is ignored: it is neither
 
 .PHONY: setup run test lint format services clean
 
@@ -20,10 +22,10 @@ $(STAMP): pyproject.toml Makefile
 		echo "CUDA found: keeping this machine's torch build"; \
 	else \
 		echo "no CUDA: installing the CPU build ($(CPU_TORCH))"; \
-		$(PIP) install "$(CPU_TORCH)" 2>&1 | grep -v "is ignored: it is neither" || true; \
+		set -o pipefail; $(PIP) install "$(CPU_TORCH)" 2>&1 | { grep -v "$(PIP_NOISE)" || true; }; \
 	fi
 	@echo "installing tollgate and its dev tools into $(VENV)"
-	@set -o pipefail; $(PIP) install -e '.[dev]' 2>&1 | grep -v "is ignored: it is neither"
+	@set -o pipefail; $(PIP) install -e '.[dev]' 2>&1 | { grep -v "$(PIP_NOISE)" || true; }
 	@touch $(STAMP)
 
 run: setup
