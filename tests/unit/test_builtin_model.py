@@ -135,7 +135,7 @@ def test_transformers_loads_and_writes_words() -> None:
     chat_ids = tok(chat, add_special_tokens=False, return_tensors="pt")
     for inputs in (prompt, chat_ids):
         with torch.no_grad():
-            out = model.generate(**inputs, max_new_tokens=32, do_sample=False)
+            out = model.generate(**inputs, max_new_tokens=24, do_sample=False)
         new = out[0, inputs["input_ids"].shape[1] :].tolist()
         assert len(new) > 3
         text = tok.decode(new, skip_special_tokens=True)
