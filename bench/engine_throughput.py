@@ -43,18 +43,19 @@ def run_engine(model_dir: Path, work: Workload, config: EngineConfig) -> tuple[i
     engine.add_request("warm-up", work[0][0][:64], warm)
     while engine.has_work():
         engine.step()
-    start = time.perf_counter()
+    start, cpu = time.perf_counter(), time.process_time()
     for i, (prompt, out_len) in enumerate(work):
         params = SamplingParams(max_tokens=out_len, temperature=0, ignore_eos=True)
         engine.add_request(f"r{i}", prompt, params)
     tokens = 0
     while engine.has_work():
         tokens += sum(len(o.token_ids) for o in engine.step())
-    elapsed = time.perf_counter() - start
+    elapsed, cpu = time.perf_counter() - start, time.process_time() - cpu
     stats = engine.stats()
     print(
         f"  engine: {stats.num_steps} steps, {stats.num_preemptions} preemptions, "
-        f"{stats.total_prefill_tokens} prefill + {stats.total_decode_tokens} decode tokens"
+        f"{stats.total_prefill_tokens} prefill + {stats.total_decode_tokens} decode tokens, "
+        f"{cpu:.1f} s CPU"
     )
     return tokens, elapsed
 
@@ -68,7 +69,8 @@ def run_static(model_dir: Path, work: Workload, batch_size: int) -> tuple[int, f
     model.eval()  # type: ignore[no-untyped-call]
     with torch.inference_mode():
         model.generate(torch.tensor([work[0][0][:64]]), max_new_tokens=4, do_sample=False)
-        start = time.perf_counter()
+        start, cpu = time.perf_counter(), time.process_time()
+        padded = 0
         for b in range(0, len(work), batch_size):
             batch = work[b : b + batch_size]
             width = max(len(p) for p, _ in batch)
@@ -77,7 +79,7 @@ def run_static(model_dir: Path, work: Workload, batch_size: int) -> tuple[int, f
             for row, (prompt, _) in enumerate(batch):
                 ids[row, width - len(prompt) :] = torch.tensor(prompt)
                 mask[row, width - len(prompt) :] = 1
-            model.generate(
+            out = model.generate(
                 input_ids=ids,
                 attention_mask=mask,
                 max_new_tokens=max(n for _, n in batch),
@@ -85,7 +87,13 @@ def run_static(model_dir: Path, work: Workload, batch_size: int) -> tuple[int, f
                 eos_token_id=None,
                 pad_token_id=0,
             )
-        elapsed = time.perf_counter() - start
+            longest = max(n for _, n in batch)
+            if out.shape[1] != width + longest:  # stopped early: that would flatter it
+                raise RuntimeError(f"generate() made {out.shape[1] - width} of {longest} tokens")
+            padded += len(batch) * (width + longest)
+        elapsed, cpu = time.perf_counter() - start, time.process_time() - cpu
+    useful = sum(len(p) + n for p, n in work)
+    print(f"  static: {padded} padded token slots for {useful} useful ones, {cpu:.1f} s CPU")
     return sum(n for _, n in work), elapsed
 
 
