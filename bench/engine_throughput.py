@@ -107,6 +107,7 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--skip-static", action="store_true")
+    parser.add_argument("--skip-engine", action="store_true")
     args = parser.parse_args()
 
     torch.set_num_threads(args.threads)
@@ -124,9 +125,14 @@ def main() -> None:
         max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens,
     )
-    tokens, seconds = run_engine(model_dir, work, config)
-    engine_tps = tokens / seconds
-    print(f"tollgate engine : {tokens} output tokens in {seconds:7.1f} s = {engine_tps:7.1f} tok/s")
+    engine_tps = 0.0
+    if not args.skip_engine:
+        tokens, seconds = run_engine(model_dir, work, config)
+        engine_tps = tokens / seconds
+        print(
+            f"tollgate engine : {tokens} output tokens in {seconds:7.1f} s "
+            f"= {engine_tps:7.1f} tok/s"
+        )
     if args.skip_static:
         return
     tokens, seconds = run_static(model_dir, work, args.static_batch_size)
@@ -135,7 +141,8 @@ def main() -> None:
         f"static batching : {tokens} output tokens in {seconds:7.1f} s = {static_tps:7.1f} tok/s "
         f"(transformers generate, batches of {args.static_batch_size})"
     )
-    print(f"ratio           : {engine_tps / static_tps:.2f}x")
+    if engine_tps:
+        print(f"ratio           : {engine_tps / static_tps:.2f}x")
 
 
 if __name__ == "__main__":
