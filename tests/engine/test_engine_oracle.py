@@ -140,7 +140,6 @@ def test_chunked_prefill(kind: str, checkpoints: dict[str, Path], oracle: Oracle
     assert sum(n >= 3 for n in chunks.values()) >= 8
 
 
-@pytest.mark.slow
 @pytest.mark.parametrize("kind", ["llama", "qwen2"])
 @pytest.mark.parametrize("caching", [False, True], ids=["nocache", "cache"])
 def test_preemption(kind: str, caching: bool, checkpoints: dict[str, Path], oracle: Oracle) -> None:
