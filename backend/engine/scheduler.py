@@ -69,9 +69,12 @@ class Scheduler:
                     if plan.budget == 0:
                         break
                     self._schedule_running(req, min(left, plan.budget), plan)
-        # A step that had to preempt admits nobody: the pool is already short.
+        # A step that had to preempt admits nobody: the pool is already short. No more
+        # requests run than the budget has tokens, so every decode gets a token each step.
+        cfg = self.config
+        max_running = min(cfg.max_num_seqs, cfg.max_num_batched_tokens)
         while not plan.preempted and plan.budget > 0 and self.waiting:
-            if len(self.running) >= self.config.max_num_seqs or not self._admit(plan):
+            if len(self.running) >= max_running or not self._admit(plan):
                 break  # strict FIFO: the head is not overtaken
         return self._output(plan)
 

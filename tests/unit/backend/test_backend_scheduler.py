@@ -105,6 +105,18 @@ def test_max_num_seqs() -> None:
     assert out.finished_request_ids == ["a"]
 
 
+def test_no_more_run_than_the_budget_has_tokens() -> None:
+    # Otherwise the requests at the back of the running list would never get a decode.
+    s = make(max_num_seqs=8, max_num_batched_tokens=3)
+    for i in range(5):
+        s.add_request(request(f"r{i}", 1, first=10 * i))
+    for _ in range(4):
+        advance(s, s.schedule())
+    assert len(s.running) == 3
+    out = s.schedule()
+    assert chunks(out) == [("r0", 1), ("r1", 1), ("r2", 1)]
+
+
 def test_admission_allocates_only_what_is_scheduled() -> None:
     # No worst-case reservation: three requests that could each grow to 4 blocks all
     # start in a pool of 10 blocks; preemption handles the pool running short later.
