@@ -16,6 +16,9 @@ class ScheduledRequest:
     block_ids: list[int]  # the request's whole block table
     params: SamplingParams
     sample: bool  # False for a chunk that does not reach the request's last token
+    # The request's own lists, not copies: penalties and min_tokens read its history.
+    prompt_token_ids: list[int]
+    output_token_ids: list[int]
 
 
 @dataclass(frozen=True)

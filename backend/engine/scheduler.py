@@ -199,6 +199,8 @@ class Scheduler:
                     block_ids=list(self.block_manager.block_ids(req.request_id)),
                     params=req.params,
                     sample=start + num_new == req.num_tokens,
+                    prompt_token_ids=req.prompt_token_ids,
+                    output_token_ids=req.output_token_ids,
                 )
             )
         finished, self._finished_ids = self._finished_ids, []
