@@ -17,7 +17,14 @@ class SamplingParams:
 
     `n` completions share the prompt's KV blocks; completion i draws with seed + i.
     `logprobs` (0..MAX_LOGPROBS) adds each sampled token's logprob and that many
-    alternatives; None leaves them out."""
+    alternatives; None leaves them out.
+
+    Penalties (off at their defaults) discourage repeats: `repetition_penalty` (vLLM's,
+    > 0) divides a positive logit, or multiplies a negative one, of every token already in
+    the prompt or the output; `presence_penalty` and `frequency_penalty` (OpenAI's, in
+    [-2, 2]) subtract once per token seen in the output and once per occurrence there.
+    `min_tokens` keeps EOS, stop tokens and stop strings from ending the output before it
+    has that many tokens."""
 
     max_tokens: int = 16
     temperature: float = 1.0
@@ -29,6 +36,10 @@ class SamplingParams:
     ignore_eos: bool = False
     n: int = 1
     logprobs: int | None = None
+    min_tokens: int = 0
+    repetition_penalty: float = 1.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
 
     def __post_init__(self) -> None:
         if not _is_int(self.max_tokens) or self.max_tokens < 1:
@@ -53,6 +64,30 @@ class SamplingParams:
             raise ValueError(
                 f"logprobs must be None or an integer in [0, {MAX_LOGPROBS}], got {lp!r}"
             )
+        self._check_penalties()
+
+    def _check_penalties(self) -> None:
+        if not _is_int(self.min_tokens) or not 0 <= self.min_tokens <= self.max_tokens:
+            raise ValueError(
+                f"min_tokens must be an integer in [0, max_tokens={self.max_tokens}], "
+                f"got {self.min_tokens!r}"
+            )
+        rp = self.repetition_penalty
+        if not _is_real(rp) or rp <= 0:
+            raise ValueError(f"repetition_penalty must be a number > 0, got {rp!r}")
+        for name in ("presence_penalty", "frequency_penalty"):
+            value = getattr(self, name)
+            if not _is_real(value) or not -2 <= value <= 2:
+                raise ValueError(f"{name} must be a number in [-2, 2], got {value!r}")
+
+    @property
+    def penalized(self) -> bool:
+        """Whether the sampler must look at this request's history."""
+        return (
+            self.repetition_penalty != 1
+            or self.presence_penalty != 0
+            or self.frequency_penalty != 0
+        )
 
     @property
     def greedy(self) -> bool:

@@ -43,7 +43,9 @@ class Engine:
         self.tokenizer = Tokenizer(self.model_dir)
         context = self.model_config.max_position_embeddings
         wanted = min(config.max_model_len or context, context)
-        self.runner = ModelRunner(self.model_dir, self.model_config, config, wanted)
+        self.runner = ModelRunner(
+            self.model_dir, self.model_config, config, wanted, self.tokenizer.eos_token_ids
+        )
         self.block_manager = BlockManager(
             self.runner.num_blocks, config.block_size, config.enable_prefix_caching
         )
@@ -188,7 +190,7 @@ class Engine:
         if status is not None:
             state.text += state.detok.flush()
         stops = req.params.stop
-        if stops:
+        if stops and len(req.output_token_ids) >= req.params.min_tokens:
             cut = _find_stop(state.text, stops, old_len)
             if cut is not None:
                 state.text, status = state.text[:cut], RequestStatus.FINISHED_STOPPED
@@ -204,8 +206,9 @@ class Engine:
 
     def _stop_status(self, req: Request, token: int) -> RequestStatus | None:
         p = req.params
+        # Below min_tokens the sampler masked EOS and stop tokens: they cannot end it.
         is_eos = not p.ignore_eos and token in self.tokenizer.eos_token_ids
-        if is_eos or token in p.stop_token_ids:
+        if (is_eos or token in p.stop_token_ids) and len(req.output_token_ids) > p.min_tokens:
             return RequestStatus.FINISHED_STOPPED
         if len(req.output_token_ids) >= p.max_tokens or req.num_tokens >= req.max_len:
             return RequestStatus.FINISHED_LENGTH

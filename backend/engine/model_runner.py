@@ -11,7 +11,7 @@ import torch
 from backend.config import EngineConfig
 from backend.engine.batch import ModelRunnerOutput, ScheduledRequest, SchedulerOutput
 from backend.layers.attention import AttentionBackend, AttentionMetadata, TorchPagedAttention
-from backend.layers.sampler import sample, token_logprobs
+from backend.layers.sampler import apply_penalties, sample, token_logprobs
 from backend.loader import load_model, resolve_dtype
 from backend.models.config import ModelConfig
 from backend.outputs import TokenLogprobs
@@ -21,9 +21,15 @@ _M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3  # mallopt parameters, from glibc'
 
 class ModelRunner:
     def __init__(
-        self, model_dir: Path, model_config: ModelConfig, config: EngineConfig, max_model_len: int
+        self,
+        model_dir: Path,
+        model_config: ModelConfig,
+        config: EngineConfig,
+        max_model_len: int,
+        eos_token_ids: frozenset[int] = frozenset(),
     ) -> None:
         self.config = config
+        self.eos_token_ids = eos_token_ids  # masked until a request reaches min_tokens
         self.device = torch.device(config.device)
         if self.device.type == "cuda" and not torch.cuda.is_available():
             raise ValueError(f"device {config.device!r} requested but CUDA is not available")
@@ -56,11 +62,13 @@ class ModelRunner:
             device=self.device,
         )
         self._generators: dict[str, torch.Generator] = {}
+        self._prompt_masks: dict[str, torch.Tensor] = {}  # penalised requests' prompts
 
     @torch.inference_mode()
     def execute(self, batch: SchedulerOutput) -> ModelRunnerOutput:
         for request_id in batch.finished_request_ids:
             self._generators.pop(request_id, None)
+            self._prompt_masks.pop(request_id, None)
         if not batch.requests:
             return ModelRunnerOutput({})
         input_ids, positions, meta = self._prepare(batch)
@@ -71,9 +79,41 @@ class ModelRunner:
         last = torch.tensor([meta.query_start_loc[i + 1] - 1 for i in rows], device=self.device)
         logits = self.model.logits(hidden[last])
         reqs = [batch.requests[i] for i in rows]
-        tokens = sample(logits, [r.params for r in reqs], [self._generator(r) for r in reqs])
+        processed = self._process_logits(logits, reqs)
+        tokens = sample(processed, [r.params for r in reqs], [self._generator(r) for r in reqs])
         sampled = {r.request_id: t for r, t in zip(reqs, tokens, strict=True)}
         return ModelRunnerOutput(sampled, self._logprobs(logits, reqs, tokens))
+
+    def _process_logits(self, logits: torch.Tensor, reqs: list[ScheduledRequest]) -> torch.Tensor:
+        """Penalties and min_tokens masks, on a copy: logprobs report the raw distribution."""
+        work = [(i, r, self._banned(r)) for i, r in enumerate(reqs)]
+        work = [(i, r, banned) for i, r, banned in work if r.params.penalized or banned]
+        if not work:
+            return logits
+        out = logits.float().clone()
+        for i, r, banned in work:
+            if r.params.penalized:
+                mask = self._prompt_mask(r, out.shape[-1])
+                apply_penalties(out[i], r.params, mask, r.output_token_ids)
+            out[i, banned] = float("-inf")
+        return out
+
+    def _banned(self, r: ScheduledRequest) -> list[int]:
+        """Tokens that may not end the output yet: below min_tokens, its stop tokens and
+        (unless it ignores EOS) the model's EOS tokens."""
+        p = r.params
+        if len(r.output_token_ids) >= p.min_tokens:
+            return []
+        return [*p.stop_token_ids, *(() if p.ignore_eos else self.eos_token_ids)]
+
+    def _prompt_mask(self, r: ScheduledRequest, vocab: int) -> torch.Tensor:
+        """A [vocab] mask of the prompt's tokens, built once per penalised request."""
+        mask = self._prompt_masks.get(r.request_id)
+        if mask is None:
+            mask = torch.zeros(vocab, dtype=torch.bool, device=self.device)
+            mask[self._tensor(r.prompt_token_ids)] = True
+            self._prompt_masks[r.request_id] = mask
+        return mask
 
     def _logprobs(
         self, logits: torch.Tensor, reqs: list[ScheduledRequest], tokens: list[int]

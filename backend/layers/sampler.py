@@ -53,6 +53,23 @@ def _top_k_top_p(logits: torch.Tensor, params: Sequence[SamplingParams]) -> torc
     return torch.full_like(logits, float("-inf")).scatter_(-1, order, sorted_logits)
 
 
+def apply_penalties(
+    row: torch.Tensor, params: SamplingParams, in_prompt: torch.Tensor, output: list[int]
+) -> None:
+    """Penalise one row of logits in place. `in_prompt`: a [vocab] mask of the prompt's
+    tokens (the repetition penalty also counts them); `output`: the tokens so far."""
+    counts = None
+    if output:
+        ids = torch.tensor(output, device=row.device)
+        counts = torch.bincount(ids, minlength=row.numel())
+    rp = params.repetition_penalty
+    if rp != 1:
+        seen = in_prompt if counts is None else in_prompt | (counts > 0)
+        row.copy_(torch.where(seen, torch.where(row > 0, row / rp, row * rp), row))
+    if counts is not None and (params.presence_penalty or params.frequency_penalty):
+        row -= params.frequency_penalty * counts + params.presence_penalty * (counts > 0)
+
+
 def token_logprobs(
     logits: torch.Tensor, tokens: Sequence[int], num_top: Sequence[int]
 ) -> list[TokenLogprobs]:

@@ -56,9 +56,14 @@ def _sampling(fields: SamplingFields, max_tokens: int) -> SamplingParams:
             ignore_eos=fields.ignore_eos,
             n=fields.n,
             logprobs=fields.engine_logprobs(),
+            min_tokens=fields.min_tokens,
+            repetition_penalty=fields.repetition_penalty or 1.0,
+            presence_penalty=fields.presence_penalty or 0.0,
+            frequency_penalty=fields.frequency_penalty or 0.0,
         )
-    except ValueError as exc:
-        raise InvalidRequest(str(exc)) from None
+    except ValueError as exc:  # a combination the schema cannot check, e.g. min > max
+        field = str(exc).split(" ", 1)[0]
+        raise InvalidRequest(str(exc), param=field if hasattr(fields, field) else None) from None
 
 
 def _params(
@@ -150,14 +155,15 @@ def _job(
     prompt: list[int],
     params: SamplingParams,
 ) -> Job:
+    priority = policy.priority(principal, body.priority)
     return Job(
-        charge=Charge(new_request_id(), principal, body.model, endpoint),
+        charge=Charge(new_request_id(), principal, body.model, endpoint, priority=priority),
         format=fmt,
         prompt=prompt,
         params=params,
         include_usage=body.include_usage(),
         timeout_s=runtime.settings.request_timeout_s,
-        priority=policy.priority(principal, body.priority),
+        priority=priority,
     )
 
 

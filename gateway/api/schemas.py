@@ -22,6 +22,7 @@ NonNegativeInt = Annotated[int, Meta(ge=0)]
 TokenId = Annotated[int, Meta(ge=0)]
 StopList = Annotated[list[str], Meta(max_length=4)]
 TopLogprobs = Annotated[int, Meta(ge=0, le=20)]
+Penalty = Annotated[float, Meta(ge=-2.0, le=2.0)]
 
 
 class StreamOptions(Struct):
@@ -60,6 +61,10 @@ class SamplingFields(Struct, kw_only=True):
     stop: str | StopList | None = None
     seed: int | None = None
     ignore_eos: bool = False
+    min_tokens: NonNegativeInt = 0
+    repetition_penalty: Annotated[float, Meta(gt=0.0)] | None = None
+    presence_penalty: Penalty | None = None
+    frequency_penalty: Penalty | None = None
     priority: Annotated[int, Meta(ge=0, le=LOWEST_PRIORITY)] | None = None  # 0: most urgent
     user: str | None = None
 

@@ -181,6 +181,14 @@ async def test_invalid_bodies_get_400_naming_the_field(
     assert (await _assert_error(unknown_model, 404, "model"))["code"] == "model_not_found"
     too_long = await client.post(url, json=_chat(model, max_tokens=10**6), headers=headers)
     await _assert_error(too_long, 400, "max_tokens")
+    min_above_max = _chat(model, max_tokens=2, min_tokens=3)
+    await _assert_error(
+        await client.post(url, json=min_above_max, headers=headers), 400, "min_tokens"
+    )
+    no_penalty = _chat(model, repetition_penalty=0)
+    await _assert_error(
+        await client.post(url, json=no_penalty, headers=headers), 400, "repetition_penalty"
+    )
     assert await _ledger(sessions) == []
 
 

@@ -122,6 +122,34 @@ async def test_stop_strings_cut_the_output(
     assert cut.choices[0].text == full[: full.index(stop)]
 
 
+async def test_vllm_sampling_extras(
+    clients: tuple[openai.OpenAI, openai.AsyncOpenAI], engine_client: InProcessEngineClient
+) -> None:
+    """min_tokens defers a stop string; the penalties change a greedy answer."""
+    _, client = clients
+    args: dict[str, Any] = {
+        "model": engine_client.model_name,
+        "prompt": "Return the",
+        "max_tokens": 12,
+        "temperature": 0,
+    }
+    plain = (await client.completions.create(**args, extra_body={"ignore_eos": True})).choices[0]
+    stop = plain.text.strip()[:1]
+    early = await client.completions.create(**args, stop=[stop], extra_body={"ignore_eos": True})
+    late = await client.completions.create(
+        **args, stop=[stop], extra_body={"ignore_eos": True, "min_tokens": 8}
+    )
+    assert early.usage and late.usage
+    assert early.usage.completion_tokens < 8 <= late.usage.completion_tokens
+    penalised = await client.completions.create(
+        **args,
+        frequency_penalty=2.0,
+        presence_penalty=1.0,
+        extra_body={"ignore_eos": True, "repetition_penalty": 2.0},
+    )
+    assert penalised.choices[0].text != plain.text
+
+
 async def test_seed_reproduces_a_sampled_answer(
     clients: tuple[openai.OpenAI, openai.AsyncOpenAI], engine_client: InProcessEngineClient
 ) -> None:

@@ -34,7 +34,7 @@ def test_malformed_json_is_invalid_request() -> None:
 
 def test_unknown_fields_are_ignored_and_content_parts_join() -> None:
     body = (
-        b'{"model": "m", "frequency_penalty": 0.5, "messages": [{"role": "user", '
+        b'{"model": "m", "service_tier": "auto", "messages": [{"role": "user", '
         b'"content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]}]}'
     )
     request = decode(body, ChatCompletionRequest)
