@@ -14,7 +14,9 @@ from redis.asyncio import Redis
 
 from backend import EngineConfig
 from backend.builtin import BUILTIN_MODEL_DIR
+from gateway.admin.audit import AuditController
 from gateway.admin.controllers import AdminController
+from gateway.admission.auth_failures import AuthFailureLog
 from gateway.admission.idempotency import Idempotency
 from gateway.admission.quota import Admission
 from gateway.admission.reconcile import Upkeep
@@ -86,6 +88,8 @@ def create_app(
         admission.start()
         upkeep = Upkeep(sessions, admission.store, settings.lease_s)
         upkeep.start()
+        auth_failures = AuthFailureLog(sessions)
+        auth_failures.start()
         runtime = Runtime(
             settings=settings,
             db=db,
@@ -100,6 +104,7 @@ def create_app(
                 lock_ttl_s=settings.request_timeout_s + 30,
             ),
             tasks=tasks,
+            auth_failures=auth_failures,
         )
         app.state.runtime = runtime
         owned = engine_client is None
@@ -110,6 +115,7 @@ def create_app(
         finally:
             await tasks.drain()
             await upkeep.close()
+            await auth_failures.close()
             await admission.close()
             if owned:
                 await runtime.engine_client.close()
@@ -118,7 +124,7 @@ def create_app(
             await db.dispose()
 
     return Litestar(
-        route_handlers=[OpenAIController, AdminController, healthz, readyz],
+        route_handlers=[OpenAIController, AdminController, AuditController, healthz, readyz],
         dependencies={"runtime": Provide(provide_runtime, sync_to_thread=False)},
         exception_handlers={
             ApiError: handle_api_error,

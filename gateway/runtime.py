@@ -7,6 +7,7 @@ from dataclasses import dataclass
 from litestar.datastructures import State
 from sqlalchemy.ext.asyncio import AsyncEngine, AsyncSession, async_sessionmaker
 
+from gateway.admission.auth_failures import AuthFailureLog
 from gateway.admission.idempotency import Idempotency
 from gateway.admission.quota import Admission
 from gateway.dispatch.engine_client import EngineClient
@@ -26,6 +27,7 @@ class Runtime:
     admission: Admission
     tasks: TaskSet
     engine_client: EngineClient | None = None
+    auth_failures: AuthFailureLog | None = None  # counted, audited once per window
 
     @property
     def engine(self) -> EngineClient:

@@ -9,13 +9,15 @@ from datetime import datetime, timedelta
 from sqlalchemy import func, select
 from sqlalchemy.ext.asyncio import AsyncSession
 
-from tenants import keys
+from tenants import audit, keys
+from tenants.audit import SYSTEM, Actor, AuditContext
 from tenants.errors import ConflictError, InvalidInputError, NotFoundError
-from tenants.limits import LimitSet, PlanTerms, check_priorities
+from tenants.limits import LIMIT_NAMES, LimitSet, PlanTerms, check_priorities
 from tenants.models import ApiKey, KeyRole, KeyStatus, Plan, Tenant, UsageEvent, utcnow
 
 _TENANT_NAME = re.compile(r"^[a-z0-9][a-z0-9_.-]{0,99}$")
 LAST_USED_GRANULARITY = timedelta(minutes=1)
+REVOKED_KEY_AUDIT_INTERVAL = timedelta(minutes=1)  # at most one audit event per key per minute
 
 
 @dataclass(frozen=True)
@@ -28,6 +30,12 @@ class Principal:
     role: KeyRole
     plan: PlanTerms = field(default_factory=PlanTerms)
     key_limits: LimitSet = field(default_factory=LimitSet)  # overrides, inside the plan's
+    key_prefix: str = ""  # the key's visible prefix, safe to log
+
+    @property
+    def actor(self) -> str:
+        """How the audit log names this caller."""
+        return f"key:{self.key_prefix or self.key_id}"
 
 
 @dataclass(frozen=True)
@@ -36,10 +44,48 @@ class CreatedKey:
     secret: str  # shown once, never stored
 
 
-class TenantService:
-    def __init__(self, session: AsyncSession) -> None:
-        self.session = session
+def _limits_view(limits: LimitSet) -> dict[str, object]:
+    return {name: getattr(limits, name) for name in LIMIT_NAMES}
 
+
+def _terms_view(terms: PlanTerms) -> dict[str, object]:
+    models = None if terms.allowed_models is None else sorted(terms.allowed_models)
+    return {
+        **_limits_view(terms.limits),
+        "allowed_models": models,
+        "default_priority": terms.default_priority,
+        "max_priority": terms.max_priority,
+        "weight": terms.weight,
+    }
+
+
+def _changes(before: dict[str, object], after: dict[str, object]) -> dict[str, object]:
+    """{field: [old, new]} for the fields that changed."""
+    return {name: [before[name], after[name]] for name in after if before[name] != after[name]}
+
+
+class _Audited:
+    """A service whose changes are written to the audit log, in the caller's transaction."""
+
+    def __init__(self, session: AsyncSession, actor: Actor = SYSTEM) -> None:
+        self.session = session
+        self.actor = actor
+
+    async def _audit(
+        self, action: str, target: str, tenant_id: str | None, **details: object
+    ) -> None:
+        await audit.record(
+            self.session,
+            actor=self.actor.name,
+            action=action,
+            target=target,
+            tenant_id=tenant_id,
+            details=details,
+            context=self.actor.context,
+        )
+
+
+class TenantService(_Audited):
     async def create(self, name: str) -> Tenant:
         if not _TENANT_NAME.match(name):
             raise InvalidInputError(
@@ -51,6 +97,7 @@ class TenantService:
         tenant = Tenant(name=name)
         self.session.add(tenant)
         await self.session.flush()
+        await self._audit("tenant.create", f"tenant:{name}", tenant.id)
         return tenant
 
     async def find(self, name: str) -> Tenant | None:
@@ -75,16 +122,20 @@ class TenantService:
 
     async def set_plan(self, name: str, plan_name: str | None) -> Tenant:
         tenant = await self.get(name)
+        previous = None if tenant.plan_id is None else await self.session.get(Plan, tenant.plan_id)
         tenant.plan_id = (
             None if plan_name is None else (await PlanService(self.session).get(plan_name)).id
+        )
+        await self._audit(
+            "tenant.set_plan",
+            f"tenant:{name}",
+            tenant.id,
+            plan=[None if previous is None else previous.name, plan_name],
         )
         return tenant
 
 
-class PlanService:
-    def __init__(self, session: AsyncSession) -> None:
-        self.session = session
-
+class PlanService(_Audited):
     async def create(self, name: str, terms: PlanTerms) -> Plan:
         if not _TENANT_NAME.match(name):
             raise InvalidInputError("plan name must be 1-100 characters of a-z, 0-9, '_', '.', '-'")
@@ -94,12 +145,16 @@ class PlanService:
         self._apply(plan, terms)
         self.session.add(plan)
         await self.session.flush()
+        await self._audit("plan.create", f"plan:{name}", None, terms=_terms_view(terms))
         return plan
 
     async def update(self, name: str, terms: PlanTerms) -> Plan:
         plan = await self.get(name)
+        before = _terms_view(PlanTerms.of(plan))
         self._apply(plan, terms)
         await self.session.flush()
+        after = _terms_view(PlanTerms.of(plan))
+        await self._audit("plan.update", f"plan:{name}", None, changes=_changes(before, after))
         return plan
 
     @staticmethod
@@ -125,10 +180,7 @@ class PlanService:
         return list((await self.session.execute(select(Plan).order_by(Plan.name))).scalars())
 
 
-class ApiKeyService:
-    def __init__(self, session: AsyncSession) -> None:
-        self.session = session
-
+class ApiKeyService(_Audited):
     async def create(
         self, tenant: Tenant, name: str = "", role: KeyRole = KeyRole.TENANT
     ) -> CreatedKey:
@@ -138,6 +190,9 @@ class ApiKeyService:
         )
         self.session.add(key)
         await self.session.flush()
+        await self._audit(
+            "key.create", f"key:{prefix}", tenant.id, key_id=key.id, name=name, role=str(role)
+        )
         return CreatedKey(key=key, secret=secret)
 
     async def list(self, tenant: Tenant | None = None) -> list[tuple[ApiKey, str]]:
@@ -161,7 +216,10 @@ class ApiKeyService:
 
     async def set_limits(self, key_id_or_prefix: str, limits: LimitSet) -> ApiKey:
         key = await self.get(key_id_or_prefix)
+        before = _limits_view(LimitSet.of(key))
         limits.apply_to(key)
+        changes = _changes(before, _limits_view(limits))
+        await self._audit("key.set_limits", f"key:{key.prefix}", key.tenant_id, changes=changes)
         return key
 
     async def revoke(self, key_id_or_prefix: str) -> ApiKey:
@@ -169,10 +227,15 @@ class ApiKeyService:
         if key.status != KeyStatus.REVOKED:
             key.status = KeyStatus.REVOKED
             key.revoked_at = utcnow()
+            await self._audit("key.revoke", f"key:{key.prefix}", key.tenant_id, key_id=key.id)
         return key
 
-    async def authenticate(self, secret: str, now: datetime | None = None) -> Principal | None:
-        """The caller behind `secret`, or None for an unknown, malformed or revoked key."""
+    async def authenticate(
+        self, secret: str, now: datetime | None = None, context: AuditContext | None = None
+    ) -> Principal | None:
+        """The caller behind `secret`, or None for an unknown, malformed or revoked key.
+        A revoked key presented with its right secret is a security event: audited, at most
+        once a minute per key."""
         prefix = keys.key_prefix(secret)
         if prefix is None:
             return None
@@ -186,7 +249,19 @@ class ApiKeyService:
         if row is None:
             return None
         key, tenant_name, plan = row
-        if not keys.matches(secret, key.key_hash) or key.status != KeyStatus.ACTIVE:
+        if not keys.matches(secret, key.key_hash):
+            return None
+        if key.status != KeyStatus.ACTIVE:
+            await audit.record_unless_recent(
+                self.session,
+                within=REVOKED_KEY_AUDIT_INTERVAL,
+                actor=f"key:{key.prefix}",
+                action="auth.revoked_key",
+                target=f"key:{key.prefix}",
+                tenant_id=key.tenant_id,
+                details={"key_id": key.id},
+                context=context,
+            )
             return None
         now = now or utcnow()
         last_used = key.last_used_at
@@ -202,6 +277,7 @@ class ApiKeyService:
             role=KeyRole(key.role),
             plan=PlanTerms.of(plan),
             key_limits=LimitSet.of(key),
+            key_prefix=key.prefix,
         )
 
     async def count_admin_keys(self) -> int:

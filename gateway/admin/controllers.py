@@ -18,10 +18,11 @@ from gateway.admin.schemas import (
     plan_view,
     tenant_view,
 )
-from gateway.admission.auth import authenticate
+from gateway.admission.auth import audit_context, authenticate
 from gateway.api.schemas import decode
 from gateway.errors import InvalidRequest, PermissionDenied
 from gateway.runtime import Runtime
+from tenants.audit import Actor
 from tenants.limits import LimitSet, PlanTerms
 from tenants.models import KeyRole
 from tenants.quota import month_period
@@ -37,9 +38,14 @@ async def require_admin(
     return principal
 
 
+async def admin_actor(request: Request[Any, Any, Any], admin: NamedDependency[Principal]) -> Actor:
+    """The admin key and request behind a change, for the audit log."""
+    return Actor(admin.actor, audit_context(request))
+
+
 class AdminController(Controller):
     path = "/admin/api"
-    dependencies = {"admin": Provide(require_admin)}
+    dependencies = {"admin": Provide(require_admin), "actor": Provide(admin_actor)}
 
     @get("/plans")
     async def list_plans(
@@ -53,13 +59,13 @@ class AdminController(Controller):
         self,
         request: Request[Any, Any, Any],
         runtime: NamedDependency[Runtime],
-        admin: NamedDependency[Principal],
+        actor: NamedDependency[Actor],
     ) -> dict[str, Any]:
         body = decode(await request.body(), PlanBody)
         if not isinstance(body.name, str):
             raise InvalidRequest("a plan needs a name", param="name")
         async with runtime.sessions.begin() as session:
-            plan = await PlanService(session).create(body.name, body.terms(PlanTerms()))
+            plan = await PlanService(session, actor).create(body.name, body.terms(PlanTerms()))
             return plan_view(plan)
 
     @patch("/plans/{name:str}")
@@ -68,11 +74,11 @@ class AdminController(Controller):
         name: FromPath[str],
         request: Request[Any, Any, Any],
         runtime: NamedDependency[Runtime],
-        admin: NamedDependency[Principal],
+        actor: NamedDependency[Actor],
     ) -> dict[str, Any]:
         body = decode(await request.body(), PlanBody)
         async with runtime.sessions.begin() as session:
-            service = PlanService(session)
+            service = PlanService(session, actor)
             current = PlanTerms.of(await service.get(name))
             return plan_view(await service.update(name, body.terms(current)))
 
@@ -90,11 +96,11 @@ class AdminController(Controller):
         self,
         request: Request[Any, Any, Any],
         runtime: NamedDependency[Runtime],
-        admin: NamedDependency[Principal],
+        actor: NamedDependency[Actor],
     ) -> dict[str, Any]:
         body = decode(await request.body(), TenantBody)
         async with runtime.sessions.begin() as session:
-            service = TenantService(session)
+            service = TenantService(session, actor)
             tenant = await service.create(body.name)
             if body.plan is not None:
                 await service.set_plan(tenant.name, body.plan)
@@ -106,11 +112,12 @@ class AdminController(Controller):
         name: FromPath[str],
         request: Request[Any, Any, Any],
         runtime: NamedDependency[Runtime],
-        admin: NamedDependency[Principal],
+        actor: NamedDependency[Actor],
     ) -> dict[str, Any]:
         body = decode(await request.body(), TenantPatch)
         async with runtime.sessions.begin() as session:
-            return tenant_view(await TenantService(session).set_plan(name, body.plan), body.plan)
+            tenant = await TenantService(session, actor).set_plan(name, body.plan)
+            return tenant_view(tenant, body.plan)
 
     @get("/tenants/{name:str}/usage")
     async def tenant_usage(
@@ -150,13 +157,13 @@ class AdminController(Controller):
         name: FromPath[str],
         request: Request[Any, Any, Any],
         runtime: NamedDependency[Runtime],
-        admin: NamedDependency[Principal],
+        actor: NamedDependency[Actor],
     ) -> dict[str, Any]:
         body = decode(await request.body() or b"{}", KeyBody)
         role = KeyRole.ADMIN if body.admin else KeyRole.TENANT
         async with runtime.sessions.begin() as session:
             tenant = await TenantService(session).get(name)
-            created = await ApiKeyService(session).create(tenant, body.name, role)
+            created = await ApiKeyService(session, actor).create(tenant, body.name, role)
             return {**key_view(created.key), "key": created.secret}  # shown this once
 
     @post("/keys/{key:str}/revoke", status_code=200)
@@ -164,10 +171,10 @@ class AdminController(Controller):
         self,
         key: FromPath[str],
         runtime: NamedDependency[Runtime],
-        admin: NamedDependency[Principal],
+        actor: NamedDependency[Actor],
     ) -> dict[str, Any]:
         async with runtime.sessions.begin() as session:
-            return key_view(await ApiKeyService(session).revoke(key))
+            return key_view(await ApiKeyService(session, actor).revoke(key))
 
     @patch("/keys/{key:str}/limits")
     async def set_key_limits(
@@ -175,10 +182,10 @@ class AdminController(Controller):
         key: FromPath[str],
         request: Request[Any, Any, Any],
         runtime: NamedDependency[Runtime],
-        admin: NamedDependency[Principal],
+        actor: NamedDependency[Actor],
     ) -> dict[str, Any]:
         body = decode(await request.body(), LimitsBody)
         async with runtime.sessions.begin() as session:
-            service = ApiKeyService(session)
+            service = ApiKeyService(session, actor)
             current = LimitSet.of(await service.get(key))
             return key_view(await service.set_limits(key, body.merged(current)))

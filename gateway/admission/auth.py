@@ -3,6 +3,8 @@ in constant time."""
 
 from __future__ import annotations
 
+import re
+import uuid
 from typing import Any
 
 from litestar import Request
@@ -10,7 +12,24 @@ from litestar.di import NamedDependency
 
 from gateway.errors import AuthenticationFailed
 from gateway.runtime import Runtime
+from tenants import keys
+from tenants.audit import AuditContext
 from tenants.services import ApiKeyService, Principal
+
+_REQUEST_ID = re.compile(r"^[A-Za-z0-9._:-]{1,64}$")
+
+
+def audit_context(request: Request[Any, Any, Any]) -> AuditContext:
+    """Request id (the caller's X-Request-Id if it is sane, else a new one), client IP and
+    user agent, for the audit log."""
+    given = request.headers.get("x-request-id", "")
+    request_id = given if _REQUEST_ID.match(given) else "req_" + uuid.uuid4().hex
+    user_agent = request.headers.get("user-agent")
+    return AuditContext(
+        request_id=request_id,
+        ip=request.client.host if request.client else None,
+        user_agent=user_agent[:400] if user_agent else None,
+    )
 
 
 def bearer_token(request: Request[Any, Any, Any]) -> str | None:
@@ -26,12 +45,19 @@ async def authenticate(
 ) -> Principal:
     token = bearer_token(request)
     if token is None:
+        _note_failure(request, runtime, "missing")
         raise AuthenticationFailed(
             "missing API key: send 'Authorization: Bearer <key>'", code="missing_api_key"
         )
     async with runtime.sessions.begin() as session:
-        principal = await ApiKeyService(session).authenticate(token)
+        principal = await ApiKeyService(session).authenticate(token, context=audit_context(request))
     if principal is None:
+        _note_failure(request, runtime, keys.key_prefix(token) or "malformed")
         # The same answer for unknown, malformed and revoked keys: no oracle for attackers.
         raise AuthenticationFailed("invalid or revoked API key")
     return principal
+
+
+def _note_failure(request: Request[Any, Any, Any], runtime: Runtime, key_prefix: str) -> None:
+    if runtime.auth_failures is not None:
+        runtime.auth_failures.note(request.client.host if request.client else None, key_prefix)

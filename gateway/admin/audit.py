@@ -1,0 +1,83 @@
+"""/admin/api/audit: read and verify the audit log (admin keys only)."""
+
+from __future__ import annotations
+
+from datetime import UTC, datetime
+from typing import Annotated, Any
+
+from litestar import Controller, get, post
+from litestar.di import NamedDependency, Provide
+from litestar.params import FromQuery, QueryParameter
+
+from gateway.admin.controllers import require_admin
+from gateway.errors import InvalidRequest
+from gateway.runtime import Runtime
+from tenants import audit
+from tenants.services import Principal, TenantService
+
+MAX_PAGE = 1000
+
+
+def parse_time(text: str | None, param: str) -> datetime | None:
+    """An ISO 8601 time; without a zone it is taken as UTC."""
+    if text is None:
+        return None
+    try:
+        moment = datetime.fromisoformat(text)
+    except ValueError:
+        raise InvalidRequest(
+            f"{param} must be an ISO 8601 time, e.g. 2026-11-29T12:00:00Z", param=param
+        ) from None
+    return moment if moment.tzinfo is not None else moment.replace(tzinfo=UTC)
+
+
+class AuditController(Controller):
+    path = "/admin/api/audit"
+    dependencies = {"admin": Provide(require_admin)}
+
+    @get("/")
+    async def list_events(
+        self,
+        runtime: NamedDependency[Runtime],
+        admin: NamedDependency[Principal],
+        tenant: FromQuery[str | None] = None,
+        action: FromQuery[str | None] = None,
+        actor: FromQuery[str | None] = None,
+        since: FromQuery[str | None] = None,
+        until: FromQuery[str | None] = None,
+        limit: Annotated[int, QueryParameter(ge=1, le=MAX_PAGE)] = 100,
+        cursor: Annotated[int | None, QueryParameter(ge=1)] = None,
+    ) -> dict[str, Any]:
+        """Newest first. `next_cursor` (when not null) fetches the next, older page."""
+        async with runtime.sessions() as session:
+            tenant_id = None if tenant is None else (await TenantService(session).get(tenant)).id
+            events = await audit.list_events(
+                session,
+                tenant_id=tenant_id,
+                action=action,
+                actor=actor,
+                since=parse_time(since, "since"),
+                until=parse_time(until, "until"),
+                before_id=cursor,
+                limit=limit,
+            )
+        more = len(events) == limit
+        return {
+            "data": [audit.event_view(event) for event in events],
+            "next_cursor": events[-1].id if more else None,
+        }
+
+    @post("/verify", status_code=200)
+    async def verify(
+        self, runtime: NamedDependency[Runtime], admin: NamedDependency[Principal]
+    ) -> dict[str, Any]:
+        """Walk the whole chain; `ok` false names the first bad event and why."""
+        async with runtime.sessions() as session:
+            result = await audit.verify(session)
+        return {
+            "ok": result.ok,
+            "events": result.events,
+            "first_bad_id": result.first_bad_id,
+            "reason": result.reason,
+            "head_hash": result.head_hash,
+        }
