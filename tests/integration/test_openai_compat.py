@@ -103,17 +103,22 @@ async def test_completions_echo_and_stream(
     assert "".join([c.choices[0].text async for c in stream]) == echoed.choices[0].text
 
 
+def _completion(model: str, max_tokens: int, temperature: float = 0) -> dict[str, Any]:
+    """Arguments of a completion that runs to max_tokens unless something stops it."""
+    return {
+        "model": model,
+        "prompt": "Return the" if temperature == 0 else "The",
+        "max_tokens": max_tokens,
+        "temperature": temperature,
+        "extra_body": {"ignore_eos": True},
+    }
+
+
 async def test_stop_strings_cut_the_output(
     clients: tuple[openai.OpenAI, openai.AsyncOpenAI], engine_client: InProcessEngineClient
 ) -> None:
     _, client = clients
-    args: dict[str, Any] = {
-        "model": engine_client.model_name,
-        "prompt": "Return the",
-        "max_tokens": 24,
-        "temperature": 0,
-        "extra_body": {"ignore_eos": True},
-    }
+    args = _completion(engine_client.model_name, 24)
     full = (await client.completions.create(**args)).choices[0].text
     stop = full[len(full) // 2 :][:3]
     assert stop.strip(), full
@@ -127,26 +132,16 @@ async def test_vllm_sampling_extras(
 ) -> None:
     """min_tokens defers a stop string; the penalties change a greedy answer."""
     _, client = clients
-    args: dict[str, Any] = {
-        "model": engine_client.model_name,
-        "prompt": "Return the",
-        "max_tokens": 12,
-        "temperature": 0,
-    }
-    plain = (await client.completions.create(**args, extra_body={"ignore_eos": True})).choices[0]
+    args = _completion(engine_client.model_name, 12)
+    plain = (await client.completions.create(**args)).choices[0]
     stop = plain.text.strip()[:1]
-    early = await client.completions.create(**args, stop=[stop], extra_body={"ignore_eos": True})
-    late = await client.completions.create(
-        **args, stop=[stop], extra_body={"ignore_eos": True, "min_tokens": 8}
-    )
+    early = await client.completions.create(**args, stop=[stop])
+    args["extra_body"]["min_tokens"] = 8
+    late = await client.completions.create(**args, stop=[stop])
     assert early.usage and late.usage
     assert early.usage.completion_tokens < 8 <= late.usage.completion_tokens
-    penalised = await client.completions.create(
-        **args,
-        frequency_penalty=2.0,
-        presence_penalty=1.0,
-        extra_body={"ignore_eos": True, "repetition_penalty": 2.0},
-    )
+    args["extra_body"] = {"ignore_eos": True, "repetition_penalty": 2.0}
+    penalised = await client.completions.create(**args, frequency_penalty=2.0, presence_penalty=1.0)
     assert penalised.choices[0].text != plain.text
 
 
@@ -154,13 +149,7 @@ async def test_seed_reproduces_a_sampled_answer(
     clients: tuple[openai.OpenAI, openai.AsyncOpenAI], engine_client: InProcessEngineClient
 ) -> None:
     _, client = clients
-    args: dict[str, Any] = {
-        "model": engine_client.model_name,
-        "prompt": "The",
-        "max_tokens": 16,
-        "temperature": 1.0,
-        "extra_body": {"ignore_eos": True},
-    }
+    args = _completion(engine_client.model_name, 16, temperature=1.0)
     texts = [(await client.completions.create(**args, seed=s)).choices[0].text for s in (7, 7, 8)]
     assert texts[0] == texts[1]
     assert texts[0] != texts[2]  # 16 sampled tokens: a collision would be a broken sampler
