@@ -4,10 +4,13 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import getpass
+import json
 import logging
 import sys
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import replace
+from datetime import UTC, datetime
 from decimal import Decimal, InvalidOperation
 from pathlib import Path
 from typing import TypeVar
@@ -15,7 +18,8 @@ from typing import TypeVar
 from sqlalchemy.ext.asyncio import AsyncSession
 
 from gateway.settings import Settings, SettingsError
-from tenants import db
+from tenants import audit, db
+from tenants.audit import Actor
 from tenants.errors import DomainError
 from tenants.limits import LIMIT_NAMES, LimitSet, PlanTerms
 from tenants.models import KeyRole, Plan
@@ -65,6 +69,25 @@ def _parser() -> argparse.ArgumentParser:
     database.add_parser("current", help="show the applied revision").set_defaults(
         handler=_db_current
     )
+    grant = database.add_parser(
+        "grant-app-role",
+        help="PostgreSQL: let an existing role run the gateway (no UPDATE/DELETE on the audit log)",
+    )
+    grant.add_argument("--role", required=True, help="the role the gateway connects as")
+    grant.set_defaults(handler=_db_grant_app_role)
+
+    audit_log = commands.add_parser("audit", help="the tamper-evident audit log")
+    audit_commands = audit_log.add_subparsers(required=True)
+    audit_commands.add_parser(
+        "verify", help="check the hash chain; exit 1 naming the first bad event"
+    ).set_defaults(handler=_audit_verify)
+    list_events = audit_commands.add_parser("list", help="recent events, newest first")
+    list_events.add_argument("--tenant", help="tenant name")
+    list_events.add_argument("--action", help="e.g. key.revoke, auth.failures")
+    list_events.add_argument("--actor", help="e.g. key:tg-AbCd1234, cli:alice")
+    list_events.add_argument("--since", type=_iso_time, help="ISO 8601 time, UTC if no zone")
+    list_events.add_argument("--limit", type=int, default=50)
+    list_events.set_defaults(handler=_audit_list)
 
     plans = commands.add_parser("plans", help="plans and their limits").add_subparsers(
         required=True
@@ -194,6 +217,22 @@ def _describe_plan(plan: Plan) -> str:
     )
 
 
+def _iso_time(text: str) -> datetime:
+    try:
+        moment = datetime.fromisoformat(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an ISO 8601 time, got {text!r}") from None
+    return moment if moment.tzinfo is not None else moment.replace(tzinfo=UTC)
+
+
+def _actor() -> Actor:
+    """The audit log's name for whoever runs the CLI."""
+    try:
+        return Actor(f"cli:{getpass.getuser()}")
+    except (KeyError, OSError):  # no user name in this environment
+        return Actor("cli:unknown")
+
+
 def _in_session(settings: Settings, work: Callable[[AsyncSession], Awaitable[T]]) -> T:
     async def run() -> T:
         engine = db.create_engine(settings.database_url)
@@ -237,9 +276,49 @@ def _db_current(settings: Settings, args: argparse.Namespace) -> int:
     return 0
 
 
+def _db_grant_app_role(settings: Settings, args: argparse.Namespace) -> int:
+    for statement in audit.grant_app_role(settings.database_url, args.role):
+        print(statement)
+    return 0
+
+
+def _audit_verify(settings: Settings, args: argparse.Namespace) -> int:
+    async def work(session: AsyncSession) -> audit.Verification:
+        return await audit.verify(session)
+
+    result = _in_session(settings, work)
+    print(result.describe(), file=sys.stdout if result.ok else sys.stderr)
+    return 0 if result.ok else 1
+
+
+def _audit_list(settings: Settings, args: argparse.Namespace) -> int:
+    async def work(session: AsyncSession) -> list[str]:
+        tenant = await TenantService(session).get(args.tenant) if args.tenant else None
+        events = await audit.list_events(
+            session,
+            tenant_id=tenant.id if tenant else None,
+            action=args.action,
+            actor=args.actor,
+            since=args.since,
+            limit=args.limit,
+        )
+        return ["\t".join(_event_columns(audit.event_view(event))) for event in events]
+
+    header = "ID\tTIME\tACTOR\tACTION\tTARGET\tTENANT ID\tREQUEST ID\tIP\tDETAILS"
+    print("\n".join([header, *_in_session(settings, work)]))
+    return 0
+
+
+def _event_columns(view: dict[str, object]) -> list[str]:
+    names = ("id", "time", "actor", "action", "target", "tenant_id", "request_id", "ip")
+    shown = [str(view[name]) if view[name] is not None else "-" for name in names]
+    return [*shown, json.dumps(view["details"], sort_keys=True)]
+
+
 def _plans_create(settings: Settings, args: argparse.Namespace) -> int:
     async def work(session: AsyncSession) -> str:
-        plan = await PlanService(session).create(args.name, _terms_from(args, PlanTerms()))
+        service = PlanService(session, _actor())
+        plan = await service.create(args.name, _terms_from(args, PlanTerms()))
         return "created plan " + _describe_plan(plan)
 
     print(_in_session(settings, work))
@@ -248,7 +327,7 @@ def _plans_create(settings: Settings, args: argparse.Namespace) -> int:
 
 def _plans_update(settings: Settings, args: argparse.Namespace) -> int:
     async def work(session: AsyncSession) -> str:
-        service = PlanService(session)
+        service = PlanService(session, _actor())
         current = PlanTerms.of(await service.get(args.name))
         plan = await service.update(args.name, _terms_from(args, current))
         return "updated plan " + _describe_plan(plan)
@@ -268,7 +347,7 @@ def _plans_list(settings: Settings, args: argparse.Namespace) -> int:
 def _tenants_set_plan(settings: Settings, args: argparse.Namespace) -> int:
     async def work(session: AsyncSession) -> str:
         plan = None if args.plan.lower() == "none" else args.plan
-        tenant = await TenantService(session).set_plan(args.name, plan)
+        tenant = await TenantService(session, _actor()).set_plan(args.name, plan)
         return f"tenant {tenant.name} is on plan {plan or 'none (unlimited)'}"
 
     print(_in_session(settings, work))
@@ -277,7 +356,7 @@ def _tenants_set_plan(settings: Settings, args: argparse.Namespace) -> int:
 
 def _keys_limits(settings: Settings, args: argparse.Namespace) -> int:
     async def work(session: AsyncSession) -> str:
-        service = ApiKeyService(session)
+        service = ApiKeyService(session, _actor())
         key = await service.get(args.key)
         limits = _limits_from(args, LimitSet.of(key))
         await service.set_limits(args.key, limits)
@@ -290,9 +369,10 @@ def _keys_limits(settings: Settings, args: argparse.Namespace) -> int:
 
 def _tenants_create(settings: Settings, args: argparse.Namespace) -> int:
     async def work(session: AsyncSession) -> str:
-        tenant = await TenantService(session).create(args.name)
+        service = TenantService(session, _actor())
+        tenant = await service.create(args.name)
         if args.plan:
-            await TenantService(session).set_plan(tenant.name, args.plan)
+            await service.set_plan(tenant.name, args.plan)
         return f"created tenant {tenant.name} ({tenant.id})"
 
     print(_in_session(settings, work))
@@ -311,7 +391,7 @@ def _keys_create(settings: Settings, args: argparse.Namespace) -> int:
     async def work(session: AsyncSession) -> str:
         tenant = await TenantService(session).get(args.tenant)
         role = KeyRole.ADMIN if args.admin else KeyRole.TENANT
-        created = await ApiKeyService(session).create(tenant, args.name, role)
+        created = await ApiKeyService(session, _actor()).create(tenant, args.name, role)
         return created.secret
 
     secret = _in_session(settings, work)
@@ -347,7 +427,7 @@ def _keys_list(settings: Settings, args: argparse.Namespace) -> int:
 
 def _keys_revoke(settings: Settings, args: argparse.Namespace) -> int:
     async def work(session: AsyncSession) -> str:
-        key = await ApiKeyService(session).revoke(args.key)
+        key = await ApiKeyService(session, _actor()).revoke(args.key)
         return f"revoked {key.prefix} ({key.id})"
 
     print(_in_session(settings, work))

@@ -17,9 +17,12 @@ from datetime import UTC, datetime, timedelta
 from typing import Any
 
 from sqlalchemy import JSON, BigInteger, DateTime, Index, String, select, text
+from sqlalchemy import create_engine as create_sync_engine
 from sqlalchemy.ext.asyncio import AsyncSession
 from sqlalchemy.orm import Mapped, mapped_column
 
+from tenants import db
+from tenants.errors import InvalidInputError
 from tenants.models import Base, utcnow
 
 GENESIS_HASH = "0" * 64  # the predecessor of event 1
@@ -283,3 +286,45 @@ def event_view(event: AuditEvent) -> dict[str, Any]:
         "prev_hash": event.prev_hash,
         "hash": event.hash,
     }
+
+
+def app_role_grants(role: str, schema: str = "public") -> list[str]:
+    """SQL that lets `role` run the gateway without owning anything: read and write the
+    tables, but only SELECT and INSERT the audit log. Not being the owner, it can neither
+    drop nor disable the append-only triggers."""
+    who, where = _quoted(role), _quoted(schema)
+    return [
+        f"GRANT USAGE ON SCHEMA {where} TO {who}",
+        f"GRANT SELECT, INSERT, UPDATE, DELETE ON ALL TABLES IN SCHEMA {where} TO {who}",
+        f"GRANT USAGE, SELECT ON ALL SEQUENCES IN SCHEMA {where} TO {who}",
+        f"REVOKE UPDATE, DELETE, TRUNCATE ON {where}.audit_events FROM {who}",
+        f"REVOKE INSERT, UPDATE, DELETE ON {where}.alembic_version FROM {who}",
+    ]
+
+
+def _quoted(identifier: str) -> str:
+    return '"' + identifier.replace('"', '""') + '"'
+
+
+def grant_app_role(url: str, role: str) -> list[str]:
+    """Apply `app_role_grants` on PostgreSQL as the migrating role; returns the SQL run."""
+    if db.sync_url(url).get_backend_name() != "postgresql":
+        raise InvalidInputError("application roles need PostgreSQL (SQLite has no roles)")
+    engine = create_sync_engine(db.sync_url(url))
+    try:
+        with engine.begin() as connection:
+            exists = connection.scalar(
+                text("SELECT 1 FROM pg_roles WHERE rolname = :role"), {"role": role}
+            )
+            if exists is None:
+                raise InvalidInputError(
+                    f"no role {role!r}: create it first, e.g. "
+                    f"CREATE ROLE {role} LOGIN PASSWORD '...'"
+                )
+            schema = str(connection.scalar(text("SELECT current_schema()")))
+            statements = app_role_grants(role, schema)
+            for statement in statements:
+                connection.execute(text(statement))
+        return statements
+    finally:
+        engine.dispose()
