@@ -36,6 +36,7 @@ from gateway.runtime import Runtime, provide_runtime
 from gateway.settings import Settings
 from gateway.tasks import TaskSet
 from tenants.db import create_engine, session_factory
+from tenants.billing.prices import PriceBook
 from tenants.errors import DomainError
 from tenants.idempotency import InFlightLocks, MemoryLocks, RedisLocks
 from tenants.pricing import DEFAULT_PRICE
@@ -94,7 +95,7 @@ def create_app(
             settings=settings,
             db=db,
             sessions=sessions,
-            recorder=UsageRecorder(sessions, DEFAULT_PRICE, tasks, admission),
+            recorder=UsageRecorder(sessions, PriceBook(sessions), tasks, admission),
             admission=admission,
             idempotency=Idempotency(
                 sessions,

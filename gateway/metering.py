@@ -1,4 +1,6 @@
-"""Settlement: every finished request writes exactly one usage_events row.
+"""Settlement: every finished request writes exactly one usage_events row (and, when it
+costs something, its Stripe outbox row in the same transaction), priced by the price
+book version in force when the request started.
 
 Writes run as tracked tasks so a client disconnect (which cancels the request's task)
 cannot interrupt them, and shutdown waits for them: nothing metered is lost.
@@ -8,14 +10,15 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
+from datetime import datetime
 
 from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
 
 from gateway.admission.quota import Admission
 from gateway.tasks import TaskSet
-from tenants.models import UsageEvent, UsageStatus
-from tenants.pricing import Price
+from tenants.billing.prices import PriceBook
+from tenants.models import UsageEvent, UsageStatus, utcnow
 from tenants.quota import Reservation
 from tenants.services import Principal, UsageService
 
@@ -34,7 +37,16 @@ class Outcome:
     queue_ms: float | None = None
     ttft_ms: float | None = None
     e2e_ms: float | None = None
+    last_token_ms: float | None = None  # since the start, when choice 0's last token came
+    stream_tokens: int = 0  # choice 0's tokens, for the inter-token latency
     error: str | None = None
+
+    @property
+    def itl_ms(self) -> float | None:
+        """Mean time between output tokens (of the first choice)."""
+        if self.ttft_ms is None or self.last_token_ms is None or self.stream_tokens < 2:
+            return None
+        return (self.last_token_ms - self.ttft_ms) / (self.stream_tokens - 1)
 
 
 @dataclass(frozen=True)
@@ -46,29 +58,32 @@ class Charge:
     model: str
     endpoint: str
     reservation: Reservation | None = None  # released by settling, after the ledger write
+    priority: int | None = None
+    started_at: datetime = field(default_factory=utcnow)  # prices in force then apply
 
 
 class UsageRecorder:
     def __init__(
         self,
         sessions: async_sessionmaker[AsyncSession],
-        price: Price,
+        prices: PriceBook,
         tasks: TaskSet,
         admission: Admission,
     ) -> None:
         self.sessions = sessions
-        self.price = price
+        self.prices = prices
         self.tasks = tasks
         self.admission = admission
 
     def settle(self, charge: Charge, outcome: Outcome) -> asyncio.Task[None]:
         """Write the row for this outcome as it is now (later changes do not leak in)."""
-        return self.tasks.spawn(self._write(charge.reservation, self._event(charge, outcome)))
+        return self.tasks.spawn(self._write(charge, replace(outcome)))
 
-    def _event(self, charge: Charge, outcome: Outcome) -> UsageEvent:
+    async def _event(self, charge: Charge, outcome: Outcome) -> UsageEvent:
+        quote = await self.prices.quote(charge.model, charge.started_at)
         # A request that failed on our side before sending anything costs the tenant nothing.
         free = outcome.status == UsageStatus.FAILED and outcome.completion_tokens == 0
-        cost = self.price.cost_micros(
+        cost = quote.price.cost_micros(
             outcome.prompt_tokens, outcome.cached_tokens, outcome.completion_tokens
         )
         return UsageEvent(
@@ -86,22 +101,29 @@ class UsageRecorder:
             queue_ms=outcome.queue_ms,
             ttft_ms=outcome.ttft_ms,
             e2e_ms=outcome.e2e_ms,
+            itl_ms=outcome.itl_ms,
+            priority=charge.priority,
+            price_version_id=quote.version_id,
             error=outcome.error,
+            started_at=charge.started_at,
         )
 
-    async def _write(self, reservation: Reservation | None, event: UsageEvent) -> None:
+    async def _write(self, charge: Charge, outcome: Outcome) -> None:
         """Ledger first, then quota counters: spent always matches the ledger (a crash in
         between leaves a row the reconciler charges later)."""
-        cost = event.cost_micros
-        tokens = event.prompt_tokens + event.completion_tokens
+        cost = tokens = 0
+        request_id = charge.request_id
         try:
+            event = await self._event(charge, outcome)
+            cost = event.cost_micros
+            tokens = event.prompt_tokens + event.completion_tokens
             async with self.sessions.begin() as session:
                 await UsageService(session).record(event)
         except Exception:
             # Never silently: the request id lets an operator reconcile by hand.
-            log.exception("usage row %s not written", event.request_id)
+            log.exception("usage row %s not written", request_id)
             cost = 0  # not in the ledger, so not in spent either
             raise
         finally:
-            if reservation is not None:
-                await self.admission.settle(reservation, tokens, cost)
+            if charge.reservation is not None:
+                await self.admission.settle(charge.reservation, tokens, cost)

@@ -32,6 +32,12 @@ class Settings:
     backends: tuple[str, ...]  # empty: the in-process engine
     backend_secret: str | None
     log_level: str
+    stripe_api_key: str | None = None  # None: ledger only, no Stripe export
+    stripe_base_url: str | None = None  # None: api.stripe.com (tests: a local fake)
+    stripe_meter_event: str = "tollgate_usage_micros"
+    stripe_timeout_s: float = 20.0
+    export_interval_s: int = 30  # embedded mode: how often the gateway runs the relay
+    celery_queue: str = "tollgate"
 
     @classmethod
     def from_env(cls, env: Mapping[str, str] | None = None) -> Settings:
@@ -64,6 +70,13 @@ class Settings:
                 if url.strip()
             ),
             backend_secret=env.get("TOLLGATE_BACKEND_SECRET", "").strip() or None,
+            stripe_api_key=env.get("TOLLGATE_STRIPE_API_KEY", "").strip() or None,
+            stripe_base_url=env.get("TOLLGATE_STRIPE_BASE_URL", "").strip().rstrip("/") or None,
+            stripe_meter_event=env.get("TOLLGATE_STRIPE_METER_EVENT", "").strip()
+            or "tollgate_usage_micros",
+            stripe_timeout_s=float(_int(env, "TOLLGATE_STRIPE_TIMEOUT_S", 20, low=1, high=300)),
+            export_interval_s=_int(env, "TOLLGATE_EXPORT_INTERVAL_S", 30, low=1, high=86400),
+            celery_queue=env.get("TOLLGATE_CELERY_QUEUE", "").strip() or "tollgate",
         )
 
     def with_overrides(self, **changes: object) -> Settings:

@@ -98,8 +98,25 @@ class ApiKey(LimitColumns, Base):
 
 
 class UsageEvent(Base):
+    """The ledger: one row per request, whatever its outcome."""
+
     __tablename__ = "usage_events"
-    __table_args__ = (Index("ix_usage_events_tenant_created", "tenant_id", "created_at"),)
+    __table_args__ = (
+        Index(
+            "ix_usage_events_tenant_created",
+            "tenant_id",
+            "created_at",
+            postgresql_include=[
+                "model",
+                "status",
+                "prompt_tokens",
+                "cached_tokens",
+                "completion_tokens",
+                "cost_micros",
+            ],
+        ),
+        Index("ix_usage_events_created_at", "created_at"),
+    )
 
     id: Mapped[str] = mapped_column(String(36), primary_key=True, default=new_id)
     request_id: Mapped[str] = mapped_column(String(64), unique=True)
@@ -116,7 +133,11 @@ class UsageEvent(Base):
     queue_ms: Mapped[float | None] = mapped_column()
     ttft_ms: Mapped[float | None] = mapped_column()
     e2e_ms: Mapped[float | None] = mapped_column()
+    itl_ms: Mapped[float | None] = mapped_column()  # mean time between output tokens
+    priority: Mapped[int | None] = mapped_column(Integer)
+    price_version_id: Mapped[str | None] = mapped_column(String(36))  # None: built-in price
     error: Mapped[str | None] = mapped_column(Text)
+    started_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True))  # priced at
     created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
 
 

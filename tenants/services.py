@@ -11,6 +11,7 @@ from sqlalchemy.ext.asyncio import AsyncSession
 
 from tenants import audit, keys
 from tenants.audit import SYSTEM, Actor, AuditContext
+from tenants.billing import ledger
 from tenants.errors import ConflictError, InvalidInputError, NotFoundError
 from tenants.limits import LIMIT_NAMES, LimitSet, PlanTerms, check_priorities
 from tenants.models import ApiKey, KeyRole, KeyStatus, Plan, Tenant, UsageEvent, utcnow
@@ -294,8 +295,8 @@ class UsageService:
         self.session = session
 
     async def record(self, event: UsageEvent) -> None:
-        self.session.add(event)
-        await self.session.flush()
+        """The ledger row and, when it costs something, its Stripe outbox row."""
+        await ledger.record(self.session, event)
 
     async def for_tenant(self, tenant_id: str, limit: int = 100) -> list[UsageEvent]:
         result = await self.session.execute(

@@ -86,6 +86,9 @@ def _observe(outcome: Outcome, choices: Choices, job: Job, out: RequestOutput) -
         outcome.queue_ms = (out.first_scheduled_time - out.arrival_time) * 1000
     if outcome.ttft_ms is None and out.completion_tokens > 0:
         outcome.ttft_ms = (time.monotonic() - job.started) * 1000
+    if out.index == 0 and out.completion_tokens > outcome.stream_tokens:
+        outcome.stream_tokens = out.completion_tokens
+        outcome.last_token_ms = (time.monotonic() - job.started) * 1000
     if out.finished:
         choices.finish[out.index] = out.finish_reason
         outcome.finish_reason = choices.finish.get(0, out.finish_reason)

@@ -1,0 +1,1 @@
+"""Billing: the price book, the usage ledger's outbox, reports, rollups and Stripe export."""
