@@ -18,7 +18,11 @@ class EngineConfig:
     `max_num_batched_tokens` are prefilled in chunks over several steps.
 
     Prefix caching reuses the KV of identical prompt prefixes; the tenant id salts every
-    block hash, so tenants never share cached prompts unless `share_prefix_cache`."""
+    block hash, so tenants never share cached prompts unless `share_prefix_cache`.
+
+    The scheduling policy knobs (priority aging, tenant fairness, priority preemption,
+    prefill protection, load shedding, deadlines) are described, with their effects and
+    the starvation bound, in backend/SCHEDULING.md."""
 
     block_size: int = 16
     num_kv_blocks: int | None = None
@@ -34,6 +38,16 @@ class EngineConfig:
     enable_prefix_caching: bool = True
     share_prefix_cache: bool = False  # True: all tenants share one prefix cache
     gpu_memory_utilization: float = 0.9
+    # -- scheduling policy (backend/SCHEDULING.md) --
+    aging_interval_s: float | None = 5.0  # a waiting request rises one class per interval
+    tenant_fairness: bool = True  # weighted fair share of tokens among equal classes
+    priority_preemption_gap: int | None = 2  # None: a waiting request never preempts
+    max_preemptions_per_request: int = 3  # for priority; KV pressure may preempt beyond
+    prefill_reserve_share: float = 0.25  # of each step's budget, kept for new prefills
+    long_prefill_token_threshold: int | None = None  # None: max_num_batched_tokens // 4
+    max_waiting_requests: int = 1024  # past it, new requests are shed (overloaded)
+    max_waiting_tokens: int = 262_144  # queued prompt tokens; past it, shed too
+    reject_infeasible_deadlines: bool = True  # deadline_exceeded before any compute
 
     def __post_init__(self) -> None:
         for name in ("block_size", "kv_cache_bytes", "max_num_seqs", "max_num_batched_tokens"):
@@ -48,9 +62,51 @@ class EngineConfig:
         util = self.gpu_memory_utilization
         if isinstance(util, bool) or not isinstance(util, int | float) or not 0 < util <= 1:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {util!r}")
-        for name in ("enable_prefix_caching", "share_prefix_cache"):
+        for name in (
+            "enable_prefix_caching",
+            "share_prefix_cache",
+            "tenant_fairness",
+            "reject_infeasible_deadlines",
+        ):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}")
+        self._check_policy()
+
+    def _check_policy(self) -> None:
+        aging = self.aging_interval_s
+        if aging is not None and (not _is_number(aging) or not aging > 0):
+            raise ValueError(f"aging_interval_s must be a positive number or None, got {aging!r}")
+        for name in ("max_waiting_requests", "max_waiting_tokens"):
+            _positive(name, getattr(self, name))
+        if self.priority_preemption_gap is not None:
+            _positive("priority_preemption_gap", self.priority_preemption_gap)
+        _non_negative("max_preemptions_per_request", self.max_preemptions_per_request)
+        if self.long_prefill_token_threshold is not None:
+            _non_negative("long_prefill_token_threshold", self.long_prefill_token_threshold)
+        share = self.prefill_reserve_share
+        if not _is_number(share) or not 0 <= share < 1:
+            raise ValueError(f"prefill_reserve_share must be in [0, 1), got {share!r}")
+
+    @property
+    def long_prefill_cap(self) -> int:
+        """The most prompt tokens one request gets in a step before others had their turn."""
+        threshold = self.long_prefill_token_threshold
+        if threshold is None:
+            return max(1, self.max_num_batched_tokens // 4)
+        return threshold or self.max_num_batched_tokens  # 0: off
+
+    @property
+    def prefill_reserve_tokens(self) -> int:
+        return int(self.max_num_batched_tokens * self.prefill_reserve_share)
+
+
+def _is_number(value: object) -> bool:
+    return isinstance(value, int | float) and not isinstance(value, bool)
+
+
+def _non_negative(name: str, value: object) -> None:
+    if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+        raise ValueError(f"{name} must be a non-negative integer, got {value!r}")
 
 
 def _positive(name: str, value: object) -> None:

@@ -32,3 +32,21 @@ class PromptTooLongError(EngineError, ValueError):
 
 class EngineDeadError(EngineError):
     """The step loop has stopped (shutdown or a crash); no request can be served."""
+
+
+class OverloadedError(EngineError):
+    """The waiting queue is full (by requests or by queued prompt tokens): the request is
+    shed before it is queued. `retry_after_s` estimates when the queue will have drained."""
+
+    kind = "overloaded"
+
+    def __init__(self, message: str, retry_after_s: float = 1.0) -> None:
+        super().__init__(message)
+        self.retry_after_s = retry_after_s
+
+
+class DeadlineExceededError(EngineError):
+    """The request's first token cannot be produced by its deadline (estimated from the
+    measured prefill throughput), so it is rejected before any compute is spent on it."""
+
+    kind = "deadline_exceeded"

@@ -37,6 +37,9 @@ class RequestOutput:
     token_times: list[float] = field(default_factory=list)  # one per id in token_ids
     index: int = 0  # which of the n completions
     logprobs: list[TokenLogprobs] | None = None  # one per id in token_ids, if requested
+    # Set on the final output of a request the policy rejected after queueing it
+    # (finish_reason "rejected"): "deadline_exceeded". AsyncEngine raises it instead.
+    error: str | None = None
 
 
 @dataclass(frozen=True)
@@ -55,7 +58,11 @@ class EngineStats:
     kv_blocks_cached: int = 0
     prefix_cache_queries: int = 0  # tokens looked up in the prefix cache at admission
     prefix_cache_hits: int = 0  # of those, tokens found (their prefill was skipped)
-    num_preemptions: int = 0
+    num_preemptions: int = 0  # all of them: for KV blocks and for priority
+    num_priority_preemptions: int = 0  # a waiting request outranked a running one
+    num_rejected_overloaded: int = 0  # shed at submission: the waiting queue was full
+    num_rejected_deadline: int = 0  # deadline_exceeded, at submission or in the queue
+    waiting_tokens: int = 0  # tokens the waiting requests must compute (shedding)
     step_prefill_tokens: int = 0
     step_decode_tokens: int = 0
     total_prefill_tokens: int = 0

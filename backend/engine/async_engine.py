@@ -13,7 +13,7 @@ from pathlib import Path
 
 from backend.config import EngineConfig
 from backend.engine.engine import Engine
-from backend.errors import EngineDeadError
+from backend.errors import DeadlineExceededError, EngineDeadError
 from backend.outputs import EngineStats, RequestOutput
 from backend.sampling import SamplingParams
 from backend.tokenizer import Tokenizer
@@ -68,10 +68,12 @@ class AsyncEngine:
         priority: int = 0,
         deadline: float | None = None,
         tenant: str | None = None,
+        weight: int = 1,
     ) -> AsyncGenerator[RequestOutput, None]:
         """Yields deltas until every one of the params.n completions has yielded one with
         finished=True. Leaving early (break, aclose, task cancellation) aborts the request
-        in the engine."""
+        in the engine. Raises OverloadedError or DeadlineExceededError (before the first
+        output) when the scheduling policy rejects the request."""
         stream = _Stream(asyncio.get_running_loop(), asyncio.Queue())
         with self._lock:  # the same lock _fail_all takes, so no stream is left unanswered
             if self._dead is not None:
@@ -82,13 +84,15 @@ class AsyncEngine:
         added = False
         unfinished = params.n
         try:
-            self.engine.add_request(request_id, prompt, params, priority, deadline, tenant)
+            self.engine.add_request(request_id, prompt, params, priority, deadline, tenant, weight)
             added = True
             self._wake.set()
             while unfinished:
                 item = await stream.queue.get()
                 if isinstance(item, BaseException):
                     raise item
+                if item.error == DeadlineExceededError.kind:
+                    raise DeadlineExceededError("the first token could not come by the deadline")
                 unfinished -= item.finished
                 yield item
         finally:

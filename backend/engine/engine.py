@@ -86,9 +86,14 @@ class Engine:
         priority: int = 0,
         deadline: float | None = None,
         tenant: str | None = None,
+        weight: int = 1,
     ) -> None:
         """Validate and queue a request. Raises ValueError (PromptTooLongError for a prompt
-        that does not fit) in the caller's thread."""
+        that does not fit), OverloadedError (the waiting queue is full) or
+        DeadlineExceededError (the first token cannot come by `deadline`) in the caller's
+        thread."""
+        if not isinstance(weight, int) or isinstance(weight, bool) or weight < 1:
+            raise ValueError(f"weight must be a positive integer, got {weight!r}")
         if not isinstance(params, SamplingParams):
             raise TypeError(f"params must be SamplingParams, got {type(params).__name__}")
         if not isinstance(request_id, str) or "\0" in request_id:
@@ -102,11 +107,14 @@ class Engine:
             priority=priority,
             deadline=deadline,
             tenant=tenant,
+            weight=weight,
             cache_salt=None if self.config.share_prefix_cache else tenant,
         )
         with self._lock:
             if request_id in self._groups:
                 raise ValueError(f"request id {request_id!r} is already in the engine")
+            pending = (len(self._inbox), sum(r.num_tokens for r in self._inbox))
+            self.scheduler.check_admission(len(ids), deadline, len(reqs), pending)
             self._groups[request_id] = reqs
             for req in reqs:
                 self._seqs[req.request_id] = _Seq(req, IncrementalDetokenizer(self.tokenizer, ids))
@@ -140,6 +148,10 @@ class Engine:
             prefix_cache_queries=sched.prefix_cache_queries,
             prefix_cache_hits=sched.prefix_cache_hits,
             num_preemptions=sched.num_preemptions,
+            num_priority_preemptions=sched.num_priority_preemptions,
+            num_rejected_overloaded=sched.num_rejected_overloaded,
+            num_rejected_deadline=sched.num_rejected_deadline,
+            waiting_tokens=sched.waiting.num_tokens,
             step_prefill_tokens=self._step_tokens[0],
             step_decode_tokens=self._step_tokens[1],
             total_prefill_tokens=self._total_tokens[0],
@@ -155,9 +167,14 @@ class Engine:
             self.scheduler.add_request(req)
         outputs = self._apply_aborts()
         batch = self.scheduler.schedule()
+        outputs += self._rejected()
+        started = time.monotonic()
         result = self.runner.execute(batch)
         if not batch.requests:
             return outputs
+        self.scheduler.record_step(
+            batch.num_prefill_tokens, batch.num_decode_tokens, time.monotonic() - started
+        )
         # Aborts that arrived during the forward pass win over its tokens.
         outputs += self._apply_aborts()
         for req, token in self.scheduler.update_from_output(batch, result):
@@ -166,6 +183,14 @@ class Engine:
         self._step_tokens = (batch.num_prefill_tokens, batch.num_decode_tokens)
         prefill, decode = self._total_tokens
         self._total_tokens = (prefill + batch.num_prefill_tokens, decode + batch.num_decode_tokens)
+        return outputs
+
+    def _rejected(self) -> list[RequestOutput]:
+        """Final outputs of requests the policy rejected; their siblings are aborted."""
+        outputs = []
+        for req in self.scheduler.take_rejected():
+            outputs.append(self._finish(req, "", [], [], None))
+            self.abort(req.external_id)
         return outputs
 
     def _apply_aborts(self) -> list[RequestOutput]:
@@ -254,6 +279,7 @@ class Engine:
             token_times=times,
             index=req.index,
             logprobs=logprobs,
+            error=req.rejection,
         )
 
     def _prompt_ids(self, prompt: str | list[int]) -> list[int]:

@@ -19,6 +19,7 @@ class RequestStatus(enum.IntEnum):
     FINISHED_STOPPED = 3
     FINISHED_LENGTH = 4
     FINISHED_ABORTED = 5
+    FINISHED_REJECTED = 6  # by the policy (deadline_exceeded): see Request.rejection
 
     @property
     def is_finished(self) -> bool:
@@ -33,6 +34,7 @@ _FINISH_REASONS = {
     RequestStatus.FINISHED_STOPPED: "stop",
     RequestStatus.FINISHED_LENGTH: "length",
     RequestStatus.FINISHED_ABORTED: "abort",
+    RequestStatus.FINISHED_REJECTED: "rejected",
 }
 
 
@@ -49,6 +51,7 @@ class Request:
     priority: int = 0
     deadline: float | None = None
     tenant: str | None = None
+    weight: int = 1  # the tenant's share of the token budget under contention
     cache_salt: str | None = None  # part of every block hash: no sharing across salts
     external_id: str = ""  # the caller's id; defaults to request_id
     index: int = 0
@@ -62,6 +65,7 @@ class Request:
     block_hashes: list[bytes] = field(default_factory=list)  # chained, one per full block
     first_scheduled_time: float | None = None
     first_token_time: float | None = None
+    rejection: str | None = None  # why the policy finished it ("deadline_exceeded")
 
     def __post_init__(self) -> None:
         self.external_id = self.external_id or self.request_id
@@ -97,6 +101,7 @@ def fan_out(
     priority: int = 0,
     deadline: float | None = None,
     tenant: str | None = None,
+    weight: int = 1,
     cache_salt: str | None = None,
 ) -> list[Request]:
     """The params.n completions of one caller's request: index 0 keeps the caller's id;
@@ -113,6 +118,7 @@ def fan_out(
                 priority=priority,
                 deadline=deadline,
                 tenant=tenant,
+                weight=weight,
                 cache_salt=cache_salt,
                 external_id=request_id,
                 index=i,

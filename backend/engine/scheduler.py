@@ -1,23 +1,38 @@
-"""Continuous batching with chunked prefill, prefix caching and preemption by recompute.
+"""Continuous batching with chunked prefill, prefix caching and preemption by recompute;
+the policy (who goes first, who is preempted, who is shed) lives in policy.py and is
+described in backend/SCHEDULING.md.
 
 Every step spends a budget of max_num_batched_tokens: first one token for each running
-request that is decoding, then chunks of running prefills, then new (or preempted)
-requests from the waiting queue, in order, while max_num_seqs allows. A prompt longer
-than what is left of the budget is split across steps. Blocks are allocated for the tokens
-scheduled now; when the pool is short, the most recently admitted running request is
-preempted (its blocks freed, its output kept) and recomputed later, its prefix possibly
-still cached."""
+request that is decoding, then chunks of running prefills (each capped by the long-prefill
+threshold, and leaving the prefill reserve to newcomers while anyone waits), then new (or
+preempted) requests from the waiting queue in policy order while max_num_seqs allows;
+finally what is left of the budget tops up the chunks that were capped. A prompt longer
+than its share is split across steps. Blocks are allocated for the tokens scheduled now;
+when the pool is short, the lowest-ranked running request is preempted (its blocks freed,
+its output kept) and recomputed later, its prefix possibly still cached. A waiting request
+that outranks a running one by priority_preemption_gap classes preempts it when no slot,
+budget or block is free."""
 
 from __future__ import annotations
 
 import time
-from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from backend.config import EngineConfig
 from backend.engine.batch import ModelRunnerOutput, ScheduledRequest, SchedulerOutput
 from backend.engine.block_manager import BlockManager
+from backend.engine.policy import (
+    FairShare,
+    Ranking,
+    Throughput,
+    WaitingQueue,
+    check_capacity,
+    deadline_feasible,
+    pick_victim,
+)
 from backend.engine.request import Request, RequestStatus
+from backend.errors import DeadlineExceededError, OverloadedError
 
 
 @dataclass
@@ -26,10 +41,16 @@ class _Plan:
 
     budget: int
     chunks: dict[str, tuple[Request, int]] = field(default_factory=dict)  # in order
-    preempted: bool = False
+    preempted: bool = False  # for KV blocks: the pool is short, admit nobody
+    outranked: bool = False  # a waiting request preempted a running one
 
     def add(self, req: Request, num_tokens: int) -> None:
         self.chunks[req.request_id] = (req, num_tokens)
+        self.budget -= num_tokens
+
+    def extend(self, req: Request, num_tokens: int) -> None:
+        _, scheduled = self.chunks[req.request_id]
+        self.chunks[req.request_id] = (req, scheduled + num_tokens)  # keeps its place
         self.budget -= num_tokens
 
     def drop(self, req: Request) -> None:
@@ -39,43 +60,96 @@ class _Plan:
 
 
 class Scheduler:
-    def __init__(self, config: EngineConfig, block_manager: BlockManager) -> None:
+    def __init__(
+        self,
+        config: EngineConfig,
+        block_manager: BlockManager,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
         self.config = config
         self.block_manager = block_manager
+        self.clock = clock  # the simulator's virtual clock replaces time.monotonic
+        self.ranking = Ranking(config.aging_interval_s)
+        self.fair = FairShare()  # counts tokens per tenant; orders only if tenant_fairness
+        self.waiting = WaitingQueue(self.ranking, self.fair if config.tenant_fairness else None)
+        self.throughput = Throughput()
         self.requests: dict[str, Request] = {}
-        self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
+        self.rejected: list[Request] = []  # finished by the policy; the engine drains it
         self._finished_ids: list[str] = []
+        self._max_running = min(
+            config.max_num_seqs, config.max_num_batched_tokens - config.prefill_reserve_tokens
+        )
         self.num_preemptions = 0
+        self.num_priority_preemptions = 0
+        self.num_rejected_overloaded = 0
+        self.num_rejected_deadline = 0
         self.prefix_cache_queries = 0
         self.prefix_cache_hits = 0
+
+    def check_admission(
+        self,
+        prompt_tokens: int,
+        deadline: float | None,
+        copies: int = 1,
+        pending: tuple[int, int] = (0, 0),
+    ) -> None:
+        """Before queueing `copies` completions of a prompt (with `pending` = requests and
+        tokens accepted but not yet added): raise OverloadedError if the waiting queue
+        cannot take them, DeadlineExceededError if the first token cannot come in time."""
+        num_requests, num_tokens = pending[0] + copies, pending[1] + prompt_tokens * copies
+        try:
+            check_capacity(self.config, self.waiting, self.throughput, num_requests, num_tokens)
+        except OverloadedError:
+            self.num_rejected_overloaded += 1
+            raise
+        if self.config.reject_infeasible_deadlines and not deadline_feasible(
+            deadline, prompt_tokens, self.clock(), self.throughput
+        ):
+            self.num_rejected_deadline += 1
+            raise DeadlineExceededError("the first token cannot be produced by the deadline")
 
     def add_request(self, request: Request) -> None:
         if request.request_id in self.requests:
             raise ValueError(f"request id {request.request_id!r} is already in the engine")
         self.requests[request.request_id] = request
-        self.waiting.append(request)
+        self.waiting.add(request)
+        self.fair.join(request.tenant)
 
     def has_unfinished(self) -> bool:
         return bool(self.requests)
 
+    def record_step(self, prefill_tokens: int, decode_tokens: int, seconds: float) -> None:
+        """How long the last step took: the throughput behind deadline estimates."""
+        self.throughput.record(prefill_tokens, decode_tokens, seconds)
+
+    def take_rejected(self) -> list[Request]:
+        rejected, self.rejected = self.rejected, []
+        return rejected
+
     def schedule(self) -> SchedulerOutput:
-        plan = _Plan(self.config.max_num_batched_tokens)
-        # Decodes first, so a long prompt's chunks never hold back token streams.
-        for decoding in (True, False):
-            for req in list(self.running):  # a copy: preemption shrinks self.running
-                left = req.num_tokens - req.num_computed_tokens
-                if req.status == RequestStatus.RUNNING and (left == 1) == decoding:
-                    if plan.budget == 0:
-                        break
-                    self._schedule_running(req, min(left, plan.budget), plan)
-        # A step that had to preempt admits nobody: the pool is already short. No more
-        # requests run than the budget has tokens, so every decode gets a token each step.
         cfg = self.config
-        max_running = min(cfg.max_num_seqs, cfg.max_num_batched_tokens)
-        while not plan.preempted and plan.budget > 0 and self.waiting:
-            if len(self.running) >= max_running or not self._admit(plan):
-                break  # strict FIFO: the head is not overtaken
+        plan = _Plan(cfg.max_num_batched_tokens)
+        # Decodes first, so a long prompt's chunks never hold back token streams.
+        for req in list(self.running):  # a copy: preemption shrinks self.running
+            decoding = req.num_tokens - req.num_computed_tokens == 1
+            if req.status == RequestStatus.RUNNING and decoding:
+                if plan.budget == 0:
+                    break
+                self._schedule_running(req, 1, plan)
+        # Running prefills leave the reserve to new prefills while anyone waits.
+        reserve = cfg.prefill_reserve_tokens if self.waiting else 0
+        for req in list(self.running):
+            left = req.num_tokens - req.num_computed_tokens
+            if req.status == RequestStatus.RUNNING and left > 1:
+                room = min(left, cfg.long_prefill_cap, plan.budget - reserve)
+                if room <= 0:
+                    break
+                self._schedule_running(req, room, plan)
+        # A step that had to preempt for blocks admits nobody: the pool is already short.
+        if not plan.preempted:
+            self._admit_waiting(plan, self.clock())
+        self._top_up(plan)
         return self._output(plan)
 
     def update_from_output(
@@ -109,6 +183,7 @@ class Scheduler:
                 self.running.remove(req)
             else:
                 self.waiting.remove(req)
+            self.fair.leave(req.tenant)
             req.status = status
             self.block_manager.free(request_id)
             self._finished_ids.append(request_id)
@@ -116,12 +191,12 @@ class Scheduler:
         return done
 
     def _schedule_running(self, req: Request, num_new: int, plan: _Plan) -> None:
-        """Allocate for `num_new` more tokens, preempting from the back of the running list
-        (the most recently admitted) until the pool has room or `req` itself is preempted.
-        None from the allocator means exactly this: preempt."""
+        """Allocate for `num_new` more tokens, preempting the lowest-ranked running request
+        until the pool has room or `req` itself is preempted. None from the allocator means
+        exactly this: preempt."""
         target = req.num_computed_tokens + num_new
         while self.block_manager.allocate_slots(req.request_id, target) is None:
-            victim = self.running[-1]
+            victim = max(self.running, key=self.ranking.key)
             self._preempt(victim)
             plan.drop(victim)  # it may have been scheduled earlier in this step
             plan.preempted = True
@@ -129,28 +204,75 @@ class Scheduler:
                 return
         plan.add(req, num_new)
 
-    def _admit(self, plan: _Plan) -> bool:
-        req = self.waiting[0]
-        if not self._fork_ready(req):
-            return False
+    def _admit_waiting(self, plan: _Plan, now: float) -> None:
+        """Admit in policy order; the best request is never overtaken. When it cannot
+        start (no slot, budget or blocks), it may preempt a running request it outranks."""
+        cfg = self.config
+        while self.waiting:
+            req = self.waiting.best(now)
+            if req is None:
+                return
+            if (
+                cfg.reject_infeasible_deadlines
+                and req.first_token_time is None
+                and not deadline_feasible(req.deadline, req.num_tokens, now, self.throughput)
+            ):
+                self._reject(req, "deadline_exceeded")
+                continue
+            if not self._fork_ready(req):
+                return
+            room = len(self.running) < self._max_running and plan.budget > 0
+            if room and self._admit(req, plan, now):
+                if plan.outranked:
+                    return  # what the victims freed is spoken for
+                continue
+            victim = pick_victim(self.running, req, now, self.ranking, cfg)
+            if victim is None:
+                return
+            self._preempt(victim)
+            plan.drop(victim)
+            plan.outranked = True
+            self.num_priority_preemptions += 1
+
+    def _admit(self, req: Request, plan: _Plan, now: float) -> bool:
         computed = self._computed_blocks(req)
         bm = self.block_manager
         num_computed = len(computed) * bm.block_size
-        num_new = min(req.num_tokens - num_computed, plan.budget)
+        num_new = min(req.num_tokens - num_computed, plan.budget, self.config.long_prefill_cap)
         if bm.allocate_slots(req.request_id, num_computed + num_new, computed) is None:
             return False
-        self.waiting.popleft()
+        self.waiting.remove(req)
         if bm.enable_caching:
             self.prefix_cache_queries += req.num_tokens
             self.prefix_cache_hits += num_computed
         if req.num_cached_tokens is None:
             req.num_cached_tokens = num_computed
-            req.first_scheduled_time = time.monotonic()
+            req.first_scheduled_time = now
         req.num_computed_tokens = num_computed
         req.status = RequestStatus.RUNNING
         self.running.append(req)
         plan.add(req, num_new)
         return True
+
+    def _top_up(self, plan: _Plan) -> None:
+        """Give what is left of the budget to prefill chunks that were capped, in order, so
+        the caps shape who goes first without leaving tokens unused."""
+        for req, scheduled in list(plan.chunks.values()):
+            if plan.budget == 0:
+                return
+            start = req.num_computed_tokens + scheduled
+            extra = min(req.num_tokens - start, plan.budget)
+            if (
+                extra > 0
+                and self.block_manager.allocate_slots(req.request_id, start + extra) is not None
+            ):
+                plan.extend(req, extra)
+
+    def _reject(self, req: Request, reason: str) -> None:
+        self.finish_requests([req.request_id], RequestStatus.FINISHED_REJECTED)
+        req.rejection = reason
+        self.rejected.append(req)
+        self.num_rejected_deadline += 1
 
     def _fork_ready(self, req: Request) -> bool:
         """Completion i > 0 of an n > 1 request waits until completion 0 has computed the
@@ -180,12 +302,13 @@ class Scheduler:
         req.num_computed_tokens = 0
         req.num_preemptions += 1
         self.num_preemptions += 1
-        self.waiting.appendleft(req)  # victims leave from the back, so order is kept
+        self.waiting.add(req)  # by its arrival: it keeps its age and its place
 
     def _output(self, plan: _Plan) -> SchedulerOutput:
         scheduled: list[ScheduledRequest] = []
         prefill = decode = 0
         for req, num_new in plan.chunks.values():
+            self.fair.charge(req, num_new)
             start = req.num_computed_tokens
             if num_new == 1 and start >= req.num_prompt_tokens and start + 1 == req.num_tokens:
                 decode += 1

@@ -1,0 +1,221 @@
+"""Who runs next: the scheduling policy, kept apart from the scheduler's mechanism (budget,
+chunks, blocks). Everything here is documented, knob by knob, in backend/SCHEDULING.md.
+
+Ranking. A request's effective priority is `priority - floor(waited / aging_interval_s)`:
+it rises one class per interval it has been in the engine. Since
+`p - floor((now - arrival) / I) == -floor((now - (arrival + p * I)) / I)`, sorting by the
+static key `arrival + p * I` orders requests by effective priority at every instant, so
+the waiting queue is sorted once, on insertion, and never re-sorted per step. A preempted
+request keeps its arrival time, hence its age and its place.
+
+Among requests of the same effective class, tenants share the token budget by weight: the
+tenant that has been served the fewest tokens per unit of weight goes first (deficit round
+robin on scheduled tokens). Within a tenant, ties go to the earliest deadline, then to the
+earliest arrival.
+"""
+
+from __future__ import annotations
+
+import bisect
+import math
+from collections.abc import Iterable, Iterator
+
+from backend.config import EngineConfig
+from backend.engine.request import Request
+from backend.errors import OverloadedError
+
+# How far into a tenant's queue the deadline tie-break looks: the queue is sorted by
+# class and arrival, so only the few at its head can share the head's class and still be
+# cheap to compare every admission.
+TIE_WINDOW = 8
+_EMA = 0.2  # weight of the newest step in the throughput estimate
+
+
+class Ranking:
+    """Effective priority with aging, and the static key that sorts by it."""
+
+    def __init__(self, aging_interval_s: float | None) -> None:
+        self.aging = aging_interval_s
+
+    def key(self, req: Request) -> tuple[float, float]:
+        if self.aging is None:
+            return (req.priority, req.arrival_time)
+        return (req.arrival_time + req.priority * self.aging, req.arrival_time)
+
+    def effective(self, req: Request, now: float) -> int:
+        if self.aging is None:
+            return req.priority
+        return req.priority - math.floor((now - req.arrival_time) / self.aging)
+
+
+def _deadline_order(req: Request) -> tuple[float, float]:
+    return (math.inf if req.deadline is None else req.deadline, req.arrival_time)
+
+
+class FairShare:
+    """Tokens served per tenant, divided by its weight. A tenant that comes back after
+    being idle starts level with the least-served active tenant: idleness earns no credit
+    to spend later in a burst."""
+
+    def __init__(self) -> None:
+        self.served: dict[str | None, float] = {}
+        self.tokens: dict[str | None, int] = {}  # raw scheduled tokens, for stats and tests
+        self._live: dict[str | None, int] = {}  # waiting + running requests
+
+    def join(self, tenant: str | None) -> None:
+        live = self._live.get(tenant, 0)
+        if live == 0:
+            active = [self.served[t] for t, n in self._live.items() if n]
+            floor = min(active) if active else 0.0
+            self.served[tenant] = max(self.served.get(tenant, 0.0), floor)
+        self._live[tenant] = live + 1
+
+    def leave(self, tenant: str | None) -> None:
+        self._live[tenant] -= 1
+
+    def charge(self, req: Request, num_tokens: int) -> None:
+        tenant = req.tenant
+        self.served[tenant] = self.served.get(tenant, 0.0) + num_tokens / req.weight
+        self.tokens[tenant] = self.tokens.get(tenant, 0) + num_tokens
+
+    def neediest(self, tenants: Iterable[str | None]) -> str | None:
+        return min(tenants, key=lambda t: self.served.get(t, 0.0))
+
+
+class WaitingQueue:
+    """Waiting (and preempted) requests, one list per tenant sorted by Ranking.key."""
+
+    def __init__(self, ranking: Ranking, fair: FairShare | None) -> None:
+        self.ranking = ranking
+        self.fair = fair
+        self._queues: dict[str | None, list[Request]] = {}
+        self._size = 0
+        self.num_tokens = 0  # tokens to compute before their first output: shedding
+
+    def __len__(self) -> int:
+        return self._size
+
+    def __bool__(self) -> bool:
+        return self._size > 0
+
+    def __iter__(self) -> Iterator[Request]:
+        """In rank order (for inspection; the scheduler uses best())."""
+        everyone = [r for q in self._queues.values() for r in q]
+        return iter(sorted(everyone, key=self.ranking.key))
+
+    def add(self, req: Request) -> None:
+        queue = self._queues.setdefault(req.tenant, [])
+        bisect.insort(queue, req, key=self.ranking.key)
+        self._size += 1
+        self.num_tokens += req.num_tokens
+
+    def remove(self, req: Request) -> None:
+        queue = self._queues[req.tenant]
+        queue.remove(req)
+        if not queue:
+            del self._queues[req.tenant]
+        self._size -= 1
+        self.num_tokens -= req.num_tokens
+
+    def best(self, now: float) -> Request | None:
+        """The next request to admit: best effective class, then the neediest tenant of
+        that class, then its earliest deadline, then its earliest arrival."""
+        if not self._queues:
+            return None
+        effective = self.ranking.effective
+        if len(self._queues) == 1:
+            [queue] = self._queues.values()
+        else:
+            heads = [(effective(q[0], now), q) for q in self._queues.values()]
+            top = min(e for e, _ in heads)
+            tied = [q for e, q in heads if e == top]
+            if len(tied) == 1:
+                queue = tied[0]
+            elif self.fair is not None:
+                tenant = self.fair.neediest(q[0].tenant for q in tied)
+                queue = self._queues[tenant]
+            else:
+                queue = min(tied, key=lambda q: _deadline_order(q[0]))
+        head = queue[0]
+        if len(queue) == 1:
+            return head
+        top = effective(head, now)
+        same_class = [r for r in queue[:TIE_WINDOW] if effective(r, now) == top]
+        return min(same_class, key=_deadline_order)
+
+
+class Throughput:
+    """Measured prefill throughput (an exponential moving average of tokens per second over
+    prefill-dominated steps): estimates prefill times for deadlines and Retry-After."""
+
+    def __init__(self) -> None:
+        self.tokens_per_s: float | None = None
+
+    def record(self, prefill_tokens: int, decode_tokens: int, seconds: float) -> None:
+        if seconds <= 0 or prefill_tokens < max(decode_tokens, 1):
+            return
+        rate = prefill_tokens / seconds
+        ema = self.tokens_per_s
+        self.tokens_per_s = rate if ema is None else (1 - _EMA) * ema + _EMA * rate
+
+    def seconds_for(self, num_tokens: int) -> float | None:
+        rate = self.tokens_per_s
+        return None if rate is None else num_tokens / rate
+
+
+def deadline_feasible(
+    deadline: float | None, num_tokens: int, now: float, throughput: Throughput
+) -> bool:
+    """False once a first token can no longer arrive by the deadline: it has passed, or
+    the estimated prefill time of `num_tokens` no longer fits before it."""
+    if deadline is None:
+        return True
+    if now >= deadline:
+        return False
+    needed = throughput.seconds_for(num_tokens)
+    return needed is None or now + needed <= deadline
+
+
+def check_capacity(
+    config: EngineConfig,
+    waiting: WaitingQueue,
+    throughput: Throughput,
+    num_requests: int,
+    num_tokens: int,
+) -> None:
+    """Shed load: raise OverloadedError if queueing these requests would pass
+    max_waiting_requests or max_waiting_tokens. An empty queue always takes a request, so
+    a prompt longer than max_waiting_tokens is not refused forever."""
+    if not waiting:
+        return
+    if len(waiting) + num_requests > config.max_waiting_requests:
+        reason = f"{len(waiting)} requests are waiting (max_waiting_requests)"
+    elif waiting.num_tokens + num_tokens > config.max_waiting_tokens:
+        reason = f"{waiting.num_tokens} tokens are waiting (max_waiting_tokens)"
+    else:
+        return
+    drain = throughput.seconds_for(waiting.num_tokens)
+    retry_after = 1.0 if drain is None else min(max(drain, 1.0), 60.0)
+    raise OverloadedError(f"the engine is overloaded: {reason}", retry_after)
+
+
+def pick_victim(
+    running: list[Request],
+    candidate: Request,
+    now: float,
+    ranking: Ranking,
+    config: EngineConfig,
+) -> Request | None:
+    """The lowest-ranked running request that `candidate` outranks by at least
+    priority_preemption_gap classes and that has not used up its preemptions."""
+    gap = config.priority_preemption_gap
+    if gap is None:
+        return None
+    limit = config.max_preemptions_per_request
+    eligible = [r for r in running if r.num_preemptions < limit]
+    if not eligible:
+        return None
+    victim = max(eligible, key=ranking.key)
+    if ranking.effective(victim, now) - ranking.effective(candidate, now) < gap:
+        return None
+    return victim
