@@ -22,6 +22,7 @@ from gateway.admission.quota import Admission
 from gateway.admission.reconcile import Upkeep
 from gateway.api.health import healthz, readyz
 from gateway.api.openai import OpenAIController
+from gateway.console import console_router
 from gateway.dispatch.engine_client import EngineClient, InProcessEngineClient
 from gateway.dispatch.remote import RemoteEngineClient
 from gateway.errors import (
@@ -125,7 +126,14 @@ def create_app(
             await db.dispose()
 
     return Litestar(
-        route_handlers=[OpenAIController, AdminController, AuditController, healthz, readyz],
+        route_handlers=[
+            OpenAIController,
+            AdminController,
+            AuditController,
+            console_router(),
+            healthz,
+            readyz,
+        ],
         dependencies={"runtime": Provide(provide_runtime, sync_to_thread=False)},
         exception_handlers={
             ApiError: handle_api_error,

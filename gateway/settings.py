@@ -38,6 +38,7 @@ class Settings:
     stripe_timeout_s: float = 20.0
     export_interval_s: int = 30  # embedded mode: how often the gateway runs the relay
     celery_queue: str = "tollgate"
+    console_idle_s: int = 1800  # admin console sessions end after this long unused
 
     @classmethod
     def from_env(cls, env: Mapping[str, str] | None = None) -> Settings:
@@ -77,6 +78,7 @@ class Settings:
             stripe_timeout_s=float(_int(env, "TOLLGATE_STRIPE_TIMEOUT_S", 20, low=1, high=300)),
             export_interval_s=_int(env, "TOLLGATE_EXPORT_INTERVAL_S", 30, low=1, high=86400),
             celery_queue=env.get("TOLLGATE_CELERY_QUEUE", "").strip() or "tollgate",
+            console_idle_s=_int(env, "TOLLGATE_CONSOLE_IDLE_S", 1800, low=60),
         )
 
     def with_overrides(self, **changes: object) -> Settings:

@@ -1,0 +1,208 @@
+"""Console form posts. Each checks the CSRF token and the owner role (`owner_form`), then
+calls the same services as the admin API and the CLI, with the administrator as the audit
+actor, and redirects back with a notice (post/redirect/get)."""
+
+from __future__ import annotations
+
+from decimal import Decimal, InvalidOperation
+from typing import Any
+from urllib.parse import quote
+
+from litestar import Controller, Request, Response, post
+from litestar.datastructures import FormMultiDict
+from litestar.di import NamedDependency, Provide
+from litestar.params import FromPath
+
+from gateway.console.auth import Console, provide_console, provide_form, provide_owner_form
+from gateway.console.render import back_to, page
+from gateway.runtime import Runtime
+from tenants.errors import DomainError, InvalidInputError
+from tenants.limits import LIMIT_NAMES, LimitSet, PlanTerms
+from tenants.models import KeyRole
+from tenants.services import ApiKeyService, PlanService, TenantService
+
+PLAN_FIELDS = ("default_priority", "max_priority", "weight")
+
+
+def whole_number(form: FormMultiDict, name: str) -> int | None:
+    """A blank field is "unlimited"; anything else must be a whole number >= 0."""
+    raw = str(form.get(name, "")).strip()
+    if not raw:
+        return None
+    if not raw.isdigit():
+        raise InvalidInputError(f"{name.replace('_', ' ')} must be a whole number or blank")
+    return int(raw)
+
+
+def budget_micros(form: FormMultiDict) -> int | None:
+    """The monthly budget in dollars ("25.50") as integer micro-dollars."""
+    raw = str(form.get("monthly_budget", "")).strip()
+    if not raw:
+        return None
+    try:
+        micros = Decimal(raw) * 1_000_000
+    except InvalidOperation:
+        raise InvalidInputError(f"budget must be an amount like 25.50, not {raw!r}") from None
+    if micros < 0 or micros != micros.to_integral_value():
+        raise InvalidInputError("budget must be >= 0 with at most 6 decimals")
+    return int(micros)
+
+
+def limits_from(form: FormMultiDict) -> LimitSet:
+    values = {
+        name: whole_number(form, name) for name in LIMIT_NAMES if name != "monthly_budget_micros"
+    }
+    return LimitSet(monthly_budget_micros=budget_micros(form), **values)
+
+
+def terms_from(form: FormMultiDict, current: PlanTerms) -> PlanTerms:
+    models_text = str(form.get("allowed_models", "")).strip()
+    models = [m.strip() for m in models_text.split(",") if m.strip()]
+    numbers = {name: whole_number(form, name) for name in PLAN_FIELDS}
+    return PlanTerms(
+        name=current.name,
+        limits=limits_from(form),
+        allowed_models=frozenset(models) if models else None,
+        default_priority=_or(numbers["default_priority"], current.default_priority),
+        max_priority=_or(numbers["max_priority"], current.max_priority),
+        weight=_or(numbers["weight"], current.weight),
+    )
+
+
+def _or(value: int | None, default: int) -> int:
+    return default if value is None else value
+
+
+def _field(form: FormMultiDict, name: str) -> str:
+    return str(form.get(name, "")).strip()
+
+
+class ActionsController(Controller):
+    """Every route here changes state: CSRF-checked, owners only, audited by the services."""
+
+    path = "/"
+    dependencies = {
+        "console": Provide(provide_console),
+        "form": Provide(provide_form),
+        "owner_form": Provide(provide_owner_form),
+    }
+
+    @post("/tenants")
+    async def create_tenant(
+        self,
+        request: Request[Any, Any, Any],
+        runtime: NamedDependency[Runtime],
+        console: NamedDependency[Console],
+        owner_form: NamedDependency[FormMultiDict],
+    ) -> Response[Any]:
+        name, plan = _field(owner_form, "name"), _field(owner_form, "plan") or None
+        try:
+            async with runtime.sessions.begin() as session:
+                service = TenantService(session, console.actor)
+                tenant = await service.create(name)
+                if plan is not None:
+                    await service.set_plan(tenant.name, plan)
+        except DomainError as error:
+            return back_to(request, "/admin/tenants", str(error), "error")
+        return back_to(request, f"/admin/tenants/{quote(name)}", f"Created tenant {name}.")
+
+    @post("/tenants/{name:str}/plan")
+    async def set_plan(
+        self,
+        name: FromPath[str],
+        request: Request[Any, Any, Any],
+        runtime: NamedDependency[Runtime],
+        console: NamedDependency[Console],
+        owner_form: NamedDependency[FormMultiDict],
+    ) -> Response[Any]:
+        plan = _field(owner_form, "plan") or None
+        here = f"/admin/tenants/{quote(name)}"
+        try:
+            async with runtime.sessions.begin() as session:
+                await TenantService(session, console.actor).set_plan(name, plan)
+        except DomainError as error:
+            return back_to(request, here, str(error), "error")
+        return back_to(request, here, f"{name} is now on plan {plan or 'none (unlimited)'}.")
+
+    @post("/tenants/{name:str}/keys")
+    async def create_key(
+        self,
+        name: FromPath[str],
+        request: Request[Any, Any, Any],
+        runtime: NamedDependency[Runtime],
+        console: NamedDependency[Console],
+        owner_form: NamedDependency[FormMultiDict],
+    ) -> Response[Any]:
+        """Renders the secret in this response, once; it is never stored or redirected."""
+        role = KeyRole.ADMIN if owner_form.get("admin") == "on" else KeyRole.TENANT
+        try:
+            async with runtime.sessions.begin() as session:
+                tenant = await TenantService(session, console.actor).get(name)
+                created = await ApiKeyService(session, console.actor).create(
+                    tenant, _field(owner_form, "key_name")[:100], role
+                )
+        except DomainError as error:
+            return back_to(request, f"/admin/tenants/{quote(name)}", str(error), "error")
+        return page(
+            request,
+            console,
+            "key_created.html",
+            status_code=201,
+            title="Key created",
+            tenant=tenant,
+            key=created.key,
+            secret=created.secret,
+        )
+
+    @post("/keys/{key:str}/revoke")
+    async def revoke_key(
+        self,
+        key: FromPath[str],
+        request: Request[Any, Any, Any],
+        runtime: NamedDependency[Runtime],
+        console: NamedDependency[Console],
+        owner_form: NamedDependency[FormMultiDict],
+    ) -> Response[Any]:
+        back = _field(owner_form, "back")
+        here = back if back.startswith("/admin/") else "/admin/keys"
+        try:
+            async with runtime.sessions.begin() as session:
+                revoked = await ApiKeyService(session, console.actor).revoke(key)
+        except DomainError as error:
+            return back_to(request, here, str(error), "error")
+        return back_to(request, here, f"Revoked key {revoked.prefix}.")
+
+    @post("/plans")
+    async def create_plan(
+        self,
+        request: Request[Any, Any, Any],
+        runtime: NamedDependency[Runtime],
+        console: NamedDependency[Console],
+        owner_form: NamedDependency[FormMultiDict],
+    ) -> Response[Any]:
+        name = _field(owner_form, "name")
+        try:
+            terms = terms_from(owner_form, PlanTerms())
+            async with runtime.sessions.begin() as session:
+                await PlanService(session, console.actor).create(name, terms)
+        except DomainError as error:
+            return back_to(request, "/admin/plans", str(error), "error")
+        return back_to(request, "/admin/plans", f"Created plan {name}.")
+
+    @post("/plans/{name:str}")
+    async def update_plan(
+        self,
+        name: FromPath[str],
+        request: Request[Any, Any, Any],
+        runtime: NamedDependency[Runtime],
+        console: NamedDependency[Console],
+        owner_form: NamedDependency[FormMultiDict],
+    ) -> Response[Any]:
+        try:
+            async with runtime.sessions.begin() as session:
+                service = PlanService(session, console.actor)
+                current = PlanTerms.of(await service.get(name))
+                await service.update(name, terms_from(owner_form, current))
+        except DomainError as error:
+            return back_to(request, "/admin/plans", str(error), "error")
+        return back_to(request, "/admin/plans", f"Saved plan {name}.")

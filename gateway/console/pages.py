@@ -1,0 +1,272 @@
+"""Console pages (GET): overview, tenants, keys, plans, usage explorer, request detail."""
+
+from __future__ import annotations
+
+import csv
+import io
+from datetime import UTC, datetime
+from typing import Any
+
+from litestar import Controller, MediaType, Request, Response, get
+from litestar.di import NamedDependency, Provide
+from litestar.params import FromPath
+
+from gateway.console.auth import Console, provide_console
+from gateway.console.queries import (
+    CSV_HEADER,
+    CSV_LIMIT,
+    UsageFilter,
+    csv_record,
+    find_request,
+    find_usage,
+    inter_token_ms,
+    known_models,
+    replicas,
+    tenant_series,
+    traffic,
+)
+from gateway.console.render import SECURITY_HEADERS, page
+from gateway.runtime import Runtime
+from tenants.limits import LIMIT_NAMES, PlanTerms
+from tenants.models import UsageStatus
+from tenants.quota import month_period
+from tenants.services import ApiKeyService, PlanService, TenantService, UsageService
+
+
+def parse_moment(text: str | None) -> datetime | None:
+    """A `datetime-local` field ("2026-11-29T14:05"), read as UTC; None if blank or bad."""
+    if not text:
+        return None
+    try:
+        moment = datetime.fromisoformat(text)
+    except ValueError:
+        return None
+    return moment.replace(tzinfo=UTC) if moment.tzinfo is None else moment
+
+
+def usage_filter(request: Request[Any, Any, Any]) -> UsageFilter:
+    query = request.query_params
+
+    def text(name: str) -> str | None:
+        return (query.get(name) or "").strip() or None
+
+    return UsageFilter(
+        tenant=text("tenant"),
+        key=text("key"),
+        model=text("model"),
+        status=text("status"),
+        since=parse_moment(text("since")),
+        until=parse_moment(text("until")),
+    )
+
+
+class PagesController(Controller):
+    path = "/"
+    dependencies = {"console": Provide(provide_console)}
+
+    @get("/")
+    async def overview(
+        self, request: Request[Any, Any, Any], console: NamedDependency[Console]
+    ) -> Response[str]:
+        return page(request, console, "overview.html", title="Overview")
+
+    @get("/overview.json", media_type=MediaType.JSON)
+    async def overview_data(
+        self, runtime: NamedDependency[Runtime], console: NamedDependency[Console]
+    ) -> dict[str, Any]:
+        async with runtime.sessions() as session:
+            data = await traffic(session)
+        return {
+            **data,
+            "replicas": replicas(runtime.engine_client),
+            "now": datetime.now(UTC).timestamp(),
+        }
+
+    @get("/tenants")
+    async def tenants(
+        self,
+        request: Request[Any, Any, Any],
+        runtime: NamedDependency[Runtime],
+        console: NamedDependency[Console],
+    ) -> Response[str]:
+        search = (request.query_params.get("q") or "").strip().lower()
+        async with runtime.sessions() as session:
+            plans = await PlanService(session).list()
+            names = {plan.id: plan.name for plan in plans}
+            tenants = [
+                (tenant, names.get(tenant.plan_id or ""))
+                for tenant in await TenantService(session).list()
+                if search in tenant.name
+            ]
+        return page(
+            request,
+            console,
+            "tenants.html",
+            title="Tenants",
+            tenants=tenants,
+            plans=plans,
+            q=search,
+        )
+
+    @get("/tenants/{name:str}")
+    async def tenant(
+        self,
+        name: FromPath[str],
+        request: Request[Any, Any, Any],
+        runtime: NamedDependency[Runtime],
+        console: NamedDependency[Console],
+    ) -> Response[str]:
+        async with runtime.sessions() as session:
+            tenant = await TenantService(session).get(name)
+            plans = await PlanService(session).list()
+            plan = next((p for p in plans if p.id == tenant.plan_id), None)
+            keys = [key for key, _ in await ApiKeyService(session).list(tenant)]
+            recent = await UsageService(session).for_tenant(tenant.id, limit=20)
+            series = await tenant_series(session, tenant.id)
+        period = month_period()
+        usage = await runtime.admission.store.usage(f"tenant:{tenant.id}", period)
+        terms = PlanTerms.of(plan)
+        budget = terms.limits.monthly_budget_micros
+        left = None if budget is None else budget - usage.spent_micros - usage.reserved_micros
+        return page(
+            request,
+            console,
+            "tenant.html",
+            title=f"Tenant {tenant.name}",
+            tenant=tenant,
+            plan=plan,
+            plans=plans,
+            terms=terms,
+            limit_names=LIMIT_NAMES,
+            keys=keys,
+            recent=recent,
+            series=series,
+            period=period,
+            usage=usage,
+            budget=budget,
+            budget_left=left,
+        )
+
+    @get("/keys")
+    async def keys(
+        self,
+        request: Request[Any, Any, Any],
+        runtime: NamedDependency[Runtime],
+        console: NamedDependency[Console],
+    ) -> Response[str]:
+        tenant_name = (request.query_params.get("tenant") or "").strip()
+        async with runtime.sessions() as session:
+            tenant = await TenantService(session).get(tenant_name) if tenant_name else None
+            rows = await ApiKeyService(session).list(tenant)
+            tenants = await TenantService(session).list()
+        return page(
+            request,
+            console,
+            "keys.html",
+            title="API keys",
+            keys=[key for key, _ in rows],
+            key_tenants={key.id: name for key, name in rows},
+            tenants=tenants,
+            tenant_name=tenant_name,
+        )
+
+    @get("/plans")
+    async def plans(
+        self,
+        request: Request[Any, Any, Any],
+        runtime: NamedDependency[Runtime],
+        console: NamedDependency[Console],
+    ) -> Response[str]:
+        async with runtime.sessions() as session:
+            plans = [(plan, PlanTerms.of(plan)) for plan in await PlanService(session).list()]
+        return page(
+            request, console, "plans.html", title="Plans", plans=plans, limit_names=LIMIT_NAMES
+        )
+
+    @get("/usage")
+    async def usage(
+        self,
+        request: Request[Any, Any, Any],
+        runtime: NamedDependency[Runtime],
+        console: NamedDependency[Console],
+    ) -> Response[str]:
+        where = usage_filter(request)
+        async with runtime.sessions() as session:
+            rows = await find_usage(session, where)
+            models = await known_models(session)
+            tenants = await TenantService(session).list()
+        return page(
+            request,
+            console,
+            "usage.html",
+            title="Usage",
+            rows=rows,
+            where=where,
+            models=models,
+            tenants=tenants,
+            statuses=[status.value for status in UsageStatus],
+        )
+
+    @get("/usage.csv")
+    async def usage_csv(
+        self,
+        request: Request[Any, Any, Any],
+        runtime: NamedDependency[Runtime],
+        console: NamedDependency[Console],
+    ) -> Response[str]:
+        async with runtime.sessions() as session:
+            rows = await find_usage(session, usage_filter(request), limit=CSV_LIMIT)
+        out = io.StringIO()
+        writer = csv.writer(out)
+        writer.writerow(CSV_HEADER)
+        writer.writerows(csv_record(row) for row in rows)
+        stamp = datetime.now(UTC).strftime("%Y%m%dT%H%M%SZ")
+        return Response(
+            out.getvalue(),
+            media_type="text/csv; charset=utf-8",
+            headers={
+                **SECURITY_HEADERS,
+                "Content-Disposition": f'attachment; filename="usage-{stamp}.csv"',
+            },
+        )
+
+    @get("/requests")
+    async def request_search(
+        self,
+        request: Request[Any, Any, Any],
+        runtime: NamedDependency[Runtime],
+        console: NamedDependency[Console],
+    ) -> Response[str]:
+        request_id = (request.query_params.get("id") or "").strip()
+        return await request_page(request, runtime, console, request_id)
+
+    @get("/requests/{request_id:str}")
+    async def request_detail(
+        self,
+        request_id: FromPath[str],
+        request: Request[Any, Any, Any],
+        runtime: NamedDependency[Runtime],
+        console: NamedDependency[Console],
+    ) -> Response[str]:
+        return await request_page(request, runtime, console, request_id)
+
+
+async def request_page(
+    request: Request[Any, Any, Any], runtime: Runtime, console: Console, request_id: str
+) -> Response[str]:
+    row = None
+    if request_id:
+        async with runtime.sessions() as session:
+            row = await find_request(session, request_id)
+    return page(
+        request,
+        console,
+        "request.html",
+        title=f"Request {request_id}" if request_id else "Request detail",
+        request_id=request_id,
+        row=row,
+        itl=inter_token_ms(row.event) if row else None,
+        replica=None,
+        trace_id=None,
+        status_code=404 if request_id and row is None else 200,
+    )

@@ -1,0 +1,284 @@
+"""Read-only questions the console asks of the usage ledger and the engine.
+
+The ledger is `usage_events` (one row per finished request, written by gateway/metering).
+Administrators see every tenant; each filter narrows by tenant id, never by name alone.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import Counter, defaultdict
+from collections.abc import Sequence
+from dataclasses import dataclass
+from datetime import datetime, timedelta
+from typing import Any
+
+from sqlalchemy import Select, select
+from sqlalchemy.ext.asyncio import AsyncSession
+
+from gateway.dispatch.engine_client import EngineClient, InProcessEngineClient
+from gateway.dispatch.remote import RemoteEngineClient
+from tenants.models import ApiKey, Tenant, UsageEvent, utcnow
+
+USAGE_PAGE = 200
+CSV_LIMIT = 100_000
+OVERVIEW_WINDOW = timedelta(minutes=10)
+OVERVIEW_BUCKET_S = 10
+
+
+@dataclass(frozen=True)
+class UsageFilter:
+    tenant: str | None = None  # tenant name
+    key: str | None = None  # key prefix
+    model: str | None = None
+    status: str | None = None
+    since: datetime | None = None
+    until: datetime | None = None
+
+    def as_query(self) -> dict[str, str]:
+        given = {
+            "tenant": self.tenant,
+            "key": self.key,
+            "model": self.model,
+            "status": self.status,
+            "since": self.since.strftime("%Y-%m-%dT%H:%M") if self.since else None,
+            "until": self.until.strftime("%Y-%m-%dT%H:%M") if self.until else None,
+        }
+        return {name: value for name, value in given.items() if value}
+
+
+@dataclass(frozen=True)
+class UsageRow:
+    event: UsageEvent
+    tenant: str
+    key_prefix: str
+
+
+def _usage_query(where: UsageFilter) -> Select[UsageEvent, str, str]:
+    query = (
+        select(UsageEvent, Tenant.name, ApiKey.prefix)
+        .join(Tenant, Tenant.id == UsageEvent.tenant_id)
+        .join(ApiKey, ApiKey.id == UsageEvent.api_key_id)
+        .order_by(UsageEvent.created_at.desc())
+    )
+    if where.tenant:
+        query = query.where(Tenant.name == where.tenant)
+    if where.key:
+        query = query.where(ApiKey.prefix == where.key)
+    if where.model:
+        query = query.where(UsageEvent.model == where.model)
+    if where.status:
+        query = query.where(UsageEvent.status == where.status)
+    if where.since:
+        query = query.where(UsageEvent.created_at >= where.since)
+    if where.until:
+        query = query.where(UsageEvent.created_at < where.until)
+    return query
+
+
+async def find_usage(
+    session: AsyncSession, where: UsageFilter, limit: int = USAGE_PAGE
+) -> list[UsageRow]:
+    result = await session.execute(_usage_query(where).limit(limit))
+    return [UsageRow(event, tenant, prefix) for event, tenant, prefix in result.all()]
+
+
+async def find_request(session: AsyncSession, request_id: str) -> UsageRow | None:
+    row = (
+        await session.execute(
+            _usage_query(UsageFilter()).where(UsageEvent.request_id == request_id)
+        )
+    ).one_or_none()
+    return None if row is None else UsageRow(*row)
+
+
+async def known_models(session: AsyncSession) -> list[str]:
+    result = await session.execute(select(UsageEvent.model).distinct().order_by(UsageEvent.model))
+    return list(result.scalars())
+
+
+CSV_HEADER = [
+    "request_id",
+    "created_at",
+    "tenant",
+    "key",
+    "model",
+    "endpoint",
+    "status",
+    "finish_reason",
+    "prompt_tokens",
+    "cached_tokens",
+    "completion_tokens",
+    "cost_micros",
+    "queue_ms",
+    "ttft_ms",
+    "e2e_ms",
+    "error",
+]
+
+
+def csv_record(row: UsageRow) -> list[object]:
+    event = row.event
+    return [
+        event.request_id,
+        event.created_at.isoformat(),
+        row.tenant,
+        row.key_prefix,
+        event.model,
+        event.endpoint,
+        event.status,
+        event.finish_reason or "",
+        event.prompt_tokens,
+        event.cached_tokens,
+        event.completion_tokens,
+        event.cost_micros,
+        "" if event.queue_ms is None else round(event.queue_ms, 3),
+        "" if event.ttft_ms is None else round(event.ttft_ms, 3),
+        "" if event.e2e_ms is None else round(event.e2e_ms, 3),
+        event.error or "",
+    ]
+
+
+def percentile(values: Sequence[float], q: float) -> float | None:
+    """Nearest-rank percentile (q in 0..100); None for no values."""
+    if not values:
+        return None
+    ordered = sorted(values)
+    rank = max(1, math.ceil(q / 100 * len(ordered)))
+    return ordered[rank - 1]
+
+
+def inter_token_ms(event: UsageEvent) -> float | None:
+    """Mean gap between output tokens after the first: (e2e - TTFT) / (tokens - 1)."""
+    if event.e2e_ms is None or event.ttft_ms is None or event.completion_tokens < 2:
+        return None
+    return (event.e2e_ms - event.ttft_ms) / (event.completion_tokens - 1)
+
+
+def workload_class(event: UsageEvent) -> str:
+    """Percentiles are kept apart per class, so a flood of one kind cannot hide another."""
+    return "chat" if event.endpoint.startswith("chat") else "completions"
+
+
+async def traffic(session: AsyncSession, now: datetime | None = None) -> dict[str, Any]:
+    """Request and token rates per bucket, latency percentiles per workload class and
+    outcomes, over the last OVERVIEW_WINDOW of the ledger."""
+    now = now or utcnow()
+    start = now - OVERVIEW_WINDOW
+    events = list(
+        (
+            await session.execute(
+                select(UsageEvent)
+                .where(UsageEvent.created_at >= start)
+                .order_by(UsageEvent.created_at)
+                .limit(50_000)
+            )
+        ).scalars()
+    )
+    buckets = int(OVERVIEW_WINDOW.total_seconds()) // OVERVIEW_BUCKET_S
+    requests = [0] * buckets
+    tokens = [0] * buckets
+    ttft: defaultdict[str, list[float]] = defaultdict(list)
+    itl: defaultdict[str, list[float]] = defaultdict(list)
+    outcomes: Counter[str] = Counter()
+    reasons: Counter[str] = Counter()
+    for event in events:
+        created = (
+            event.created_at
+            if event.created_at.tzinfo
+            else event.created_at.replace(tzinfo=now.tzinfo)
+        )
+        index = min(buckets - 1, int((created - start).total_seconds()) // OVERVIEW_BUCKET_S)
+        requests[index] += 1
+        tokens[index] += event.completion_tokens
+        outcomes[event.status] += 1
+        if event.status != "completed":
+            reasons[f"{event.status}: {event.error or event.finish_reason or 'unknown'}"] += 1
+        kind = workload_class(event)
+        if event.ttft_ms is not None:
+            ttft[kind].append(event.ttft_ms)
+        gap = inter_token_ms(event)
+        if gap is not None:
+            itl[kind].append(gap)
+    classes = sorted(set(ttft) | set(itl))
+    return {
+        "bucket_s": OVERVIEW_BUCKET_S,
+        "start": start.timestamp(),
+        "requests_per_s": [n / OVERVIEW_BUCKET_S for n in requests],
+        "tokens_per_s": [n / OVERVIEW_BUCKET_S for n in tokens],
+        "latency": [
+            {
+                "class": kind,
+                "requests": len(ttft[kind]),
+                "ttft_p50_ms": percentile(ttft[kind], 50),
+                "ttft_p95_ms": percentile(ttft[kind], 95),
+                "itl_p50_ms": percentile(itl[kind], 50),
+                "itl_p95_ms": percentile(itl[kind], 95),
+            }
+            for kind in classes
+        ],
+        "outcomes": dict(outcomes),
+        "not_completed_by_reason": dict(reasons.most_common(10)),
+        "total_requests": len(events),
+    }
+
+
+def replicas(client: EngineClient | None) -> list[dict[str, Any]]:
+    """Queue depth, KV cache use and prefix-cache hit rate of each engine replica."""
+    if isinstance(client, InProcessEngineClient):
+        stats = client.engine.stats()
+        return [
+            {
+                "name": "in-process",
+                "healthy": client.is_ready(),
+                "running": stats.num_running,
+                "waiting": stats.num_waiting,
+                "kv_used_fraction": stats.kv_blocks_used / max(1, stats.kv_blocks_total),
+                "prefix_cache_hit_rate": stats.prefix_cache_hit_rate,
+            }
+        ]
+    if isinstance(client, RemoteEngineClient):
+        return [
+            {
+                "name": replica.url,
+                "healthy": replica.healthy,
+                "running": replica.running,
+                "waiting": replica.waiting,
+                "kv_used_fraction": replica.kv_used_fraction,
+                "prefix_cache_hit_rate": None,  # not in the routing snapshot
+            }
+            for replica in client.replicas
+        ]
+    return []
+
+
+async def tenant_series(
+    session: AsyncSession, tenant_id: str, days: int = 14, now: datetime | None = None
+) -> list[dict[str, Any]]:
+    """Tokens, requests and cost per day for one tenant (its usage chart)."""
+    now = now or utcnow()
+    first_day = (now - timedelta(days=days - 1)).date()
+    rows = await session.execute(
+        select(
+            UsageEvent.created_at,
+            UsageEvent.prompt_tokens,
+            UsageEvent.completion_tokens,
+            UsageEvent.cost_micros,
+        ).where(
+            UsageEvent.tenant_id == tenant_id,
+            UsageEvent.created_at
+            >= datetime.combine(first_day, datetime.min.time(), tzinfo=now.tzinfo),
+        )
+    )
+    days_list = [first_day + timedelta(days=offset) for offset in range(days)]
+    totals = {day: [0, 0, 0] for day in days_list}
+    for created, prompt, completion, cost in rows.all():
+        day = created.date()
+        if day in totals:
+            totals[day][0] += 1
+            totals[day][1] += prompt + completion
+            totals[day][2] += cost
+    return [
+        {"day": day.isoformat(), "requests": r, "tokens": t, "cost_micros": c}
+        for day, (r, t, c) in totals.items()
+    ]

@@ -1,0 +1,122 @@
+"""Sign-in and sign-out. The sign-in form carries its own CSRF token (a cookie it must
+match), so another site cannot sign a browser into an account of its choosing."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from litestar import Controller, Request, Response, get, post
+from litestar.datastructures import FormMultiDict
+from litestar.di import NamedDependency, Provide
+from litestar.response import Redirect
+
+from gateway.console.auth import (
+    CSRF_FIELD,
+    LOGIN_CSRF_COOKIE,
+    SESSION_COOKIE,
+    Console,
+    audit_context,
+    cookie,
+    csrf_ok,
+    new_login_csrf,
+    provide_console,
+    provide_form,
+)
+from gateway.console.render import page
+from gateway.runtime import Runtime
+from tenants import audit
+from tenants.admins import AdminService
+
+
+def safe_next(target: str | None) -> str:
+    """Only a path inside the console: never an open redirect to another site."""
+    if target and target.startswith("/admin") and not target.startswith("//"):
+        return target
+    return "/admin"
+
+
+def login_page(
+    request: Request[Any, Any, Any], error: str | None = None, status_code: int = 200
+) -> Response[str]:
+    token = new_login_csrf()
+    response = page(
+        request,
+        None,
+        "login.html",
+        status_code=status_code,
+        login_csrf=token,
+        next=safe_next(request.query_params.get("next")),
+        error=error,
+        email=request.query_params.get("email", ""),
+    )
+    response.set_cookie(cookie(request, LOGIN_CSRF_COOKIE, token, max_age=3600))
+    return response
+
+
+class SessionController(Controller):
+    path = "/"
+
+    @get("/login")
+    async def login_form(self, request: Request[Any, Any, Any]) -> Response[str]:
+        return login_page(request)
+
+    @post("/login")
+    async def login(
+        self, request: Request[Any, Any, Any], runtime: NamedDependency[Runtime]
+    ) -> Response[Any]:
+        form = await request.form()
+        if not csrf_ok(request.cookies.get(LOGIN_CSRF_COOKIE, ""), form.get(CSRF_FIELD)):
+            return login_page(request, "The sign-in form expired; please try again.", 403)
+        email = str(form.get("email", "")).strip().lower()[:254]
+        password = str(form.get("password", ""))
+        async with runtime.sessions.begin() as session:
+            service = AdminService(session)
+            admin = await service.verify(email, password)
+            if admin is None:
+                await audit.record(
+                    session,
+                    actor=f"console:{email or '?'}",
+                    action="console.sign_in_failed",
+                    target=f"admin:{email or '?'}",
+                    context=audit_context(request),
+                )
+            else:
+                token = await service.sign_in(admin)
+                await audit.record(
+                    session,
+                    actor=f"console:{admin.email}",
+                    action="console.sign_in",
+                    target=f"admin:{admin.email}",
+                    details={"role": admin.role},
+                    context=audit_context(request),
+                )
+        if admin is None:
+            return login_page(request, "Wrong email or password.", 401)
+        response = Redirect(safe_next(str(form.get("next", ""))), status_code=303)
+        response.set_cookie(cookie(request, SESSION_COOKIE, token))
+        response.delete_cookie(LOGIN_CSRF_COOKIE, path="/admin")
+        return response
+
+    @post(
+        "/logout",
+        dependencies={"console": Provide(provide_console), "form": Provide(provide_form)},
+    )
+    async def logout(
+        self,
+        request: Request[Any, Any, Any],
+        runtime: NamedDependency[Runtime],
+        console: NamedDependency[Console],
+        form: NamedDependency[FormMultiDict],
+    ) -> Response[Any]:
+        async with runtime.sessions.begin() as session:
+            await AdminService(session).sign_out(console.token)
+            await audit.record(
+                session,
+                actor=console.actor.name,
+                action="console.sign_out",
+                target=f"admin:{console.admin.email}",
+                context=console.actor.context,
+            )
+        response = Redirect("/admin/login", status_code=303)
+        response.delete_cookie(SESSION_COOKIE, path="/admin")
+        return response

@@ -1,0 +1,212 @@
+"""Console administrators (owner or viewer) and their server-side sign-in sessions.
+
+Passwords are hashed with scrypt (memory-hard, in the standard library). A session is a
+random token in an HttpOnly cookie; only its SHA-256 is stored, so a copy of the database
+cannot sign anyone in. Sessions end on logout or after an idle period.
+"""
+
+from __future__ import annotations
+
+import base64
+import enum
+import hashlib
+import hmac
+import re
+import secrets
+from dataclasses import dataclass
+from datetime import datetime, timedelta
+
+from sqlalchemy import DateTime, ForeignKey, String, delete, func, select
+from sqlalchemy.ext.asyncio import AsyncSession
+from sqlalchemy.orm import Mapped, mapped_column
+
+from tenants.errors import ConflictError, InvalidInputError, NotFoundError
+from tenants.models import Base, new_id, utcnow
+
+MIN_PASSWORD_LENGTH = 12
+# Touch a session's last_seen_at at most this often: one write a minute, not one a page.
+SEEN_GRANULARITY = timedelta(seconds=30)
+_EMAIL = re.compile(r"^[^@\s]+@[^@\s]+$")
+
+# scrypt at n=2^14, r=8 (16 MiB, ~50 ms): OWASP's floor for interactive sign-in.
+_SCRYPT_N, _SCRYPT_R, _SCRYPT_P = 2**14, 8, 1
+
+
+class AdminRole(enum.StrEnum):
+    OWNER = "owner"  # everything
+    VIEWER = "viewer"  # read-only
+
+
+class ConsoleAdmin(Base):
+    __tablename__ = "console_admins"
+
+    id: Mapped[str] = mapped_column(String(36), primary_key=True, default=new_id)
+    email: Mapped[str] = mapped_column(String(254), unique=True)
+    role: Mapped[str] = mapped_column(String(16))
+    password_hash: Mapped[str] = mapped_column(String(255))
+    created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
+    last_login_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True))
+
+    @property
+    def can_write(self) -> bool:
+        return self.role == AdminRole.OWNER
+
+
+class ConsoleSession(Base):
+    __tablename__ = "console_sessions"
+
+    token_hash: Mapped[str] = mapped_column(String(64), primary_key=True)
+    admin_id: Mapped[str] = mapped_column(ForeignKey("console_admins.id", ondelete="CASCADE"))
+    csrf_token: Mapped[str] = mapped_column(String(64))
+    created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
+    last_seen_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
+
+
+@dataclass(frozen=True)
+class SignedIn:
+    """A live session: who, and the session row (for its CSRF token)."""
+
+    admin: ConsoleAdmin
+    session: ConsoleSession
+
+
+def hash_password(password: str) -> str:
+    salt = secrets.token_bytes(16)
+    digest = _scrypt(password, salt, _SCRYPT_N, _SCRYPT_R, _SCRYPT_P)
+    return "$".join(
+        ["scrypt", str(_SCRYPT_N), str(_SCRYPT_R), str(_SCRYPT_P), _b64(salt), _b64(digest)]
+    )
+
+
+def verify_password(password: str, stored: str) -> bool:
+    try:
+        scheme, n, r, p, salt, digest = stored.split("$")
+        if scheme != "scrypt":
+            return False
+        actual = _scrypt(password, _unb64(salt), int(n), int(r), int(p))
+    except ValueError:
+        return False
+    return hmac.compare_digest(actual, _unb64(digest))
+
+
+def _scrypt(password: str, salt: bytes, n: int, r: int, p: int) -> bytes:
+    return hashlib.scrypt(password.encode(), salt=salt, n=n, r=r, p=p, maxmem=64 * 2**20, dklen=32)
+
+
+def _b64(data: bytes) -> str:
+    return base64.b64encode(data).decode()
+
+
+def _unb64(text: str) -> bytes:
+    return base64.b64decode(text.encode(), validate=True)
+
+
+def _token_hash(token: str) -> str:
+    return hashlib.sha256(token.encode()).hexdigest()
+
+
+# Compared against when the email is unknown, so timing does not reveal which emails exist.
+_DUMMY_HASH = hash_password(secrets.token_urlsafe(16))
+
+
+def _as_utc(moment: datetime, now: datetime) -> datetime:
+    # SQLite hands back naive datetimes; all stored times are UTC.
+    return moment.replace(tzinfo=now.tzinfo) if moment.tzinfo is None else moment
+
+
+class AdminService:
+    def __init__(self, session: AsyncSession) -> None:
+        self.session = session
+
+    async def create(self, email: str, role: str, password: str) -> ConsoleAdmin:
+        email = email.strip().lower()
+        if not _EMAIL.match(email) or len(email) > 254:
+            raise InvalidInputError(f"not an email address: {email!r}")
+        if role not in set(AdminRole):
+            raise InvalidInputError("role must be 'owner' or 'viewer'")
+        if len(password) < MIN_PASSWORD_LENGTH:
+            raise InvalidInputError(f"password must be at least {MIN_PASSWORD_LENGTH} characters")
+        if await self.find(email) is not None:
+            raise ConflictError(f"administrator {email!r} already exists")
+        admin = ConsoleAdmin(email=email, role=role, password_hash=hash_password(password))
+        self.session.add(admin)
+        await self.session.flush()
+        return admin
+
+    async def find(self, email: str) -> ConsoleAdmin | None:
+        query = select(ConsoleAdmin).where(ConsoleAdmin.email == email.strip().lower())
+        return await self.session.scalar(query)
+
+    async def get(self, email: str) -> ConsoleAdmin:
+        admin = await self.find(email)
+        if admin is None:
+            raise NotFoundError(f"no administrator {email!r}")
+        return admin
+
+    async def list(self) -> list[ConsoleAdmin]:
+        result = await self.session.execute(select(ConsoleAdmin).order_by(ConsoleAdmin.email))
+        return list(result.scalars())
+
+    async def count(self) -> int:
+        return int(await self.session.scalar(select(func.count()).select_from(ConsoleAdmin)) or 0)
+
+    async def verify(self, email: str, password: str) -> ConsoleAdmin | None:
+        """The administrator if the password is right; None for a wrong email or password."""
+        admin = await self.find(email)
+        if admin is None:
+            verify_password(password, _DUMMY_HASH)
+            return None
+        return admin if verify_password(password, admin.password_hash) else None
+
+    async def sign_in(self, admin: ConsoleAdmin, now: datetime | None = None) -> str:
+        """Open a session; returns its token (the cookie value), never stored as such."""
+        now = now or utcnow()
+        token = secrets.token_urlsafe(32)
+        self.session.add(
+            ConsoleSession(
+                token_hash=_token_hash(token),
+                admin_id=admin.id,
+                csrf_token=secrets.token_urlsafe(32),
+                created_at=now,
+                last_seen_at=now,
+            )
+        )
+        admin.last_login_at = now
+        await self.session.flush()
+        return token
+
+    async def resume(
+        self, token: str, idle: timedelta, now: datetime | None = None
+    ) -> SignedIn | None:
+        """The session behind `token` if it has been used within `idle`; an idle one ends."""
+        now = now or utcnow()
+        row = (
+            await self.session.execute(
+                select(ConsoleSession, ConsoleAdmin)
+                .join(ConsoleAdmin, ConsoleAdmin.id == ConsoleSession.admin_id)
+                .where(ConsoleSession.token_hash == _token_hash(token))
+            )
+        ).one_or_none()
+        if row is None:
+            return None
+        session, admin = row
+        last_seen = _as_utc(session.last_seen_at, now)
+        if now - last_seen > idle:
+            await self.session.delete(session)
+            return None
+        if now - last_seen >= SEEN_GRANULARITY:
+            session.last_seen_at = now
+        return SignedIn(admin=admin, session=session)
+
+    async def sign_out(self, token: str) -> None:
+        await self.session.execute(
+            delete(ConsoleSession).where(ConsoleSession.token_hash == _token_hash(token))
+        )
+
+    async def purge_idle(self, idle: timedelta, now: datetime | None = None) -> int:
+        """Delete sessions idle for longer than `idle`; returns how many."""
+        cutoff = (now or utcnow()) - idle
+        result = await self.session.execute(
+            delete(ConsoleSession).where(ConsoleSession.last_seen_at < cutoff)
+        )
+        return int(result.rowcount or 0)  # type: ignore[attr-defined]

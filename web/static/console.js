@@ -1,0 +1,189 @@
+// Tollgate console: copy buttons, confirmations and small SVG charts that refresh.
+"use strict";
+
+const SVG = "http://www.w3.org/2000/svg";
+const HISTORY = 150; // gauge samples kept in the page (5 minutes at one per 2 s)
+const REFRESH_MS = 2000;
+
+function svgNode(name, attrs, parent) {
+  const node = document.createElementNS(SVG, name);
+  for (const [key, value] of Object.entries(attrs)) node.setAttribute(key, value);
+  if (parent) parent.appendChild(node);
+  return node;
+}
+
+function niceMax(value) {
+  if (!(value > 0)) return 1;
+  const step = Math.pow(10, Math.floor(Math.log10(value)));
+  for (const m of [1, 2, 5, 10]) if (m * step >= value) return m * step;
+  return 10 * step;
+}
+
+function short(value) {
+  if (Math.abs(value) >= 1e6) return (value / 1e6).toFixed(1) + "M";
+  if (Math.abs(value) >= 1e3) return (value / 1e3).toFixed(1) + "k";
+  return Number.isInteger(value) ? String(value) : value.toFixed(2);
+}
+
+// series: [{name, values: [number|null]}]; labels: x-axis labels (first and last shown).
+function lineChart(figure, series, labels, options = {}) {
+  const width = 600, height = 180, left = 44, right = 8, top = 8, bottom = 22;
+  const all = series.flatMap((s) => s.values).filter((v) => v !== null && v !== undefined);
+  const ymax = options.ymax || niceMax(Math.max(0, ...all));
+  const n = Math.max(2, ...series.map((s) => s.values.length));
+  const x = (i) => left + (i * (width - left - right)) / (n - 1);
+  const y = (v) => top + (1 - v / ymax) * (height - top - bottom);
+  const svg = svgNode("svg", { viewBox: `0 0 ${width} ${height}`, preserveAspectRatio: "none", focusable: "false", "aria-hidden": "true" });
+  for (const fraction of [0, 0.5, 1]) {
+    const value = ymax * fraction;
+    svgNode("line", { x1: left, x2: width - right, y1: y(value), y2: y(value), class: "grid-line" }, svg);
+    const label = svgNode("text", { x: left - 4, y: y(value) + 4, "text-anchor": "end" }, svg);
+    label.textContent = options.percent ? Math.round(value * 100) + "%" : short(value);
+  }
+  svgNode("line", { x1: left, x2: left, y1: top, y2: height - bottom, class: "axis" }, svg);
+  if (labels.length) {
+    const first = svgNode("text", { x: left, y: height - 6 }, svg);
+    first.textContent = labels[0];
+    const last = svgNode("text", { x: width - right, y: height - 6, "text-anchor": "end" }, svg);
+    last.textContent = labels[labels.length - 1];
+  }
+  series.forEach((s, index) => {
+    const points = s.values
+      .map((v, i) => (v === null || v === undefined ? null : `${x(i).toFixed(1)},${y(v).toFixed(1)}`))
+      .filter(Boolean);
+    if (points.length) svgNode("polyline", { points: points.join(" "), class: "s" + index }, svg);
+  });
+  figure.replaceChildren(svg);
+  if (series.length > 1 || options.legend) {
+    const legend = document.createElement("ul");
+    legend.className = "legend";
+    series.forEach((s, index) => {
+      const item = document.createElement("li");
+      item.className = "k" + index;
+      item.textContent = s.name;
+      legend.appendChild(item);
+    });
+    figure.appendChild(legend);
+  }
+  const latest = series.map((s) => `${s.name}: ${short(s.values[s.values.length - 1] || 0)}`).join(", ");
+  figure.dataset.latest = latest;
+  figure.setAttribute("aria-label", (figure.dataset.title || figure.getAttribute("aria-label").split(" (")[0]) + ` (latest ${latest})`);
+}
+
+function clock(epochSeconds) {
+  return new Date(epochSeconds * 1000).toISOString().slice(11, 19);
+}
+
+function ms(value) {
+  return value === null || value === undefined ? "-" : value.toFixed(1) + " ms";
+}
+
+function cell(row, text) {
+  const td = document.createElement("td");
+  td.textContent = text;
+  row.appendChild(td);
+}
+
+function fillTable(table, rows, empty) {
+  const body = table.tBodies[0];
+  body.replaceChildren();
+  if (!rows.length) {
+    const tr = body.insertRow();
+    cell(tr, empty);
+    tr.cells[0].colSpan = table.tHead.rows[0].cells.length;
+    return;
+  }
+  for (const values of rows) {
+    const tr = body.insertRow();
+    values.forEach((v) => cell(tr, v));
+  }
+}
+
+const gauges = { t: [], waiting: [], kv: [] };
+
+function drawOverview(data) {
+  const n = data.requests_per_s.length;
+  const labels = [clock(data.start), clock(data.start + n * data.bucket_s)];
+  lineChart(document.getElementById("chart-requests"), [{ name: "requests/s", values: data.requests_per_s }], labels);
+  lineChart(document.getElementById("chart-tokens"), [{ name: "tokens/s", values: data.tokens_per_s }], labels);
+  const waiting = data.replicas.reduce((sum, r) => sum + r.waiting, 0);
+  const kv = data.replicas.length ? Math.max(...data.replicas.map((r) => r.kv_used_fraction)) : 0;
+  gauges.t.push(data.now); gauges.waiting.push(waiting); gauges.kv.push(kv);
+  if (gauges.t.length > HISTORY) for (const k of Object.keys(gauges)) gauges[k].shift();
+  const gaugeLabels = [clock(gauges.t[0]), clock(gauges.t[gauges.t.length - 1])];
+  lineChart(document.getElementById("chart-queue"), [
+    { name: "waiting requests", values: gauges.waiting },
+    { name: "KV cache used (×10)", values: gauges.kv.map((v) => v * 10) },
+  ], gaugeLabels);
+  fillTable(document.getElementById("latency"), data.latency.map((c) => [
+    c.class, String(c.requests), ms(c.ttft_p50_ms), ms(c.ttft_p95_ms), ms(c.itl_p50_ms), ms(c.itl_p95_ms),
+  ]), "No requests in the last 10 minutes.");
+  fillTable(document.getElementById("replicas"), data.replicas.map((r) => [
+    r.name, r.healthy ? "healthy" : "down", String(r.running), String(r.waiting),
+    Math.round(r.kv_used_fraction * 100) + "%",
+    r.prefix_cache_hit_rate === null ? "-" : Math.round(r.prefix_cache_hit_rate * 100) + "%",
+  ]), "No engine connected.");
+  const outcomes = document.getElementById("outcomes");
+  outcomes.replaceChildren();
+  const pairs = [["Requests", data.total_requests], ...Object.entries(data.outcomes)];
+  for (const [name, count] of pairs) {
+    const dt = document.createElement("dt"); dt.textContent = name;
+    const dd = document.createElement("dd"); dd.textContent = String(count);
+    outcomes.append(dt, dd);
+  }
+  const reasons = document.getElementById("reasons");
+  reasons.replaceChildren();
+  const entries = Object.entries(data.not_completed_by_reason);
+  for (const [reason, count] of entries.length ? entries : [["none", ""]]) {
+    const li = document.createElement("li");
+    li.textContent = count === "" ? reason : `${reason}: ${count}`;
+    reasons.appendChild(li);
+  }
+  document.getElementById("updated").textContent = "Updated " + clock(data.now) + " UTC.";
+}
+
+async function refreshOverview(root) {
+  try {
+    const response = await fetch(root.dataset.source, { credentials: "same-origin", headers: { Accept: "application/json" } });
+    if (response.redirected || !(response.headers.get("content-type") || "").includes("json")) {
+      window.location.assign("/admin/login?next=/admin"); // the session ended
+      return;
+    }
+    drawOverview(await response.json());
+    root.dataset.refreshes = String(Number(root.dataset.refreshes || 0) + 1);
+  } catch (error) {
+    document.getElementById("updated").textContent = "Update failed; retrying.";
+  }
+  window.setTimeout(() => refreshOverview(root), REFRESH_MS);
+}
+
+function drawTenantSeries(source, figure) {
+  const days = JSON.parse(source.textContent);
+  lineChart(figure, [{ name: "tokens", values: days.map((d) => d.tokens) }],
+    days.length ? [days[0].day, days[days.length - 1].day] : [], { legend: true });
+}
+
+document.addEventListener("DOMContentLoaded", () => {
+  document.querySelectorAll("button[data-copy]").forEach((button) => {
+    button.addEventListener("click", async () => {
+      const input = document.getElementById(button.dataset.copy);
+      const status = button.parentElement.querySelector(".copied");
+      input.select();
+      try {
+        await navigator.clipboard.writeText(input.value);
+      } catch (error) {
+        document.execCommand("copy"); // older browsers, or no clipboard permission
+      }
+      if (status) status.textContent = "Copied.";
+    });
+  });
+  document.querySelectorAll("form[data-confirm]").forEach((form) => {
+    form.addEventListener("submit", (event) => {
+      if (!window.confirm(form.dataset.confirm)) event.preventDefault();
+    });
+  });
+  const overview = document.getElementById("overview");
+  if (overview) refreshOverview(overview);
+  const series = document.getElementById("tenant-series");
+  if (series) drawTenantSeries(series, document.getElementById("chart-tenant"));
+});
