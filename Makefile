@@ -10,7 +10,7 @@ PIP := $(BIN)/python -m pip --disable-pip-version-check --quiet
 # Some machines list local package folders that do not exist; pip warns for each.
 PIP_NOISE := is ignored: it is neither
 
-.PHONY: setup run test lint format services clean
+.PHONY: setup run test lint format services browser clean
 
 setup: $(STAMP)
 
@@ -44,7 +44,10 @@ format: setup
 services:
 	@bash infra/scripts/ensure-services.sh
 
-test: setup lint services
+browser:  # Debian's chromium, driven by Playwright in the console's browser tests
+	@bash infra/scripts/ensure-browser.sh
+
+test: setup lint services browser
 	$(BIN)/pytest
 
 clean:

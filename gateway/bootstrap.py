@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import secrets
 from dataclasses import dataclass
 
 from sqlalchemy import select
@@ -11,6 +12,7 @@ from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
 
 from gateway.settings import Settings, SettingsError
 from tenants import keys
+from tenants.admins import AdminRole, AdminService
 from tenants.models import ApiKey, KeyRole, Tenant
 from tenants.services import ApiKeyService, TenantService
 
@@ -96,3 +98,27 @@ def _write_key_file(settings: Settings, secret: str) -> None:
     fd = os.open(settings.admin_key_file, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
     with os.fdopen(fd, "w") as handle:
         handle.write(secret + "\n")
+
+
+CONSOLE_OWNER_EMAIL = "owner@localhost"
+
+
+@dataclass(frozen=True)
+class ConsoleOwner:
+    email: str
+    password: str | None  # only when created just now: printed once, never stored
+
+
+async def ensure_console_owner(sessions: async_sessionmaker[AsyncSession]) -> ConsoleOwner | None:
+    """The first console owner, with a generated password, when there is no administrator
+    yet; None when administrators exist. A replica that loses the race creates nothing."""
+    password = secrets.token_urlsafe(15)
+    try:
+        async with sessions.begin() as session:
+            service = AdminService(session)
+            if await service.count() > 0:
+                return None
+            await service.create(CONSOLE_OWNER_EMAIL, AdminRole.OWNER, password)
+    except IntegrityError:
+        return None
+    return ConsoleOwner(CONSOLE_OWNER_EMAIL, password)

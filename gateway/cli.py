@@ -7,6 +7,7 @@ import asyncio
 import getpass
 import json
 import logging
+import os
 import sys
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import replace
@@ -19,8 +20,9 @@ from sqlalchemy.ext.asyncio import AsyncSession
 
 from gateway.settings import Settings, SettingsError
 from tenants import audit, db
+from tenants.admins import AdminService
 from tenants.audit import Actor
-from tenants.errors import DomainError
+from tenants.errors import DomainError, InvalidInputError
 from tenants.limits import LIMIT_NAMES, LimitSet, PlanTerms
 from tenants.models import KeyRole, Plan
 from tenants.services import ApiKeyService, PlanService, TenantService
@@ -131,6 +133,19 @@ def _parser() -> argparse.ArgumentParser:
     revoke = api_keys.add_parser("revoke", help="revoke a key by id or prefix")
     revoke.add_argument("key")
     revoke.set_defaults(handler=_keys_revoke)
+
+    admins = commands.add_parser("admins", help="console administrators").add_subparsers(
+        required=True
+    )
+    create_admin = admins.add_parser(
+        "create",
+        help="create a console administrator; the password comes from "
+        "TOLLGATE_ADMIN_PASSWORD, else stdin when piped, else a prompt",
+    )
+    create_admin.add_argument("--email", required=True)
+    create_admin.add_argument("--role", choices=["owner", "viewer"], default="viewer")
+    create_admin.set_defaults(handler=_admins_create)
+    admins.add_parser("list", help="list console administrators").set_defaults(handler=_admins_list)
     return parser
 
 
@@ -431,6 +446,41 @@ def _keys_revoke(settings: Settings, args: argparse.Namespace) -> int:
         return f"revoked {key.prefix} ({key.id})"
 
     print(_in_session(settings, work))
+    return 0
+
+
+def _admin_password() -> str:
+    if password := os.environ.get("TOLLGATE_ADMIN_PASSWORD"):
+        return password
+    if not sys.stdin.isatty():
+        return sys.stdin.readline().rstrip("\n")
+    password = getpass.getpass("password: ")
+    if getpass.getpass("again: ") != password:
+        raise InvalidInputError("the passwords differ")
+    return password
+
+
+def _admins_create(settings: Settings, args: argparse.Namespace) -> int:
+    password = _admin_password()
+
+    async def work(session: AsyncSession) -> str:
+        admin = await AdminService(session, _actor()).create(args.email, args.role, password)
+        return f"created {admin.role} {admin.email}: sign in at /admin"
+
+    print(_in_session(settings, work))
+    return 0
+
+
+def _when(moment: datetime | None) -> str:
+    return moment.isoformat(timespec="seconds") if moment else "never"
+
+
+def _admins_list(settings: Settings, args: argparse.Namespace) -> int:
+    async def work(session: AsyncSession) -> list[str]:
+        admins = await AdminService(session).list()
+        return [f"{a.email}\t{a.role}\t{_when(a.last_login_at)}" for a in admins]
+
+    print("\n".join(["EMAIL\tROLE\tLAST SIGN-IN", *_in_session(settings, work)]))
     return 0
 
 

@@ -12,7 +12,7 @@ import uvicorn
 from sqlalchemy.engine import make_url
 
 from gateway.app import create_app, engine_config
-from gateway.bootstrap import AdminKey, ensure_admin_key
+from gateway.bootstrap import AdminKey, ConsoleOwner, ensure_admin_key, ensure_console_owner
 from gateway.settings import Settings
 from tenants import db
 
@@ -23,11 +23,17 @@ def serve(settings: Settings) -> int:
     )
     _migrate_or_explain(settings)
     admin = asyncio.run(_bootstrap(settings))
+    owner = asyncio.run(_bootstrap_console(settings))
     app = create_app(settings)
     config = uvicorn.Config(
         app, host=settings.host, port=settings.port, log_level=settings.log_level, lifespan="on"
     )
-    server = _Server(config, lambda: _banner(settings, admin, app.state.runtime.engine.model_name))
+
+    def on_started() -> None:
+        _banner(settings, admin, app.state.runtime.engine.model_name)
+        _console_banner(settings, owner)
+
+    server = _Server(config, on_started)
     server.run()
     return 0 if server.started else 1
 
@@ -86,6 +92,25 @@ async def _bootstrap(settings: Settings) -> AdminKey:
         return await ensure_admin_key(settings, db.session_factory(engine))
     finally:
         await engine.dispose()
+
+
+async def _bootstrap_console(settings: Settings) -> ConsoleOwner | None:
+    engine = db.create_engine(settings.database_url)
+    try:
+        return await ensure_console_owner(db.session_factory(engine))
+    finally:
+        await engine.dispose()
+
+
+def _console_banner(settings: Settings, owner: ConsoleOwner | None) -> None:
+    host = "127.0.0.1" if settings.host in ("0.0.0.0", "::") else settings.host
+    lines = [f"Admin console: http://{host}:{settings.port}/admin"]
+    if owner is not None and owner.password is not None:
+        lines.append(f"  sign in as {owner.email} with password {owner.password}")
+        lines.append("  (shown only this once; add administrators with `tollgate admins create`)")
+    else:
+        lines.append("  sign in as an administrator (`tollgate admins create --role owner ...`)")
+    print("\n".join([*lines, ""]), flush=True)
 
 
 def _banner(settings: Settings, admin: AdminKey, model: str) -> None:

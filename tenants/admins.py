@@ -20,6 +20,8 @@ from sqlalchemy import DateTime, ForeignKey, String, delete, func, select
 from sqlalchemy.ext.asyncio import AsyncSession
 from sqlalchemy.orm import Mapped, mapped_column
 
+from tenants import audit
+from tenants.audit import SYSTEM, Actor
 from tenants.errors import ConflictError, InvalidInputError, NotFoundError
 from tenants.models import Base, new_id, utcnow
 
@@ -115,8 +117,9 @@ def _as_utc(moment: datetime, now: datetime) -> datetime:
 
 
 class AdminService:
-    def __init__(self, session: AsyncSession) -> None:
+    def __init__(self, session: AsyncSession, actor: Actor = SYSTEM) -> None:
         self.session = session
+        self.actor = actor  # who creates administrators, for the audit log
 
     async def create(self, email: str, role: str, password: str) -> ConsoleAdmin:
         email = email.strip().lower()
@@ -131,6 +134,14 @@ class AdminService:
         admin = ConsoleAdmin(email=email, role=role, password_hash=hash_password(password))
         self.session.add(admin)
         await self.session.flush()
+        await audit.record(
+            self.session,
+            actor=self.actor.name,
+            action="console_admin.create",
+            target=f"admin:{email}",
+            details={"role": role},
+            context=self.actor.context,
+        )
         return admin
 
     async def find(self, email: str) -> ConsoleAdmin | None:
