@@ -20,9 +20,11 @@ from litestar.connection import ASGIConnection
 from litestar.exceptions import NotAuthorizedException
 from litestar.handlers.base import BaseRouteHandler
 from litestar.response import Stream
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 
-from backend.errors import EngineDeadError
+from backend.errors import DeadlineExceededError, EngineDeadError, OverloadedError
 from backend.sampling import SamplingParams
+from backend.telemetry import EngineStatsCollector, served
 
 if TYPE_CHECKING:
     from backend.engine.async_engine import AsyncEngine
@@ -37,7 +39,8 @@ class GenerateBody(msgspec.Struct):
     params: SamplingParams
     priority: int = 0
     tenant: str | None = None
-    timeout_s: float | None = None  # relative: monotonic clocks differ between hosts
+    weight: int = 1  # the tenant's share of the token budget under contention
+    timeout_s: float | None = None  # first-token deadline, relative: clocks differ by host
 
 
 class AbortBody(msgspec.Struct):
@@ -66,7 +69,10 @@ async def generate(request: Request[Any, Any, Any]) -> Response[Any]:
         priority=body.priority,
         deadline=deadline,
         tenant=body.tenant,
+        weight=body.weight,
     )
+    chunk = engine.engine.config.max_num_batched_tokens
+    outputs = served(outputs, request.headers, body.request_id, body.priority, chunk)
     return Stream(_ndjson(outputs), media_type="application/x-ndjson")
 
 
@@ -75,6 +81,11 @@ async def _ndjson(outputs: AsyncIterator[Any]) -> AsyncIterator[bytes]:
     try:
         async for out in outputs:
             yield encoder.encode(out) + b"\n"
+    except (OverloadedError, DeadlineExceededError) as exc:
+        # Rejected by the scheduling policy: a typed line the gateway maps to 503 / 504.
+        retry_after = exc.retry_after_s if isinstance(exc, OverloadedError) else None
+        line = {"error": str(exc), "kind": exc.kind, "retry_after_s": retry_after}
+        yield encoder.encode(line) + b"\n"
     except (ValueError, EngineDeadError) as exc:
         # The request never started, or the engine died: the client gets a typed error line.
         kind = "engine_dead" if isinstance(exc, EngineDeadError) else "invalid_request"
@@ -108,15 +119,11 @@ async def stats(request: Request[Any, Any, Any]) -> dict[str, Any]:
     return {"running": engine.is_running(), **stats}
 
 
-@get("/metrics", media_type=MediaType.TEXT)
-async def metrics(request: Request[Any, Any, Any]) -> str:
-    engine = _engine(request)
-    lines = []
-    for name, value in msgspec.to_builtins(engine.stats()).items():
-        if isinstance(value, int | float) and not isinstance(value, bool):
-            metric = f"tollgate_engine_{name}"
-            lines += [f"# TYPE {metric} gauge", f"{metric} {value}"]
-    return "\n".join(lines) + "\n"
+@get("/metrics")
+async def metrics(request: Request[Any, Any, Any]) -> Response[bytes]:
+    """Engine stats in the Prometheus text format (see backend/telemetry.py)."""
+    registry: CollectorRegistry = request.app.state.metrics
+    return Response(generate_latest(registry), media_type=CONTENT_TYPE_LATEST)
 
 
 @get("/healthz", media_type=MediaType.JSON)
@@ -141,6 +148,8 @@ def create_backend_app(engine: AsyncEngine, model_dir: Path, secret: str) -> Lit
     async def lifespan(app: Litestar) -> AsyncIterator[None]:
         app.state.engine = engine
         app.state.model_dir = model_dir
+        app.state.metrics = CollectorRegistry()
+        app.state.metrics.register(EngineStatsCollector(engine.stats))
         try:
             yield
         finally:

@@ -51,6 +51,7 @@ def engine_config(settings: Settings) -> EngineConfig:
         kv_cache_bytes=settings.kv_cache_bytes,
         max_num_seqs=settings.max_num_seqs,
         cpu_threads=settings.engine_threads,
+        max_waiting_requests=settings.max_waiting_requests,
     )
 
 

@@ -39,6 +39,7 @@ class Settings:
     export_interval_s: int = 30  # embedded mode: how often the gateway runs the relay
     celery_queue: str = "tollgate"
     console_idle_s: int = 1800  # admin console sessions end after this long unused
+    max_waiting_requests: int = 1024  # engine queue; past it, 503 + Retry-After (shed)
 
     @classmethod
     def from_env(cls, env: Mapping[str, str] | None = None) -> Settings:
@@ -56,6 +57,7 @@ class Settings:
             admin_key=env.get("TOLLGATE_ADMIN_KEY", "").strip() or None,
             kv_cache_bytes=_int(env, "TOLLGATE_KV_CACHE_BYTES", 256 * 2**20, low=2**20),
             max_num_seqs=_int(env, "TOLLGATE_MAX_NUM_SEQS", 32, low=1, high=4096),
+            max_waiting_requests=_int(env, "TOLLGATE_MAX_WAITING_REQUESTS", 1024, low=1),
             engine_threads=_int(
                 env, "TOLLGATE_ENGINE_THREADS", max(1, (os.cpu_count() or 2) - 1), low=1
             ),

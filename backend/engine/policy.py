@@ -178,23 +178,23 @@ def deadline_feasible(
 
 def check_capacity(
     config: EngineConfig,
-    waiting: WaitingQueue,
     throughput: Throughput,
-    num_requests: int,
-    num_tokens: int,
+    queued: tuple[int, int],
+    new: tuple[int, int],
 ) -> None:
-    """Shed load: raise OverloadedError if queueing these requests would pass
-    max_waiting_requests or max_waiting_tokens. An empty queue always takes a request, so
-    a prompt longer than max_waiting_tokens is not refused forever."""
-    if not waiting:
+    """Shed load: raise OverloadedError if adding `new` (requests, tokens) to the `queued`
+    ones would pass max_waiting_requests or max_waiting_tokens. An empty queue always
+    takes a request, so a prompt longer than max_waiting_tokens is not refused forever."""
+    (queued_requests, queued_tokens), (new_requests, new_tokens) = queued, new
+    if queued_requests == 0:
         return
-    if len(waiting) + num_requests > config.max_waiting_requests:
-        reason = f"{len(waiting)} requests are waiting (max_waiting_requests)"
-    elif waiting.num_tokens + num_tokens > config.max_waiting_tokens:
-        reason = f"{waiting.num_tokens} tokens are waiting (max_waiting_tokens)"
+    if queued_requests + new_requests > config.max_waiting_requests:
+        reason = f"{queued_requests} requests are waiting (max_waiting_requests)"
+    elif queued_tokens + new_tokens > config.max_waiting_tokens:
+        reason = f"{queued_tokens} tokens are waiting (max_waiting_tokens)"
     else:
         return
-    drain = throughput.seconds_for(waiting.num_tokens)
+    drain = throughput.seconds_for(queued_tokens)
     retry_after = 1.0 if drain is None else min(max(drain, 1.0), 60.0)
     raise OverloadedError(f"the engine is overloaded: {reason}", retry_after)
 

@@ -97,9 +97,10 @@ class Scheduler:
         """Before queueing `copies` completions of a prompt (with `pending` = requests and
         tokens accepted but not yet added): raise OverloadedError if the waiting queue
         cannot take them, DeadlineExceededError if the first token cannot come in time."""
-        num_requests, num_tokens = pending[0] + copies, pending[1] + prompt_tokens * copies
+        waiting = self.waiting
+        queued = (len(waiting) + pending[0], waiting.num_tokens + pending[1])
         try:
-            check_capacity(self.config, self.waiting, self.throughput, num_requests, num_tokens)
+            check_capacity(self.config, self.throughput, queued, (copies, prompt_tokens * copies))
         except OverloadedError:
             self.num_rejected_overloaded += 1
             raise

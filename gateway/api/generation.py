@@ -135,6 +135,8 @@ async def _outputs(job: Job, engine: EngineClient) -> AsyncIterator[RequestOutpu
         job.charge.request_id,
         priority=job.priority,
         tenant=job.charge.principal.tenant_id,
+        weight=job.charge.principal.plan.weight,
+        deadline=job.started + job.timeout_s,  # the engine rejects what cannot start by then
     )
     while True:
         try:

@@ -7,11 +7,15 @@ behind the same protocol.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator
+import contextlib
+from collections.abc import AsyncGenerator, AsyncIterator
 from pathlib import Path
 from typing import Protocol
 
 from backend import AsyncEngine, EngineConfig, RequestOutput, SamplingParams
+from backend.errors import DeadlineExceededError, OverloadedError
+from backend.telemetry import traced
+from gateway.errors import DeadlineExceeded, Overloaded
 
 
 class EngineClient(Protocol):
@@ -34,7 +38,12 @@ class EngineClient(Protocol):
         *,
         priority: int = 0,
         tenant: str | None = None,
-    ) -> AsyncIterator[RequestOutput]: ...
+        weight: int = 1,
+        deadline: float | None = None,
+    ) -> AsyncIterator[RequestOutput]:
+        """`deadline`: time.monotonic() by which the first token is due. Raises Overloaded
+        (503, Retry-After) or DeadlineExceeded (504) when the engine's policy rejects it."""
+        ...
 
     def abort(self, request_id: str) -> None: ...
 
@@ -77,10 +86,20 @@ class InProcessEngineClient:
         *,
         priority: int = 0,
         tenant: str | None = None,
+        weight: int = 1,
+        deadline: float | None = None,
     ) -> AsyncIterator[RequestOutput]:
-        return self.engine.generate(
-            prompt, params, request_id=request_id, priority=priority, tenant=tenant
+        outputs = self.engine.generate(
+            prompt,
+            params,
+            request_id=request_id,
+            priority=priority,
+            deadline=deadline,
+            tenant=tenant,
+            weight=weight,
         )
+        chunk = self.engine.engine.config.max_num_batched_tokens
+        return policy_errors(traced(outputs, request_id, chunk))  # traced: engine phase spans
 
     def abort(self, request_id: str) -> None:
         self.engine.abort(request_id)
@@ -90,3 +109,23 @@ class InProcessEngineClient:
 
     async def close(self) -> None:
         await self.engine.shutdown()
+
+
+def overloaded(retry_after_s: float, message: str) -> Overloaded:
+    retry_after = str(max(1, round(retry_after_s)))
+    return Overloaded(message, headers={"Retry-After": retry_after})
+
+
+async def policy_errors(
+    outputs: AsyncGenerator[RequestOutput, None],
+) -> AsyncGenerator[RequestOutput, None]:
+    """The engine's scheduling rejections as the gateway's typed errors. Closing this
+    closes the engine's stream at once, which aborts the request there."""
+    try:
+        async with contextlib.aclosing(outputs):
+            async for out in outputs:
+                yield out
+    except OverloadedError as exc:
+        raise overloaded(exc.retry_after_s, str(exc)) from exc
+    except DeadlineExceededError as exc:
+        raise DeadlineExceeded(str(exc)) from exc

@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import time
 from collections.abc import AsyncIterator, Sequence
 from pathlib import Path
 from typing import Any
@@ -18,10 +19,13 @@ import httpx
 import msgspec
 
 from backend import RequestOutput, SamplingParams
+from backend.errors import DeadlineExceededError, OverloadedError
 from backend.server import SECRET_HEADER
 from backend.tokenizer import Tokenizer
+from gateway.dispatch.engine_client import overloaded
 from gateway.dispatch.routing import Replica, affinity_key, pick
-from gateway.errors import EngineUnavailable
+from gateway.errors import DeadlineExceeded, EngineUnavailable, Overloaded
+from gateway.telemetry import tracing
 
 log = logging.getLogger(__name__)
 
@@ -93,7 +97,10 @@ class RemoteEngineClient:
         *,
         priority: int = 0,
         tenant: str | None = None,
+        weight: int = 1,
+        deadline: float | None = None,
     ) -> AsyncIterator[RequestOutput]:
+        timeout_s = None if deadline is None else deadline - time.monotonic()
         body = msgspec.json.encode(
             {
                 "request_id": request_id,
@@ -101,17 +108,23 @@ class RemoteEngineClient:
                 "params": params,
                 "priority": priority,
                 "tenant": tenant,
+                "weight": weight,
+                "timeout_s": timeout_s,
             }
         )
         key = affinity_key(tenant, prompt)
         tried: set[str] = set()
+        shed: Overloaded | None = None  # every replica tried so far was overloaded
         while True:
             replica = pick(self.replicas, key, exclude=tried)
             if replica is None:
+                if shed is not None:
+                    raise shed
                 raise EngineUnavailable(
                     "no backend replica is available", headers={"Retry-After": "1"}
                 )
             tried.add(replica.url)
+            tracing.note_replica(replica.url)
             started = False
             replica.in_flight += 1
             self._placements[request_id] = replica
@@ -120,6 +133,8 @@ class RemoteEngineClient:
                     started = True
                     yield out
                 return
+            except Overloaded as exc:  # nothing was handed back: another replica may have room
+                shed = exc
             except ReplicaFailed as exc:
                 replica.healthy = False  # the health check brings it back when it answers
                 log.warning("replica %s failed request %s: %s", replica.url, request_id, exc)
@@ -135,7 +150,10 @@ class RemoteEngineClient:
     async def _stream(self, replica: Replica, body: bytes) -> AsyncIterator[RequestOutput]:
         try:
             async with self._http.stream(
-                "POST", f"{replica.url}/internal/generate", content=body
+                "POST",
+                f"{replica.url}/internal/generate",
+                content=body,
+                headers=tracing.trace_headers(),  # the backend's spans join this trace
             ) as response:
                 if response.status_code == 400:
                     raise ValueError((await response.aread()).decode(errors="replace"))
@@ -153,8 +171,13 @@ class RemoteEngineClient:
     def _decode(self, line: str) -> RequestOutput:
         if line.startswith('{"error"'):
             error: dict[str, Any] = msgspec.json.decode(line)
-            if error.get("kind") == "invalid_request":
+            kind = error.get("kind")
+            if kind == "invalid_request":
                 raise ValueError(error["error"])
+            if kind == OverloadedError.kind:
+                raise overloaded(error.get("retry_after_s") or 1.0, error["error"])
+            if kind == DeadlineExceededError.kind:
+                raise DeadlineExceeded(error["error"])
             raise ReplicaFailed(error.get("error", "engine error"))
         try:
             return self._decoder.decode(line)

@@ -1,0 +1,99 @@
+"""Load shedding end to end: with max_num_seqs=1 and max_waiting_requests=1, a third
+concurrent request finds the engine's queue full and gets 503 + Retry-After, in process
+(through the official openai client) and from a remote backend over its HTTP API."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import AsyncIterator, Awaitable
+from pathlib import Path
+from typing import Any
+
+import openai
+import pytest
+
+from backend import AsyncEngine, EngineConfig, SamplingParams
+from backend.builtin import BUILTIN_MODEL_DIR
+from backend.server import create_backend_app
+from gateway.app import create_app
+from gateway.dispatch.engine_client import InProcessEngineClient
+from gateway.dispatch.remote import RemoteEngineClient
+from gateway.errors import Overloaded
+from gateway.settings import Settings
+from tests.conftest import eventually, serving
+
+ONE_AT_A_TIME = EngineConfig(max_num_seqs=1, max_waiting_requests=1, cpu_threads=1)
+LONG = SamplingParams(max_tokens=400, ignore_eos=True, temperature=0)
+
+
+@pytest.fixture
+async def small_engine() -> AsyncIterator[InProcessEngineClient]:
+    client = await InProcessEngineClient.load(BUILTIN_MODEL_DIR, ONE_AT_A_TIME)
+    yield client
+    await client.close()
+
+
+async def _cancel(*tasks: asyncio.Task[Any]) -> None:
+    for task in tasks:
+        task.cancel()
+    for task in tasks:
+        with contextlib.suppress(asyncio.CancelledError, openai.APIError):
+            await task
+
+
+async def test_a_full_queue_gets_503_with_retry_after(
+    settings: Settings, tenant_key: str, small_engine: InProcessEngineClient
+) -> None:
+    stats = small_engine.engine.stats
+    app = create_app(settings, engine_client=small_engine)
+    async with serving(app) as base_url:
+        client = openai.AsyncOpenAI(base_url=f"{base_url}/v1", api_key=tenant_key, max_retries=0)
+
+        def chat() -> Awaitable[Any]:
+            return client.chat.completions.create(
+                model=small_engine.model_name,
+                messages=[{"role": "user", "content": "Tell me about sorting."}],
+                max_tokens=LONG.max_tokens,
+                extra_body={"ignore_eos": True},
+            )
+
+        running = asyncio.create_task(chat())
+        await eventually(lambda: stats().num_running == 1)
+        waiting = asyncio.create_task(chat())
+        await eventually(lambda: stats().num_waiting == 1)
+        try:
+            with pytest.raises(openai.InternalServerError) as caught:
+                await chat()
+            assert caught.value.status_code == 503
+            assert int(caught.value.response.headers["retry-after"]) >= 1
+            assert caught.value.code == "overloaded"
+            assert stats().num_rejected_overloaded == 1
+            assert stats().num_running == 1 and stats().num_waiting == 1  # nobody was lost
+        finally:
+            await _cancel(running, waiting)
+        await client.close()
+
+
+async def test_a_remote_backend_sheds_with_a_typed_error(tmp_path: Path) -> None:
+    engine = AsyncEngine.from_pretrained(BUILTIN_MODEL_DIR, ONE_AT_A_TIME)
+    app = create_backend_app(engine, BUILTIN_MODEL_DIR, secret="s3cret")
+    async with serving(app) as url:
+        remote = await RemoteEngineClient.connect([url], "s3cret", tmp_path)
+
+        async def drain(request_id: str) -> None:
+            async for _ in remote.generate([1, 2, 3], LONG, request_id):
+                pass
+
+        tasks = [asyncio.create_task(drain("first"))]
+        await eventually(lambda: engine.stats().num_running == 1)
+        tasks.append(asyncio.create_task(drain("second")))
+        await eventually(lambda: engine.stats().num_waiting == 1)
+        try:
+            with pytest.raises(Overloaded) as caught:
+                await drain("third")
+            assert caught.value.status == 503 and int(caught.value.headers["Retry-After"]) >= 1
+            assert engine.stats().num_rejected_overloaded == 1
+        finally:
+            await _cancel(*tasks)
+            await remote.close()
