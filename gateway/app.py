@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import os
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from datetime import timedelta
@@ -36,8 +37,10 @@ from gateway.metering import UsageRecorder
 from gateway.runtime import Runtime, provide_runtime
 from gateway.settings import Settings
 from gateway.tasks import TaskSet
-from tenants.db import create_engine, session_factory
+from gateway.telemetry import Telemetry
+from gateway.telemetry.endpoint import metrics
 from tenants.billing.prices import PriceBook
+from tenants.db import create_engine, session_factory
 from tenants.errors import DomainError
 from tenants.idempotency import InFlightLocks, MemoryLocks, RedisLocks
 from tenants.pricing import DEFAULT_PRICE
@@ -74,6 +77,7 @@ def create_app(
     """Build the gateway. Pass `engine_client` to share one engine (tests); otherwise the
     in-process engine loads `settings.model_path` (or the built-in model) at startup."""
     settings = settings or Settings.from_env()
+    telemetry = Telemetry.from_env(os.environ)  # /metrics access, tenant label bound
 
     @asynccontextmanager
     async def lifespan(app: Litestar) -> AsyncIterator[None]:
@@ -110,8 +114,11 @@ def create_app(
             auth_failures=auth_failures,
         )
         app.state.runtime = runtime
+        app.state.telemetry = telemetry
         owned = engine_client is None
         runtime.engine_client = engine_client or await connect_engine(settings)
+        if isinstance(runtime.engine_client, InProcessEngineClient):
+            telemetry.metrics.watch_engine(runtime.engine_client.engine.stats)
         log.info("engine ready: model %s", runtime.engine_client.model_name)
         try:
             yield
@@ -134,7 +141,9 @@ def create_app(
             console_router(),
             healthz,
             readyz,
+            metrics,
         ],
+        middleware=[telemetry.middleware],
         dependencies={"runtime": Provide(provide_runtime, sync_to_thread=False)},
         exception_handlers={
             ApiError: handle_api_error,

@@ -17,6 +17,7 @@ from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
 
 from gateway.admission.quota import Admission
 from gateway.tasks import TaskSet
+from gateway.telemetry.tracing import REQUEST_ID, in_span
 from tenants.billing.prices import PriceBook
 from tenants.models import UsageEvent, UsageStatus, utcnow
 from tenants.quota import Reservation
@@ -77,7 +78,8 @@ class UsageRecorder:
 
     def settle(self, charge: Charge, outcome: Outcome) -> asyncio.Task[None]:
         """Write the row for this outcome as it is now (later changes do not leak in)."""
-        return self.tasks.spawn(self._write(charge, replace(outcome)))
+        write = self._write(charge, replace(outcome))
+        return self.tasks.spawn(in_span("settle", write, **{REQUEST_ID: charge.request_id}))
 
     async def _event(self, charge: Charge, outcome: Outcome) -> UsageEvent:
         quote = await self.prices.quote(charge.model, charge.started_at)

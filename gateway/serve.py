@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import asyncio
-import logging
+import os
 import socket
 import sys
 from collections.abc import Callable
@@ -14,19 +14,25 @@ from sqlalchemy.engine import make_url
 from gateway.app import create_app, engine_config
 from gateway.bootstrap import AdminKey, ConsoleOwner, ensure_admin_key, ensure_console_owner
 from gateway.settings import Settings
+from gateway.telemetry.logs import configure_logging, log_format
+from gateway.telemetry.tracing import setup_tracing
 from tenants import db
 
 
 def serve(settings: Settings) -> int:
-    logging.basicConfig(
-        level=settings.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s %(message)s"
-    )
+    configure_logging(settings.log_level, log_format(os.environ))
+    setup_tracing("tollgate-gateway")
     _migrate_or_explain(settings)
     admin = asyncio.run(_bootstrap(settings))
     owner = asyncio.run(_bootstrap_console(settings))
     app = create_app(settings)
     config = uvicorn.Config(
-        app, host=settings.host, port=settings.port, log_level=settings.log_level, lifespan="on"
+        app,
+        host=settings.host,
+        port=settings.port,
+        log_level=settings.log_level,
+        log_config=None,  # uvicorn's loggers go through ours (JSON lines)
+        lifespan="on",
     )
 
     def on_started() -> None:
@@ -57,16 +63,20 @@ def serve_backend(settings: Settings) -> int:
     from backend.builtin import BUILTIN_MODEL_DIR
     from backend.server import create_backend_app
 
-    logging.basicConfig(
-        level=settings.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s %(message)s"
-    )
+    configure_logging(settings.log_level, log_format(os.environ))
+    setup_tracing("tollgate-backend")
     if not settings.backend_secret:
         sys.exit("tollgate: set TOLLGATE_BACKEND_SECRET, the secret gateways must present")
     model_dir = settings.model_path or BUILTIN_MODEL_DIR
     engine = AsyncEngine.from_pretrained(model_dir, engine_config(settings))
     app = create_backend_app(engine, model_dir, settings.backend_secret)
     config = uvicorn.Config(
-        app, host=settings.host, port=settings.port, log_level=settings.log_level, lifespan="on"
+        app,
+        host=settings.host,
+        port=settings.port,
+        log_level=settings.log_level,
+        log_config=None,  # uvicorn's loggers go through ours (JSON lines)
+        lifespan="on",
     )
     banner = (
         f"Tollgate backend ({engine.model_name}) ready on http://{settings.host}:{settings.port}"

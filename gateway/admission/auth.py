@@ -12,6 +12,7 @@ from litestar.di import NamedDependency
 
 from gateway.errors import AuthenticationFailed
 from gateway.runtime import Runtime
+from gateway.telemetry import current_request
 from tenants import keys
 from tenants.audit import AuditContext
 from tenants.services import ApiKeyService, Principal
@@ -49,12 +50,17 @@ async def authenticate(
         raise AuthenticationFailed(
             "missing API key: send 'Authorization: Bearer <key>'", code="missing_api_key"
         )
-    async with runtime.sessions.begin() as session:
-        principal = await ApiKeyService(session).authenticate(token, context=audit_context(request))
+    scope = current_request()
+    with scope.span("authenticate"):
+        async with runtime.sessions.begin() as session:
+            principal = await ApiKeyService(session).authenticate(
+                token, context=audit_context(request)
+            )
     if principal is None:
         _note_failure(request, runtime, keys.key_prefix(token) or "malformed")
         # The same answer for unknown, malformed and revoked keys: no oracle for attackers.
         raise AuthenticationFailed("invalid or revoked API key")
+    scope.identify(principal)
     return principal
 
 

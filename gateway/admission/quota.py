@@ -15,6 +15,7 @@ import math
 from dataclasses import dataclass
 
 from gateway.errors import RateLimited
+from gateway.telemetry import current_request
 from tenants.limits import LimitSet
 from tenants.pricing import Price
 from tenants.quota import (
@@ -100,6 +101,7 @@ class Admission:
             )
         )
         if isinstance(outcome, Denied):
+            current_request().reject(outcome.reason.value)  # rpm, tpm, concurrency, budget
             raise _denial(outcome)
         assert isinstance(outcome, Granted)
         deadline = asyncio.get_running_loop().time() + self.max_life_s

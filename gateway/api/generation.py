@@ -24,6 +24,7 @@ from gateway.errors import (
     InvalidRequest,
 )
 from gateway.metering import Charge, Outcome, UsageRecorder
+from gateway.telemetry import current_request
 from tenants.models import UsageStatus
 
 DONE = b"data: [DONE]\n\n"
@@ -138,6 +139,7 @@ async def _outputs(job: Job, engine: EngineClient) -> AsyncIterator[RequestOutpu
         weight=job.charge.principal.plan.weight,
         deadline=job.started + job.timeout_s,  # the engine rejects what cannot start by then
     )
+    outputs = current_request().dispatch(outputs)  # the dispatch span; the timeline
     while True:
         try:
             async with asyncio.timeout_at(deadline):
@@ -169,7 +171,8 @@ async def complete(job: Job, engine: EngineClient, recorder: UsageRecorder) -> d
         raise error from exc
     finally:
         if not settled:  # cancelled: the client went away before the answer was sent
-            engine.abort(job.charge.request_id)
+            with current_request().span("cancel"):
+                engine.abort(job.charge.request_id)
             recorder.settle(job.charge, _finish(_cancelled(outcome, 0), job))
     want_logprobs = job.params.logprobs is not None
     body = job.envelope(
@@ -191,6 +194,7 @@ async def complete(job: Job, engine: EngineClient, recorder: UsageRecorder) -> d
 
 def _finish(outcome: Outcome, job: Job) -> Outcome:
     outcome.e2e_ms = (time.monotonic() - job.started) * 1000
+    current_request().finish(job, outcome)  # once per request: every path settles once
     return outcome
 
 
@@ -218,6 +222,7 @@ async def stream(job: Job, engine: EngineClient, recorder: UsageRecorder) -> Asy
             body["usage"] = None
         return _sse(body)
 
+    streaming = current_request().start_span("stream")
     try:
         for index in range(choices.n):
             yield chunk(index, job.echo, None, first=True)
@@ -240,6 +245,9 @@ async def stream(job: Job, engine: EngineClient, recorder: UsageRecorder) -> Asy
             recorder.settle(job.charge, _finish(outcome, job))
         yield _sse(error.body())
     finally:
+        streaming.set_attribute("tollgate.stream.delivered_tokens", delivered)
+        streaming.end()
         if not settled:  # the client disconnected mid-stream
-            engine.abort(job.charge.request_id)
+            with current_request().span("cancel"):
+                engine.abort(job.charge.request_id)
             recorder.settle(job.charge, _finish(_cancelled(outcome, delivered), job))

@@ -32,6 +32,7 @@ from gateway.dispatch.engine_client import EngineClient
 from gateway.errors import Cancelled, InvalidRequest
 from gateway.metering import Charge
 from gateway.runtime import Runtime
+from gateway.telemetry import current_request
 from tenants.models import IdempotencyRecord
 from tenants.services import Principal
 
@@ -175,24 +176,32 @@ async def _respond(
     *,
     stream: bool,
 ) -> Response[Any]:
+    scope = current_request()
+    scope.describe(job, stream)
     claim: Claim | None = None
     raw_key = request.headers.get(idempotency.HEADER)
     if raw_key is not None:
-        begun = await runtime.idempotency.begin(
-            principal, raw_key, job.charge.endpoint, await request.body()
-        )
+        with scope.span("idempotency"):
+            begun = await runtime.idempotency.begin(
+                principal, raw_key, job.charge.endpoint, await request.body()
+            )
         if isinstance(begun, Replay):
             return _replay(begun.record)
         claim = begun
     try:
-        ticket = await runtime.admission.reserve(
-            principal, job.charge.request_id, len(job.prompt), job.params.max_tokens * job.params.n
-        )
+        with scope.span("admission"):
+            ticket = await runtime.admission.reserve(
+                principal,
+                job.charge.request_id,
+                len(job.prompt),
+                job.params.max_tokens * job.params.n,
+            )
     except BaseException:
         if claim is not None:  # rejected, not stored: a retry with this key runs afresh
             runtime.tasks.spawn(runtime.idempotency.abandon(claim))
         raise
     job.charge = replace(job.charge, reservation=ticket.reservation)
+    scope.admitted = True
     headers = {"x-request-id": job.charge.request_id, **ticket.headers}
     if stream:
         # Litestar cancels the stream when the client disconnects; generation aborts then.

@@ -1,0 +1,253 @@
+"""Engine telemetry, kept out of the step loop.
+
+The engine already stamps every request (arrival, first scheduled, each token), so its
+phase spans — queue wait, prefill, decode, KV release — are written after the fact with
+those times, once per request. Engine stats become Prometheus metrics at scrape time.
+Nothing here sees prompt or completion text: only counts and times.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import time
+from collections.abc import AsyncGenerator, AsyncIterator, Callable, Iterator, Mapping
+
+from opentelemetry import context, propagate, trace
+from opentelemetry.context import Context
+from opentelemetry.trace import SpanKind, Status, StatusCode
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+from backend.outputs import EngineStats, RequestOutput
+
+TRACER_NAME = "tollgate.backend"
+
+# OpenTelemetry GenAI semantic-convention attribute names, and ours.
+INPUT_TOKENS = "gen_ai.usage.input_tokens"
+OUTPUT_TOKENS = "gen_ai.usage.output_tokens"
+CACHED_INPUT_TOKENS = "gen_ai.usage.cache_read.input_tokens"
+FINISH_REASONS = "gen_ai.response.finish_reasons"
+REQUEST_ID = "tollgate.request_id"
+
+
+class RequestTimeline:
+    """One request's progress through the engine, from the outputs it yields: a few
+    comparisons per output, no allocation. Token timing follows completion 0."""
+
+    __slots__ = (
+        "arrival",
+        "cached_tokens",
+        "completion_tokens",
+        "finish_reasons",
+        "first_token",
+        "last_token",
+        "prompt_tokens",
+        "scheduled",
+        "tokens_timed",
+    )
+
+    def __init__(self) -> None:
+        self.arrival: float | None = None
+        self.scheduled: float | None = None
+        self.first_token: float | None = None
+        self.last_token: float | None = None
+        self.prompt_tokens = 0
+        self.cached_tokens = 0
+        self.tokens_timed = 0  # completion 0's tokens, the ones first/last_token time
+        self.completion_tokens: dict[int, int] = {}
+        self.finish_reasons: list[str] = []
+
+    def observe(self, out: RequestOutput) -> None:
+        if self.arrival is None:
+            self.arrival = out.arrival_time
+        if self.scheduled is None:
+            self.scheduled = out.first_scheduled_time
+        self.prompt_tokens = out.prompt_tokens
+        self.cached_tokens = out.cached_tokens
+        self.completion_tokens[out.index] = out.completion_tokens
+        if out.index == 0 and out.token_times:
+            if self.first_token is None:
+                self.first_token = out.first_token_time or out.token_times[0]
+            self.last_token = out.token_times[-1]
+            self.tokens_timed = out.completion_tokens
+        if out.finished:
+            self.finish_reasons.append(out.finish_reason or "unknown")
+
+    @property
+    def output_tokens(self) -> int:
+        return sum(self.completion_tokens.values())
+
+    @property
+    def queue_s(self) -> float | None:
+        if self.arrival is None or self.scheduled is None:
+            return None
+        return self.scheduled - self.arrival
+
+    @property
+    def time_per_output_token_s(self) -> float | None:
+        """The mean gap between tokens after the first (None below two tokens)."""
+        if self.first_token is None or self.last_token is None or self.tokens_timed < 2:
+            return None
+        return (self.last_token - self.first_token) / (self.tokens_timed - 1)
+
+    def emit_spans(
+        self,
+        parent: Context,
+        ended: float,
+        aborted: bool,
+        chunk_tokens: int,
+        request_id: str,
+    ) -> None:
+        """Write the engine's phase spans under `parent`; `ended` is time.monotonic() when
+        the request left the engine (its KV blocks are freed at that step boundary)."""
+        if self.arrival is None or not trace.get_current_span(parent).is_recording():
+            return  # never reached the engine, or nobody is tracing
+        tracer = trace.get_tracer(TRACER_NAME)
+        to_ns = _monotonic_to_epoch_ns()
+        common = {REQUEST_ID: request_id}
+
+        def span(name: str, start: float, end: float, attributes: dict[str, object]) -> None:
+            attrs = {**common, **attributes}
+            phase = tracer.start_span(name, parent, attributes=attrs, start_time=to_ns(start))  # type: ignore[arg-type]
+            phase.end(end_time=to_ns(max(start, end)))
+
+        scheduled = self.scheduled
+        span("engine.queue", self.arrival, scheduled if scheduled is not None else ended, {})
+        if scheduled is not None:
+            to_prefill = max(0, self.prompt_tokens - self.cached_tokens)
+            span(
+                "engine.prefill",
+                scheduled,
+                self.first_token if self.first_token is not None else ended,
+                {
+                    INPUT_TOKENS: self.prompt_tokens,
+                    CACHED_INPUT_TOKENS: self.cached_tokens,
+                    # At least this many steps: the step budget is shared with others.
+                    "tollgate.prefill.min_chunks": math.ceil(to_prefill / max(1, chunk_tokens)),
+                },
+            )
+        if self.first_token is not None:
+            span(
+                "engine.decode",
+                self.first_token,
+                self.last_token or self.first_token,
+                {OUTPUT_TOKENS: self.output_tokens},
+            )
+        release_from = self.last_token if not aborted and self.last_token is not None else ended
+        span(
+            "engine.kv_release",
+            release_from,
+            ended,
+            {"tollgate.kv.release_reason": "aborted" if aborted else "finished"},
+        )
+
+
+async def traced(
+    outputs: AsyncIterator[RequestOutput],
+    request_id: str,
+    chunk_tokens: int,
+    parent: Context | None = None,
+) -> AsyncGenerator[RequestOutput, None]:
+    """Pass a request's outputs through; once it leaves the engine (finished, aborted or
+    failed), write its phase spans under `parent` (default: the context current when the
+    first output is asked for)."""
+    parent = context.get_current() if parent is None else parent
+    timeline = RequestTimeline()
+    finished = False
+    try:
+        async for out in outputs:
+            timeline.observe(out)
+            yield out
+        finished = True
+    finally:
+        close = getattr(outputs, "aclose", None)
+        if close is not None:  # abort in the engine now, not when collected
+            await close()
+        timeline.emit_spans(parent, time.monotonic(), not finished, chunk_tokens, request_id)
+
+
+async def served(
+    outputs: AsyncIterator[RequestOutput],
+    headers: Mapping[str, str],
+    request_id: str,
+    priority: int,
+    chunk_tokens: int,
+) -> AsyncGenerator[RequestOutput, None]:
+    """A backend's side of one request: a server span joined to the caller's trace (W3C
+    traceparent in `headers`), with the engine's phase spans under it."""
+    span = trace.get_tracer(TRACER_NAME).start_span(
+        "engine.generate",
+        propagate.extract(headers),
+        kind=SpanKind.SERVER,
+        attributes={REQUEST_ID: request_id, "tollgate.request.priority": priority},
+    )
+    parent = trace.set_span_in_context(span)
+    try:
+        async with contextlib.aclosing(traced(outputs, request_id, chunk_tokens, parent)) as run:
+            async for out in run:
+                yield out
+    except Exception as exc:
+        span.record_exception(exc)
+        span.set_status(Status(StatusCode.ERROR, type(exc).__name__))
+        raise
+    finally:
+        span.end()
+
+
+def _monotonic_to_epoch_ns() -> Callable[[float], int]:
+    offset = time.time_ns() - time.monotonic_ns()
+    return lambda t: int(t * 1e9) + offset
+
+
+class EngineStatsCollector(Collector):
+    """Engine stats as Prometheus metrics, read when scraped (never from the step loop)."""
+
+    def __init__(self, stats: Callable[[], EngineStats | None]) -> None:
+        self.stats = stats
+
+    def collect(self) -> Iterator[Metric]:
+        stats = self.stats()
+        if stats is None:
+            return
+        yield _gauge("tollgate_engine_requests_running", "Requests being run", stats.num_running)
+        yield _gauge("tollgate_engine_requests_waiting", "Requests queued", stats.num_waiting)
+        yield _gauge(
+            "tollgate_engine_kv_cache_usage_ratio",
+            "Share of KV blocks referenced by requests",
+            stats.kv_blocks_used / max(1, stats.kv_blocks_total),
+        )
+        blocks = GaugeMetricFamily(
+            "tollgate_engine_kv_blocks", "KV blocks by state", labels=["state"]
+        )
+        blocks.add_metric(["used"], stats.kv_blocks_used)
+        blocks.add_metric(["cached"], stats.kv_blocks_cached)
+        blocks.add_metric(["free"], stats.kv_blocks_free)
+        yield blocks
+        yield _gauge(
+            "tollgate_engine_prefix_cache_hit_ratio",
+            "Prompt tokens found in the prefix cache, over tokens looked up (since start)",
+            stats.prefix_cache_hit_rate,
+        )
+        counters = (
+            (
+                "prefix_cache_queries",
+                "Prompt tokens looked up in the prefix cache",
+                stats.prefix_cache_queries,
+            ),
+            (
+                "prefix_cache_hits",
+                "Prompt tokens found in the prefix cache",
+                stats.prefix_cache_hits,
+            ),
+            ("preemptions", "Requests preempted to free KV blocks", stats.num_preemptions),
+            ("prefill_tokens", "Prompt tokens computed", stats.total_prefill_tokens),
+            ("decode_tokens", "Tokens decoded", stats.total_decode_tokens),
+            ("steps", "Engine steps", stats.num_steps),
+        )
+        for name, help_text, value in counters:
+            yield CounterMetricFamily(f"tollgate_engine_{name}", help_text, value=value)
+
+
+def _gauge(name: str, help_text: str, value: float) -> GaugeMetricFamily:
+    return GaugeMetricFamily(name, help_text, value=value)

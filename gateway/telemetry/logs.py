@@ -1,0 +1,68 @@
+"""Structured logs: one JSON object per line, carrying the request id and trace id of the
+request being served, so a log line, a trace and a usage row can be joined.
+
+Log calls pass identifiers and counts only — never prompt or completion text, never keys.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import sys
+from collections.abc import Mapping
+from contextvars import ContextVar
+from datetime import UTC, datetime
+from typing import Any
+
+from opentelemetry import trace
+
+from gateway.settings import SettingsError
+
+request_id_var: ContextVar[str | None] = ContextVar("tollgate_request_id", default=None)
+
+# What every LogRecord has; anything else on a record came from `extra=` and is logged.
+_STANDARD = set(logging.makeLogRecord({}).__dict__) | {"message", "asctime", "taskName"}
+
+
+class JsonFormatter(logging.Formatter):
+    def format(self, record: logging.LogRecord) -> str:
+        entry: dict[str, Any] = {
+            "ts": datetime.fromtimestamp(record.created, UTC).isoformat(timespec="milliseconds"),
+            "level": record.levelname.lower(),
+            "logger": record.name,
+            "message": record.getMessage(),
+        }
+        request_id = request_id_var.get()
+        if request_id is not None:
+            entry["request_id"] = request_id
+        span = trace.get_current_span().get_span_context()
+        if span.is_valid:
+            entry["trace_id"] = format(span.trace_id, "032x")
+            entry["span_id"] = format(span.span_id, "016x")
+        for key, value in record.__dict__.items():
+            if key not in _STANDARD and not key.startswith("_"):
+                entry[key] = value
+        if record.exc_info:
+            entry["exc_type"] = record.exc_info[0].__name__ if record.exc_info[0] else None
+            entry["exc"] = self.formatException(record.exc_info)
+        return json.dumps(entry, default=str, ensure_ascii=False)
+
+
+TEXT_FORMAT = "%(asctime)s %(levelname)s %(name)s %(message)s"
+
+
+def configure_logging(level: str, fmt: str = "json") -> None:
+    """Root logging for a server process: JSON lines on stderr (or plain text)."""
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(JsonFormatter() if fmt == "json" else logging.Formatter(TEXT_FORMAT))
+    root = logging.getLogger()
+    root.handlers[:] = [handler]
+    root.setLevel(level.upper())
+
+
+def log_format(env: Mapping[str, str]) -> str:
+    """TOLLGATE_LOG_FORMAT: `json` (default, one object per line) or `text`."""
+    fmt = env.get("TOLLGATE_LOG_FORMAT", "").strip().lower() or "json"
+    if fmt not in ("json", "text"):
+        raise SettingsError(f"TOLLGATE_LOG_FORMAT must be json or text, got {fmt!r}")
+    return fmt

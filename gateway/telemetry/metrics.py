@@ -1,0 +1,217 @@
+"""Prometheus metrics of the gateway, with the tenant label bounded.
+
+Histogram names follow the OpenTelemetry GenAI conventions in Prometheus form
+(`gen_ai.server.time_to_first_token` -> `gen_ai_server_time_to_first_token_seconds`).
+Every request is observed once, when it settles — never per token.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+from backend.outputs import EngineStats
+from backend.telemetry import EngineStatsCollector
+
+OTHER = "other"  # the tenant label of everyone outside the top N
+NO_TENANT = "none"  # rejected before the key was known
+
+# Buckets of the GenAI conventions, with finer steps below 10 ms for small models.
+TTFT_BUCKETS = (
+    0.001,
+    0.005,
+    0.01,
+    0.02,
+    0.04,
+    0.06,
+    0.08,
+    0.1,
+    0.25,
+    0.5,
+    0.75,
+    1,
+    2.5,
+    5,
+    7.5,
+    10,
+)
+TPOT_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75,
+                1, 2.5)  # fmt: skip
+DURATION_BUCKETS = (0.01, 0.02, 0.04, 0.08, 0.16, 0.32, 0.64, 1.28, 2.56, 5.12, 10.24, 20.48,
+                    40.96, 81.92)  # fmt: skip
+QUEUE_BUCKETS = (0.0005, 0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
+
+
+@dataclass
+class TenantLabels:
+    """Who gets a label of their own: at most `top_n` tenants, the busiest seen so far;
+    everyone else is `other`. A newcomer takes the place of the quietest labelled tenant
+    once it has seen twice that tenant's traffic; the series of the one displaced are
+    dropped (`on_evict`), so the number of series stays bounded, not just slow-growing.
+    Counts are kept for at most `4 * top_n` tenants (the least counted are forgotten)."""
+
+    top_n: int = 20
+    on_evict: Callable[[str], None] = lambda tenant: None
+    counts: dict[str, int] = field(default_factory=dict)
+    labelled: set[str] = field(default_factory=set)
+
+    def label(self, tenant: str) -> str:
+        self._count(tenant)
+        if tenant in self.labelled:
+            return tenant
+        if len(self.labelled) < self.top_n:
+            self.labelled.add(tenant)
+            return tenant
+        quietest = min(self.labelled, key=lambda t: self.counts.get(t, 0))
+        if self.counts[tenant] >= 2 * max(1, self.counts.get(quietest, 0)):
+            self.labelled.discard(quietest)
+            self.labelled.add(tenant)
+            self.on_evict(quietest)
+            return tenant
+        return OTHER
+
+    def _count(self, tenant: str) -> None:
+        if tenant not in self.counts and len(self.counts) >= 4 * self.top_n:
+            # Space-saving: forget the least counted unlabelled tenant, lend its count.
+            candidates = [t for t in self.counts if t not in self.labelled]
+            forgotten = min(candidates, key=self.counts.__getitem__)
+            self.counts[tenant] = self.counts.pop(forgotten)
+        self.counts[tenant] = self.counts.get(tenant, 0) + 1
+
+
+@dataclass(frozen=True)
+class RequestRecord:
+    """What one settled request contributes to the metrics."""
+
+    tenant: str
+    model: str
+    status: str  # completed | cancelled | failed
+    workload_class: str
+    priority: int
+    input_tokens: int
+    cached_tokens: int
+    output_tokens: int
+    duration_s: float
+    queue_s: float | None
+    ttft_s: float | None
+    time_per_output_token_s: float | None
+
+
+class GatewayMetrics:
+    def __init__(self, top_tenants: int = 20) -> None:
+        self.registry = CollectorRegistry(auto_describe=True)
+        self._series: dict[str, set[tuple[Counter | Gauge, tuple[str, ...]]]] = {}
+        self.tenants = TenantLabels(top_tenants, on_evict=self._drop_tenant)
+        reg = self.registry
+        by_class = ["model", "workload_class", "priority"]
+        self.requests = Counter(
+            "tollgate_requests", "Requests admitted, by outcome",
+            ["tenant", "model", "status"], registry=reg,
+        )  # fmt: skip
+        self.tokens = Counter(
+            "tollgate_tokens", "Tokens by type (input, cached_input, output)",
+            ["tenant", "model", "type"], registry=reg,
+        )  # fmt: skip
+        self.rejections = Counter(
+            "tollgate_rejections", "Requests turned away, by reason",
+            ["tenant", "reason"], registry=reg,
+        )  # fmt: skip
+        self.ttft = Histogram(
+            "gen_ai_server_time_to_first_token_seconds",
+            "Time from the request's arrival at the gateway to its first token",
+            by_class, registry=reg, buckets=TTFT_BUCKETS,
+        )  # fmt: skip
+        self.tpot = Histogram(
+            "gen_ai_server_time_per_output_token_seconds",
+            "Mean time between output tokens after the first (one observation per request)",
+            by_class, registry=reg, buckets=TPOT_BUCKETS,
+        )  # fmt: skip
+        self.duration = Histogram(
+            "gen_ai_server_request_duration_seconds",
+            "End-to-end time of an admitted request at the gateway",
+            by_class, registry=reg, buckets=DURATION_BUCKETS,
+        )  # fmt: skip
+        self.queue = Histogram(
+            "tollgate_queue_time_seconds", "Time waiting in the engine before first scheduled",
+            by_class, registry=reg, buckets=QUEUE_BUCKETS,
+        )  # fmt: skip
+        self.reserved_micros = Gauge(
+            "tollgate_tenant_reserved_micros", "Cost held by live reservations (micro-units)",
+            ["tenant"], registry=reg,
+        )  # fmt: skip
+        self.concurrent = Gauge(
+            "tollgate_tenant_concurrent_requests", "Live reservations of the tenant",
+            ["tenant"], registry=reg,
+        )  # fmt: skip
+        self.budget_spent = Gauge(
+            "tollgate_tenant_budget_spent_micros", "Spent this budget period (micro-units)",
+            ["tenant"], registry=reg,
+        )  # fmt: skip
+        self.budget_limit = Gauge(
+            "tollgate_tenant_budget_limit_micros", "Monthly budget of the tenant's plan",
+            ["tenant"], registry=reg,
+        )  # fmt: skip
+
+    def watch_engine(self, stats: Callable[[], EngineStats | None]) -> None:
+        """Export an in-process engine's stats too (embedded mode)."""
+        self.registry.register(EngineStatsCollector(stats))
+
+    def tenant(self, tenant_id: str) -> str:
+        return self.tenants.label(tenant_id)
+
+    def observe(self, record: RequestRecord) -> None:
+        tenant = self.tenant(record.tenant)
+        self._inc(self.requests, (tenant, record.model, record.status))
+        for kind, count in (
+            ("input", record.input_tokens),
+            ("cached_input", record.cached_tokens),
+            ("output", record.output_tokens),
+        ):
+            self._inc(self.tokens, (tenant, record.model, kind), count)
+        labels = (record.model, record.workload_class, str(record.priority))
+        self.duration.labels(*labels).observe(record.duration_s)
+        if record.queue_s is not None:
+            self.queue.labels(*labels).observe(record.queue_s)
+        if record.ttft_s is not None:
+            self.ttft.labels(*labels).observe(record.ttft_s)
+        if record.time_per_output_token_s is not None:
+            self.tpot.labels(*labels).observe(record.time_per_output_token_s)
+
+    def reject(self, tenant_id: str | None, reason: str) -> None:
+        tenant = self.tenant(tenant_id) if tenant_id is not None else NO_TENANT
+        self._inc(self.rejections, (tenant, reason))
+
+    def set_tenant_gauges(
+        self, tenant_id: str, reserved: int, concurrent: int, spent: int, limit: int | None
+    ) -> None:
+        if tenant_id not in self.tenants.labelled:
+            return  # gauges only for labelled tenants: the `other` sum would mean nothing
+        self._set(self.reserved_micros, tenant_id, reserved)
+        self._set(self.concurrent, tenant_id, concurrent)
+        self._set(self.budget_spent, tenant_id, spent)
+        if limit is not None:
+            self._set(self.budget_limit, tenant_id, limit)
+
+    def labelled_tenants(self) -> Iterable[str]:
+        return sorted(self.tenants.labelled)
+
+    def exposition(self) -> bytes:
+        return generate_latest(self.registry)
+
+    def _inc(self, metric: Counter, labels: tuple[str, ...], amount: float = 1) -> None:
+        metric.labels(*labels).inc(amount)
+        self._remember(labels[0], metric, labels)
+
+    def _set(self, metric: Gauge, tenant: str, value: float) -> None:
+        metric.labels(tenant).set(value)
+        self._remember(tenant, metric, (tenant,))
+
+    def _remember(self, tenant: str, metric: Counter | Gauge, labels: tuple[str, ...]) -> None:
+        if tenant not in (OTHER, NO_TENANT):
+            self._series.setdefault(tenant, set()).add((metric, labels))
+
+    def _drop_tenant(self, tenant: str) -> None:
+        for metric, labels in self._series.pop(tenant, ()):
+            metric.remove(*labels)

@@ -1,0 +1,283 @@
+"""One request's telemetry: its root span, the phase spans under it, one metrics
+observation when it settles and one log line when it ends.
+
+An ASGI middleware opens a `RequestScope` for every /v1 request and keeps it in a
+context variable, so admission, dispatch and generation reach it with
+`current_request()` without threading it through every signature. Outside a request
+(unit tests, background tasks) that returns an inert scope whose methods do nothing.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import time
+from collections.abc import AsyncIterator, Iterator, Mapping
+from contextvars import ContextVar
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from litestar.enums import ScopeType
+from litestar.types import ASGIApp, Message, Receive, Scope, Send
+from opentelemetry import context, trace
+from opentelemetry.trace import INVALID_SPAN, Span, SpanKind, Status, StatusCode
+
+from backend.outputs import RequestOutput
+from backend.telemetry import RequestTimeline
+from gateway.settings import SettingsError
+from gateway.telemetry import tracing
+from gateway.telemetry.logs import request_id_var
+from gateway.telemetry.metrics import GatewayMetrics, RequestRecord
+
+if TYPE_CHECKING:
+    from gateway.api.generation import Job
+    from gateway.metering import Outcome
+    from tenants.services import Principal
+
+log = logging.getLogger("tollgate.requests")
+
+DOCUMENT_PROMPT_TOKENS = 1024  # a prompt this long is a document, whatever the endpoint
+OPERATIONS = {"chat.completions": "chat", "completions": "text_completion"}
+# Why a request was turned away, when nothing more specific was noted.
+STATUS_REASONS = {
+    400: "invalid_request",
+    401: "authentication",
+    403: "permission",
+    404: "not_found",
+    409: "conflict",
+    413: "context_length",
+    422: "idempotency_mismatch",
+    429: "rate_limited",
+    499: "cancelled",
+    500: "internal",
+    503: "unavailable",
+    504: "deadline",
+}
+
+
+def workload_class(endpoint: str, prompt_tokens: int) -> str:
+    """`document` for long prompts (prefill-bound), else `chat` or `completion` by endpoint."""
+    if prompt_tokens >= DOCUMENT_PROMPT_TOKENS:
+        return "document"
+    return "chat" if endpoint == "chat.completions" else "completion"
+
+
+@dataclass
+class Telemetry:
+    """What the app holds: the metrics registry, who may scrape it, and the plan budgets
+    of the tenants seen lately (for the budget gauges)."""
+
+    metrics: GatewayMetrics = field(default_factory=GatewayMetrics)
+    metrics_token: str | None = None
+    budgets: dict[str, int | None] = field(default_factory=dict)
+
+    @classmethod
+    def from_env(cls, env: Mapping[str, str]) -> Telemetry:
+        """TOLLGATE_METRICS_TOKEN guards /metrics; TOLLGATE_METRICS_TOP_TENANTS (default 20)
+        bounds the tenant label."""
+        raw = env.get("TOLLGATE_METRICS_TOP_TENANTS", "").strip() or "20"
+        if not raw.isdigit() or not 1 <= int(raw) <= 1000:
+            raise SettingsError(f"TOLLGATE_METRICS_TOP_TENANTS must be 1 to 1000, got {raw!r}")
+        token = env.get("TOLLGATE_METRICS_TOKEN", "").strip() or None
+        return cls(GatewayMetrics(top_tenants=int(raw)), metrics_token=token)
+
+    def note_budget(self, tenant: str, budget_micros: int | None) -> None:
+        self.budgets[tenant] = budget_micros
+        if len(self.budgets) > 4 * self.metrics.tenants.top_n:  # keep the labelled ones
+            labelled = self.metrics.tenants.labelled
+            self.budgets = {t: b for t, b in self.budgets.items() if t in labelled}
+
+    def middleware(self, app: ASGIApp) -> ASGIApp:
+        async def wrapped(scope: Scope, receive: Receive, send: Send) -> None:
+            if scope["type"] != ScopeType.HTTP or not scope["path"].startswith("/v1/"):
+                await app(scope, receive, send)
+                return
+            await self._serve(app, scope, receive, send)
+
+        return wrapped
+
+    async def _serve(self, app: ASGIApp, scope: Scope, receive: Receive, send: Send) -> None:
+        method, path = str(scope.get("method")), scope["path"]
+        span = tracing.tracer().start_span(
+            f"{method} {path}",
+            kind=SpanKind.SERVER,
+            attributes={"http.request.method": method, "url.path": path},
+        )
+        request = RequestScope(self, span)
+        tokens = (
+            context.attach(trace.set_span_in_context(span)),
+            _current.set(request),
+            request_id_var.set(None),
+        )
+
+        async def send_status(message: Message) -> None:
+            if message["type"] == "http.response.start":
+                request.status = message["status"]
+            await send(message)
+
+        try:
+            await app(scope, receive, send_status)
+        except BaseException as exc:
+            span.record_exception(exc)
+            raise
+        finally:
+            request.close()
+            request_id_var.reset(tokens[2])
+            _current.reset(tokens[1])
+            context.detach(tokens[0])
+
+
+@dataclass
+class RequestScope:
+    telemetry: Telemetry | None
+    root: Span
+    status: int = 500
+    request_id: str | None = None
+    tenant: str | None = None
+    model: str | None = None
+    admitted: bool = False
+    rejection: str | None = None  # the specific reason, when admission noted one
+    outcome: str | None = None  # completed | cancelled | failed, once settled
+    started: float = field(default_factory=time.monotonic)
+    timeline: RequestTimeline = field(default_factory=RequestTimeline)
+
+    def identify(self, principal: Principal) -> None:
+        """Who is calling (after authentication): tenant only, never the key."""
+        self.tenant = principal.tenant_id
+        self.root.set_attribute(tracing.TENANT, principal.tenant_id)
+        if self.telemetry is not None:
+            self.telemetry.note_budget(
+                principal.tenant_id, principal.plan.limits.monthly_budget_micros
+            )
+
+    def describe(self, job: Job, stream: bool) -> None:
+        """Name the root span after the operation, with the GenAI request attributes."""
+        self.request_id = job.charge.request_id
+        self.model = job.charge.model
+        request_id_var.set(self.request_id)
+        operation = OPERATIONS.get(job.charge.endpoint, job.charge.endpoint)
+        self.root.update_name(f"{operation} {job.charge.model}")
+        self.root.set_attributes(
+            {
+                tracing.OPERATION: operation,
+                tracing.PROVIDER: tracing.PROVIDER_NAME,
+                tracing.REQUEST_MODEL: job.charge.model,
+                tracing.REQUEST_MAX_TOKENS: job.params.max_tokens,
+                tracing.REQUEST_STREAM: stream,
+                tracing.RESPONSE_ID: job.response_id,
+                tracing.REQUEST_ID: job.charge.request_id,
+                tracing.PRIORITY: job.priority,
+                tracing.WORKLOAD_CLASS: workload_class(job.charge.endpoint, len(job.prompt)),
+            }
+        )
+
+    @contextlib.contextmanager
+    def span(self, name: str, **attributes: Any) -> Iterator[Span]:
+        """A phase of this request, current while the block runs (never across a yield)."""
+        if self.telemetry is None:
+            yield INVALID_SPAN
+            return
+        with tracing.tracer().start_as_current_span(name, attributes=attributes) as phase:
+            yield phase
+
+    def start_span(self, name: str, **attributes: Any) -> Span:
+        """A phase that spans yields (a stream): not made current; the caller ends it."""
+        if self.telemetry is None:
+            return INVALID_SPAN
+        parent = trace.set_span_in_context(self.root)
+        return tracing.tracer().start_span(name, parent, attributes=attributes)
+
+    async def dispatch(self, outputs: AsyncIterator[RequestOutput]) -> AsyncIterator[RequestOutput]:
+        """Pass the engine's outputs through under a `dispatch` span, which is current while
+        the request goes out (routing, the backend call) and ends with the engine stream.
+        Per output: one timeline update, nothing else."""
+        span = self.start_span("dispatch")
+        try:
+            with trace.use_span(span, record_exception=False, set_status_on_exception=False):
+                out = await anext(outputs, None)
+            while out is not None:
+                self.timeline.observe(out)
+                yield out
+                out = await anext(outputs, None)
+        except Exception as exc:
+            span.record_exception(exc)
+            span.set_status(Status(StatusCode.ERROR, type(exc).__name__))
+            raise
+        finally:
+            span.set_attribute(tracing.OUTPUT_TOKENS, self.timeline.output_tokens)
+            span.end()
+            close = getattr(outputs, "aclose", None)
+            if close is not None:  # abort in the engine now, not when collected
+                await close()
+
+    def reject(self, reason: str) -> None:
+        self.rejection = reason
+
+    def finish(self, job: Job, outcome: Outcome) -> None:
+        """The request settles: usage on the root span, one observation in the metrics."""
+        if self.telemetry is None:
+            return
+        timeline = self.timeline
+        self.outcome = str(outcome.status)
+        reasons = timeline.finish_reasons or [outcome.finish_reason or str(outcome.status)]
+        self.root.set_attributes(
+            {
+                tracing.RESPONSE_MODEL: job.charge.model,
+                tracing.INPUT_TOKENS: outcome.prompt_tokens,
+                tracing.OUTPUT_TOKENS: outcome.completion_tokens,
+                tracing.CACHED_INPUT_TOKENS: outcome.cached_tokens,
+                tracing.FINISH_REASONS: reasons,
+                "tollgate.outcome": self.outcome,
+            }
+        )
+        if outcome.error is not None:
+            self.root.set_attribute(tracing.ERROR_TYPE, outcome.error)
+            self.root.set_status(Status(StatusCode.ERROR, outcome.error))
+        self.telemetry.metrics.observe(
+            RequestRecord(
+                tenant=job.charge.principal.tenant_id,
+                model=job.charge.model,
+                status=self.outcome,
+                workload_class=workload_class(job.charge.endpoint, len(job.prompt)),
+                priority=job.priority,
+                input_tokens=outcome.prompt_tokens,
+                cached_tokens=outcome.cached_tokens,
+                output_tokens=outcome.completion_tokens,
+                duration_s=(outcome.e2e_ms or 0.0) / 1000,
+                queue_s=timeline.queue_s,
+                ttft_s=None if outcome.ttft_ms is None else outcome.ttft_ms / 1000,
+                time_per_output_token_s=timeline.time_per_output_token_s,
+            )
+        )
+
+    def close(self) -> None:
+        """The response is out: count a rejection, log one line, end the root span."""
+        if self.telemetry is None:
+            return
+        self.root.set_attribute("http.response.status_code", self.status)
+        rejected = not self.admitted and self.status >= 400
+        if rejected:
+            reason = self.rejection or STATUS_REASONS.get(self.status, str(self.status))
+            self.telemetry.metrics.reject(self.tenant, reason)
+            self.root.set_attribute(tracing.ERROR_TYPE, reason)
+        if self.status >= 500:
+            self.root.set_status(Status(StatusCode.ERROR))
+        log.info(
+            "request finished",
+            extra={
+                "http_status": self.status,
+                "tenant_id": self.tenant,
+                "model": self.model,
+                "outcome": self.outcome or ("rejected" if rejected else None),
+                "duration_ms": round((time.monotonic() - self.started) * 1000, 3),
+            },
+        )
+        self.root.end()
+
+
+_INERT = RequestScope(None, INVALID_SPAN)
+_current: ContextVar[RequestScope] = ContextVar("tollgate_request_scope", default=_INERT)
+
+
+def current_request() -> RequestScope:
+    return _current.get()
