@@ -25,7 +25,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 from urllib.parse import parse_qsl, urlsplit
 
-FAULTS = ("429", "500", "hang", "drop_after_commit")
+FAULTS = ("429", "500", "400", "hang", "drop_after_commit")
 
 
 @dataclass
@@ -151,6 +151,8 @@ class FakeStripe:
                 return status, json.loads(body)
             if fault == "500":
                 result = 500, _error("An unknown error occurred", "api_error")
+            elif fault == "400":
+                result = 400, _error("Invalid request (injected)")
             elif fault == "hang":
                 result = None
             else:
@@ -198,6 +200,7 @@ def _error(message: str, kind: str = "invalid_request_error") -> dict[str, Any]:
 def _handler(fake: FakeStripe) -> type[BaseHTTPRequestHandler]:
     class Handler(BaseHTTPRequestHandler):
         protocol_version = "HTTP/1.1"  # keep-alive: the SDK reuses its connection
+        disable_nagle_algorithm = True  # headers and body go out at once, no 40 ms stall
 
         def do_GET(self) -> None:
             self._serve("GET")

@@ -1,0 +1,61 @@
+"""Daily rollups: the ledger summed per tenant, model and UTC day into usage_daily.
+
+Rebuilding a day replaces its rows from the ledger, so the job is idempotent and a late
+ledger row is picked up by the next run; it rebuilds today and yesterday by default.
+"""
+
+from __future__ import annotations
+
+from datetime import UTC, date, datetime, time, timedelta
+
+from sqlalchemy import delete, func, insert, literal, select
+from sqlalchemy.ext.asyncio import AsyncSession
+
+from tenants.billing.models import DailyUsage
+from tenants.billing.reports import utc_day
+from tenants.models import UsageEvent, utcnow
+
+
+async def rebuild_days(session: AsyncSession, first: date, last: date) -> int:
+    """Replace the rollups of days [first, last]; returns how many rows were written."""
+    start = datetime.combine(first, time(), tzinfo=UTC)
+    end = datetime.combine(last + timedelta(days=1), time(), tzinfo=UTC)
+    day = utc_day(UsageEvent.created_at, session.get_bind().dialect.name)
+    summed = (
+        select(
+            day,
+            UsageEvent.tenant_id,
+            UsageEvent.model,
+            func.count(),
+            func.sum(UsageEvent.prompt_tokens),
+            func.sum(UsageEvent.cached_tokens),
+            func.sum(UsageEvent.completion_tokens),
+            func.sum(UsageEvent.cost_micros),
+            literal(utcnow()),
+        )
+        .where(UsageEvent.created_at >= start, UsageEvent.created_at < end)
+        .group_by(day, UsageEvent.tenant_id, UsageEvent.model)
+    )
+    await session.execute(delete(DailyUsage).where(DailyUsage.day.between(first, last)))
+    result = await session.execute(
+        insert(DailyUsage).from_select(
+            [
+                "day",
+                "tenant_id",
+                "model",
+                "requests",
+                "prompt_tokens",
+                "cached_tokens",
+                "completion_tokens",
+                "cost_micros",
+                "updated_at",
+            ],
+            summed,
+        )
+    )
+    return int(result.rowcount or 0)  # type: ignore[attr-defined]
+
+
+async def rebuild_recent(session: AsyncSession, days: int = 2) -> int:
+    today = utcnow().date()
+    return await rebuild_days(session, today - timedelta(days=days - 1), today)

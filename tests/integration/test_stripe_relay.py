@@ -1,0 +1,195 @@
+"""Stripe export: the relay against the fake Stripe through the real `stripe` SDK, fault by
+fault, and a real Celery worker killed with SIGKILL mid-batch (the acceptance test)."""
+
+from __future__ import annotations
+
+import os
+import random
+import signal
+import subprocess
+import sys
+import time
+import uuid
+from collections import Counter
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from sqlalchemy import Engine, func, select
+from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
+from sqlalchemy.orm import Session
+
+from tenants.billing.export import sync_engine
+from tenants.billing.models import OutboxRow, OutboxStatus, StripeCustomer
+from tenants.billing.relay import Relay
+from tenants.billing.stripe_meters import MeterEvent, Retry, StripeMeters
+from tenants.models import KeyRole, UsageEvent, UsageStatus
+from tenants.services import ApiKeyService, TenantService, UsageService
+from tests.conftest import eventually
+from tests.support.fake_stripe import FakeStripe
+
+EVENT = "tollgate_usage_micros"
+
+
+@pytest.fixture
+def fake() -> Iterator[FakeStripe]:
+    with FakeStripe(hang_s=1.3).serving() as server:
+        yield server
+
+
+def meters(fake: FakeStripe, attempts: int = 4) -> StripeMeters:
+    return StripeMeters(
+        "sk_test_fake",
+        EVENT,
+        base_url=fake.url,
+        timeout_s=1.0,
+        retry=Retry(attempts=attempts, base_s=0.001, cap_s=0.01),
+    )
+
+
+@pytest.fixture
+def engine(database_url: str) -> Iterator[Engine]:
+    engine = sync_engine(database_url)
+    yield engine
+    engine.dispose()
+
+
+async def add_usage(
+    sessions: async_sessionmaker[AsyncSession], tenants: int, rows: int, seed: int = 1
+) -> dict[str, int]:
+    """`rows` ledger rows spread over `tenants` tenants; returns cost per tenant id."""
+    rng = random.Random(seed)
+    spent: Counter[str] = Counter()
+    async with sessions.begin() as session:
+        owners = []
+        for index in range(tenants):
+            tenant = await TenantService(session).create(f"t{index}-{uuid.uuid4().hex[:6]}")
+            key = await ApiKeyService(session).create(tenant, "k", KeyRole.TENANT)
+            owners.append((tenant.id, key.key.id))
+        for _ in range(rows):
+            tenant_id, key_id = rng.choice(owners)
+            cost = rng.choice([0, rng.randint(1, 5000)])
+            await UsageService(session).record(
+                UsageEvent(
+                    request_id="req_" + uuid.uuid4().hex,
+                    tenant_id=tenant_id,
+                    api_key_id=key_id,
+                    model="tollgate-tiny",
+                    endpoint="chat.completions",
+                    status=UsageStatus.COMPLETED,
+                    prompt_tokens=rng.randint(1, 900),
+                    completion_tokens=rng.randint(0, 300),
+                    cost_micros=cost,
+                )
+            )
+            spent[tenant_id] += cost
+    return {tenant_id: cost for tenant_id, cost in spent.items() if cost}
+
+
+def stripe_totals(engine: Engine, fake: FakeStripe) -> dict[str, int]:
+    """The fake's totals per customer, keyed by our tenant ids."""
+    with Session(engine) as session:
+        rows = session.execute(select(StripeCustomer.customer_id, StripeCustomer.tenant_id))
+        customers = {row.customer_id: row.tenant_id for row in rows}
+    return {customers[c]: total for c, total in fake.customer_totals().items()}
+
+
+def pending(engine: Engine) -> int:
+    with Session(engine) as session:
+        query = select(func.count()).where(OutboxRow.status == OutboxStatus.PENDING)
+        return int(session.scalar(query) or 0)
+
+
+async def test_export_equals_ledger_and_a_second_run_sends_nothing(
+    sessions: async_sessionmaker[AsyncSession], engine: Engine, fake: FakeStripe
+) -> None:
+    spent = await add_usage(sessions, tenants=3, rows=120)
+    relay = Relay(engine, meters(fake), batch=50)
+
+    first = relay.run()
+    assert first.exported == first.claimed > 0
+    assert pending(engine) == 0
+    assert stripe_totals(engine, fake) == spent
+    requests = fake.meter_event_requests
+
+    assert relay.run().claimed == 0
+    assert fake.meter_event_requests == requests
+    assert len(fake.meters) == 1  # created once, found afterwards
+
+
+@pytest.mark.parametrize("fault", ["429", "500", "hang", "drop_after_commit"])
+async def test_a_transient_fault_is_retried_and_counted_once(
+    sessions: async_sessionmaker[AsyncSession], engine: Engine, fake: FakeStripe, fault: str
+) -> None:
+    spent = await add_usage(sessions, tenants=1, rows=6, seed=3)
+    fake.program(script=[fault, fault])
+    result = Relay(engine, meters(fake)).run()
+    assert fake.injected[fault] == 2
+    assert result.deferred == 0 and result.rejected == 0
+    assert stripe_totals(engine, fake) == spent
+    assert pending(engine) == 0
+
+
+async def test_a_resend_after_a_crash_mid_batch_counts_once(
+    sessions: async_sessionmaker[AsyncSession], engine: Engine, fake: FakeStripe
+) -> None:
+    """Events sent, then the relay dies before its commit: the next run resends them all
+    with the same identifiers (new idempotency keys too, as after a key expiry)."""
+    spent = await add_usage(sessions, tenants=2, rows=40, seed=5)
+
+    class Crash(Exception):
+        pass
+
+    sink = meters(fake)
+    sent = 0
+
+    class CrashingSink:
+        def ensure_meter(self) -> None:
+            sink.ensure_meter()
+
+        def create_customer(self, tenant_id: str, tenant_name: str) -> str:
+            return sink.create_customer(tenant_id, tenant_name)
+
+        def send(self, event: MeterEvent) -> None:
+            nonlocal sent
+            if sent == 8:
+                raise Crash
+            sink.send(event)
+            sent += 1
+
+    with pytest.raises(Crash):
+        Relay(engine, CrashingSink()).run()
+    assert fake.accepted() == 8 and pending(engine) > 8  # sent, but none marked
+    fake.saved.clear()  # idempotency keys forgotten: only the identifier dedups now
+
+    Relay(engine, meters(fake)).run()
+    assert stripe_totals(engine, fake) == spent
+    assert pending(engine) == 0
+
+
+async def test_an_outage_defers_rows_without_marking_them(
+    sessions: async_sessionmaker[AsyncSession], engine: Engine, fake: FakeStripe
+) -> None:
+    await add_usage(sessions, tenants=1, rows=10, seed=9)
+    fake.program(rates={"500": 1.0})
+    result = Relay(engine, meters(fake, attempts=3)).run()
+    assert result.exported == 0 and result.deferred == result.claimed > 0
+    assert fake.accepted() == 0
+    with Session(engine) as session:
+        rows = list(session.scalars(select(OutboxRow)))
+    assert all(r.status == OutboxStatus.PENDING and r.next_attempt_at is not None for r in rows)
+    assert all(r.attempts == 1 and "APIError (500)" in (r.last_error or "") for r in rows)
+    fake.program()
+    assert Relay(engine, meters(fake)).run().claimed == 0  # not due yet: no hammering
+
+
+async def test_a_rejected_event_is_parked_as_failed(
+    sessions: async_sessionmaker[AsyncSession], engine: Engine, fake: FakeStripe
+) -> None:
+    await add_usage(sessions, tenants=1, rows=5, seed=11)
+    fake.program(script=["400"])
+    result = Relay(engine, meters(fake)).run()
+    assert result.rejected == 1 and result.exported == result.claimed - 1
+    with Session(engine) as session:
+        statuses = Counter(session.scalars(select(OutboxRow.status)))
+    assert statuses == {OutboxStatus.FAILED: 1, OutboxStatus.EXPORTED: result.claimed - 1}
