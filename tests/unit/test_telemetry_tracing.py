@@ -1,0 +1,127 @@
+"""Tracing set-up from OTEL_* variables, and the engine's phase spans written after the fact."""
+
+from __future__ import annotations
+
+from opentelemetry import trace
+from opentelemetry.sdk.trace import ReadableSpan, TracerProvider
+from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+
+from backend.outputs import RequestOutput
+from backend.telemetry import RequestTimeline
+from gateway.telemetry.tracing import build_tracer_provider, exporting
+
+_EXPORTER = InMemorySpanExporter()
+
+
+def span_exporter() -> InMemorySpanExporter:
+    """The process's in-memory exporter, installed once on the global SDK provider (the
+    global provider can be set only once per process)."""
+    provider = trace.get_tracer_provider()
+    if not isinstance(provider, TracerProvider):
+        provider = TracerProvider()
+        trace.set_tracer_provider(provider)
+    if not getattr(provider, "_tollgate_test_exporter", False):
+        provider.add_span_processor(SimpleSpanProcessor(_EXPORTER))
+        provider._tollgate_test_exporter = True  # type: ignore[attr-defined]
+    return _EXPORTER
+
+
+def test_no_endpoint_means_no_exporter() -> None:
+    assert not exporting({})
+    assert build_tracer_provider("svc", {}) is None
+    assert not exporting({"OTEL_EXPORTER_OTLP_ENDPOINT": "  "})
+
+
+def test_endpoint_turns_export_on_unless_disabled() -> None:
+    assert exporting({"OTEL_EXPORTER_OTLP_ENDPOINT": "http://127.0.0.1:4318"})
+    assert exporting({"OTEL_EXPORTER_OTLP_TRACES_ENDPOINT": "http://127.0.0.1:4318/v1/traces"})
+    on = {"OTEL_EXPORTER_OTLP_ENDPOINT": "http://127.0.0.1:4318"}
+    assert not exporting({**on, "OTEL_SDK_DISABLED": "true"})
+    assert not exporting({**on, "OTEL_TRACES_EXPORTER": "none"})
+
+
+def test_provider_names_the_service() -> None:
+    env = {"OTEL_EXPORTER_OTLP_ENDPOINT": "http://127.0.0.1:4318"}
+    provider = build_tracer_provider("tollgate-gateway", env)
+    assert provider is not None
+    try:
+        assert provider.resource.attributes["service.name"] == "tollgate-gateway"
+    finally:
+        provider.shutdown()
+    named = build_tracer_provider("tollgate-gateway", {**env, "OTEL_SERVICE_NAME": "edge-1"})
+    assert named is not None
+    try:
+        assert named.resource.attributes["service.name"] == "edge-1"
+    finally:
+        named.shutdown()
+
+
+def _output(index: int, tokens: int, times: list[float], finished: bool) -> RequestOutput:
+    return RequestOutput(
+        request_id="req_t",
+        text="",
+        token_ids=[7] * len(times),
+        finished=finished,
+        finish_reason="length" if finished else None,
+        prompt_tokens=40,
+        completion_tokens=tokens,
+        cached_tokens=16,
+        arrival_time=100.0,
+        first_scheduled_time=100.5,
+        first_token_time=101.0,
+        token_times=times,
+        index=index,
+    )
+
+
+def test_timeline_measures_queue_and_time_per_token() -> None:
+    timeline = RequestTimeline()
+    timeline.observe(_output(0, 1, [101.0], finished=False))
+    assert timeline.time_per_output_token_s is None  # one token: no gap yet
+    timeline.observe(_output(0, 3, [101.2, 101.4], finished=True))
+    assert timeline.queue_s == 0.5
+    assert abs((timeline.time_per_output_token_s or 0) - 0.2) < 1e-9
+    assert timeline.output_tokens == 3
+    assert timeline.finish_reasons == ["length"]
+
+
+def _by_name(spans: tuple[ReadableSpan, ...]) -> dict[str, ReadableSpan]:
+    return {span.name: span for span in spans}
+
+
+def test_engine_phase_spans_use_the_engine_times() -> None:
+    exporter = span_exporter()
+    exporter.clear()
+    tracer = trace.get_tracer("test")
+    timeline = RequestTimeline()
+    timeline.observe(_output(0, 2, [101.0, 101.25], finished=True))
+    with tracer.start_as_current_span("parent") as parent:
+        timeline.emit_spans(
+            trace.set_span_in_context(parent), 101.3, False, chunk_tokens=8, request_id="req_t"
+        )
+    spans = _by_name(exporter.get_finished_spans())
+    queue, prefill, decode = spans["engine.queue"], spans["engine.prefill"], spans["engine.decode"]
+    assert queue.end_time is not None and queue.start_time is not None
+    assert abs((queue.end_time - queue.start_time) - 500_000_000) < 1000
+    assert prefill.start_time == queue.end_time
+    assert prefill.attributes is not None and decode.attributes is not None
+    assert prefill.attributes["gen_ai.usage.cache_read.input_tokens"] == 16
+    assert prefill.attributes["tollgate.prefill.min_chunks"] == 3  # (40 - 16) / 8
+    assert decode.attributes["gen_ai.usage.output_tokens"] == 2
+    release = spans["engine.kv_release"]
+    assert release.attributes is not None
+    assert release.attributes["tollgate.kv.release_reason"] == "finished"
+    assert all(s.parent is not None for s in spans.values() if s.name.startswith("engine."))
+    assert {spans[n].parent.span_id for n in spans if n != "parent"} == {  # type: ignore[union-attr]
+        spans["parent"].context.span_id  # type: ignore[union-attr]
+    }
+
+
+def test_no_spans_when_nobody_traces() -> None:
+    exporter = span_exporter()
+    exporter.clear()
+    timeline = RequestTimeline()
+    timeline.observe(_output(0, 1, [101.0], finished=True))
+    timeline.emit_spans(trace.set_span_in_context(trace.INVALID_SPAN), 101.1, False, 8, "req_t")
+    assert exporter.get_finished_spans() == ()
