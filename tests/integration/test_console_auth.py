@@ -1,0 +1,217 @@
+"""Console sign-in, sessions, CSRF and roles, over HTTP against SQLite and PostgreSQL."""
+
+from __future__ import annotations
+
+import re
+from datetime import timedelta
+
+import pytest
+from litestar import Litestar
+from litestar.testing import AsyncTestClient
+from sqlalchemy import select
+from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
+
+from tenants import audit
+from tenants.admins import AdminService, ConsoleSession
+from tenants.models import Tenant, utcnow
+from tenants.services import TenantService
+
+Client = AsyncTestClient[Litestar]
+OWNER, VIEWER, PASSWORD = "owner@example.com", "viewer@example.com", "correct horse battery"
+CSRF = re.compile(r'name="csrf_token" value="([^"]+)"')
+POST_FORMS = re.compile(r'<form method="post" action="([^"]+)"')
+
+
+@pytest.fixture
+def client(client: Client) -> Client:
+    """The app client, showing redirects instead of following them."""
+    client.follow_redirects = False
+    return client
+
+
+@pytest.fixture
+async def admins(sessions: async_sessionmaker[AsyncSession]) -> None:
+    async with sessions.begin() as session:
+        await AdminService(session).create(OWNER, "owner", PASSWORD)
+        await AdminService(session).create(VIEWER, "viewer", PASSWORD)
+
+
+async def sign_in(client: Client, email: str, password: str = PASSWORD) -> str:
+    """Sign in through the form; returns the session's CSRF token."""
+    form = await client.get("/admin/login")
+    match = CSRF.search(form.text)
+    assert match is not None
+    response = await client.post(
+        "/admin/login",
+        data={"csrf_token": match.group(1), "email": email, "password": password},
+    )
+    assert response.status_code == 303, response.text
+    page = await client.get("/admin/tenants")
+    token = CSRF.search(page.text)
+    assert token is not None
+    return token.group(1)
+
+
+async def tenant_names(sessions: async_sessionmaker[AsyncSession]) -> list[str]:
+    async with sessions() as session:
+        return list((await session.execute(select(Tenant.name))).scalars())
+
+
+@pytest.mark.parametrize("path", ["/admin", "/admin/tenants", "/admin/usage.csv"])
+async def test_pages_without_a_session_redirect_to_sign_in(client: Client, path: str) -> None:
+    response = await client.get(path)
+    assert response.status_code == 303
+    assert response.headers["location"] == f"/admin/login?next={path}"
+
+
+async def test_sign_in_sets_a_hardened_session_cookie(client: Client, admins: None) -> None:
+    form = await client.get("/admin/login")
+    token = CSRF.search(form.text)
+    assert token is not None
+    response = await client.post(
+        "/admin/login",
+        data={"csrf_token": token.group(1), "email": OWNER, "password": PASSWORD},
+    )
+    assert response.status_code == 303
+    assert response.headers["location"] == "/admin"
+    session_cookie = next(
+        c for c in response.headers.get_list("set-cookie") if c.startswith("tg_console=")
+    )
+    attributes = {part.strip().lower() for part in session_cookie.split(";")}
+    assert {"httponly", "path=/admin", "samesite=lax"} <= attributes
+    assert "secure" not in attributes  # plain http here; https requests get Secure
+    assert (await client.get("/admin")).status_code == 200
+
+
+async def test_wrong_password_is_refused_and_audited(
+    client: Client, admins: None, sessions: async_sessionmaker[AsyncSession]
+) -> None:
+    form = await client.get("/admin/login")
+    token = CSRF.search(form.text)
+    assert token is not None
+    response = await client.post(
+        "/admin/login",
+        data={"csrf_token": token.group(1), "email": OWNER, "password": "not the password"},
+    )
+    assert response.status_code == 401
+    assert "Wrong email or password" in response.text
+    assert (await client.get("/admin")).status_code == 303
+    async with sessions() as session:
+        events = await audit.list_events(session, action="console.sign_in_failed")
+    assert [event.target for event in events] == [f"admin:{OWNER}"]
+
+
+async def test_sign_in_without_the_form_token_is_refused(client: Client, admins: None) -> None:
+    response = await client.post("/admin/login", data={"email": OWNER, "password": PASSWORD})
+    assert response.status_code == 403
+    assert (await client.get("/admin")).status_code == 303
+
+
+async def test_sign_in_never_redirects_off_site(client: Client, admins: None) -> None:
+    form = await client.get("/admin/login", params={"next": "https://evil.example/admin"})
+    token = CSRF.search(form.text)
+    assert token is not None
+    response = await client.post(
+        "/admin/login",
+        data={
+            "csrf_token": token.group(1),
+            "email": OWNER,
+            "password": PASSWORD,
+            "next": "//evil.example/admin",
+        },
+    )
+    assert response.headers["location"] == "/admin"
+
+
+async def test_forged_post_without_csrf_token_is_refused(
+    client: Client, admins: None, sessions: async_sessionmaker[AsyncSession]
+) -> None:
+    await sign_in(client, OWNER)
+    forged = await client.post("/admin/tenants", data={"name": "forged"})
+    wrong = await client.post("/admin/tenants", data={"name": "forged", "csrf_token": "x" * 43})
+    assert (forged.status_code, wrong.status_code) == (403, 403)
+    assert "forged" not in await tenant_names(sessions)
+
+
+async def test_owner_creates_a_tenant_audited_as_the_administrator(
+    client: Client, admins: None, sessions: async_sessionmaker[AsyncSession]
+) -> None:
+    csrf = await sign_in(client, OWNER)
+    response = await client.post("/admin/tenants", data={"name": "acme", "csrf_token": csrf})
+    assert response.status_code == 303
+    assert response.headers["location"] == "/admin/tenants/acme"
+    assert "Created tenant acme" in (await client.get("/admin/tenants/acme")).text
+    async with sessions() as session:
+        events = await audit.list_events(session, action="tenant.create")
+    assert [(e.actor, e.target) for e in events] == [(f"console:{OWNER}", "tenant:acme")]
+    assert events[0].ip is not None
+
+
+async def test_invalid_input_comes_back_as_a_notice(
+    client: Client, admins: None, sessions: async_sessionmaker[AsyncSession]
+) -> None:
+    csrf = await sign_in(client, OWNER)
+    response = await client.post("/admin/tenants", data={"name": "Bad Name!", "csrf_token": csrf})
+    assert response.status_code == 303
+    page = await client.get(response.headers["location"])
+    assert "tenant name must be" in page.text
+    assert await tenant_names(sessions) == []
+
+
+async def test_viewer_sees_no_buttons_and_cannot_change_anything(
+    client: Client, admins: None, sessions: async_sessionmaker[AsyncSession]
+) -> None:
+    async with sessions.begin() as session:
+        await TenantService(session).create("acme")
+    csrf = await sign_in(client, VIEWER)
+    tenants_page = (await client.get("/admin/tenants")).text
+    tenant_page = (await client.get("/admin/tenants/acme")).text
+    for html in (tenants_page, tenant_page, (await client.get("/admin/plans")).text):
+        assert POST_FORMS.findall(html) == ["/admin/logout"]
+    assert "Create key" not in tenant_page and "Set plan" not in tenant_page
+    refused = [
+        await client.post("/admin/tenants", data={"name": "viewer-made", "csrf_token": csrf}),
+        await client.post("/admin/tenants/acme/keys", data={"csrf_token": csrf}),
+        await client.post("/admin/plans", data={"name": "gold", "csrf_token": csrf}),
+    ]
+    assert [r.status_code for r in refused] == [403, 403, 403]
+    assert await tenant_names(sessions) == ["acme"]
+
+
+async def test_sign_out_ends_the_session(client: Client, admins: None) -> None:
+    csrf = await sign_in(client, OWNER)
+    cookie = client.cookies.get("tg_console")
+    response = await client.post("/admin/logout", data={"csrf_token": csrf})
+    assert response.status_code == 303
+    assert response.headers["location"] == "/admin/login"
+    client.cookies.set("tg_console", cookie or "", path="/admin")  # a stolen copy is dead too
+    assert (await client.get("/admin")).status_code == 303
+
+
+async def test_idle_sessions_expire(
+    sessions: async_sessionmaker[AsyncSession], admins: None
+) -> None:
+    idle = timedelta(minutes=30)
+    start = utcnow()
+    async with sessions.begin() as session:
+        service = AdminService(session)
+        token = await service.sign_in(await service.get(OWNER), now=start)
+    async with sessions.begin() as session:
+        assert await AdminService(session).resume(token, idle, start + timedelta(minutes=29))
+    async with sessions.begin() as session:
+        # Used at minute 29, so still alive at minute 58; then idle past the limit.
+        assert await AdminService(session).resume(token, idle, start + timedelta(minutes=58))
+        assert not await AdminService(session).resume(token, idle, start + timedelta(minutes=89))
+    async with sessions() as session:
+        assert (await session.execute(select(ConsoleSession))).first() is None
+
+
+async def test_session_tokens_are_stored_hashed(
+    sessions: async_sessionmaker[AsyncSession], admins: None
+) -> None:
+    async with sessions.begin() as session:
+        service = AdminService(session)
+        token = await service.sign_in(await service.get(OWNER))
+    async with sessions() as session:
+        stored = (await session.execute(select(ConsoleSession.token_hash))).scalar_one()
+    assert stored != token and len(stored) == 64

@@ -1,0 +1,65 @@
+"""Console password hashing (scrypt) and the small parsers of console forms."""
+
+from __future__ import annotations
+
+import pytest
+from litestar.datastructures import FormMultiDict
+
+from gateway.console.actions import budget_micros, limits_from
+from gateway.console.auth import decode_flash, encode_flash
+from gateway.console.queries import percentile
+from gateway.console.session import safe_next
+from tenants.admins import hash_password, verify_password
+from tenants.errors import InvalidInputError
+
+
+def test_password_hash_verifies_only_the_right_password() -> None:
+    stored = hash_password("correct horse battery")
+    assert stored.startswith("scrypt$16384$8$1$")
+    assert verify_password("correct horse battery", stored)
+    assert not verify_password("correct horse batterY", stored)
+
+
+def test_same_password_hashes_differently_each_time() -> None:
+    assert hash_password("same password!") != hash_password("same password!")
+
+
+@pytest.mark.parametrize("stored", ["", "bcrypt$x", "scrypt$1$2$3$!!$??", "plain"])
+def test_malformed_hashes_never_verify(stored: str) -> None:
+    assert not verify_password("anything", stored)
+
+
+def test_budget_is_read_in_dollars_and_blank_is_unlimited() -> None:
+    assert budget_micros(FormMultiDict({"monthly_budget": "25.50"})) == 25_500_000
+    assert budget_micros(FormMultiDict({"monthly_budget": " "})) is None
+    with pytest.raises(InvalidInputError):
+        budget_micros(FormMultiDict({"monthly_budget": "ten"}))
+    with pytest.raises(InvalidInputError):
+        budget_micros(FormMultiDict({"monthly_budget": "0.0000001"}))
+
+
+def test_limits_reject_negative_or_fractional_numbers() -> None:
+    assert limits_from(FormMultiDict({"rpm": "60", "tpm": ""})).rpm == 60
+    for bad in ("-1", "1.5", "lots"):
+        with pytest.raises(InvalidInputError):
+            limits_from(FormMultiDict({"rpm": bad}))
+
+
+def test_flash_round_trips_and_rejects_unknown_kinds() -> None:
+    assert decode_flash(encode_flash("error", "no such plan")) == ("error", "no such plan")
+    assert decode_flash(encode_flash("evil", "x")) is None
+    assert decode_flash("%%%") is None
+
+
+@pytest.mark.parametrize(
+    ("target", "expected"),
+    [("/admin/usage?x=1", "/admin/usage?x=1"), ("https://evil", "/admin"), ("//evil", "/admin")],
+)
+def test_next_stays_inside_the_console(target: str, expected: str) -> None:
+    assert safe_next(target) == expected
+
+
+def test_nearest_rank_percentile() -> None:
+    values = [float(v) for v in range(1, 101)]
+    assert (percentile(values, 50), percentile(values, 95)) == (50.0, 95.0)
+    assert percentile([], 50) is None
