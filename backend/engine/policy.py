@@ -103,6 +103,10 @@ class WaitingQueue:
         everyone = [r for q in self._queues.values() for r in q]
         return iter(sorted(everyone, key=self.ranking.key))
 
+    def tenants(self) -> set[str | None]:
+        """Tenants with at least one waiting request."""
+        return set(self._queues)
+
     def add(self, req: Request) -> None:
         queue = self._queues.setdefault(req.tenant, [])
         bisect.insort(queue, req, key=self.ranking.key)

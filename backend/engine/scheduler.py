@@ -138,11 +138,14 @@ class Scheduler:
                 if plan.budget == 0:
                     break
                 self._schedule_running(req, 1, plan)
-        # Running prefills leave the reserve to new prefills while anyone waits.
+        # Running prefills, the closest to their first token first, leave the reserve to
+        # new prefills while anyone waits.
         reserve = cfg.prefill_reserve_tokens if self.waiting else 0
-        for req in list(self.running):
-            left = req.num_tokens - req.num_computed_tokens
-            if req.status == RequestStatus.RUNNING and left > 1:
+        prefills = [r for r in self.running if r.num_tokens - r.num_computed_tokens > 1]
+        prefills.sort(key=lambda r: r.num_tokens - r.num_computed_tokens)
+        for req in prefills:
+            if req.status == RequestStatus.RUNNING:  # not preempted earlier in this loop
+                left = req.num_tokens - req.num_computed_tokens
                 room = min(left, cfg.long_prefill_cap, plan.budget - reserve)
                 if room <= 0:
                     break
@@ -256,17 +259,21 @@ class Scheduler:
         return True
 
     def _top_up(self, plan: _Plan) -> None:
-        """Give what is left of the budget to prefill chunks that were capped, in order, so
-        the caps shape who goes first without leaving tokens unused."""
-        for req, scheduled in list(plan.chunks.values()):
+        """Give what is left of the budget to prefills that were capped, the closest to
+        their first token first, so the caps shape who goes first without leaving tokens
+        unused."""
+        unfinished = []
+        for req, scheduled in plan.chunks.values():
+            left = req.num_tokens - req.num_computed_tokens - scheduled
+            if left > 0:
+                unfinished.append((left, req))
+        unfinished.sort(key=lambda item: item[0])
+        for left, req in unfinished:
             if plan.budget == 0:
                 return
-            start = req.num_computed_tokens + scheduled
-            extra = min(req.num_tokens - start, plan.budget)
-            if (
-                extra > 0
-                and self.block_manager.allocate_slots(req.request_id, start + extra) is not None
-            ):
+            extra = min(left, plan.budget)
+            end = req.num_tokens - left + extra
+            if self.block_manager.allocate_slots(req.request_id, end) is not None:
                 plan.extend(req, extra)
 
     def _reject(self, req: Request, reason: str) -> None:
