@@ -36,6 +36,7 @@ class Settings:
     stripe_base_url: str | None = None  # None: api.stripe.com (tests: a local fake)
     stripe_meter_event: str = "tollgate_usage_micros"
     stripe_timeout_s: float = 20.0
+    stripe_retry_base_ms: int = 200  # first backoff before jitter; doubles per retry
     export_interval_s: int = 30  # embedded mode: how often the gateway runs the relay
     celery_queue: str = "tollgate"
     console_idle_s: int = 1800  # admin console sessions end after this long unused
@@ -78,6 +79,7 @@ class Settings:
             stripe_meter_event=env.get("TOLLGATE_STRIPE_METER_EVENT", "").strip()
             or "tollgate_usage_micros",
             stripe_timeout_s=float(_int(env, "TOLLGATE_STRIPE_TIMEOUT_S", 20, low=1, high=300)),
+            stripe_retry_base_ms=_int(env, "TOLLGATE_STRIPE_RETRY_BASE_MS", 200, low=1),
             export_interval_s=_int(env, "TOLLGATE_EXPORT_INTERVAL_S", 30, low=1, high=86400),
             celery_queue=env.get("TOLLGATE_CELERY_QUEUE", "").strip() or "tollgate",
             console_idle_s=_int(env, "TOLLGATE_CONSOLE_IDLE_S", 1800, low=60),

@@ -12,7 +12,7 @@ from gateway.settings import Settings
 from tenants import db
 from tenants.billing.relay import Relay, RelayResult
 from tenants.billing.rollups import rebuild_recent
-from tenants.billing.stripe_meters import StripeMeters
+from tenants.billing.stripe_meters import Retry, StripeMeters
 
 
 def stripe_meters(settings: Settings) -> StripeMeters | None:
@@ -24,6 +24,7 @@ def stripe_meters(settings: Settings) -> StripeMeters | None:
         settings.stripe_meter_event,
         base_url=settings.stripe_base_url,
         timeout_s=settings.stripe_timeout_s,
+        retry=Retry(base_s=settings.stripe_retry_base_ms / 1000),
     )
 
 
