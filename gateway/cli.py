@@ -80,9 +80,11 @@ def _parser() -> argparse.ArgumentParser:
 
     audit_log = commands.add_parser("audit", help="the tamper-evident audit log")
     audit_commands = audit_log.add_subparsers(required=True)
-    audit_commands.add_parser(
+    verify = audit_commands.add_parser(
         "verify", help="check the hash chain; exit 1 naming the first bad event"
-    ).set_defaults(handler=_audit_verify)
+    )
+    verify.add_argument("--anchor", type=_anchor, help="ID:HASH printed by an earlier verify")
+    verify.set_defaults(handler=_audit_verify)
     list_events = audit_commands.add_parser("list", help="recent events, newest first")
     list_events.add_argument("--tenant", help="tenant name")
     list_events.add_argument("--action", help="e.g. key.revoke, auth.failures")
@@ -240,6 +242,13 @@ def _iso_time(text: str) -> datetime:
     return moment if moment.tzinfo is not None else moment.replace(tzinfo=UTC)
 
 
+def _anchor(text: str) -> audit.Anchor:
+    try:
+        return audit.Anchor.parse(text)
+    except DomainError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
 def _actor() -> Actor:
     """The audit log's name for whoever runs the CLI."""
     try:
@@ -299,7 +308,7 @@ def _db_grant_app_role(settings: Settings, args: argparse.Namespace) -> int:
 
 def _audit_verify(settings: Settings, args: argparse.Namespace) -> int:
     async def work(session: AsyncSession) -> audit.Verification:
-        return await audit.verify(session)
+        return await audit.verify(session, args.anchor)
 
     result = _in_session(settings, work)
     print(result.describe(), file=sys.stdout if result.ok else sys.stderr)

@@ -191,26 +191,52 @@ async def _append(
 
 
 @dataclass(frozen=True)
+class Anchor:
+    """An event's id and hash kept outside the database (`id:hash`, as verify prints it):
+    the chain alone cannot show that its newest events were deleted, an anchor can."""
+
+    id: int
+    hash: str
+
+    @classmethod
+    def parse(cls, text: str) -> Anchor:
+        number, _, digest = text.partition(":")
+        if not number.isdigit() or int(number) < 1 or len(digest) != 64:
+            raise InvalidInputError(f"an anchor is ID:SHA256 as verify prints it, not {text!r}")
+        return cls(int(number), digest.lower())
+
+    def __str__(self) -> str:
+        return f"{self.id}:{self.hash}"
+
+
+@dataclass(frozen=True)
 class Verification:
     """The result of checking the chain: intact, or the first bad event and why."""
 
     events: int  # events checked (up to the first bad one)
     first_bad_id: int | None = None
     reason: str | None = None
-    head_hash: str = GENESIS_HASH  # hash of the last good event: keep it to detect truncation
+    head_hash: str = GENESIS_HASH  # hash of the last good event
 
     @property
     def ok(self) -> bool:
         return self.first_bad_id is None
 
+    @property
+    def anchor(self) -> Anchor | None:
+        """Keep this to detect later deletion of the newest events (`verify --anchor`)."""
+        return Anchor(self.events, self.head_hash) if self.ok and self.events else None
+
     def describe(self) -> str:
         if self.ok:
-            return f"chain intact: {self.events} events (head {self.head_hash})"
+            anchor = f" (anchor {self.anchor})" if self.anchor else ""
+            return f"chain intact: {self.events} events{anchor}"
         return f"chain broken at event {self.first_bad_id}: {self.reason}"
 
 
-async def verify(session: AsyncSession) -> Verification:
-    """Walk the chain in order of id and name the first event that does not fit."""
+async def verify(session: AsyncSession, anchor: Anchor | None = None) -> Verification:
+    """Walk the chain in order of id and name the first event that does not fit, including
+    a difference from `anchor`, an event known from an earlier verification."""
     expected_id, prev_hash, checked = 1, GENESIS_HASH, 0
     while True:
         batch = list(
@@ -224,13 +250,23 @@ async def verify(session: AsyncSession) -> Verification:
             ).scalars()
         )
         if not batch:
-            return Verification(events=checked, head_hash=prev_hash)
+            break
         for event in batch:
-            reason = _fault(event, expected_id, prev_hash)
+            reason = _fault(event, expected_id, prev_hash) or _unlike(event, anchor)
             if reason is not None:
                 return Verification(checked, event.id, reason, prev_hash)
             expected_id, prev_hash, checked = event.id + 1, event.hash, checked + 1
         session.expunge_all()  # bounded memory on long chains
+    if anchor is not None and anchor.id > checked:
+        reason = f"events {checked + 1} to {anchor.id} are missing (the newest were deleted)"
+        return Verification(checked, checked + 1, reason, prev_hash)
+    return Verification(events=checked, head_hash=prev_hash)
+
+
+def _unlike(event: AuditEvent, anchor: Anchor | None) -> str | None:
+    if anchor is None or event.id != anchor.id or event.hash == anchor.hash:
+        return None
+    return "hash differs from the anchor kept earlier (the chain was rewritten)"
 
 
 def _fault(event: AuditEvent, expected_id: int, prev_hash: str) -> str | None:

@@ -13,6 +13,7 @@ from gateway.admin.controllers import require_admin
 from gateway.errors import InvalidRequest
 from gateway.runtime import Runtime
 from tenants import audit
+from tenants.errors import InvalidInputError
 from tenants.services import Principal, TenantService
 
 MAX_PAGE = 1000
@@ -69,15 +70,23 @@ class AuditController(Controller):
 
     @post("/verify", status_code=200)
     async def verify(
-        self, runtime: NamedDependency[Runtime], admin: NamedDependency[Principal]
+        self,
+        runtime: NamedDependency[Runtime],
+        admin: NamedDependency[Principal],
+        anchor: FromQuery[str | None] = None,
     ) -> dict[str, Any]:
-        """Walk the whole chain; `ok` false names the first bad event and why."""
+        """Walk the whole chain; `ok` false names the first bad event and why. `anchor`
+        (the `anchor` of an earlier result) also catches deletion of the newest events."""
+        try:
+            kept = None if anchor is None else audit.Anchor.parse(anchor)
+        except InvalidInputError as exc:
+            raise InvalidRequest(str(exc), param="anchor") from None
         async with runtime.sessions() as session:
-            result = await audit.verify(session)
+            result = await audit.verify(session, kept)
         return {
             "ok": result.ok,
             "events": result.events,
             "first_bad_id": result.first_bad_id,
             "reason": result.reason,
-            "head_hash": result.head_hash,
+            "anchor": None if result.anchor is None else str(result.anchor),
         }

@@ -58,7 +58,7 @@ def _as_superuser(url: str, *statements: str) -> None:
                 connection.execute(text("SET LOCAL session_replication_role = replica"))
             else:
                 for trigger in ("audit_events_no_update", "audit_events_no_delete"):
-                    connection.execute(text(f"DROP TRIGGER {trigger}"))
+                    connection.execute(text(f"DROP TRIGGER IF EXISTS {trigger}"))
             for statement in statements:
                 connection.execute(text(statement))
     finally:
@@ -108,6 +108,40 @@ async def test_verify_names_the_first_edited_or_deleted_event(
     assert result.first_bad_id == first_bad
     assert result.reason is not None and result.reason.startswith(reason)
     assert f"event {first_bad}" in result.describe()
+
+
+async def test_an_anchor_catches_deletion_of_the_newest_events(
+    database_url: str, sessions: Sessions
+) -> None:
+    await _record_many(sessions, 5)
+    anchor = (await _verify(sessions)).anchor
+    assert anchor is not None and anchor.id == 5
+    assert audit.Anchor.parse(str(anchor)) == anchor
+    await _record_many(sessions, 1)
+    assert (await _verify(sessions)).ok  # the chain grew past the anchor: fine
+    _as_superuser(database_url, "DELETE FROM audit_events WHERE id >= 4")
+    assert (await _verify(sessions)).ok  # the chain alone cannot tell
+    result = await _verify_with(sessions, anchor)
+    assert (result.ok, result.first_bad_id) == (False, 4)
+    assert result.reason is not None and "newest were deleted" in result.reason
+
+
+async def test_an_anchor_catches_a_rewritten_chain(database_url: str, sessions: Sessions) -> None:
+    await _record_many(sessions, 3)
+    anchor = (await _verify(sessions)).anchor
+    assert anchor is not None
+    _as_superuser(database_url, "DELETE FROM audit_events")
+    await _record_many(sessions, 4)  # a whole new, self-consistent chain
+    assert (await _verify(sessions)).ok
+    result = await _verify_with(sessions, anchor)
+    assert (result.ok, result.first_bad_id) == (False, 3)
+    with pytest.raises(InvalidInputError):
+        audit.Anchor.parse("3:not-a-hash")
+
+
+async def _verify_with(sessions: Sessions, anchor: audit.Anchor) -> audit.Verification:
+    async with sessions() as session:
+        return await audit.verify(session, anchor)
 
 
 async def test_verify_detects_reordering(database_url: str, sessions: Sessions) -> None:
@@ -339,10 +373,20 @@ async def test_verify_endpoint_names_the_first_bad_event(
 ) -> None:
     admin, _ = await _admin(sessions)
     await _record_many(sessions, 3)
+    intact = (await client.post("/admin/api/audit/verify", headers=admin)).json()
+    assert (intact["ok"], intact["events"], intact["anchor"][:2]) == (True, 5, "5:")
     _as_superuser(database_url, "UPDATE audit_events SET target = 'plan:forged' WHERE id = 4")
     result = (await client.post("/admin/api/audit/verify", headers=admin)).json()
     assert (result["ok"], result["first_bad_id"]) == (False, 4)
     assert result["reason"].startswith("hash mismatch")
+    assert result["anchor"] is None
+    _as_superuser(database_url, "DELETE FROM audit_events WHERE id >= 4")
+    cut = await client.post(
+        "/admin/api/audit/verify", params={"anchor": intact["anchor"]}, headers=admin
+    )
+    assert (cut.json()["ok"], cut.json()["first_bad_id"]) == (False, 4)
+    bad = await client.post("/admin/api/audit/verify", params={"anchor": "x"}, headers=admin)
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "anchor"
 
 
 async def test_revoked_key_use_is_audited_once_a_minute(
@@ -430,10 +474,16 @@ def test_cli_changes_are_audited_and_verify_reports(
     assert secret not in listed
 
     assert cli.main(["audit", "verify"]) == 0
-    assert capsys.readouterr().out.startswith("chain intact: 4 events")
+    intact = capsys.readouterr().out
+    assert intact.startswith("chain intact: 4 events (anchor 4:")
+    anchor = intact.split("anchor ")[1].rstrip(")\n")
     _as_superuser(database_url, "DELETE FROM audit_events WHERE id = 2")
     assert cli.main(["audit", "verify"]) == 1
     assert "chain broken at event 3: sequence gap" in capsys.readouterr().err
+    _as_superuser(database_url, "DELETE FROM audit_events WHERE id >= 3")
+    assert cli.main(["audit", "verify"]) == 0  # what is left is a consistent chain…
+    assert cli.main(["audit", "verify", "--anchor", anchor]) == 1  # …shorter than the anchor
+    assert "chain broken at event 2" in capsys.readouterr().err
 
 
 async def test_services_audit_as_system_by_default(sessions: Sessions) -> None:
