@@ -8,10 +8,13 @@ static key `arrival + p * I` orders requests by effective priority at every inst
 the waiting queue is sorted once, on insertion, and never re-sorted per step. A preempted
 request keeps its arrival time, hence its age and its place.
 
-Among requests of the same effective class, tenants share the token budget by weight: the
-tenant that has been served the fewest tokens per unit of weight goes first (deficit round
-robin on scheduled tokens). Within a tenant, ties go to the earliest deadline, then to the
-earliest arrival.
+Between tenants, the head of each tenant's queue ages from its arrival or from the
+tenant's last admission, whichever is later: a tenant rises one class per interval it goes
+unserved. (Aging from arrival alone would hand the budget to whoever floods the queue: its
+backlog is the oldest.) Among heads of the same effective class, tenants share the token
+budget by weight: the tenant served the fewest tokens per unit of weight goes first
+(deficit round robin on scheduled tokens). Within a tenant, ties go to the earliest
+deadline, then to the earliest arrival.
 """
 
 from __future__ import annotations
@@ -89,6 +92,7 @@ class WaitingQueue:
         self.ranking = ranking
         self.fair = fair
         self._queues: dict[str | None, list[Request]] = {}
+        self._served_at: dict[str | None, float] = {}  # each tenant's last admission
         self._size = 0
         self.num_tokens = 0  # tokens to compute before their first output: shedding
 
@@ -113,6 +117,10 @@ class WaitingQueue:
         self._size += 1
         self.num_tokens += req.num_tokens
 
+    def admitted(self, req: Request, now: float) -> None:
+        self.remove(req)
+        self._served_at[req.tenant] = now
+
     def remove(self, req: Request) -> None:
         queue = self._queues[req.tenant]
         queue.remove(req)
@@ -130,7 +138,7 @@ class WaitingQueue:
         if len(self._queues) == 1:
             [queue] = self._queues.values()
         else:
-            heads = [(effective(q[0], now), q) for q in self._queues.values()]
+            heads = [(self._head_class(q[0], now), q) for q in self._queues.values()]
             top = min(e for e, _ in heads)
             tied = [q for e, q in heads if e == top]
             if len(tied) == 1:
@@ -146,6 +154,13 @@ class WaitingQueue:
         top = effective(head, now)
         same_class = [r for r in queue[:TIE_WINDOW] if effective(r, now) == top]
         return min(same_class, key=_deadline_order)
+
+    def _head_class(self, head: Request, now: float) -> int:
+        aging = self.ranking.aging
+        if aging is None:
+            return head.priority
+        since = max(head.arrival_time, self._served_at.get(head.tenant, head.arrival_time))
+        return head.priority - math.floor((now - since) / aging)
 
 
 class Throughput:

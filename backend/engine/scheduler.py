@@ -245,7 +245,7 @@ class Scheduler:
         num_new = min(req.num_tokens - num_computed, plan.budget, self.config.long_prefill_cap)
         if bm.allocate_slots(req.request_id, num_computed + num_new, computed) is None:
             return False
-        self.waiting.remove(req)
+        self.waiting.admitted(req, now)
         if bm.enable_caching:
             self.prefix_cache_queries += req.num_tokens
             self.prefix_cache_hits += num_computed

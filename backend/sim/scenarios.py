@@ -44,8 +44,8 @@ def document_burst(protection: bool, documents: bool = True) -> tuple[EngineConf
 def flood(fair: bool) -> tuple[EngineConfig, list[Stream]]:
     """Two tenants of equal weight, both past their share; one sends 10x the requests."""
     config = replace(BASE, max_num_seqs=32, max_waiting_requests=100_000, tenant_fairness=fair)
-    quiet = replace(CHAT, name="quiet", tenant="quiet", rate=6.0, end=20.0)
-    loud = replace(quiet, name="loud", tenant="loud", rate=60.0)
+    quiet = replace(CHAT, name="quiet", tenant="quiet", rate=12.0, end=10.0)
+    loud = replace(quiet, name="loud", tenant="loud", rate=120.0)
     return config, [loud, quiet]
 
 

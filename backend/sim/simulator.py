@@ -31,6 +31,7 @@ class RequestRecord:
     preemptions: int = 0
     first_step: int | None = None  # the step that first scheduled it
     arrival_step: int = 0  # steps completed when it arrived
+    running_at_arrival: int = 0  # requests running when it arrived
 
 
 @dataclass
@@ -95,7 +96,9 @@ class Simulator:
 
     def _arrive(self, a: Arrival) -> None:
         s = a.stream
-        record = self.records[a.request_id] = RequestRecord(a, arrival_step=self.num_steps)
+        record = self.records[a.request_id] = RequestRecord(
+            a, arrival_step=self.num_steps, running_at_arrival=len(self.scheduler.running)
+        )
         base = len(self.records) * 1_000_003  # distinct prompts: no accidental cache hits
         req = Request(
             a.request_id,
