@@ -23,6 +23,8 @@ from gateway.admission.quota import Admission
 from gateway.admission.reconcile import Upkeep
 from gateway.api.health import healthz, readyz
 from gateway.api.openai import OpenAIController
+from gateway.billing.controllers import BillingAdminController, UsageController
+from gateway.billing.jobs import BillingJobs
 from gateway.console import console_router
 from gateway.dispatch.engine_client import EngineClient, InProcessEngineClient
 from gateway.dispatch.remote import RemoteEngineClient
@@ -95,6 +97,9 @@ def create_app(
         admission.start()
         upkeep = Upkeep(sessions, admission.store, settings.lease_s)
         upkeep.start()
+        billing_jobs = BillingJobs(settings, sessions)
+        if BillingJobs.wanted(settings):
+            billing_jobs.start()
         auth_failures = AuthFailureLog(sessions)
         auth_failures.start()
         runtime = Runtime(
@@ -125,6 +130,7 @@ def create_app(
         finally:
             await tasks.drain()
             await upkeep.close()
+            await billing_jobs.close()
             await auth_failures.close()
             await admission.close()
             if owned:
@@ -137,6 +143,8 @@ def create_app(
         route_handlers=[
             OpenAIController,
             AdminController,
+            UsageController,
+            BillingAdminController,
             AuditController,
             console_router(),
             healthz,

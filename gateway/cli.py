@@ -18,6 +18,7 @@ from typing import TypeVar
 
 from sqlalchemy.ext.asyncio import AsyncSession
 
+from gateway.billing import cli as billing_cli
 from gateway.settings import Settings, SettingsError
 from tenants import audit, db
 from tenants.admins import AdminService
@@ -148,6 +149,7 @@ def _parser() -> argparse.ArgumentParser:
     create_admin.add_argument("--role", choices=["owner", "viewer"], default="viewer")
     create_admin.set_defaults(handler=_admins_create)
     admins.add_parser("list", help="list console administrators").set_defaults(handler=_admins_list)
+    billing_cli.add_commands(commands)
     return parser
 
 

@@ -11,6 +11,7 @@ from litestar.static_files import create_static_files_router
 
 from gateway.console.actions import ActionsController
 from gateway.console.auth import ConsoleForbidden, SignInRequired
+from gateway.console.ledger import LedgerActionsController, LedgerPagesController
 from gateway.console.pages import PagesController
 from gateway.console.render import STATIC_DIR, page
 from gateway.console.session import SessionController
@@ -39,6 +40,8 @@ def console_router() -> Router:
             SessionController,
             PagesController,
             ActionsController,
+            LedgerPagesController,
+            LedgerActionsController,
             create_static_files_router(path="/static", directories=[STATIC_DIR]),
         ],
         exception_handlers={

@@ -18,6 +18,8 @@ from datetime import datetime, timedelta
 from sqlalchemy import select
 from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
 
+from tenants import audit
+from tenants.audit import Actor
 from tenants.billing.models import PriceVersion
 from tenants.errors import ConflictError, InvalidInputError
 from tenants.models import utcnow
@@ -71,7 +73,8 @@ class PriceService:
     async def create(
         self, model: str, price: Price, effective_from: datetime, created_by: str
     ) -> PriceVersion:
-        """Add a version. History is never rewritten: it may not take effect in the past."""
+        """Add a version (the caller audits it: see `audit_created`). History is never
+        rewritten: it may not take effect in the past."""
         _check(model, price)
         effective_from = _utc(effective_from)
         if effective_from < utcnow() - PAST_GRACE:
@@ -96,6 +99,24 @@ class PriceService:
         self.session.add(version)
         await self.session.flush()
         return version
+
+
+async def audit_created(session: AsyncSession, actor: Actor, version: PriceVersion) -> None:
+    """The audit event for a new price version, in the caller's transaction."""
+    await audit.record(
+        session,
+        actor=actor.name,
+        action="price.create",
+        target=f"price:{version.model}",
+        details={
+            "version_id": version.id,
+            "effective_from": _utc(version.effective_from).isoformat(),
+            "input_micros_per_mtok": version.input_micros_per_mtok,
+            "cached_input_micros_per_mtok": version.cached_input_micros_per_mtok,
+            "output_micros_per_mtok": version.output_micros_per_mtok,
+        },
+        context=actor.context,
+    )
 
 
 def _check(model: str, price: Price) -> None:

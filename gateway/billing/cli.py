@@ -1,0 +1,194 @@
+"""`tollgate billing …` and `tollgate prices …`: reports, Stripe export, the price book."""
+
+from __future__ import annotations
+
+import argparse
+import json
+from datetime import UTC, date, datetime
+from decimal import Decimal, InvalidOperation
+from typing import Any
+
+from sqlalchemy.ext.asyncio import AsyncSession
+
+from gateway.settings import Settings
+from tenants import audit
+from tenants.billing.export import export_once
+from tenants.billing.models import PriceVersion
+from tenants.billing.prices import PriceService, audit_created
+from tenants.billing.reports import Period, Report, build_report, format_micros
+from tenants.errors import InvalidInputError
+from tenants.pricing import TOKENS_PER_UNIT, Price
+from tenants.services import TenantService
+
+
+def add_commands(commands: Any) -> None:
+    """Register the subcommands on the CLI's top-level subparsers."""
+    billing = commands.add_parser("billing", help="usage reports and Stripe export")
+    billing_commands = billing.add_subparsers(required=True)
+    report = billing_commands.add_parser("report", help="a tenant's usage and spend for a month")
+    report.add_argument("--tenant", required=True)
+    report.add_argument("--period", type=_period, help="YYYY-MM, UTC (default: this month)")
+    report.add_argument("--format", choices=("table", "json", "csv"), default="table")
+    report.set_defaults(handler=_billing_report)
+    billing_commands.add_parser(
+        "export", help="send pending usage to Stripe now (TOLLGATE_STRIPE_API_KEY)"
+    ).set_defaults(handler=_billing_export)
+
+    prices = commands.add_parser("prices", help="the price book").add_subparsers(required=True)
+    list_prices = prices.add_parser("list", help="every price version")
+    list_prices.add_argument("--model")
+    list_prices.set_defaults(handler=_prices_list)
+    set_price = prices.add_parser(
+        "set", help="add a price version (amounts per million tokens, e.g. 0.10)"
+    )
+    set_price.add_argument("--model", required=True, help="model name, or '*' for every model")
+    set_price.add_argument("--input", type=_per_mtok, required=True)
+    set_price.add_argument("--cached-input", type=_per_mtok, required=True)
+    set_price.add_argument("--output", type=_per_mtok, required=True)
+    set_price.add_argument(
+        "--effective", type=_day, help="YYYY-MM-DD, from midnight UTC (default: now)"
+    )
+    set_price.set_defaults(handler=_prices_set)
+
+
+def _period(text: str) -> Period:
+    try:
+        return Period.parse(text)
+    except InvalidInputError as exc:  # shown as a usage error
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+def _per_mtok(text: str) -> int:
+    """Currency units per million tokens ('0.10'), as integer micro-units."""
+    try:
+        micros = Decimal(text) * 1_000_000
+    except InvalidOperation:
+        raise argparse.ArgumentTypeError(f"expected an amount like 0.10, got {text!r}") from None
+    if micros < 0 or micros != micros.to_integral_value():
+        raise argparse.ArgumentTypeError("a price must be >= 0 with at most 6 decimals")
+    return int(micros)
+
+
+def _day(text: str) -> datetime:
+    try:
+        return datetime.combine(date.fromisoformat(text), datetime.min.time(), tzinfo=UTC)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a date like 2026-12-01, got {text!r}") from None
+
+
+def _billing_report(settings: Settings, args: argparse.Namespace) -> int:
+    from gateway.cli import _in_session
+
+    async def work(session: AsyncSession) -> Report:
+        tenant = await TenantService(session).get(args.tenant)
+        return await build_report(session, tenant, args.period or Period.current())
+
+    report = _in_session(settings, work)
+    if args.format == "json":
+        print(json.dumps(report.view(), indent=2))
+    elif args.format == "csv":
+        print(report.csv(), end="")
+    else:
+        print(_table(report))
+    return 0
+
+
+def _table(report: Report) -> str:
+    header = ("MODEL", "REQUESTS", "INPUT", "CACHED INPUT", "OUTPUT", "AMOUNT")
+    lines = [
+        (model, t.requests, t.input_tokens, t.cached_input_tokens, t.output_tokens, t.cost_micros)
+        for model, t in sorted(report.by_model.items())
+    ]
+    total = report.totals
+    lines.append(
+        (
+            "TOTAL",
+            total.requests,
+            total.input_tokens,
+            total.cached_input_tokens,
+            total.output_tokens,
+            total.cost_micros,
+        )
+    )
+    rows = [header] + [(*line[:5], format_micros(line[5])) for line in lines]
+    cells = [[str(cell) for cell in row] for row in rows]
+    widths = [max(len(row[i]) for row in cells) for i in range(len(header))]
+    title = f"tenant {report.tenant_name}, {report.period.label} (UTC), amounts in USD"
+    body = [
+        "  ".join(
+            cell.rjust(w) if i else cell.ljust(w)
+            for i, (cell, w) in enumerate(zip(row, widths, strict=True))
+        )
+        for row in cells
+    ]
+    return "\n".join([title, *body])
+
+
+def _billing_export(settings: Settings, args: argparse.Namespace) -> int:
+    from gateway.cli import _actor, _in_session
+
+    if settings.stripe_api_key is None:
+        print("tollgate: Stripe export is off: set TOLLGATE_STRIPE_API_KEY")
+        return 2
+    result = export_once(settings, budget_s=600.0)
+    assert result is not None  # Stripe is configured
+    counts = {"exported": result.exported, "deferred": result.deferred, "rejected": result.rejected}
+    actor = _actor()
+
+    async def work(session: AsyncSession) -> None:
+        await audit.record(
+            session,
+            actor=actor.name,
+            action="billing.export",
+            target="stripe",
+            details=counts,
+            context=actor.context,
+        )
+
+    _in_session(settings, work)
+    print(", ".join(f"{name}={value}" for name, value in counts.items()))
+    return 0 if not result.deferred else 1
+
+
+def _describe(version: PriceVersion) -> str:
+    moment = version.effective_from
+    when = (moment if moment.tzinfo else moment.replace(tzinfo=UTC)).isoformat(timespec="seconds")
+    per_mtok = [
+        format_micros(value)
+        for value in (
+            version.input_micros_per_mtok,
+            version.cached_input_micros_per_mtok,
+            version.output_micros_per_mtok,
+        )
+    ]
+    return "\t".join([version.model, when, *per_mtok, version.created_by or "-", version.id])
+
+
+def _prices_list(settings: Settings, args: argparse.Namespace) -> int:
+    from gateway.cli import _in_session
+
+    async def work(session: AsyncSession) -> list[str]:
+        return [_describe(v) for v in await PriceService(session).list(args.model)]
+
+    header = "MODEL\tEFFECTIVE FROM\tINPUT/MTOK\tCACHED INPUT/MTOK\tOUTPUT/MTOK\tBY\tID"
+    print("\n".join([header, *_in_session(settings, work)]))
+    return 0
+
+
+def _prices_set(settings: Settings, args: argparse.Namespace) -> int:
+    from gateway.cli import _actor, _in_session
+
+    actor = _actor()
+    price = Price(args.input, args.cached_input, args.output)
+
+    async def work(session: AsyncSession) -> str:
+        effective = args.effective or datetime.now(UTC)
+        version = await PriceService(session).create(
+            args.model, price, effective, created_by=actor.name[:100]
+        )
+        await audit_created(session, actor, version)
+        return _describe(version)
+
+    print("added " + _in_session(settings, work))
+    print(f"(amounts per {TOKENS_PER_UNIT:,} tokens; gateways pick it up within 30 s)")
+    return 0

@@ -1,0 +1,170 @@
+"""Usage and billing routes.
+
+/v1/usage is the calling tenant's own usage and spend (any API key; never another
+tenant's: a request id of another tenant is simply not found). The admin routes under
+/admin/api/billing and /admin/api/prices need an admin key, like the rest of /admin/api.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+from litestar import Controller, Response, get, post
+from litestar.di import NamedDependency, Provide
+from litestar.params import FromPath, FromQuery, RawBody
+from sqlalchemy import select
+
+from gateway.admin.controllers import admin_actor, require_admin
+from gateway.admission.auth import authenticate
+from gateway.api.schemas import decode
+from gateway.billing.schemas import PriceBody, period_of, price_view, usage_row_view
+from gateway.errors import InvalidRequest, NotFound
+from gateway.runtime import Runtime
+from tenants import audit
+from tenants.audit import Actor
+from tenants.billing.export import export_once
+from tenants.billing.prices import PriceService, audit_created
+from tenants.billing.reports import build_report
+from tenants.models import UsageEvent
+from tenants.pricing import Price
+from tenants.services import Principal, TenantService
+
+
+class UsageController(Controller):
+    path = "/v1/usage"
+    dependencies = {"principal": Provide(authenticate)}
+
+    @get("/")
+    async def usage(
+        self,
+        runtime: NamedDependency[Runtime],
+        principal: NamedDependency[Principal],
+        period: FromQuery[str | None] = None,
+    ) -> dict[str, Any]:
+        """This tenant's usage and spend for a month (YYYY-MM, UTC; default: this one)."""
+        async with runtime.sessions() as session:
+            tenant = await TenantService(session).get_by_id(principal.tenant_id)
+            report = await build_report(session, tenant, period_of(period))
+        return {"object": "usage", **report.view()}
+
+    @get("/requests/{request_id:str}")
+    async def request_usage(
+        self,
+        request_id: FromPath[str],
+        runtime: NamedDependency[Runtime],
+        principal: NamedDependency[Principal],
+    ) -> dict[str, Any]:
+        async with runtime.sessions() as session:
+            event = await session.scalar(
+                select(UsageEvent).where(
+                    UsageEvent.request_id == request_id,
+                    UsageEvent.tenant_id == principal.tenant_id,
+                )
+            )
+        if event is None:  # another tenant's request looks exactly like a missing one
+            raise NotFound(f"no request {request_id!r}", param="request_id")
+        return usage_row_view(event)
+
+
+class BillingAdminController(Controller):
+    path = "/admin/api"
+    dependencies = {"admin": Provide(require_admin), "actor": Provide(admin_actor)}
+
+    @get("/billing/reports/{tenant:str}/{period:str}")
+    async def report(
+        self,
+        tenant: FromPath[str],
+        period: FromPath[str],
+        runtime: NamedDependency[Runtime],
+        admin: NamedDependency[Principal],
+    ) -> dict[str, Any]:
+        async with runtime.sessions() as session:
+            found = await TenantService(session).get(tenant)
+            return (await build_report(session, found, period_of(period))).view()
+
+    @get("/billing/reports/{tenant:str}/{period:str}/csv")
+    async def report_csv(
+        self,
+        tenant: FromPath[str],
+        period: FromPath[str],
+        runtime: NamedDependency[Runtime],
+        actor: NamedDependency[Actor],
+    ) -> Response[str]:
+        """The report's lines as CSV; exporting billing data is audited."""
+        async with runtime.sessions.begin() as session:
+            found = await TenantService(session).get(tenant)
+            report = await build_report(session, found, period_of(period))
+            await audit.record(
+                session,
+                actor=actor.name,
+                action="billing.report.export",
+                target=f"tenant:{found.name}",
+                tenant_id=found.id,
+                details={"period": report.period.label, "format": "csv"},
+                context=actor.context,
+            )
+        filename = f"tollgate-{found.name}-{report.period.label}.csv"
+        return Response(
+            report.csv(),
+            media_type="text/csv; charset=utf-8",
+            headers={"Content-Disposition": f'attachment; filename="{filename}"'},
+        )
+
+    @get("/prices")
+    async def list_prices(
+        self,
+        runtime: NamedDependency[Runtime],
+        admin: NamedDependency[Principal],
+        model: FromQuery[str | None] = None,
+    ) -> list[dict[str, Any]]:
+        async with runtime.sessions() as session:
+            return [price_view(v) for v in await PriceService(session).list(model)]
+
+    @post("/prices", status_code=201)
+    async def create_price(
+        self, body: RawBody, runtime: NamedDependency[Runtime], actor: NamedDependency[Actor]
+    ) -> dict[str, Any]:
+        price = decode(body, PriceBody)
+        async with runtime.sessions.begin() as session:
+            version = await PriceService(session).create(
+                price.model,
+                Price(
+                    price.input_micros_per_mtok,
+                    price.cached_input_micros_per_mtok,
+                    price.output_micros_per_mtok,
+                ),
+                price.effective(),
+                created_by=actor.name[:100],
+            )
+            await audit_created(session, actor, version)
+            view = price_view(version)
+        runtime.recorder.prices.invalidate()  # this process sees it at once, others soon
+        return view
+
+    @post("/billing/export", status_code=200)
+    async def export(
+        self, runtime: NamedDependency[Runtime], actor: NamedDependency[Actor]
+    ) -> dict[str, Any]:
+        """Run the Stripe relay once, now (it also runs on its schedule)."""
+        settings = runtime.settings
+        if settings.stripe_api_key is None:
+            raise InvalidRequest(
+                "Stripe export is off: set TOLLGATE_STRIPE_API_KEY", code="stripe_disabled"
+            )
+        result = await asyncio.to_thread(export_once, settings)
+        counts = {
+            "exported": result.exported if result else 0,
+            "deferred": result.deferred if result else 0,
+            "rejected": result.rejected if result else 0,
+        }
+        async with runtime.sessions.begin() as session:
+            await audit.record(
+                session,
+                actor=actor.name,
+                action="billing.export",
+                target="stripe",
+                details=counts,
+                context=actor.context,
+            )
+        return counts

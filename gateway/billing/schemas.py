@@ -1,0 +1,91 @@
+"""Billing bodies and views."""
+
+from __future__ import annotations
+
+from datetime import UTC, date, datetime
+from typing import Annotated, Any
+
+from msgspec import Meta, Struct
+
+from gateway.errors import InvalidRequest
+from tenants.billing.models import PriceVersion
+from tenants.billing.reports import Period
+from tenants.errors import InvalidInputError
+from tenants.models import UsageEvent, utcnow
+
+MicrosPerMtok = Annotated[int, Meta(ge=0, le=10**12)]
+
+
+class PriceBody(Struct, kw_only=True, forbid_unknown_fields=True):
+    """Prices in integer micro-units per million tokens; `effective_from` an ISO date
+    (midnight UTC) or date-time, now when left out."""
+
+    model: Annotated[str, Meta(min_length=1, max_length=200)]
+    input_micros_per_mtok: MicrosPerMtok
+    cached_input_micros_per_mtok: MicrosPerMtok
+    output_micros_per_mtok: MicrosPerMtok
+    effective_from: str | None = None
+
+    def effective(self) -> datetime:
+        return utcnow() if self.effective_from is None else parse_moment(self.effective_from)
+
+
+def parse_moment(text: str) -> datetime:
+    """'2026-12-01' (midnight UTC) or an ISO date-time (UTC when it names no zone)."""
+    try:
+        if len(text) == 10:
+            return datetime.combine(date.fromisoformat(text), datetime.min.time(), tzinfo=UTC)
+        moment = datetime.fromisoformat(text)
+    except ValueError:
+        raise InvalidRequest(
+            f"expected a date like 2026-12-01 or an ISO date-time, got {text!r}",
+            param="effective_from",
+        ) from None
+    return moment if moment.tzinfo is not None else moment.replace(tzinfo=UTC)
+
+
+def period_of(text: str | None) -> Period:
+    try:
+        return Period.current() if text is None else Period.parse(text)
+    except InvalidInputError as exc:
+        raise InvalidRequest(str(exc), param="period") from None
+
+
+def price_view(version: PriceVersion) -> dict[str, Any]:
+    return {
+        "id": version.id,
+        "model": version.model,
+        "input_micros_per_mtok": version.input_micros_per_mtok,
+        "cached_input_micros_per_mtok": version.cached_input_micros_per_mtok,
+        "output_micros_per_mtok": version.output_micros_per_mtok,
+        "effective_from": _utc(version.effective_from).isoformat(),
+        "created_by": version.created_by,
+        "created_at": _utc(version.created_at).isoformat(),
+    }
+
+
+def usage_row_view(event: UsageEvent) -> dict[str, Any]:
+    """One ledger row as its tenant may see it (no internal error text, no key secret)."""
+    return {
+        "request_id": event.request_id,
+        "model": event.model,
+        "endpoint": event.endpoint,
+        "status": event.status,
+        "finish_reason": event.finish_reason,
+        "priority": event.priority,
+        "prompt_tokens": event.prompt_tokens,
+        "cached_tokens": event.cached_tokens,
+        "completion_tokens": event.completion_tokens,
+        "cost_micros": event.cost_micros,
+        "price_version_id": event.price_version_id,
+        "queue_ms": event.queue_ms,
+        "ttft_ms": event.ttft_ms,
+        "itl_ms": event.itl_ms,
+        "e2e_ms": event.e2e_ms,
+        "started_at": _utc(event.started_at).isoformat() if event.started_at else None,
+        "created_at": _utc(event.created_at).isoformat(),
+    }
+
+
+def _utc(moment: datetime) -> datetime:
+    return moment if moment.tzinfo is not None else moment.replace(tzinfo=UTC)

@@ -1,0 +1,225 @@
+"""Console pages over money and accountability: the price book, billing (invoice preview
+and Stripe export status) and the audit log with its chain verification. They call the
+billing and audit services; nothing here prices or hashes anything itself."""
+
+from __future__ import annotations
+
+from datetime import datetime
+from decimal import Decimal, InvalidOperation
+from typing import Any
+
+from litestar import Controller, Request, Response, get, post
+from litestar.datastructures import FormMultiDict
+from litestar.di import NamedDependency, Provide
+from sqlalchemy import func, select
+from sqlalchemy.ext.asyncio import AsyncSession
+
+from gateway.console.auth import Console, provide_console, provide_form, provide_owner_form
+from gateway.console.pages import parse_moment
+from gateway.console.render import back_to, page
+from gateway.runtime import Runtime
+from tenants import audit
+from tenants.billing.models import OutboxRow
+from tenants.billing.prices import ANY_MODEL, PriceService
+from tenants.billing.reports import Period, build_report
+from tenants.errors import DomainError, InvalidInputError
+from tenants.models import utcnow
+from tenants.pricing import Price
+from tenants.services import TenantService
+
+AUDIT_PAGE = 100
+
+
+def dollars_per_mtok(form: FormMultiDict, name: str) -> int:
+    """A price in dollars per million tokens ("0.40") as integer micro-dollars."""
+    raw = str(form.get(name, "")).strip()
+    try:
+        micros = Decimal(raw) * 1_000_000
+    except InvalidOperation:
+        raise InvalidInputError(f"{name.replace('_', ' ')} must be an amount like 0.40") from None
+    if micros < 0 or micros != micros.to_integral_value():
+        raise InvalidInputError(f"{name.replace('_', ' ')} must be >= 0, at most 6 decimals")
+    return int(micros)
+
+
+def price_from(form: FormMultiDict) -> Price:
+    return Price(
+        input_micros_per_mtok=dollars_per_mtok(form, "input"),
+        cached_input_micros_per_mtok=dollars_per_mtok(form, "cached_input"),
+        output_micros_per_mtok=dollars_per_mtok(form, "output"),
+    )
+
+
+async def export_status(
+    session: AsyncSession, tenant_id: str, period: Period
+) -> dict[str, dict[str, int]]:
+    """Stripe outbox rows of a tenant's period, by status: how many and how much."""
+    rows = await session.execute(
+        select(OutboxRow.status, func.count(), func.coalesce(func.sum(OutboxRow.value), 0))
+        .where(
+            OutboxRow.tenant_id == tenant_id,
+            OutboxRow.occurred_at >= period.start,
+            OutboxRow.occurred_at < period.end,
+        )
+        .group_by(OutboxRow.status)
+    )
+    return {status: {"rows": int(n), "micros": int(total)} for status, n, total in rows.all()}
+
+
+class LedgerPagesController(Controller):
+    path = "/"
+    dependencies = {"console": Provide(provide_console)}
+
+    @get("/prices")
+    async def prices(
+        self,
+        request: Request[Any, Any, Any],
+        runtime: NamedDependency[Runtime],
+        console: NamedDependency[Console],
+    ) -> Response[str]:
+        now = utcnow()
+        async with runtime.sessions() as session:
+            versions = await PriceService(session).list()
+        in_force: dict[str, str] = {}
+        for version in versions:  # ordered by model, then effective date
+            effective = version.effective_from
+            if (effective if effective.tzinfo else effective.replace(tzinfo=now.tzinfo)) <= now:
+                in_force[version.model] = version.id
+        return page(
+            request,
+            console,
+            "prices.html",
+            title="Prices",
+            versions=versions,
+            in_force=set(in_force.values()),
+            any_model=ANY_MODEL,
+            model=runtime.engine_client.model_name if runtime.engine_client else "",
+        )
+
+    @get("/billing")
+    async def billing(
+        self,
+        request: Request[Any, Any, Any],
+        runtime: NamedDependency[Runtime],
+        console: NamedDependency[Console],
+    ) -> Response[str]:
+        tenant_name = (request.query_params.get("tenant") or "").strip()
+        period = Period.parse((request.query_params.get("period") or "").strip() or _this_month())
+        report = status = None
+        async with runtime.sessions() as session:
+            tenants = await TenantService(session).list()
+            if tenant_name:
+                tenant = await TenantService(session).get(tenant_name)
+                report = await build_report(session, tenant, period)
+                status = await export_status(session, tenant.id, period)
+        return page(
+            request,
+            console,
+            "billing.html",
+            title="Billing",
+            tenants=tenants,
+            tenant_name=tenant_name,
+            period=period,
+            report=report.view() if report else None,
+            export=status,
+        )
+
+    @get("/audit")
+    async def audit_log(
+        self,
+        request: Request[Any, Any, Any],
+        runtime: NamedDependency[Runtime],
+        console: NamedDependency[Console],
+    ) -> Response[str]:
+        query = request.query_params
+
+        def text(name: str) -> str | None:
+            return (query.get(name) or "").strip() or None
+
+        before = text("before")
+        async with runtime.sessions() as session:
+            tenant = text("tenant")
+            tenant_id = (await TenantService(session).get(tenant)).id if tenant else None
+            events = await audit.list_events(
+                session,
+                tenant_id=tenant_id,
+                action=text("action"),
+                actor=text("actor"),
+                since=parse_moment(text("since")),
+                until=parse_moment(text("until")),
+                before_id=int(before) if before and before.isdigit() else None,
+                limit=AUDIT_PAGE,
+            )
+            tenants = await TenantService(session).list()
+        filters = {k: v for k in ("tenant", "action", "actor", "since", "until") if (v := text(k))}
+        return page(
+            request,
+            console,
+            "audit.html",
+            title="Audit log",
+            events=events,
+            tenants=tenants,
+            filters=filters,
+            older=events[-1].id if len(events) == AUDIT_PAGE else None,
+        )
+
+
+class LedgerActionsController(Controller):
+    path = "/"
+    dependencies = {"console": Provide(provide_console), "form": Provide(provide_form)}
+
+    @post("/prices", dependencies={"owner_form": Provide(provide_owner_form)})
+    async def create_price(
+        self,
+        request: Request[Any, Any, Any],
+        runtime: NamedDependency[Runtime],
+        console: NamedDependency[Console],
+        owner_form: NamedDependency[FormMultiDict],
+    ) -> Response[Any]:
+        model = str(owner_form.get("model", "")).strip()
+        try:
+            price = price_from(owner_form)
+            effective = parse_moment(str(owner_form.get("effective_from", ""))) or utcnow()
+            async with runtime.sessions.begin() as session:
+                version = await PriceService(session).create(
+                    model, price, effective, created_by=console.actor.name[:100]
+                )
+                await audit.record(
+                    session,
+                    actor=console.actor.name,
+                    action="price.create",
+                    target=f"price:{model}",
+                    details={
+                        "version_id": version.id,
+                        "effective_from": effective.isoformat(),
+                        "input_micros_per_mtok": price.input_micros_per_mtok,
+                        "cached_input_micros_per_mtok": price.cached_input_micros_per_mtok,
+                        "output_micros_per_mtok": price.output_micros_per_mtok,
+                    },
+                    context=console.actor.context,
+                )
+        except DomainError as error:
+            return back_to(request, "/admin/prices", str(error), "error")
+        runtime.recorder.prices.invalidate()  # this replica prices by it at once
+        return back_to(request, "/admin/prices", f"New price for {model} from {_when(effective)}.")
+
+    @post("/audit/verify")
+    async def verify_chain(
+        self,
+        request: Request[Any, Any, Any],
+        runtime: NamedDependency[Runtime],
+        console: NamedDependency[Console],
+        form: NamedDependency[FormMultiDict],
+    ) -> Response[Any]:
+        """Reading, not changing: viewers may verify too (the CSRF token is still checked)."""
+        async with runtime.sessions() as session:
+            result = await audit.verify(session)
+        return back_to(request, "/admin/audit", result.describe(), "ok" if result.ok else "error")
+
+
+def _this_month() -> str:
+    return utcnow().strftime("%Y-%m")
+
+
+def _when(moment: datetime) -> str:
+    return moment.strftime("%Y-%m-%d %H:%M UTC")
