@@ -11,7 +11,7 @@ from sqlalchemy.exc import IntegrityError
 from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
 
 from gateway.settings import Settings, SettingsError
-from tenants import keys
+from tenants import audit, keys
 from tenants.admins import AdminRole, AdminService
 from tenants.models import ApiKey, KeyRole, Tenant
 from tenants.services import ApiKeyService, TenantService
@@ -70,14 +70,22 @@ async def _adopt(session: AsyncSession, tenant: Tenant, secret: str) -> bool:
         if not keys.matches(secret, existing.key_hash):
             raise SettingsError("TOLLGATE_ADMIN_KEY clashes with another key's prefix")
         return False
-    session.add(
-        ApiKey(
-            tenant_id=tenant.id,
-            prefix=prefix,
-            key_hash=keys.hash_key(secret),
-            name="bootstrap",
-            role=KeyRole.ADMIN,
-        )
+    key = ApiKey(
+        tenant_id=tenant.id,
+        prefix=prefix,
+        key_hash=keys.hash_key(secret),
+        name="bootstrap",
+        role=KeyRole.ADMIN,
+    )
+    session.add(key)
+    await session.flush()
+    await audit.record(
+        session,
+        actor="system",
+        action="key.create",
+        target=f"key:{prefix}",
+        tenant_id=tenant.id,
+        details={"key_id": key.id, "name": key.name, "role": "admin", "from": "TOLLGATE_ADMIN_KEY"},
     )
     return True
 

@@ -39,9 +39,9 @@ class AuditEvent(Base):
 
     id: Mapped[int] = mapped_column(BigInteger, primary_key=True, autoincrement=False)
     occurred_at: Mapped[datetime] = mapped_column(DateTime(timezone=True))
-    actor: Mapped[str] = mapped_column(String(200))
+    actor: Mapped[str] = mapped_column(String(320))  # "console:" + an e-mail address
     action: Mapped[str] = mapped_column(String(64))
-    target: Mapped[str] = mapped_column(String(200))
+    target: Mapped[str] = mapped_column(String(320))
     tenant_id: Mapped[str | None] = mapped_column(String(36))
     request_id: Mapped[str | None] = mapped_column(String(64))
     ip: Mapped[str | None] = mapped_column(String(64))

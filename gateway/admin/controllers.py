@@ -18,7 +18,7 @@ from gateway.admin.schemas import (
     plan_view,
     tenant_view,
 )
-from gateway.admission.auth import audit_context, authenticate
+from gateway.admission.auth import audit_context, authenticate, note_failure
 from gateway.api.schemas import decode
 from gateway.errors import InvalidRequest, PermissionDenied
 from gateway.runtime import Runtime
@@ -34,6 +34,7 @@ async def require_admin(
 ) -> Principal:
     principal = await authenticate(request, runtime)
     if principal.role != KeyRole.ADMIN:
+        note_failure(request, runtime, principal.key_prefix, "admin_required")
         raise PermissionDenied("this needs an admin key", code="admin_required")
     return principal
 

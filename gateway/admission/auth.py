@@ -46,7 +46,7 @@ async def authenticate(
 ) -> Principal:
     token = bearer_token(request)
     if token is None:
-        _note_failure(request, runtime, "missing")
+        note_failure(request, runtime, None, "missing_key")
         raise AuthenticationFailed(
             "missing API key: send 'Authorization: Bearer <key>'", code="missing_api_key"
         )
@@ -57,13 +57,17 @@ async def authenticate(
                 token, context=audit_context(request)
             )
     if principal is None:
-        _note_failure(request, runtime, keys.key_prefix(token) or "malformed")
+        note_failure(request, runtime, keys.key_prefix(token), "invalid_key")
         # The same answer for unknown, malformed and revoked keys: no oracle for attackers.
         raise AuthenticationFailed("invalid or revoked API key")
     scope.identify(principal)
     return principal
 
 
-def _note_failure(request: Request[Any, Any, Any], runtime: Runtime, key_prefix: str) -> None:
+def note_failure(
+    request: Request[Any, Any, Any], runtime: Runtime, key_prefix: str | None, reason: str
+) -> None:
+    """Count a refused caller for the aggregated `auth.failures` audit event."""
     if runtime.auth_failures is not None:
-        runtime.auth_failures.note(request.client.host if request.client else None, key_prefix)
+        ip = request.client.host if request.client else None
+        runtime.auth_failures.note(ip, key_prefix, reason)

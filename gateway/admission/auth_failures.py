@@ -1,9 +1,9 @@
 """Failed authentications, counted in memory and written to the audit log once per window.
 
 A flood of bad keys must not become a flood of database writes: each failure only bumps
-a counter per (client IP, key prefix); a background task appends one `auth.failures`
-event per window with the counts. The presented secret is never kept, only the visible
-prefix of a well-formed key ("malformed" or "missing" otherwise).
+a counter per (client IP, key prefix, reason); a background task appends one
+`auth.failures` event per window with the counts. The presented secret is never kept,
+only the visible prefix of a well-formed key ("-" otherwise).
 """
 
 from __future__ import annotations
@@ -23,7 +23,9 @@ from tenants.models import utcnow
 log = logging.getLogger(__name__)
 
 WINDOW_S = 60.0
-MAX_SOURCES = 1000  # distinct (ip, prefix) pairs kept per window; the rest count as "other"
+MAX_SOURCES = 1000  # distinct (ip, prefix, reason) kept per window; the rest count as "other"
+
+Source = tuple[str, str, str]  # client IP, key prefix, reason
 
 
 class AuthFailureLog:
@@ -36,14 +38,15 @@ class AuthFailureLog:
         self.sessions = sessions
         self.window_s = window_s
         self.max_sources = max_sources
-        self._counts: Counter[tuple[str, str]] = Counter()
+        self._counts: Counter[Source] = Counter()
         self._other = 0
         self._since = utcnow()
         self._task: asyncio.Task[None] | None = None
 
-    def note(self, ip: str | None, key_prefix: str) -> None:
-        """Count one failure; no I/O, so it is cheap on the hot path."""
-        source = (ip or "unknown", key_prefix)
+    def note(self, ip: str | None, key_prefix: str | None, reason: str) -> None:
+        """Count one failure ("missing_key", "invalid_key", "admin_required"…); no I/O, so
+        it is cheap on the hot path."""
+        source = (ip or "unknown", key_prefix or "-", reason)
         if source in self._counts or len(self._counts) < self.max_sources:
             self._counts[source] += 1
         else:
@@ -68,7 +71,7 @@ class AuthFailureLog:
             self._restore(counts, other, since)  # kept for the next window, not lost
             raise
 
-    def _restore(self, counts: Counter[tuple[str, str]], other: int, since: datetime) -> None:
+    def _restore(self, counts: Counter[Source], other: int, since: datetime) -> None:
         counts.update(self._counts)
         self._counts, self._other, self._since = counts, other + self._other, since
 
@@ -96,15 +99,15 @@ class AuthFailureLog:
 
 
 def _details(
-    counts: Counter[tuple[str, str]], other: int, since: datetime, until: datetime
+    counts: Counter[Source], other: int, since: datetime, until: datetime
 ) -> dict[str, object]:
     return {
         "since": since.isoformat(),
         "until": until.isoformat(),
         "total": sum(counts.values()) + other,
         "sources": [
-            {"ip": ip, "key_prefix": prefix, "count": count}
-            for (ip, prefix), count in counts.most_common()
+            {"ip": ip, "key_prefix": prefix, "reason": reason, "count": count}
+            for (ip, prefix, reason), count in counts.most_common()
         ],
         "other": other,
     }

@@ -8,6 +8,8 @@ import getpass
 import json
 import uuid
 from collections.abc import Iterator
+from dataclasses import replace
+from datetime import timedelta
 from typing import Any
 
 import pytest
@@ -17,7 +19,9 @@ from sqlalchemy.exc import DBAPIError
 from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
 
 from gateway import cli
-from tenants import audit, db
+from gateway.bootstrap import ensure_admin_key
+from gateway.settings import Settings
+from tenants import audit, db, keys
 from tenants.audit import Actor, AuditContext, AuditEvent
 from tenants.errors import InvalidInputError
 from tenants.models import KeyRole
@@ -413,7 +417,7 @@ async def test_revoked_key_use_is_audited_once_a_minute(
 
 
 async def test_auth_failures_are_counted_then_written_once_per_window(
-    client: AsyncTestClient[Any], sessions: Sessions
+    client: AsyncTestClient[Any], sessions: Sessions, tenant_key: str
 ) -> None:
     admin, _ = await _admin(sessions)
     unknown_key = "tg-AAAAAAAA_" + "s" * 43
@@ -425,6 +429,8 @@ async def test_auth_failures_are_counted_then_written_once_per_window(
     ]
     for headers in attempts:
         assert (await client.get("/v1/models", headers=headers)).status_code == 401
+    not_admin = {"Authorization": f"Bearer {tenant_key}"}
+    assert (await client.get("/admin/api/tenants", headers=not_admin)).status_code == 403
     assert (await _events(client, admin, action="auth.failures"))["data"] == []  # no hot writes
 
     failures = client.app.state.runtime.auth_failures
@@ -432,10 +438,16 @@ async def test_auth_failures_are_counted_then_written_once_per_window(
     assert event is not None and await failures.flush() is None  # the window was emptied
     [stored] = (await _events(client, admin, action="auth.failures"))["data"]
     details = stored["details"]
-    assert details["total"] == 4
-    counts = {source["key_prefix"]: source["count"] for source in details["sources"]}
-    assert counts == {"tg-AAAAAAAA": 2, "malformed": 1, "missing": 1}
+    assert details["total"] == 5
+    counts = {(row["key_prefix"], row["reason"]): row["count"] for row in details["sources"]}
+    assert counts == {
+        ("tg-AAAAAAAA", "invalid_key"): 2,
+        ("-", "invalid_key"): 1,
+        ("-", "missing_key"): 1,
+        (tenant_key.split("_")[0], "admin_required"): 1,
+    }
     assert "s" * 43 not in json.dumps(stored)  # never the presented secret
+    assert tenant_key.split("_", 1)[1] not in json.dumps(stored)
 
 
 async def test_auth_failures_survive_a_failed_flush(sessions: Sessions) -> None:
@@ -444,7 +456,7 @@ async def test_auth_failures_survive_a_failed_flush(sessions: Sessions) -> None:
     failing = db.create_engine("sqlite:////nonexistent-dir/none.db")
     log = AuthFailureLog(db.session_factory(failing), max_sources=2)
     for ip in ("10.0.0.1", "10.0.0.1", "10.0.0.2", "10.0.0.3"):
-        log.note(ip, "tg-AAAAAAAA")
+        log.note(ip, "tg-AAAAAAAA", "invalid_key")
     with pytest.raises(Exception):  # noqa: B017 - whatever the driver raises
         await log.flush()
     await failing.dispose()
@@ -496,3 +508,32 @@ async def test_services_audit_as_system_by_default(sessions: Sessions) -> None:
         ("cli:bob", "tenant:globex"),
         ("system", "tenant:acme"),
     ]
+
+
+async def test_record_unless_recent_rate_limits_per_action_and_target(sessions: Sessions) -> None:
+    async def attempt(target: str, within: timedelta) -> bool:
+        async with sessions.begin() as session:
+            event = await audit.record_unless_recent(
+                session, within=within, actor="key:k", action="auth.revoked_key", target=target
+            )
+        return event is not None
+
+    hour = timedelta(hours=1)
+    assert [await attempt("key:a", hour) for _ in range(3)] == [True, False, False]
+    assert await attempt("key:b", hour)  # another key is another event
+    assert await attempt("key:a", timedelta(0))  # once the interval has passed, again
+    assert (await _verify(sessions)).events == 3
+
+
+async def test_adopting_the_operators_admin_key_is_audited(
+    settings: Settings, sessions: Sessions
+) -> None:
+    secret = keys.generate_key()[0]
+    await ensure_admin_key(replace(settings, admin_key=secret), sessions)
+    async with sessions() as session:
+        events = await audit.list_events(session, action="key.create")
+    assert [(event.actor, event.target) for event in events] == [
+        ("system", f"key:{keys.key_prefix(secret)}")
+    ]
+    assert events[0].details["from"] == "TOLLGATE_ADMIN_KEY"
+    assert secret not in json.dumps(events[0].details)
