@@ -37,6 +37,8 @@ if TYPE_CHECKING:
 log = logging.getLogger("tollgate.requests")
 
 DOCUMENT_PROMPT_TOKENS = 1024  # a prompt this long is a document, whatever the endpoint
+# Admitted, then refused by the engine's scheduling policy before any token: rejections too.
+ENGINE_REFUSALS = ("overloaded", "deadline_exceeded")
 OPERATIONS = {"chat.completions": "chat", "completions": "text_completion"}
 # Why a request was turned away, when nothing more specific was noted.
 STATUS_REASONS = {
@@ -233,6 +235,8 @@ class RequestScope:
         if outcome.error is not None:
             self.root.set_attribute(tracing.ERROR_TYPE, outcome.error)
             self.root.set_status(Status(StatusCode.ERROR, outcome.error))
+            if outcome.error in ENGINE_REFUSALS and outcome.completion_tokens == 0:
+                self.telemetry.metrics.reject(job.charge.principal.tenant_id, outcome.error)
         self.telemetry.metrics.observe(
             RequestRecord(
                 tenant=job.charge.principal.tenant_id,

@@ -11,7 +11,7 @@ from opentelemetry import trace
 
 from gateway.settings import SettingsError
 from gateway.telemetry.logs import JsonFormatter, log_format, request_id_var
-from tests.unit.test_telemetry_tracing import span_exporter
+from tests.unit.test_telemetry_tracing import capture_spans
 
 
 def _record(message: str, *args: object, **extra: object) -> logging.LogRecord:
@@ -30,10 +30,12 @@ def test_plain_record_outside_a_request() -> None:
 
 
 def test_request_and_trace_ids_and_extra_fields() -> None:
-    span_exporter()  # a recording provider, so the span has a real trace id
     token = request_id_var.set("req_abc")
     try:
-        with trace.get_tracer("test").start_as_current_span("root") as span:
+        with (
+            capture_spans(),  # a recording provider, so the span has a real trace id
+            trace.get_tracer("test").start_as_current_span("root") as span,
+        ):
             line = JsonFormatter().format(_record("request finished", http_status=200))
             expected = format(span.get_span_context().trace_id, "032x")
     finally:
