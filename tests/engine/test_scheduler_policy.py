@@ -1,0 +1,299 @@
+"""The scheduling policy without a model: ranking with aging, deadlines, tenant fair
+share, priority preemption, prefill protection, load shedding and deadline rejection,
+with the scheduler on a hand-driven clock."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import pytest
+
+from backend.config import EngineConfig
+from backend.engine.batch import ModelRunnerOutput, SchedulerOutput
+from backend.engine.block_manager import BlockManager
+from backend.engine.policy import FairShare, Ranking
+from backend.engine.request import Request, RequestStatus
+from backend.engine.scheduler import Scheduler
+from backend.errors import DeadlineExceededError, OverloadedError
+from backend.sampling import SamplingParams
+from tests.unit.backend.accounting import check_accounting
+
+
+@dataclass
+class Clock:
+    now: float = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def make(clock: Clock, num_blocks: int = 256, **knobs: object) -> Scheduler:
+    cfg = EngineConfig(block_size=4, num_kv_blocks=num_blocks, **knobs)  # type: ignore[arg-type]
+    return Scheduler(cfg, BlockManager(num_blocks, 4), clock=clock)
+
+
+_ids = iter(range(10**9))
+
+
+def request(
+    rid: str,
+    prompt_len: int = 4,
+    *,
+    at: float = 0.0,
+    priority: int = 0,
+    tenant: str | None = None,
+    weight: int = 1,
+    deadline: float | None = None,
+    max_tokens: int = 64,
+) -> Request:
+    first = next(_ids) * 1000  # distinct prompts: no prefix-cache hits between requests
+    return Request(
+        rid,
+        list(range(first, first + prompt_len)),
+        SamplingParams(max_tokens=max_tokens),
+        prompt_len + max_tokens,
+        priority=priority,
+        deadline=deadline,
+        tenant=tenant,
+        weight=weight,
+        arrival_time=at,
+    )
+
+
+def advance(s: Scheduler, out: SchedulerOutput) -> None:
+    sampled = {r.request_id: 7 for r in out.requests if r.sample}
+    s.update_from_output(out, ModelRunnerOutput(sampled))
+    check_accounting(s.block_manager, (r.request_id for r in s.running))
+
+
+def ids(out: SchedulerOutput) -> list[str]:
+    return [r.request_id for r in out.requests]
+
+
+# -- ranking -------------------------------------------------------------------------
+
+
+def test_a_waiting_request_rises_one_class_per_interval() -> None:
+    ranking = Ranking(aging_interval_s=2.0)
+    req = request("a", priority=5, at=10.0)
+    assert [ranking.effective(req, 10.0 + t) for t in (0, 1.9, 2.0, 4.0, 9.9, 10.0)] == [
+        5,
+        5,
+        4,
+        3,
+        1,
+        0,
+    ]
+    assert Ranking(None).effective(req, 1000.0) == 5  # aging off
+
+
+def test_the_static_key_sorts_like_the_effective_priority_at_any_time() -> None:
+    ranking = Ranking(aging_interval_s=1.5)
+    reqs = [request(f"r{i}", priority=i % 6, at=i * 0.37) for i in range(40)]
+    ordered = sorted(reqs, key=ranking.key)
+    for now in (15.0, 17.3, 40.0, 100.0):
+        classes = [ranking.effective(r, now) for r in ordered]
+        assert classes == sorted(classes)
+
+
+def test_aging_lets_low_priority_overtake_fresh_urgent_work() -> None:
+    for aging, expected in ((1.0, "low"), (None, "fresh")):
+        clock = Clock()
+        s = make(clock, max_num_seqs=1, aging_interval_s=aging)
+        s.add_request(request("busy", max_tokens=1000))
+        advance(s, s.schedule())
+        s.add_request(request("low", priority=3, at=0.0))
+        clock.now = 3.5  # low has aged three classes: class 0, and it arrived first
+        s.add_request(request("fresh", priority=0, at=3.5))
+        s.finish_requests(["busy"], RequestStatus.FINISHED_STOPPED)
+        assert ids(s.schedule()) == [expected], aging
+
+
+def test_ties_go_to_the_earliest_deadline_then_the_earliest_arrival() -> None:
+    clock = Clock(now=1.0)
+    s = make(clock, max_num_seqs=1)
+    s.add_request(request("busy", max_tokens=1000))
+    advance(s, s.schedule())
+    s.add_request(request("early", at=0.1))
+    s.add_request(request("later-deadline", at=0.2, deadline=60.0))
+    s.add_request(request("soonest-deadline", at=0.3, deadline=30.0))
+    order = []
+    for _ in range(3):
+        s.finish_requests([s.running[0].request_id], RequestStatus.FINISHED_STOPPED)
+        out = s.schedule()
+        order += ids(out)
+        advance(s, out)
+    assert order == ["soonest-deadline", "later-deadline", "early"]
+
+
+# -- fairness ------------------------------------------------------------------------
+
+
+def test_tenants_of_one_class_alternate_by_tokens_served_per_weight() -> None:
+    clock = Clock()
+    s = make(clock, max_num_seqs=1)
+    for i in range(6):
+        s.add_request(request(f"loud{i}", at=0.01 * i, tenant="loud"))
+    for i in range(2):
+        s.add_request(request(f"quiet{i}", at=1 + 0.01 * i, tenant="quiet"))
+    order = []
+    for _ in range(5):
+        out = s.schedule()
+        order += ids(out)
+        advance(s, out)
+        s.finish_requests(ids(out), RequestStatus.FINISHED_STOPPED)
+    # First come first: loud0 (quiet has not arrived in the queue before it); then the
+    # one served less goes first each time.
+    assert order == ["loud0", "quiet0", "loud1", "quiet1", "loud2"]
+
+
+def test_fair_share_counts_tokens_by_weight_and_banks_no_idle_credit() -> None:
+    fair = FairShare()
+    fair.join("a")
+    fair.join("b")
+    fair.charge(request("x", tenant="a", weight=1), 100)
+    fair.charge(request("y", tenant="b", weight=4), 100)
+    assert fair.served == {"a": 100.0, "b": 25.0} and fair.tokens == {"a": 100, "b": 100}
+    assert fair.neediest(["a", "b"]) == "b"
+    fair.leave("b")  # b goes idle while a is served a lot
+    fair.charge(request("z", tenant="a"), 1000)
+    fair.join("b")  # b comes back level with a, not 1,075 tokens ahead
+    assert fair.served["b"] == fair.served["a"] == 1100.0
+
+
+# -- priority preemption -------------------------------------------------------------
+
+
+def _full_of_low_priority(clock: Clock, **knobs: object) -> Scheduler:
+    s = make(clock, max_num_seqs=2, **knobs)
+    s.add_request(request("low-old", priority=5, at=0.0))
+    s.add_request(request("low-new", priority=5, at=0.1))
+    advance(s, s.schedule())
+    return s
+
+
+def test_an_urgent_request_preempts_the_lowest_ranked_running_one() -> None:
+    clock = Clock(now=0.2)
+    s = _full_of_low_priority(clock)
+    s.add_request(request("urgent", priority=0, at=0.2))
+    out = s.schedule()
+    assert ids(out) == ["low-old", "urgent"]
+    victim = s.requests["low-new"]
+    assert victim.status == RequestStatus.PREEMPTED and victim.num_preemptions == 1
+    assert victim.arrival_time == 0.1  # it keeps its age
+    assert victim.output_token_ids == [7]  # and its output
+    assert (s.num_preemptions, s.num_priority_preemptions) == (1, 1)
+    advance(s, out)
+
+
+def test_no_preemption_below_the_gap_or_past_the_bound() -> None:
+    clock = Clock(now=0.2)
+    s = _full_of_low_priority(clock, priority_preemption_gap=6)
+    s.add_request(request("urgent", priority=0, at=0.2))
+    assert ids(s.schedule()) == ["low-old", "low-new"]  # 5 < gap 6
+    s = _full_of_low_priority(clock, max_preemptions_per_request=0)
+    s.add_request(request("urgent", priority=0, at=0.2))
+    assert ids(s.schedule()) == ["low-old", "low-new"] and s.num_priority_preemptions == 0
+
+
+def test_a_running_request_that_has_aged_is_not_preempted() -> None:
+    clock = Clock(now=0.2)
+    s = _full_of_low_priority(clock, aging_interval_s=1.0)
+    clock.now = 4.5  # both low requests are in class 1 now: only 1 above a new class 0
+    s.add_request(request("urgent", priority=0, at=4.0))
+    assert ids(s.schedule()) == ["low-old", "low-new"]
+
+
+# -- prefill protection --------------------------------------------------------------
+
+
+def test_running_prefills_leave_the_reserve_to_newcomers() -> None:
+    clock = Clock()
+    s = make(clock, max_num_batched_tokens=64, long_prefill_token_threshold=0)
+    s.add_request(request("doc", 400))
+    advance(s, s.schedule())
+    s.add_request(request("chat", 10))
+    out = s.schedule()
+    # doc may take 64 - 16 (the 25% reserve) = 48; chat takes its 10 from the reserve,
+    # and the 6 left over go back to doc.
+    assert [(r.request_id, len(r.token_ids)) for r in out.requests] == [("doc", 54), ("chat", 10)]
+
+
+def test_the_long_prefill_threshold_lets_short_prompts_in_first() -> None:
+    clock = Clock()
+    s = make(clock, max_num_batched_tokens=64, long_prefill_token_threshold=16)
+    s.add_request(request("doc-a", 400))
+    s.add_request(request("doc-b", 400))
+    s.add_request(request("chat", 20))
+    out = s.schedule()
+    sizes = {r.request_id: len(r.token_ids) for r in out.requests}
+    # Each gets at most 16 at first; what is left goes to the closest to its first token
+    # (chat's last 4), then in order.
+    assert sizes == {"doc-a": 16 + 12, "doc-b": 16, "chat": 16 + 4}
+
+
+# -- shedding and deadlines ----------------------------------------------------------
+
+
+def test_the_waiting_queue_is_bounded_by_requests_and_tokens() -> None:
+    clock = Clock()
+    s = make(clock, max_num_seqs=1, max_waiting_requests=2, max_waiting_tokens=100)
+    s.check_admission(1000, None)  # an empty queue takes even an oversized prompt
+    for rid in ("a", "b"):
+        s.add_request(request(rid, 10))
+    with pytest.raises(OverloadedError) as caught:
+        s.check_admission(10, None)
+    assert caught.value.retry_after_s >= 1.0 and "max_waiting_requests" in str(caught.value)
+    s.finish_requests(["b"], RequestStatus.FINISHED_ABORTED)
+    with pytest.raises(OverloadedError, match="max_waiting_tokens"):
+        s.check_admission(91, None)
+    s.check_admission(90, None)
+    assert s.num_rejected_overloaded == 2
+
+
+def test_a_deadline_that_cannot_be_met_is_rejected_before_compute() -> None:
+    clock = Clock(now=10.0)
+    s = make(clock)
+    with pytest.raises(DeadlineExceededError):
+        s.check_admission(10, deadline=9.0)  # already past
+    s.check_admission(1000, deadline=10.5)  # no throughput measured yet: benefit of doubt
+    s.record_step(prefill_tokens=1000, decode_tokens=0, seconds=1.0)  # 1,000 tokens/s
+    with pytest.raises(DeadlineExceededError):
+        s.check_admission(1000, deadline=10.5)  # needs about 1 s
+    s.check_admission(400, deadline=10.5)
+    assert s.num_rejected_deadline == 2
+
+
+def test_a_queued_request_whose_deadline_passes_is_rejected_not_run() -> None:
+    clock = Clock()
+    s = make(clock, max_num_seqs=1)
+    s.add_request(request("busy", max_tokens=1000))
+    advance(s, s.schedule())
+    late = request("late", deadline=1.0)
+    s.add_request(late)
+    clock.now = 2.0
+    s.finish_requests(["busy"], RequestStatus.FINISHED_STOPPED)
+    assert ids(s.schedule()) == []
+    assert s.take_rejected() == [late] and s.take_rejected() == []
+    assert late.status == RequestStatus.FINISHED_REJECTED and late.rejection == "deadline_exceeded"
+    assert late.status.finish_reason == "rejected" and not s.has_unfinished()
+
+
+def test_policy_knobs_are_validated() -> None:
+    for bad in (
+        {"aging_interval_s": 0},
+        {"aging_interval_s": -1.0},
+        {"priority_preemption_gap": 0},
+        {"max_preemptions_per_request": -1},
+        {"prefill_reserve_share": 1.0},
+        {"prefill_reserve_share": True},
+        {"long_prefill_token_threshold": -5},
+        {"max_waiting_requests": 0},
+        {"max_waiting_tokens": 1.5},
+        {"tenant_fairness": "yes"},
+    ):
+        with pytest.raises(ValueError, match=next(iter(bad))):
+            EngineConfig(**bad)  # type: ignore[arg-type]
+    cfg = EngineConfig(max_num_batched_tokens=1000)
+    assert (cfg.long_prefill_cap, cfg.prefill_reserve_tokens) == (250, 250)
+    assert EngineConfig(long_prefill_token_threshold=0).long_prefill_cap == 2048
