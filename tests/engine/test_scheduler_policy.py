@@ -5,6 +5,7 @@ with the scheduler on a hand-driven clock."""
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import pytest
 
@@ -164,7 +165,7 @@ def test_fair_share_counts_tokens_by_weight_and_banks_no_idle_credit() -> None:
 # -- priority preemption -------------------------------------------------------------
 
 
-def _full_of_low_priority(clock: Clock, **knobs: object) -> Scheduler:
+def _full_of_low_priority(clock: Clock, **knobs: Any) -> Scheduler:
     s = make(clock, max_num_seqs=2, **knobs)
     s.add_request(request("low-old", priority=5, at=0.0))
     s.add_request(request("low-new", priority=5, at=0.1))
