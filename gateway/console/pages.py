@@ -21,6 +21,7 @@ from gateway.console.queries import (
     find_usage,
     inter_token_ms,
     known_models,
+    rejections,
     replicas,
     tenant_series,
     traffic,
@@ -72,12 +73,16 @@ class PagesController(Controller):
 
     @get("/overview.json", media_type=MediaType.JSON)
     async def overview_data(
-        self, runtime: NamedDependency[Runtime], console: NamedDependency[Console]
+        self,
+        request: Request[Any, Any, Any],
+        runtime: NamedDependency[Runtime],
+        console: NamedDependency[Console],
     ) -> dict[str, Any]:
         async with runtime.sessions() as session:
             data = await traffic(session)
         return {
             **data,
+            "rejections": rejections(request.app.state.telemetry.metrics),
             "replicas": replicas(runtime.engine_client),
             "now": datetime.now(UTC).timestamp(),
         }

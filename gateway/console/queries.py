@@ -18,6 +18,8 @@ from sqlalchemy.ext.asyncio import AsyncSession
 
 from gateway.dispatch.engine_client import EngineClient, InProcessEngineClient
 from gateway.dispatch.remote import RemoteEngineClient
+from gateway.telemetry.metrics import GatewayMetrics
+from gateway.telemetry.request import workload_class
 from tenants.models import ApiKey, Tenant, UsageEvent, utcnow
 
 USAGE_PAGE = 200
@@ -149,15 +151,13 @@ def percentile(values: Sequence[float], q: float) -> float | None:
 
 
 def inter_token_ms(event: UsageEvent) -> float | None:
-    """Mean gap between output tokens after the first: (e2e - TTFT) / (tokens - 1)."""
+    """Mean gap between output tokens after the first, as the ledger recorded it; for older
+    rows, (e2e - TTFT) / (tokens - 1)."""
+    if event.itl_ms is not None:
+        return event.itl_ms
     if event.e2e_ms is None or event.ttft_ms is None or event.completion_tokens < 2:
         return None
     return (event.e2e_ms - event.ttft_ms) / (event.completion_tokens - 1)
-
-
-def workload_class(event: UsageEvent) -> str:
-    """Percentiles are kept apart per class, so a flood of one kind cannot hide another."""
-    return "chat" if event.endpoint.startswith("chat") else "completions"
 
 
 async def traffic(session: AsyncSession, now: datetime | None = None) -> dict[str, Any]:
@@ -194,7 +194,8 @@ async def traffic(session: AsyncSession, now: datetime | None = None) -> dict[st
         outcomes[event.status] += 1
         if event.status != "completed":
             reasons[f"{event.status}: {event.error or event.finish_reason or 'unknown'}"] += 1
-        kind = workload_class(event)
+        # Percentiles per class, so a flood of one kind cannot hide another's tail.
+        kind = workload_class(event.endpoint, event.prompt_tokens)
         if event.ttft_ms is not None:
             ttft[kind].append(event.ttft_ms)
         gap = inter_token_ms(event)
@@ -282,3 +283,14 @@ async def tenant_series(
         {"day": day.isoformat(), "requests": r, "tokens": t, "cost_micros": c}
         for day, (r, t, c) in totals.items()
     ]
+
+
+def rejections(metrics: GatewayMetrics) -> dict[str, int]:
+    """Requests turned away since this gateway started (rate limit, budget, auth...), by
+    reason, summed over tenants: the telemetry counter behind /metrics."""
+    totals: Counter[str] = Counter()
+    for family in metrics.rejections.collect():
+        for sample in family.samples:
+            if sample.name.endswith("_total"):
+                totals[sample.labels["reason"]] += int(sample.value)
+    return dict(totals.most_common())

@@ -95,7 +95,7 @@ async def sign_in(page: Page, email: str) -> None:
 
 
 def micros(text: str) -> int:
-    """"$1,234.5678" as micro-dollars."""
+    """ "$1,234.5678" as micro-dollars."""
     return int(Decimal(text.strip().lstrip("$").replace(",", "")) * 1_000_000)
 
 
@@ -187,6 +187,8 @@ async def test_owner_runs_the_business_from_the_console(
     await shot(page, "tenant")
     with pytest.raises(openai.AuthenticationError):
         await chat(server, secret, model)
+    await page.goto("/admin")
+    await expect(page.locator("#rejections")).to_contain_text("authentication: 1")
 
     # A new price changes what the next request costs, and so the invoice preview.
     await page.goto("/admin/billing?tenant=acme")
@@ -281,7 +283,8 @@ async def test_viewer_cannot_change_anything(
         assert await forms.count() == 0, path
 
     # The server refuses too, even with the session's own CSRF token.
-    token = await page.locator('form[action="/admin/logout"] input[name="csrf_token"]').input_value()
+    logout = page.locator('form[action="/admin/logout"]')
+    token = await logout.locator('input[name="csrf_token"]').input_value()
     attempts = {
         "/admin/tenants": {"name": "viewer-made"},
         "/admin/plans": {"name": "viewer-plan"},

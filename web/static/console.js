@@ -27,13 +27,15 @@ function short(value) {
 
 // series: [{name, values: [number|null]}]; labels: x-axis labels (first and last shown).
 function lineChart(figure, series, labels, options = {}) {
-  const width = 600, height = 180, left = 44, right = 8, top = 8, bottom = 22;
+  // Drawn at the figure's own width, so text is never stretched.
+  const width = Math.max(240, Math.round(figure.clientWidth || 600));
+  const height = 180, left = 44, right = 8, top = 8, bottom = 22;
   const all = series.flatMap((s) => s.values).filter((v) => v !== null && v !== undefined);
   const ymax = options.ymax || niceMax(Math.max(0, ...all));
   const n = Math.max(2, ...series.map((s) => s.values.length));
   const x = (i) => left + (i * (width - left - right)) / (n - 1);
   const y = (v) => top + (1 - v / ymax) * (height - top - bottom);
-  const svg = svgNode("svg", { viewBox: `0 0 ${width} ${height}`, preserveAspectRatio: "none", focusable: "false", "aria-hidden": "true" });
+  const svg = svgNode("svg", { viewBox: `0 0 ${width} ${height}`, focusable: "false", "aria-hidden": "true" });
   for (const fraction of [0, 0.5, 1]) {
     const value = ymax * fraction;
     svgNode("line", { x1: left, x2: width - right, y1: y(value), y2: y(value), class: "grid-line" }, svg);
@@ -99,22 +101,30 @@ function fillTable(table, rows, empty) {
   }
 }
 
-const gauges = { t: [], waiting: [], kv: [] };
+const gauges = { t: [], waiting: [], running: [], kv: [], hits: [] };
 
 function drawOverview(data) {
   const n = data.requests_per_s.length;
   const labels = [clock(data.start), clock(data.start + n * data.bucket_s)];
   lineChart(document.getElementById("chart-requests"), [{ name: "requests/s", values: data.requests_per_s }], labels);
   lineChart(document.getElementById("chart-tokens"), [{ name: "tokens/s", values: data.tokens_per_s }], labels);
-  const waiting = data.replicas.reduce((sum, r) => sum + r.waiting, 0);
-  const kv = data.replicas.length ? Math.max(...data.replicas.map((r) => r.kv_used_fraction)) : 0;
-  gauges.t.push(data.now); gauges.waiting.push(waiting); gauges.kv.push(kv);
+  const sum = (key) => data.replicas.reduce((total, r) => total + r[key], 0);
+  const worst = (key) => Math.max(0, ...data.replicas.map((r) => r[key] || 0));
+  gauges.t.push(data.now);
+  gauges.waiting.push(sum("waiting"));
+  gauges.running.push(sum("running"));
+  gauges.kv.push(worst("kv_used_fraction"));
+  gauges.hits.push(worst("prefix_cache_hit_rate"));
   if (gauges.t.length > HISTORY) for (const k of Object.keys(gauges)) gauges[k].shift();
   const gaugeLabels = [clock(gauges.t[0]), clock(gauges.t[gauges.t.length - 1])];
   lineChart(document.getElementById("chart-queue"), [
-    { name: "waiting requests", values: gauges.waiting },
-    { name: "KV cache used (×10)", values: gauges.kv.map((v) => v * 10) },
+    { name: "waiting", values: gauges.waiting },
+    { name: "running", values: gauges.running },
   ], gaugeLabels);
+  lineChart(document.getElementById("chart-kv"), [
+    { name: "KV cache used", values: gauges.kv },
+    { name: "prefix-cache hit rate", values: gauges.hits },
+  ], gaugeLabels, { ymax: 1, percent: true });
   fillTable(document.getElementById("latency"), data.latency.map((c) => [
     c.class, String(c.requests), ms(c.ttft_p50_ms), ms(c.ttft_p95_ms), ms(c.itl_p50_ms), ms(c.itl_p95_ms),
   ]), "No requests in the last 10 minutes.");
@@ -130,6 +140,14 @@ function drawOverview(data) {
     const dt = document.createElement("dt"); dt.textContent = name;
     const dd = document.createElement("dd"); dd.textContent = String(count);
     outcomes.append(dt, dd);
+  }
+  const rejected = document.getElementById("rejections");
+  rejected.replaceChildren();
+  const turnedAway = Object.entries(data.rejections);
+  for (const [reason, count] of turnedAway.length ? turnedAway : [["none", ""]]) {
+    const li = document.createElement("li");
+    li.textContent = count === "" ? reason : `${reason}: ${count}`;
+    rejected.appendChild(li);
   }
   const reasons = document.getElementById("reasons");
   reasons.replaceChildren();
