@@ -54,7 +54,7 @@ async def ledger_rows(
                 prompt_tokens=prompt,
                 cached_tokens=rng.randint(0, prompt),
                 completion_tokens=rng.randint(0, 500),
-                cost_micros=rng.randint(0, 10_000),
+                cost_micros=rng.choice([0, rng.randint(1, 10_000)]),  # some free rows
                 created_at=moment,
             )
             await UsageService(session).record(event)
