@@ -16,11 +16,11 @@ from sqlalchemy.ext.asyncio import AsyncSession
 
 from gateway.console.auth import Console, provide_console, provide_form, provide_owner_form
 from gateway.console.pages import parse_moment
-from gateway.console.render import back_to, page
+from gateway.console.render import SECURITY_HEADERS, back_to, page
 from gateway.runtime import Runtime
 from tenants import audit
 from tenants.billing.models import OutboxRow
-from tenants.billing.prices import ANY_MODEL, PriceService
+from tenants.billing.prices import ANY_MODEL, PriceService, audit_created
 from tenants.billing.reports import Period, build_report
 from tenants.errors import DomainError, InvalidInputError
 from tenants.models import utcnow
@@ -124,6 +124,38 @@ class LedgerPagesController(Controller):
             export=status,
         )
 
+    @get("/billing.csv")
+    async def billing_csv(
+        self,
+        request: Request[Any, Any, Any],
+        runtime: NamedDependency[Runtime],
+        console: NamedDependency[Console],
+    ) -> Response[str]:
+        """The report's lines (day x model) as CSV; the export is audited."""
+        tenant_name = (request.query_params.get("tenant") or "").strip()
+        period = Period.parse((request.query_params.get("period") or "").strip() or _this_month())
+        async with runtime.sessions.begin() as session:
+            tenant = await TenantService(session).get(tenant_name)
+            report = await build_report(session, tenant, period)
+            await audit.record(
+                session,
+                actor=console.actor.name,
+                action="billing.report.export",
+                target=f"tenant:{tenant.name}",
+                tenant_id=tenant.id,
+                details={"period": period.label, "format": "csv"},
+                context=console.actor.context,
+            )
+        filename = f"tollgate-{tenant.name}-{period.label}.csv"
+        return Response(
+            report.csv(),
+            media_type="text/csv; charset=utf-8",
+            headers={
+                **SECURITY_HEADERS,
+                "Content-Disposition": f'attachment; filename="{filename}"',
+            },
+        )
+
     @get("/audit")
     async def audit_log(
         self,
@@ -184,20 +216,7 @@ class LedgerActionsController(Controller):
                 version = await PriceService(session).create(
                     model, price, effective, created_by=console.actor.name[:100]
                 )
-                await audit.record(
-                    session,
-                    actor=console.actor.name,
-                    action="price.create",
-                    target=f"price:{model}",
-                    details={
-                        "version_id": version.id,
-                        "effective_from": effective.isoformat(),
-                        "input_micros_per_mtok": price.input_micros_per_mtok,
-                        "cached_input_micros_per_mtok": price.cached_input_micros_per_mtok,
-                        "output_micros_per_mtok": price.output_micros_per_mtok,
-                    },
-                    context=console.actor.context,
-                )
+                await audit_created(session, console.actor, version)
         except DomainError as error:
             return back_to(request, "/admin/prices", str(error), "error")
         runtime.recorder.prices.invalidate()  # this replica prices by it at once

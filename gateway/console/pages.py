@@ -28,6 +28,7 @@ from gateway.console.queries import (
 )
 from gateway.console.render import SECURITY_HEADERS, page
 from gateway.runtime import Runtime
+from tenants import audit
 from tenants.limits import LIMIT_NAMES, PlanTerms
 from tenants.models import UsageStatus
 from tenants.quota import month_period
@@ -219,8 +220,17 @@ class PagesController(Controller):
         runtime: NamedDependency[Runtime],
         console: NamedDependency[Console],
     ) -> Response[str]:
-        async with runtime.sessions() as session:
-            rows = await find_usage(session, usage_filter(request), limit=CSV_LIMIT)
+        where = usage_filter(request)
+        async with runtime.sessions.begin() as session:
+            rows = await find_usage(session, where, limit=CSV_LIMIT)
+            await audit.record(  # data leaving the system is accountable
+                session,
+                actor=console.actor.name,
+                action="usage.export",
+                target="usage",
+                details={**where.as_query(), "rows": len(rows), "format": "csv"},
+                context=console.actor.context,
+            )
         out = io.StringIO()
         writer = csv.writer(out)
         writer.writerow(CSV_HEADER)

@@ -225,6 +225,8 @@ async def test_owner_runs_the_business_from_the_console(
     assert micros(await page.locator("#invoice-total").inner_text()) == before + expected
     await expect(page.locator("#export-status")).to_contain_text("pending")
     await shot(page, "billing")
+    report = await page.request.get("/admin/billing.csv?tenant=acme")
+    assert report.status == 200 and f",{model}," in await report.text()
 
     # Plans and keys pages.
     await page.goto("/admin/plans")
@@ -242,6 +244,8 @@ async def test_owner_runs_the_business_from_the_console(
     await page.goto("/admin/audit")
     await expect(page.locator("#audit-table")).to_contain_text("key.revoke")
     await expect(page.locator("#audit-table")).to_contain_text(f"console:{OWNER}")
+    for action in ("usage.export", "billing.report.export", "price.create", "tenant.create"):
+        await expect(page.locator("#audit-table")).to_contain_text(action)
     await page.get_by_role("button", name="Verify chain").click()
     await expect(page.get_by_role("status")).to_contain_text("chain intact")
     await shot(page, "audit")
