@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass
+from datetime import UTC, datetime
 from typing import Any
 
 import pytest
@@ -21,6 +22,7 @@ from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
 from gateway.dispatch.engine_client import InProcessEngineClient
 from tenants.models import KeyRole, UsageEvent
 from tenants.services import ApiKeyService, TenantService
+from tests.conftest import eventually
 
 Sessions = async_sessionmaker[AsyncSession]
 _PARAM = re.compile(r"\{(\w+):\w+\}")
@@ -101,8 +103,16 @@ async def test_every_route_denies_or_hides_another_tenants_data(
     client: AsyncTestClient[Any], pair: tuple[Tenant, Tenant]
 ) -> None:
     a, b = pair
-    of_b = {"name": b.name, "key": b.key_prefix, "request_id": b.request_id}
-    nobody = {"name": "nobody", "key": "tg-00000000", "request_id": "req_nobody"}
+    month = datetime.now(UTC).strftime("%Y-%m")
+    of_b = {
+        "name": b.name,
+        "tenant": b.name,
+        "key": b.key_prefix,
+        "request_id": b.request_id,
+        "period": month,
+    }
+    nobody = {**of_b, "name": "nobody", "tenant": "nobody", "key": "tg-00000000"}
+    nobody["request_id"] = "req_" + "0" * 32
     routes = _routes(client.app)
     assert ("POST", "/v1/completions") in routes and ("GET", "/admin/api/audit") in routes
     for method, path in routes:
@@ -116,10 +126,13 @@ async def test_every_route_denies_or_hides_another_tenants_data(
             # B's resources look exactly like resources that do not exist: no oracle.
             assert response.status_code in DENIED | {302, 303}, f"{method} {path}"
             missing = await _call(client, method, _fill(path, nobody), a.auth)
-            assert (missing.status_code, missing.text.replace("nobody", b.name)) == (
-                response.status_code,
-                response.text,
-            ), f"{method} {path} answers differently for B's resource"
+            echoed = missing.text
+            for param, value in nobody.items():
+                if value != of_b[param]:
+                    echoed = echoed.replace(value, of_b[param])
+            assert (missing.status_code, echoed) == (response.status_code, response.text), (
+                f"{method} {path} answers differently for B's resource"
+            )
 
 
 async def test_a_tenant_key_cannot_use_the_admin_api_on_anyone(
@@ -179,3 +192,27 @@ async def test_models_list_is_the_callers_own_view(
         assert listed.status_code == 200
         other = b if tenant is a else a
         assert all(identifier not in listed.text for identifier in other.identifiers())
+
+
+async def test_usage_endpoints_show_only_the_callers_own_ledger(
+    client: AsyncTestClient[Any], pair: tuple[Tenant, Tenant], engine_client: InProcessEngineClient
+) -> None:
+    a, b = pair
+    assert (
+        await client.get(f"/v1/usage/requests/{b.request_id}", headers=a.auth)
+    ).status_code == 404
+    own = await client.get(f"/v1/usage/requests/{b.request_id}", headers=b.auth)
+    assert own.status_code == 200 and own.json()["request_id"] == b.request_id
+
+    before = (await client.get("/v1/usage", headers=a.auth)).json()
+    b_before = (await client.get("/v1/usage", headers=b.auth)).json()
+    more = await client.post(
+        "/v1/completions", json=_completion(engine_client.model_name, "More"), headers=b.auth
+    )
+    assert more.status_code == 200
+
+    async def b_usage_changed() -> bool:
+        return bool((await client.get("/v1/usage", headers=b.auth)).json() != b_before)
+
+    await eventually(b_usage_changed)  # the usage row may be written after the response
+    assert (await client.get("/v1/usage", headers=a.auth)).json() == before  # B's use: not A's
