@@ -3,12 +3,15 @@ match), so another site cannot sign a browser into an account of its choosing.""
 
 from __future__ import annotations
 
+from datetime import timedelta
 from typing import Any
 
 from litestar import Controller, Request, Response, get, post
 from litestar.datastructures import FormMultiDict
 from litestar.di import NamedDependency, Provide
 from litestar.response import Redirect
+from sqlalchemy import func, select
+from sqlalchemy.ext.asyncio import AsyncSession
 
 from gateway.console.auth import (
     CSRF_FIELD,
@@ -26,6 +29,13 @@ from gateway.console.render import page
 from gateway.runtime import Runtime
 from tenants import audit
 from tenants.admins import AdminService
+from tenants.audit import AuditEvent
+from tenants.models import utcnow
+
+FAILED = "console.sign_in_failed"
+MAX_FAILURES = 10  # per account within LOCKOUT_WINDOW, then sign-in waits
+LOCKOUT_WINDOW = timedelta(minutes=15)
+LOCKED_OUT = "Too many failed sign-ins for this account; try again in 15 minutes."
 
 
 def safe_next(target: str | None) -> str:
@@ -53,6 +63,57 @@ def login_page(
     return response
 
 
+async def recent_failures(session: AsyncSession, email: str) -> int:
+    """Failed sign-ins to this account within the lockout window (from the audit log)."""
+    count = await session.scalar(
+        select(func.count())
+        .select_from(AuditEvent)
+        .where(
+            AuditEvent.action == FAILED,
+            AuditEvent.target == f"admin:{email}",
+            AuditEvent.occurred_at > utcnow() - LOCKOUT_WINDOW,
+        )
+    )
+    return int(count or 0)
+
+
+async def attempt(
+    session: AsyncSession, request: Request[Any, Any, Any], email: str, password: str
+) -> str | None:
+    """A new session's token, or None; either way the audit log hears of it."""
+    admin = await AdminService(session).verify(email, password)
+    context = audit_context(request)
+    if admin is not None:
+        token = await AdminService(session).sign_in(admin)
+        await audit.record(
+            session,
+            actor=f"console:{admin.email}",
+            action="console.sign_in",
+            target=f"admin:{admin.email}",
+            details={"role": admin.role},
+            context=context,
+        )
+        return token
+    if await AdminService(session).find(email) is not None:
+        await audit.record(
+            session,
+            actor=f"console:{email}",
+            action=FAILED,
+            target=f"admin:{email}",
+            context=context,
+        )
+    else:  # names an attacker made up are not worth an event each
+        await audit.record_unless_recent(
+            session,
+            within=timedelta(minutes=1),
+            actor="console:unknown",
+            action=FAILED,
+            target="admin:unknown",
+            context=context,
+        )
+    return None
+
+
 class SessionController(Controller):
     path = "/"
 
@@ -68,29 +129,11 @@ class SessionController(Controller):
         if not csrf_ok(request.cookies.get(LOGIN_CSRF_COOKIE, ""), form.get(CSRF_FIELD)):
             return login_page(request, "The sign-in form expired; please try again.", 403)
         email = str(form.get("email", "")).strip().lower()[:254]
-        password = str(form.get("password", ""))
         async with runtime.sessions.begin() as session:
-            service = AdminService(session)
-            admin = await service.verify(email, password)
-            if admin is None:
-                await audit.record(
-                    session,
-                    actor=f"console:{email or '?'}",
-                    action="console.sign_in_failed",
-                    target=f"admin:{email or '?'}",
-                    context=audit_context(request),
-                )
-            else:
-                token = await service.sign_in(admin)
-                await audit.record(
-                    session,
-                    actor=f"console:{admin.email}",
-                    action="console.sign_in",
-                    target=f"admin:{admin.email}",
-                    details={"role": admin.role},
-                    context=audit_context(request),
-                )
-        if admin is None:
+            if await recent_failures(session, email) >= MAX_FAILURES:
+                return login_page(request, LOCKED_OUT, 429)
+            token = await attempt(session, request, email, str(form.get("password", "")))
+        if token is None:
             return login_page(request, "Wrong email or password.", 401)
         response = Redirect(safe_next(str(form.get("next", ""))), status_code=303)
         response.set_cookie(cookie(request, SESSION_COOKIE, token))

@@ -11,6 +11,8 @@ from litestar.testing import AsyncTestClient
 from sqlalchemy import select
 from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
 
+from gateway.bootstrap import ensure_console_owner
+from gateway.console.session import MAX_FAILURES
 from tenants import audit
 from tenants.admins import AdminService, ConsoleSession
 from tenants.models import Tenant, utcnow
@@ -215,3 +217,50 @@ async def test_session_tokens_are_stored_hashed(
     async with sessions() as session:
         stored = (await session.execute(select(ConsoleSession.token_hash))).scalar_one()
     assert stored != token and len(stored) == 64
+
+
+async def test_repeated_failures_lock_the_account_for_a_while(
+    client: Client, admins: None, sessions: async_sessionmaker[AsyncSession]
+) -> None:
+    async def attempt(password: str) -> int:
+        form = await client.get("/admin/login")
+        token = CSRF.search(form.text)
+        assert token is not None
+        data = {"csrf_token": token.group(1), "email": OWNER, "password": password}
+        return (await client.post("/admin/login", data=data)).status_code
+
+    assert [await attempt(f"guess {n}") for n in range(MAX_FAILURES)] == [401] * MAX_FAILURES
+    assert await attempt(PASSWORD) == 429  # even the right password waits
+    assert await sign_in_status(client, VIEWER) == 303  # other accounts are unaffected
+    async with sessions() as session:
+        failures = await audit.list_events(session, action="console.sign_in_failed")
+    assert len(failures) == MAX_FAILURES
+
+
+async def sign_in_status(client: Client, email: str) -> int:
+    form = await client.get("/admin/login")
+    token = CSRF.search(form.text)
+    assert token is not None
+    data = {"csrf_token": token.group(1), "email": email, "password": PASSWORD}
+    return (await client.post("/admin/login", data=data)).status_code
+
+
+async def test_unknown_emails_do_not_flood_the_audit_log(
+    client: Client, admins: None, sessions: async_sessionmaker[AsyncSession]
+) -> None:
+    for n in range(3):
+        assert await sign_in_status(client, f"nobody{n}@example.com") == 401
+    async with sessions() as session:
+        failures = await audit.list_events(session, action="console.sign_in_failed")
+    assert [event.target for event in failures] == ["admin:unknown"]
+
+
+async def test_first_start_creates_one_owner_with_a_password_shown_once(
+    sessions: async_sessionmaker[AsyncSession],
+) -> None:
+    first = await ensure_console_owner(sessions)
+    assert first is not None and first.password is not None
+    assert await ensure_console_owner(sessions) is None
+    async with sessions() as session:
+        admin = await AdminService(session).verify(first.email, first.password)
+    assert admin is not None and admin.role == "owner"
