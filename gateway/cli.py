@@ -241,7 +241,7 @@ def _iso_time(text: str) -> datetime:
         moment = datetime.fromisoformat(text)
     except ValueError:
         raise argparse.ArgumentTypeError(f"expected an ISO 8601 time, got {text!r}") from None
-    return moment if moment.tzinfo is not None else moment.replace(tzinfo=UTC)
+    return moment.astimezone(UTC) if moment.tzinfo is not None else moment.replace(tzinfo=UTC)
 
 
 def _anchor(text: str) -> audit.Anchor:

@@ -29,7 +29,8 @@ def parse_time(text: str | None, param: str) -> datetime | None:
         raise InvalidRequest(
             f"{param} must be an ISO 8601 time, e.g. 2026-11-29T12:00:00Z", param=param
         ) from None
-    return moment if moment.tzinfo is not None else moment.replace(tzinfo=UTC)
+    # In UTC: SQLite compares the stored UTC text, so other zones must be converted.
+    return moment.astimezone(UTC) if moment.tzinfo is not None else moment.replace(tzinfo=UTC)
 
 
 class AuditController(Controller):

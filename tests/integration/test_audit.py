@@ -9,7 +9,7 @@ import json
 import uuid
 from collections.abc import Iterator
 from dataclasses import replace
-from datetime import timedelta
+from datetime import datetime, timedelta, timezone
 from typing import Any
 
 import pytest
@@ -231,9 +231,17 @@ def app_role(postgres_url: str) -> Iterator[str]:
         admin.dispose()
 
 
-async def test_the_app_role_can_append_but_not_alter(postgres_url: str, app_role: str) -> None:
-    statements = audit.grant_app_role(postgres_url, app_role)
-    assert any("REVOKE UPDATE, DELETE, TRUNCATE" in statement for statement in statements)
+async def test_the_app_role_can_append_but_not_alter(
+    postgres_url: str,
+    app_role: str,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    monkeypatch.setenv("TOLLGATE_DATABASE_URL", postgres_url)
+    assert await asyncio.to_thread(cli.main, ["db", "grant-app-role", "--role", app_role]) == 0
+    assert f'REVOKE UPDATE, DELETE, TRUNCATE ON "public".audit_events FROM "{app_role}"' in (
+        capsys.readouterr().out
+    )
     as_app = db.sync_url(postgres_url).set(username=app_role, password="app")
     app_url = as_app.render_as_string(hide_password=False)
 
@@ -359,6 +367,10 @@ async def test_audit_api_pages_filters_and_refuses_tenants(
 
     future = await _events(client, admin, since="2999-01-01T00:00:00Z")
     assert future["data"] == []
+    newest = datetime.fromisoformat(pages[0]["data"][0]["time"])
+    in_paris = (newest - timedelta(seconds=1)).astimezone(timezone(timedelta(hours=1)))
+    recent = await _events(client, admin, since=in_paris.isoformat(), action="plan.update")
+    assert recent["data"][0]["id"] == pages[0]["data"][0]["id"]  # other zones: converted
     assert len((await _events(client, admin, until="2999-01-01T00:00:00"))["data"]) >= 5
     bad_time = await client.get("/admin/api/audit", params={"since": "yesterday"}, headers=admin)
     assert bad_time.status_code == 400 and bad_time.json()["error"]["param"] == "since"
