@@ -164,4 +164,5 @@ def create_backend_app(engine: AsyncEngine, model_dir: Path, secret: str) -> Lit
         ],
         lifespan=[lifespan],
         openapi_config=None,
+        logging_config=None,  # logging (JSON lines) is set up by `tollgate backend serve`
     )

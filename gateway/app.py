@@ -161,5 +161,6 @@ def create_app(
         },
         lifespan=[lifespan],
         openapi_config=None,
+        logging_config=None,  # the process's logging (JSON lines) is set by `tollgate serve`
         debug=False,
     )

@@ -21,7 +21,12 @@ from gateway.settings import SettingsError
 request_id_var: ContextVar[str | None] = ContextVar("tollgate_request_id", default=None)
 
 # What every LogRecord has; anything else on a record came from `extra=` and is logged.
-_STANDARD = set(logging.makeLogRecord({}).__dict__) | {"message", "asctime", "taskName"}
+_STANDARD = set(logging.makeLogRecord({}).__dict__) | {
+    "message",
+    "asctime",
+    "taskName",
+    "color_message",  # uvicorn's copy of the message with terminal colours
+}
 
 
 class JsonFormatter(logging.Formatter):

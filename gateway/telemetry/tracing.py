@@ -1,9 +1,9 @@
 """Tracing set-up from the standard OTEL_* variables, and the span names and attributes
 the gateway writes.
 
-With no OTLP endpoint set (or OTEL_SDK_DISABLED=true, or OTEL_TRACES_EXPORTER=none) no
-provider is installed: spans stay OpenTelemetry's non-recording no-ops, which cost next
-to nothing, and trace context is still passed along to the backends. Everything else
+With no OTLP endpoint set (or OTEL_TRACES_EXPORTER=none) nothing is exported and spans
+are sampled out: non-recording, next to free, but with trace ids for the logs and the
+backends. OTEL_SDK_DISABLED=true leaves OpenTelemetry's no-op API in place. Everything else
 (headers, timeouts, protocol details, sampler, resource attributes) is read by the SDK
 and the OTLP exporter from their own OTEL_* variables.
 """
@@ -18,6 +18,7 @@ from opentelemetry import propagate, trace
 from opentelemetry.sdk.resources import SERVICE_NAME, Resource
 from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.sdk.trace.export import BatchSpanProcessor
+from opentelemetry.sdk.trace.sampling import ALWAYS_OFF
 from opentelemetry.util.types import AttributeValue
 
 # Re-exported: the gateway and the backend write one set of names.
@@ -78,10 +79,13 @@ def build_tracer_provider(
     return provider
 
 
-def setup_tracing(default_service: str) -> TracerProvider | None:
-    """Install the provider the environment asks for (once per process, at start-up)."""
-    provider = build_tracer_provider(default_service)
-    if provider is not None:
+def setup_tracing(default_service: str, env: Mapping[str, str] | None = None) -> TracerProvider:
+    """Install the provider the environment asks for (once per process, at start-up).
+    Without an exporter, spans are sampled out: nothing is recorded, but every request
+    still gets a trace id (for log lines, and passed on to the backends)."""
+    env = os.environ if env is None else env
+    provider = build_tracer_provider(default_service, env) or TracerProvider(sampler=ALWAYS_OFF)
+    if env.get("OTEL_SDK_DISABLED", "").strip().lower() != "true":
         trace.set_tracer_provider(provider)
     return provider
 
