@@ -28,6 +28,7 @@ from gateway.console.queries import (
 )
 from gateway.console.render import SECURITY_HEADERS, page
 from gateway.runtime import Runtime
+from gateway.telemetry.request import workload_class
 from tenants import audit
 from tenants.limits import LIMIT_NAMES, PlanTerms
 from tenants.models import UsageStatus
@@ -281,6 +282,7 @@ async def request_page(
         request_id=request_id,
         row=row,
         itl=inter_token_ms(row.event) if row else None,
+        workload=workload_class(row.event.endpoint, row.event.prompt_tokens) if row else None,
         replica=None,
         trace_id=None,
         status_code=404 if request_id and row is None else 200,

@@ -164,6 +164,7 @@ async def test_owner_runs_the_business_from_the_console(
     await page.get_by_role("link", name=request_id).click()
     await expect(page.get_by_role("heading", name=request_id)).to_be_visible()
     await expect(page.locator("dl")).to_contain_text("Time to first token")
+    await expect(page.locator("dl")).to_contain_text("chat")
     await shot(page, "request-detail")
     csv = await page.request.get(f"/admin/usage.csv?tenant=acme&key={secret[:11]}")
     assert csv.status == 200 and request_id in await csv.text()
