@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 from datetime import UTC, date, datetime
 from decimal import Decimal, InvalidOperation
 from typing import Any
@@ -128,7 +129,7 @@ def _billing_export(settings: Settings, args: argparse.Namespace) -> int:
     from gateway.cli import _actor, _in_session
 
     if settings.stripe_api_key is None:
-        print("tollgate: Stripe export is off: set TOLLGATE_STRIPE_API_KEY")
+        print("tollgate: Stripe export is off: set TOLLGATE_STRIPE_API_KEY", file=sys.stderr)
         return 2
     result = export_once(settings, budget_s=600.0)
     assert result is not None  # Stripe is configured

@@ -3,6 +3,7 @@ fault, and a real Celery worker killed with SIGKILL mid-batch (the acceptance te
 
 from __future__ import annotations
 
+import asyncio
 import os
 import random
 import signal
@@ -11,15 +12,20 @@ import sys
 import uuid
 from collections import Counter
 from collections.abc import Iterator
+from dataclasses import replace
 from pathlib import Path
+from typing import Any
 
 import pytest
 from sqlalchemy import Engine, func, select
 from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
 from sqlalchemy.orm import Session
 
-from tenants import db
-from tenants.billing.export import sync_engine
+from gateway import cli
+from gateway.billing.jobs import BillingJobs
+from gateway.settings import Settings
+from tenants import audit, db
+from tenants.billing.export import relay_for, sync_engine
 from tenants.billing.models import OutboxRow, OutboxStatus, StripeCustomer
 from tenants.billing.relay import Relay
 from tenants.billing.stripe_meters import MeterEvent, Retry, StripeMeters
@@ -294,3 +300,75 @@ async def test_celery_worker_killed_mid_batch_exports_every_row_once(
     finally:
         kill(worker)
         ledger.dispose()
+
+
+def stripe_settings(database_url: str, fake: FakeStripe, **changes: Any) -> Settings:
+    base = Settings.from_env({})
+    return replace(
+        base,
+        database_url=database_url,
+        stripe_api_key="sk_test_fake",
+        stripe_base_url=fake.url,
+        stripe_retry_base_ms=1,
+        **changes,
+    )
+
+
+async def test_the_embedded_gateway_runs_the_same_relay(
+    database_url: str, sessions: async_sessionmaker[AsyncSession], engine: Engine, fake: FakeStripe
+) -> None:
+    spent = await add_usage(sessions, tenants=2, rows=30, seed=13)
+    settings = stripe_settings(database_url, fake)
+    assert BillingJobs.wanted(settings)
+    assert not BillingJobs.wanted(replace(settings, redis_url="redis://127.0.0.1:6379/0"))
+    try:
+        await BillingJobs(settings, sessions).export()
+        assert stripe_totals(engine, fake) == spent
+    finally:
+        relay = relay_for(settings)
+        assert relay is not None
+        relay.engine.dispose()
+        relay_for.cache_clear()
+
+
+def test_cli_billing_export_is_audited(
+    database_url: str,
+    fake: FakeStripe,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    async def seed() -> dict[str, int]:
+        async_engine = db.create_engine(database_url)
+        try:
+            return await add_usage(db.session_factory(async_engine), tenants=1, rows=12, seed=17)
+        finally:
+            await async_engine.dispose()
+
+    async def exports() -> list[dict[str, Any]]:
+        async_engine = db.create_engine(database_url)
+        try:
+            async with db.session_factory(async_engine)() as session:
+                events = await audit.list_events(session, action="billing.export")
+                return [dict(event.details or {}) for event in events]
+        finally:
+            await async_engine.dispose()
+
+    spent = asyncio.run(seed())
+    for name, value in {
+        "TOLLGATE_DATABASE_URL": database_url,
+        "TOLLGATE_STRIPE_API_KEY": "sk_test_fake",
+        "TOLLGATE_STRIPE_BASE_URL": fake.url,
+    }.items():
+        monkeypatch.setenv(name, value)
+    try:
+        assert cli.main(["billing", "export"]) == 0
+    finally:
+        relay_for.cache_clear()
+    exported = sum(1 for _ in fake.events)
+    assert f"exported={exported}" in capsys.readouterr().out
+    assert sum(fake.customer_totals().values()) == sum(spent.values())
+    assert asyncio.run(exports()) == [{"exported": exported, "deferred": 0, "rejected": 0}]
+
+    monkeypatch.delenv("TOLLGATE_STRIPE_API_KEY")
+    assert cli.main(["billing", "export"]) == 2
+    assert "TOLLGATE_STRIPE_API_KEY" in capsys.readouterr().err
