@@ -4,7 +4,8 @@ Each event stores the SHA-256 of a canonical serialization of its fields and of 
 predecessor's hash, so editing, deleting or reordering any stored event breaks the chain
 at that point, and `verify` names the first event where it breaks. Events are numbered
 1, 2, 3… without gaps (the number is part of the hash), so a missing number is a deletion.
-On PostgreSQL, triggers created by migration 0005 reject UPDATE, DELETE and TRUNCATE.
+Triggers created by migration 0005 reject UPDATE, DELETE and TRUNCATE (PostgreSQL; on
+SQLite UPDATE and DELETE); `app_role_grants` keeps the gateway's role from disabling them.
 """
 
 from __future__ import annotations
