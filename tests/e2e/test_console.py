@@ -263,7 +263,8 @@ async def test_owner_runs_the_business_from_the_console(
     await phone.set_viewport_size(PHONE)  # type: ignore[arg-type]
     for path, name in (("/admin", "phone-overview"), ("/admin/tenants/acme", "phone-tenant")):
         await phone.goto(path)
-        assert await phone.evaluate(TOO_WIDE) == [], path
+        fits = await phone.evaluate("document.documentElement.scrollWidth <= innerWidth")
+        assert fits, (path, await phone.evaluate(TOO_WIDE))
         await shot(phone, name)
 
     await page.get_by_role("button", name="Sign out").click()
