@@ -109,6 +109,7 @@ class Engine:
             tenant=tenant,
             weight=weight,
             cache_salt=None if self.config.share_prefix_cache else tenant,
+            arrival_time=self.scheduler.clock(),  # the clock that ages it
         )
         with self._lock:
             if request_id in self._groups:

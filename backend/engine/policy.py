@@ -40,10 +40,11 @@ class Ranking:
     def __init__(self, aging_interval_s: float | None) -> None:
         self.aging = aging_interval_s
 
-    def key(self, req: Request) -> tuple[float, float]:
+    def key(self, req: Request) -> tuple[float, float, int]:
+        """Completion 0 of an n > 1 request goes before its forks (same arrival)."""
         if self.aging is None:
-            return (req.priority, req.arrival_time)
-        return (req.arrival_time + req.priority * self.aging, req.arrival_time)
+            return (req.priority, req.arrival_time, req.index)
+        return (req.arrival_time + req.priority * self.aging, req.arrival_time, req.index)
 
     def effective(self, req: Request, now: float) -> int:
         if self.aging is None:
@@ -51,8 +52,8 @@ class Ranking:
         return req.priority - math.floor((now - req.arrival_time) / self.aging)
 
 
-def _deadline_order(req: Request) -> tuple[float, float]:
-    return (math.inf if req.deadline is None else req.deadline, req.arrival_time)
+def _deadline_order(req: Request) -> tuple[float, float, int]:
+    return (math.inf if req.deadline is None else req.deadline, req.arrival_time, req.index)
 
 
 class FairShare:

@@ -103,10 +103,12 @@ def fan_out(
     tenant: str | None = None,
     weight: int = 1,
     cache_salt: str | None = None,
+    arrival_time: float | None = None,
 ) -> list[Request]:
     """The params.n completions of one caller's request: index 0 keeps the caller's id;
     index i draws with seed + i and is forked from index 0 (shares its prompt blocks)."""
     reqs: list[Request] = []
+    arrival = time.monotonic() if arrival_time is None else arrival_time
     for i in range(params.n):
         seed = params.seed
         reqs.append(
@@ -123,6 +125,7 @@ def fan_out(
                 external_id=request_id,
                 index=i,
                 fork_of=reqs[0] if reqs else None,
+                arrival_time=arrival,
             )
         )
     return reqs
