@@ -21,6 +21,7 @@ from gateway.console.auth import (
     audit_context,
     cookie,
     csrf_ok,
+    idle_limit,
     new_login_csrf,
     provide_console,
     provide_form,
@@ -133,6 +134,8 @@ class SessionController(Controller):
             if await recent_failures(session, email) >= MAX_FAILURES:
                 return login_page(request, LOCKED_OUT, 429)
             token = await attempt(session, request, email, str(form.get("password", "")))
+            if token is not None:  # sweep sessions nobody came back to, now and then
+                await AdminService(session).purge_idle(idle_limit(runtime))
         if token is None:
             return login_page(request, "Wrong email or password.", 401)
         response = Redirect(safe_next(str(form.get("next", ""))), status_code=303)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import re
 from datetime import timedelta
+from typing import Any
 
 import pytest
 from litestar import Litestar
@@ -15,8 +16,8 @@ from gateway.bootstrap import ensure_console_owner
 from gateway.console.session import MAX_FAILURES
 from tenants import audit
 from tenants.admins import AdminService, ConsoleSession
-from tenants.models import Tenant, utcnow
-from tenants.services import TenantService
+from tenants.models import Tenant, UsageEvent, utcnow
+from tenants.services import ApiKeyService, PlanService, TenantService
 
 Client = AsyncTestClient[Litestar]
 OWNER, VIEWER, PASSWORD = "owner@example.com", "viewer@example.com", "correct horse battery"
@@ -264,3 +265,91 @@ async def test_first_start_creates_one_owner_with_a_password_shown_once(
     async with sessions() as session:
         admin = await AdminService(session).verify(first.email, first.password)
     assert admin is not None and admin.role == "owner"
+
+
+async def record_usage(
+    sessions: async_sessionmaker[AsyncSession], tenant_name: str, request_id: str, **fields: Any
+) -> None:
+    async with sessions.begin() as session:
+        tenant = await TenantService(session).find(tenant_name) or await TenantService(
+            session
+        ).create(tenant_name)
+        created = await ApiKeyService(session).create(tenant, "k")
+        defaults: dict[str, Any] = {
+            "model": "m",
+            "endpoint": "chat.completions",
+            "status": "completed",
+            "prompt_tokens": 10,
+            "completion_tokens": 5,
+            "ttft_ms": 20.0,
+            "e2e_ms": 60.0,
+        }
+        session.add(
+            UsageEvent(
+                request_id=request_id,
+                tenant_id=tenant.id,
+                api_key_id=created.key.id,
+                **{**defaults, **fields},
+            )
+        )
+
+
+async def test_usage_filters_and_csv_keep_tenants_apart(
+    client: Client, admins: None, sessions: async_sessionmaker[AsyncSession]
+) -> None:
+    await record_usage(sessions, "acme", "req_acme")
+    await record_usage(sessions, "globex", "req_globex", status="cancelled")
+    await sign_in(client, VIEWER)
+    page = (await client.get("/admin/usage", params={"tenant": "acme"})).text
+    assert "req_acme" in page and "req_globex" not in page
+    cancelled = (await client.get("/admin/usage", params={"status": "cancelled"})).text
+    assert "req_globex" in cancelled and "req_acme" not in cancelled
+    export = await client.get("/admin/usage.csv", params={"tenant": "globex"})
+    lines = export.text.strip().splitlines()
+    assert lines[0].startswith("request_id,created_at,tenant,key,model")
+    assert [line.split(",")[0] for line in lines[1:]] == ["req_globex"]
+    assert "attachment" in export.headers["content-disposition"]
+    async with sessions() as session:
+        (event,) = await audit.list_events(session, action="usage.export")
+    assert event.actor == f"console:{VIEWER}" and event.details["tenant"] == "globex"
+    detail = await client.get("/admin/requests/req_acme")
+    assert detail.status_code == 200 and "Time to first token" in detail.text
+    assert (await client.get("/admin/requests/req_none")).status_code == 404
+
+
+async def test_overview_reports_latency_by_class_and_the_engine(
+    client: Client, admins: None, sessions: async_sessionmaker[AsyncSession]
+) -> None:
+    for n, ttft in enumerate([10.0, 20.0, 30.0, 40.0]):
+        await record_usage(sessions, "acme", f"req_{n}", ttft_ms=ttft, e2e_ms=ttft + 40)
+    await record_usage(sessions, "acme", "req_text", endpoint="completions", ttft_ms=99.0)
+    await sign_in(client, VIEWER)
+    data = (await client.get("/admin/overview.json")).json()
+    classes = {row["class"]: row for row in data["latency"]}
+    assert classes["chat"]["requests"] == 4
+    assert (classes["chat"]["ttft_p50_ms"], classes["chat"]["ttft_p95_ms"]) == (20.0, 40.0)
+    assert classes["chat"]["itl_p50_ms"] == 10.0  # (e2e - ttft) / (5 - 1)
+    assert classes["completion"]["ttft_p50_ms"] == 99.0
+    assert sum(data["requests_per_s"]) * data["bucket_s"] == 5
+    assert data["outcomes"] == {"completed": 5}
+    (replica,) = data["replicas"]
+    assert replica["name"] == "in-process" and replica["healthy"] is True
+
+
+async def test_owner_edits_a_plan_through_the_plan_service(
+    client: Client, admins: None, sessions: async_sessionmaker[AsyncSession]
+) -> None:
+    csrf = await sign_in(client, OWNER)
+    created = await client.post(
+        "/admin/plans", data={"csrf_token": csrf, "name": "gold", "rpm": "60"}
+    )
+    assert created.status_code == 303
+    edit = {"csrf_token": csrf, "rpm": "120", "monthly_budget": "25.50", "weight": "3"}
+    assert (await client.post("/admin/plans/gold", data=edit)).status_code == 303
+    async with sessions() as session:
+        plan = await PlanService(session).get("gold")
+        events = await audit.list_events(session, action="plan.update")
+    assert (plan.rpm, plan.monthly_budget_micros, plan.weight) == (120, 25_500_000, 3)
+    assert events[0].actor == f"console:{OWNER}"
+    bad = await client.post("/admin/plans/gold", data={"csrf_token": csrf, "rpm": "-5"})
+    assert "whole number" in (await client.get(bad.headers["location"])).text
