@@ -148,6 +148,23 @@ async def _verify_with(sessions: Sessions, anchor: audit.Anchor) -> audit.Verifi
         return await audit.verify(session, anchor)
 
 
+async def test_verify_catches_a_superuser_who_disables_the_triggers(postgres_url: str) -> None:
+    engine = db.create_engine(postgres_url)
+    try:
+        sessions = db.session_factory(engine)
+        await _record_many(sessions, 4)
+        owner = create_engine(db.sync_url(postgres_url))
+        with owner.begin() as connection:
+            connection.execute(text("ALTER TABLE audit_events DISABLE TRIGGER USER"))
+            connection.execute(text("UPDATE audit_events SET ip = '10.6.6.6' WHERE id = 2"))
+            connection.execute(text("ALTER TABLE audit_events ENABLE TRIGGER USER"))
+        owner.dispose()
+        result = await _verify(sessions)
+        assert (result.ok, result.first_bad_id) == (False, 2)
+    finally:
+        await engine.dispose()
+
+
 async def test_verify_detects_reordering(database_url: str, sessions: Sessions) -> None:
     await _record_many(sessions, 5)
     _as_superuser(
