@@ -16,6 +16,7 @@ from litestar.params import FromPath
 from gateway.console.auth import Console, provide_console, provide_form, provide_owner_form
 from gateway.console.render import back_to, page
 from gateway.runtime import Runtime
+from tenants.admins import AdminService
 from tenants.errors import DomainError, InvalidInputError
 from tenants.limits import LIMIT_NAMES, LimitSet, PlanTerms
 from tenants.models import KeyRole
@@ -171,6 +172,24 @@ class ActionsController(Controller):
         except DomainError as error:
             return back_to(request, here, str(error), "error")
         return back_to(request, here, f"Revoked key {revoked.prefix}.")
+
+    @post("/admins")
+    async def create_admin(
+        self,
+        request: Request[Any, Any, Any],
+        runtime: NamedDependency[Runtime],
+        console: NamedDependency[Console],
+        owner_form: NamedDependency[FormMultiDict],
+    ) -> Response[Any]:
+        email = _field(owner_form, "email")
+        try:
+            async with runtime.sessions.begin() as session:
+                admin = await AdminService(session, console.actor).create(
+                    email, _field(owner_form, "role"), str(owner_form.get("password", ""))
+                )
+        except DomainError as error:
+            return back_to(request, "/admin/admins", str(error), "error")
+        return back_to(request, "/admin/admins", f"Added {admin.role} {admin.email}.")
 
     @post("/plans")
     async def create_plan(

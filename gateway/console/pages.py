@@ -30,6 +30,7 @@ from gateway.console.render import SECURITY_HEADERS, page
 from gateway.runtime import Runtime
 from gateway.telemetry.request import workload_class
 from tenants import audit
+from tenants.admins import AdminService
 from tenants.limits import LIMIT_NAMES, PlanTerms
 from tenants.models import UsageStatus
 from tenants.quota import month_period
@@ -245,6 +246,17 @@ class PagesController(Controller):
                 "Content-Disposition": f'attachment; filename="usage-{stamp}.csv"',
             },
         )
+
+    @get("/admins")
+    async def admins(
+        self,
+        request: Request[Any, Any, Any],
+        runtime: NamedDependency[Runtime],
+        console: NamedDependency[Console],
+    ) -> Response[str]:
+        async with runtime.sessions() as session:
+            admins = await AdminService(session).list()
+        return page(request, console, "admins.html", title="Administrators", admins=admins)
 
     @get("/requests")
     async def request_search(

@@ -241,11 +241,20 @@ async def test_owner_runs_the_business_from_the_console(
     await expect(page.locator("table.keys")).to_contain_text("revoked")
     await shot(page, "keys")
 
+    # Owners add administrators.
+    await page.goto("/admin/admins")
+    await page.get_by_label("Email").fill("ops@example.com")
+    await page.get_by_label("Role").select_option("viewer")
+    await page.get_by_label("Initial password").fill("another long password")
+    await page.get_by_role("button", name="Add administrator").click()
+    await expect(page.get_by_role("status")).to_contain_text("Added viewer ops@example.com")
+    await shot(page, "admins")
+
     # The audit trail names the administrator, and the chain verifies.
     await page.goto("/admin/audit")
     await expect(page.locator("#audit-table")).to_contain_text("key.revoke")
     await expect(page.locator("#audit-table")).to_contain_text(f"console:{OWNER}")
-    for action in ("usage.export", "billing.report.export", "price.create", "tenant.create"):
+    for action in ("usage.export", "billing.report.export", "price.create", "console_admin.create"):
         await expect(page.locator("#audit-table")).to_contain_text(action)
     await page.get_by_role("button", name="Verify chain").click()
     await expect(page.get_by_role("status")).to_contain_text("chain intact")
@@ -283,7 +292,7 @@ async def test_viewer_cannot_change_anything(
     await page.goto("/admin/tenants")
     assert await page.get_by_role("button", name="Create tenant").count() == 0
     await shot(page, "viewer-tenants")
-    for path in ("/admin/plans", "/admin/prices", "/admin/keys"):
+    for path in ("/admin/plans", "/admin/prices", "/admin/keys", "/admin/admins"):
         await page.goto(path)
         forms = page.locator('form[method="post"]:not([action="/admin/logout"])')
         assert await forms.count() == 0, path
@@ -294,6 +303,7 @@ async def test_viewer_cannot_change_anything(
     attempts = {
         "/admin/tenants": {"name": "viewer-made"},
         "/admin/plans": {"name": "viewer-plan"},
+        "/admin/admins": {"email": "x@example.com", "role": "owner", "password": "p" * 12},
         "/admin/prices": {"model": "*", "input": "0", "cached_input": "0", "output": "0"},
     }
     for path, form in attempts.items():
