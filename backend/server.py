@@ -24,7 +24,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_l
 
 from backend.errors import DeadlineExceededError, EngineDeadError, OverloadedError
 from backend.sampling import SamplingParams
-from backend.telemetry import EngineStatsCollector, served
+from backend.telemetry import EngineRequestMetrics, EngineStatsCollector, served
 
 if TYPE_CHECKING:
     from backend.engine.async_engine import AsyncEngine
@@ -72,7 +72,8 @@ async def generate(request: Request[Any, Any, Any]) -> Response[Any]:
         weight=body.weight,
     )
     chunk = engine.engine.config.max_num_batched_tokens
-    outputs = served(outputs, request.headers, body.request_id, body.priority, chunk)
+    metrics = request.app.state.engine_metrics
+    outputs = served(outputs, request.headers, body.request_id, body.priority, chunk, metrics)
     return Stream(_ndjson(outputs), media_type="application/x-ndjson")
 
 
@@ -150,6 +151,7 @@ def create_backend_app(engine: AsyncEngine, model_dir: Path, secret: str) -> Lit
         app.state.model_dir = model_dir
         app.state.metrics = CollectorRegistry()
         app.state.metrics.register(EngineStatsCollector(engine.stats))
+        app.state.engine_metrics = EngineRequestMetrics(app.state.metrics)
         try:
             yield
         finally:

@@ -9,6 +9,7 @@ Nothing here sees prompt or completion text: only counts and times.
 from __future__ import annotations
 
 import contextlib
+import functools
 import math
 import time
 from collections.abc import AsyncGenerator, AsyncIterator, Callable, Iterator, Mapping
@@ -16,6 +17,7 @@ from collections.abc import AsyncGenerator, AsyncIterator, Callable, Iterator, M
 from opentelemetry import context, propagate, trace
 from opentelemetry.context import Context
 from opentelemetry.trace import SpanKind, Status, StatusCode
+from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
@@ -148,10 +150,11 @@ async def traced(
     request_id: str,
     chunk_tokens: int,
     parent: Context | None = None,
+    on_done: Callable[[RequestTimeline, float, bool], None] | None = None,
 ) -> AsyncGenerator[RequestOutput, None]:
     """Pass a request's outputs through; once it leaves the engine (finished, aborted or
     failed), write its phase spans under `parent` (default: the context current when the
-    first output is asked for)."""
+    first output is asked for) and hand its timeline to `on_done`."""
     parent = context.get_current() if parent is None else parent
     timeline = RequestTimeline()
     finished = False
@@ -164,7 +167,10 @@ async def traced(
         close = getattr(outputs, "aclose", None)
         if close is not None:  # abort in the engine now, not when collected
             await close()
-        timeline.emit_spans(parent, time.monotonic(), not finished, chunk_tokens, request_id)
+        ended = time.monotonic()
+        timeline.emit_spans(parent, ended, not finished, chunk_tokens, request_id)
+        if on_done is not None:
+            on_done(timeline, ended, not finished)
 
 
 async def served(
@@ -173,9 +179,11 @@ async def served(
     request_id: str,
     priority: int,
     chunk_tokens: int,
+    metrics: EngineRequestMetrics | None = None,
 ) -> AsyncGenerator[RequestOutput, None]:
     """A backend's side of one request: a server span joined to the caller's trace (W3C
-    traceparent in `headers`), with the engine's phase spans under it."""
+    traceparent in `headers`), with the engine's phase spans under it; observed once in
+    `metrics` when it leaves the engine."""
     span = trace.get_tracer(TRACER_NAME).start_span(
         "engine.generate",
         propagate.extract(headers),
@@ -184,7 +192,9 @@ async def served(
     )
     parent = trace.set_span_in_context(span)
     try:
-        async with contextlib.aclosing(traced(outputs, request_id, chunk_tokens, parent)) as run:
+        done = None if metrics is None else functools.partial(metrics.observe, priority)
+        run = traced(outputs, request_id, chunk_tokens, parent, done)
+        async with contextlib.aclosing(run):
             async for out in run:
                 yield out
     except Exception as exc:
@@ -251,3 +261,54 @@ class EngineStatsCollector(Collector):
 
 def _gauge(name: str, help_text: str, value: float) -> GaugeMetricFamily:
     return GaugeMetricFamily(name, help_text, value=value)
+
+
+# Engine-side latency: the replica's own view, without gateway or network time.
+LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
+
+
+class EngineRequestMetrics:
+    """Per-request histograms of one backend replica, by priority; one observation per
+    request, when it leaves the engine."""
+
+    def __init__(self, registry: CollectorRegistry) -> None:
+        def histogram(name: str, help_text: str) -> Histogram:
+            return Histogram(
+                name, help_text, ["priority"], registry=registry, buckets=LATENCY_BUCKETS
+            )
+
+        self.queue = histogram(
+            "tollgate_engine_queue_time_seconds", "Arrival in the engine to first scheduled"
+        )
+        self.ttft = histogram(
+            "tollgate_engine_time_to_first_token_seconds", "Arrival in the engine to first token"
+        )
+        self.tpot = histogram(
+            "tollgate_engine_time_per_output_token_seconds",
+            "Mean gap between tokens after the first, per request",
+        )
+        self.duration = histogram(
+            "tollgate_engine_request_duration_seconds", "Arrival in the engine to leaving it"
+        )
+        self.finished = Counter(
+            "tollgate_engine_requests",
+            "Requests that left the engine",
+            ["reason"],
+            registry=registry,
+        )
+
+    def observe(
+        self, priority: int, timeline: RequestTimeline, ended: float, aborted: bool
+    ) -> None:
+        if timeline.arrival is None:
+            return  # refused before it reached the engine
+        label = str(priority)
+        self.duration.labels(label).observe(ended - timeline.arrival)
+        if timeline.queue_s is not None:
+            self.queue.labels(label).observe(timeline.queue_s)
+        if timeline.first_token is not None:
+            self.ttft.labels(label).observe(timeline.first_token - timeline.arrival)
+        if timeline.time_per_output_token_s is not None:
+            self.tpot.labels(label).observe(timeline.time_per_output_token_s)
+        reason = "abort" if aborted else (timeline.finish_reasons or ["unknown"])[0]
+        self.finished.labels(reason).inc()

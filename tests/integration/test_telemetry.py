@@ -5,6 +5,7 @@ Telemetry does not depend on the database kind, so these run on SQLite only.
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 import secrets
@@ -219,6 +220,36 @@ async def test_cancelled_stream_shows_cancel_and_kv_release(
     assert (root.attributes or {})["tollgate.outcome"] == "cancelled"
 
 
+async def test_cancelled_whole_request_shows_cancel_and_kv_release(
+    live_server: tuple[Litestar, str],
+    tenant_key: str,
+    spans: InMemorySpanExporter,
+    engine_client: InProcessEngineClient,
+) -> None:
+    _, base = live_server
+    payload = _chat(engine_client.model_name, "Return the", max_tokens=300)
+    async with httpx.AsyncClient(base_url=base) as client:
+        call = asyncio.create_task(
+            client.post("/v1/chat/completions", json=payload, headers=_auth(tenant_key))
+        )
+        await eventually(lambda: engine_client.engine.stats().num_running == 1)
+        call.cancel()  # the client gives up: httpx closes the connection
+        await asyncio.gather(call, return_exceptions=True)
+
+    def root() -> ReadableSpan | None:
+        return next((s for s in spans.get_finished_spans() if s.parent is None), None)
+
+    await eventually(root)
+    found = root()
+    assert found is not None
+    request_id = str((found.attributes or {})["tollgate.request_id"])
+    cancelled, trace_spans = await _trace_with(spans, request_id, {"cancel", "engine.kv_release"})
+    named = {s.name: dict(s.attributes or {}) for s in trace_spans}
+    assert named["engine.kv_release"]["tollgate.kv.release_reason"] == "aborted"
+    assert (cancelled.attributes or {})["tollgate.outcome"] == "cancelled"
+    assert "stream" not in named  # a whole response: nothing was streamed
+
+
 def _metric_samples(text: str) -> list[tuple[str, dict[str, str], float]]:
     return [
         (sample.name, sample.labels, sample.value)
@@ -364,6 +395,7 @@ async def test_backend_replica_joins_the_gateway_trace(
 
     secret = secrets.token_hex(16)
     port = free_port()
+    url = f"http://127.0.0.1:{port}"
     async with serving(Litestar([collect])) as collector:
         backend = start(
             ["backend", "serve", "--port", str(port)],
@@ -376,9 +408,7 @@ async def test_backend_replica_joins_the_gateway_trace(
         )
         with running(backend):
             backend.wait_for("ready on")
-            remote = replace(
-                settings, backends=(f"http://127.0.0.1:{port}",), backend_secret=secret
-            )
+            remote = replace(settings, backends=(url,), backend_secret=secret)
             async with AsyncTestClient(app=create_app(remote)) as client:
                 model = (await client.get("/v1/models", headers=_auth(tenant_key))).json()
                 payload = _chat(model["data"][0]["id"], "Hello", stream=True)
@@ -390,6 +420,10 @@ async def test_backend_replica_joins_the_gateway_trace(
                 root, trace_spans = await _trace_with(spans, request_id, {"dispatch", "settle"})
                 await eventually(lambda: {"engine.generate", "engine.decode"}
                                  <= {s.name for s in received})  # fmt: skip
+            scraped = httpx.get(f"{url}/metrics", headers=_auth(secret)).text
+    samples = _metric_samples(scraped)
+    assert _total(samples, "tollgate_engine_time_to_first_token_seconds_count") == 1
+    assert _total(samples, "tollgate_engine_requests_total", reason="length") == 1
     dispatch = next(s for s in trace_spans if s.name == "dispatch")
     assert root.context is not None and dispatch.context is not None
     served = next(s for s in received if s.name == "engine.generate")
@@ -399,4 +433,4 @@ async def test_backend_replica_joins_the_gateway_trace(
     assert decode.parent_span_id == served.span_id
     tokens = {a.key: a.value.int_value for a in decode.attributes}
     assert tokens["gen_ai.usage.output_tokens"] == 6
-    assert (dispatch.attributes or {})["tollgate.replica"] == f"http://127.0.0.1:{port}"
+    assert (dispatch.attributes or {})["tollgate.replica"] == url

@@ -11,8 +11,8 @@ import yaml
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
-from backend.outputs import EngineStats
-from backend.telemetry import EngineStatsCollector
+from backend.outputs import EngineStats, RequestOutput
+from backend.telemetry import EngineRequestMetrics, EngineStatsCollector, RequestTimeline
 from gateway.telemetry.metrics import GatewayMetrics, RequestRecord
 
 INFRA = Path(__file__).resolve().parents[2] / "infra"
@@ -40,6 +40,11 @@ def _exported() -> set[str]:
     gateway.set_tenant_gauges("t", reserved=1, concurrent=1, spent=1, limit=10)
     backend = CollectorRegistry()
     backend.register(EngineStatsCollector(_stats))
+    timeline = RequestTimeline()
+    timeline.observe(
+        RequestOutput("r", "", [1, 2], True, "stop", 3, 2, 0, 1.0, 1.1, 1.2, [1.2, 1.3])
+    )
+    EngineRequestMetrics(backend).observe(0, timeline, 1.4, aborted=False)
     texts = [gateway.exposition().decode(), generate_latest(backend).decode()]
     return {
         sample.name
@@ -78,6 +83,7 @@ def test_every_dashboard_query_uses_exported_metrics() -> None:
         "tollgate_engine_preemptions_total",
         "tollgate_rejections_total",
         "tollgate_tenant_budget_spent_micros",
+        "tollgate_engine_time_to_first_token_seconds_bucket",
     ):
         assert name in used, name
 
