@@ -133,9 +133,14 @@ async def test_owner_runs_the_business_from_the_console(
     await shot(page, "login")
     await sign_in(page, OWNER)
 
-    # Keyboard users land on the skip link first.
+    # Keyboard users land on the skip link first; it takes them past the navigation, and
+    # the focused control is visibly outlined.
     await page.keyboard.press("Tab")
     assert await page.evaluate("document.activeElement.textContent") == "Skip to content"
+    outline = await page.evaluate("getComputedStyle(document.activeElement).outlineStyle")
+    assert outline == "solid"
+    await page.keyboard.press("Enter")
+    await expect(page.locator("main")).to_be_focused()
 
     # Onboard a tenant.
     await page.goto("/admin/tenants")
