@@ -17,6 +17,7 @@ from backend import EngineConfig
 from backend.builtin import BUILTIN_MODEL_DIR
 from gateway.admin.audit import AuditController
 from gateway.admin.controllers import AdminController
+from gateway.admission.auth import echo_request_id
 from gateway.admission.auth_failures import AuthFailureLog
 from gateway.admission.idempotency import Idempotency
 from gateway.admission.quota import Admission
@@ -160,6 +161,7 @@ def create_app(
             Exception: handle_unexpected,
         },
         lifespan=[lifespan],
+        before_send=[echo_request_id],
         openapi_config=None,
         logging_config=None,  # the process's logging (JSON lines) is set by `tollgate serve`
         debug=False,

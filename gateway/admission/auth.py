@@ -8,7 +8,9 @@ import uuid
 from typing import Any
 
 from litestar import Request
+from litestar.datastructures import MutableScopeHeaders
 from litestar.di import NamedDependency
+from litestar.types import Message, Scope
 
 from gateway.errors import AuthenticationFailed
 from gateway.runtime import Runtime
@@ -18,19 +20,37 @@ from tenants.audit import AuditContext
 from tenants.services import ApiKeyService, Principal
 
 _REQUEST_ID = re.compile(r"^[A-Za-z0-9._:-]{1,64}$")
+_AUDIT_CONTEXT = "audit_context"  # where a request keeps its context, in its scope state
 
 
 def audit_context(request: Request[Any, Any, Any]) -> AuditContext:
     """Request id (the caller's X-Request-Id if it is sane, else a new one), client IP and
-    user agent, for the audit log."""
+    user agent, for the audit log. One per request, so all its events share the id that
+    `echo_request_id` sends back."""
+    known = request.state.get(_AUDIT_CONTEXT)
+    if isinstance(known, AuditContext):
+        return known
     given = request.headers.get("x-request-id", "")
     request_id = given if _REQUEST_ID.match(given) else "req_" + uuid.uuid4().hex
     user_agent = request.headers.get("user-agent")
-    return AuditContext(
+    context = AuditContext(
         request_id=request_id,
         ip=request.client.host if request.client else None,
         user_agent=user_agent[:400] if user_agent else None,
     )
+    request.state[_AUDIT_CONTEXT] = context
+    return context
+
+
+async def echo_request_id(message: Message, scope: Scope) -> None:
+    """A `before_send` hook: the answer carries the request id its audit events recorded
+    (unless the handler set its own, as generation does)."""
+    if message["type"] != "http.response.start":
+        return
+    context = scope.get("state", {}).get(_AUDIT_CONTEXT)
+    headers = MutableScopeHeaders.from_message(message)
+    if isinstance(context, AuditContext) and context.request_id and "x-request-id" not in headers:
+        headers["x-request-id"] = context.request_id
 
 
 def bearer_token(request: Request[Any, Any, Any]) -> str | None:

@@ -327,6 +327,7 @@ async def test_admin_api_changes_are_audited(
     for method, path, body in calls:
         response = await client.request(method, path, json=body, headers=request)
         assert response.is_success, response.text
+        assert response.headers["x-request-id"] == "req-from-proxy-1"
     secret, key_prefix = response.json()["key"], response.json()["prefix"]
     limits = await client.patch(
         f"/admin/api/keys/{key_prefix}/limits", json={"tpm": 1000}, headers=request
@@ -366,6 +367,13 @@ async def test_admin_api_changes_are_audited(
     }
     verified = await client.post("/admin/api/audit/verify", headers=admin)
     assert verified.json()["ok"] is True and verified.json()["events"] == 9  # + ops, root key
+
+    # Without an X-Request-Id, the gateway makes one and answers with it.
+    plain = await client.post("/admin/api/plans", json={"name": "silver"}, headers=admin)
+    [event] = (await _events(client, admin, action="plan.create", limit=1))["data"]
+    assert event["target"] == "plan:silver"
+    assert event["request_id"] == plain.headers["x-request-id"]
+    assert event["request_id"].startswith("req_")
 
 
 async def test_audit_api_pages_filters_and_refuses_tenants(
@@ -431,10 +439,11 @@ async def test_revoked_key_use_is_audited_once_a_minute(
         created = await ApiKeyService(session).create(tenant, "ci")
         await ApiKeyService(session).revoke(created.key.id)
     revoked = {"Authorization": f"Bearer {created.secret}", "User-Agent": "attacker/0.1"}
-    for _ in range(3):
-        assert (await client.get("/v1/models", headers=revoked)).status_code == 401
+    refusals = [await client.get("/v1/models", headers=revoked) for _ in range(3)]
+    assert [refusal.status_code for refusal in refusals] == [401, 401, 401]
     events = (await _events(client, admin, action="auth.revoked_key"))["data"]
     assert len(events) == 1
+    assert events[0]["request_id"] == refusals[0].headers["x-request-id"]
     assert events[0]["target"] == f"key:{created.key.prefix}"
     assert events[0]["tenant_id"] == tenant.id
     assert events[0]["user_agent"] == "attacker/0.1"
