@@ -70,6 +70,7 @@ class LogLines(logging.Handler):
 
 @pytest.fixture
 def log_lines() -> Iterator[LogLines]:
+    """Everything logged at DEBUG (as with TOLLGATE_LOG_LEVEL=debug)."""
     handler = LogLines()
     root = logging.getLogger()
     level = root.level
@@ -344,7 +345,7 @@ async def test_prompt_marker_reaches_no_span_metric_or_log(
     whole = await http.post(
         "/v1/completions",
         json={"model": model, "prompt": f"{marker} = ", "max_tokens": 4, "echo": True},
-        headers=_auth(tenant_key),
+        headers={**_auth(tenant_key), "Idempotency-Key": uuid.uuid4().hex},  # stores the body
     )
     assert streamed.status_code == whole.status_code == 200
     assert marker in whole.json()["choices"][0]["text"]  # it was really sent and echoed back
