@@ -178,6 +178,8 @@ async def test_owner_runs_the_business_from_the_console(
     await expect(page.locator("#latency tbody")).to_contain_text("chat")
     await expect(page.locator("#outcomes")).to_contain_text("completed")
     await expect(page.locator("#chart-requests polyline")).to_have_count(1)
+    nonzero = re.compile(r"^[0-9.]*[1-9]")  # the request is in the charted rate
+    await expect(page.locator("#chart-requests")).to_have_attribute("data-total", nonzero)
     await expect(page.locator("#replicas tbody")).to_contain_text("in-process")
     refreshes = int(await page.locator("#overview").get_attribute("data-refreshes") or 0)
     await expect(page.locator("#overview")).not_to_have_attribute(

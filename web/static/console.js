@@ -69,6 +69,7 @@ function lineChart(figure, series, labels, options = {}) {
   }
   const latest = series.map((s) => `${s.name}: ${short(s.values[s.values.length - 1] || 0)}`).join(", ");
   figure.dataset.latest = latest;
+  figure.dataset.total = String(series[0].values.reduce((sum, v) => sum + (v || 0), 0));
   figure.setAttribute("aria-label", (figure.dataset.title || figure.getAttribute("aria-label").split(" (")[0]) + ` (latest ${latest})`);
 }
 
