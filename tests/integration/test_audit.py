@@ -368,6 +368,14 @@ async def test_admin_api_changes_are_audited(
     verified = await client.post("/admin/api/audit/verify", headers=admin)
     assert verified.json()["ok"] is True and verified.json()["events"] == 9  # + ops, root key
 
+    # A change that fails is not audited, even if it failed after its first step.
+    failed = await client.post(
+        "/admin/api/tenants", json={"name": "initech", "plan": "missing"}, headers=admin
+    )
+    assert failed.status_code == 404
+    [newest] = (await _events(client, admin, action="tenant.create", limit=1))["data"]
+    assert newest["target"] == "tenant:globex"
+
     # Without an X-Request-Id, the gateway makes one and answers with it.
     plain = await client.post("/admin/api/plans", json={"name": "silver"}, headers=admin)
     [event] = (await _events(client, admin, action="plan.create", limit=1))["data"]
