@@ -12,8 +12,11 @@ from litestar.testing import AsyncTestClient
 from sqlalchemy import select
 from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
 
+from gateway.app import create_app
 from gateway.bootstrap import ensure_console_owner
 from gateway.console.session import MAX_FAILURES
+from gateway.dispatch.engine_client import InProcessEngineClient
+from gateway.settings import Settings
 from tenants import audit
 from tenants.admins import AdminService, ConsoleSession
 from tenants.models import Tenant, UsageEvent, utcnow
@@ -353,3 +356,18 @@ async def test_owner_edits_a_plan_through_the_plan_service(
     assert events[0].actor == f"console:{OWNER}"
     bad = await client.post("/admin/plans/gold", data={"csrf_token": csrf, "rpm": "-5"})
     assert "whole number" in (await client.get(bad.headers["location"])).text
+
+
+async def test_session_cookie_is_secure_over_https(
+    settings: Settings, engine_client: InProcessEngineClient, admins: None
+) -> None:
+    app = create_app(settings, engine_client=engine_client)
+    async with AsyncTestClient(app=app, base_url="https://console.example") as https:
+        form = await https.get("/admin/login")
+        token = CSRF.search(form.text)
+        assert token is not None
+        data = {"csrf_token": token.group(1), "email": OWNER, "password": PASSWORD}
+        response = await https.post("/admin/login", data=data, follow_redirects=False)
+    cookies = response.headers.get_list("set-cookie")
+    session_cookie = next(c for c in cookies if c.startswith("tg_console="))
+    assert "secure" in {part.strip().lower() for part in session_cookie.split(";")}
