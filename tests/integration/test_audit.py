@@ -280,6 +280,8 @@ async def test_the_app_role_can_append_but_not_alter(
             "TRUNCATE audit_events",
             "ALTER TABLE audit_events DISABLE TRIGGER ALL",
             "DROP TRIGGER audit_events_no_change ON audit_events",
+            "CREATE OR REPLACE FUNCTION audit_events_append_only() RETURNS trigger "
+            "LANGUAGE plpgsql AS $$ BEGIN RETURN NEW; END $$",
             "SET session_replication_role = replica",
         ):
             with pytest.raises(DBAPIError) as raised, sync_engine.begin() as connection:
