@@ -3,6 +3,9 @@
 from alembic import context
 from sqlalchemy import engine_from_config, pool
 
+import tenants.admins
+import tenants.audit
+import tenants.billing.models  # noqa: F401  (each module registers its tables on Base)
 from tenants.models import Base
 
 config = context.config
