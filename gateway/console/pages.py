@@ -36,6 +36,8 @@ from tenants.models import UsageStatus
 from tenants.quota import month_period
 from tenants.services import ApiKeyService, PlanService, TenantService, UsageService
 
+RECENT_REQUESTS = 20
+
 
 def parse_moment(text: str | None) -> datetime | None:
     """A `datetime-local` field ("2026-11-29T14:05"), read as UTC; None if blank or bad."""
@@ -282,10 +284,12 @@ class PagesController(Controller):
 async def request_page(
     request: Request[Any, Any, Any], runtime: Runtime, console: Console, request_id: str
 ) -> Response[str]:
-    row = None
-    if request_id:
-        async with runtime.sessions() as session:
+    row, latest = None, []
+    async with runtime.sessions() as session:
+        if request_id:
             row = await find_request(session, request_id)
+        else:
+            latest = await find_usage(session, UsageFilter(), limit=RECENT_REQUESTS)
     return page(
         request,
         console,
@@ -293,6 +297,7 @@ async def request_page(
         title=f"Request {request_id}" if request_id else "Request detail",
         request_id=request_id,
         row=row,
+        latest=latest,
         itl=inter_token_ms(row.event) if row else None,
         workload=workload_class(row.event.endpoint, row.event.prompt_tokens) if row else None,
         replica=None,

@@ -318,6 +318,8 @@ async def test_usage_filters_and_csv_keep_tenants_apart(
     detail = await client.get("/admin/requests/req_acme")
     assert detail.status_code == 200 and "Time to first token" in detail.text
     assert (await client.get("/admin/requests/req_none")).status_code == 404
+    latest = (await client.get("/admin/requests")).text
+    assert "req_acme" in latest and "req_globex" in latest
 
 
 async def test_overview_reports_latency_by_class_and_the_engine(
