@@ -180,6 +180,7 @@ async def test_owner_runs_the_business_from_the_console(
     await expect(page.locator("#chart-requests polyline")).to_have_count(1)
     nonzero = re.compile(r"^[0-9.]*[1-9]")  # the request is in the charted rate
     await expect(page.locator("#chart-requests")).to_have_attribute("data-total", nonzero)
+    await expect(page.locator("#chart-ttft")).to_contain_text("chat p95")
     await expect(page.locator("#replicas tbody")).to_contain_text("in-process")
     refreshes = int(await page.locator("#overview").get_attribute("data-refreshes") or 0)
     await expect(page.locator("#overview")).not_to_have_attribute(

@@ -69,7 +69,8 @@ function lineChart(figure, series, labels, options = {}) {
   }
   const latest = series.map((s) => `${s.name}: ${short(s.values[s.values.length - 1] || 0)}`).join(", ");
   figure.dataset.latest = latest;
-  figure.dataset.total = String(series[0].values.reduce((sum, v) => sum + (v || 0), 0));
+  const first = series.length ? series[0].values : [];
+  figure.dataset.total = String(first.reduce((sum, v) => sum + (v || 0), 0));
   figure.setAttribute("aria-label", (figure.dataset.title || figure.getAttribute("aria-label").split(" (")[0]) + ` (latest ${latest})`);
 }
 
@@ -103,6 +104,7 @@ function fillTable(table, rows, empty) {
 }
 
 const gauges = { t: [], waiting: [], running: [], kv: [], hits: [] };
+const latencyHistory = {}; // workload class -> TTFT p95 (ms) at each refresh
 
 function drawOverview(data) {
   const n = data.requests_per_s.length;
@@ -116,12 +118,25 @@ function drawOverview(data) {
   gauges.running.push(sum("running"));
   gauges.kv.push(worst("kv_used_fraction"));
   gauges.hits.push(worst("prefix_cache_hit_rate"));
-  if (gauges.t.length > HISTORY) for (const k of Object.keys(gauges)) gauges[k].shift();
+  for (const c of data.latency) {
+    latencyHistory[c.class] = latencyHistory[c.class] || new Array(gauges.t.length - 1).fill(null);
+  }
+  for (const [name, values] of Object.entries(latencyHistory)) {
+    const now = data.latency.find((c) => c.class === name);
+    values.push(now ? now.ttft_p95_ms : null);
+  }
+  if (gauges.t.length > HISTORY) {
+    for (const k of Object.keys(gauges)) gauges[k].shift();
+    for (const values of Object.values(latencyHistory)) values.shift();
+  }
   const gaugeLabels = [clock(gauges.t[0]), clock(gauges.t[gauges.t.length - 1])];
   lineChart(document.getElementById("chart-queue"), [
     { name: "waiting", values: gauges.waiting },
     { name: "running", values: gauges.running },
   ], gaugeLabels);
+  lineChart(document.getElementById("chart-ttft"),
+    Object.entries(latencyHistory).map(([name, values]) => ({ name: name + " p95", values })),
+    gaugeLabels, { legend: true });
   lineChart(document.getElementById("chart-kv"), [
     { name: "KV cache used", values: gauges.kv },
     { name: "prefix-cache hit rate", values: gauges.hits },
