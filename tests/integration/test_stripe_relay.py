@@ -61,9 +61,14 @@ def engine(database_url: str) -> Iterator[Engine]:
 
 
 async def add_usage(
-    sessions: async_sessionmaker[AsyncSession], tenants: int, rows: int, seed: int = 1
+    sessions: async_sessionmaker[AsyncSession],
+    tenants: int,
+    rows: int,
+    seed: int = 1,
+    free_share: float = 0.5,
 ) -> dict[str, int]:
-    """`rows` ledger rows spread over `tenants` tenants; returns cost per tenant id."""
+    """`rows` ledger rows spread over `tenants` tenants, about `free_share` of them free;
+    returns cost per tenant id."""
     rng = random.Random(seed)
     spent: Counter[str] = Counter()
     async with sessions.begin() as session:
@@ -74,7 +79,7 @@ async def add_usage(
             owners.append((tenant.id, key.key.id))
         for _ in range(rows):
             tenant_id, key_id = rng.choice(owners)
-            cost = rng.choice([0, rng.randint(1, 5000)])
+            cost = 0 if rng.random() < free_share else rng.randint(1, 5000)
             await UsageService(session).record(
                 UsageEvent(
                     request_id="req_" + uuid.uuid4().hex,
@@ -268,7 +273,9 @@ async def test_celery_worker_killed_mid_batch_exports_every_row_once(
     db.upgrade(POSTGRES_URL)
     engine = db.create_engine(POSTGRES_URL)
     try:
-        await add_usage(db.session_factory(engine), tenants=5, rows=ACCEPTANCE_ROWS, seed=42)
+        await add_usage(
+            db.session_factory(engine), tenants=5, rows=ACCEPTANCE_ROWS, seed=42, free_share=0
+        )
     finally:
         await engine.dispose()
     ledger = sync_engine(POSTGRES_URL)
@@ -285,10 +292,15 @@ async def test_celery_worker_killed_mid_batch_exports_every_row_once(
     }
     fake.program(rates={"429": 0.02, "500": 0.02, "drop_after_commit": 0.02, "hang": 0.0005})
     to_export = pending(ledger)
+    assert to_export == ACCEPTANCE_ROWS
+    # The fake holds the worker's next request once 2,550 events are in: 150 into a batch
+    # of 200, so the kill lands mid-batch.
+    fake.hold_after = 2_550
     worker = start_worker(env, tmp_path / "beat-1")
     try:
-        await eventually(lambda: fake.accepted() >= to_export // 4, timeout_s=60)
+        await eventually(lambda: fake.held > 0, timeout_s=60)
         kill(worker)
+        fake.release.set()
         assert sent_but_unmarked(ledger, fake) > 0  # killed mid-batch: sent, not yet marked
         assert 0 < pending(ledger) < to_export
 

@@ -57,6 +57,11 @@ class FakeStripe:
         self.faults = Faults()
         self.injected: Counter[str] = Counter()
         self.meter_event_requests = 0
+        # Once this many events are recorded, meter-event requests wait for `release`
+        # (then drop): a test can catch a client mid-batch, deterministically.
+        self.hold_after: int | None = None
+        self.release = threading.Event()
+        self.held = 0
         self._ids = itertools.count(1)
         self._server: ThreadingHTTPServer | None = None
 
@@ -139,6 +144,9 @@ class FakeStripe:
     def _meter_event(
         self, form: dict[str, str], idempotency_key: str | None
     ) -> tuple[int, dict[str, Any]] | None:
+        if self._hold():
+            self.release.wait(timeout=120)
+            return None
         with self.lock:
             self.meter_event_requests += 1
             fault = self.faults.next()
@@ -164,6 +172,15 @@ class FakeStripe:
                 return None if fault == "drop_after_commit" else result
         time.sleep(self.hang_s)  # past the client's timeout; nothing recorded
         return None
+
+    def _hold(self) -> bool:
+        with self.lock:
+            if self.hold_after is None or self.release.is_set():
+                return False
+            if len(self.events) < self.hold_after:
+                return False
+            self.held += 1
+            return True
 
     def _record_event(self, form: dict[str, str]) -> tuple[int, dict[str, Any]]:
         identifier = form.get("identifier") or f"auto_{next(self._ids)}"
