@@ -19,11 +19,11 @@ from gateway.console.pages import parse_moment
 from gateway.console.render import SECURITY_HEADERS, back_to, page
 from gateway.runtime import Runtime
 from tenants import audit
-from tenants.billing.models import OutboxRow
+from tenants.billing.models import OutboxRow, OutboxStatus
 from tenants.billing.prices import ANY_MODEL, PriceService, audit_created
 from tenants.billing.reports import Period, build_report
 from tenants.errors import DomainError, InvalidInputError
-from tenants.models import utcnow
+from tenants.models import UsageEvent, utcnow
 from tenants.pricing import Price
 from tenants.services import TenantService
 
@@ -66,6 +66,25 @@ async def export_status(
     return {status: {"rows": int(n), "micros": int(total)} for status, n, total in rows.all()}
 
 
+async def unexported_rows(
+    session: AsyncSession, tenant_id: str, period: Period, limit: int = 20
+) -> list[tuple[OutboxRow, str]]:
+    """The period's rows Stripe has not taken yet (failed first), with their request ids."""
+    rows = await session.execute(
+        select(OutboxRow, UsageEvent.request_id)
+        .join(UsageEvent, UsageEvent.id == OutboxRow.usage_event_id)
+        .where(
+            OutboxRow.tenant_id == tenant_id,
+            OutboxRow.occurred_at >= period.start,
+            OutboxRow.occurred_at < period.end,
+            OutboxRow.status != OutboxStatus.EXPORTED,
+        )
+        .order_by(OutboxRow.status, OutboxRow.id)  # "failed" sorts before "pending"
+        .limit(limit)
+    )
+    return [(row, request_id) for row, request_id in rows.all()]
+
+
 class LedgerPagesController(Controller):
     path = "/"
     dependencies = {"console": Provide(provide_console)}
@@ -106,12 +125,14 @@ class LedgerPagesController(Controller):
         tenant_name = (request.query_params.get("tenant") or "").strip()
         period = Period.parse((request.query_params.get("period") or "").strip() or _this_month())
         report = status = None
+        waiting: list[tuple[OutboxRow, str]] = []
         async with runtime.sessions() as session:
             tenants = await TenantService(session).list()
             if tenant_name:
                 tenant = await TenantService(session).get(tenant_name)
                 report = await build_report(session, tenant, period)
                 status = await export_status(session, tenant.id, period)
+                waiting = await unexported_rows(session, tenant.id, period)
         return page(
             request,
             console,
@@ -122,6 +143,7 @@ class LedgerPagesController(Controller):
             period=period,
             report=report.view() if report else None,
             export=status,
+            waiting=waiting,
         )
 
     @get("/billing.csv")

@@ -233,6 +233,8 @@ async def test_owner_runs_the_business_from_the_console(
     await page.goto("/admin/billing?tenant=acme")
     assert micros(await page.locator("#invoice-total").inner_text()) == before + expected
     await expect(page.locator("#export-status")).to_contain_text("pending")
+    waiting = page.locator("#waiting-rows tr", has_text=request_id)
+    await expect(waiting).to_contain_text("pending")
     await shot(page, "billing")
     report = await page.request.get("/admin/billing.csv?tenant=acme")
     assert report.status == 200 and f",{model}," in await report.text()
