@@ -57,25 +57,18 @@ def _deadline_order(req: Request) -> tuple[float, float, int]:
 
 
 class FairShare:
-    """Tokens served per tenant, divided by its weight. A tenant that comes back after
-    being idle starts level with the least-served active tenant: idleness earns no credit
-    to spend later in a burst."""
+    """Tokens served per tenant, divided by its weight. A tenant that starts waiting again
+    starts level with the least-served tenant already waiting: time spent not competing
+    (idle, or served all it asked for) earns no credit to spend later in a burst."""
 
     def __init__(self) -> None:
         self.served: dict[str | None, float] = {}
         self.tokens: dict[str | None, int] = {}  # raw scheduled tokens, for stats and tests
-        self._live: dict[str | None, int] = {}  # waiting + running requests
 
-    def join(self, tenant: str | None) -> None:
-        live = self._live.get(tenant, 0)
-        if live == 0:
-            active = [self.served[t] for t, n in self._live.items() if n]
-            floor = min(active) if active else 0.0
+    def level(self, tenant: str | None, competitors: Iterable[str | None]) -> None:
+        floor = min((self.served.get(t, 0.0) for t in competitors), default=None)
+        if floor is not None:
             self.served[tenant] = max(self.served.get(tenant, 0.0), floor)
-        self._live[tenant] = live + 1
-
-    def leave(self, tenant: str | None) -> None:
-        self._live[tenant] -= 1
 
     def charge(self, req: Request, num_tokens: int) -> None:
         tenant = req.tenant
@@ -113,7 +106,11 @@ class WaitingQueue:
         return set(self._queues)
 
     def add(self, req: Request) -> None:
-        queue = self._queues.setdefault(req.tenant, [])
+        queue = self._queues.get(req.tenant)
+        if queue is None:
+            if self.fair is not None:
+                self.fair.level(req.tenant, self._queues)
+            queue = self._queues[req.tenant] = []
         bisect.insort(queue, req, key=self.ranking.key)
         self._size += 1
         self.num_tokens += req.num_tokens

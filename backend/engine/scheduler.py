@@ -115,7 +115,6 @@ class Scheduler:
             raise ValueError(f"request id {request.request_id!r} is already in the engine")
         self.requests[request.request_id] = request
         self.waiting.add(request)
-        self.fair.join(request.tenant)
 
     def has_unfinished(self) -> bool:
         return bool(self.requests)
@@ -187,7 +186,6 @@ class Scheduler:
                 self.running.remove(req)
             else:
                 self.waiting.remove(req)
-            self.fair.leave(req.tenant)
             req.status = status
             self.block_manager.free(request_id)
             self._finished_ids.append(request_id)

@@ -33,10 +33,12 @@ def starvation(aging: bool) -> tuple[EngineConfig, list[Stream]]:
 
 
 def document_burst(protection: bool, documents: bool = True) -> tuple[EngineConfig, list[Stream]]:
-    """Steady chat; from t=10 s to 15 s a burst of 7k-token documents (3 per second)."""
-    config = BASE
+    """Steady chat; from t=10 s to 15 s a burst of 7k-token documents (3 per second).
+    256-token steps: a full step costs little more than a chat's own prefill step, which
+    is what keeps TTFT near its unloaded value once chats skip the documents' queue."""
+    config = replace(BASE, max_num_batched_tokens=256)
     if not protection:
-        config = replace(BASE, prefill_reserve_share=0.0, long_prefill_token_threshold=0)
+        config = replace(config, prefill_reserve_share=0.0, long_prefill_token_threshold=0)
     burst = replace(DOCUMENT, rate=3.0 if documents else 0.0, start=10.0, end=15.0)
     return config, [CHAT, burst]
 
@@ -44,8 +46,8 @@ def document_burst(protection: bool, documents: bool = True) -> tuple[EngineConf
 def flood(fair: bool) -> tuple[EngineConfig, list[Stream]]:
     """Two tenants of equal weight, both past their share; one sends 10x the requests."""
     config = replace(BASE, max_num_seqs=32, max_waiting_requests=100_000, tenant_fairness=fair)
-    quiet = replace(CHAT, name="quiet", tenant="quiet", rate=12.0, end=10.0)
-    loud = replace(quiet, name="loud", tenant="loud", rate=120.0)
+    quiet = replace(CHAT, name="quiet", tenant="quiet", rate=30.0, end=6.0)
+    loud = replace(quiet, name="loud", tenant="loud", rate=300.0)
     return config, [loud, quiet]
 
 

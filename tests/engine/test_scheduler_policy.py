@@ -150,16 +150,39 @@ def test_tenants_of_one_class_alternate_by_tokens_served_per_weight() -> None:
 
 def test_fair_share_counts_tokens_by_weight_and_banks_no_idle_credit() -> None:
     fair = FairShare()
-    fair.join("a")
-    fair.join("b")
     fair.charge(request("x", tenant="a", weight=1), 100)
     fair.charge(request("y", tenant="b", weight=4), 100)
     assert fair.served == {"a": 100.0, "b": 25.0} and fair.tokens == {"a": 100, "b": 100}
     assert fair.neediest(["a", "b"]) == "b"
-    fair.leave("b")  # b goes idle while a is served a lot
-    fair.charge(request("z", tenant="a"), 1000)
-    fair.join("b")  # b comes back level with a, not 1,075 tokens ahead
+    fair.charge(request("z", tenant="a"), 1000)  # while b was not waiting
+    fair.level("b", ["a"])  # b waits again: level with a, not 1,075 tokens ahead
     assert fair.served["b"] == fair.served["a"] == 1100.0
+    fair.level("c", [])  # nobody else waits: nothing to level with
+    assert "c" not in fair.served
+
+
+def test_a_tenant_back_from_idle_does_not_monopolise() -> None:
+    clock = Clock()
+    s = make(clock, max_num_seqs=1, aging_interval_s=None)  # fairness alone
+    s.add_request(request("busy0", tenant="busy"))
+    for i in range(3):  # "busy" is served alone for a while
+        out = s.schedule()
+        advance(s, out)
+        s.finish_requests(ids(out), RequestStatus.FINISHED_STOPPED)
+        s.add_request(request(f"busy{i + 1}", at=i + 1.0, tenant="busy"))
+    for i in range(3):
+        s.add_request(request(f"back{i}", at=10.0 + i, tenant="back"))
+    order = []
+    for _ in range(4):
+        out = s.schedule()
+        order += ids(out)
+        advance(s, out)
+        s.finish_requests(ids(out), RequestStatus.FINISHED_STOPPED)
+        if len(order) < 4:
+            s.add_request(request(f"busy-more{len(order)}", at=20.0 + len(order), tenant="busy"))
+    # "back" joined level with "busy" (not 3 requests' worth of tokens behind it), so it
+    # gets half the turns instead of taking its three in a row.
+    assert [rid.startswith("back") for rid in order].count(True) == 2
 
 
 # -- priority preemption -------------------------------------------------------------
