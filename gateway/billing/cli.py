@@ -13,6 +13,7 @@ from sqlalchemy.ext.asyncio import AsyncSession
 
 from gateway.settings import Settings
 from tenants import audit
+from tenants.billing.customers import StripeCustomerService
 from tenants.billing.export import export_once
 from tenants.billing.models import PriceVersion
 from tenants.billing.prices import PriceService, audit_created
@@ -34,6 +35,12 @@ def add_commands(commands: Any) -> None:
     billing_commands.add_parser(
         "export", help="send pending usage to Stripe now (TOLLGATE_STRIPE_API_KEY)"
     ).set_defaults(handler=_billing_export)
+    customer = billing_commands.add_parser(
+        "customer", help="show, or --link, the Stripe customer a tenant is billed as"
+    )
+    customer.add_argument("--tenant", required=True)
+    customer.add_argument("--link", metavar="CUSTOMER_ID", help="an existing cus_… id")
+    customer.set_defaults(handler=_billing_customer)
 
     prices = commands.add_parser("prices", help="the price book").add_subparsers(required=True)
     list_prices = prices.add_parser("list", help="every price version")
@@ -149,6 +156,23 @@ def _billing_export(settings: Settings, args: argparse.Namespace) -> int:
     _in_session(settings, work)
     print(", ".join(f"{name}={value}" for name, value in counts.items()))
     return 0 if not result.deferred else 1
+
+
+def _billing_customer(settings: Settings, args: argparse.Namespace) -> int:
+    from gateway.cli import _actor, _in_session
+
+    actor = _actor()
+
+    async def work(session: AsyncSession) -> str:
+        tenant = await TenantService(session).get(args.tenant)
+        service = StripeCustomerService(session, actor)
+        if args.link is not None:
+            await service.link(tenant, args.link)
+        customer_id = await service.find(tenant)
+        return f"{tenant.name}\t{customer_id or 'none yet (created on the first export)'}"
+
+    print(_in_session(settings, work))
+    return 0
 
 
 def _describe(version: PriceVersion) -> str:

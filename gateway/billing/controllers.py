@@ -10,7 +10,7 @@ from __future__ import annotations
 import asyncio
 from typing import Any
 
-from litestar import Controller, Response, get, post
+from litestar import Controller, Response, get, post, put
 from litestar.di import NamedDependency, Provide
 from litestar.params import FromPath, FromQuery, RawBody
 from sqlalchemy import select
@@ -18,11 +18,12 @@ from sqlalchemy import select
 from gateway.admin.controllers import admin_actor, require_admin
 from gateway.admission.auth import authenticate
 from gateway.api.schemas import decode
-from gateway.billing.schemas import PriceBody, period_of, price_view, usage_row_view
+from gateway.billing.schemas import CustomerBody, PriceBody, period_of, price_view, usage_row_view
 from gateway.errors import InvalidRequest, NotFound
 from gateway.runtime import Runtime
 from tenants import audit
 from tenants.audit import Actor
+from tenants.billing.customers import StripeCustomerService
 from tenants.billing.export import export_once
 from tenants.billing.prices import PriceService, audit_created
 from tenants.billing.reports import build_report
@@ -110,6 +111,33 @@ class BillingAdminController(Controller):
             media_type="text/csv; charset=utf-8",
             headers={"Content-Disposition": f'attachment; filename="{filename}"'},
         )
+
+    @get("/billing/customers/{tenant:str}")
+    async def stripe_customer(
+        self,
+        tenant: FromPath[str],
+        runtime: NamedDependency[Runtime],
+        admin: NamedDependency[Principal],
+    ) -> dict[str, Any]:
+        async with runtime.sessions() as session:
+            found = await TenantService(session).get(tenant)
+            customer_id = await StripeCustomerService(session).find(found)
+        return {"tenant": found.name, "customer_id": customer_id}
+
+    @put("/billing/customers/{tenant:str}")
+    async def link_stripe_customer(
+        self,
+        tenant: FromPath[str],
+        body: RawBody,
+        runtime: NamedDependency[Runtime],
+        actor: NamedDependency[Actor],
+    ) -> dict[str, Any]:
+        """Bill this tenant as an existing Stripe customer (audited)."""
+        link = decode(body, CustomerBody)
+        async with runtime.sessions.begin() as session:
+            found = await TenantService(session).get(tenant)
+            await StripeCustomerService(session, actor).link(found, link.customer_id)
+        return {"tenant": found.name, "customer_id": link.customer_id}
 
     @get("/prices")
     async def list_prices(

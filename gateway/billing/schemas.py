@@ -30,6 +30,10 @@ class PriceBody(Struct, kw_only=True, forbid_unknown_fields=True):
         return utcnow() if self.effective_from is None else parse_moment(self.effective_from)
 
 
+class CustomerBody(Struct, kw_only=True, forbid_unknown_fields=True):
+    customer_id: Annotated[str, Meta(min_length=1, max_length=255)]
+
+
 def parse_moment(text: str) -> datetime:
     """'2026-12-01' (midnight UTC) or an ISO date-time (UTC when it names no zone)."""
     try:

@@ -68,6 +68,7 @@ class Relay:
         in progress finishes)."""
         total = RelayResult()
         deadline = time.monotonic() + budget_s
+        self._customers.clear()  # re-read each run: an operator may have relinked a tenant
         self.sink.ensure_meter()
         while time.monotonic() < deadline:
             result = self.run_batch()

@@ -150,3 +150,30 @@ def test_cli_billing_report(
 
     assert cli.main(["billing", "report", "--tenant", "nobody", "--period", "2026-11"]) == 2
     assert "nobody" in capsys.readouterr().err
+
+
+async def test_admin_links_a_tenant_to_a_stripe_customer(
+    client: AsyncTestClient[Any], sessions: Sessions
+) -> None:
+    admin = await owner(sessions, "ops", KeyRole.ADMIN)
+    await owner(sessions, "acme")
+    await owner(sessions, "globex")
+    path = "/admin/api/billing/customers/acme"
+
+    assert (await client.get(path, headers=admin.headers)).json()["customer_id"] is None
+    linked = await client.put(path, json={"customer_id": "cus_Acme1"}, headers=admin.headers)
+    assert linked.status_code == 200, linked.text
+    assert (await client.get(path, headers=admin.headers)).json() == {
+        "tenant": "acme",
+        "customer_id": "cus_Acme1",
+    }
+    taken = await client.put(
+        "/admin/api/billing/customers/globex",
+        json={"customer_id": "cus_Acme1"},
+        headers=admin.headers,
+    )
+    assert taken.status_code == 409
+    bad = await client.put(path, json={"customer_id": "acme"}, headers=admin.headers)
+    assert bad.status_code == 400
+    missing = await client.get("/admin/api/billing/customers/nobody", headers=admin.headers)
+    assert missing.status_code == 404

@@ -25,11 +25,14 @@ from gateway import cli
 from gateway.billing.jobs import BillingJobs
 from gateway.settings import Settings
 from tenants import audit, db
+from tenants.audit import Actor
+from tenants.billing.customers import StripeCustomerService
 from tenants.billing.export import relay_for, sync_engine
 from tenants.billing.models import OutboxRow, OutboxStatus, StripeCustomer
 from tenants.billing.relay import Relay
 from tenants.billing.stripe_meters import MeterEvent, Retry, StripeMeters
-from tenants.models import KeyRole, UsageEvent, UsageStatus
+from tenants.errors import ConflictError, InvalidInputError
+from tenants.models import KeyRole, Tenant, UsageEvent, UsageStatus
 from tenants.services import ApiKeyService, TenantService, UsageService
 from tests.conftest import POSTGRES_URL, eventually, reset_postgres
 from tests.support.fake_stripe import FakeStripe
@@ -384,3 +387,28 @@ def test_cli_billing_export_is_audited(
     monkeypatch.delenv("TOLLGATE_STRIPE_API_KEY")
     assert cli.main(["billing", "export"]) == 2
     assert "TOLLGATE_STRIPE_API_KEY" in capsys.readouterr().err
+
+
+async def test_a_tenant_linked_to_an_existing_customer_is_billed_as_it(
+    sessions: async_sessionmaker[AsyncSession], engine: Engine, fake: FakeStripe
+) -> None:
+    spent = await add_usage(sessions, tenants=2, rows=20, seed=19, free_share=0)
+    linked, created = sorted(spent)
+    async with sessions.begin() as session:
+        tenant = await session.get_one(Tenant, linked)
+        service = StripeCustomerService(session, Actor("cli:ops"))
+        await service.link(tenant, "cus_existing")
+        with pytest.raises(InvalidInputError):
+            await service.link(tenant, "acct_123")
+        with pytest.raises(ConflictError):
+            await service.link(await session.get_one(Tenant, created), "cus_existing")
+
+    Relay(engine, meters(fake)).run()
+    totals = fake.customer_totals()
+    assert totals.pop("cus_existing") == spent[linked]
+    assert list(totals.values()) == [spent[created]]
+    assert len(fake.customers) == 1  # only the unlinked tenant got a new customer
+    async with sessions() as session:
+        [event] = await audit.list_events(session, action="billing.customer.link")
+    assert (event.actor, event.tenant_id) == ("cli:ops", linked)
+    assert event.details == {"customer_id": "cus_existing", "previous": None}

@@ -70,6 +70,7 @@ async def test_a_tenant_cannot_read_another_tenants_usage(
         "/admin/api/billing/reports/acme/2026-11",
         "/admin/api/billing/reports/acme/2026-11/csv",
         "/admin/api/prices",
+        "/admin/api/billing/customers/acme",
     ):
         denied = await client.get(path, headers=globex.headers)
         assert denied.status_code == 403, path

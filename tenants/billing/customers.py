@@ -1,0 +1,55 @@
+"""Which Stripe customer each tenant is billed as. The relay creates one on first export;
+an operator may instead link a tenant to a customer that already exists in Stripe."""
+
+from __future__ import annotations
+
+import re
+
+from sqlalchemy import select
+from sqlalchemy.ext.asyncio import AsyncSession
+
+from tenants import audit
+from tenants.audit import SYSTEM, Actor
+from tenants.billing.models import StripeCustomer
+from tenants.errors import ConflictError, InvalidInputError
+from tenants.models import Tenant
+
+_CUSTOMER_ID = re.compile(r"^cus_[A-Za-z0-9]{1,250}$")
+
+
+class StripeCustomerService:
+    def __init__(self, session: AsyncSession, actor: Actor = SYSTEM) -> None:
+        self.session = session
+        self.actor = actor
+
+    async def find(self, tenant: Tenant) -> str | None:
+        return await self.session.scalar(
+            select(StripeCustomer.customer_id).where(StripeCustomer.tenant_id == tenant.id)
+        )
+
+    async def link(self, tenant: Tenant, customer_id: str) -> None:
+        """Bill `tenant` as `customer_id` from the next export on (audited). Usage already
+        exported stays with the customer it went to."""
+        if not _CUSTOMER_ID.match(customer_id):
+            raise InvalidInputError(f"not a Stripe customer id (cus_…): {customer_id!r}")
+        owner = await self.session.scalar(
+            select(StripeCustomer.tenant_id).where(StripeCustomer.customer_id == customer_id)
+        )
+        if owner is not None and owner != tenant.id:
+            raise ConflictError(f"{customer_id} already bills another tenant")
+        mapping = await self.session.get(StripeCustomer, tenant.id)
+        previous = None if mapping is None else mapping.customer_id
+        if mapping is None:
+            self.session.add(StripeCustomer(tenant_id=tenant.id, customer_id=customer_id))
+        else:
+            mapping.customer_id = customer_id
+        await self.session.flush()
+        await audit.record(
+            self.session,
+            actor=self.actor.name,
+            action="billing.customer.link",
+            target=f"tenant:{tenant.name}",
+            tenant_id=tenant.id,
+            details={"customer_id": customer_id, "previous": previous},
+            context=self.actor.context,
+        )
