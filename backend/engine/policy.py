@@ -63,7 +63,6 @@ class FairShare:
 
     def __init__(self) -> None:
         self.served: dict[str | None, float] = {}
-        self.tokens: dict[str | None, int] = {}  # raw scheduled tokens, for stats and tests
 
     def level(self, tenant: str | None, competitors: Iterable[str | None]) -> None:
         floor = min((self.served.get(t, 0.0) for t in competitors), default=None)
@@ -73,7 +72,6 @@ class FairShare:
     def charge(self, req: Request, num_tokens: int) -> None:
         tenant = req.tenant
         self.served[tenant] = self.served.get(tenant, 0.0) + num_tokens / req.weight
-        self.tokens[tenant] = self.tokens.get(tenant, 0) + num_tokens
 
     def neediest(self, tenants: Iterable[str | None]) -> str | None:
         return min(tenants, key=lambda t: self.served.get(t, 0.0))

@@ -43,10 +43,13 @@ class _Plan:
     chunks: dict[str, tuple[Request, int]] = field(default_factory=dict)  # in order
     preempted: bool = False  # for KV blocks: the pool is short, admit nobody
     outranked: bool = False  # a waiting request preempted a running one
+    capped: list[Request] = field(default_factory=list)  # prefills left unfinished
 
     def add(self, req: Request, num_tokens: int) -> None:
         self.chunks[req.request_id] = (req, num_tokens)
         self.budget -= num_tokens
+        if num_tokens > 1 and req.num_computed_tokens + num_tokens < req.num_tokens:
+            self.capped.append(req)  # a prefill chunk: the top-up may extend it
 
     def extend(self, req: Request, num_tokens: int) -> None:
         _, scheduled = self.chunks[req.request_id]
@@ -57,6 +60,10 @@ class _Plan:
         chunk = self.chunks.pop(req.request_id, None)
         if chunk is not None:
             self.budget += chunk[1]
+
+
+def _remaining(item: tuple[int, Request]) -> int:
+    return item[0]
 
 
 class Scheduler:
@@ -131,20 +138,19 @@ class Scheduler:
         cfg = self.config
         plan = _Plan(cfg.max_num_batched_tokens)
         # Decodes first, so a long prompt's chunks never hold back token streams.
+        prefills: list[tuple[int, Request]] = []
         for req in list(self.running):  # a copy: preemption shrinks self.running
-            decoding = req.num_tokens - req.num_computed_tokens == 1
-            if req.status == RequestStatus.RUNNING and decoding:
-                if plan.budget == 0:
-                    break
+            left = req.num_tokens - req.num_computed_tokens
+            if left > 1:
+                prefills.append((left, req))
+            elif req.status == RequestStatus.RUNNING and plan.budget > 0:
                 self._schedule_running(req, 1, plan)
         # Running prefills, the closest to their first token first, leave the reserve to
         # new prefills while anyone waits.
         reserve = cfg.prefill_reserve_tokens if self.waiting else 0
-        prefills = [r for r in self.running if r.num_tokens - r.num_computed_tokens > 1]
-        prefills.sort(key=lambda r: r.num_tokens - r.num_computed_tokens)
-        for req in prefills:
-            if req.status == RequestStatus.RUNNING:  # not preempted earlier in this loop
-                left = req.num_tokens - req.num_computed_tokens
+        prefills.sort(key=_remaining)
+        for left, req in prefills:
+            if req.status == RequestStatus.RUNNING:  # not preempted earlier in this step
                 room = min(left, cfg.long_prefill_cap, plan.budget - reserve)
                 if room <= 0:
                     break
@@ -260,12 +266,14 @@ class Scheduler:
         """Give what is left of the budget to prefills that were capped, the closest to
         their first token first, so the caps shape who goes first without leaving tokens
         unused."""
+        if plan.budget == 0 or not plan.capped:
+            return
         unfinished = []
-        for req, scheduled in plan.chunks.values():
-            left = req.num_tokens - req.num_computed_tokens - scheduled
-            if left > 0:
-                unfinished.append((left, req))
-        unfinished.sort(key=lambda item: item[0])
+        for req in plan.capped:
+            chunk = plan.chunks.get(req.request_id)
+            if chunk is not None:  # not preempted since
+                unfinished.append((req.num_tokens - req.num_computed_tokens - chunk[1], req))
+        unfinished.sort(key=_remaining)
         for left, req in unfinished:
             if plan.budget == 0:
                 return
@@ -313,8 +321,9 @@ class Scheduler:
     def _output(self, plan: _Plan) -> SchedulerOutput:
         scheduled: list[ScheduledRequest] = []
         prefill = decode = 0
+        served = self.fair.served  # inline FairShare.charge: once per chunk, every step
         for req, num_new in plan.chunks.values():
-            self.fair.charge(req, num_new)
+            served[req.tenant] = served.get(req.tenant, 0.0) + num_new / req.weight
             start = req.num_computed_tokens
             if num_new == 1 and start >= req.num_prompt_tokens and start + 1 == req.num_tokens:
                 decode += 1
