@@ -23,6 +23,8 @@ from tenants.models import KeyRole
 from tenants.services import ApiKeyService, PlanService, TenantService
 
 PLAN_FIELDS = ("default_priority", "max_priority", "weight")
+MAX_WHOLE = 2**31 - 1  # the limit columns are 32-bit integers
+MAX_MICROS = 10**15  # a billion dollars: anything above is a typo (and near BIGINT's end)
 
 
 def whole_number(form: FormMultiDict, name: str) -> int | None:
@@ -30,23 +32,30 @@ def whole_number(form: FormMultiDict, name: str) -> int | None:
     raw = str(form.get(name, "")).strip()
     if not raw:
         return None
-    if not raw.isdigit():
-        raise InvalidInputError(f"{name.replace('_', ' ')} must be a whole number or blank")
+    if not (raw.isascii() and raw.isdigit()) or int(raw) > MAX_WHOLE:
+        raise InvalidInputError(
+            f"{name.replace('_', ' ')} must be a whole number up to {MAX_WHOLE:,}, or blank"
+        )
     return int(raw)
 
 
-def budget_micros(form: FormMultiDict) -> int | None:
-    """The monthly budget in dollars ("25.50") as integer micro-dollars."""
-    raw = str(form.get("monthly_budget", "")).strip()
-    if not raw:
-        return None
+def micro_dollars(raw: str, what: str) -> int:
+    """An amount in dollars ("25.50") as integer micro-dollars: money is never a float."""
     try:
         micros = Decimal(raw) * 1_000_000
     except InvalidOperation:
-        raise InvalidInputError(f"budget must be an amount like 25.50, not {raw!r}") from None
-    if micros < 0 or micros != micros.to_integral_value():
-        raise InvalidInputError("budget must be >= 0 with at most 6 decimals")
+        raise InvalidInputError(f"{what} must be an amount like 25.50, not {raw!r}") from None
+    if not micros.is_finite() or micros < 0 or micros != micros.to_integral_value():
+        raise InvalidInputError(f"{what} must be an amount >= 0 with at most 6 decimals")
+    if micros > MAX_MICROS:
+        raise InvalidInputError(f"{what} is more than {MAX_MICROS // 1_000_000:,} dollars")
     return int(micros)
+
+
+def budget_micros(form: FormMultiDict) -> int | None:
+    """The monthly budget; blank is unlimited."""
+    raw = str(form.get("monthly_budget", "")).strip()
+    return micro_dollars(raw, "budget") if raw else None
 
 
 def limits_from(form: FormMultiDict) -> LimitSet:

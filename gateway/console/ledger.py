@@ -5,7 +5,6 @@ billing and audit services; nothing here prices or hashes anything itself."""
 from __future__ import annotations
 
 from datetime import datetime
-from decimal import Decimal, InvalidOperation
 from typing import Any
 
 from litestar import Controller, Request, Response, get, post
@@ -14,6 +13,7 @@ from litestar.di import NamedDependency, Provide
 from sqlalchemy import func, select
 from sqlalchemy.ext.asyncio import AsyncSession
 
+from gateway.console.actions import micro_dollars
 from gateway.console.auth import Console, provide_console, provide_form, provide_owner_form
 from gateway.console.pages import parse_moment
 from gateway.console.render import SECURITY_HEADERS, back_to, page
@@ -32,14 +32,17 @@ AUDIT_PAGE = 100
 
 def dollars_per_mtok(form: FormMultiDict, name: str) -> int:
     """A price in dollars per million tokens ("0.40") as integer micro-dollars."""
-    raw = str(form.get(name, "")).strip()
-    try:
-        micros = Decimal(raw) * 1_000_000
-    except InvalidOperation:
-        raise InvalidInputError(f"{name.replace('_', ' ')} must be an amount like 0.40") from None
-    if micros < 0 or micros != micros.to_integral_value():
-        raise InvalidInputError(f"{name.replace('_', ' ')} must be >= 0, at most 6 decimals")
-    return int(micros)
+    return micro_dollars(str(form.get(name, "")).strip(), f"the {name.replace('_', ' ')} price")
+
+
+def effective_from(raw: str) -> datetime:
+    """When a new price starts: the given UTC time, or now when left blank."""
+    if not raw:
+        return utcnow()
+    moment = parse_moment(raw)
+    if moment is None:
+        raise InvalidInputError(f"effective from must be a date and time, not {raw!r}")
+    return moment
 
 
 def price_from(form: FormMultiDict) -> Price:
@@ -233,7 +236,7 @@ class LedgerActionsController(Controller):
         model = str(owner_form.get("model", "")).strip()
         try:
             price = price_from(owner_form)
-            effective = parse_moment(str(owner_form.get("effective_from", ""))) or utcnow()
+            effective = effective_from(str(owner_form.get("effective_from", "")).strip())
             async with runtime.sessions.begin() as session:
                 version = await PriceService(session).create(
                     model, price, effective, created_by=console.actor.name[:100]

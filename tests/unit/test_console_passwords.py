@@ -2,15 +2,19 @@
 
 from __future__ import annotations
 
+from datetime import UTC, datetime
+
 import pytest
 from litestar.datastructures import FormMultiDict
 
 from gateway.console.actions import budget_micros, limits_from
 from gateway.console.auth import decode_flash, encode_flash
+from gateway.console.ledger import effective_from, price_from
 from gateway.console.queries import percentile
 from gateway.console.session import safe_next
 from tenants.admins import hash_password, verify_password
 from tenants.errors import InvalidInputError
+from tenants.pricing import Price
 
 
 def test_password_hash_verifies_only_the_right_password() -> None:
@@ -34,13 +38,24 @@ def test_budget_is_read_in_dollars_and_blank_is_unlimited() -> None:
     assert budget_micros(FormMultiDict({"monthly_budget": " "})) is None
     with pytest.raises(InvalidInputError):
         budget_micros(FormMultiDict({"monthly_budget": "ten"}))
+    for bad in ("0.0000001", "-1", "NaN", "Infinity", "1e400"):
+        with pytest.raises(InvalidInputError):
+            budget_micros(FormMultiDict({"monthly_budget": bad}))
+
+
+def test_prices_are_read_in_dollars_per_million_tokens() -> None:
+    form = FormMultiDict({"input": "0.10", "cached_input": "0.05", "output": "0.4"})
+    assert price_from(form) == Price(100_000, 50_000, 400_000)
     with pytest.raises(InvalidInputError):
-        budget_micros(FormMultiDict({"monthly_budget": "0.0000001"}))
+        price_from(FormMultiDict({"input": "x", "cached_input": "0", "output": "0"}))
+    assert effective_from("2026-12-01T00:00") == datetime(2026, 12, 1, tzinfo=UTC)
+    with pytest.raises(InvalidInputError):
+        effective_from("next tuesday")
 
 
 def test_limits_reject_negative_or_fractional_numbers() -> None:
     assert limits_from(FormMultiDict({"rpm": "60", "tpm": ""})).rpm == 60
-    for bad in ("-1", "1.5", "lots"):
+    for bad in ("-1", "1.5", "lots", "²", "99999999999"):
         with pytest.raises(InvalidInputError):
             limits_from(FormMultiDict({"rpm": bad}))
 
