@@ -17,6 +17,7 @@ from collections.abc import AsyncGenerator, AsyncIterator, Callable, Iterator, M
 from opentelemetry import context, propagate, trace
 from opentelemetry.context import Context
 from opentelemetry.trace import SpanKind, Status, StatusCode
+from opentelemetry.util.types import AttributeValue
 from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
@@ -107,15 +108,20 @@ class RequestTimeline:
             return  # never reached the engine, or nobody is tracing
         tracer = trace.get_tracer(TRACER_NAME)
         to_ns = _monotonic_to_epoch_ns()
-        common = {REQUEST_ID: request_id}
 
-        def span(name: str, start: float, end: float, attributes: dict[str, object]) -> None:
-            attrs = {**common, **attributes}
-            phase = tracer.start_span(name, parent, attributes=attrs, start_time=to_ns(start))  # type: ignore[arg-type]
+        def span(
+            name: str, start: float, end: float, attributes: Mapping[str, AttributeValue]
+        ) -> None:
+            attrs = {REQUEST_ID: request_id, **attributes}
+            phase = tracer.start_span(name, parent, attributes=attrs, start_time=to_ns(start))
             phase.end(end_time=to_ns(max(start, end)))
 
         scheduled = self.scheduled
-        span("engine.queue", self.arrival, scheduled if scheduled is not None else ended, {})
+        # Without any output the engine's times are unknown: queued, or queued then prefilling.
+        unknown: dict[str, AttributeValue] = (
+            {} if self.completion_tokens else {"tollgate.engine.no_output": True}
+        )
+        span("engine.queue", self.arrival, scheduled if scheduled is not None else ended, unknown)
         if scheduled is not None:
             to_prefill = max(0, self.prompt_tokens - self.cached_tokens)
             span(
@@ -157,17 +163,24 @@ async def traced(
     first output is asked for) and hand its timeline to `on_done`."""
     parent = context.get_current() if parent is None else parent
     timeline = RequestTimeline()
-    finished = False
+    submitted = time.monotonic()
+    finished = refused = False
     try:
         async for out in outputs:
             timeline.observe(out)
             yield out
         finished = True
+    except Exception:
+        refused = timeline.arrival is None  # turned away (overloaded, invalid): never queued
+        raise
     finally:
         close = getattr(outputs, "aclose", None)
         if close is not None:  # abort in the engine now, not when collected
             await close()
         ended = time.monotonic()
+        if timeline.arrival is None and not refused:
+            # Aborted before its first output, which is what carries the engine's times.
+            timeline.arrival = submitted
         timeline.emit_spans(parent, ended, not finished, chunk_tokens, request_id)
         if on_done is not None:
             on_done(timeline, ended, not finished)

@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Any
 
 from litestar.enums import ScopeType
 from litestar.types import ASGIApp, Message, Receive, Scope, Send
-from opentelemetry import context, trace
+from opentelemetry import context, propagate, trace
 from opentelemetry.trace import INVALID_SPAN, Span, SpanKind, Status, StatusCode
 
 from backend.outputs import RequestOutput
@@ -100,8 +100,12 @@ class Telemetry:
 
     async def _serve(self, app: ASGIApp, scope: Scope, receive: Receive, send: Send) -> None:
         method, path = str(scope.get("method")), scope["path"]
+        headers = {
+            name.decode("latin-1"): value.decode("latin-1") for name, value in scope["headers"]
+        }
         span = tracing.tracer().start_span(
             f"{method} {path}",
+            propagate.extract(headers),  # join the caller's trace, if it sent a traceparent
             kind=SpanKind.SERVER,
             attributes={"http.request.method": method, "url.path": path},
         )

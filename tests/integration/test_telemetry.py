@@ -103,10 +103,16 @@ def _events(body: str) -> list[dict[str, Any]]:
 
 
 def _root(exporter: InMemorySpanExporter, request_id: str) -> ReadableSpan | None:
-    for span in exporter.get_finished_spans():
-        if span.parent is None and (span.attributes or {}).get("tollgate.request_id") == request_id:
-            return span
-    return None
+    """The gateway's server span of the request."""
+    return next(
+        (
+            span
+            for span in exporter.get_finished_spans()
+            if span.kind == SpanKind.SERVER
+            and (span.attributes or {}).get("tollgate.request_id") == request_id
+        ),
+        None,
+    )
 
 
 def _trace(exporter: InMemorySpanExporter, root: ReadableSpan) -> list[ReadableSpan]:
@@ -190,6 +196,24 @@ async def test_streamed_request_span_tree(
     assert named["stream"]["tollgate.stream.delivered_tokens"] == 6
 
 
+async def test_a_callers_traceparent_is_joined(
+    http: AsyncTestClient[Litestar],
+    tenant_key: str,
+    spans: InMemorySpanExporter,
+    engine_client: InProcessEngineClient,
+) -> None:
+    trace_id, parent_id = secrets.token_hex(16), secrets.token_hex(8)
+    headers = {**_auth(tenant_key), "traceparent": f"00-{trace_id}-{parent_id}-01"}
+    payload = {"model": engine_client.model_name, "prompt": "def", "max_tokens": 2}
+    response = await http.post("/v1/completions", json=payload, headers=headers)
+    assert response.status_code == 200
+    root, _ = await _trace_with(spans, response.headers["x-request-id"], {"settle"})
+    assert root.context is not None and root.parent is not None
+    assert root.context.trace_id == int(trace_id, 16)
+    assert root.parent.span_id == int(parent_id, 16)
+    assert root.name == f"text_completion {engine_client.model_name}"
+
+
 async def test_cancelled_stream_shows_cancel_and_kv_release(
     live_server: tuple[Litestar, str],
     tenant_key: str,
@@ -229,6 +253,7 @@ async def test_cancelled_whole_request_shows_cancel_and_kv_release(
 ) -> None:
     _, base = live_server
     payload = _chat(engine_client.model_name, "Return the", max_tokens=300)
+    await eventually(lambda: engine_client.engine.stats().num_running == 0)  # others' aborts
     async with httpx.AsyncClient(base_url=base) as client:
         call = asyncio.create_task(
             client.post("/v1/chat/completions", json=payload, headers=_auth(tenant_key))
@@ -238,7 +263,7 @@ async def test_cancelled_whole_request_shows_cancel_and_kv_release(
         await asyncio.gather(call, return_exceptions=True)
 
     def root() -> ReadableSpan | None:
-        return next((s for s in spans.get_finished_spans() if s.parent is None), None)
+        return next((s for s in spans.get_finished_spans() if s.kind == SpanKind.SERVER), None)
 
     await eventually(root)
     found = root()

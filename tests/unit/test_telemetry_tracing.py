@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
-from collections.abc import Iterator
+from collections.abc import AsyncIterator, Iterator
 
 from opentelemetry import trace
 from opentelemetry.sdk.trace import ReadableSpan, TracerProvider
@@ -11,7 +12,7 @@ from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
 from backend.outputs import RequestOutput
-from backend.telemetry import RequestTimeline
+from backend.telemetry import RequestTimeline, traced
 from gateway.telemetry.tracing import build_tracer_provider, exporting
 
 
@@ -150,3 +151,40 @@ def test_no_spans_when_nobody_traces() -> None:
         nobody = trace.set_span_in_context(trace.INVALID_SPAN)
         timeline.emit_spans(nobody, 101.1, False, 8, "req_t")
         assert exporter.get_finished_spans() == ()
+
+
+async def _never_outputs(waiting: asyncio.Event) -> AsyncIterator[RequestOutput]:
+    waiting.set()
+    await asyncio.Event().wait()  # queued forever: the consumer gives up first
+    yield _output(0, 1, [101.0], finished=True)
+
+
+async def _refuses() -> AsyncIterator[RequestOutput]:
+    raise ValueError("overloaded")
+    yield _output(0, 1, [101.0], finished=True)  # an async generator all the same
+
+
+async def test_aborted_before_any_output_still_shows_wait_and_release() -> None:
+    with capture_spans() as exporter:
+        with trace.get_tracer("test").start_as_current_span("parent"):
+            queued = asyncio.Event()
+            waiting = asyncio.ensure_future(anext(traced(_never_outputs(queued), "req_q", 8)))
+            await queued.wait()
+            waiting.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await waiting
+        spans = _by_name(exporter.get_finished_spans())
+    assert (spans["engine.queue"].attributes or {})["tollgate.engine.no_output"] is True
+    release = spans["engine.kv_release"].attributes or {}
+    assert release["tollgate.kv.release_reason"] == "aborted"
+    assert "engine.prefill" not in spans
+
+
+async def test_refused_requests_have_no_engine_spans() -> None:
+    with capture_spans() as exporter:
+        with (
+            trace.get_tracer("test").start_as_current_span("parent"),
+            contextlib.suppress(ValueError),
+        ):
+            await anext(traced(_refuses(), "req_r", 8))
+        assert [s.name for s in exporter.get_finished_spans()] == ["parent"]
