@@ -88,14 +88,20 @@ class Admission:
         self._keeper: asyncio.Task[None] | None = None
 
     async def reserve(
-        self, principal: Principal, request_id: str, prompt_tokens: int, max_tokens: int
+        self,
+        principal: Principal,
+        request_id: str,
+        prompt_tokens: int,
+        max_tokens: int,
+        price: Price | None = None,  # the price book's, for this model now
     ) -> Ticket:
+        price = price or self.price
         outcome = await self.store.reserve(
             ReserveRequest(
                 reservation_id=request_id,
                 scopes=scopes(principal),
                 tokens=prompt_tokens + max_tokens,
-                cost_micros=self.price.cost_micros(prompt_tokens, 0, max_tokens),
+                cost_micros=price.cost_micros(prompt_tokens, 0, max_tokens),
                 period=month_period(),
                 lease_s=self.lease_s,
             )

@@ -190,11 +190,14 @@ async def _respond(
         claim = begun
     try:
         with scope.span("admission"):
+            # Reserve at the price the request will be charged (the book's version now).
+            quote = await runtime.recorder.prices.quote(job.charge.model, job.charge.started_at)
             ticket = await runtime.admission.reserve(
                 principal,
                 job.charge.request_id,
                 len(job.prompt),
                 job.params.max_tokens * job.params.n,
+                quote.price,
             )
     except BaseException:
         if claim is not None:  # rejected, not stored: a retry with this key runs afresh

@@ -20,9 +20,10 @@ from tenants import audit
 from tenants.billing.models import PriceVersion
 from tenants.billing.prices import ANY_MODEL, PriceService, quote
 from tenants.errors import ConflictError, InvalidInputError
+from tenants.limits import LimitSet, PlanTerms
 from tenants.models import KeyRole, UsageEvent, utcnow
 from tenants.pricing import DEFAULT_PRICE, Price
-from tenants.services import ApiKeyService
+from tenants.services import ApiKeyService, PlanService, TenantService
 from tests.integration.billing_support import Sessions, owner
 
 T0 = datetime(2026, 12, 1, tzinfo=UTC)
@@ -170,3 +171,31 @@ def test_cli_prices_set_and_list(
     ]
     assert cli.main([*args, "--output", "0.40", "--effective", "2020-01-01"]) == 2
     assert "past" in capsys.readouterr().err
+
+
+async def test_admission_reserves_at_the_price_book_price(
+    client: AsyncTestClient[Any], sessions: Sessions, engine_client: InProcessEngineClient
+) -> None:
+    """A budget that the built-in price would let a request through is enough to refuse it
+    at the book's (much higher) price: the worst case is reserved at the real price."""
+    model = engine_client.model_name
+    async with sessions.begin() as session:
+        await PlanService(session).create(
+            "small", PlanTerms(limits=LimitSet(monthly_budget_micros=1_000_000))
+        )
+    acme = await owner(sessions, "acme")
+    async with sessions.begin() as session:
+        await TenantService(session).set_plan("acme", "small")
+    body = {"model": model, "prompt": "The", "max_tokens": 16}
+    allowed = await client.post("/v1/completions", json=body, headers=acme.headers)
+    assert allowed.status_code == 200, allowed.text  # 16 tokens at $0.40/Mtok: fits
+
+    async with sessions.begin() as session:
+        await PriceService(session).create(
+            model, Price(1_000_000, 1_000_000, 100_000_000_000), utcnow(), "test"
+        )
+    runtime: Runtime = client.app.state.runtime
+    runtime.recorder.prices.invalidate()
+    refused = await client.post("/v1/completions", json=body, headers=acme.headers)
+    assert refused.status_code == 429  # 16 tokens at $100,000/Mtok: $1.60 > the $1 budget
+    assert refused.json()["error"]["code"] == "insufficient_quota"
