@@ -185,12 +185,13 @@ async def traffic(session: AsyncSession, now: datetime | None = None) -> dict[st
     outcomes, over the last OVERVIEW_WINDOW of the ledger."""
     now = now or utcnow()
     start = now - OVERVIEW_WINDOW
-    # Only the columns charted: this runs every 2 s for each open overview.
+    # Only the columns charted: this runs every 2 s for each open overview. Past
+    # OVERVIEW_ROWS requests in the window, the newest are kept.
     events = (
         await session.execute(
             select(*OVERVIEW_COLUMNS)
             .where(UsageEvent.created_at >= start)
-            .order_by(UsageEvent.created_at)
+            .order_by(UsageEvent.created_at.desc())
             .limit(OVERVIEW_ROWS)
         )
     ).all()
