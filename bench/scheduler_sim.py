@@ -45,7 +45,10 @@ def aging(seed: int) -> str:
     residency = max(
         r.end - r.first_scheduled
         for r in on.records.values()
-        if r.outcome == "finished" and r.end is not None and r.first_scheduled is not None
+        if r.outcome == "finished"
+        and r.preemptions == 0
+        and r.end is not None
+        and r.first_scheduled is not None
     )
     assert config.aging_interval_s is not None
     bound = (

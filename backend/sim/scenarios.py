@@ -19,7 +19,7 @@ STARVATION_INTERVAL_S = 1.0
 
 
 def starvation(aging: bool) -> tuple[EngineConfig, list[Stream]]:
-    """Priority-0 chat at about 1.2x what 16 slots serve, for 30 s; a trickle of priority-5
+    """Priority-0 chat at about 1.3x what 16 slots serve, for 30 s; a trickle of priority-5
     requests alongside. Without aging the trickle waits for the flood to end."""
     config = replace(
         BASE,
@@ -27,7 +27,7 @@ def starvation(aging: bool) -> tuple[EngineConfig, list[Stream]]:
         max_waiting_requests=48,
         aging_interval_s=STARVATION_INTERVAL_S if aging else None,
     )
-    flood = Stream("chat", rate=14.0, prompt_tokens=(200, 400), output_tokens=(100, 150), end=30.0)
+    flood = Stream("chat", rate=16.0, prompt_tokens=(200, 400), output_tokens=(100, 150), end=30.0)
     low = replace(flood, name="batch", rate=0.5, priority=5, end=25.0)
     return config, [flood, low]
 

@@ -24,12 +24,15 @@ def of(result: SimResult, name: str) -> list[RequestRecord]:
 
 def starvation_bound(config: EngineConfig, priority: int, result: SimResult) -> float:
     """backend/SCHEDULING.md: wait <= p * I + (ceil(Q / S) + 1) * R, R the longest
-    residency (admission to finish) of a request in the run."""
+    residency (admission to finish) of a request that was not preempted in the run."""
     assert config.aging_interval_s is not None
     residency = max(
         r.end - r.first_scheduled
         for r in result.records.values()
-        if r.outcome == "finished" and r.end is not None and r.first_scheduled is not None
+        if r.outcome == "finished"
+        and r.preemptions == 0
+        and r.end is not None
+        and r.first_scheduled is not None
     )
     turns = math.ceil(config.max_waiting_requests / config.max_num_seqs) + 1
     return priority * config.aging_interval_s + turns * residency
