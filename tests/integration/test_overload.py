@@ -69,6 +69,17 @@ async def test_a_full_queue_gets_503_with_retry_after(
             assert int(caught.value.response.headers["retry-after"]) >= 1
             assert caught.value.code == "overloaded"
             assert stats().num_rejected_overloaded == 1
+            # A stream has sent its 200 before the engine refuses: the refusal is its one
+            # error event, in the OpenAI shape.
+            streamed = await client.chat.completions.create(
+                model=small_engine.model_name,
+                messages=[{"role": "user", "content": "Hi"}],
+                stream=True,
+            )
+            with pytest.raises(openai.APIError, match="overloaded"):
+                async for _ in streamed:
+                    pass
+            assert stats().num_rejected_overloaded == 2
             assert stats().num_running == 1 and stats().num_waiting == 1  # nobody was lost
         finally:
             await _cancel(running, waiting)
