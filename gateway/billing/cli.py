@@ -16,6 +16,7 @@ from tenants import audit
 from tenants.billing.customers import StripeCustomerService
 from tenants.billing.export import export_once
 from tenants.billing.models import PriceVersion
+from tenants.billing.outbox import OutboxService
 from tenants.billing.prices import PriceService, audit_created
 from tenants.billing.reports import Period, Report, build_report, format_micros
 from tenants.errors import InvalidInputError
@@ -35,6 +36,12 @@ def add_commands(commands: Any) -> None:
     billing_commands.add_parser(
         "export", help="send pending usage to Stripe now (TOLLGATE_STRIPE_API_KEY)"
     ).set_defaults(handler=_billing_export)
+    billing_commands.add_parser(
+        "status", help="outbox rows pending, exported and failed; the oldest pending"
+    ).set_defaults(handler=_billing_status)
+    billing_commands.add_parser(
+        "requeue", help="send the rows Stripe rejected again (after fixing the cause)"
+    ).set_defaults(handler=_billing_requeue)
     customer = billing_commands.add_parser(
         "customer", help="show, or --link, the Stripe customer a tenant is billed as"
     )
@@ -156,6 +163,35 @@ def _billing_export(settings: Settings, args: argparse.Namespace) -> int:
     _in_session(settings, work)
     print(", ".join(f"{name}={value}" for name, value in counts.items()))
     return 0 if not result.deferred else 1
+
+
+def _billing_status(settings: Settings, args: argparse.Namespace) -> int:
+    from gateway.cli import _in_session
+
+    async def work(session: AsyncSession) -> dict[str, object]:
+        return (await OutboxService(session).status()).view()
+
+    status = _in_session(settings, work)
+    print(
+        "\n".join(
+            f"{name}\t{value if value is not None else '-'}" for name, value in status.items()
+        )
+    )
+    if settings.stripe_api_key is None:
+        print("Stripe export is off (TOLLGATE_STRIPE_API_KEY unset): rows wait", file=sys.stderr)
+    return 0
+
+
+def _billing_requeue(settings: Settings, args: argparse.Namespace) -> int:
+    from gateway.cli import _actor, _in_session
+
+    actor = _actor()
+
+    async def work(session: AsyncSession) -> int:
+        return await OutboxService(session, actor).requeue_failed()
+
+    print(f"requeued {_in_session(settings, work)} rows")
+    return 0
 
 
 def _billing_customer(settings: Settings, args: argparse.Namespace) -> int:

@@ -25,6 +25,7 @@ from tenants import audit
 from tenants.audit import Actor
 from tenants.billing.customers import StripeCustomerService
 from tenants.billing.export import export_once
+from tenants.billing.outbox import OutboxService
 from tenants.billing.prices import PriceService, audit_created
 from tenants.billing.reports import build_report
 from tenants.models import UsageEvent
@@ -169,6 +170,22 @@ class BillingAdminController(Controller):
             view = price_view(version)
         runtime.recorder.prices.invalidate()  # this process sees it at once, others soon
         return view
+
+    @get("/billing/export")
+    async def export_status(
+        self, runtime: NamedDependency[Runtime], admin: NamedDependency[Principal]
+    ) -> dict[str, Any]:
+        async with runtime.sessions() as session:
+            status = (await OutboxService(session).status()).view()
+        return {"stripe": runtime.settings.stripe_api_key is not None, **status}
+
+    @post("/billing/export/requeue", status_code=200)
+    async def requeue(
+        self, runtime: NamedDependency[Runtime], actor: NamedDependency[Actor]
+    ) -> dict[str, Any]:
+        """Put the rows Stripe rejected back in the queue (audited)."""
+        async with runtime.sessions.begin() as session:
+            return {"requeued": await OutboxService(session, actor).requeue_failed()}
 
     @post("/billing/export", status_code=200)
     async def export(

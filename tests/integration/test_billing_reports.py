@@ -11,6 +11,7 @@ from typing import Any
 
 import pytest
 from litestar.testing import AsyncTestClient
+from sqlalchemy import func, select
 
 from gateway import cli
 from tenants import audit, db
@@ -177,3 +178,22 @@ async def test_admin_links_a_tenant_to_a_stripe_customer(
     assert bad.status_code == 400
     missing = await client.get("/admin/api/billing/customers/nobody", headers=admin.headers)
     assert missing.status_code == 404
+
+
+async def test_admin_export_status_and_requeue(
+    client: AsyncTestClient[Any], sessions: Sessions
+) -> None:
+    admin = await owner(sessions, "ops", KeyRole.ADMIN)
+    await november(sessions, await owner(sessions, "acme"))
+    async with sessions() as session:
+        billable = await session.scalar(
+            select(func.count()).select_from(UsageEvent).where(UsageEvent.cost_micros > 0)
+        )
+    status = await client.get("/admin/api/billing/export", headers=admin.headers)
+    assert status.json()["stripe"] is False  # no TOLLGATE_STRIPE_API_KEY here
+    assert billable is not None and status.json()["pending"] == billable > 0
+    assert status.json()["exported"] == status.json()["failed"] == 0
+    requeued = await client.post("/admin/api/billing/export/requeue", headers=admin.headers)
+    assert requeued.json() == {"requeued": 0}
+    refused = await client.post("/admin/api/billing/export", headers=admin.headers)
+    assert refused.status_code == 400 and refused.json()["error"]["code"] == "stripe_disabled"

@@ -29,6 +29,7 @@ from tenants.audit import Actor
 from tenants.billing.customers import StripeCustomerService
 from tenants.billing.export import relay_for, sync_engine
 from tenants.billing.models import OutboxRow, OutboxStatus, StripeCustomer
+from tenants.billing.outbox import OutboxService
 from tenants.billing.relay import Relay
 from tenants.billing.stripe_meters import MeterEvent, Retry, StripeMeters
 from tenants.errors import ConflictError, InvalidInputError
@@ -207,6 +208,17 @@ async def test_a_rejected_event_is_parked_as_failed(
     with Session(engine) as session:
         statuses = Counter(session.scalars(select(OutboxRow.status)))
     assert statuses == {OutboxStatus.FAILED: 1, OutboxStatus.EXPORTED: result.claimed - 1}
+
+    async with sessions.begin() as session:  # the cause fixed, an operator requeues it
+        outbox = OutboxService(session, Actor("cli:ops"))
+        assert (await outbox.status()).failed == 1
+        assert await outbox.requeue_failed() == 1
+    assert Relay(engine, meters(fake)).run().exported == 1
+    async with sessions() as session:
+        status = await OutboxService(session).status()
+        [event] = await audit.list_events(session, action="billing.export.requeue")
+    assert (status.pending, status.failed, status.exported) == (0, 0, result.claimed)
+    assert status.oldest_pending is None and event.details == {"rows": 1}
 
 
 # The acceptance test: a real Celery worker (with its embedded beat) on Redis and

@@ -71,12 +71,12 @@ async def test_a_tenant_cannot_read_another_tenants_usage(
         "/admin/api/billing/reports/acme/2026-11/csv",
         "/admin/api/prices",
         "/admin/api/billing/customers/acme",
+        "/admin/api/billing/export",
     ):
         denied = await client.get(path, headers=globex.headers)
         assert denied.status_code == 403, path
-    assert (
-        await client.post("/admin/api/billing/export", headers=globex.headers)
-    ).status_code == 403
+    for path in ("/admin/api/billing/export", "/admin/api/billing/export/requeue"):
+        assert (await client.post(path, headers=globex.headers)).status_code == 403, path
     assert (await client.get("/v1/usage")).status_code == 401
 
 

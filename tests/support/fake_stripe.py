@@ -165,8 +165,9 @@ class FakeStripe:
                 result = None
             else:
                 result = self._record_event(form)
-            if result is not None and idempotency_key is not None:
-                # Like Stripe's v1 API, even a 500 is saved and replayed for this key.
+            if result is not None and idempotency_key is not None and result[0] != 400:
+                # Like Stripe's v1 API: even a 500 is saved and replayed for this key, but
+                # not a request that failed validation.
                 self.saved[idempotency_key] = (result[0], json.dumps(result[1]).encode())
             if fault != "hang":
                 return None if fault == "drop_after_commit" else result
