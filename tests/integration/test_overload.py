@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import AsyncIterator, Awaitable
+from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
@@ -50,8 +50,8 @@ async def test_a_full_queue_gets_503_with_retry_after(
     async with serving(app) as base_url:
         client = openai.AsyncOpenAI(base_url=f"{base_url}/v1", api_key=tenant_key, max_retries=0)
 
-        def chat() -> Awaitable[Any]:
-            return client.chat.completions.create(
+        async def chat() -> Any:
+            return await client.chat.completions.create(
                 model=small_engine.model_name,
                 messages=[{"role": "user", "content": "Tell me about sorting."}],
                 max_tokens=LONG.max_tokens,
