@@ -108,3 +108,16 @@ def test_d_high_priority_starts_within_one_step_when_max_num_seqs_is_full() -> N
     # Without priority preemption the same requests wait for a slot.
     waited = run((replace(config, priority_preemption_gap=None), sc.inversion()[1]))
     assert max(r.first_step - r.arrival_step for r in of(waited, "urgent") if r.first_step) > 1
+
+
+def test_deadlines_and_shedding_refuse_work_before_any_compute() -> None:
+    # No protection: chats queue behind the documents' prefills, and documents queue too.
+    config, streams = sc.document_burst(protection=False)
+    config = replace(config, max_waiting_tokens=10_000)
+    tight = [replace(s, deadline_s=0.2) if s.name == "chat" else s for s in streams]
+    result = run((config, tight))
+    outcomes = summarize(result).outcomes
+    assert outcomes.get("deadline_exceeded", 0) > 0 and outcomes.get("overloaded", 0) > 0
+    refused = [r for r in result.records.values() if r.outcome != "finished"]
+    assert refused and all(r.first_scheduled is None and not r.token_times for r in refused)
+    assert outcomes["finished"] + len(refused) == len(result.records)
