@@ -31,6 +31,8 @@ def parse() -> argparse.Namespace:
     p.add_argument("--doc-rate", type=float, default=0.3, help="document requests/s")
     p.add_argument("--burst-rate", type=float, default=3.0, help="documents/s during the burst")
     p.add_argument("--cancel", type=float, default=0.05, help="share of chats abandoned")
+    p.add_argument("--chat-deadline", type=float, default=None, help="first-token deadline, s")
+    p.add_argument("--max-waiting-requests", type=int, default=1024)
     p.add_argument("--gpu", choices=sorted(GPUS), default="h100")
     p.add_argument("--max-num-seqs", type=int, default=128)
     p.add_argument("--max-num-batched-tokens", type=int, default=512)
@@ -45,7 +47,13 @@ def streams(args: argparse.Namespace) -> list[Stream]:
     end = args.duration
     chat = Stream("chat", args.chat_rate / 3, (100, 300), (100, 300), end=end)
     chats = [
-        replace(chat, tenant=tenant, priority=priority, cancel_fraction=args.cancel)
+        replace(
+            chat,
+            tenant=tenant,
+            priority=priority,
+            cancel_fraction=args.cancel,
+            deadline_s=args.chat_deadline,
+        )
         for tenant, priority in (("acme", 0), ("globex", 2), ("initech", 5))
     ]
     docs = Stream(
@@ -60,6 +68,7 @@ def main() -> None:
     config = EngineConfig(
         max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens,
+        max_waiting_requests=args.max_waiting_requests,
         aging_interval_s=None if args.no_aging else EngineConfig.aging_interval_s,
         tenant_fairness=not args.no_fairness,
         prefill_reserve_share=0.0 if args.no_protection else EngineConfig.prefill_reserve_share,
