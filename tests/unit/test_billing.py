@@ -4,7 +4,10 @@ from __future__ import annotations
 
 import uuid
 
+import pytest
+
 from gateway.metering import Outcome
+from gateway.settings import Settings, SettingsError
 from tenants.billing.reports import format_micros
 from tenants.billing.stripe_meters import Retry, event_identifier
 
@@ -36,3 +39,25 @@ def test_inter_token_latency_is_the_mean_gap_after_the_first_token() -> None:
     assert outcome.itl_ms == 10.0
     assert Outcome(ttft_ms=100.0, last_token_ms=100.0, stream_tokens=1).itl_ms is None
     assert Outcome().itl_ms is None
+
+
+def test_billing_settings_from_the_environment() -> None:
+    defaults = Settings.from_env({})
+    assert defaults.stripe_api_key is None  # ledger only
+    assert (defaults.export_interval_s, defaults.celery_queue) == (30, "tollgate")
+    settings = Settings.from_env(
+        {
+            "TOLLGATE_STRIPE_API_KEY": " sk_test_x ",
+            "TOLLGATE_STRIPE_BASE_URL": "http://127.0.0.1:12111/",
+            "TOLLGATE_STRIPE_TIMEOUT_S": "3",
+            "TOLLGATE_STRIPE_RETRY_BASE_MS": "50",
+            "TOLLGATE_EXPORT_INTERVAL_S": "5",
+            "TOLLGATE_CELERY_QUEUE": "billing",
+        }
+    )
+    assert settings.stripe_api_key == "sk_test_x"
+    assert settings.stripe_base_url == "http://127.0.0.1:12111"
+    assert (settings.stripe_timeout_s, settings.stripe_retry_base_ms) == (3.0, 50)
+    assert (settings.export_interval_s, settings.celery_queue) == (5, "billing")
+    with pytest.raises(SettingsError, match="TOLLGATE_EXPORT_INTERVAL_S"):
+        Settings.from_env({"TOLLGATE_EXPORT_INTERVAL_S": "0"})
