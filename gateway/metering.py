@@ -83,8 +83,11 @@ class UsageRecorder:
 
     async def _event(self, charge: Charge, outcome: Outcome) -> UsageEvent:
         quote = await self.prices.quote(charge.model, charge.started_at)
-        # A request that failed on our side before sending anything costs the tenant nothing.
-        free = outcome.status == UsageStatus.FAILED and outcome.completion_tokens == 0
+        # A request refused by the engine, or that failed on our side before sending
+        # anything, costs the tenant nothing.
+        free = outcome.status == UsageStatus.REJECTED or (
+            outcome.status == UsageStatus.FAILED and outcome.completion_tokens == 0
+        )
         cost = quote.price.cost_micros(
             outcome.prompt_tokens, outcome.cached_tokens, outcome.completion_tokens
         )

@@ -22,6 +22,7 @@ from gateway.errors import (
     EngineUnavailable,
     InternalError,
     InvalidRequest,
+    Overloaded,
 )
 from gateway.metering import Charge, Outcome, UsageRecorder
 from gateway.telemetry import current_request
@@ -114,7 +115,8 @@ def _fail(outcome: Outcome, exc: BaseException, delivered: int) -> ApiError:
         error = InvalidRequest(str(exc))
     else:
         error = InternalError("the engine failed this request")
-    outcome.status = UsageStatus.FAILED
+    refused = isinstance(error, Overloaded | DeadlineExceeded) and delivered == 0
+    outcome.status = UsageStatus.REJECTED if refused else UsageStatus.FAILED
     outcome.error = error.code or error.type
     outcome.completion_tokens = delivered
     return error
@@ -203,8 +205,40 @@ def _sse(payload: dict[str, Any]) -> bytes:
 
 
 async def stream(job: Job, engine: EngineClient, recorder: UsageRecorder) -> AsyncIterator[bytes]:
-    """Server-sent events; the completion tokens billed are the ones written out."""
+    """Wait for the engine's first output, then return the server-sent events. Nothing is
+    sent before it, so a refusal (overloaded, deadline) is an HTTP error with its status
+    and Retry-After rather than an error event after a 200."""
     outcome = Outcome(prompt_tokens=len(job.prompt))
+    outputs = _outputs(job, engine)
+    try:
+        first = await anext(outputs, None)
+    except asyncio.CancelledError:  # the client left while queued; the engine aborted
+        recorder.settle(job.charge, _finish(_cancelled(outcome, 0), job))
+        raise
+    except Exception as exc:
+        error = _fail(outcome, exc, delivered=0)
+        recorder.settle(job.charge, _finish(outcome, job))
+        raise error from exc
+    return _events(job, engine, recorder, outcome, _chain(first, outputs))
+
+
+async def _chain(
+    first: RequestOutput | None, rest: AsyncIterator[RequestOutput]
+) -> AsyncIterator[RequestOutput]:
+    if first is not None:
+        yield first
+    async for out in rest:
+        yield out
+
+
+async def _events(
+    job: Job,
+    engine: EngineClient,
+    recorder: UsageRecorder,
+    outcome: Outcome,
+    outputs: AsyncIterator[RequestOutput],
+) -> AsyncIterator[bytes]:
+    """Server-sent events; the completion tokens billed are the ones written out."""
     choices = Choices(job.params.n)
     delivered = 0
     settled = False
@@ -226,7 +260,7 @@ async def stream(job: Job, engine: EngineClient, recorder: UsageRecorder) -> Asy
     try:
         for index in range(choices.n):
             yield chunk(index, job.echo, None, first=True)
-        async for out in _outputs(job, engine):
+        async for out in outputs:
             _observe(outcome, choices, job, out)
             if out.text or out.logprobs:
                 yield chunk(out.index, out.text, None, logprobs=out.logprobs)

@@ -207,22 +207,28 @@ async def _respond(
     scope.admitted = True
     headers = {"x-request-id": job.charge.request_id, **ticket.headers}
     if stream:
-        # Litestar cancels the stream when the client disconnects; generation aborts then.
-        events = generation.stream(job, runtime.engine, runtime.recorder)
+        # Until the first output a refusal is still an HTTP error; after it, Litestar
+        # cancels the stream when the client disconnects, and generation aborts then.
+        opening = generation.stream(job, runtime.engine, runtime.recorder)
+        events = await _abandon_on_failure(claim, runtime, _unless_disconnected(request, opening))
         if claim is not None:
             events = _recorded(events, claim, runtime, job.charge.request_id)
         return Stream(events, media_type="text/event-stream", headers={**SSE_HEADERS, **headers})
     work = generation.complete(job, runtime.engine, runtime.recorder)
-    try:
-        result = await _unless_disconnected(request, work)
-    except BaseException:
-        if claim is not None:  # not stored: a retry with this key runs afresh
-            runtime.tasks.spawn(runtime.idempotency.abandon(claim))
-        raise
+    result = await _abandon_on_failure(claim, runtime, _unless_disconnected(request, work))
     if claim is not None:
         body = encode(result)
         await runtime.idempotency.finish(claim, job.charge.request_id, 200, MediaType.JSON, body)
     return Response(result, media_type=MediaType.JSON, headers=headers)
+
+
+async def _abandon_on_failure(claim: Claim | None, runtime: Runtime, work: Awaitable[T]) -> T:
+    try:
+        return await work
+    except BaseException:
+        if claim is not None:  # not stored: a retry with this key runs afresh
+            runtime.tasks.spawn(runtime.idempotency.abandon(claim))
+        raise
 
 
 def _replay(record: IdempotencyRecord) -> Response[Any]:

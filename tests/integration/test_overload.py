@@ -6,12 +6,14 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable
 from pathlib import Path
 from typing import Any
 
 import openai
 import pytest
+from sqlalchemy import select
+from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
 
 from backend import AsyncEngine, EngineConfig, SamplingParams
 from backend.builtin import BUILTIN_MODEL_DIR
@@ -21,6 +23,7 @@ from gateway.dispatch.engine_client import InProcessEngineClient
 from gateway.dispatch.remote import RemoteEngineClient
 from gateway.errors import Overloaded
 from gateway.settings import Settings
+from tenants.models import UsageEvent, UsageStatus
 from tests.conftest import eventually, serving
 
 ONE_AT_A_TIME = EngineConfig(max_num_seqs=1, max_waiting_requests=1, cpu_threads=1)
@@ -34,6 +37,10 @@ async def small_engine() -> AsyncIterator[InProcessEngineClient]:
     await client.close()
 
 
+async def _count(rows: Awaitable[list[Any]], n: int) -> bool:
+    return len(await rows) == n
+
+
 async def _cancel(*tasks: asyncio.Task[Any]) -> None:
     for task in tasks:
         task.cancel()
@@ -43,7 +50,10 @@ async def _cancel(*tasks: asyncio.Task[Any]) -> None:
 
 
 async def test_a_full_queue_gets_503_with_retry_after(
-    settings: Settings, tenant_key: str, small_engine: InProcessEngineClient
+    settings: Settings,
+    tenant_key: str,
+    small_engine: InProcessEngineClient,
+    sessions: async_sessionmaker[AsyncSession],
 ) -> None:
     stats = small_engine.engine.stats
     app = create_app(settings, engine_client=small_engine)
@@ -69,16 +79,24 @@ async def test_a_full_queue_gets_503_with_retry_after(
             assert int(caught.value.response.headers["retry-after"]) >= 1
             assert caught.value.code == "overloaded"
             assert stats().num_rejected_overloaded == 1
-            # A stream has sent its 200 before the engine refuses: the refusal is its one
-            # error event, in the OpenAI shape.
-            streamed = await client.chat.completions.create(
-                model=small_engine.model_name,
-                messages=[{"role": "user", "content": "Hi"}],
-                stream=True,
-            )
-            with pytest.raises(openai.APIError, match="overloaded"):
-                async for _ in streamed:
-                    pass
+            # A stream sends nothing before the engine's first output: the same 503.
+            with pytest.raises(openai.InternalServerError) as streamed:
+                await client.chat.completions.create(
+                    model=small_engine.model_name,
+                    messages=[{"role": "user", "content": "Hi"}],
+                    stream=True,
+                )
+            assert streamed.value.status_code == 503
+            assert int(streamed.value.response.headers["retry-after"]) >= 1
+
+            async def rejected_rows() -> list[tuple[str, int, int]]:
+                columns = (UsageEvent.status, UsageEvent.completion_tokens, UsageEvent.cost_micros)
+                async with sessions() as session:
+                    rows = await session.execute(select(*columns))
+                    return [(s, t, c) for s, t, c in rows if s == UsageStatus.REJECTED]
+
+            await eventually(lambda: _count(rejected_rows(), 2))
+            assert await rejected_rows() == [("rejected", 0, 0)] * 2  # settled, billed nothing
             assert stats().num_rejected_overloaded == 2
             assert stats().num_running == 1 and stats().num_waiting == 1  # nobody was lost
         finally:
