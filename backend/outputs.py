@@ -36,6 +36,7 @@ class RequestOutput:
     first_token_time: float | None = None
     token_times: list[float] = field(default_factory=list)  # one per id in token_ids
     index: int = 0  # which of the n completions
+    prefill_chunks: int = 0  # steps so far that computed part of its prompt
     logprobs: list[TokenLogprobs] | None = None  # one per id in token_ids, if requested
     # Set on the final output of a request the policy rejected after queueing it
     # (finish_reason "rejected"): "deadline_exceeded". AsyncEngine raises it instead.

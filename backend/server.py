@@ -71,9 +71,8 @@ async def generate(request: Request[Any, Any, Any]) -> Response[Any]:
         tenant=body.tenant,
         weight=body.weight,
     )
-    chunk = engine.engine.config.max_num_batched_tokens
     metrics = request.app.state.engine_metrics
-    outputs = served(outputs, request.headers, body.request_id, body.priority, chunk, metrics)
+    outputs = served(outputs, request.headers, body.request_id, body.priority, metrics)
     return Stream(_ndjson(outputs), media_type="application/x-ndjson")
 
 

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import math
 import time
 from collections.abc import AsyncGenerator, AsyncIterator, Callable, Iterator, Mapping
 
@@ -45,6 +44,7 @@ class RequestTimeline:
         "finish_reasons",
         "first_token",
         "last_token",
+        "prefill_chunks",
         "prompt_tokens",
         "scheduled",
         "tokens_timed",
@@ -57,6 +57,7 @@ class RequestTimeline:
         self.last_token: float | None = None
         self.prompt_tokens = 0
         self.cached_tokens = 0
+        self.prefill_chunks = 0
         self.tokens_timed = 0  # completion 0's tokens, the ones first/last_token time
         self.completion_tokens: dict[int, int] = {}
         self.finish_reasons: list[str] = []
@@ -69,6 +70,8 @@ class RequestTimeline:
         self.prompt_tokens = out.prompt_tokens
         self.cached_tokens = out.cached_tokens
         self.completion_tokens[out.index] = out.completion_tokens
+        if out.index == 0:
+            self.prefill_chunks = out.prefill_chunks
         if out.index == 0 and out.token_times:
             if self.first_token is None:
                 self.first_token = out.first_token_time or out.token_times[0]
@@ -99,7 +102,6 @@ class RequestTimeline:
         parent: Context,
         ended: float,
         aborted: bool,
-        chunk_tokens: int,
         request_id: str,
     ) -> None:
         """Write the engine's phase spans under `parent`; `ended` is time.monotonic() when
@@ -123,7 +125,6 @@ class RequestTimeline:
         )
         span("engine.queue", self.arrival, scheduled if scheduled is not None else ended, unknown)
         if scheduled is not None:
-            to_prefill = max(0, self.prompt_tokens - self.cached_tokens)
             span(
                 "engine.prefill",
                 scheduled,
@@ -131,8 +132,7 @@ class RequestTimeline:
                 {
                     INPUT_TOKENS: self.prompt_tokens,
                     CACHED_INPUT_TOKENS: self.cached_tokens,
-                    # At least this many steps: the step budget is shared with others.
-                    "tollgate.prefill.min_chunks": math.ceil(to_prefill / max(1, chunk_tokens)),
+                    "tollgate.prefill.chunks": self.prefill_chunks,
                 },
             )
         if self.first_token is not None:
@@ -154,7 +154,6 @@ class RequestTimeline:
 async def traced(
     outputs: AsyncIterator[RequestOutput],
     request_id: str,
-    chunk_tokens: int,
     parent: Context | None = None,
     on_done: Callable[[RequestTimeline, float, bool], None] | None = None,
 ) -> AsyncGenerator[RequestOutput, None]:
@@ -181,7 +180,7 @@ async def traced(
         if timeline.arrival is None and not refused:
             # Aborted before its first output, which is what carries the engine's times.
             timeline.arrival = submitted
-        timeline.emit_spans(parent, ended, not finished, chunk_tokens, request_id)
+        timeline.emit_spans(parent, ended, not finished, request_id)
         if on_done is not None:
             on_done(timeline, ended, not finished)
 
@@ -191,7 +190,6 @@ async def served(
     headers: Mapping[str, str],
     request_id: str,
     priority: int,
-    chunk_tokens: int,
     metrics: EngineRequestMetrics | None = None,
 ) -> AsyncGenerator[RequestOutput, None]:
     """A backend's side of one request: a server span joined to the caller's trace (W3C
@@ -206,7 +204,7 @@ async def served(
     parent = trace.set_span_in_context(span)
     try:
         done = None if metrics is None else functools.partial(metrics.observe, priority)
-        run = traced(outputs, request_id, chunk_tokens, parent, done)
+        run = traced(outputs, request_id, parent, done)
         async with contextlib.aclosing(run):
             async for out in run:
                 yield out

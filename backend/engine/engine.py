@@ -279,6 +279,7 @@ class Engine:
             first_token_time=req.first_token_time,
             token_times=times,
             index=req.index,
+            prefill_chunks=req.num_prefill_chunks,
             logprobs=logprobs,
             error=req.rejection,
         )

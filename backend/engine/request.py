@@ -62,6 +62,7 @@ class Request:
     num_computed_tokens: int = 0
     num_cached_tokens: int | None = None  # prefix-cache hit at first admission
     num_preemptions: int = 0
+    num_prefill_chunks: int = 0  # steps that computed part of its prompt (or recomputed)
     block_hashes: list[bytes] = field(default_factory=list)  # chained, one per full block
     first_scheduled_time: float | None = None
     first_token_time: float | None = None

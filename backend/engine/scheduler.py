@@ -329,6 +329,7 @@ class Scheduler:
                 decode += 1
             else:
                 prefill += num_new
+                req.num_prefill_chunks += 1
             scheduled.append(
                 ScheduledRequest(
                     request_id=req.request_id,

@@ -98,8 +98,7 @@ class InProcessEngineClient:
             tenant=tenant,
             weight=weight,
         )
-        chunk = self.engine.engine.config.max_num_batched_tokens
-        return policy_errors(traced(outputs, request_id, chunk))  # traced: engine phase spans
+        return policy_errors(traced(outputs, request_id))  # traced: engine phase spans
 
     def abort(self, request_id: str) -> None:
         self.engine.abort(request_id)

@@ -174,7 +174,8 @@ def test_stats_count_prefill_and_decode_tokens(llama_dir: Path) -> None:
     stats = engine.stats()
     assert (stats.step_prefill_tokens, stats.step_decode_tokens) == (16, 0)
     assert (stats.num_running, stats.num_waiting, stats.num_steps) == (1, 0, 1)
-    run_to_completion(engine)
+    outputs = run_to_completion(engine)["a"]
+    assert {o.prefill_chunks for o in outputs} == {3}  # every output reports its prompt's steps
     stats = engine.stats()
     # 38 prompt tokens in chunks of 16, then 11 decode steps (the 12th token ends it).
     assert (stats.total_prefill_tokens, stats.total_decode_tokens) == (38, 11)

@@ -192,6 +192,7 @@ async def test_streamed_request_span_tree(
     assert named["engine.decode"]["gen_ai.usage.output_tokens"] == 6
     assert named["engine.prefill"]["gen_ai.usage.input_tokens"] == usage["prompt_tokens"]
     assert named["engine.prefill"]["gen_ai.usage.cache_read.input_tokens"] == cached
+    assert named["engine.prefill"]["tollgate.prefill.chunks"] == 1  # a short prompt: one step
     assert named["engine.kv_release"]["tollgate.kv.release_reason"] == "finished"
     assert named["stream"]["tollgate.stream.delivered_tokens"] == 6
 

@@ -91,6 +91,7 @@ def _output(index: int, tokens: int, times: list[float], finished: bool) -> Requ
         prompt_tokens=40,
         completion_tokens=tokens,
         cached_tokens=16,
+        prefill_chunks=3,
         arrival_time=100.0,
         first_scheduled_time=100.5,
         first_token_time=101.0,
@@ -124,7 +125,7 @@ def test_engine_phase_spans_use_the_engine_times() -> None:
     assert prefill.start_time == queue.end_time
     assert prefill.attributes is not None and decode.attributes is not None
     assert prefill.attributes["gen_ai.usage.cache_read.input_tokens"] == 16
-    assert prefill.attributes["tollgate.prefill.min_chunks"] == 3  # (40 - 16) / 8
+    assert prefill.attributes["tollgate.prefill.chunks"] == 3
     assert decode.attributes["gen_ai.usage.output_tokens"] == 2
     release = spans["engine.kv_release"]
     assert release.attributes is not None
@@ -139,9 +140,7 @@ def _write_phase_spans() -> None:
     timeline = RequestTimeline()
     timeline.observe(_output(0, 2, [101.0, 101.25], finished=True))
     with tracer.start_as_current_span("parent") as parent:
-        timeline.emit_spans(
-            trace.set_span_in_context(parent), 101.3, False, chunk_tokens=8, request_id="req_t"
-        )
+        timeline.emit_spans(trace.set_span_in_context(parent), 101.3, False, request_id="req_t")
 
 
 def test_no_spans_when_nobody_traces() -> None:
@@ -149,7 +148,7 @@ def test_no_spans_when_nobody_traces() -> None:
         timeline = RequestTimeline()
         timeline.observe(_output(0, 1, [101.0], finished=True))
         nobody = trace.set_span_in_context(trace.INVALID_SPAN)
-        timeline.emit_spans(nobody, 101.1, False, 8, "req_t")
+        timeline.emit_spans(nobody, 101.1, False, "req_t")
         assert exporter.get_finished_spans() == ()
 
 
@@ -168,7 +167,7 @@ async def test_aborted_before_any_output_still_shows_wait_and_release() -> None:
     with capture_spans() as exporter:
         with trace.get_tracer("test").start_as_current_span("parent"):
             queued = asyncio.Event()
-            waiting = asyncio.ensure_future(anext(traced(_never_outputs(queued), "req_q", 8)))
+            waiting = asyncio.ensure_future(anext(traced(_never_outputs(queued), "req_q")))
             await queued.wait()
             waiting.cancel()
             with contextlib.suppress(asyncio.CancelledError):
@@ -186,5 +185,5 @@ async def test_refused_requests_have_no_engine_spans() -> None:
             trace.get_tracer("test").start_as_current_span("parent"),
             contextlib.suppress(ValueError),
         ):
-            await anext(traced(_refuses(), "req_r", 8))
+            await anext(traced(_refuses(), "req_r"))
         assert [s.name for s in exporter.get_finished_spans()] == ["parent"]
