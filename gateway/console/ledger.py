@@ -20,6 +20,7 @@ from gateway.console.render import SECURITY_HEADERS, back_to, page
 from gateway.runtime import Runtime
 from tenants import audit
 from tenants.billing.models import OutboxRow, OutboxStatus
+from tenants.billing.outbox import OutboxService
 from tenants.billing.prices import ANY_MODEL, PriceService, audit_created
 from tenants.billing.reports import Period, build_report
 from tenants.errors import DomainError, InvalidInputError
@@ -131,6 +132,7 @@ class LedgerPagesController(Controller):
         waiting: list[tuple[OutboxRow, str]] = []
         async with runtime.sessions() as session:
             tenants = await TenantService(session).list()
+            overall = await OutboxService(session).status()
             if tenant_name:
                 tenant = await TenantService(session).get(tenant_name)
                 report = await build_report(session, tenant, period)
@@ -147,6 +149,8 @@ class LedgerPagesController(Controller):
             report=report.view() if report else None,
             export=status,
             waiting=waiting,
+            overall=overall,
+            stripe_on=runtime.settings.stripe_api_key is not None,
         )
 
     @get("/billing.csv")
@@ -246,6 +250,21 @@ class LedgerActionsController(Controller):
             return back_to(request, "/admin/prices", str(error), "error")
         runtime.recorder.prices.invalidate()  # this replica prices by it at once
         return back_to(request, "/admin/prices", f"New price for {model} from {_when(effective)}.")
+
+    @post("/billing/requeue", dependencies={"owner_form": Provide(provide_owner_form)})
+    async def requeue_failed(
+        self,
+        request: Request[Any, Any, Any],
+        runtime: NamedDependency[Runtime],
+        console: NamedDependency[Console],
+        owner_form: NamedDependency[FormMultiDict],
+    ) -> Response[Any]:
+        """Rows Stripe refused go back in the queue, once their cause is fixed (audited)."""
+        async with runtime.sessions.begin() as session:
+            count = await OutboxService(session, console.actor).requeue_failed()
+        back = str(owner_form.get("back", ""))
+        here = back if back.startswith("/admin/billing") else "/admin/billing"
+        return back_to(request, here, f"Requeued {count} refused row(s) for export.")
 
     @post("/audit/verify")
     async def verify_chain(

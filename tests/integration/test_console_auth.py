@@ -19,6 +19,7 @@ from gateway.dispatch.engine_client import InProcessEngineClient
 from gateway.settings import Settings
 from tenants import audit
 from tenants.admins import AdminService, ConsoleSession
+from tenants.billing.models import OutboxRow, OutboxStatus
 from tenants.models import Tenant, UsageEvent, utcnow
 from tenants.services import ApiKeyService, PlanService, TenantService
 
@@ -179,8 +180,9 @@ async def test_viewer_sees_no_buttons_and_cannot_change_anything(
         await client.post("/admin/tenants", data={"name": "viewer-made", "csrf_token": csrf}),
         await client.post("/admin/tenants/acme/keys", data={"csrf_token": csrf}),
         await client.post("/admin/plans", data={"name": "gold", "csrf_token": csrf}),
+        await client.post("/admin/billing/requeue", data={"csrf_token": csrf}),
     ]
-    assert [r.status_code for r in refused] == [403, 403, 403]
+    assert [r.status_code for r in refused] == [403, 403, 403, 403]
     assert await tenant_names(sessions) == ["acme"]
 
 
@@ -373,3 +375,32 @@ async def test_session_cookie_is_secure_over_https(
     cookies = response.headers.get_list("set-cookie")
     session_cookie = next(c for c in cookies if c.startswith("tg_console="))
     assert "secure" in {part.strip().lower() for part in session_cookie.split(";")}
+
+
+async def test_owner_requeues_rows_stripe_refused(
+    client: Client, admins: None, sessions: async_sessionmaker[AsyncSession]
+) -> None:
+    await record_usage(sessions, "acme", "req_refused")
+    async with sessions.begin() as session:
+        event = (await session.execute(select(UsageEvent))).scalar_one()
+        session.add(
+            OutboxRow(
+                usage_event_id=event.id,
+                tenant_id=event.tenant_id,
+                value=7,
+                occurred_at=utcnow(),
+                status=OutboxStatus.FAILED,
+                attempts=5,
+                last_error="customer missing",
+            )
+        )
+    csrf = await sign_in(client, OWNER)
+    page = (await client.get("/admin/billing", params={"tenant": "acme"})).text
+    assert "Requeue 1 refused row" in page and "customer missing" in page
+    response = await client.post("/admin/billing/requeue", data={"csrf_token": csrf})
+    assert response.status_code == 303
+    async with sessions() as session:
+        row = (await session.execute(select(OutboxRow))).scalar_one()
+        (event_log,) = await audit.list_events(session, action="billing.export.requeue")
+    assert (row.status, row.attempts) == (OutboxStatus.PENDING, 0)
+    assert event_log.actor == f"console:{OWNER}"
