@@ -58,10 +58,16 @@ class ConsoleSession(Base):
     __tablename__ = "console_sessions"
 
     token_hash: Mapped[str] = mapped_column(String(64), primary_key=True)
-    admin_id: Mapped[str] = mapped_column(ForeignKey("console_admins.id", ondelete="CASCADE"))
+    admin_id: Mapped[str] = mapped_column(
+        ForeignKey("console_admins.id", ondelete="CASCADE"), index=True
+    )
     csrf_token: Mapped[str] = mapped_column(String(64))
     created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
-    last_seen_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
+    last_seen_at: Mapped[datetime] = mapped_column(
+        DateTime(timezone=True),
+        default=utcnow,
+        index=True,  # idle sweeps
+    )
 
 
 @dataclass(frozen=True)

@@ -10,6 +10,7 @@ from sqlalchemy import (
     JSON,
     BigInteger,
     DateTime,
+    Float,
     ForeignKey,
     Index,
     Integer,
@@ -130,10 +131,10 @@ class UsageEvent(Base):
     cached_tokens: Mapped[int] = mapped_column(Integer, default=0)
     completion_tokens: Mapped[int] = mapped_column(Integer, default=0)
     cost_micros: Mapped[int] = mapped_column(BigInteger, default=0)
-    queue_ms: Mapped[float | None] = mapped_column()
-    ttft_ms: Mapped[float | None] = mapped_column()
-    e2e_ms: Mapped[float | None] = mapped_column()
-    itl_ms: Mapped[float | None] = mapped_column()  # mean time between output tokens
+    queue_ms: Mapped[float | None] = mapped_column(Float)
+    ttft_ms: Mapped[float | None] = mapped_column(Float)
+    e2e_ms: Mapped[float | None] = mapped_column(Float)
+    itl_ms: Mapped[float | None] = mapped_column(Float)  # mean time between output tokens
     priority: Mapped[int | None] = mapped_column(Integer)
     price_version_id: Mapped[str | None] = mapped_column(String(36))  # None: built-in price
     error: Mapped[str | None] = mapped_column(Text)

@@ -5,7 +5,18 @@ from __future__ import annotations
 import enum
 from datetime import date, datetime
 
-from sqlalchemy import BigInteger, Date, DateTime, ForeignKey, Index, Integer, String, Text, text
+from sqlalchemy import (
+    BigInteger,
+    Date,
+    DateTime,
+    ForeignKey,
+    Index,
+    Integer,
+    String,
+    Text,
+    UniqueConstraint,
+    text,
+)
 from sqlalchemy.orm import Mapped, mapped_column
 
 from tenants.models import Base, new_id, utcnow
@@ -15,6 +26,9 @@ class PriceVersion(Base):
     """Prices of one model (or '*': every model without its own) from `effective_from` on."""
 
     __tablename__ = "price_versions"
+    __table_args__ = (
+        UniqueConstraint("model", "effective_from", name="uq_price_versions_model_effective"),
+    )
 
     id: Mapped[str] = mapped_column(String(36), primary_key=True, default=new_id)
     model: Mapped[str] = mapped_column(String(200))
