@@ -96,9 +96,9 @@ def create_app(
             max_life_s=settings.request_timeout_s + 30,
         )
         admission.start()
-        upkeep = Upkeep(sessions, admission.store, settings.lease_s)
+        upkeep = Upkeep(sessions, admission.store, settings.lease_s).periodic()
         upkeep.start()
-        billing_jobs = BillingJobs(settings, sessions)
+        billing_jobs = BillingJobs(settings, sessions).periodic()
         if BillingJobs.wanted(settings):
             billing_jobs.start()
         auth_failures = AuthFailureLog(sessions)

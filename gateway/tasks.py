@@ -1,11 +1,13 @@
-"""Background work a request leaves behind (ledger writes, lock releases): tracked so a
-client disconnect cannot cut it short and shutdown waits for it."""
+"""Background work: what a request leaves behind (ledger writes, lock releases), tracked
+so a client disconnect cannot cut it short and shutdown waits for it; and the periodic
+jobs of a gateway process."""
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
-from collections.abc import Coroutine
+from collections.abc import Awaitable, Callable, Coroutine
 from typing import Any, TypeVar
 
 log = logging.getLogger(__name__)
@@ -30,3 +32,35 @@ class TaskSet:
     async def drain(self) -> None:
         while self._pending:
             await asyncio.gather(*list(self._pending), return_exceptions=True)
+
+
+Job = Callable[[], Awaitable[object]]
+
+
+class Periodic:
+    """Runs each job every `period_s` seconds until closed; a failure is logged and the
+    job runs again at its next turn."""
+
+    def __init__(self, jobs: list[tuple[Job, float]]) -> None:
+        self.jobs = jobs
+        self._tasks: list[asyncio.Task[None]] = []
+
+    def start(self) -> None:
+        loop = asyncio.get_running_loop()
+        self._tasks += [loop.create_task(_every(period_s, job)) for job, period_s in self.jobs]
+
+    async def close(self) -> None:
+        for task in self._tasks:
+            task.cancel()
+        for task in self._tasks:
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+
+
+async def _every(period_s: float, job: Job) -> None:
+    while True:
+        await asyncio.sleep(period_s)  # a schedule, not synchronisation
+        try:
+            await job()
+        except Exception:
+            log.exception("periodic job %s failed", getattr(job, "__name__", job))

@@ -8,15 +8,13 @@ marker guards settle and charge, so a late settle and the reconciler never both 
 
 from __future__ import annotations
 
-import asyncio
-import contextlib
 import logging
-from collections.abc import Awaitable, Callable
 from datetime import datetime, timedelta
 
 from sqlalchemy import select
 from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
 
+from gateway.tasks import Periodic
 from tenants.idempotency import IdempotencyService
 from tenants.models import UsageEvent, utcnow
 from tenants.quota import QuotaStore, month_period
@@ -78,7 +76,6 @@ class Upkeep:
         self.sessions = sessions
         self.store = store
         self.lease_s = lease_s
-        self._tasks: list[asyncio.Task[None]] = []
 
     async def reconcile_recent(self) -> None:
         now = utcnow()
@@ -95,27 +92,11 @@ class Upkeep:
         async with self.sessions.begin() as session:
             await IdempotencyService(session).delete_expired()
 
-    def start(self) -> None:
-        loop = asyncio.get_running_loop()
-        for job, every_s in (
-            (self.reconcile_recent, 60.0),
-            (self.store.expire_leases, self.lease_s),
-            (self.clean_idempotency, 3600.0),
-        ):
-            self._tasks.append(loop.create_task(_every(every_s, job)))
-
-    async def close(self) -> None:
-        for task in self._tasks:
-            task.cancel()
-        for task in self._tasks:
-            with contextlib.suppress(asyncio.CancelledError):
-                await task
-
-
-async def _every(period_s: float, job: Callable[[], Awaitable[object]]) -> None:
-    while True:
-        await asyncio.sleep(period_s)  # a schedule, not synchronisation
-        try:
-            await job()
-        except Exception:
-            log.exception("periodic job %s failed", getattr(job, "__name__", job))
+    def periodic(self) -> Periodic:
+        return Periodic(
+            [
+                (self.reconcile_recent, 60.0),
+                (self.store.expire_leases, self.lease_s),
+                (self.clean_idempotency, 3600.0),
+            ]
+        )
