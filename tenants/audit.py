@@ -80,19 +80,7 @@ def _utc_text(moment: datetime) -> str:
 
 def event_hash(event: AuditEvent) -> str:
     """SHA-256 over sorted-key JSON of every field but the hash itself."""
-    fields = {
-        "id": event.id,
-        "time": _utc_text(event.occurred_at),
-        "actor": event.actor,
-        "action": event.action,
-        "target": event.target,
-        "tenant_id": event.tenant_id,
-        "request_id": event.request_id,
-        "ip": event.ip,
-        "user_agent": event.user_agent,
-        "details": event.details,
-        "prev_hash": event.prev_hash,
-    }
+    fields = _fields(event)
     canonical = json.dumps(fields, sort_keys=True, separators=(",", ":"), ensure_ascii=False)
     return hashlib.sha256(canonical.encode()).hexdigest()
 
@@ -309,6 +297,11 @@ async def list_events(
 
 
 def event_view(event: AuditEvent) -> dict[str, Any]:
+    return {**_fields(event), "hash": event.hash}
+
+
+def _fields(event: AuditEvent) -> dict[str, Any]:
+    """What an event says, as the hash covers it (and as the API shows it)."""
     return {
         "id": event.id,
         "time": _utc_text(event.occurred_at),
@@ -321,7 +314,6 @@ def event_view(event: AuditEvent) -> dict[str, Any]:
         "user_agent": event.user_agent,
         "details": event.details,
         "prev_hash": event.prev_hash,
-        "hash": event.hash,
     }
 
 
