@@ -18,9 +18,10 @@ from litestar import Request, Response
 from litestar.datastructures import Cookie, FormMultiDict
 from litestar.di import NamedDependency
 
+from gateway.admission.auth import audit_context
 from gateway.runtime import Runtime
 from tenants.admins import AdminService, ConsoleAdmin
-from tenants.audit import Actor, AuditContext
+from tenants.audit import Actor
 
 SESSION_COOKIE = "tg_console"
 LOGIN_CSRF_COOKIE = "tg_login_csrf"
@@ -66,11 +67,6 @@ def cookie(request: Request[Any, Any, Any], key: str, value: str, **extra: Any) 
         secure=is_https(request),
         **extra,
     )
-
-
-def audit_context(request: Request[Any, Any, Any]) -> AuditContext:
-    client = request.client.host if request.client else None
-    return AuditContext(ip=client, user_agent=request.headers.get("user-agent", "")[:400] or None)
 
 
 def console_actor(request: Request[Any, Any, Any], email: str) -> Actor:

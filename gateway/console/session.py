@@ -13,12 +13,12 @@ from litestar.response import Redirect
 from sqlalchemy import func, select
 from sqlalchemy.ext.asyncio import AsyncSession
 
+from gateway.admission.auth import audit_context
 from gateway.console.auth import (
     CSRF_FIELD,
     LOGIN_CSRF_COOKIE,
     SESSION_COOKIE,
     Console,
-    audit_context,
     cookie,
     csrf_ok,
     idle_limit,
