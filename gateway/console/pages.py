@@ -300,7 +300,5 @@ async def request_page(
         latest=latest,
         itl=inter_token_ms(row.event) if row else None,
         workload=workload_class(row.event.endpoint, row.event.prompt_tokens) if row else None,
-        replica=None,
-        trace_id=None,
         status_code=404 if request_id and row is None else 200,
     )
