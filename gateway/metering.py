@@ -41,6 +41,8 @@ class Outcome:
     last_token_ms: float | None = None  # since the start, when choice 0's last token came
     stream_tokens: int = 0  # choice 0's tokens, for the inter-token latency
     error: str | None = None
+    trace_id: str | None = None
+    replica: str | None = None  # the engine that served it: "in-process" or a replica URL
 
     @property
     def itl_ms(self) -> float | None:
@@ -110,6 +112,8 @@ class UsageRecorder:
             priority=charge.priority,
             price_version_id=quote.version_id,
             error=outcome.error,
+            trace_id=outcome.trace_id,
+            replica=outcome.replica,
             started_at=charge.started_at,
         )
 

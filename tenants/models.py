@@ -138,6 +138,8 @@ class UsageEvent(Base):
     priority: Mapped[int | None] = mapped_column(Integer)
     price_version_id: Mapped[str | None] = mapped_column(String(36))  # None: built-in price
     error: Mapped[str | None] = mapped_column(Text)
+    trace_id: Mapped[str | None] = mapped_column(String(32))  # W3C trace id, 32 hex digits
+    replica: Mapped[str | None] = mapped_column(String(255))  # the backend that served it
     started_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True))  # priced at
     created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
 

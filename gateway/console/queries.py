@@ -16,7 +16,7 @@ from typing import Any, Protocol
 from sqlalchemy import Select, select
 from sqlalchemy.ext.asyncio import AsyncSession
 
-from gateway.dispatch.engine_client import EngineClient, InProcessEngineClient
+from gateway.dispatch.engine_client import IN_PROCESS, EngineClient, InProcessEngineClient
 from gateway.dispatch.remote import RemoteEngineClient
 from gateway.telemetry.metrics import GatewayMetrics
 from gateway.telemetry.request import workload_class
@@ -250,7 +250,7 @@ def replicas(client: EngineClient | None) -> list[dict[str, Any]]:
         stats = client.engine.stats()
         return [
             {
-                "name": "in-process",
+                "name": IN_PROCESS,
                 "healthy": client.is_ready(),
                 "running": stats.num_running,
                 "waiting": stats.num_waiting,

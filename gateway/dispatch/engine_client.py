@@ -16,6 +16,9 @@ from backend import AsyncEngine, EngineConfig, RequestOutput, SamplingParams
 from backend.errors import DeadlineExceededError, OverloadedError
 from backend.telemetry import traced
 from gateway.errors import DeadlineExceeded, Overloaded
+from gateway.telemetry.request import current_request
+
+IN_PROCESS = "in-process"  # the replica name of the engine in this process
 
 
 class EngineClient(Protocol):
@@ -98,6 +101,7 @@ class InProcessEngineClient:
             tenant=tenant,
             weight=weight,
         )
+        current_request().route(IN_PROCESS)
         return policy_errors(traced(outputs, request_id))  # traced: engine phase spans
 
     def abort(self, request_id: str) -> None:

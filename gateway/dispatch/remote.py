@@ -26,6 +26,7 @@ from gateway.dispatch.engine_client import overloaded
 from gateway.dispatch.routing import Replica, affinity_key, pick
 from gateway.errors import DeadlineExceeded, EngineUnavailable, Overloaded
 from gateway.telemetry import tracing
+from gateway.telemetry.request import current_request
 
 log = logging.getLogger(__name__)
 
@@ -124,7 +125,7 @@ class RemoteEngineClient:
                     "no backend replica is available", headers={"Retry-After": "1"}
                 )
             tried.add(replica.url)
-            tracing.note_replica(replica.url)
+            current_request().route(replica.url)
             started = False
             replica.in_flight += 1
             self._placements[request_id] = replica

@@ -146,6 +146,18 @@ class RequestScope:
     outcome: str | None = None  # completed | cancelled | failed, once settled
     started: float = field(default_factory=time.monotonic)
     timeline: RequestTimeline = field(default_factory=RequestTimeline)
+    replica: str | None = None  # where dispatch sent it last
+
+    @property
+    def trace_id(self) -> str | None:
+        context = self.root.get_span_context()
+        return format(context.trace_id, "032x") if context.is_valid else None
+
+    def route(self, replica: str) -> None:
+        """Dispatch sent the request to `replica` (again, on a retry)."""
+        tracing.note_replica(replica)
+        if self.telemetry is not None:  # the inert scope is shared: it keeps nothing
+            self.replica = replica
 
     def identify(self, principal: Principal) -> None:
         """Who is calling (after authentication): tenant only, never the key."""
@@ -220,7 +232,9 @@ class RequestScope:
         self.rejection = reason
 
     def finish(self, job: Job, outcome: Outcome) -> None:
-        """The request settles: usage on the root span, one observation in the metrics."""
+        """The request settles: usage on the root span, one observation in the metrics;
+        the outcome learns the trace and the replica, for the ledger."""
+        outcome.trace_id, outcome.replica = self.trace_id, self.replica
         if self.telemetry is None:
             return
         timeline = self.timeline

@@ -5,6 +5,7 @@ to test-artifacts/console/ (printed at the end of the module)."""
 from __future__ import annotations
 
 import re
+import uuid
 from collections.abc import AsyncIterator
 from decimal import Decimal
 from pathlib import Path
@@ -99,13 +100,16 @@ def micros(text: str) -> int:
     return int(Decimal(text.strip().lstrip("$").replace(",", "")) * 1_000_000)
 
 
-async def chat(base: str, secret: str, model: str) -> Any:
+async def chat(base: str, secret: str, model: str, trace_id: str | None = None) -> Any:
+    """A chat request; with `trace_id`, it joins that trace (W3C traceparent)."""
     client = openai.AsyncOpenAI(base_url=f"{base}/v1", api_key=secret, max_retries=0)
+    headers = {} if trace_id is None else {"traceparent": f"00-{trace_id}-{'1' * 16}-01"}
     try:
         return await client.chat.completions.with_raw_response.create(
             model=model,
             messages=[{"role": "user", "content": "What does json.dumps do?"}],
             max_tokens=8,
+            extra_headers=headers,
         )
     finally:
         await client.close()
@@ -159,7 +163,8 @@ async def test_owner_runs_the_business_from_the_console(
     await shot(page, "key-created")
 
     # The key works with the openai client, and the request shows up in the console.
-    first = await chat(server, secret, model)
+    trace_id = uuid.uuid4().hex
+    first = await chat(server, secret, model, trace_id)
     request_id = first.headers["x-request-id"]
     await eventually(lambda: usage_row(sessions, request_id))
     await page.goto("/admin/usage?tenant=acme")
@@ -170,6 +175,8 @@ async def test_owner_runs_the_business_from_the_console(
     await expect(page.get_by_role("heading", name=request_id)).to_be_visible()
     await expect(page.locator("dl")).to_contain_text("Time to first token")
     await expect(page.locator("dl")).to_contain_text("chat")
+    await expect(page.locator("#trace-id")).to_have_text(trace_id)  # the trace it joined
+    await expect(page.locator("dl")).to_contain_text("in-process")  # the replica
     await shot(page, "request-detail")
     csv = await page.request.get(f"/admin/usage.csv?tenant=acme&key={secret[:11]}")
     assert csv.status == 200 and request_id in await csv.text()

@@ -74,12 +74,15 @@ def _running_on(cluster: Cluster, url: str) -> int:
     return int(stats["num_running"])
 
 
-def _usage(cluster: Cluster) -> list[tuple[str, int]]:
+def _usage(cluster: Cluster) -> list[tuple[str, int, str]]:
+    """(status, completion tokens, replica) of each usage row, oldest first."""
     engine = create_engine(cluster.database_url)
     try:
         with engine.connect() as connection:
-            query = text("SELECT status, completion_tokens FROM usage_events ORDER BY created_at")
-            return [(row[0], int(row[1])) for row in connection.execute(query)]
+            query = text(
+                "SELECT status, completion_tokens, replica FROM usage_events ORDER BY created_at"
+            )
+            return [(row[0], int(row[1]), row[2]) for row in connection.execute(query)]
     finally:
         engine.dispose()
 
@@ -124,9 +127,10 @@ def test_killing_a_replica_mid_stream(cluster: Cluster) -> None:
         assert reply.usage is not None and reply.usage.completion_tokens > 0
 
     rows = _usage(cluster)
-    failed = [tokens for status, tokens in rows if status == "failed"]
-    assert len(failed) == 1 and failed[0] >= 5  # billed for what was streamed
-    assert [status for status, _ in rows[-4:]] == ["completed"] * 4
+    failed = [(tokens, replica) for status, tokens, replica in rows if status == "failed"]
+    assert len(failed) == 1 and failed[0][0] >= 5  # billed for what was streamed
+    [survivor] = {url for url, _ in cluster.backends} - {failed[0][1]}  # the row names its replica
+    assert [(status, replica) for status, _, replica in rows[-4:]] == [("completed", survivor)] * 4
 
 
 def test_no_replica_left_is_503(cluster: Cluster) -> None:
