@@ -266,7 +266,7 @@ def replicas(client: EngineClient | None) -> list[dict[str, Any]]:
                 "running": replica.running,
                 "waiting": replica.waiting,
                 "kv_used_fraction": replica.kv_used_fraction,
-                "prefix_cache_hit_rate": None,  # not in the routing snapshot
+                "prefix_cache_hit_rate": replica.prefix_cache_hit_rate,
             }
             for replica in client.replicas
         ]

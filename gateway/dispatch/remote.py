@@ -215,6 +215,8 @@ class RemoteEngineClient:
         replica.running = int(stats.get("num_running", 0))
         total = max(1, int(stats.get("kv_blocks_total", 1)))
         replica.kv_used_fraction = int(stats.get("kv_blocks_used", 0)) / total
+        queries = int(stats.get("prefix_cache_queries", 0))
+        replica.prefix_cache_hit_rate = int(stats.get("prefix_cache_hits", 0)) / max(1, queries)
 
     async def _watch(self) -> None:
         while True:

@@ -23,6 +23,7 @@ class Replica:
     waiting: int = 0  # from its last stats report
     running: int = 0
     kv_used_fraction: float = 0.0
+    prefix_cache_hit_rate: float = 0.0  # for the console; routing does not use it
 
     def load(self) -> float:
         """Queued work in requests, with a full KV cache counting like a few more."""

@@ -1,6 +1,7 @@
 """Load shedding end to end: with max_num_seqs=1 and max_waiting_requests=1, a third
 concurrent request finds the engine's queue full and gets 503 + Retry-After, in process
-(through the official openai client) and from a remote backend over its HTTP API."""
+(through the official openai client) and from a remote backend over its HTTP API; and
+the load a gateway reads off a remote replica."""
 
 from __future__ import annotations
 
@@ -125,4 +126,26 @@ async def test_a_remote_backend_sheds_with_a_typed_error(tmp_path: Path) -> None
             assert engine.stats().num_rejected_overloaded == 1
         finally:
             await _cancel(*tasks)
+            await remote.close()
+
+
+async def test_remote_replica_load_snapshot_follows_its_stats(tmp_path: Path) -> None:
+    """What the gateway learns from a replica's stats (routing load, the console's
+    prefix-cache hit rate) is what the replica's engine reports."""
+    engine = AsyncEngine.from_pretrained(BUILTIN_MODEL_DIR, ONE_AT_A_TIME)
+    app = create_backend_app(engine, BUILTIN_MODEL_DIR, secret="s3cret")
+    async with serving(app) as url:
+        remote = await RemoteEngineClient.connect([url], "s3cret", tmp_path)
+        try:
+            short = SamplingParams(max_tokens=2, temperature=0)
+            for request_id in ("a", "b"):  # the same 40-token prompt: b hits the cache
+                async for _ in remote.generate(list(range(3, 43)), short, request_id):
+                    pass
+            await remote.refresh()
+            [replica] = remote.replicas
+            stats = engine.stats()
+            assert stats.prefix_cache_hits > 0
+            assert replica.healthy and replica.prefix_cache_hit_rate == stats.prefix_cache_hit_rate
+            assert replica.kv_used_fraction == stats.kv_blocks_used / stats.kv_blocks_total
+        finally:
             await remote.close()
