@@ -1,7 +1,7 @@
 """The scheduling policy in the real engine on a tiny CPU model, at small scale, observed
 through engine stats and output timestamps: priority preemption within one step (without
 changing what anyone generates), aging under a stream of urgent work, tenant fairness,
-load shedding and deadlines."""
+prefill protection, load shedding and deadlines."""
 
 from __future__ import annotations
 
@@ -91,6 +91,26 @@ def test_tenants_take_turns_whatever_their_queue_lengths(llama_dir: Path) -> Non
     results = run_to_completion(engine)
     order = sorted(results, key=lambda rid: results[rid][0].first_scheduled_time or 0.0)
     assert order[:5] == ["loud0", "quiet0", "loud1", "quiet1", "loud2"]
+
+
+def test_prefill_protection_lets_a_chat_start_through_a_document_burst(llama_dir: Path) -> None:
+    """Four 90-token documents fill 64-token steps; a chat that arrives behind them gets
+    its first token in the next step with protection, only after the burst without it."""
+    steps = {}
+    for protected in (True, False):
+        off = {} if protected else {"prefill_reserve_share": 0.0, "long_prefill_token_threshold": 0}
+        engine = make_engine(llama_dir, max_num_batched_tokens=64, **off)
+        for i in range(4):
+            engine.add_request(f"doc{i}", [2 + i, *range(3, 92)], SHORT)
+        step(engine)
+        engine.add_request("chat", [5, 6, 7, 8], SHORT)
+        steps[protected] = next(
+            n
+            for n in range(1, 30)
+            if any(o.request_id == "chat" and o.token_ids for o in step(engine))
+        )
+    assert steps[True] == 1
+    assert steps[False] >= 4  # behind the rest of 360 prompt tokens
 
 
 def test_a_full_queue_sheds_new_requests(llama_dir: Path) -> None:
