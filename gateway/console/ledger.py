@@ -16,7 +16,7 @@ from sqlalchemy.ext.asyncio import AsyncSession
 from gateway.console.actions import micro_dollars
 from gateway.console.auth import Console, provide_console, provide_form, provide_owner_form
 from gateway.console.pages import parse_moment
-from gateway.console.render import SECURITY_HEADERS, back_to, page
+from gateway.console.render import back_to, csv_download, page
 from gateway.runtime import Runtime
 from tenants import audit
 from tenants.billing.models import OutboxRow, OutboxStatus
@@ -175,15 +175,7 @@ class LedgerPagesController(Controller):
                 details={"period": period.label, "format": "csv"},
                 context=console.actor.context,
             )
-        filename = f"tollgate-{tenant.name}-{period.label}.csv"
-        return Response(
-            report.csv(),
-            media_type="text/csv; charset=utf-8",
-            headers={
-                **SECURITY_HEADERS,
-                "Content-Disposition": f'attachment; filename="{filename}"',
-            },
-        )
+        return csv_download(report.csv(), f"tollgate-{tenant.name}-{period.label}.csv")
 
     @get("/audit")
     async def audit_log(

@@ -26,7 +26,7 @@ from gateway.console.queries import (
     tenant_series,
     traffic,
 )
-from gateway.console.render import SECURITY_HEADERS, page
+from gateway.console.render import csv_download, page
 from gateway.runtime import Runtime
 from gateway.telemetry.request import workload_class
 from tenants import audit
@@ -240,14 +240,7 @@ class PagesController(Controller):
         writer.writerow(CSV_HEADER)
         writer.writerows(csv_record(row) for row in rows)
         stamp = datetime.now(UTC).strftime("%Y%m%dT%H%M%SZ")
-        return Response(
-            out.getvalue(),
-            media_type="text/csv; charset=utf-8",
-            headers={
-                **SECURITY_HEADERS,
-                "Content-Disposition": f'attachment; filename="usage-{stamp}.csv"',
-            },
-        )
+        return csv_download(out.getvalue(), f"usage-{stamp}.csv")
 
     @get("/admins")
     async def admins(

@@ -92,6 +92,14 @@ def page(
     return response
 
 
+def csv_download(text: str, filename: str) -> Response[str]:
+    return Response(
+        text,
+        media_type="text/csv; charset=utf-8",
+        headers={**SECURITY_HEADERS, "Content-Disposition": f'attachment; filename="{filename}"'},
+    )
+
+
 def back_to(
     request: Request[Any, Any, Any], path: str, message: str, kind: str = "ok"
 ) -> Response[Any]:
