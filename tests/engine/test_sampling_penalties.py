@@ -7,6 +7,7 @@ from __future__ import annotations
 import random
 from collections import Counter
 from collections.abc import Callable
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -19,12 +20,13 @@ from backend.sampling import SamplingParams
 from tests.engine.engine_support import make_engine, run_to_completion, text_of, tokens_of
 
 NEW_TOKENS = 10
+RP = 10.0  # strong: a seen token that greedy would pick loses to an unseen one
 Adjust = Callable[[torch.Tensor, list[int]], None]  # logits row, output so far
 
 
-def prompts(vocab: int) -> list[list[int]]:
+def prompts(vocab: int, lengths: tuple[int, ...] = (5, 12, 33)) -> list[list[int]]:
     rng = random.Random(7)
-    return [[rng.randrange(2, vocab) for _ in range(n)] for n in (5, 12, 33)]
+    return [[rng.randrange(2, vocab) for _ in range(n)] for n in lengths]
 
 
 def run(engine: Engine, batch: list[list[int]], params: SamplingParams) -> list[list[int]]:
@@ -57,10 +59,12 @@ def reference(model: Any, prompt: list[int], adjust: Adjust, stop: set[int]) -> 
 
 
 def test_repetition_penalty_matches_transformers(llama_dir: Path, hf_model: Any) -> None:
+    """Long prompts cover a quarter of the vocabulary, so greedy picks tokens already seen
+    and a strong penalty must change the answer."""
     engine = make_engine(llama_dir)
-    batch = prompts(engine.model_config.vocab_size)
+    batch = prompts(engine.model_config.vocab_size, lengths=(60, 72, 85))
     params = SamplingParams(
-        max_tokens=NEW_TOKENS, temperature=0, ignore_eos=True, repetition_penalty=1.8
+        max_tokens=NEW_TOKENS, temperature=0, ignore_eos=True, repetition_penalty=RP
     )
     got = run(engine, batch, params)
     with torch.no_grad():
@@ -69,14 +73,14 @@ def test_repetition_penalty_matches_transformers(llama_dir: Path, hf_model: Any)
                 torch.tensor([p]),
                 max_new_tokens=NEW_TOKENS,
                 do_sample=False,
-                repetition_penalty=1.8,
+                repetition_penalty=RP,
                 eos_token_id=None,
                 pad_token_id=0,
             )[0, len(p) :].tolist()
             for p in batch
         ]
     assert got == want
-    plain = run(engine, batch, SamplingParams(max_tokens=NEW_TOKENS, temperature=0))
+    plain = run(engine, batch, replace(params, repetition_penalty=1.0))
     assert plain != got  # the penalty changed something, so the check above means something
 
 
