@@ -11,7 +11,7 @@ import os
 import sys
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import replace
-from datetime import UTC, datetime
+from datetime import datetime
 from decimal import Decimal, InvalidOperation
 from pathlib import Path
 from typing import TypeVar
@@ -25,7 +25,7 @@ from tenants.admins import AdminService
 from tenants.audit import Actor
 from tenants.errors import DomainError, InvalidInputError
 from tenants.limits import LIMIT_NAMES, LimitSet, PlanTerms
-from tenants.models import KeyRole, Plan
+from tenants.models import KeyRole, Plan, as_utc
 from tenants.services import ApiKeyService, PlanService, TenantService
 
 T = TypeVar("T")
@@ -241,7 +241,7 @@ def _iso_time(text: str) -> datetime:
         moment = datetime.fromisoformat(text)
     except ValueError:
         raise argparse.ArgumentTypeError(f"expected an ISO 8601 time, got {text!r}") from None
-    return moment.astimezone(UTC) if moment.tzinfo is not None else moment.replace(tzinfo=UTC)
+    return as_utc(moment)
 
 
 def _anchor(text: str) -> audit.Anchor:

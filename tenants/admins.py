@@ -23,7 +23,7 @@ from sqlalchemy.orm import Mapped, mapped_column
 from tenants import audit
 from tenants.audit import SYSTEM, Actor
 from tenants.errors import ConflictError, InvalidInputError, NotFoundError
-from tenants.models import Base, new_id, utcnow
+from tenants.models import Base, as_utc, new_id, utcnow
 
 MIN_PASSWORD_LENGTH = 12
 # Touch a session's last_seen_at at most this often: one write a minute, not one a page.
@@ -117,11 +117,6 @@ def _token_hash(token: str) -> str:
 _DUMMY_HASH = hash_password(secrets.token_urlsafe(16))
 
 
-def _as_utc(moment: datetime, now: datetime) -> datetime:
-    # SQLite hands back naive datetimes; all stored times are UTC.
-    return moment.replace(tzinfo=now.tzinfo) if moment.tzinfo is None else moment
-
-
 class AdminService:
     def __init__(self, session: AsyncSession, actor: Actor = SYSTEM) -> None:
         self.session = session
@@ -207,7 +202,7 @@ class AdminService:
         if row is None:
             return None
         session, admin = row
-        last_seen = _as_utc(session.last_seen_at, now)
+        last_seen = as_utc(session.last_seen_at)
         if now - last_seen > idle:
             await self.session.delete(session)
             return None

@@ -14,7 +14,7 @@ import hashlib
 import json
 from collections.abc import Mapping
 from dataclasses import dataclass
-from datetime import UTC, datetime, timedelta
+from datetime import datetime, timedelta
 from typing import Any
 
 from sqlalchemy import JSON, BigInteger, DateTime, Index, String, select, text
@@ -24,7 +24,7 @@ from sqlalchemy.orm import Mapped, mapped_column
 
 from tenants import db
 from tenants.errors import InvalidInputError
-from tenants.models import Base, utcnow
+from tenants.models import Base, as_utc, utcnow
 
 GENESIS_HASH = "0" * 64  # the predecessor of event 1
 CHAIN_LOCK_ID = 0x70_6C_67_61_75_64  # pg_advisory_xact_lock key that serializes appends
@@ -73,9 +73,7 @@ SYSTEM = Actor("system")
 
 
 def _utc_text(moment: datetime) -> str:
-    # SQLite hands back naive datetimes; all stored times are UTC.
-    aware = moment if moment.tzinfo is not None else moment.replace(tzinfo=UTC)
-    return aware.astimezone(UTC).isoformat(timespec="microseconds")
+    return as_utc(moment).isoformat(timespec="microseconds")
 
 
 def event_hash(event: AuditEvent) -> str:

@@ -14,7 +14,7 @@ from sqlalchemy import delete
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.ext.asyncio import AsyncSession
 
-from tenants.models import IdempotencyRecord, utcnow
+from tenants.models import IdempotencyRecord, as_utc, utcnow
 
 
 class IdempotencyService:
@@ -25,7 +25,7 @@ class IdempotencyService:
         self, tenant_id: str, key: str, now: datetime | None = None
     ) -> IdempotencyRecord | None:
         record = await self.session.get(IdempotencyRecord, (tenant_id, key))
-        if record is None or _aware(record.expires_at) <= (now or utcnow()):
+        if record is None or as_utc(record.expires_at) <= (now or utcnow()):
             return None  # an expired record is as good as none; cleanup deletes it
         return record
 
@@ -36,7 +36,7 @@ class IdempotencyService:
         record.expires_at = now + retention
         existing = await self.session.get(IdempotencyRecord, (record.tenant_id, record.key))
         if existing is not None:
-            if _aware(existing.expires_at) > now:
+            if as_utc(existing.expires_at) > now:
                 return False
             await self.session.delete(existing)
             await self.session.flush()
@@ -52,11 +52,6 @@ class IdempotencyService:
             delete(IdempotencyRecord).where(IdempotencyRecord.expires_at <= (now or utcnow()))
         )
         return int(result.rowcount or 0)  # type: ignore[attr-defined]
-
-
-def _aware(moment: datetime) -> datetime:
-    # SQLite hands back naive datetimes; all stored times are UTC.
-    return moment if moment.tzinfo is not None else moment.replace(tzinfo=utcnow().tzinfo)
 
 
 class InFlightLocks(Protocol):

@@ -31,9 +31,6 @@ class LimitSet:
     def of(cls, row: LimitColumns) -> LimitSet:
         return cls(**{name: getattr(row, name) for name in LIMIT_NAMES})
 
-    def is_empty(self) -> bool:
-        return all(getattr(self, name) is None for name in LIMIT_NAMES)
-
     def apply_to(self, row: LimitColumns) -> None:
         for name in LIMIT_NAMES:
             setattr(row, name, getattr(self, name))

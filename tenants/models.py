@@ -25,6 +25,12 @@ def utcnow() -> datetime:
     return datetime.now(UTC)
 
 
+def as_utc(moment: datetime) -> datetime:
+    """A stored or parsed time in UTC: SQLite hands back naive datetimes (every stored time
+    is UTC), and a time that names no zone is taken as UTC."""
+    return moment.replace(tzinfo=UTC) if moment.tzinfo is None else moment.astimezone(UTC)
+
+
 def new_id() -> str:
     return str(uuid.uuid4())
 

@@ -1,6 +1,7 @@
 """Token prices in integer micro-units of currency per million tokens.
 
-One default price applies to every model until the versioned price book arrives.
+The built-in default prices every model the versioned price book
+(tenants/billing/prices.py) has no version for.
 Integer arithmetic throughout: money is never a float.
 """
 

@@ -14,7 +14,7 @@ from tenants.audit import SYSTEM, Actor, AuditContext
 from tenants.billing import ledger
 from tenants.errors import ConflictError, InvalidInputError, NotFoundError
 from tenants.limits import LIMIT_NAMES, LimitSet, PlanTerms, check_priorities
-from tenants.models import ApiKey, KeyRole, KeyStatus, Plan, Tenant, UsageEvent, utcnow
+from tenants.models import ApiKey, KeyRole, KeyStatus, Plan, Tenant, UsageEvent, as_utc, utcnow
 
 _TENANT_NAME = re.compile(r"^[a-z0-9][a-z0-9_.-]{0,99}$")
 LAST_USED_GRANULARITY = timedelta(minutes=1)
@@ -265,10 +265,7 @@ class ApiKeyService(_Audited):
             )
             return None
         now = now or utcnow()
-        last_used = key.last_used_at
-        # SQLite hands back naive datetimes; all stored times are UTC.
-        if last_used is not None and last_used.tzinfo is None:
-            last_used = last_used.replace(tzinfo=now.tzinfo)
+        last_used = None if key.last_used_at is None else as_utc(key.last_used_at)
         if last_used is None or now - last_used >= LAST_USED_GRANULARITY:
             key.last_used_at = now  # one write a minute per key, not one per request
         return Principal(

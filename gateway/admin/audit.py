@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from datetime import UTC, datetime
+from datetime import datetime
 from typing import Annotated, Any
 
 from litestar import Controller, get, post
@@ -14,6 +14,7 @@ from gateway.errors import InvalidRequest
 from gateway.runtime import Runtime
 from tenants import audit
 from tenants.errors import InvalidInputError
+from tenants.models import as_utc
 from tenants.services import Principal, TenantService
 
 MAX_PAGE = 1000
@@ -30,7 +31,7 @@ def parse_time(text: str | None, param: str) -> datetime | None:
             f"{param} must be an ISO 8601 time, e.g. 2026-11-29T12:00:00Z", param=param
         ) from None
     # In UTC: SQLite compares the stored UTC text, so other zones must be converted.
-    return moment.astimezone(UTC) if moment.tzinfo is not None else moment.replace(tzinfo=UTC)
+    return as_utc(moment)
 
 
 class AuditController(Controller):

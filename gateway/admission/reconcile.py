@@ -16,7 +16,7 @@ from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
 
 from gateway.tasks import Periodic
 from tenants.idempotency import IdempotencyService
-from tenants.models import UsageEvent, utcnow
+from tenants.models import UsageEvent, as_utc, utcnow
 from tenants.quota import QuotaStore, month_period
 
 log = logging.getLogger(__name__)
@@ -51,16 +51,12 @@ async def reconcile(
                 if row.request_id in done:
                     continue
                 scopes = (f"tenant:{row.tenant_id}", f"key:{row.api_key_id}")
-                period = month_period(_utc(row.created_at))
+                period = month_period(as_utc(row.created_at))
                 if await store.charge(row.request_id, scopes, period, row.cost_micros):
                     repaired += 1
     if repaired:
         log.warning("reconciler charged %d ledger rows the quota store had missed", repaired)
     return repaired
-
-
-def _utc(moment: datetime) -> datetime:
-    return moment if moment.tzinfo is not None else moment.replace(tzinfo=utcnow().tzinfo)
 
 
 class Upkeep:

@@ -20,6 +20,7 @@ from tenants.billing.outbox import OutboxService
 from tenants.billing.prices import PriceService, audit_created
 from tenants.billing.reports import Period, Report, build_report, format_micros
 from tenants.errors import InvalidInputError
+from tenants.models import as_utc
 from tenants.pricing import TOKENS_PER_UNIT, Price
 from tenants.services import TenantService
 
@@ -212,8 +213,7 @@ def _billing_customer(settings: Settings, args: argparse.Namespace) -> int:
 
 
 def _describe(version: PriceVersion) -> str:
-    moment = version.effective_from
-    when = (moment if moment.tzinfo else moment.replace(tzinfo=UTC)).isoformat(timespec="seconds")
+    when = as_utc(version.effective_from).isoformat(timespec="seconds")
     per_mtok = [
         format_micros(value)
         for value in (

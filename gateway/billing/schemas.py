@@ -11,7 +11,7 @@ from gateway.errors import InvalidRequest
 from tenants.billing.models import PriceVersion
 from tenants.billing.reports import Period
 from tenants.errors import InvalidInputError
-from tenants.models import UsageEvent, utcnow
+from tenants.models import UsageEvent, as_utc, utcnow
 
 MicrosPerMtok = Annotated[int, Meta(ge=0, le=10**12)]
 
@@ -45,7 +45,7 @@ def parse_moment(text: str) -> datetime:
             f"expected a date like 2026-12-01 or an ISO date-time, got {text!r}",
             param="effective_from",
         ) from None
-    return moment if moment.tzinfo is not None else moment.replace(tzinfo=UTC)
+    return as_utc(moment)
 
 
 def period_of(text: str | None) -> Period:
@@ -62,9 +62,9 @@ def price_view(version: PriceVersion) -> dict[str, Any]:
         "input_micros_per_mtok": version.input_micros_per_mtok,
         "cached_input_micros_per_mtok": version.cached_input_micros_per_mtok,
         "output_micros_per_mtok": version.output_micros_per_mtok,
-        "effective_from": _utc(version.effective_from).isoformat(),
+        "effective_from": as_utc(version.effective_from).isoformat(),
         "created_by": version.created_by,
-        "created_at": _utc(version.created_at).isoformat(),
+        "created_at": as_utc(version.created_at).isoformat(),
     }
 
 
@@ -86,10 +86,6 @@ def usage_row_view(event: UsageEvent) -> dict[str, Any]:
         "ttft_ms": event.ttft_ms,
         "itl_ms": event.itl_ms,
         "e2e_ms": event.e2e_ms,
-        "started_at": _utc(event.started_at).isoformat() if event.started_at else None,
-        "created_at": _utc(event.created_at).isoformat(),
+        "started_at": as_utc(event.started_at).isoformat() if event.started_at else None,
+        "created_at": as_utc(event.created_at).isoformat(),
     }
-
-
-def _utc(moment: datetime) -> datetime:
-    return moment if moment.tzinfo is not None else moment.replace(tzinfo=UTC)

@@ -24,7 +24,7 @@ from tenants.billing.outbox import OutboxService
 from tenants.billing.prices import ANY_MODEL, PriceService, audit_created
 from tenants.billing.reports import Period, build_report
 from tenants.errors import DomainError, InvalidInputError
-from tenants.models import UsageEvent, utcnow
+from tenants.models import UsageEvent, as_utc, utcnow
 from tenants.pricing import Price
 from tenants.services import TenantService
 
@@ -105,8 +105,7 @@ class LedgerPagesController(Controller):
             versions = await PriceService(session).list()
         in_force: dict[str, str] = {}
         for version in versions:  # ordered by model, then effective date
-            effective = version.effective_from
-            if (effective if effective.tzinfo else effective.replace(tzinfo=now.tzinfo)) <= now:
+            if as_utc(version.effective_from) <= now:
                 in_force[version.model] = version.id
         return page(
             request,

@@ -32,7 +32,7 @@ from gateway.telemetry.request import workload_class
 from tenants import audit
 from tenants.admins import AdminService
 from tenants.limits import LIMIT_NAMES, PlanTerms
-from tenants.models import UsageStatus
+from tenants.models import UsageStatus, as_utc
 from tenants.quota import month_period
 from tenants.services import ApiKeyService, PlanService, TenantService, UsageService
 
@@ -47,7 +47,7 @@ def parse_moment(text: str | None) -> datetime | None:
         moment = datetime.fromisoformat(text)
     except ValueError:
         return None
-    return moment.replace(tzinfo=UTC) if moment.tzinfo is None else moment
+    return as_utc(moment)
 
 
 def usage_filter(request: Request[Any, Any, Any]) -> UsageFilter:

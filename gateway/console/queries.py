@@ -20,7 +20,7 @@ from gateway.dispatch.engine_client import IN_PROCESS, EngineClient, InProcessEn
 from gateway.dispatch.remote import RemoteEngineClient
 from gateway.telemetry.metrics import GatewayMetrics
 from gateway.telemetry.request import workload_class
-from tenants.models import ApiKey, Tenant, UsageEvent, utcnow
+from tenants.models import ApiKey, Tenant, UsageEvent, as_utc, utcnow
 
 USAGE_PAGE = 200
 CSV_LIMIT = 100_000
@@ -203,12 +203,10 @@ async def traffic(session: AsyncSession, now: datetime | None = None) -> dict[st
     outcomes: Counter[str] = Counter()
     reasons: Counter[str] = Counter()
     for event in events:
-        created = (
-            event.created_at
-            if event.created_at.tzinfo
-            else event.created_at.replace(tzinfo=now.tzinfo)
+        index = min(
+            buckets - 1,
+            int((as_utc(event.created_at) - start).total_seconds()) // OVERVIEW_BUCKET_S,
         )
-        index = min(buckets - 1, int((created - start).total_seconds()) // OVERVIEW_BUCKET_S)
         requests[index] += 1
         tokens[index] += event.completion_tokens
         outcomes[event.status] += 1

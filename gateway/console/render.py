@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from datetime import UTC, datetime
+from datetime import datetime
 from functools import cache
 from pathlib import Path
 from typing import Any
@@ -12,6 +12,7 @@ from litestar import MediaType, Request, Response
 from litestar.response import Redirect
 
 from gateway.console.auth import COOKIE_PATH, FLASH_COOKIE, Console, decode_flash, with_flash
+from tenants.models import as_utc
 
 # web/ sits next to gateway/, in the source tree and in an installed wheel alike.
 WEB_DIR = Path(__file__).resolve().parents[2] / "web"
@@ -58,8 +59,7 @@ def money(micros: int | None) -> str:
 def when(moment: datetime | None) -> str:
     if moment is None:
         return "never"
-    aware = moment if moment.tzinfo else moment.replace(tzinfo=UTC)
-    return aware.astimezone(UTC).strftime("%Y-%m-%d %H:%M:%S UTC")
+    return as_utc(moment).strftime("%Y-%m-%d %H:%M:%S UTC")
 
 
 def render(template: str, **context: Any) -> str:

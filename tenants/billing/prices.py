@@ -22,7 +22,7 @@ from tenants import audit
 from tenants.audit import Actor
 from tenants.billing.models import PriceVersion
 from tenants.errors import ConflictError, InvalidInputError
-from tenants.models import utcnow
+from tenants.models import as_utc, utcnow
 from tenants.pricing import DEFAULT_PRICE, Price
 
 ANY_MODEL = "*"  # a version for every model that has none of its own
@@ -48,16 +48,11 @@ def quote(versions: Sequence[PriceVersion], model: str, moment: datetime) -> Quo
     """The version in force for `model` at `moment`: the model's own latest version that had
     started by then, else the latest '*' version, else the built-in default."""
     for name in (model, ANY_MODEL):
-        in_force = [v for v in versions if v.model == name and _utc(v.effective_from) <= moment]
+        in_force = [v for v in versions if v.model == name and as_utc(v.effective_from) <= moment]
         if in_force:
-            latest = max(in_force, key=lambda v: _utc(v.effective_from))
+            latest = max(in_force, key=lambda v: as_utc(v.effective_from))
             return Quote(price_of(latest), latest.id)
     return Quote(DEFAULT_PRICE, None)
-
-
-def _utc(moment: datetime) -> datetime:
-    # SQLite hands back naive datetimes; all stored times are UTC.
-    return moment if moment.tzinfo is not None else moment.replace(tzinfo=utcnow().tzinfo)
 
 
 class PriceService:
@@ -76,7 +71,7 @@ class PriceService:
         """Add a version (the caller audits it: see `audit_created`). History is never
         rewritten: it may not take effect in the past."""
         _check(model, price)
-        effective_from = _utc(effective_from)
+        effective_from = as_utc(effective_from)
         if effective_from < utcnow() - PAST_GRACE:
             raise InvalidInputError(
                 "a price version cannot take effect in the past (requests already priced)"
@@ -110,7 +105,7 @@ async def audit_created(session: AsyncSession, actor: Actor, version: PriceVersi
         target=f"price:{version.model}",
         details={
             "version_id": version.id,
-            "effective_from": _utc(version.effective_from).isoformat(),
+            "effective_from": as_utc(version.effective_from).isoformat(),
             "input_micros_per_mtok": version.input_micros_per_mtok,
             "cached_input_micros_per_mtok": version.cached_input_micros_per_mtok,
             "output_micros_per_mtok": version.output_micros_per_mtok,
@@ -146,7 +141,7 @@ class PriceBook:
             async with self._lock:
                 if self._stale():  # another caller may have refreshed while we waited
                     await self.refresh()
-        return quote(self._versions, model, _utc(moment))
+        return quote(self._versions, model, as_utc(moment))
 
     async def refresh(self) -> None:
         async with self.sessions() as session:

@@ -12,7 +12,7 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass, field
-from datetime import datetime, timedelta
+from datetime import timedelta
 from typing import Protocol
 
 from sqlalchemy import Engine, or_, select
@@ -27,7 +27,7 @@ from tenants.billing.stripe_meters import (
     MeterEvent,
     event_identifier,
 )
-from tenants.models import Tenant, utcnow
+from tenants.models import Tenant, as_utc, utcnow
 
 log = logging.getLogger(__name__)
 
@@ -178,7 +178,7 @@ def _event(row: OutboxRow, customer_id: str) -> MeterEvent:
         identifier=event_identifier(row.usage_event_id),
         customer_id=customer_id,
         value=row.value,
-        timestamp=_utc(row.occurred_at),
+        timestamp=as_utc(row.occurred_at),
     )
 
 
@@ -186,7 +186,3 @@ def _defer(row: OutboxRow, error: str) -> None:
     row.attempts += 1
     row.last_error = error
     row.next_attempt_at = utcnow() + min(MAX_REDELAY, REDELAY * 2 ** min(row.attempts - 1, 10))
-
-
-def _utc(moment: datetime) -> datetime:
-    return moment if moment.tzinfo is not None else moment.replace(tzinfo=utcnow().tzinfo)
