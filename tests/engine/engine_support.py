@@ -68,6 +68,9 @@ def build_checkpoint(folder: Path, kind: str = "llama", **overrides: Any) -> Pat
     )
 
     tok = build_tokenizer(folder)
+    # Seed before construction: the constructor draws the weights, and init_weights may
+    # leave modules it considers initialised alone, so a later seed is not enough.
+    torch.manual_seed(0)
     common: dict[str, Any] = {
         "vocab_size": tok.get_vocab_size(),
         "hidden_size": 64,
@@ -100,7 +103,6 @@ def build_checkpoint(folder: Path, kind: str = "llama", **overrides: Any) -> Pat
         model = MistralForCausalLM(cfg)
     else:
         raise ValueError(kind)
-    torch.manual_seed(0)
     model.init_weights()
     _randomise_biases(model)
     shard = "150KB" if kind == "qwen2" else "1GB"

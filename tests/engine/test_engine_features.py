@@ -58,7 +58,8 @@ def test_abort_of_a_preempted_request(llama_dir: Path) -> None:
 
 def test_n_completions_share_the_prompt_and_draw_apart(llama_dir: Path) -> None:
     engine = make_engine(llama_dir, enable_prefix_caching=False)
-    seeded = SamplingParams(max_tokens=10, seed=11, n=3)
+    # ignore_eos: a sampled EOS would end a completion early under some random checkpoints.
+    seeded = SamplingParams(max_tokens=10, seed=11, n=3, ignore_eos=True)
     engine.add_request("n3", PROMPT, seeded)
     shared = []
     outputs = []
@@ -76,7 +77,9 @@ def test_n_completions_share_the_prompt_and_draw_apart(llama_dir: Path) -> None:
     assert all(len(tokens) == 10 for tokens in by_index.values())
     # Completion i draws with seed + i: it equals a lone request with that seed.
     for i in range(3):
-        engine.add_request(f"single{i}", PROMPT, SamplingParams(max_tokens=10, seed=11 + i))
+        engine.add_request(
+            f"single{i}", PROMPT, SamplingParams(max_tokens=10, seed=11 + i, ignore_eos=True)
+        )
         assert tokens_of(run_to_completion(engine)[f"single{i}"]) == by_index[i]
     assert len({tuple(t) for t in by_index.values()}) > 1
 
