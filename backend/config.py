@@ -47,6 +47,7 @@ class EngineConfig:
     long_prefill_token_threshold: int | None = None  # None: max_num_batched_tokens // 4
     max_waiting_requests: int = 1024  # past it, new requests are shed (overloaded)
     max_waiting_tokens: int = 262_144  # queued prompt tokens; past it, shed too
+    shed_least_urgent_first: bool = True  # a full queue sheds its least urgent, not the new
     reject_infeasible_deadlines: bool = True  # deadline_exceeded before any compute
 
     def __post_init__(self) -> None:
@@ -67,6 +68,7 @@ class EngineConfig:
             "share_prefix_cache",
             "tenant_fairness",
             "reject_infeasible_deadlines",
+            "shed_least_urgent_first",
         ):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}")

@@ -39,8 +39,10 @@ class RequestOutput:
     prefill_chunks: int = 0  # steps so far that computed part of its prompt
     logprobs: list[TokenLogprobs] | None = None  # one per id in token_ids, if requested
     # Set on the final output of a request the policy rejected after queueing it
-    # (finish_reason "rejected"): "deadline_exceeded". AsyncEngine raises it instead.
+    # (finish_reason "rejected"): "deadline_exceeded", or "overloaded" when a more urgent
+    # request took its place in a full queue. AsyncEngine raises it instead.
     error: str | None = None
+    retry_after_s: float | None = None  # with "overloaded"
 
 
 @dataclass(frozen=True)
@@ -61,7 +63,7 @@ class EngineStats:
     prefix_cache_hits: int = 0  # of those, tokens found (their prefill was skipped)
     num_preemptions: int = 0  # all of them: for KV blocks and for priority
     num_priority_preemptions: int = 0  # a waiting request outranked a running one
-    num_rejected_overloaded: int = 0  # shed at submission: the waiting queue was full
+    num_rejected_overloaded: int = 0  # shed: at submission, or displaced by a more urgent one
     num_rejected_deadline: int = 0  # deadline_exceeded, at submission or in the queue
     waiting_tokens: int = 0  # tokens the waiting requests must compute (shedding)
     step_prefill_tokens: int = 0

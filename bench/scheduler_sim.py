@@ -11,6 +11,8 @@ same trace (backend/sim/scenarios.py), the baseline in the same run:
   other's requests, while both wait (and with weights 3:1);
 - priority preemption: steps from arrival to first schedule of priority-0 requests that
   find max_num_seqs full of priority 5;
+- shedding: requests shed per class under the priority-0 flood, when a full queue refuses
+  newcomers and when it sheds its least urgent first;
 - the scheduler's own cost: wall time per schedule() step of the simulated mixed trace.
 
     .venv/bin/python -m bench.scheduler_sim [--seeds N]
@@ -113,6 +115,20 @@ def preemption(seed: int) -> str:
     )
 
 
+def shedding(seed: int) -> str:
+    def shed(result: SimResult, name: str) -> str:
+        records = of(result, name)
+        return f"{sum(r.outcome == 'overloaded' for r in records)}/{len(records)}"
+
+    refusing = run(sc.starvation(True), seed)
+    displacing = run(sc.starvation(True, displace=True), seed)
+    return (
+        f"shedding    full queue, shed p0 | p5: newcomers refused {shed(refusing, 'chat')} | "
+        f"{shed(refusing, 'batch')}; least urgent first {shed(displacing, 'chat')} | "
+        f"{shed(displacing, 'batch')}"
+    )
+
+
 def overhead(seed: int) -> str:
     config = EngineConfig(max_num_seqs=128, max_num_batched_tokens=512)
     chat = Stream("chat", 2.0, (100, 300), (100, 300), end=60.0)
@@ -138,7 +154,7 @@ def main() -> None:
     args = parser.parse_args()
     for seed in range(args.seeds):
         print(f"seed {seed}")
-        for line in (aging, protection, fairness, preemption, overhead):
+        for line in (aging, protection, fairness, preemption, shedding, overhead):
             print(line(seed), flush=True)
 
 

@@ -13,7 +13,7 @@ from pathlib import Path
 
 from backend.config import EngineConfig
 from backend.engine.engine import Engine
-from backend.errors import DeadlineExceededError, EngineDeadError
+from backend.errors import DeadlineExceededError, EngineDeadError, OverloadedError
 from backend.outputs import EngineStats, RequestOutput
 from backend.sampling import SamplingParams
 from backend.tokenizer import Tokenizer
@@ -93,6 +93,11 @@ class AsyncEngine:
                     raise item
                 if item.error == DeadlineExceededError.kind:
                     raise DeadlineExceededError("the first token could not come by the deadline")
+                if item.error == OverloadedError.kind:
+                    raise OverloadedError(
+                        "the engine is overloaded: a more urgent request took this one's place",
+                        item.retry_after_s or 1.0,
+                    )
                 unfinished -= item.finished
                 yield item
         finally:

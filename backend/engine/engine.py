@@ -115,7 +115,7 @@ class Engine:
             if request_id in self._groups:
                 raise ValueError(f"request id {request_id!r} is already in the engine")
             pending = (len(self._inbox), sum(r.num_tokens for r in self._inbox))
-            self.scheduler.check_admission(len(ids), deadline, len(reqs), pending)
+            self.scheduler.check_admission(len(ids), deadline, priority, len(reqs), pending)
             self._groups[request_id] = reqs
             for req in reqs:
                 self._seqs[req.request_id] = _Seq(req, IncrementalDetokenizer(self.tokenizer, ids))
@@ -282,6 +282,7 @@ class Engine:
             prefill_chunks=req.num_prefill_chunks,
             logprobs=logprobs,
             error=req.rejection,
+            retry_after_s=req.retry_after_s,
         )
 
     def _prompt_ids(self, prompt: str | list[int]) -> list[int]:

@@ -151,6 +151,23 @@ class WaitingQueue:
         same_class = [r for r in queue[:TIE_WINDOW] if effective(r, now) == top]
         return min(same_class, key=_deadline_order)
 
+    def least_urgent(self) -> Request | None:
+        """The request to shed first: the lowest-ranked one that was never scheduled, so
+        nothing of it has been streamed. Completions i > 0 go with their completion 0."""
+        key = self.ranking.key
+        worst: Request | None = None
+        for queue in self._queues.values():
+            for req in reversed(queue):  # the tail ranks lowest
+                if req.fork_of is None and req.first_scheduled_time is None:
+                    if worst is None or key(req) > key(worst):
+                        worst = req
+                    break
+        return worst
+
+    def family(self, root: Request) -> list[Request]:
+        """`root` and its waiting completions i > 0."""
+        return [r for r in self._queues.get(root.tenant, ()) if r is root or r.fork_of is root]
+
     def _head_class(self, head: Request, now: float) -> int:
         aging = self.ranking.aging
         if aging is None:
@@ -209,9 +226,22 @@ def check_capacity(
         reason = f"{queued_tokens} tokens are waiting (max_waiting_tokens)"
     else:
         return
+    raise OverloadedError(
+        f"the engine is overloaded: {reason}", retry_after(throughput, queued_tokens)
+    )
+
+
+def over_capacity(config: EngineConfig, queue: WaitingQueue) -> bool:
+    """Past either bound, with more than one request (one alone is always taken)."""
+    return len(queue) > 1 and (
+        len(queue) > config.max_waiting_requests or queue.num_tokens > config.max_waiting_tokens
+    )
+
+
+def retry_after(throughput: Throughput, queued_tokens: int) -> float:
+    """Seconds until the queued prompts have drained, between 1 and 60."""
     drain = throughput.seconds_for(queued_tokens)
-    retry_after = 1.0 if drain is None else min(max(drain, 1.0), 60.0)
-    raise OverloadedError(f"the engine is overloaded: {reason}", retry_after)
+    return 1.0 if drain is None else min(max(drain, 1.0), 60.0)
 
 
 def pick_victim(

@@ -19,7 +19,7 @@ class RequestStatus(enum.IntEnum):
     FINISHED_STOPPED = 3
     FINISHED_LENGTH = 4
     FINISHED_ABORTED = 5
-    FINISHED_REJECTED = 6  # by the policy (deadline_exceeded): see Request.rejection
+    FINISHED_REJECTED = 6  # by the policy (deadline_exceeded, overloaded): Request.rejection
 
     @property
     def is_finished(self) -> bool:
@@ -66,7 +66,8 @@ class Request:
     block_hashes: list[bytes] = field(default_factory=list)  # chained, one per full block
     first_scheduled_time: float | None = None
     first_token_time: float | None = None
-    rejection: str | None = None  # why the policy finished it ("deadline_exceeded")
+    rejection: str | None = None  # why the policy finished it ("deadline_exceeded", ...)
+    retry_after_s: float | None = None  # with "overloaded": when the queue should have room
 
     def __post_init__(self) -> None:
         self.external_id = self.external_id or self.request_id

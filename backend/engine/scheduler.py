@@ -29,7 +29,9 @@ from backend.engine.policy import (
     WaitingQueue,
     check_capacity,
     deadline_feasible,
+    over_capacity,
     pick_victim,
+    retry_after,
 )
 from backend.engine.request import Request, RequestStatus
 from backend.errors import DeadlineExceededError, OverloadedError
@@ -83,6 +85,7 @@ class Scheduler:
         self.requests: dict[str, Request] = {}
         self.running: list[Request] = []
         self.rejected: list[Request] = []  # finished by the policy; the engine drains it
+        self._least_urgent: Request | None = None  # whom a full queue would shed first
         self._finished_ids: list[str] = []
         self._max_running = min(
             config.max_num_seqs, config.max_num_batched_tokens - config.prefill_reserve_tokens
@@ -98,30 +101,71 @@ class Scheduler:
         self,
         prompt_tokens: int,
         deadline: float | None,
+        priority: int,
         copies: int = 1,
         pending: tuple[int, int] = (0, 0),
     ) -> None:
         """Before queueing `copies` completions of a prompt (with `pending` = requests and
         tokens accepted but not yet added): raise OverloadedError if the waiting queue
-        cannot take them, DeadlineExceededError if the first token cannot come in time."""
+        cannot take them, DeadlineExceededError if the first token cannot come in time.
+        Runs in the caller's thread: it reads the queue's size and a snapshot, never the
+        queue itself."""
         waiting = self.waiting
         queued = (len(waiting) + pending[0], waiting.num_tokens + pending[1])
+        now = self.clock()
         try:
             check_capacity(self.config, self.throughput, queued, (copies, prompt_tokens * copies))
         except OverloadedError:
-            self.num_rejected_overloaded += 1
-            raise
+            if not self._displaces(priority, now):
+                self.num_rejected_overloaded += 1
+                raise
         if self.config.reject_infeasible_deadlines and not deadline_feasible(
-            deadline, prompt_tokens, self.clock(), self.throughput
+            deadline, prompt_tokens, now, self.throughput
         ):
             self.num_rejected_deadline += 1
             raise DeadlineExceededError("the first token cannot be produced by the deadline")
+
+    def _displaces(self, priority: int, now: float) -> bool:
+        """A request of a strictly more urgent class than the least urgent waiting one
+        takes its place in a full queue (add_request then sheds that one)."""
+        victim = self._least_urgent  # a snapshot: add_request decides for real
+        if not self.config.shed_least_urgent_first or victim is None:
+            return False
+        return priority < self.ranking.effective(victim, now)
 
     def add_request(self, request: Request) -> None:
         if request.request_id in self.requests:
             raise ValueError(f"request id {request.request_id!r} is already in the engine")
         self.requests[request.request_id] = request
         self.waiting.add(request)
+        if self.config.shed_least_urgent_first:
+            self._shed_excess()
+        self._note_least_urgent()
+
+    def _note_least_urgent(self) -> None:
+        """The snapshot _displaces reads. Looking it up costs a look per tenant, so it is
+        kept only while the queue is at least half full: below that nobody is shed."""
+        cfg, waiting = self.config, self.waiting
+        half_full = (
+            2 * len(waiting) >= cfg.max_waiting_requests
+            or 2 * waiting.num_tokens >= cfg.max_waiting_tokens
+        )
+        worth = cfg.shed_least_urgent_first and half_full
+        self._least_urgent = waiting.least_urgent() if worth else None
+
+    def _shed_excess(self) -> None:
+        """Back within the queue's bounds by shedding the least urgent requests not yet
+        scheduled (with their other completions); the bounds may be passed only by a more
+        urgent request displacing them, or by preempted requests returning."""
+        waiting = self.waiting
+        while over_capacity(self.config, waiting):
+            victim = waiting.least_urgent()
+            if victim is None:
+                return
+            after = retry_after(self.throughput, waiting.num_tokens)
+            for req in waiting.family(victim):
+                self._reject(req, OverloadedError.kind, after)
+            self.num_rejected_overloaded += 1
 
     def has_unfinished(self) -> bool:
         return bool(self.requests)
@@ -159,6 +203,7 @@ class Scheduler:
         if not plan.preempted:
             self._admit_waiting(plan, self.clock())
         self._top_up(plan)
+        self._note_least_urgent()
         return self._output(plan)
 
     def update_from_output(
@@ -225,7 +270,8 @@ class Scheduler:
                 and req.first_token_time is None
                 and not deadline_feasible(req.deadline, req.num_tokens, now, self.throughput)
             ):
-                self._reject(req, "deadline_exceeded")
+                self._reject(req, DeadlineExceededError.kind)
+                self.num_rejected_deadline += 1
                 continue
             if not self._fork_ready(req):
                 return
@@ -282,11 +328,11 @@ class Scheduler:
             if self.block_manager.allocate_slots(req.request_id, end) is not None:
                 plan.extend(req, extra)
 
-    def _reject(self, req: Request, reason: str) -> None:
+    def _reject(self, req: Request, reason: str, retry_after_s: float | None = None) -> None:
         self.finish_requests([req.request_id], RequestStatus.FINISHED_REJECTED)
         req.rejection = reason
+        req.retry_after_s = retry_after_s
         self.rejected.append(req)
-        self.num_rejected_deadline += 1
 
     def _fork_ready(self, req: Request) -> bool:
         """Completion i > 0 of an n > 1 request waits until completion 0 has computed the

@@ -18,14 +18,16 @@ DOCUMENT = Stream(
 STARVATION_INTERVAL_S = 1.0
 
 
-def starvation(aging: bool) -> tuple[EngineConfig, list[Stream]]:
+def starvation(aging: bool, displace: bool = False) -> tuple[EngineConfig, list[Stream]]:
     """Priority-0 chat at about 1.3x what 16 slots serve, for 30 s; a trickle of priority-5
-    requests alongside. Without aging the trickle waits for the flood to end."""
+    requests alongside. Without aging the trickle waits for the flood to end. `displace`:
+    the full queue sheds priority 5 for priority 0 (shed_least_urgent_first)."""
     config = replace(
         BASE,
         max_num_seqs=16,
         max_waiting_requests=48,
         aging_interval_s=STARVATION_INTERVAL_S if aging else None,
+        shed_least_urgent_first=displace,
     )
     flood = Stream("chat", rate=16.0, prompt_tokens=(200, 400), output_tokens=(100, 150), end=30.0)
     low = replace(flood, name="batch", rate=0.5, priority=5, end=25.0)

@@ -112,7 +112,7 @@ class Simulator:
             arrival_time=a.time,
         )
         try:
-            self.scheduler.check_admission(a.prompt_tokens, req.deadline)
+            self.scheduler.check_admission(a.prompt_tokens, req.deadline, req.priority)
         except (OverloadedError, DeadlineExceededError) as exc:
             record.outcome, record.end = exc.kind, self.now
             return

@@ -13,7 +13,7 @@ from backend.config import EngineConfig
 from backend.engine.batch import ModelRunnerOutput, SchedulerOutput
 from backend.engine.block_manager import BlockManager
 from backend.engine.policy import FairShare, Ranking
-from backend.engine.request import Request, RequestStatus
+from backend.engine.request import Request, RequestStatus, fan_out
 from backend.engine.scheduler import Scheduler
 from backend.errors import DeadlineExceededError, OverloadedError
 from backend.sampling import SamplingParams
@@ -262,29 +262,115 @@ def test_the_long_prefill_threshold_lets_short_prompts_in_first() -> None:
 def test_the_waiting_queue_is_bounded_by_requests_and_tokens() -> None:
     clock = Clock()
     s = make(clock, max_num_seqs=1, max_waiting_requests=2, max_waiting_tokens=100)
-    s.check_admission(1000, None)  # an empty queue takes even an oversized prompt
+    s.check_admission(1000, None, priority=0)  # an empty queue takes even an oversized prompt
     for rid in ("a", "b"):
         s.add_request(request(rid, 10))
     with pytest.raises(OverloadedError) as caught:
-        s.check_admission(10, None)
+        s.check_admission(10, None, priority=0)
     assert caught.value.retry_after_s >= 1.0 and "max_waiting_requests" in str(caught.value)
     s.finish_requests(["b"], RequestStatus.FINISHED_ABORTED)
     with pytest.raises(OverloadedError, match="max_waiting_tokens"):
-        s.check_admission(91, None)
-    s.check_admission(90, None)
+        s.check_admission(91, None, priority=0)
+    s.check_admission(90, None, priority=0)
     assert s.num_rejected_overloaded == 2
+
+
+def _full_queue(clock: Clock, shed_least_urgent_first: bool = True) -> Scheduler:
+    """One slot, busy; a queue of two holding priority 3 then priority 5 (aging 10 s)."""
+    s = make(
+        clock,
+        max_num_seqs=1,
+        max_waiting_requests=2,
+        aging_interval_s=10.0,
+        shed_least_urgent_first=shed_least_urgent_first,
+    )
+    s.add_request(request("busy", max_tokens=1000))
+    advance(s, s.schedule())
+    for rid, priority in (("mid", 3), ("low", 5)):
+        clock.now += 1
+        s.add_request(request(rid, priority=priority, at=clock.now))
+    return s
+
+
+def test_a_full_queue_sheds_its_least_urgent_request_for_a_more_urgent_one() -> None:
+    clock = Clock()
+    s = _full_queue(clock)
+    with pytest.raises(OverloadedError):
+        s.check_admission(4, None, priority=5)  # the same class as the least urgent: refused
+    s.check_admission(4, None, priority=4)
+    s.add_request(request("urgent", priority=4, at=clock.now))
+    [low] = s.take_rejected()
+    assert (low.request_id, low.rejection, low.status.finish_reason) == (
+        "low",
+        "overloaded",
+        "rejected",
+    )
+    assert low.retry_after_s is not None and low.retry_after_s >= 1.0
+    assert [r.request_id for r in s.waiting] == ["mid", "urgent"]
+    # A 4 is now the least urgent; two intervals later the 3 has aged to class 1 and
+    # the 4 to class 2: a new 2 is refused, a new 1 displaces the (aged) 4.
+    clock.now += 20
+    with pytest.raises(OverloadedError):
+        s.check_admission(4, None, priority=2)
+    s.check_admission(4, None, priority=1)
+    s.add_request(request("later", priority=1, at=clock.now))
+    assert [r.request_id for r in s.take_rejected()] == ["urgent"]
+    assert s.num_rejected_overloaded == 4  # two refused at the door, two displaced
+
+
+def test_a_request_that_has_started_is_never_shed() -> None:
+    clock = Clock()
+    s = make(clock, max_num_seqs=1, max_waiting_requests=2)
+    s.add_request(request("started", priority=5, max_tokens=1000))
+    advance(s, s.schedule())
+    s.add_request(request("vip", priority=0))
+    advance(s, s.schedule())  # vip preempts it: back in the queue, with its output
+    assert [r.request_id for r in s.running] == ["vip"] and s.num_priority_preemptions == 1
+    clock.now = 1.0
+    s.add_request(request("fresh", priority=5, at=1.0))
+    s.check_admission(4, None, priority=1)
+    s.add_request(request("urgent", priority=1, at=1.0))
+    assert [r.request_id for r in s.take_rejected()] == ["fresh"]
+    # "started" ranks lowest but cannot be shed: the least urgent sheddable is a 1.
+    with pytest.raises(OverloadedError):
+        s.check_admission(4, None, priority=1)
+
+
+def test_a_shed_request_takes_its_other_completions_with_it() -> None:
+    clock = Clock()
+    s = make(clock, max_num_seqs=1, max_waiting_requests=3)
+    s.add_request(request("busy", max_tokens=1000))
+    advance(s, s.schedule())
+    params = SamplingParams(max_tokens=8, n=2)
+    for req in fan_out("pair", [9, 8, 7, 6, 5], params, 13, priority=5):
+        s.add_request(req)
+    s.add_request(request("mid", priority=3))
+    s.check_admission(4, None, priority=0)
+    s.add_request(request("urgent", priority=0))
+    shed = s.take_rejected()
+    assert sorted(r.request_id for r in shed) == ["pair", "pair\x001"]
+    assert {r.rejection for r in shed} == {"overloaded"} and s.num_rejected_overloaded == 1
+    assert [r.request_id for r in s.waiting] == ["urgent", "mid"]
+
+
+def test_without_shedding_by_urgency_a_full_queue_refuses_everyone() -> None:
+    clock = Clock()
+    s = _full_queue(clock, shed_least_urgent_first=False)
+    with pytest.raises(OverloadedError):
+        s.check_admission(4, None, priority=0)
+    assert s.take_rejected() == [] and len(s.waiting) == 2
 
 
 def test_a_deadline_that_cannot_be_met_is_rejected_before_compute() -> None:
     clock = Clock(now=10.0)
     s = make(clock)
     with pytest.raises(DeadlineExceededError):
-        s.check_admission(10, deadline=9.0)  # already past
-    s.check_admission(1000, deadline=10.5)  # no throughput measured yet: benefit of doubt
+        s.check_admission(10, deadline=9.0, priority=0)  # already past
+    s.check_admission(1000, deadline=10.5, priority=0)  # no throughput yet: benefit of doubt
     s.record_step(prefill_tokens=1000, decode_tokens=0, seconds=1.0)  # 1,000 tokens/s
     with pytest.raises(DeadlineExceededError):
-        s.check_admission(1000, deadline=10.5)  # needs about 1 s
-    s.check_admission(400, deadline=10.5)
+        s.check_admission(1000, deadline=10.5, priority=0)  # needs about 1 s
+    s.check_admission(400, deadline=10.5, priority=0)
     assert s.num_rejected_deadline == 2
 
 
@@ -315,6 +401,7 @@ def test_policy_knobs_are_validated() -> None:
         {"max_waiting_requests": 0},
         {"max_waiting_tokens": 1.5},
         {"tenant_fairness": "yes"},
+        {"shed_least_urgent_first": 1},
     ):
         with pytest.raises(ValueError, match=next(iter(bad))):
             EngineConfig(**bad)  # type: ignore[arg-type]

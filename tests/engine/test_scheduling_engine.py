@@ -5,7 +5,9 @@ prefill protection, load shedding and deadlines."""
 
 from __future__ import annotations
 
+import asyncio
 import time
+from collections.abc import AsyncIterator
 from pathlib import Path
 
 import pytest
@@ -15,6 +17,7 @@ from backend.engine.engine import Engine
 from backend.errors import DeadlineExceededError, OverloadedError
 from backend.outputs import RequestOutput
 from backend.sampling import SamplingParams
+from tests.conftest import eventually
 from tests.engine.engine_support import check_blocks, make_engine, run_to_completion, tokens_of
 
 LONG = SamplingParams(max_tokens=30, temperature=0, ignore_eos=True)
@@ -126,6 +129,28 @@ def test_a_full_queue_sheds_new_requests(llama_dir: Path) -> None:
     assert set(run_to_completion(engine)) == {"running", "waiting"}  # nothing lost
 
 
+def test_a_full_queue_sheds_its_least_urgent_for_a_more_urgent_request(llama_dir: Path) -> None:
+    engine = make_engine(llama_dir, max_num_seqs=1, max_waiting_requests=1)
+    engine.add_request("running", [2, 3, 4], LONG)
+    step(engine)
+    engine.add_request("batch", [5, 6, 7], LONG, priority=5)
+    step(engine)  # queued: the admission snapshot sees it from this step on
+    with pytest.raises(OverloadedError):
+        engine.add_request("batch-2", [8, 9, 10], LONG, priority=5)
+    engine.add_request("urgent", [8, 9, 10], LONG, priority=0)
+    [shed] = [o for o in step(engine) if o.request_id == "batch"]
+    assert (shed.finished, shed.finish_reason, shed.error, shed.token_ids) == (
+        True,
+        "rejected",
+        "overloaded",
+        [],
+    )
+    assert shed.retry_after_s is not None and shed.retry_after_s >= 1
+    stats = engine.stats()
+    assert (stats.num_running, stats.num_waiting, stats.num_rejected_overloaded) == (1, 1, 2)
+    assert set(run_to_completion(engine)) == {"running", "urgent"}
+
+
 def test_deadlines_reject_before_compute(llama_dir: Path) -> None:
     engine = make_engine(llama_dir, max_num_seqs=1)
     with pytest.raises(DeadlineExceededError):
@@ -155,3 +180,30 @@ async def test_the_async_engine_raises_the_typed_errors(llama_dir: Path) -> None
         assert outs[-1].finished and outs[-1].error is None
     finally:
         await engine.shutdown()
+
+
+async def test_the_async_engine_raises_overloaded_for_a_displaced_request(
+    llama_dir: Path,
+) -> None:
+    engine = AsyncEngine(make_engine(llama_dir, max_num_seqs=1, max_waiting_requests=1))
+    busy = SamplingParams(max_tokens=2000, temperature=0, ignore_eos=True)
+    running = engine.generate([2, 3, 4], busy, "running")
+    try:
+        await anext(running)
+        displaced = asyncio.create_task(
+            _collect(engine.generate([5, 6], SHORT, "batch", priority=5))
+        )
+        await eventually(lambda: engine.stats().waiting_tokens > 0)  # in the queue
+        urgent = asyncio.create_task(_collect(engine.generate([7, 8], SHORT, "urgent")))
+        with pytest.raises(OverloadedError) as caught:
+            await displaced
+        assert caught.value.retry_after_s >= 1
+        await running.aclose()  # frees the slot: the urgent one runs to its end
+        assert (await urgent)[-1].finish_reason == "length"
+    finally:
+        await running.aclose()
+        await engine.shutdown()
+
+
+async def _collect(outputs: AsyncIterator[RequestOutput]) -> list[RequestOutput]:
+    return [o async for o in outputs]

@@ -62,6 +62,28 @@ def test_a_aging_bounds_the_wait_of_low_priority() -> None:
     assert worst_aged < max(queue_time(r) for r in low_starved) / 2
 
 
+def test_a_full_queue_sheds_low_priority_only_before_it_has_aged() -> None:
+    """With shed_least_urgent_first, priority 0 arriving at the full queue displaces
+    priority 5, but only within p * I of its arrival (later it has aged to class 0)."""
+    config, _ = sc.starvation(aging=True, displace=True)
+    assert config.aging_interval_s is not None
+    displacing = run(sc.starvation(aging=True, displace=True))
+    refusing = run(sc.starvation(aging=True))
+    low = of(displacing, "batch")
+    shed = [r for r in low if r.outcome == "overloaded"]
+    assert shed and [r for r in low if r.outcome not in ("overloaded", "finished")] == []
+    assert all(
+        r.end is not None and r.end - r.arrival.time < 5 * config.aging_interval_s for r in shed
+    )
+    bound = starvation_bound(config, 5, displacing)
+    assert all(queue_time(r) <= bound for r in low if r.outcome == "finished")
+
+    def urgent_shed(result: SimResult) -> int:
+        return sum(r.outcome == "overloaded" for r in of(result, "chat"))
+
+    assert urgent_shed(displacing) < urgent_shed(refusing)
+
+
 def _chat_ttft_p95(result: SimResult) -> float:
     ttfts = [r.first_token - r.arrival.time for r in of(result, "chat") if r.first_token]
     return percentile(ttfts, 95)

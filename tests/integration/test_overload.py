@@ -1,7 +1,8 @@
 """Load shedding end to end: with max_num_seqs=1 and max_waiting_requests=1, a third
 concurrent request finds the engine's queue full and gets 503 + Retry-After, in process
-(through the official openai client) and from a remote backend over its HTTP API; and
-the load a gateway reads off a remote replica."""
+(through the official openai client) and from a remote backend over its HTTP API; a more
+urgent third request takes the queued one's place instead (the queued one gets the 503);
+and the load a gateway reads off a remote replica."""
 
 from __future__ import annotations
 
@@ -102,6 +103,52 @@ async def test_a_full_queue_gets_503_with_retry_after(
             assert stats().num_running == 1 and stats().num_waiting == 1  # nobody was lost
         finally:
             await _cancel(running, waiting)
+        await client.close()
+
+
+async def test_an_urgent_request_displaces_a_queued_batch_one(
+    settings: Settings,
+    tenant_key: str,
+    small_engine: InProcessEngineClient,
+    sessions: async_sessionmaker[AsyncSession],
+) -> None:
+    stats = small_engine.engine.stats
+    app = create_app(settings, engine_client=small_engine)
+    async with serving(app) as base_url:
+        client = openai.AsyncOpenAI(base_url=f"{base_url}/v1", api_key=tenant_key, max_retries=0)
+
+        async def chat(priority: int) -> Any:
+            return await client.chat.completions.create(
+                model=small_engine.model_name,
+                messages=[{"role": "user", "content": "Tell me about sorting."}],
+                max_tokens=LONG.max_tokens,
+                extra_body={"ignore_eos": True, "priority": priority},
+            )
+
+        running = asyncio.create_task(chat(0))
+        await eventually(lambda: stats().num_running == 1)
+        batch = asyncio.create_task(chat(5))
+        await eventually(lambda: stats().waiting_tokens > 0)  # in the engine's queue
+        urgent = asyncio.create_task(chat(0))
+        try:
+            with pytest.raises(openai.InternalServerError) as caught:
+                await batch
+            assert caught.value.status_code == 503 and caught.value.code == "overloaded"
+            assert int(caught.value.response.headers["retry-after"]) >= 1
+            await eventually(lambda: stats().waiting_tokens > 0)  # the urgent one took its place
+            assert (stats().num_running, stats().num_waiting) == (1, 1)
+            assert stats().num_rejected_overloaded == 1
+
+            async def rejected() -> list[tuple[str, int]]:
+                columns = (UsageEvent.status, UsageEvent.cost_micros)
+                async with sessions() as session:
+                    rows = await session.execute(select(*columns))
+                    return [(s, c) for s, c in rows if s == UsageStatus.REJECTED]
+
+            await eventually(lambda: _count(rejected(), 1))
+            assert await rejected() == [("rejected", 0)]
+        finally:
+            await _cancel(running, urgent)
         await client.close()
 
 
