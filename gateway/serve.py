@@ -33,6 +33,9 @@ def serve(settings: Settings) -> int:
         log_level=settings.log_level,
         log_config=None,  # uvicorn's loggers go through ours (JSON lines)
         lifespan="on",
+        # The client behind a trusted proxy: the right-most untrusted X-Forwarded-For entry.
+        proxy_headers=bool(settings.trusted_proxies),
+        forwarded_allow_ips=list(settings.trusted_proxies),
     )
 
     def on_started() -> None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import ipaddress
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass, replace
@@ -41,6 +42,9 @@ class Settings:
     celery_queue: str = "tollgate"
     console_idle_s: int = 1800  # admin console sessions end after this long unused
     max_waiting_requests: int = 1024  # engine queue; past it, 503 + Retry-After (shed)
+    # Peers whose X-Forwarded-For / X-Forwarded-Proto are believed (IPs or CIDRs; "*": all).
+    # The audit log, rate-limit failures and /metrics' loopback check see the client behind.
+    trusted_proxies: tuple[str, ...] = ("127.0.0.1",)
 
     @classmethod
     def from_env(cls, env: Mapping[str, str] | None = None) -> Settings:
@@ -83,6 +87,7 @@ class Settings:
             export_interval_s=_int(env, "TOLLGATE_EXPORT_INTERVAL_S", 30, low=1, high=86400),
             celery_queue=env.get("TOLLGATE_CELERY_QUEUE", "").strip() or "tollgate",
             console_idle_s=_int(env, "TOLLGATE_CONSOLE_IDLE_S", 1800, low=60),
+            trusted_proxies=_proxies(env.get("TOLLGATE_TRUSTED_PROXIES", "127.0.0.1")),
         )
 
     def with_overrides(self, **changes: object) -> Settings:
@@ -96,6 +101,21 @@ class Settings:
     @property
     def admin_key_file(self) -> Path:
         return self.data_dir / "admin-key"
+
+
+def _proxies(raw: str) -> tuple[str, ...]:
+    """Comma-separated IPs or CIDR blocks, or "*"; empty: trust no proxy header."""
+    entries = tuple(item.strip() for item in raw.split(",") if item.strip())
+    for entry in entries:
+        if entry == "*":
+            continue
+        try:
+            ipaddress.ip_network(entry, strict=False)
+        except ValueError:
+            raise SettingsError(
+                f"TOLLGATE_TRUSTED_PROXIES: {entry!r} is not an IP address or CIDR block"
+            ) from None
+    return entries
 
 
 def _int(env: Mapping[str, str], name: str, default: int, low: int, high: int | None = None) -> int:

@@ -8,6 +8,7 @@ import subprocess
 from collections.abc import Iterator
 from dataclasses import dataclass
 
+import httpx
 import openai
 import pytest
 from openai.types.chat import ChatCompletionChunk, ChatCompletionMessageParam
@@ -137,3 +138,26 @@ def test_new_tenant_key_from_the_cli_works(server: Server) -> None:
     subprocess.run([tollgate, "keys", "revoke", key.split("_")[0]], env=env, check=True)
     with pytest.raises(openai.AuthenticationError):
         _client(server, key).models.list()
+
+
+def test_the_audit_log_records_the_client_behind_a_trusted_proxy(server: Server) -> None:
+    """127.0.0.1 is a trusted proxy by default: the right-most untrusted X-Forwarded-For
+    entry is the client; an entry left of it (which the client could forge) is not."""
+    response = httpx.post(
+        server.base_url.removesuffix("/v1") + "/admin/api/tenants",
+        json={"name": "proxied"},
+        headers={
+            "Authorization": f"Bearer {server.admin_key}",
+            "X-Forwarded-For": "198.51.100.9, 203.0.113.7",
+        },
+    )
+    assert response.status_code == 201
+    engine = create_engine(server.database_url)
+    try:
+        with engine.connect() as connection:
+            ips = connection.execute(
+                text("SELECT ip FROM audit_events WHERE target = 'tenant:proxied'")
+            ).scalars()
+            assert list(ips) == ["203.0.113.7"]
+    finally:
+        engine.dispose()

@@ -44,3 +44,13 @@ def test_flags_override_only_what_is_given() -> None:
     settings = Settings.from_env({"TOLLGATE_PORT": "9000"})
     changed = settings.with_overrides(host="0.0.0.0", port=None)
     assert (changed.host, changed.port) == ("0.0.0.0", 9000)
+
+
+def test_trusted_proxies_are_ips_or_cidr_blocks() -> None:
+    assert Settings.from_env({}).trusted_proxies == ("127.0.0.1",)
+    given = {"TOLLGATE_TRUSTED_PROXIES": " 10.0.0.0/8, fd00::/8 ,192.168.1.7"}
+    assert Settings.from_env(given).trusted_proxies == ("10.0.0.0/8", "fd00::/8", "192.168.1.7")
+    assert Settings.from_env({"TOLLGATE_TRUSTED_PROXIES": ""}).trusted_proxies == ()
+    assert Settings.from_env({"TOLLGATE_TRUSTED_PROXIES": "*"}).trusted_proxies == ("*",)
+    with pytest.raises(SettingsError, match=r"TOLLGATE_TRUSTED_PROXIES: 'proxy\.internal'"):
+        Settings.from_env({"TOLLGATE_TRUSTED_PROXIES": "10.0.0.1,proxy.internal"})
