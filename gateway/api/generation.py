@@ -39,10 +39,18 @@ class Job:
     params: SamplingParams
     include_usage: bool = False
     timeout_s: float = 600.0
+    first_token_s: float | None = None  # the client's ttft_deadline_ms, in seconds
     priority: int = 0
     echo: str = ""  # completions: the prompt text, sent back before the answer
     created: int = field(default_factory=lambda: int(time.time()))
     started: float = field(default_factory=time.monotonic)
+
+    @property
+    def first_token_within_s(self) -> float:
+        """Seconds from `started` by which the first token is due (never past the timeout)."""
+        if self.first_token_s is None:
+            return self.timeout_s
+        return min(self.first_token_s, self.timeout_s)
 
     @property
     def response_id(self) -> str:
@@ -129,9 +137,13 @@ def _cancelled(outcome: Outcome, delivered: int) -> Outcome:
 
 
 async def _outputs(job: Job, engine: EngineClient) -> AsyncIterator[RequestOutput]:
-    """The engine's outputs for this job, under its server-side deadline. A timeout closes
-    the engine's stream, which aborts the request there."""
-    deadline = asyncio.get_running_loop().time() + job.timeout_s
+    """The engine's outputs for this job, under its server-side deadlines: the first token
+    by `first_token_within_s`, the last by `timeout_s`. Missing one closes the engine's
+    stream, which aborts the request there."""
+    loop = asyncio.get_running_loop()
+    waited = time.monotonic() - job.started
+    last_due = loop.time() + job.timeout_s - waited
+    due = loop.time() + job.first_token_within_s - waited
     outputs = engine.generate(
         job.prompt,
         job.params,
@@ -139,20 +151,26 @@ async def _outputs(job: Job, engine: EngineClient) -> AsyncIterator[RequestOutpu
         priority=job.priority,
         tenant=job.charge.principal.tenant_id,
         weight=job.charge.principal.plan.weight,
-        deadline=job.started + job.timeout_s,  # the engine rejects what cannot start by then
+        # The engine rejects what cannot start by then, before spending compute on it.
+        deadline=job.started + job.first_token_within_s,
     )
     outputs = current_request().dispatch(outputs)  # the dispatch span; the timeline
     while True:
         try:
-            async with asyncio.timeout_at(deadline):
+            async with asyncio.timeout_at(due):
                 out = await anext(outputs)
         except StopAsyncIteration:
             return
         except TimeoutError:
-            raise DeadlineExceeded(
-                f"the request did not finish within {job.timeout_s:g} s"
-            ) from None
+            raise DeadlineExceeded(_missed(job, first=due < last_due)) from None
+        due = last_due
         yield out
+
+
+def _missed(job: Job, first: bool) -> str:
+    if first:
+        return f"the first token did not come within {job.first_token_within_s * 1000:g} ms"
+    return f"the request did not finish within {job.timeout_s:g} s"
 
 
 async def complete(job: Job, engine: EngineClient, recorder: UsageRecorder) -> dict[str, Any]:

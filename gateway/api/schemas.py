@@ -66,6 +66,7 @@ class SamplingFields(Struct, kw_only=True):
     presence_penalty: Penalty | None = None
     frequency_penalty: Penalty | None = None
     priority: Annotated[int, Meta(ge=0, le=LOWEST_PRIORITY)] | None = None  # 0: most urgent
+    ttft_deadline_ms: PositiveInt | None = None  # the first token within this, else 504
     user: str | None = None
 
     def stop_strings(self) -> list[str]:

@@ -17,7 +17,7 @@ from gateway.app import create_app
 from gateway.dispatch.engine_client import InProcessEngineClient
 from gateway.settings import Settings
 from tenants import db
-from tests.conftest import serving
+from tests.conftest import eventually, serving
 
 MESSAGES: list[ChatCompletionMessageParam] = [
     {"role": "user", "content": "What does json.dumps do?"}
@@ -202,8 +202,12 @@ async def test_server_timeout_is_504_and_aborts(
                 extra_body={"ignore_eos": True},
             )
     assert info.value.status_code == 504
-    stats = engine_client.engine.stats()
-    assert stats.num_running == 0 and stats.kv_blocks_used == 0
+
+    def aborted() -> bool:  # at the engine's next step boundary
+        stats = engine_client.engine.stats()
+        return stats.num_running == 0 and stats.kv_blocks_used == 0
+
+    await eventually(aborted)
 
 
 async def test_n_choices_sync_and_streamed(

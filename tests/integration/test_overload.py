@@ -152,6 +152,42 @@ async def test_an_urgent_request_displaces_a_queued_batch_one(
         await client.close()
 
 
+async def test_a_first_token_deadline_fails_fast_behind_a_busy_engine(
+    settings: Settings, tenant_key: str, small_engine: InProcessEngineClient
+) -> None:
+    stats = small_engine.engine.stats
+    app = create_app(settings, engine_client=small_engine)
+    async with serving(app) as base_url:
+        client = openai.AsyncOpenAI(base_url=f"{base_url}/v1", api_key=tenant_key, max_retries=0)
+
+        async def chat(max_tokens: int, stream: bool = False, **extra: Any) -> Any:
+            return await client.chat.completions.create(
+                model=small_engine.model_name,
+                messages=[{"role": "user", "content": "Tell me about sorting."}],
+                max_tokens=max_tokens,
+                stream=stream,
+                extra_body={"ignore_eos": True, **extra},
+            )
+
+        with pytest.raises(openai.BadRequestError) as invalid:
+            await chat(1, ttft_deadline_ms=0)
+        assert invalid.value.param == "ttft_deadline_ms"
+        running = asyncio.create_task(chat(LONG.max_tokens))
+        await eventually(lambda: stats().num_running == 1)
+        try:
+            for stream in (False, True):  # a stream sends nothing before its first token
+                with pytest.raises(openai.InternalServerError) as caught:
+                    await chat(4, stream=stream, ttft_deadline_ms=50)
+                assert caught.value.status_code == 504 and caught.value.code == "deadline_exceeded"
+            await eventually(lambda: stats().num_waiting == 0)  # gone from the engine too
+            assert stats().num_running == 1
+        finally:
+            await _cancel(running)
+        reply = await chat(4, ttft_deadline_ms=60_000)  # an idle engine meets it
+        assert reply.usage.completion_tokens == 4
+        await client.close()
+
+
 async def test_a_remote_backend_sheds_with_a_typed_error(tmp_path: Path) -> None:
     engine = AsyncEngine.from_pretrained(BUILTIN_MODEL_DIR, ONE_AT_A_TIME)
     app = create_backend_app(engine, BUILTIN_MODEL_DIR, secret="s3cret")
