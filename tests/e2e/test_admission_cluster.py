@@ -181,8 +181,13 @@ async def test_idempotency_across_replicas(cluster: Cluster, sessions: Any) -> N
     assert other[0].status_code == 422
 
 
+# Streams that outlast the test's polling even on a fast machine: none may finish (and
+# settle) before the gateway is killed.
+BUSY = 1000
+
+
 async def test_killed_gateway_strands_no_budget(cluster: Cluster, sessions: Any) -> None:
-    worst = DEFAULT_PRICE.cost_micros(cluster.prompt_tokens, 0, 200)
+    worst = DEFAULT_PRICE.cost_micros(cluster.prompt_tokens, 0, BUSY)
     tenant_id, key = await _tenant(sessions, LimitSet(monthly_budget_micros=4 * worst))
     port = free_port()
     victim = start(["serve", "--port", str(port)], _env_of(cluster))
@@ -198,7 +203,7 @@ async def test_killed_gateway_strands_no_budget(cluster: Cluster, sessions: Any)
         lambda: _usage(tenant_id), lambda u: u.reserved_micros == 0, timeout_s=4 * LEASE_S + 5
     )
     # The whole budget is available again: four worst cases are admitted on a live replica.
-    responses = await _burst(cluster, key, 4, _body(cluster, 200))
+    responses = await _burst(cluster, key, 4, _body(cluster, BUSY))
     assert [r.status_code for r in responses] == [200] * 4
 
 
@@ -212,7 +217,7 @@ def _env_of(cluster: Cluster) -> dict[str, str]:
 
 
 async def _open_stream(base: str, key: str, cluster: Cluster) -> None:
-    body = _body(cluster, 200) | {"stream": True, "ignore_eos": True}
+    body = _body(cluster, BUSY) | {"stream": True, "ignore_eos": True}
     async with (
         httpx.AsyncClient(timeout=120) as http,
         http.stream(

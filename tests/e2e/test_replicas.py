@@ -110,7 +110,7 @@ def test_killing_a_replica_mid_stream(cluster: Cluster) -> None:
     stream = client.completions.create(
         model=cluster.model,
         prompt="Return the",
-        max_tokens=200,
+        max_tokens=1000,  # still running when the 5th token is read, even on a fast machine
         temperature=0,
         stream=True,
         extra_body={"ignore_eos": True},

@@ -29,7 +29,8 @@ from tenants.models import UsageEvent, UsageStatus
 from tests.conftest import eventually, serving
 
 ONE_AT_A_TIME = EngineConfig(max_num_seqs=1, max_waiting_requests=1, cpu_threads=1)
-LONG = SamplingParams(max_tokens=400, ignore_eos=True, temperature=0)
+# Outlasts any test (a few seconds even on a fast machine); every test cancels it.
+LONG = SamplingParams(max_tokens=1800, ignore_eos=True, temperature=0)
 
 
 @pytest.fixture
