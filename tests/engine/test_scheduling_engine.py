@@ -185,8 +185,12 @@ async def test_the_async_engine_raises_the_typed_errors(llama_dir: Path) -> None
 async def test_the_async_engine_raises_overloaded_for_a_displaced_request(
     llama_dir: Path,
 ) -> None:
-    engine = AsyncEngine(make_engine(llama_dir, max_num_seqs=1, max_waiting_requests=1))
-    busy = SamplingParams(max_tokens=2000, temperature=0, ignore_eos=True)
+    # A long context, so the busy request outlasts the test even on a fast machine.
+    small = make_engine(
+        llama_dir, max_num_seqs=1, max_waiting_requests=1, max_model_len=1024, num_kv_blocks=300
+    )
+    engine = AsyncEngine(small)
+    busy = SamplingParams(max_tokens=1000, temperature=0, ignore_eos=True)
     running = engine.generate([2, 3, 4], busy, "running")
     try:
         await anext(running)
