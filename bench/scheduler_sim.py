@@ -21,59 +21,37 @@ same trace (backend/sim/scenarios.py), the baseline in the same run:
 from __future__ import annotations
 
 import argparse
-import math
 import time
 from dataclasses import replace
 
 from backend.config import EngineConfig
 from backend.sim import Simulator, Stream, make_trace, summarize
 from backend.sim import scenarios as sc
-from backend.sim.report import percentile, queue_time
-from backend.sim.simulator import RequestRecord, SimResult
-
-
-def run(scenario: tuple[EngineConfig, list[Stream]], seed: int) -> SimResult:
-    config, streams = scenario
-    return Simulator(config).run(make_trace(streams, seed))
-
-
-def of(result: SimResult, name: str) -> list[RequestRecord]:
-    return [r for r in result.records.values() if r.arrival.stream.name == name]
+from backend.sim.report import of_stream, percentile, queue_time, residency, starvation_bound
+from backend.sim.simulator import SimResult
 
 
 def aging(seed: int) -> str:
     config, _ = sc.starvation(aging=True)
-    on, off = run(sc.starvation(True), seed), run(sc.starvation(False), seed)
-    residency = max(
-        r.end - r.first_scheduled
-        for r in on.records.values()
-        if r.outcome == "finished"
-        and r.preemptions == 0
-        and r.end is not None
-        and r.first_scheduled is not None
-    )
-    assert config.aging_interval_s is not None
-    bound = (
-        5 * config.aging_interval_s
-        + (math.ceil(config.max_waiting_requests / config.max_num_seqs) + 1) * residency
-    )
-    worst_on = max(queue_time(r) for r in of(on, "batch"))
-    worst_off = max(queue_time(r) for r in of(off, "batch"))
+    on, off = sc.simulate(sc.starvation(True), seed), sc.simulate(sc.starvation(False), seed)
+    bound = starvation_bound(config, 5, on)
+    worst_on = max(queue_time(r) for r in of_stream(on, "batch"))
+    worst_off = max(queue_time(r) for r in of_stream(off, "batch"))
     return (
         f"aging       worst p5 wait: off {worst_off:6.2f} s | on {worst_on:5.2f} s "
-        f"(bound {bound:.2f} s, R = {residency:.2f} s)"
+        f"(bound {bound:.2f} s, R = {residency(on):.2f} s)"
     )
 
 
 def protection(seed: int) -> str:
     def p95(result: SimResult) -> float:
         return percentile(
-            [r.first_token - r.arrival.time for r in of(result, "chat") if r.first_token], 95
+            [r.first_token - r.arrival.time for r in of_stream(result, "chat") if r.first_token], 95
         )
 
-    alone = p95(run(sc.document_burst(True, documents=False), seed))
-    on = p95(run(sc.document_burst(True), seed))
-    off = p95(run(sc.document_burst(False), seed))
+    alone = p95(sc.simulate(sc.document_burst(True, documents=False), seed))
+    on = p95(sc.simulate(sc.document_burst(True), seed))
+    off = p95(sc.simulate(sc.document_burst(False), seed))
     return (
         f"protection  chat TTFT p95: alone {alone * 1000:5.1f} ms | burst, on "
         f"{on * 1000:5.1f} ms ({on / alone:.2f}x) | burst, off {off * 1000:6.1f} ms "
@@ -83,7 +61,7 @@ def protection(seed: int) -> str:
 
 def fairness(seed: int) -> str:
     def quiet_share(scenario: tuple[EngineConfig, list[Stream]]) -> float:
-        tokens = run(scenario, seed).contended_tokens
+        tokens = sc.simulate(scenario, seed).contended_tokens
         return tokens["quiet"] / sum(tokens.values())
 
     config, streams = sc.flood(True)
@@ -102,12 +80,14 @@ def preemption(seed: int) -> str:
 
     def steps(result: SimResult) -> tuple[int, int]:
         waits = [
-            r.first_step - r.arrival_step for r in of(result, "urgent") if r.first_step is not None
+            r.first_step - r.arrival_step
+            for r in of_stream(result, "urgent")
+            if r.first_step is not None
         ]
         return max(waits), len(waits)
 
-    on = run((config, streams), seed)
-    off = run((replace(config, priority_preemption_gap=None), streams), seed)
+    on = sc.simulate((config, streams), seed)
+    off = sc.simulate((replace(config, priority_preemption_gap=None), streams), seed)
     (worst_on, n), (worst_off, _) = steps(on), steps(off)
     return (
         f"preemption  steps to start for {n} urgent requests: off {worst_off} | on {worst_on} "
@@ -117,11 +97,11 @@ def preemption(seed: int) -> str:
 
 def shedding(seed: int) -> str:
     def shed(result: SimResult, name: str) -> str:
-        records = of(result, name)
+        records = of_stream(result, name)
         return f"{sum(r.outcome == 'overloaded' for r in records)}/{len(records)}"
 
-    refusing = run(sc.starvation(True), seed)
-    displacing = run(sc.starvation(True, displace=True), seed)
+    refusing = sc.simulate(sc.starvation(True), seed)
+    displacing = sc.simulate(sc.starvation(True, displace=True), seed)
     return (
         f"shedding    full queue, shed p0 | p5: newcomers refused {shed(refusing, 'chat')} | "
         f"{shed(refusing, 'batch')}; least urgent first {shed(displacing, 'chat')} | "

@@ -8,7 +8,32 @@ import math
 from collections import Counter
 from dataclasses import dataclass
 
+from backend.config import EngineConfig
 from backend.sim.simulator import RequestRecord, SimResult
+
+
+def of_stream(result: SimResult, name: str) -> list[RequestRecord]:
+    return [r for r in result.records.values() if r.arrival.stream.name == name]
+
+
+def residency(result: SimResult) -> float:
+    """R: the longest admission-to-finish of a request that was never preempted."""
+    return max(
+        r.end - r.first_scheduled
+        for r in result.records.values()
+        if r.outcome == "finished"
+        and r.preemptions == 0
+        and r.end is not None
+        and r.first_scheduled is not None
+    )
+
+
+def starvation_bound(config: EngineConfig, priority: int, result: SimResult) -> float:
+    """backend/SCHEDULING.md: wait <= p * I + (ceil(Q / S) + 1) * R, with R measured in
+    the same run."""
+    assert config.aging_interval_s is not None
+    turns = math.ceil(config.max_waiting_requests / config.max_num_seqs) + 1
+    return priority * config.aging_interval_s + turns * residency(result)
 
 
 def percentile(values: list[float], q: float) -> float:

@@ -1,12 +1,13 @@
 """The policy comparisons the tests assert and bench/scheduler_sim.py prints. Each returns
-the engine config and the streams; the caller replays them with Simulator."""
+the engine config and the streams; `simulate` replays them."""
 
 from __future__ import annotations
 
 from dataclasses import replace
 
 from backend.config import EngineConfig
-from backend.sim.trace import Stream
+from backend.sim.simulator import SimResult, Simulator
+from backend.sim.trace import Stream, make_trace
 
 # A latency-oriented engine: 512-token steps (vLLM's former chunked-prefill default).
 BASE = EngineConfig(block_size=16, max_num_seqs=128, max_num_batched_tokens=512)
@@ -16,6 +17,11 @@ DOCUMENT = Stream(
 )
 
 STARVATION_INTERVAL_S = 1.0
+
+
+def simulate(scenario: tuple[EngineConfig, list[Stream]], seed: int = 0) -> SimResult:
+    config, streams = scenario
+    return Simulator(config).run(make_trace(streams, seed))
 
 
 def starvation(aging: bool, displace: bool = False) -> tuple[EngineConfig, list[Stream]]:

@@ -3,45 +3,18 @@ and BlockManager on a virtual clock; scenarios in backend/sim/scenarios.py)."""
 
 from __future__ import annotations
 
-import math
 from dataclasses import replace
 
-from backend.config import EngineConfig
-from backend.sim import Simulator, Stream, make_trace, summarize
 from backend.sim import scenarios as sc
-from backend.sim.report import percentile, queue_time
-from backend.sim.simulator import RequestRecord, SimResult
-
-
-def run(scenario: tuple[EngineConfig, list[Stream]], seed: int = 0) -> SimResult:
-    config, streams = scenario
-    return Simulator(config).run(make_trace(streams, seed))
-
-
-def of(result: SimResult, name: str) -> list[RequestRecord]:
-    return [r for r in result.records.values() if r.arrival.stream.name == name]
-
-
-def starvation_bound(config: EngineConfig, priority: int, result: SimResult) -> float:
-    """backend/SCHEDULING.md: wait <= p * I + (ceil(Q / S) + 1) * R, R the longest
-    residency (admission to finish) of a request that was not preempted in the run."""
-    assert config.aging_interval_s is not None
-    residency = max(
-        r.end - r.first_scheduled
-        for r in result.records.values()
-        if r.outcome == "finished"
-        and r.preemptions == 0
-        and r.end is not None
-        and r.first_scheduled is not None
-    )
-    turns = math.ceil(config.max_waiting_requests / config.max_num_seqs) + 1
-    return priority * config.aging_interval_s + turns * residency
+from backend.sim import summarize
+from backend.sim.report import of_stream, percentile, queue_time, starvation_bound
+from backend.sim.simulator import SimResult
 
 
 def test_simulation_is_deterministic_and_reports() -> None:
     config, streams = sc.document_burst(protection=True)
     short = [replace(s, end=8.0, cancel_fraction=0.2) for s in streams]
-    first, second = (run((config, short)) for _ in range(2))
+    first, second = (sc.simulate((config, short)) for _ in range(2))
     assert first.duration_s == second.duration_s and first.num_steps == second.num_steps
     report = summarize(first)
     assert report.outcomes.get("cancelled", 0) > 0 and report.finished > 0
@@ -50,10 +23,10 @@ def test_simulation_is_deterministic_and_reports() -> None:
 
 def test_a_aging_bounds_the_wait_of_low_priority() -> None:
     config, _ = sc.starvation(aging=True)
-    aged = run(sc.starvation(aging=True))
-    starved = run(sc.starvation(aging=False))
+    aged = sc.simulate(sc.starvation(aging=True))
+    starved = sc.simulate(sc.starvation(aging=False))
     bound = starvation_bound(config, 5, aged)
-    low_aged, low_starved = of(aged, "batch"), of(starved, "batch")
+    low_aged, low_starved = of_stream(aged, "batch"), of_stream(starved, "batch")
     assert low_aged and all(r.outcome == "finished" for r in low_aged)
     worst_aged = max(queue_time(r) for r in low_aged)
     assert worst_aged <= bound
@@ -67,9 +40,9 @@ def test_a_full_queue_sheds_low_priority_only_before_it_has_aged() -> None:
     priority 5, but only within p * I of its arrival (later it has aged to class 0)."""
     config, _ = sc.starvation(aging=True, displace=True)
     assert config.aging_interval_s is not None
-    displacing = run(sc.starvation(aging=True, displace=True))
-    refusing = run(sc.starvation(aging=True))
-    low = of(displacing, "batch")
+    displacing = sc.simulate(sc.starvation(aging=True, displace=True))
+    refusing = sc.simulate(sc.starvation(aging=True))
+    low = of_stream(displacing, "batch")
     shed = [r for r in low if r.outcome == "overloaded"]
     assert shed and [r for r in low if r.outcome not in ("overloaded", "finished")] == []
     assert all(
@@ -79,27 +52,27 @@ def test_a_full_queue_sheds_low_priority_only_before_it_has_aged() -> None:
     assert all(queue_time(r) <= bound for r in low if r.outcome == "finished")
 
     def urgent_shed(result: SimResult) -> int:
-        return sum(r.outcome == "overloaded" for r in of(result, "chat"))
+        return sum(r.outcome == "overloaded" for r in of_stream(result, "chat"))
 
     assert urgent_shed(displacing) < urgent_shed(refusing)
 
 
 def _chat_ttft_p95(result: SimResult) -> float:
-    ttfts = [r.first_token - r.arrival.time for r in of(result, "chat") if r.first_token]
+    ttfts = [r.first_token - r.arrival.time for r in of_stream(result, "chat") if r.first_token]
     return percentile(ttfts, 95)
 
 
 def test_b_prefill_protection_keeps_chat_ttft_through_a_document_burst() -> None:
-    unloaded = _chat_ttft_p95(run(sc.document_burst(protection=True, documents=False)))
-    protected = _chat_ttft_p95(run(sc.document_burst(protection=True)))
-    unprotected = _chat_ttft_p95(run(sc.document_burst(protection=False)))
+    unloaded = _chat_ttft_p95(sc.simulate(sc.document_burst(protection=True, documents=False)))
+    protected = _chat_ttft_p95(sc.simulate(sc.document_burst(protection=True)))
+    unprotected = _chat_ttft_p95(sc.simulate(sc.document_burst(protection=False)))
     assert protected <= 2 * unloaded
     assert unprotected > 2 * protected
 
 
 def test_c_equal_weights_share_tokens_equally_under_a_flood() -> None:
     for fair in (True, False):
-        tokens = run(sc.flood(fair)).contended_tokens
+        tokens = sc.simulate(sc.flood(fair)).contended_tokens
         share = tokens["quiet"] / (tokens["quiet"] + tokens["loud"])
         if fair:
             assert abs(share - 0.5) <= 0.05
@@ -111,25 +84,27 @@ def test_c_weights_set_the_shares() -> None:
     config, streams = sc.flood(fair=True)
     # Weight 3 of 4 is 75% of the engine: twice the requests keep "quiet" backlogged.
     heavy = [replace(s, weight=3, rate=2 * s.rate) if s.tenant == "quiet" else s for s in streams]
-    tokens = run((config, heavy)).contended_tokens
+    tokens = sc.simulate((config, heavy)).contended_tokens
     share = tokens["quiet"] / (tokens["quiet"] + tokens["loud"])
     assert abs(share - 0.75) <= 0.05
 
 
 def test_d_high_priority_starts_within_one_step_when_max_num_seqs_is_full() -> None:
     config, _ = sc.inversion()
-    result = run(sc.inversion())
-    urgent = of(result, "urgent")
+    result = sc.simulate(sc.inversion())
+    urgent = of_stream(result, "urgent")
     assert urgent
     for r in urgent:
         assert r.running_at_arrival == config.max_num_seqs  # every slot taken by priority 5
         assert r.first_step is not None and r.first_step - r.arrival_step <= 1
     assert result.num_priority_preemptions >= len(urgent)
     # Preempted batch work is recomputed and still finishes.
-    assert all(r.outcome == "finished" for r in of(result, "batch"))
+    assert all(r.outcome == "finished" for r in of_stream(result, "batch"))
     # Without priority preemption the same requests wait for a slot.
-    waited = run((replace(config, priority_preemption_gap=None), sc.inversion()[1]))
-    assert max(r.first_step - r.arrival_step for r in of(waited, "urgent") if r.first_step) > 1
+    waited = sc.simulate((replace(config, priority_preemption_gap=None), sc.inversion()[1]))
+    assert (
+        max(r.first_step - r.arrival_step for r in of_stream(waited, "urgent") if r.first_step) > 1
+    )
 
 
 def test_deadlines_and_shedding_refuse_work_before_any_compute() -> None:
@@ -137,7 +112,7 @@ def test_deadlines_and_shedding_refuse_work_before_any_compute() -> None:
     config, streams = sc.document_burst(protection=False)
     config = replace(config, max_waiting_tokens=10_000)
     tight = [replace(s, deadline_s=0.2) if s.name == "chat" else s for s in streams]
-    result = run((config, tight))
+    result = sc.simulate((config, tight))
     outcomes = summarize(result).outcomes
     assert outcomes.get("deadline_exceeded", 0) > 0 and outcomes.get("overloaded", 0) > 0
     refused = [r for r in result.records.values() if r.outcome != "finished"]
