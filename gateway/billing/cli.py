@@ -12,7 +12,6 @@ from typing import Any
 from sqlalchemy.ext.asyncio import AsyncSession
 
 from gateway.settings import Settings
-from tenants import audit
 from tenants.billing.customers import StripeCustomerService
 from tenants.billing.export import export_once
 from tenants.billing.models import PriceVersion
@@ -148,20 +147,12 @@ def _billing_export(settings: Settings, args: argparse.Namespace) -> int:
         return 2
     result = export_once(settings, budget_s=600.0)
     assert result is not None  # Stripe is configured
-    counts = {"exported": result.exported, "deferred": result.deferred, "rejected": result.rejected}
     actor = _actor()
 
-    async def work(session: AsyncSession) -> None:
-        await audit.record(
-            session,
-            actor=actor.name,
-            action="billing.export",
-            target="stripe",
-            details=counts,
-            context=actor.context,
-        )
+    async def work(session: AsyncSession) -> dict[str, int]:
+        return await OutboxService(session, actor).record_export(result)
 
-    _in_session(settings, work)
+    counts = _in_session(settings, work)
     print(", ".join(f"{name}={value}" for name, value in counts.items()))
     return 0 if not result.deferred else 1
 

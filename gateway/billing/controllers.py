@@ -198,18 +198,5 @@ class BillingAdminController(Controller):
                 "Stripe export is off: set TOLLGATE_STRIPE_API_KEY", code="stripe_disabled"
             )
         result = await asyncio.to_thread(export_once, settings)
-        counts = {
-            "exported": result.exported if result else 0,
-            "deferred": result.deferred if result else 0,
-            "rejected": result.rejected if result else 0,
-        }
         async with runtime.sessions.begin() as session:
-            await audit.record(
-                session,
-                actor=actor.name,
-                action="billing.export",
-                target="stripe",
-                details=counts,
-                context=actor.context,
-            )
-        return counts
+            return await OutboxService(session, actor).record_export(result)

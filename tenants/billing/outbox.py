@@ -1,4 +1,5 @@
-"""What the Stripe export has left to do, and putting parked rows back in the queue."""
+"""What the Stripe export has left to do, putting parked rows back in the queue, and the
+audit event of an export run by hand."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ from sqlalchemy.ext.asyncio import AsyncSession
 from tenants import audit
 from tenants.audit import SYSTEM, Actor
 from tenants.billing.models import OutboxRow, OutboxStatus
+from tenants.billing.relay import RelayResult
 
 
 @dataclass(frozen=True)
@@ -67,3 +69,17 @@ class OutboxService:
             context=self.actor.context,
         )
         return count
+
+    async def record_export(self, result: RelayResult | None) -> dict[str, int]:
+        """Audit an export someone ran by hand; returns its counts (0 when Stripe is off)."""
+        done = result or RelayResult()
+        counts = {"exported": done.exported, "deferred": done.deferred, "rejected": done.rejected}
+        await audit.record(
+            self.session,
+            actor=self.actor.name,
+            action="billing.export",
+            target="stripe",
+            details=counts,
+            context=self.actor.context,
+        )
+        return counts
