@@ -7,6 +7,7 @@ import os
 import socket
 import sys
 from collections.abc import Callable
+from typing import Any
 
 import uvicorn
 from sqlalchemy.engine import make_url
@@ -26,13 +27,9 @@ def serve(settings: Settings) -> int:
     admin = asyncio.run(_bootstrap(settings))
     owner = asyncio.run(_bootstrap_console(settings))
     app = create_app(settings)
-    config = uvicorn.Config(
+    config = _uvicorn_config(
         app,
-        host=settings.host,
-        port=settings.port,
-        log_level=settings.log_level,
-        log_config=None,  # uvicorn's loggers go through ours (JSON lines)
-        lifespan="on",
+        settings,
         # The client behind a trusted proxy: the right-most untrusted X-Forwarded-For entry.
         proxy_headers=bool(settings.trusted_proxies),
         forwarded_allow_ips=list(settings.trusted_proxies),
@@ -45,6 +42,18 @@ def serve(settings: Settings) -> int:
     server = _Server(config, on_started)
     server.run()
     return 0 if server.started else 1
+
+
+def _uvicorn_config(app: Any, settings: Settings, **options: Any) -> uvicorn.Config:
+    return uvicorn.Config(
+        app,
+        host=settings.host,
+        port=settings.port,
+        log_level=settings.log_level,
+        log_config=None,  # uvicorn's loggers go through ours (JSON lines)
+        lifespan="on",
+        **options,
+    )
 
 
 class _Server(uvicorn.Server):
@@ -73,14 +82,7 @@ def serve_backend(settings: Settings) -> int:
     model_dir = settings.model_path or BUILTIN_MODEL_DIR
     engine = AsyncEngine.from_pretrained(model_dir, engine_config(settings))
     app = create_backend_app(engine, model_dir, settings.backend_secret)
-    config = uvicorn.Config(
-        app,
-        host=settings.host,
-        port=settings.port,
-        log_level=settings.log_level,
-        log_config=None,  # uvicorn's loggers go through ours (JSON lines)
-        lifespan="on",
-    )
+    config = _uvicorn_config(app, settings)
     banner = (
         f"Tollgate backend ({engine.model_name}) ready on http://{settings.host}:{settings.port}"
     )
