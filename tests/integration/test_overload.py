@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import AsyncIterator, Awaitable
+from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
@@ -40,8 +40,47 @@ async def small_engine() -> AsyncIterator[InProcessEngineClient]:
     await client.close()
 
 
-async def _count(rows: Awaitable[list[Any]], n: int) -> bool:
-    return len(await rows) == n
+class Chats:
+    """The official openai client, through a gateway in front of the small engine."""
+
+    def __init__(self, client: openai.AsyncOpenAI, engine: InProcessEngineClient) -> None:
+        self.client = client
+        self.model = engine.model_name
+        self.stats = engine.engine.stats
+
+    async def create(
+        self, max_tokens: int = LONG.max_tokens, stream: bool = False, **extra: Any
+    ) -> Any:
+        return await self.client.chat.completions.create(
+            model=self.model,
+            messages=[{"role": "user", "content": "Tell me about sorting."}],
+            max_tokens=max_tokens,
+            stream=stream,
+            extra_body={"ignore_eos": True, **extra},
+        )
+
+
+@pytest.fixture
+async def chats(
+    settings: Settings, tenant_key: str, small_engine: InProcessEngineClient
+) -> AsyncIterator[Chats]:
+    app = create_app(settings, engine_client=small_engine)
+    async with serving(app) as base_url:
+        client = openai.AsyncOpenAI(base_url=f"{base_url}/v1", api_key=tenant_key, max_retries=0)
+        yield Chats(client, small_engine)
+        await client.close()
+
+
+async def _rejected_rows(sessions: async_sessionmaker[AsyncSession]) -> list[tuple[str, int, int]]:
+    """(status, completion tokens, cost) of the requests settled as rejected."""
+    columns = (UsageEvent.status, UsageEvent.completion_tokens, UsageEvent.cost_micros)
+    async with sessions() as session:
+        rows = await session.execute(select(*columns))
+        return [(s, t, c) for s, t, c in rows if s == UsageStatus.REJECTED]
+
+
+async def _count_rejected(sessions: async_sessionmaker[AsyncSession], n: int) -> bool:
+    return len(await _rejected_rows(sessions)) == n
 
 
 async def _cancel(*tasks: asyncio.Task[Any]) -> None:
@@ -53,140 +92,78 @@ async def _cancel(*tasks: asyncio.Task[Any]) -> None:
 
 
 async def test_a_full_queue_gets_503_with_retry_after(
-    settings: Settings,
-    tenant_key: str,
-    small_engine: InProcessEngineClient,
-    sessions: async_sessionmaker[AsyncSession],
+    chats: Chats, sessions: async_sessionmaker[AsyncSession]
 ) -> None:
-    stats = small_engine.engine.stats
-    app = create_app(settings, engine_client=small_engine)
-    async with serving(app) as base_url:
-        client = openai.AsyncOpenAI(base_url=f"{base_url}/v1", api_key=tenant_key, max_retries=0)
-
-        async def chat() -> Any:
-            return await client.chat.completions.create(
-                model=small_engine.model_name,
-                messages=[{"role": "user", "content": "Tell me about sorting."}],
-                max_tokens=LONG.max_tokens,
-                extra_body={"ignore_eos": True},
+    stats = chats.stats
+    running = asyncio.create_task(chats.create())
+    await eventually(lambda: stats().num_running == 1)
+    waiting = asyncio.create_task(chats.create())
+    await eventually(lambda: stats().num_waiting == 1)
+    try:
+        with pytest.raises(openai.InternalServerError) as caught:
+            await chats.create()
+        assert caught.value.status_code == 503
+        assert int(caught.value.response.headers["retry-after"]) >= 1
+        assert caught.value.code == "overloaded"
+        assert stats().num_rejected_overloaded == 1
+        # A stream sends nothing before the engine's first output: the same 503.
+        with pytest.raises(openai.InternalServerError) as streamed:
+            await chats.client.chat.completions.create(
+                model=chats.model,
+                messages=[{"role": "user", "content": "Hi"}],
+                stream=True,
             )
-
-        running = asyncio.create_task(chat())
-        await eventually(lambda: stats().num_running == 1)
-        waiting = asyncio.create_task(chat())
-        await eventually(lambda: stats().num_waiting == 1)
-        try:
-            with pytest.raises(openai.InternalServerError) as caught:
-                await chat()
-            assert caught.value.status_code == 503
-            assert int(caught.value.response.headers["retry-after"]) >= 1
-            assert caught.value.code == "overloaded"
-            assert stats().num_rejected_overloaded == 1
-            # A stream sends nothing before the engine's first output: the same 503.
-            with pytest.raises(openai.InternalServerError) as streamed:
-                await client.chat.completions.create(
-                    model=small_engine.model_name,
-                    messages=[{"role": "user", "content": "Hi"}],
-                    stream=True,
-                )
-            assert streamed.value.status_code == 503
-            assert int(streamed.value.response.headers["retry-after"]) >= 1
-
-            async def rejected_rows() -> list[tuple[str, int, int]]:
-                columns = (UsageEvent.status, UsageEvent.completion_tokens, UsageEvent.cost_micros)
-                async with sessions() as session:
-                    rows = await session.execute(select(*columns))
-                    return [(s, t, c) for s, t, c in rows if s == UsageStatus.REJECTED]
-
-            await eventually(lambda: _count(rejected_rows(), 2))
-            assert await rejected_rows() == [("rejected", 0, 0)] * 2  # settled, billed nothing
-            assert stats().num_rejected_overloaded == 2
-            assert stats().num_running == 1 and stats().num_waiting == 1  # nobody was lost
-        finally:
-            await _cancel(running, waiting)
-        await client.close()
+        assert streamed.value.status_code == 503
+        assert int(streamed.value.response.headers["retry-after"]) >= 1
+        await eventually(lambda: _count_rejected(sessions, 2))
+        assert await _rejected_rows(sessions) == [("rejected", 0, 0)] * 2  # billed nothing
+        assert stats().num_rejected_overloaded == 2
+        assert stats().num_running == 1 and stats().num_waiting == 1  # nobody was lost
+    finally:
+        await _cancel(running, waiting)
 
 
 async def test_an_urgent_request_displaces_a_queued_batch_one(
-    settings: Settings,
-    tenant_key: str,
-    small_engine: InProcessEngineClient,
-    sessions: async_sessionmaker[AsyncSession],
+    chats: Chats, sessions: async_sessionmaker[AsyncSession]
 ) -> None:
-    stats = small_engine.engine.stats
-    app = create_app(settings, engine_client=small_engine)
-    async with serving(app) as base_url:
-        client = openai.AsyncOpenAI(base_url=f"{base_url}/v1", api_key=tenant_key, max_retries=0)
+    stats = chats.stats
+    running = asyncio.create_task(chats.create(priority=0))
+    await eventually(lambda: stats().num_running == 1)
+    batch = asyncio.create_task(chats.create(priority=5))
+    await eventually(lambda: stats().waiting_tokens > 0)  # in the engine's queue
+    urgent = asyncio.create_task(chats.create(priority=0))
+    try:
+        with pytest.raises(openai.InternalServerError) as caught:
+            await batch
+        assert caught.value.status_code == 503 and caught.value.code == "overloaded"
+        assert int(caught.value.response.headers["retry-after"]) >= 1
+        await eventually(lambda: stats().waiting_tokens > 0)  # the urgent one took its place
+        assert (stats().num_running, stats().num_waiting) == (1, 1)
+        assert stats().num_rejected_overloaded == 1
+        await eventually(lambda: _count_rejected(sessions, 1))
+        assert [(s, c) for s, _, c in await _rejected_rows(sessions)] == [("rejected", 0)]
+    finally:
+        await _cancel(running, urgent)
 
-        async def chat(priority: int) -> Any:
-            return await client.chat.completions.create(
-                model=small_engine.model_name,
-                messages=[{"role": "user", "content": "Tell me about sorting."}],
-                max_tokens=LONG.max_tokens,
-                extra_body={"ignore_eos": True, "priority": priority},
-            )
 
-        running = asyncio.create_task(chat(0))
-        await eventually(lambda: stats().num_running == 1)
-        batch = asyncio.create_task(chat(5))
-        await eventually(lambda: stats().waiting_tokens > 0)  # in the engine's queue
-        urgent = asyncio.create_task(chat(0))
-        try:
+async def test_a_first_token_deadline_fails_fast_behind_a_busy_engine(chats: Chats) -> None:
+    stats = chats.stats
+    with pytest.raises(openai.BadRequestError) as invalid:
+        await chats.create(1, ttft_deadline_ms=0)
+    assert invalid.value.param == "ttft_deadline_ms"
+    running = asyncio.create_task(chats.create())
+    await eventually(lambda: stats().num_running == 1)
+    try:
+        for stream in (False, True):  # a stream sends nothing before its first token
             with pytest.raises(openai.InternalServerError) as caught:
-                await batch
-            assert caught.value.status_code == 503 and caught.value.code == "overloaded"
-            assert int(caught.value.response.headers["retry-after"]) >= 1
-            await eventually(lambda: stats().waiting_tokens > 0)  # the urgent one took its place
-            assert (stats().num_running, stats().num_waiting) == (1, 1)
-            assert stats().num_rejected_overloaded == 1
-
-            async def rejected() -> list[tuple[str, int]]:
-                columns = (UsageEvent.status, UsageEvent.cost_micros)
-                async with sessions() as session:
-                    rows = await session.execute(select(*columns))
-                    return [(s, c) for s, c in rows if s == UsageStatus.REJECTED]
-
-            await eventually(lambda: _count(rejected(), 1))
-            assert await rejected() == [("rejected", 0)]
-        finally:
-            await _cancel(running, urgent)
-        await client.close()
-
-
-async def test_a_first_token_deadline_fails_fast_behind_a_busy_engine(
-    settings: Settings, tenant_key: str, small_engine: InProcessEngineClient
-) -> None:
-    stats = small_engine.engine.stats
-    app = create_app(settings, engine_client=small_engine)
-    async with serving(app) as base_url:
-        client = openai.AsyncOpenAI(base_url=f"{base_url}/v1", api_key=tenant_key, max_retries=0)
-
-        async def chat(max_tokens: int, stream: bool = False, **extra: Any) -> Any:
-            return await client.chat.completions.create(
-                model=small_engine.model_name,
-                messages=[{"role": "user", "content": "Tell me about sorting."}],
-                max_tokens=max_tokens,
-                stream=stream,
-                extra_body={"ignore_eos": True, **extra},
-            )
-
-        with pytest.raises(openai.BadRequestError) as invalid:
-            await chat(1, ttft_deadline_ms=0)
-        assert invalid.value.param == "ttft_deadline_ms"
-        running = asyncio.create_task(chat(LONG.max_tokens))
-        await eventually(lambda: stats().num_running == 1)
-        try:
-            for stream in (False, True):  # a stream sends nothing before its first token
-                with pytest.raises(openai.InternalServerError) as caught:
-                    await chat(4, stream=stream, ttft_deadline_ms=50)
-                assert caught.value.status_code == 504 and caught.value.code == "deadline_exceeded"
-            await eventually(lambda: stats().num_waiting == 0)  # gone from the engine too
-            assert stats().num_running == 1
-        finally:
-            await _cancel(running)
-        reply = await chat(4, ttft_deadline_ms=60_000)  # an idle engine meets it
-        assert reply.usage.completion_tokens == 4
-        await client.close()
+                await chats.create(4, stream=stream, ttft_deadline_ms=50)
+            assert caught.value.status_code == 504 and caught.value.code == "deadline_exceeded"
+        await eventually(lambda: stats().num_waiting == 0)  # gone from the engine too
+        assert stats().num_running == 1
+    finally:
+        await _cancel(running)
+    reply = await chats.create(4, ttft_deadline_ms=60_000)  # an idle engine meets it
+    assert reply.usage.completion_tokens == 4
 
 
 async def test_a_remote_backend_sheds_with_a_typed_error(tmp_path: Path) -> None:
