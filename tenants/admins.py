@@ -23,6 +23,7 @@ from sqlalchemy.orm import Mapped, mapped_column
 from tenants import audit
 from tenants.audit import SYSTEM, Actor
 from tenants.errors import ConflictError, InvalidInputError, NotFoundError
+from tenants.keys import hash_key
 from tenants.models import Base, as_utc, new_id, utcnow
 
 MIN_PASSWORD_LENGTH = 12
@@ -109,10 +110,6 @@ def _unb64(text: str) -> bytes:
     return base64.b64decode(text.encode(), validate=True)
 
 
-def _token_hash(token: str) -> str:
-    return hashlib.sha256(token.encode()).hexdigest()
-
-
 # Compared against when the email is unknown, so timing does not reveal which emails exist.
 _DUMMY_HASH = hash_password(secrets.token_urlsafe(16))
 
@@ -176,7 +173,7 @@ class AdminService:
         token = secrets.token_urlsafe(32)
         self.session.add(
             ConsoleSession(
-                token_hash=_token_hash(token),
+                token_hash=hash_key(token),
                 admin_id=admin.id,
                 csrf_token=secrets.token_urlsafe(32),
                 created_at=now,
@@ -196,7 +193,7 @@ class AdminService:
             await self.session.execute(
                 select(ConsoleSession, ConsoleAdmin)
                 .join(ConsoleAdmin, ConsoleAdmin.id == ConsoleSession.admin_id)
-                .where(ConsoleSession.token_hash == _token_hash(token))
+                .where(ConsoleSession.token_hash == hash_key(token))
             )
         ).one_or_none()
         if row is None:
@@ -212,7 +209,7 @@ class AdminService:
 
     async def sign_out(self, token: str) -> None:
         await self.session.execute(
-            delete(ConsoleSession).where(ConsoleSession.token_hash == _token_hash(token))
+            delete(ConsoleSession).where(ConsoleSession.token_hash == hash_key(token))
         )
 
     async def purge_idle(self, idle: timedelta, now: datetime | None = None) -> int:

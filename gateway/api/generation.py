@@ -140,10 +140,9 @@ async def _outputs(job: Job, engine: EngineClient) -> AsyncIterator[RequestOutpu
     """The engine's outputs for this job, under its server-side deadlines: the first token
     by `first_token_within_s`, the last by `timeout_s`. Missing one closes the engine's
     stream, which aborts the request there."""
-    loop = asyncio.get_running_loop()
-    waited = time.monotonic() - job.started
-    last_due = loop.time() + job.timeout_s - waited
-    due = loop.time() + job.first_token_within_s - waited
+    started = asyncio.get_running_loop().time() - (time.monotonic() - job.started)  # loop clock
+    last_due = started + job.timeout_s
+    due = started + job.first_token_within_s
     outputs = engine.generate(
         job.prompt,
         job.params,

@@ -16,7 +16,7 @@ from sqlalchemy.ext.asyncio import AsyncSession
 from gateway.console.actions import micro_dollars
 from gateway.console.auth import Console, provide_console, provide_form, provide_owner_form
 from gateway.console.pages import parse_moment
-from gateway.console.render import back_to, csv_download, page
+from gateway.console.render import back_to, csv_download, page, query_text
 from gateway.runtime import Runtime
 from tenants import audit
 from tenants.billing.models import OutboxRow, OutboxStatus
@@ -125,8 +125,7 @@ class LedgerPagesController(Controller):
         runtime: NamedDependency[Runtime],
         console: NamedDependency[Console],
     ) -> Response[str]:
-        tenant_name = (request.query_params.get("tenant") or "").strip()
-        period = Period.parse((request.query_params.get("period") or "").strip() or _this_month())
+        tenant_name, period = _tenant_and_period(request)
         report = status = None
         waiting: list[tuple[OutboxRow, str]] = []
         async with runtime.sessions() as session:
@@ -160,8 +159,7 @@ class LedgerPagesController(Controller):
         console: NamedDependency[Console],
     ) -> Response[str]:
         """The report's lines (day x model) as CSV; the export is audited."""
-        tenant_name = (request.query_params.get("tenant") or "").strip()
-        period = Period.parse((request.query_params.get("period") or "").strip() or _this_month())
+        tenant_name, period = _tenant_and_period(request)
         async with runtime.sessions.begin() as session:
             tenant = await TenantService(session).get(tenant_name)
             report = await build_report(session, tenant, period)
@@ -183,10 +181,8 @@ class LedgerPagesController(Controller):
         runtime: NamedDependency[Runtime],
         console: NamedDependency[Console],
     ) -> Response[str]:
-        query = request.query_params
-
         def text(name: str) -> str | None:
-            return (query.get(name) or "").strip() or None
+            return query_text(request, name) or None
 
         before = text("before")
         async with runtime.sessions() as session:
@@ -271,8 +267,10 @@ class LedgerActionsController(Controller):
         return back_to(request, "/admin/audit", result.describe(), "ok" if result.ok else "error")
 
 
-def _this_month() -> str:
-    return utcnow().strftime("%Y-%m")
+def _tenant_and_period(request: Request[Any, Any, Any]) -> tuple[str, Period]:
+    """The billing pages' tenant and period (this month unless given)."""
+    period = query_text(request, "period")
+    return query_text(request, "tenant"), Period.parse(period) if period else Period.current()
 
 
 def _when(moment: datetime) -> str:

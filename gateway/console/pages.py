@@ -26,7 +26,7 @@ from gateway.console.queries import (
     tenant_series,
     traffic,
 )
-from gateway.console.render import csv_download, page
+from gateway.console.render import csv_download, page, query_text
 from gateway.runtime import Runtime
 from gateway.telemetry.request import workload_class
 from tenants import audit
@@ -51,10 +51,8 @@ def parse_moment(text: str | None) -> datetime | None:
 
 
 def usage_filter(request: Request[Any, Any, Any]) -> UsageFilter:
-    query = request.query_params
-
     def text(name: str) -> str | None:
-        return (query.get(name) or "").strip() or None
+        return query_text(request, name) or None
 
     return UsageFilter(
         tenant=text("tenant"),
@@ -99,7 +97,7 @@ class PagesController(Controller):
         runtime: NamedDependency[Runtime],
         console: NamedDependency[Console],
     ) -> Response[str]:
-        search = (request.query_params.get("q") or "").strip().lower()
+        search = query_text(request, "q").lower()
         async with runtime.sessions() as session:
             plans = await PlanService(session).list()
             names = {plan.id: plan.name for plan in plans}
@@ -164,7 +162,7 @@ class PagesController(Controller):
         runtime: NamedDependency[Runtime],
         console: NamedDependency[Console],
     ) -> Response[str]:
-        tenant_name = (request.query_params.get("tenant") or "").strip()
+        tenant_name = query_text(request, "tenant")
         async with runtime.sessions() as session:
             tenant = await TenantService(session).get(tenant_name) if tenant_name else None
             rows = await ApiKeyService(session).list(tenant)
@@ -260,7 +258,7 @@ class PagesController(Controller):
         runtime: NamedDependency[Runtime],
         console: NamedDependency[Console],
     ) -> Response[str]:
-        request_id = (request.query_params.get("id") or "").strip()
+        request_id = query_text(request, "id")
         return await request_page(request, runtime, console, request_id)
 
     @get("/requests/{request_id:str}")

@@ -47,6 +47,11 @@ def environment() -> Environment:
     return env
 
 
+def query_text(request: Request[Any, Any, Any], name: str) -> str:
+    """A query parameter, stripped; "" when absent."""
+    return (request.query_params.get(name) or "").strip()
+
+
 def money(micros: int | None) -> str:
     """Micro-units of currency as dollars: 1_234_567 -> "$1.234567" trimmed to cents+."""
     if micros is None:
