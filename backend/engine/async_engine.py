@@ -91,13 +91,8 @@ class AsyncEngine:
                 item = await stream.queue.get()
                 if isinstance(item, BaseException):
                     raise item
-                if item.error == DeadlineExceededError.kind:
-                    raise DeadlineExceededError("the first token could not come by the deadline")
-                if item.error == OverloadedError.kind:
-                    raise OverloadedError(
-                        "the engine is overloaded: a more urgent request took this one's place",
-                        item.retry_after_s or 1.0,
-                    )
+                if item.error is not None:
+                    raise _rejection(item)
                 unfinished -= item.finished
                 yield item
         finally:
@@ -151,3 +146,13 @@ class AsyncEngine:
 def _put(stream: _Stream, item: RequestOutput | BaseException) -> None:
     with contextlib.suppress(RuntimeError):  # a closed event loop: nobody is listening
         stream.loop.call_soon_threadsafe(stream.queue.put_nowait, item)
+
+
+def _rejection(out: RequestOutput) -> Exception:
+    """The error a request the policy rejected in the queue raises (out.error says why)."""
+    if out.error == OverloadedError.kind:
+        return OverloadedError(
+            "the engine is overloaded: a more urgent request took this one's place",
+            out.retry_after_s or 1.0,
+        )
+    return DeadlineExceededError("the first token could not come by the deadline")

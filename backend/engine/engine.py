@@ -56,6 +56,7 @@ class Engine:
         self._total_tokens = (0, 0)
         self._lock = threading.Lock()
         self._inbox: list[Request] = []
+        self._inbox_tokens = 0  # their prompts' tokens, for admission
         self._aborts: list[Request] = []
         self._groups: dict[str, list[Request]] = {}  # caller's id -> its n completions
         self._seqs: dict[str, _Seq] = {}  # engine key -> completion state
@@ -114,12 +115,13 @@ class Engine:
         with self._lock:
             if request_id in self._groups:
                 raise ValueError(f"request id {request_id!r} is already in the engine")
-            pending = (len(self._inbox), sum(r.num_tokens for r in self._inbox))
+            pending = (len(self._inbox), self._inbox_tokens)
             self.scheduler.check_admission(len(ids), deadline, priority, len(reqs), pending)
             self._groups[request_id] = reqs
             for req in reqs:
                 self._seqs[req.request_id] = _Seq(req, IncrementalDetokenizer(self.tokenizer, ids))
             self._inbox += reqs
+            self._inbox_tokens += sum(r.num_tokens for r in reqs)
 
     def abort(self, request_id: str) -> None:
         """Idempotent; takes effect at the next step boundary. Unknown or finished ids are
@@ -163,7 +165,7 @@ class Engine:
 
     def step(self) -> list[RequestOutput]:
         with self._lock:
-            inbox, self._inbox = self._inbox, []
+            inbox, self._inbox, self._inbox_tokens = self._inbox, [], 0
         for req in inbox:
             self.scheduler.add_request(req)
         outputs = self._apply_aborts()

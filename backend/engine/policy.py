@@ -46,10 +46,12 @@ class Ranking:
             return (req.priority, req.arrival_time, req.index)
         return (req.arrival_time + req.priority * self.aging, req.arrival_time, req.index)
 
-    def effective(self, req: Request, now: float) -> int:
+    def effective(self, req: Request, now: float, since: float | None = None) -> int:
+        """Aged from `since` (default: its arrival)."""
         if self.aging is None:
             return req.priority
-        return req.priority - math.floor((now - req.arrival_time) / self.aging)
+        waited = now - (req.arrival_time if since is None else since)
+        return req.priority - math.floor(waited / self.aging)
 
 
 def _deadline_order(req: Request) -> tuple[float, float, int]:
@@ -169,11 +171,8 @@ class WaitingQueue:
         return [r for r in self._queues.get(root.tenant, ()) if r is root or r.fork_of is root]
 
     def _head_class(self, head: Request, now: float) -> int:
-        aging = self.ranking.aging
-        if aging is None:
-            return head.priority
         since = max(head.arrival_time, self._served_at.get(head.tenant, head.arrival_time))
-        return head.priority - math.floor((now - since) / aging)
+        return self.ranking.effective(head, now, since)
 
 
 class Throughput:

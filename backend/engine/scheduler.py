@@ -79,8 +79,8 @@ class Scheduler:
         self.block_manager = block_manager
         self.clock = clock  # the simulator's virtual clock replaces time.monotonic
         self.ranking = Ranking(config.aging_interval_s)
-        self.fair = FairShare()  # counts tokens per tenant; orders only if tenant_fairness
-        self.waiting = WaitingQueue(self.ranking, self.fair if config.tenant_fairness else None)
+        self.fair = FairShare() if config.tenant_fairness else None  # tokens served per tenant
+        self.waiting = WaitingQueue(self.ranking, self.fair)
         self.throughput = Throughput()
         self.requests: dict[str, Request] = {}
         self.running: list[Request] = []
@@ -367,9 +367,10 @@ class Scheduler:
     def _output(self, plan: _Plan) -> SchedulerOutput:
         scheduled: list[ScheduledRequest] = []
         prefill = decode = 0
-        served = self.fair.served  # inline FairShare.charge: once per chunk, every step
+        charge = None if self.fair is None else self.fair.charge
         for req, num_new in plan.chunks.values():
-            served[req.tenant] = served.get(req.tenant, 0.0) + num_new / req.weight
+            if charge is not None:
+                charge(req, num_new)
             start = req.num_computed_tokens
             if num_new == 1 and start >= req.num_prompt_tokens and start + 1 == req.num_tokens:
                 decode += 1

@@ -117,4 +117,4 @@ def test_deadlines_and_shedding_refuse_work_before_any_compute() -> None:
     assert outcomes.get("deadline_exceeded", 0) > 0 and outcomes.get("overloaded", 0) > 0
     refused = [r for r in result.records.values() if r.outcome != "finished"]
     assert refused and all(r.first_scheduled is None and not r.token_times for r in refused)
-    assert outcomes["finished"] + len(refused) == len(result.records)
+    assert set(outcomes) == {"finished", "deadline_exceeded", "overloaded"}  # none left waiting
