@@ -23,6 +23,10 @@ _REQUEST_ID = re.compile(r"^[A-Za-z0-9._:-]{1,64}$")
 _AUDIT_CONTEXT = "audit_context"  # where a request keeps its context, in its scope state
 
 
+def new_request_id() -> str:
+    return "req_" + uuid.uuid4().hex
+
+
 def audit_context(request: Request[Any, Any, Any]) -> AuditContext:
     """Request id (the caller's X-Request-Id if it is sane, else a new one), client IP and
     user agent, for the audit log. One per request, so all its events share the id that
@@ -31,7 +35,7 @@ def audit_context(request: Request[Any, Any, Any]) -> AuditContext:
     if isinstance(known, AuditContext):
         return known
     given = request.headers.get("x-request-id", "")
-    request_id = given if _REQUEST_ID.match(given) else "req_" + uuid.uuid4().hex
+    request_id = given if _REQUEST_ID.match(given) else new_request_id()
     user_agent = request.headers.get("user-agent")
     context = AuditContext(
         request_id=request_id,

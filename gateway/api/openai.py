@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import uuid
 from collections.abc import AsyncIterator, Awaitable
 from dataclasses import replace
 from typing import Any, TypeVar
@@ -16,7 +15,7 @@ from litestar.response import Stream
 
 from backend import SamplingParams
 from gateway.admission import idempotency, policy
-from gateway.admission.auth import authenticate
+from gateway.admission.auth import authenticate, new_request_id
 from gateway.admission.idempotency import Claim, Replay
 from gateway.api import generation
 from gateway.api.formats import ChatFormat, Format, TextFormat
@@ -39,10 +38,6 @@ from tenants.services import Principal
 T = TypeVar("T")
 
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
-
-
-def new_request_id() -> str:
-    return "req_" + uuid.uuid4().hex
 
 
 def _sampling(fields: SamplingFields, max_tokens: int) -> SamplingParams:

@@ -198,5 +198,6 @@ class BillingAdminController(Controller):
                 "Stripe export is off: set TOLLGATE_STRIPE_API_KEY", code="stripe_disabled"
             )
         result = await asyncio.to_thread(export_once, settings)
+        assert result is not None  # Stripe is configured
         async with runtime.sessions.begin() as session:
             return await OutboxService(session, actor).record_export(result)

@@ -11,11 +11,9 @@ from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
 from gateway.settings import Settings
 from gateway.tasks import Periodic
 from tenants.billing.export import export_once
-from tenants.billing.rollups import rebuild_recent
+from tenants.billing.rollups import ROLLUP_EVERY_S, rebuild_recent
 
 log = logging.getLogger(__name__)
-
-ROLLUP_EVERY_S = 300.0
 
 
 class BillingJobs:

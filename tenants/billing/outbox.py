@@ -70,10 +70,9 @@ class OutboxService:
         )
         return count
 
-    async def record_export(self, result: RelayResult | None) -> dict[str, int]:
-        """Audit an export someone ran by hand; returns its counts (0 when Stripe is off)."""
-        done = result or RelayResult()
-        counts = {"exported": done.exported, "deferred": done.deferred, "rejected": done.rejected}
+    async def record_export(self, result: RelayResult) -> dict[str, int]:
+        """Audit an export someone ran by hand; returns its counts."""
+        counts = result.counts()
         await audit.record(
             self.session,
             actor=self.actor.name,

@@ -49,6 +49,9 @@ class RelayResult:
     rejected: int = 0
     claimed: int = 0
 
+    def counts(self) -> dict[str, int]:
+        return {"exported": self.exported, "deferred": self.deferred, "rejected": self.rejected}
+
     def add(self, other: RelayResult) -> None:
         self.exported += other.exported
         self.deferred += other.deferred

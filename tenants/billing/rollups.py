@@ -15,6 +15,8 @@ from tenants.billing.models import DailyUsage
 from tenants.billing.reports import utc_day
 from tenants.models import UsageEvent, utcnow
 
+ROLLUP_EVERY_S = 300.0  # how often the recent days are rebuilt (Celery beat, or in process)
+
 
 async def rebuild_days(session: AsyncSession, first: date, last: date) -> int:
     """Replace the rollups of days [first, last]; returns how many rows were written."""

@@ -19,11 +19,11 @@ from celery import Celery
 
 from gateway.settings import Settings
 from tenants.billing.export import export_once, rollup_once
+from tenants.billing.rollups import ROLLUP_EVERY_S
 
 log = logging.getLogger(__name__)
 
 RELAY_BUDGET_S = 60.0  # well inside the broker's visibility timeout
-ROLLUP_EVERY_S = 300.0
 
 
 @cache
@@ -65,7 +65,7 @@ def relay() -> dict[str, int]:
     result = export_once(settings(), RELAY_BUDGET_S)
     if result is None:
         return {"exported": 0}  # Stripe is off: the ledger alone is kept
-    return {"exported": result.exported, "deferred": result.deferred, "rejected": result.rejected}
+    return result.counts()
 
 
 def rollup() -> int:
