@@ -21,13 +21,12 @@ from gateway.api.schemas import decode
 from gateway.billing.schemas import CustomerBody, PriceBody, period_of, price_view, usage_row_view
 from gateway.errors import InvalidRequest, NotFound
 from gateway.runtime import Runtime
-from tenants import audit
 from tenants.audit import Actor
 from tenants.billing.customers import StripeCustomerService
 from tenants.billing.export import export_once
 from tenants.billing.outbox import OutboxService
 from tenants.billing.prices import PriceService, audit_created
-from tenants.billing.reports import build_report
+from tenants.billing.reports import build_report, export_csv
 from tenants.models import UsageEvent
 from tenants.pricing import Price
 from tenants.services import Principal, TenantService
@@ -96,19 +95,9 @@ class BillingAdminController(Controller):
         """The report's lines as CSV; exporting billing data is audited."""
         async with runtime.sessions.begin() as session:
             found = await TenantService(session).get(tenant)
-            report = await build_report(session, found, period_of(period))
-            await audit.record(
-                session,
-                actor=actor.name,
-                action="billing.report.export",
-                target=f"tenant:{found.name}",
-                tenant_id=found.id,
-                details={"period": report.period.label, "format": "csv"},
-                context=actor.context,
-            )
-        filename = f"tollgate-{found.name}-{report.period.label}.csv"
+            filename, text = await export_csv(session, actor, found, period_of(period))
         return Response(
-            report.csv(),
+            text,
             media_type="text/csv; charset=utf-8",
             headers={"Content-Disposition": f'attachment; filename="{filename}"'},
         )

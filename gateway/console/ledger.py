@@ -22,7 +22,7 @@ from tenants import audit
 from tenants.billing.models import OutboxRow, OutboxStatus
 from tenants.billing.outbox import OutboxService
 from tenants.billing.prices import ANY_MODEL, PriceService, audit_created
-from tenants.billing.reports import Period, build_report
+from tenants.billing.reports import Period, build_report, export_csv
 from tenants.errors import DomainError, InvalidInputError
 from tenants.models import UsageEvent, as_utc, utcnow
 from tenants.pricing import Price
@@ -162,17 +162,8 @@ class LedgerPagesController(Controller):
         tenant_name, period = _tenant_and_period(request)
         async with runtime.sessions.begin() as session:
             tenant = await TenantService(session).get(tenant_name)
-            report = await build_report(session, tenant, period)
-            await audit.record(
-                session,
-                actor=console.actor.name,
-                action="billing.report.export",
-                target=f"tenant:{tenant.name}",
-                tenant_id=tenant.id,
-                details={"period": period.label, "format": "csv"},
-                context=console.actor.context,
-            )
-        return csv_download(report.csv(), f"tollgate-{tenant.name}-{period.label}.csv")
+            filename, text = await export_csv(session, console.actor, tenant, period)
+        return csv_download(text, filename)
 
     @get("/audit")
     async def audit_log(

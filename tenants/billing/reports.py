@@ -21,6 +21,8 @@ from sqlalchemy.ext.asyncio import AsyncSession
 from sqlalchemy.orm import InstrumentedAttribute
 from sqlalchemy.sql.elements import ColumnElement
 
+from tenants import audit
+from tenants.audit import Actor
 from tenants.errors import InvalidInputError
 from tenants.models import Tenant, UsageEvent, utcnow
 
@@ -205,3 +207,21 @@ async def build_report(session: AsyncSession, tenant: Tenant, period: Period) ->
         report.by_day_model.setdefault((on, row.model), Totals()).add(totals)
         report.by_status[row.status] = report.by_status.get(row.status, 0) + totals.requests
     return report
+
+
+async def export_csv(
+    session: AsyncSession, actor: Actor, tenant: Tenant, period: Period
+) -> tuple[str, str]:
+    """The tenant's report for the period as CSV: (filename, text). Exporting billing data
+    is audited, in the caller's transaction."""
+    report = await build_report(session, tenant, period)
+    await audit.record(
+        session,
+        actor=actor.name,
+        action="billing.report.export",
+        target=f"tenant:{tenant.name}",
+        tenant_id=tenant.id,
+        details={"period": period.label, "format": "csv"},
+        context=actor.context,
+    )
+    return f"tollgate-{tenant.name}-{period.label}.csv", report.csv()
