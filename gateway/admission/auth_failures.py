@@ -8,14 +8,13 @@ only the visible prefix of a well-formed key ("-" otherwise).
 
 from __future__ import annotations
 
-import asyncio
-import contextlib
 import logging
 from collections import Counter
 from datetime import datetime
 
 from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
 
+from gateway.tasks import Periodic
 from tenants import audit
 from tenants.audit import AuditEvent
 from tenants.models import utcnow
@@ -41,7 +40,7 @@ class AuthFailureLog:
         self._counts: Counter[Source] = Counter()
         self._other = 0
         self._since = utcnow()
-        self._task: asyncio.Task[None] | None = None
+        self._schedule = Periodic([(self.flush, window_s)])
 
     def note(self, ip: str | None, key_prefix: str | None, reason: str) -> None:
         """Count one failure ("missing_key", "invalid_key", "admin_required"…); no I/O, so
@@ -76,22 +75,11 @@ class AuthFailureLog:
         self._counts, self._other, self._since = counts, other + self._other, since
 
     def start(self) -> None:
-        self._task = asyncio.get_running_loop().create_task(self._run())
-
-    async def _run(self) -> None:
-        while True:
-            await asyncio.sleep(self.window_s)  # a schedule, not synchronisation
-            try:
-                await self.flush()
-            except Exception:
-                log.exception("could not write authentication failures to the audit log")
+        self._schedule.start()
 
     async def close(self) -> None:
         """Stop the schedule and write what the last window counted."""
-        if self._task is not None:
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._task
+        await self._schedule.close()
         try:
             await self.flush()
         except Exception:
