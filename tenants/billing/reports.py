@@ -27,15 +27,6 @@ from tenants.errors import InvalidInputError
 from tenants.models import Tenant, UsageEvent, utcnow
 
 _PERIOD = re.compile(r"^(\d{4})-(\d{2})$")
-CSV_FIELDS = (
-    "date",
-    "model",
-    "requests",
-    "input_tokens",
-    "cached_input_tokens",
-    "output_tokens",
-    "cost_micros",
-)
 
 
 @dataclass(frozen=True)
@@ -86,6 +77,9 @@ class Totals:
             "output_tokens": self.output_tokens,
             "cost_micros": self.cost_micros,
         }
+
+
+CSV_FIELDS = ("date", "model", *Totals().view())
 
 
 @dataclass
@@ -146,17 +140,7 @@ class Report:
         writer = csv.writer(out, lineterminator="\n")
         writer.writerow(CSV_FIELDS)
         for (day, model), t in sorted(self.by_day_model.items()):
-            writer.writerow(
-                [
-                    day.isoformat(),
-                    model,
-                    t.requests,
-                    t.input_tokens,
-                    t.cached_input_tokens,
-                    t.output_tokens,
-                    t.cost_micros,
-                ]
-            )
+            writer.writerow([day.isoformat(), model, *t.view().values()])
         return out.getvalue()
 
 
