@@ -109,8 +109,11 @@ class SchedulerMachine(RuleBasedStateMachine):
             assert req.is_finished == (req.request_id not in s.requests)
 
     def teardown(self) -> None:
-        """Everything left runs to completion; then no block is in use."""
-        for _ in range(400):
+        """Everything left runs to completion; then no block is in use. The step bound
+        grows with the work left (a flat 400 was too few for a long history with heavy
+        preemption): a livelock never finishes, whatever the bound."""
+        work = sum(r.max_len for r in self.requests if not r.is_finished)
+        for _ in range(400 + 10 * work):
             if not self.scheduler.has_unfinished():
                 break
             self.step(token=1)
