@@ -31,11 +31,7 @@ PLAIN_TABLE = """CREATE TABLE bench_plain (
 
 def _fresh(url: str) -> None:
     if db.sync_url(url).get_backend_name() == "postgresql":
-        engine = create_engine(db.sync_url(url), isolation_level="AUTOCOMMIT")
-        with engine.connect() as connection:
-            connection.execute(text("DROP SCHEMA public CASCADE"))
-            connection.execute(text("CREATE SCHEMA public"))
-        engine.dispose()
+        db.reset_schema(url)
     db.upgrade(url)
     engine = create_engine(db.sync_url(url))
     with engine.begin() as connection:

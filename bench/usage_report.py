@@ -47,11 +47,9 @@ def ensure_database(name: str) -> str:
 
 
 def fill(url: str, rows: int, tenants: int) -> None:
-    engine = create_engine(db.sync_url(url), isolation_level="AUTOCOMMIT")
-    with engine.connect() as connection:
-        connection.execute(text("DROP SCHEMA public CASCADE"))
-        connection.execute(text("CREATE SCHEMA public"))
+    db.reset_schema(url)
     db.upgrade(url)
+    engine = create_engine(db.sync_url(url), isolation_level="AUTOCOMMIT")
     with engine.connect() as connection:
         started = time.perf_counter()
         _tenants(connection, tenants)

@@ -4,9 +4,10 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import sqlalchemy
 from alembic import command
 from alembic.config import Config
-from sqlalchemy import event
+from sqlalchemy import event, text
 from sqlalchemy.engine import URL, make_url
 from sqlalchemy.ext.asyncio import (
     AsyncEngine,
@@ -75,6 +76,17 @@ def alembic_config(url: str) -> Config:
     rendered = parsed.render_as_string(hide_password=False).replace("%", "%%")
     config.set_main_option("sqlalchemy.url", rendered)
     return config
+
+
+def reset_schema(url: str) -> None:
+    """PostgreSQL: an empty public schema (tests and benches start from the migrations)."""
+    engine = sqlalchemy.create_engine(sync_url(url), isolation_level="AUTOCOMMIT")
+    try:
+        with engine.connect() as connection:
+            connection.execute(text("DROP SCHEMA public CASCADE"))
+            connection.execute(text("CREATE SCHEMA public"))
+    finally:
+        engine.dispose()
 
 
 def upgrade(url: str, revision: str = "head") -> None:

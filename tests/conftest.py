@@ -15,7 +15,6 @@ import pytest
 import uvicorn
 from litestar import Litestar
 from litestar.testing import AsyncTestClient
-from sqlalchemy import create_engine, text
 from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
 
 from gateway.app import create_app, engine_config
@@ -31,17 +30,6 @@ POSTGRES_URL = os.environ.get(
 )
 
 
-def reset_postgres(url: str) -> None:
-    """An empty public schema, so every test starts from the migrations alone."""
-    engine = create_engine(db.sync_url(url), isolation_level="AUTOCOMMIT")
-    try:
-        with engine.connect() as connection:
-            connection.execute(text("DROP SCHEMA public CASCADE"))
-            connection.execute(text("CREATE SCHEMA public"))
-    finally:
-        engine.dispose()
-
-
 @pytest.fixture(params=["sqlite", "postgresql"])
 def database_url(request: pytest.FixtureRequest, tmp_path: Path) -> str:
     """A migrated, empty database of each kind."""
@@ -49,7 +37,7 @@ def database_url(request: pytest.FixtureRequest, tmp_path: Path) -> str:
         url = f"sqlite:///{tmp_path / 'tollgate.db'}"
     else:
         url = POSTGRES_URL
-        reset_postgres(url)
+        db.reset_schema(url)
     db.upgrade(url)
     return url
 

@@ -20,7 +20,7 @@ from tenants.models import UsageEvent
 from tenants.pricing import DEFAULT_PRICE
 from tenants.quota import RedisQuotaStore, ScopeUsage, month_period
 from tenants.services import ApiKeyService, PlanService, TenantService
-from tests.conftest import POSTGRES_URL, reset_postgres
+from tests.conftest import POSTGRES_URL
 from tests.e2e.processes import Process, free_port, running, start
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
@@ -40,7 +40,7 @@ class Cluster:
 
 @pytest.fixture(scope="module")
 def cluster() -> Iterator[Cluster]:
-    reset_postgres(POSTGRES_URL)
+    db.reset_schema(POSTGRES_URL)
     db.upgrade(POSTGRES_URL)
     admin_key, _ = keys.generate_key()
     env = {

@@ -26,7 +26,7 @@ from tenants.audit import Actor, AuditContext, AuditEvent
 from tenants.errors import InvalidInputError
 from tenants.models import KeyRole
 from tenants.services import ApiKeyService, TenantService
-from tests.conftest import POSTGRES_URL, reset_postgres
+from tests.conftest import POSTGRES_URL
 
 Sessions = async_sessionmaker[AsyncSession]
 
@@ -227,7 +227,7 @@ async def test_concurrent_appends_never_fork_the_chain(sessions: Sessions) -> No
 
 @pytest.fixture
 def postgres_url() -> str:
-    reset_postgres(POSTGRES_URL)
+    db.reset_schema(POSTGRES_URL)
     db.upgrade(POSTGRES_URL)
     return POSTGRES_URL
 

@@ -35,7 +35,7 @@ from tenants.billing.stripe_meters import MeterEvent, Retry, StripeMeters
 from tenants.errors import ConflictError, InvalidInputError
 from tenants.models import KeyRole, Tenant, UsageEvent, UsageStatus
 from tenants.services import ApiKeyService, TenantService, UsageService
-from tests.conftest import POSTGRES_URL, eventually, reset_postgres
+from tests.conftest import POSTGRES_URL, eventually
 from tests.support.fake_stripe import FakeStripe
 
 EVENT = "tollgate_usage_micros"
@@ -284,7 +284,7 @@ def sent_but_unmarked(engine: Engine, fake: FakeStripe) -> int:
 async def test_celery_worker_killed_mid_batch_exports_every_row_once(
     tmp_path: Path, fake: FakeStripe
 ) -> None:
-    reset_postgres(POSTGRES_URL)
+    db.reset_schema(POSTGRES_URL)
     db.upgrade(POSTGRES_URL)
     engine = db.create_engine(POSTGRES_URL)
     try:
