@@ -50,3 +50,20 @@ class DeadlineExceededError(EngineError):
     measured prefill throughput), so it is rejected before any compute is spent on it."""
 
     kind = "deadline_exceeded"
+
+
+class RequestFailedError(EngineError):
+    """The engine failed this request while stepping it (a fault in its own parameters or
+    state, or a step that failed as a whole) and went on serving the others."""
+
+    kind = "request_failed"
+
+
+class RequestStepError(EngineError):
+    """Raised inside a step by per-request work (e.g. seeding a request's generator):
+    only `request_ids` are at fault, so only they fail and the step runs again without
+    them."""
+
+    def __init__(self, request_ids: list[str], problem: str) -> None:
+        super().__init__(f"{len(request_ids)} request(s) failed in a step: {problem}")
+        self.request_ids = request_ids

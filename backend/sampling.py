@@ -7,6 +7,8 @@ from dataclasses import dataclass, field
 
 MAX_N = 16
 MAX_LOGPROBS = 20
+MAX_SEED = 2**63 - 1  # torch generators take any int64 >= 0; choice i uses seed + i
+MAX_COUNT = 2**31 - 1  # bound for token counts and top_k: they become int32/int64 tensors
 
 
 @dataclass(frozen=True)
@@ -42,29 +44,41 @@ class SamplingParams:
     frequency_penalty: float = 0.0
 
     def __post_init__(self) -> None:
-        if not _is_int(self.max_tokens) or self.max_tokens < 1:
-            raise ValueError(f"max_tokens must be an integer >= 1, got {self.max_tokens!r}")
+        if not _is_int(self.max_tokens) or not 1 <= self.max_tokens <= MAX_COUNT:
+            raise ValueError(
+                f"max_tokens must be an integer in [1, {MAX_COUNT}], got {self.max_tokens!r}"
+            )
         if not _is_real(self.temperature) or self.temperature < 0:
             raise ValueError(f"temperature must be a number >= 0, got {self.temperature!r}")
         if not _is_real(self.top_p) or not 0 < self.top_p <= 1:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p!r}")
-        if not _is_int(self.top_k) or self.top_k < 0:
-            raise ValueError(f"top_k must be an integer >= 0 (0 = off), got {self.top_k!r}")
-        if self.seed is not None and not _is_int(self.seed):
-            raise ValueError(f"seed must be an integer or None, got {self.seed!r}")
+        if not _is_int(self.top_k) or not 0 <= self.top_k <= MAX_COUNT:
+            raise ValueError(
+                f"top_k must be an integer in [0, {MAX_COUNT}] (0 = off), got {self.top_k!r}"
+            )
         if not isinstance(self.stop, list) or not all(isinstance(s, str) and s for s in self.stop):
             raise ValueError(f"stop must be a list of non-empty strings, got {self.stop!r}")
         ids = self.stop_token_ids
-        if not isinstance(ids, list) or not all(_is_int(t) and t >= 0 for t in ids):
+        if not isinstance(ids, list) or not all(_is_int(t) and 0 <= t <= MAX_COUNT for t in ids):
             raise ValueError(f"stop_token_ids must be a list of token ids >= 0, got {ids!r}")
         if not _is_int(self.n) or not 1 <= self.n <= MAX_N:
             raise ValueError(f"n must be an integer in [1, {MAX_N}], got {self.n!r}")
+        self._check_seed()
         lp = self.logprobs
         if lp is not None and (not _is_int(lp) or not 0 <= lp <= MAX_LOGPROBS):
             raise ValueError(
                 f"logprobs must be None or an integer in [0, {MAX_LOGPROBS}], got {lp!r}"
             )
         self._check_penalties()
+
+    def _check_seed(self) -> None:
+        """Every choice's seed (seed + i for choice i) must be a valid generator seed."""
+        seed = self.seed
+        if seed is None:
+            return
+        highest = MAX_SEED - (self.n - 1)
+        if not _is_int(seed) or not 0 <= seed <= highest:
+            raise ValueError(f"seed must be an integer in [0, {highest}] (2^63 - n), got {seed!r}")
 
     def _check_penalties(self) -> None:
         if not _is_int(self.min_tokens) or not 0 <= self.min_tokens <= self.max_tokens:

@@ -22,7 +22,12 @@ from litestar.handlers.base import BaseRouteHandler
 from litestar.response import Stream
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 
-from backend.errors import DeadlineExceededError, EngineDeadError, OverloadedError
+from backend.errors import (
+    DeadlineExceededError,
+    EngineDeadError,
+    OverloadedError,
+    RequestFailedError,
+)
 from backend.sampling import SamplingParams
 from backend.telemetry import EngineRequestMetrics, EngineStatsCollector, served
 
@@ -86,6 +91,10 @@ async def _ndjson(outputs: AsyncIterator[Any]) -> AsyncIterator[bytes]:
         retry_after = exc.retry_after_s if isinstance(exc, OverloadedError) else None
         line = {"error": str(exc), "kind": exc.kind, "retry_after_s": retry_after}
         yield encoder.encode(line) + b"\n"
+    except RequestFailedError as exc:
+        # A step failed this request (the engine goes on): the gateway must not retry it
+        # on another replica, where it could fail the same way.
+        yield encoder.encode({"error": str(exc), "kind": exc.kind}) + b"\n"
     except (ValueError, EngineDeadError) as exc:
         # The request never started, or the engine died: the client gets a typed error line.
         kind = "engine_dead" if isinstance(exc, EngineDeadError) else "invalid_request"

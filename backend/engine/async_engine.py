@@ -13,7 +13,12 @@ from pathlib import Path
 
 from backend.config import EngineConfig
 from backend.engine.engine import Engine
-from backend.errors import DeadlineExceededError, EngineDeadError, OverloadedError
+from backend.errors import (
+    DeadlineExceededError,
+    EngineDeadError,
+    OverloadedError,
+    RequestFailedError,
+)
 from backend.outputs import EngineStats, RequestOutput
 from backend.sampling import SamplingParams
 from backend.tokenizer import Tokenizer
@@ -55,6 +60,10 @@ class AsyncEngine:
 
     def stats(self) -> EngineStats:
         return self.engine.stats()
+
+    def has_crashed(self) -> bool:
+        """True once the step loop has ended on an error (liveness probe)."""
+        return self._error is not None
 
     def is_running(self) -> bool:
         """False once shut down or after the step loop crashed (readiness probe)."""
@@ -149,7 +158,10 @@ def _put(stream: _Stream, item: RequestOutput | BaseException) -> None:
 
 
 def _rejection(out: RequestOutput) -> Exception:
-    """The error a request the policy rejected in the queue raises (out.error says why)."""
+    """The error a request the policy rejected, or a step failed, raises (out.error says
+    why)."""
+    if out.error == RequestFailedError.kind:
+        return RequestFailedError("the engine failed this request; others were not affected")
     if out.error == OverloadedError.kind:
         return OverloadedError(
             "the engine is overloaded: a more urgent request took this one's place",

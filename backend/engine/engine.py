@@ -12,17 +12,22 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from backend.config import EngineConfig
+from backend.engine.batch import ScheduledRequest
 from backend.engine.block_manager import BlockManager
 from backend.engine.model_runner import ModelRunner
 from backend.engine.request import Request, RequestStatus, fan_out
 from backend.engine.scheduler import Scheduler
-from backend.errors import PromptTooLongError
+from backend.errors import PromptTooLongError, RequestFailedError, RequestStepError
 from backend.loader import load_model_config
 from backend.outputs import EngineStats, RequestOutput, TokenLogprobs
 from backend.sampling import SamplingParams
 from backend.tokenizer import IncrementalDetokenizer, Tokenizer
 
 log = logging.getLogger(__name__)
+
+# Steps failing in a row with no request to blame: past this, the fault is the engine's
+# own (a CUDA error is sticky), so the step loop ends and the health probes fail.
+MAX_FAILED_STEPS = 3
 
 
 @dataclass
@@ -52,6 +57,8 @@ class Engine:
         self.max_model_len = self._fit_max_model_len(wanted)
         self.scheduler = Scheduler(config, self.block_manager)
         self.num_steps = 0
+        self.num_failed_requests = 0  # failed by a fault while stepping them
+        self._failed_steps = 0  # in a row
         self._step_tokens = (0, 0)  # prefill, decode tokens of the last step
         self._total_tokens = (0, 0)
         self._lock = threading.Lock()
@@ -172,7 +179,11 @@ class Engine:
         batch = self.scheduler.schedule()
         outputs += self._rejected()
         started = time.monotonic()
-        result = self.runner.execute(batch)
+        try:
+            result = self.runner.execute(batch)
+        except Exception as exc:
+            return outputs + self._fail_step(batch.requests, exc)
+        self._failed_steps = 0
         if not batch.requests:
             return outputs
         self.scheduler.record_step(
@@ -181,11 +192,40 @@ class Engine:
         # Aborts that arrived during the forward pass win over its tokens.
         outputs += self._apply_aborts()
         for req, token in self.scheduler.update_from_output(batch, result):
-            outputs.append(self._process_token(req, token, result.logprobs.get(req.request_id)))
+            try:
+                outputs.append(self._process_token(req, token, result.logprobs.get(req.request_id)))
+            except Exception:
+                log.exception("failed to process a sampled token; failing its request")
+                outputs += self._fail([req.request_id])
         self.num_steps += 1
         self._step_tokens = (batch.num_prefill_tokens, batch.num_decode_tokens)
         prefill, decode = self._total_tokens
         self._total_tokens = (prefill + batch.num_prefill_tokens, decode + batch.num_decode_tokens)
+        return outputs
+
+    def _fail_step(self, scheduled: list[ScheduledRequest], exc: Exception) -> list[RequestOutput]:
+        """A step that raised changed nothing the next step relies on (progress advances
+        only after it), so the requests it did not blame simply run again. A
+        RequestStepError names the requests at fault; any other error fails the whole
+        step's requests, and MAX_FAILED_STEPS of those in a row end the loop."""
+        if isinstance(exc, RequestStepError):
+            log.warning("%s", exc)  # ids and counts only: no prompt text in logs
+            return self._fail(exc.request_ids)
+        self._failed_steps += 1
+        if self._failed_steps >= MAX_FAILED_STEPS:
+            raise exc
+        log.exception("an engine step failed; failing its %d request(s)", len(scheduled))
+        return self._fail([r.request_id for r in scheduled])
+
+    def _fail(self, request_ids: list[str]) -> list[RequestOutput]:
+        """Finish these requests with a request_failed error; their siblings (n > 1) are
+        aborted, as after a rejection."""
+        outputs = []
+        for req in self.scheduler.finish_requests(request_ids, RequestStatus.FINISHED_FAILED):
+            req.rejection = RequestFailedError.kind
+            self.num_failed_requests += 1
+            outputs.append(self._finish(req, "", [], [], None))
+            self.abort(req.external_id)
         return outputs
 
     def _rejected(self) -> list[RequestOutput]:

@@ -10,6 +10,7 @@ import torch
 
 from backend.config import EngineConfig
 from backend.engine.batch import ModelRunnerOutput, ScheduledRequest, SchedulerOutput
+from backend.errors import RequestStepError
 from backend.layers.attention import AttentionBackend, AttentionMetadata, TorchPagedAttention
 from backend.layers.sampler import apply_penalties, sample, token_logprobs
 from backend.loader import load_model, resolve_dtype
@@ -71,16 +72,17 @@ class ModelRunner:
             self._prompt_masks.pop(request_id, None)
         if not batch.requests:
             return ModelRunnerOutput({})
+        rows = [i for i, r in enumerate(batch.requests) if r.sample]
+        reqs = [batch.requests[i] for i in rows]
+        generators = self._generators_for(reqs)  # first: a bad seed fails only its request
         input_ids, positions, meta = self._prepare(batch)
         hidden = self.model(input_ids, positions, self.kv_cache, meta)
-        rows = [i for i, r in enumerate(batch.requests) if r.sample]
         if not rows:
             return ModelRunnerOutput({})
         last = torch.tensor([meta.query_start_loc[i + 1] - 1 for i in rows], device=self.device)
         logits = self.model.logits(hidden[last])
-        reqs = [batch.requests[i] for i in rows]
         processed = self._process_logits(logits, reqs)
-        tokens = sample(processed, [r.params for r in reqs], [self._generator(r) for r in reqs])
+        tokens = sample(processed, [r.params for r in reqs], generators)
         sampled = {r.request_id: t for r, t in zip(reqs, tokens, strict=True)}
         return ModelRunnerOutput(sampled, self._logprobs(logits, reqs, tokens))
 
@@ -163,6 +165,20 @@ class ModelRunner:
 
     def _tensor(self, data: list[int] | list[list[int]]) -> torch.Tensor:
         return torch.tensor(data, dtype=torch.int64).to(self.device, non_blocking=True)
+
+    def _generators_for(self, reqs: list[ScheduledRequest]) -> list[torch.Generator | None]:
+        """Each sampling request's generator; raises RequestStepError naming the requests
+        whose generator cannot be made, before any work is spent on the step."""
+        generators: list[torch.Generator | None] = []
+        bad: list[str] = []
+        for r in reqs:
+            try:
+                generators.append(self._generator(r))
+            except (RuntimeError, ValueError, OverflowError, TypeError):
+                bad.append(r.request_id)
+        if bad:
+            raise RequestStepError(bad, "its seed cannot seed a generator")
+        return generators
 
     def _generator(self, r: ScheduledRequest) -> torch.Generator | None:
         """A seeded request draws from its own generator, created on its first sample."""

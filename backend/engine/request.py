@@ -20,6 +20,7 @@ class RequestStatus(enum.IntEnum):
     FINISHED_LENGTH = 4
     FINISHED_ABORTED = 5
     FINISHED_REJECTED = 6  # by the policy (deadline_exceeded, overloaded): Request.rejection
+    FINISHED_FAILED = 7  # a fault while stepping it (request_failed); the engine goes on
 
     @property
     def is_finished(self) -> bool:
@@ -35,6 +36,7 @@ _FINISH_REASONS = {
     RequestStatus.FINISHED_LENGTH: "length",
     RequestStatus.FINISHED_ABORTED: "abort",
     RequestStatus.FINISHED_REJECTED: "rejected",
+    RequestStatus.FINISHED_FAILED: "error",
 }
 
 
@@ -117,7 +119,8 @@ def fan_out(
             Request(
                 request_id if i == 0 else f"{request_id}\0{i}",
                 prompt_token_ids,
-                params if i == 0 or seed is None else replace(params, seed=seed + i),
+                # One draw each: seed + i is valid for n = 1 wherever seed was for n.
+                params if i == 0 or seed is None else replace(params, seed=seed + i, n=1),
                 max_len,
                 priority=priority,
                 deadline=deadline,

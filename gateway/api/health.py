@@ -12,9 +12,13 @@ from gateway.runtime import Runtime
 
 
 @get("/healthz", media_type=MediaType.JSON)
-async def healthz() -> dict[str, str]:
-    """The process is up and serving HTTP."""
-    return {"status": "ok"}
+async def healthz(runtime: NamedDependency[Runtime]) -> Response[dict[str, str]]:
+    """The process is up and serving HTTP, and no engine it runs has died (a dead
+    in-process engine would otherwise answer 503 to every tenant until restarted)."""
+    client = runtime.engine_client
+    if client is not None and not client.is_alive():
+        return Response({"status": "engine_dead"}, status_code=503)
+    return Response({"status": "ok"})
 
 
 @get("/readyz", media_type=MediaType.JSON)

@@ -12,15 +12,22 @@ from typing import Annotated, Any, Literal, TypeVar
 import msgspec
 from msgspec import Meta, Struct
 
+from backend.sampling import MAX_COUNT, MAX_SEED
 from gateway.errors import InvalidRequest
 from tenants.limits import LOWEST_PRIORITY
 
+# Every number is bounded: an unbounded integer reaches torch (tensors, generator seeds)
+# and must be refused here, not fail inside the engine's step.
 Temperature = Annotated[float, Meta(ge=0.0, le=2.0)]
 TopP = Annotated[float, Meta(gt=0.0, le=1.0)]
-PositiveInt = Annotated[int, Meta(ge=1)]
-NonNegativeInt = Annotated[int, Meta(ge=0)]
-TokenId = Annotated[int, Meta(ge=0)]
-StopList = Annotated[list[str], Meta(max_length=4)]
+PositiveInt = Annotated[int, Meta(ge=1, le=MAX_COUNT)]
+NonNegativeInt = Annotated[int, Meta(ge=0, le=MAX_COUNT)]
+TokenId = Annotated[int, Meta(ge=0, le=MAX_COUNT)]
+Seed = Annotated[int, Meta(ge=0, le=MAX_SEED)]
+MAX_STOP_CHARS = 1024  # each stop string is searched for after every token
+StopString = Annotated[str, Meta(min_length=1, max_length=MAX_STOP_CHARS)]
+StopList = Annotated[list[StopString], Meta(max_length=4)]
+DeadlineMs = Annotated[int, Meta(ge=1, le=3_600_000)]  # an hour: longer is no deadline
 TopLogprobs = Annotated[int, Meta(ge=0, le=20)]
 Penalty = Annotated[float, Meta(ge=-2.0, le=2.0)]
 
@@ -58,15 +65,15 @@ class SamplingFields(Struct, kw_only=True):
     top_p: TopP | None = None
     top_k: NonNegativeInt | None = None
     n: Annotated[int, Meta(ge=1, le=16)] = 1
-    stop: str | StopList | None = None
-    seed: int | None = None
+    stop: StopString | StopList | None = None
+    seed: Seed | None = None
     ignore_eos: bool = False
     min_tokens: NonNegativeInt = 0
-    repetition_penalty: Annotated[float, Meta(gt=0.0)] | None = None
+    repetition_penalty: Annotated[float, Meta(gt=0.0, le=100.0)] | None = None
     presence_penalty: Penalty | None = None
     frequency_penalty: Penalty | None = None
     priority: Annotated[int, Meta(ge=0, le=LOWEST_PRIORITY)] | None = None  # 0: most urgent
-    ttft_deadline_ms: PositiveInt | None = None  # the first token within this, else 504
+    ttft_deadline_ms: DeadlineMs | None = None  # the first token within this, else 504
     user: str | None = None
 
     def stop_strings(self) -> list[str]:

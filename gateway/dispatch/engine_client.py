@@ -13,9 +13,9 @@ from pathlib import Path
 from typing import Protocol
 
 from backend import AsyncEngine, EngineConfig, RequestOutput, SamplingParams
-from backend.errors import DeadlineExceededError, OverloadedError
+from backend.errors import DeadlineExceededError, OverloadedError, RequestFailedError
 from backend.telemetry import traced
-from gateway.errors import DeadlineExceeded, Overloaded
+from gateway.errors import DeadlineExceeded, InternalError, Overloaded
 from gateway.telemetry.request import current_request
 
 IN_PROCESS = "in-process"  # the replica name of the engine in this process
@@ -51,6 +51,12 @@ class EngineClient(Protocol):
     def abort(self, request_id: str) -> None: ...
 
     def is_ready(self) -> bool: ...
+
+    def is_alive(self) -> bool:
+        """False once an engine this process runs has died for good: the liveness probe
+        fails so a supervisor restarts the process. (Remote replicas are probed and
+        restarted on their own.)"""
+        ...
 
     async def close(self) -> None: ...
 
@@ -110,6 +116,9 @@ class InProcessEngineClient:
     def is_ready(self) -> bool:
         return self.engine.is_running()
 
+    def is_alive(self) -> bool:
+        return not self.engine.has_crashed()
+
     async def close(self) -> None:
         await self.engine.shutdown()
 
@@ -132,3 +141,5 @@ async def policy_errors(
         raise overloaded(exc.retry_after_s, str(exc)) from exc
     except DeadlineExceededError as exc:
         raise DeadlineExceeded(str(exc)) from exc
+    except RequestFailedError as exc:
+        raise InternalError(str(exc), code=RequestFailedError.kind) from exc

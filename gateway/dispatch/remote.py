@@ -90,6 +90,9 @@ class RemoteEngineClient:
     def is_ready(self) -> bool:
         return any(r.healthy for r in self.replicas)
 
+    def is_alive(self) -> bool:
+        return True  # a dead replica is its own supervisor's to restart
+
     async def generate(
         self,
         prompt: list[int],

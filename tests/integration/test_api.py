@@ -10,6 +10,7 @@ from litestar.testing import AsyncTestClient
 from sqlalchemy import func, select
 from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
 
+from backend.sampling import SamplingParams
 from gateway.dispatch.engine_client import InProcessEngineClient
 from tenants.models import UsageEvent
 from tenants.services import ApiKeyService
@@ -192,6 +193,45 @@ async def test_invalid_bodies_get_400_naming_the_field(
     assert await _ledger(sessions) == []
 
 
+@pytest.mark.parametrize(
+    ("extra", "param"),
+    [
+        ({"seed": 1180591620717411303424}, "seed"),
+        ({"seed": 18446744073709551615, "n": 2}, "seed"),
+        ({"seed": 2**63 - 1, "n": 2}, "seed"),  # choice 1 would draw with 2^63
+        ({"seed": -1}, "seed"),
+        ({"top_k": 2**70}, "top_k"),
+        ({"max_tokens": 2**70}, "max_tokens"),
+        ({"min_tokens": 2**64}, "min_tokens"),
+        ({"ttft_deadline_ms": 10**30}, "ttft_deadline_ms"),
+        ({"repetition_penalty": 1e300}, "repetition_penalty"),
+        ({"stop": "x" * 2000}, "stop"),
+    ],
+)
+async def test_unbounded_numbers_get_400_and_the_engine_keeps_serving(
+    client: Client,
+    tenant_key: str,
+    engine_client: InProcessEngineClient,
+    extra: dict[str, Any],
+    param: str,
+) -> None:
+    model, headers = engine_client.model_name, _auth(tenant_key)
+    poison = await client.post("/v1/chat/completions", json=_chat(model, **extra), headers=headers)
+    await _assert_error(poison, 400, param)
+    normal = await client.post("/v1/chat/completions", json=_chat(model, seed=7), headers=headers)
+    assert normal.status_code == 200, normal.text
+    assert engine_client.is_alive() and engine_client.is_ready()
+
+
+async def test_the_largest_valid_seeds_are_served(
+    client: Client, tenant_key: str, engine_client: InProcessEngineClient
+) -> None:
+    body = _chat(engine_client.model_name, seed=2**63 - 2, n=2, temperature=1.0)
+    response = await client.post("/v1/chat/completions", json=body, headers=_auth(tenant_key))
+    assert response.status_code == 200, response.text
+    assert len(response.json()["choices"]) == 2
+
+
 async def test_prompt_longer_than_the_context_gets_413(
     client: Client, tenant_key: str, engine_client: InProcessEngineClient
 ) -> None:
@@ -228,3 +268,34 @@ async def test_ledger_counts_one_row_per_finished_request(
     async with sessions() as session:
         count = await session.scalar(select(func.count()).select_from(UsageEvent))
     assert count == 3
+
+
+async def test_a_dead_engine_fails_the_liveness_probe(
+    settings: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Liveness follows the in-process engine: once its step loop has died for good, a
+    supervisor must restart the process instead of every tenant getting 503s."""
+    from backend.builtin import BUILTIN_MODEL_DIR
+    from backend.engine.engine import MAX_FAILED_STEPS
+    from gateway.app import create_app, engine_config
+
+    engine_client = await InProcessEngineClient.load(BUILTIN_MODEL_DIR, engine_config(settings))
+    runner = engine_client.engine.engine.runner
+
+    def broken(_: Any) -> Any:
+        raise RuntimeError("injected device fault")
+
+    monkeypatch.setattr(runner, "execute", broken)
+    try:
+        async with AsyncTestClient(app=create_app(settings, engine_client=engine_client)) as app:
+            assert (await app.get("/healthz")).status_code == 200
+            params = SamplingParams(max_tokens=2)
+            for i in range(MAX_FAILED_STEPS):
+                with pytest.raises(Exception, match="engine"):
+                    async for _ in engine_client.generate([5, 6], params, f"r{i}"):
+                        pass
+            health = await app.get("/healthz")
+            assert health.status_code == 503 and health.json() == {"status": "engine_dead"}
+            assert (await app.get("/readyz")).status_code == 503
+    finally:
+        await engine_client.close()
