@@ -35,6 +35,18 @@ class Tokenizer:
         self.chat_template = _chat_template(model_dir, cfg)
         self._template = _compile(self.chat_template, cfg_path)
         self._source = model_dir
+        self._max_token_chars: int | None = None
+
+    @property
+    def max_token_chars(self) -> int:
+        """An upper bound on the characters one token stands for: its vocabulary entry's
+        length (a byte-level entry has one character per byte, never fewer than the text
+        it decodes to). A text of more than n x this many characters is more than n tokens,
+        which the gateway checks before spending time on tokenizing it."""
+        if self._max_token_chars is None:
+            vocab = self._tok.get_vocab(with_added_tokens=True)
+            self._max_token_chars = max(map(len, vocab), default=1)
+        return self._max_token_chars
 
     @property
     def vocab_size(self) -> int:

@@ -163,6 +163,7 @@ def create_app(
         lifespan=[lifespan],
         before_send=[echo_request_id],
         openapi_config=None,
+        request_max_body_size=settings.max_body_bytes,
         logging_config=None,  # the process's logging (JSON lines) is set by `tollgate serve`
         debug=False,
     )

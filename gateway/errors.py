@@ -75,7 +75,7 @@ class Conflict(ApiError):
 
 
 class ContextLengthExceeded(ApiError):
-    status = 413
+    status = 400  # as OpenAI answers it: SDKs raise BadRequestError, litellm maps the code
     type = "invalid_request_error"
     default_code = "context_length_exceeded"
 

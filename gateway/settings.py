@@ -45,6 +45,9 @@ class Settings:
     # Peers whose X-Forwarded-For / X-Forwarded-Proto are believed (IPs or CIDRs; "*": all).
     # The audit log, rate-limit failures and /metrics' loopback check see the client behind.
     trusted_proxies: tuple[str, ...] = ("127.0.0.1",)
+    # The largest request body: a 128k-token context is about 0.5 MB of text, or 1 MB of
+    # token ids, so 4 MiB leaves room for JSON escaping and multi-byte text.
+    max_body_bytes: int = 4 * 2**20
 
     @classmethod
     def from_env(cls, env: Mapping[str, str] | None = None) -> Settings:
@@ -58,6 +61,7 @@ class Settings:
             model_path=Path(model) if model else None,
             host=env.get("TOLLGATE_HOST", "127.0.0.1"),
             port=_int(env, "TOLLGATE_PORT", 8000, low=0, high=65535),
+            max_body_bytes=_int(env, "TOLLGATE_MAX_BODY_BYTES", 4 * 2**20, low=2**10),
             data_dir=data_dir,
             admin_key=env.get("TOLLGATE_ADMIN_KEY", "").strip() or None,
             kv_cache_bytes=_int(env, "TOLLGATE_KV_CACHE_BYTES", 256 * 2**20, low=2**20),

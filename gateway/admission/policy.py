@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from gateway.errors import ContextLengthExceeded, InvalidRequest, NotFound, PermissionDenied
+from gateway.telemetry import current_request
 from tenants.services import Principal
 
 
@@ -51,9 +52,23 @@ def output_limit(principal: Principal, requested: int | None, room: int) -> int:
     return min(limit, cap) if cap is not None else limit
 
 
+def check_prompt_chars(chars: int, max_model_len: int, max_token_chars: int, param: str) -> None:
+    """Refuse, before tokenizing it, a prompt with more characters than max_model_len
+    tokens can hold: tokenizing megabytes costs seconds of CPU that a quota never sees."""
+    limit = max_model_len * max_token_chars
+    if chars > limit:
+        current_request().reject("context_length")
+        raise ContextLengthExceeded(
+            f"the prompt has {chars} characters, more than this model's context of "
+            f"{max_model_len} tokens can hold (at most {limit} characters)",
+            param=param,
+        )
+
+
 def room_for_output(prompt_tokens: int, max_model_len: int, param: str) -> int:
     room = max_model_len - prompt_tokens
     if room <= 0:
+        current_request().reject("context_length")
         raise ContextLengthExceeded(
             f"the prompt is {prompt_tokens} tokens; this model's context is {max_model_len} tokens",
             param=param,

@@ -24,6 +24,7 @@ IN_PROCESS = "in-process"  # the replica name of the engine in this process
 class EngineClient(Protocol):
     model_name: str
     max_model_len: int
+    max_token_chars: int  # the tokenizer's bound on characters per token
 
     def encode(self, text: str) -> list[int]: ...
 
@@ -68,6 +69,7 @@ class InProcessEngineClient:
         self.engine = engine
         self.model_name = engine.model_name
         self.max_model_len = engine.max_model_len
+        self.max_token_chars = engine.tokenizer.max_token_chars
 
     @classmethod
     async def load(cls, model_path: Path, config: EngineConfig) -> InProcessEngineClient:

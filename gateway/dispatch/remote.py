@@ -51,6 +51,7 @@ class RemoteEngineClient:
         self.tokenizer = tokenizer
         self.model_name = model_name
         self.max_model_len = max_model_len
+        self.max_token_chars = tokenizer.max_token_chars
         self._http = httpx.AsyncClient(
             headers={SECRET_HEADER: secret},
             timeout=httpx.Timeout(None, connect=CONNECT_TIMEOUT_S),

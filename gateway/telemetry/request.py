@@ -47,7 +47,7 @@ STATUS_REASONS = {
     403: "permission",
     404: "not_found",
     409: "conflict",
-    413: "context_length",
+    413: "body_too_large",
     422: "idempotency_mismatch",
     429: "rate_limited",
     499: "cancelled",

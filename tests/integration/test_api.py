@@ -232,7 +232,7 @@ async def test_the_largest_valid_seeds_are_served(
     assert len(response.json()["choices"]) == 2
 
 
-async def test_prompt_longer_than_the_context_gets_413(
+async def test_prompt_longer_than_the_context_gets_400_context_length_exceeded(
     client: Client, tenant_key: str, engine_client: InProcessEngineClient
 ) -> None:
     prompt = [5] * (engine_client.max_model_len + 1)
@@ -241,7 +241,7 @@ async def test_prompt_longer_than_the_context_gets_413(
         json={"model": engine_client.model_name, "prompt": prompt},
         headers=_auth(tenant_key),
     )
-    assert (await _assert_error(response, 413, "prompt"))["code"] == "context_length_exceeded"
+    assert (await _assert_error(response, 400, "prompt"))["code"] == "context_length_exceeded"
 
 
 async def test_probes(client: Client) -> None:
@@ -299,3 +299,65 @@ async def test_a_dead_engine_fails_the_liveness_probe(
             assert (await app.get("/readyz")).status_code == 503
     finally:
         await engine_client.close()
+
+
+async def test_a_huge_prompt_is_refused_before_it_is_tokenized(
+    client: Client,
+    tenant_key: str,
+    sessions: Sessions,
+    engine_client: InProcessEngineClient,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """More characters than the context holds in tokens: 400 at once, and the tokenizer
+    never sees it (tokenizing megabytes froze the event loop for seconds)."""
+    seen: list[int] = []
+    encode = engine_client.encode
+
+    def recording(text: str) -> list[int]:
+        seen.append(len(text))
+        return encode(text)
+
+    monkeypatch.setattr(engine_client, "encode", recording)
+    limit = engine_client.max_model_len * engine_client.max_token_chars
+    model, headers = engine_client.model_name, _auth(tenant_key)
+    chat = {"model": model, "messages": [{"role": "user", "content": "x" * (limit + 1)}]}
+    response = await client.post("/v1/chat/completions", json=chat, headers=headers)
+    error = await _assert_error(response, 400, "messages")
+    assert error["code"] == "context_length_exceeded" and str(limit) in error["message"]
+    text = {"model": model, "prompt": "y" * (limit + 1)}
+    response = await client.post("/v1/completions", json=text, headers=headers)
+    assert (await _assert_error(response, 400, "prompt"))["code"] == "context_length_exceeded"
+    assert seen == []
+    assert await _ledger(sessions) == []
+
+
+async def test_a_body_over_the_limit_is_413(client: Client, tenant_key: str) -> None:
+    body = b'{"model": "m", "prompt": "' + b"z" * (4 * 2**20) + b'"}'
+    response = await client.post("/v1/completions", content=body, headers=_auth(tenant_key))
+    assert response.status_code == 413
+
+
+async def test_a_long_prompt_is_tokenized_off_the_event_loop(
+    client: Client,
+    tenant_key: str,
+    engine_client: InProcessEngineClient,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    import threading
+
+    threads: list[str] = []
+    encode = engine_client.encode
+
+    def recording(text: str) -> list[int]:
+        threads.append(threading.current_thread().name)
+        return encode(text)
+
+    monkeypatch.setattr(engine_client, "encode", recording)
+    model, headers = engine_client.model_name, _auth(tenant_key)
+    short = {"model": model, "prompt": "hello", "max_tokens": 1}
+    long = {"model": model, "prompt": "-" * 5000, "max_tokens": 1}  # 158 tokens
+    for body in (short, long):
+        response = await client.post("/v1/completions", json=body, headers=headers)
+        assert response.status_code == 200, response.text
+    loop_thread, long_thread = threads
+    assert long_thread != loop_thread

@@ -181,9 +181,9 @@ async def test_each_error_has_its_exception_class(
     assert bad.value.status_code == 400
     with pytest.raises(openai.NotFoundError):
         await client.chat.completions.create(model="no-such-model", messages=MESSAGES)
-    with pytest.raises(openai.APIStatusError) as too_long:
+    with pytest.raises(openai.BadRequestError) as too_long:
         await client.completions.create(model=model, prompt=[1] * engine_client.max_model_len)
-    assert too_long.value.status_code == 413
+    assert too_long.value.code == "context_length_exceeded"
     with pytest.raises(openai.BadRequestError):
         await client.completions.create(model=model, prompt="x", temperature=7)
 
