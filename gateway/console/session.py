@@ -24,6 +24,7 @@ from gateway.console.auth import (
     new_login_csrf,
     provide_console,
     provide_form,
+    read_form,
 )
 from gateway.console.render import page
 from gateway.runtime import Runtime
@@ -111,7 +112,7 @@ class SessionController(Controller):
     async def login(
         self, request: Request[Any, Any, Any], runtime: NamedDependency[Runtime]
     ) -> Response[Any]:
-        form = await request.form()
+        form = await read_form(request)
         if not csrf_ok(request.cookies.get(LOGIN_CSRF_COOKIE, ""), form.get(CSRF_FIELD)):
             return login_page(request, "The sign-in form expired; please try again.", 403)
         email = str(form.get("email", "")).strip().lower()[:254]
