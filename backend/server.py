@@ -61,7 +61,7 @@ def _engine(request: Request[Any, Any, Any]) -> AsyncEngine:
 async def generate(request: Request[Any, Any, Any]) -> Response[Any]:
     try:
         body = msgspec.json.decode(await request.body(), type=GenerateBody)
-    except (msgspec.ValidationError, msgspec.DecodeError, ValueError) as exc:
+    except (msgspec.DecodeError, ValueError, RecursionError) as exc:  # RecursionError: too deep
         return Response({"error": str(exc)}, status_code=400)
     engine = _engine(request)
     if not engine.is_running():
@@ -102,10 +102,13 @@ async def _ndjson(outputs: AsyncIterator[Any]) -> AsyncIterator[bytes]:
 
 
 @post("/internal/abort", status_code=200)
-async def abort(request: Request[Any, Any, Any]) -> dict[str, bool]:
-    body = msgspec.json.decode(await request.body(), type=AbortBody)
+async def abort(request: Request[Any, Any, Any]) -> Response[dict[str, Any]]:
+    try:
+        body = msgspec.json.decode(await request.body(), type=AbortBody)
+    except (msgspec.DecodeError, RecursionError) as exc:  # ValidationError is a DecodeError
+        return Response({"error": str(exc)}, status_code=400)
     _engine(request).abort(body.request_id)
-    return {"ok": True}
+    return Response({"ok": True})
 
 
 @get("/internal/info", media_type=MediaType.JSON)

@@ -12,6 +12,7 @@ from litestar import Litestar
 from litestar.di import Provide
 from litestar.exceptions import HTTPException
 from redis.asyncio import Redis
+from sqlalchemy.exc import DataError
 
 from backend import EngineConfig
 from backend.builtin import BUILTIN_MODEL_DIR
@@ -34,7 +35,9 @@ from gateway.errors import (
     handle_api_error,
     handle_domain_error,
     handle_http_exception,
+    handle_too_deep,
     handle_unexpected,
+    handle_unstorable,
 )
 from gateway.metering import UsageRecorder
 from gateway.runtime import Runtime, provide_runtime
@@ -158,6 +161,8 @@ def create_app(
             ApiError: handle_api_error,
             DomainError: handle_domain_error,
             HTTPException: handle_http_exception,
+            RecursionError: handle_too_deep,
+            DataError: handle_unstorable,  # SQLSTATE class 22: a value, not the statement
             Exception: handle_unexpected,
         },
         lifespan=[lifespan],

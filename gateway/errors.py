@@ -149,6 +149,22 @@ def handle_http_exception(_: Request[Any, Any, Any], exc: Exception) -> Response
     return response
 
 
+def handle_too_deep(request: Request[Any, Any, Any], exc: Exception) -> Response[bytes]:
+    """msgspec refuses JSON nested deeper than the interpreter's recursion limit with a
+    RecursionError, not a DecodeError: the client's body, not a defect of ours."""
+    log.warning("RecursionError on %s (a body nested too deeply?)", request.url.path)
+    return error_response(InvalidRequest("request body is nested too deeply"))
+
+
+def handle_unstorable(request: Request[Any, Any, Any], exc: Exception) -> Response[bytes]:
+    """The database refused a value the request carried (PostgreSQL: a NUL character in
+    text, a string longer than its column, a number out of range): the client's input."""
+    log.warning("%s on %s: the database refused a value", type(exc).__name__, request.url.path)
+    return error_response(
+        InvalidRequest("a value in the request cannot be stored (too long, out of range or NUL)")
+    )
+
+
 def handle_unexpected(request: Request[Any, Any, Any], exc: Exception) -> Response[bytes]:
     # A defect: never echo internals (they may hold prompt text) to the client.
     log.error("unhandled %s on %s", type(exc).__name__, request.url.path, exc_info=exc)

@@ -27,13 +27,7 @@ def serve(settings: Settings) -> int:
     admin = asyncio.run(_bootstrap(settings))
     owner = asyncio.run(_bootstrap_console(settings))
     app = create_app(settings)
-    config = _uvicorn_config(
-        app,
-        settings,
-        # The client behind a trusted proxy: the right-most untrusted X-Forwarded-For entry.
-        proxy_headers=bool(settings.trusted_proxies),
-        forwarded_allow_ips=list(settings.trusted_proxies),
-    )
+    config = _uvicorn_config(app, settings, **proxy_options(settings))
 
     def on_started() -> None:
         _banner(settings, admin, app.state.runtime.engine.model_name)
@@ -42,6 +36,16 @@ def serve(settings: Settings) -> int:
     server = _Server(config, on_started)
     server.run()
     return 0 if server.started else 1
+
+
+def proxy_options(settings: Settings) -> dict[str, Any]:
+    """uvicorn's proxy-header options: the client behind a trusted proxy is the right-most
+    untrusted X-Forwarded-For entry. Settings hold the networks normalised (127.0.0.0/8,
+    not 127.0.0.1/8), the form uvicorn needs: it ignores a CIDR block with host bits."""
+    return {
+        "proxy_headers": bool(settings.trusted_proxies),
+        "forwarded_allow_ips": list(settings.trusted_proxies),
+    }
 
 
 def _uvicorn_config(app: Any, settings: Settings, **options: Any) -> uvicorn.Config:

@@ -108,18 +108,22 @@ class Settings:
 
 
 def _proxies(raw: str) -> tuple[str, ...]:
-    """Comma-separated IPs or CIDR blocks, or "*"; empty: trust no proxy header."""
+    """Comma-separated IPs or CIDR blocks, or "*"; empty: trust no proxy header. Each is
+    kept in its normal form (127.0.0.1/8 becomes 127.0.0.0/8), which is what uvicorn
+    matches against: it silently ignores a block with host bits set."""
     entries = tuple(item.strip() for item in raw.split(",") if item.strip())
-    for entry in entries:
-        if entry == "*":
-            continue
-        try:
-            ipaddress.ip_network(entry, strict=False)
-        except ValueError:
-            raise SettingsError(
-                f"TOLLGATE_TRUSTED_PROXIES: {entry!r} is not an IP address or CIDR block"
-            ) from None
-    return entries
+    return tuple(entry if entry == "*" else _proxy(entry) for entry in entries)
+
+
+def _proxy(entry: str) -> str:
+    try:
+        if "/" in entry:
+            return str(ipaddress.ip_network(entry, strict=False))
+        return str(ipaddress.ip_address(entry))
+    except ValueError:
+        raise SettingsError(
+            f"TOLLGATE_TRUSTED_PROXIES: {entry!r} is not an IP address or CIDR block"
+        ) from None
 
 
 def _int(env: Mapping[str, str], name: str, default: int, low: int, high: int | None = None) -> int:

@@ -5,7 +5,8 @@ from sqlalchemy import engine_from_config, pool
 
 import tenants.admins
 import tenants.audit
-import tenants.billing.models  # noqa: F401  (each module registers its tables on Base)
+import tenants.billing.models
+import tenants.sign_ins  # noqa: F401  (each module registers its tables on Base)
 from tenants.models import Base
 
 config = context.config

@@ -7,6 +7,7 @@ cannot sign anyone in. Sessions end on logout or after an idle period.
 
 from __future__ import annotations
 
+import asyncio
 import base64
 import enum
 import hashlib
@@ -29,7 +30,8 @@ from tenants.models import Base, as_utc, new_id, utcnow
 MIN_PASSWORD_LENGTH = 12
 # Touch a session's last_seen_at at most this often: one write a minute, not one a page.
 SEEN_GRANULARITY = timedelta(seconds=30)
-_EMAIL = re.compile(r"^[^@\s]+@[^@\s]+$")
+# No whitespace or control characters (PostgreSQL text cannot hold NUL at all).
+_EMAIL = re.compile(r"^[^@\s\x00-\x1f\x7f]+@[^@\s\x00-\x1f\x7f]+$")
 
 # scrypt at n=2^14, r=8 (16 MiB, ~50 ms): OWASP's floor for interactive sign-in.
 _SCRYPT_N, _SCRYPT_R, _SCRYPT_P = 2**14, 8, 1
@@ -129,7 +131,8 @@ class AdminService:
             raise InvalidInputError(f"password must be at least {MIN_PASSWORD_LENGTH} characters")
         if await self.find(email) is not None:
             raise ConflictError(f"administrator {email!r} already exists")
-        admin = ConsoleAdmin(email=email, role=role, password_hash=hash_password(password))
+        hashed = await asyncio.to_thread(hash_password, password)
+        admin = ConsoleAdmin(email=email, role=role, password_hash=hashed)
         self.session.add(admin)
         await self.session.flush()
         await audit.record(
@@ -143,8 +146,10 @@ class AdminService:
         return admin
 
     async def find(self, email: str) -> ConsoleAdmin | None:
-        query = select(ConsoleAdmin).where(ConsoleAdmin.email == email.strip().lower())
-        return await self.session.scalar(query)
+        email = email.strip().lower()
+        if not _EMAIL.match(email) or len(email) > 254:
+            return None  # no stored administrator has such an address
+        return await self.session.scalar(select(ConsoleAdmin).where(ConsoleAdmin.email == email))
 
     async def get(self, email: str) -> ConsoleAdmin:
         admin = await self.find(email)
@@ -160,12 +165,12 @@ class AdminService:
         return int(await self.session.scalar(select(func.count()).select_from(ConsoleAdmin)) or 0)
 
     async def verify(self, email: str, password: str) -> ConsoleAdmin | None:
-        """The administrator if the password is right; None for a wrong email or password."""
+        """The administrator if the password is right; None for a wrong email or password.
+        scrypt runs in a thread: it is slow on purpose, and must not stall the event loop."""
         admin = await self.find(email)
-        if admin is None:
-            verify_password(password, _DUMMY_HASH)
-            return None
-        return admin if verify_password(password, admin.password_hash) else None
+        stored = _DUMMY_HASH if admin is None else admin.password_hash
+        right = await asyncio.to_thread(verify_password, password, stored)
+        return admin if right and admin is not None else None
 
     async def sign_in(self, admin: ConsoleAdmin, now: datetime | None = None) -> str:
         """Open a session; returns its token (the cookie value), never stored as such."""

@@ -10,7 +10,9 @@ SQLite UPDATE and DELETE); `app_role_grants` keeps the gateway's role from disab
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
+import ipaddress
 import json
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -70,6 +72,19 @@ class Actor:
 
 
 SYSTEM = Actor("system")
+MAX_ADDRESS_LENGTH = 64  # the `ip` column
+
+
+def client_address(host: str | None) -> str | None:
+    """A client's address as the audit log and sign-in throttling keep it: an IP in its
+    normal form; anything else (an X-Forwarded-For entry that names no IP, a test client's
+    name) as given. Cut to the column's length; None unless printable ASCII."""
+    if not host:
+        return None
+    with contextlib.suppress(ValueError):
+        host = str(ipaddress.ip_address(host))
+    cut = host[:MAX_ADDRESS_LENGTH]
+    return cut if cut.isascii() and cut.isprintable() else None
 
 
 def _utc_text(moment: datetime) -> str:
@@ -165,7 +180,7 @@ async def _append(
         target=target,
         tenant_id=tenant_id,
         request_id=context.request_id,
-        ip=context.ip,
+        ip=client_address(context.ip),
         user_agent=context.user_agent,
         # Through JSON and back, so the hash covers exactly what the database returns.
         details=json.loads(json.dumps(dict(details or {}), default=str)),

@@ -31,6 +31,16 @@ def as_utc(moment: datetime) -> datetime:
     return moment.replace(tzinfo=UTC) if moment.tzinfo is None else moment.astimezone(UTC)
 
 
+def parse_utc(text: str) -> datetime:
+    """An ISO 8601 time, in UTC (taken as UTC when it names no zone). ValueError when it is
+    none, or when it leaves the calendar once moved to UTC (9999-12-31T23:59:59-14:00)."""
+    moment = datetime.fromisoformat(text)
+    try:
+        return as_utc(moment)
+    except OverflowError:
+        raise ValueError(f"{text!r} is outside the calendar in UTC") from None
+
+
 def new_id() -> str:
     return str(uuid.uuid4())
 

@@ -14,7 +14,7 @@ from gateway.errors import InvalidRequest
 from gateway.runtime import Runtime
 from tenants import audit
 from tenants.errors import InvalidInputError
-from tenants.models import as_utc
+from tenants.models import parse_utc
 from tenants.services import Principal, TenantService
 
 MAX_PAGE = 1000
@@ -25,13 +25,12 @@ def parse_time(text: str | None, param: str) -> datetime | None:
     if text is None:
         return None
     try:
-        moment = datetime.fromisoformat(text)
+        # In UTC: SQLite compares the stored UTC text, so other zones must be converted.
+        return parse_utc(text)
     except ValueError:
         raise InvalidRequest(
             f"{param} must be an ISO 8601 time, e.g. 2026-11-29T12:00:00Z", param=param
         ) from None
-    # In UTC: SQLite compares the stored UTC text, so other zones must be converted.
-    return as_utc(moment)
 
 
 class AuditController(Controller):

@@ -56,13 +56,16 @@ class UsageController(Controller):
         runtime: NamedDependency[Runtime],
         principal: NamedDependency[Principal],
     ) -> dict[str, Any]:
-        async with runtime.sessions() as session:
-            event = await session.scalar(
-                select(UsageEvent).where(
-                    UsageEvent.request_id == request_id,
-                    UsageEvent.tenant_id == principal.tenant_id,
+        event = None
+        # Stored ids are short and printable (PostgreSQL text cannot even hold a NUL).
+        if len(request_id) <= 64 and request_id.isprintable():
+            async with runtime.sessions() as session:
+                event = await session.scalar(
+                    select(UsageEvent).where(
+                        UsageEvent.request_id == request_id,
+                        UsageEvent.tenant_id == principal.tenant_id,
+                    )
                 )
-            )
         if event is None:  # another tenant's request looks exactly like a missing one
             raise NotFound(f"no request {request_id!r}", param="request_id")
         return usage_row_view(event)

@@ -11,7 +11,7 @@ from gateway.errors import InvalidRequest
 from tenants.billing.models import PriceVersion
 from tenants.billing.reports import Period
 from tenants.errors import InvalidInputError
-from tenants.models import UsageEvent, as_utc, utcnow
+from tenants.models import UsageEvent, as_utc, parse_utc, utcnow
 
 MicrosPerMtok = Annotated[int, Meta(ge=0, le=10**12)]
 
@@ -39,13 +39,12 @@ def parse_moment(text: str) -> datetime:
     try:
         if len(text) == 10:
             return datetime.combine(date.fromisoformat(text), datetime.min.time(), tzinfo=UTC)
-        moment = datetime.fromisoformat(text)
+        return parse_utc(text)
     except ValueError:
         raise InvalidRequest(
             f"expected a date like 2026-12-01 or an ISO date-time, got {text!r}",
             param="effective_from",
         ) from None
-    return as_utc(moment)
 
 
 def period_of(text: str | None) -> Period:

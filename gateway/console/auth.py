@@ -22,12 +22,17 @@ from gateway.admission.auth import audit_context
 from gateway.runtime import Runtime
 from tenants.admins import AdminService, ConsoleAdmin
 from tenants.audit import Actor
+from tenants.errors import InvalidInputError
 
 SESSION_COOKIE = "tg_console"
 LOGIN_CSRF_COOKIE = "tg_login_csrf"
 FLASH_COOKIE = "tg_flash"
 COOKIE_PATH = "/admin"
 CSRF_FIELD = "csrf_token"
+# The console's largest form has a dozen short fields: far bigger posts are refused before
+# parsing (the router caps the body, `read_form` the fields), not parsed for seconds.
+MAX_FORM_BYTES = 64 * 1024
+MAX_FORM_FIELDS = 100
 
 
 class SignInRequired(Exception):
@@ -100,11 +105,18 @@ def csrf_ok(expected: str, given: str | None) -> bool:
     return bool(given) and hmac.compare_digest(expected.encode(), str(given).encode())
 
 
+async def read_form(request: Request[Any, Any, Any]) -> FormMultiDict:
+    """The posted form; one with more than MAX_FORM_FIELDS fields is refused unparsed."""
+    if (await request.body()).count(b"&") >= MAX_FORM_FIELDS:
+        raise InvalidInputError(f"the form has too many fields (at most {MAX_FORM_FIELDS})")
+    return await request.form()
+
+
 async def provide_form(
     request: Request[Any, Any, Any], console: NamedDependency[Console]
 ) -> FormMultiDict:
     """The posted form, once its CSRF token matches the session's."""
-    form = await request.form()
+    form = await read_form(request)
     if not csrf_ok(console.csrf_token, form.get(CSRF_FIELD)):
         raise ConsoleForbidden("the form's security token is missing or stale; reload the page")
     return form

@@ -32,7 +32,7 @@ from gateway.telemetry.request import workload_class
 from tenants import audit
 from tenants.admins import AdminService
 from tenants.limits import LIMIT_NAMES, PlanTerms
-from tenants.models import UsageStatus, as_utc
+from tenants.models import UsageStatus, parse_utc
 from tenants.quota import month_period
 from tenants.services import ApiKeyService, PlanService, TenantService, UsageService
 
@@ -44,10 +44,9 @@ def parse_moment(text: str | None) -> datetime | None:
     if not text:
         return None
     try:
-        moment = datetime.fromisoformat(text)
+        return parse_utc(text)
     except ValueError:
         return None
-    return as_utc(moment)
 
 
 def usage_filter(request: Request[Any, Any, Any]) -> UsageFilter:

@@ -10,7 +10,6 @@ from litestar import Controller, Request, Response, get, post
 from litestar.datastructures import FormMultiDict
 from litestar.di import NamedDependency, Provide
 from litestar.response import Redirect
-from sqlalchemy import func, select
 from sqlalchemy.ext.asyncio import AsyncSession
 
 from gateway.admission.auth import audit_context
@@ -25,18 +24,19 @@ from gateway.console.auth import (
     new_login_csrf,
     provide_console,
     provide_form,
+    read_form,
 )
 from gateway.console.render import page
 from gateway.runtime import Runtime
 from tenants import audit
 from tenants.admins import AdminService
-from tenants.audit import AuditEvent
-from tenants.models import utcnow
+from tenants.audit import client_address
+from tenants.sign_ins import SignInThrottle
 
 FAILED = "console.sign_in_failed"
-MAX_FAILURES = 10  # per account within LOCKOUT_WINDOW, then sign-in waits
-LOCKOUT_WINDOW = timedelta(minutes=15)
-LOCKED_OUT = "Too many failed sign-ins for this account; try again in 15 minutes."
+MAX_FAILURES = 10  # per account and source address within the window, then sign-in waits
+THROTTLE = SignInThrottle(per_account=MAX_FAILURES, per_address=50, window=timedelta(minutes=15))
+LOCKED_OUT = "Too many sign-in attempts; try again in 15 minutes."
 
 
 def safe_next(target: str | None) -> str:
@@ -62,20 +62,6 @@ def login_page(
     )
     response.set_cookie(cookie(request, LOGIN_CSRF_COOKIE, token, max_age=3600))
     return response
-
-
-async def recent_failures(session: AsyncSession, email: str) -> int:
-    """Failed sign-ins to this account within the lockout window (from the audit log)."""
-    count = await session.scalar(
-        select(func.count())
-        .select_from(AuditEvent)
-        .where(
-            AuditEvent.action == FAILED,
-            AuditEvent.target == f"admin:{email}",
-            AuditEvent.occurred_at > utcnow() - LOCKOUT_WINDOW,
-        )
-    )
-    return int(count or 0)
 
 
 async def attempt(
@@ -126,15 +112,20 @@ class SessionController(Controller):
     async def login(
         self, request: Request[Any, Any, Any], runtime: NamedDependency[Runtime]
     ) -> Response[Any]:
-        form = await request.form()
+        form = await read_form(request)
         if not csrf_ok(request.cookies.get(LOGIN_CSRF_COOKIE, ""), form.get(CSRF_FIELD)):
             return login_page(request, "The sign-in form expired; please try again.", 403)
         email = str(form.get("email", "")).strip().lower()[:254]
+        address = client_address(request.client.host if request.client else None)
+        async with runtime.sessions.begin() as session:  # counted and committed before the try
+            admitted = await THROTTLE.admit(session, email, address)
+        if not admitted:
+            return login_page(request, LOCKED_OUT, 429)
         async with runtime.sessions.begin() as session:
-            if await recent_failures(session, email) >= MAX_FAILURES:
-                return login_page(request, LOCKED_OUT, 429)
             token = await attempt(session, request, email, str(form.get("password", "")))
-            if token is not None:  # sweep sessions nobody came back to, now and then
+            if token is not None:  # sweep sessions and counts nobody came back to, now and then
+                await THROTTLE.succeeded(session, email, address)
+                await THROTTLE.purge(session)
                 await AdminService(session).purge_idle(idle_limit(runtime))
         if token is None:
             return login_page(request, "Wrong email or password.", 401)

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import logging
+import re
 import sys
 from collections.abc import Mapping
 from contextvars import ContextVar
@@ -54,12 +55,37 @@ class JsonFormatter(logging.Formatter):
 
 
 TEXT_FORMAT = "%(asctime)s %(levelname)s %(name)s %(message)s"
+# C0 and C1 controls and Unicode's line and paragraph separators: anything a terminal or a
+# log viewer may take as the start of a new line (or use to rewrite the current one).
+_CONTROL = re.compile("[\x00-\x1f\x7f-\x9f\u2028\u2029]")
+_SHORT_ESCAPES = {"\n": "\\n", "\r": "\\r", "\t": "\\t"}
+
+
+def escape_controls(text: str) -> str:
+    """Control characters as Python escapes them (\\n, \\x1b, \\u2028)."""
+    return _CONTROL.sub(lambda match: _escape(match.group()), text)
+
+
+def _escape(char: str) -> str:
+    code = ord(char)
+    return _SHORT_ESCAPES.get(char) or (f"\\x{code:02x}" if code < 0x100 else f"\\u{code:04x}")
+
+
+class TextFormatter(logging.Formatter):
+    """One record, one line: text a client sent (a decoded path with %0A, say) cannot
+    forge a record of its own, and a traceback stays on its record's line, escaped."""
+
+    def __init__(self) -> None:
+        super().__init__(TEXT_FORMAT)
+
+    def format(self, record: logging.LogRecord) -> str:
+        return escape_controls(super().format(record))
 
 
 def configure_logging(level: str, fmt: str = "json") -> None:
     """Root logging for a server process: JSON lines on stderr (or plain text)."""
     handler = logging.StreamHandler(sys.stderr)
-    handler.setFormatter(JsonFormatter() if fmt == "json" else logging.Formatter(TEXT_FORMAT))
+    handler.setFormatter(JsonFormatter() if fmt == "json" else TextFormatter())
     root = logging.getLogger()
     root.handlers[:] = [handler]
     root.setLevel(level.upper())

@@ -43,8 +43,11 @@ class Period:
         if match is None or not 1 <= int(match.group(2)) <= 12:
             raise InvalidInputError(f"period must look like 2026-11, got {text!r}")
         year, month = int(match.group(1)), int(match.group(2))
-        start = datetime(year, month, 1, tzinfo=UTC)
-        end = datetime(year + month // 12, month % 12 + 1, 1, tzinfo=UTC)
+        try:
+            start = datetime(year, month, 1, tzinfo=UTC)
+            end = datetime(year + month // 12, month % 12 + 1, 1, tzinfo=UTC)
+        except ValueError:  # year 0, or a month whose end is past year 9999
+            raise InvalidInputError(f"period {text!r} is outside the calendar") from None
         return cls(text, start, end)
 
     @classmethod

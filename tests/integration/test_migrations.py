@@ -6,7 +6,8 @@ from sqlalchemy import create_engine, inspect
 
 import tenants.admins
 import tenants.audit
-import tenants.billing.models  # noqa: F401  (their tables join Base.metadata)
+import tenants.billing.models
+import tenants.sign_ins  # noqa: F401  (their tables join Base.metadata)
 from tenants import db
 from tenants.models import Base
 

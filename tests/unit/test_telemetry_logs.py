@@ -5,12 +5,13 @@ from __future__ import annotations
 import json
 import logging
 import sys
+from collections.abc import Iterator
 
 import pytest
 from opentelemetry import trace
 
 from gateway.settings import SettingsError
-from gateway.telemetry.logs import JsonFormatter, log_format, request_id_var
+from gateway.telemetry.logs import JsonFormatter, configure_logging, log_format, request_id_var
 from tests.unit.test_telemetry_tracing import capture_spans
 
 
@@ -66,3 +67,41 @@ def test_log_format_setting() -> None:
     assert log_format({"TOLLGATE_LOG_FORMAT": "TEXT"}) == "text"
     with pytest.raises(SettingsError, match="TOLLGATE_LOG_FORMAT"):
         log_format({"TOLLGATE_LOG_FORMAT": "xml"})
+
+
+@pytest.fixture
+def text_logging() -> Iterator[logging.Formatter]:
+    """The formatter `tollgate serve` installs with TOLLGATE_LOG_FORMAT=text."""
+    root = logging.getLogger()
+    saved, level = root.handlers[:], root.level
+    configure_logging("info", "text")
+    formatter = root.handlers[0].formatter
+    assert formatter is not None
+    try:
+        yield formatter
+    finally:
+        root.handlers[:], root.level = saved, level
+
+
+FORGED = "2026-12-01 09:00:00,000 INFO gateway.app admin signed in"
+
+
+@pytest.mark.parametrize("breaker", ["\n", "\r", "\r\n", "\x85", "\u2028", "\x1b[2K\r"])
+def test_text_logs_cannot_forge_a_line(text_logging: logging.Formatter, breaker: str) -> None:
+    """A decoded path with %0A (or CR, NEL, LINE SEPARATOR, a terminal escape) stays on its
+    record's line, escaped, instead of starting a line of its own."""
+    line = text_logging.format(_record("GET %s", f"/v1/x{breaker}{FORGED}"))
+    assert not any(char in line for char in "\n\r\x1b\x85\u2028")
+    assert line.endswith(FORGED)
+    assert f"/v1/x{repr(breaker)[1:-1]}{FORGED}" in line  # escaped as Python writes it
+
+
+def test_text_log_tracebacks_stay_on_the_records_line(text_logging: logging.Formatter) -> None:
+    try:
+        raise RuntimeError(f"bad\n{FORGED}")
+    except RuntimeError:
+        record = logging.getLogger("t").makeRecord(
+            "t", logging.ERROR, __file__, 1, "failed", (), sys.exc_info()
+        )
+    line = text_logging.format(record)
+    assert "\n" not in line and "RuntimeError: bad\\n" in line
