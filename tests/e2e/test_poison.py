@@ -1,0 +1,164 @@
+"""The poison table (tests/support/poison.py) replayed on the embedded default and on the
+stack (PostgreSQL, Redis, a gateway over two backend replicas): each answer is the one
+expected, never a 5xx, and another tenant's ordinary request sent beside it is served
+within a bound of its unloaded time. No backend dies on the way."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import secrets
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
+from dataclasses import dataclass, replace
+from typing import Any
+
+import httpx
+import pytest
+
+from backend.server import SECRET_HEADER
+from gateway.app import create_app
+from gateway.bootstrap import ensure_admin_key
+from gateway.dispatch.engine_client import InProcessEngineClient
+from gateway.settings import Settings
+from tenants import db, keys
+from tests.conftest import POSTGRES_URL, serving
+from tests.e2e.processes import free_port, running, start
+from tests.support.poison import table
+
+pytestmark = [pytest.mark.e2e, pytest.mark.slow]
+
+REDIS_URL = "redis://127.0.0.1:6379/0"
+Send = Callable[[str, str, bytes], Awaitable[httpx.Response]]
+
+
+@dataclass
+class Target:
+    base: str  # .../v1
+    keys: tuple[str, str]  # the poisoner's and the bystander's
+    model: str
+    max_model_len: int
+    backends: list[str]  # backend replica URLs (stack mode)
+    secret: str = ""
+
+
+async def _tenant_keys(http: httpx.AsyncClient, base: str, admin: str) -> tuple[str, str]:
+    found = []
+    for name in (f"poisoner-{secrets.token_hex(3)}", f"bystander-{secrets.token_hex(3)}"):
+        auth = {"Authorization": f"Bearer {admin}"}
+        created = await http.post(f"{base}/admin/api/tenants", json={"name": name}, headers=auth)
+        assert created.status_code == 201, created.text
+        key = await http.post(f"{base}/admin/api/tenants/{name}/keys", json={}, headers=auth)
+        found.append(key.json()["key"])
+    return found[0], found[1]
+
+
+async def _model(http: httpx.AsyncClient, base: str, key: str) -> tuple[str, int]:
+    card = await http.get(f"{base}/v1/models", headers={"Authorization": f"Bearer {key}"})
+    first = card.json()["data"][0]
+    return first["id"], first["max_model_len"]
+
+
+@pytest.fixture(scope="module")
+async def embedded(
+    tmp_path_factory: pytest.TempPathFactory, engine_client: InProcessEngineClient
+) -> AsyncIterator[Target]:
+    folder = tmp_path_factory.mktemp("poison")
+    admin, _ = keys.generate_key()
+    url = f"sqlite:///{folder / 'tollgate.db'}"
+    db.upgrade(url)
+    settings = replace(
+        Settings.from_env({}), database_url=url, data_dir=folder / "data", admin_key=admin
+    )
+    engine = db.create_engine(url)
+    await ensure_admin_key(settings, db.session_factory(engine))
+    await engine.dispose()
+    async with serving(create_app(settings, engine_client=engine_client)) as base:
+        async with httpx.AsyncClient(timeout=60) as http:
+            pair = await _tenant_keys(http, base, admin)
+            model, context = await _model(http, base, pair[1])
+        yield Target(f"{base}/v1", pair, model, context, [])
+
+
+@pytest.fixture(scope="module")
+def stack() -> Iterator[Target]:
+    db.reset_schema(POSTGRES_URL)
+    db.upgrade(POSTGRES_URL)
+    secret, (admin, _) = secrets.token_hex(16), keys.generate_key()
+    common = {
+        "TOLLGATE_BACKEND_SECRET": secret,
+        "TOLLGATE_MODEL": os.environ.get("TOLLGATE_TEST_MODEL", ""),
+    }
+    ports = [free_port(), free_port()]
+    backends = [start(["backend", "serve", "--port", str(p)], common) for p in ports]
+    with running(*backends):
+        for process in backends:
+            process.wait_for("ready on")
+        urls = [f"http://127.0.0.1:{p}" for p in ports]
+        gateway_port = free_port()
+        gateway = start(
+            ["serve", "--port", str(gateway_port)],
+            {
+                **common,
+                "TOLLGATE_BACKENDS": ",".join(urls),
+                "TOLLGATE_DATABASE_URL": POSTGRES_URL,
+                "TOLLGATE_REDIS_URL": REDIS_URL,
+                "TOLLGATE_ADMIN_KEY": admin,
+            },
+        )
+        with running(gateway):
+            gateway.wait_for('"model"')
+            base = f"http://127.0.0.1:{gateway_port}"
+
+            async def setup() -> tuple[tuple[str, str], str, int]:
+                async with httpx.AsyncClient(timeout=60) as http:
+                    pair = await _tenant_keys(http, base, admin)
+                    return (pair, *await _model(http, base, pair[1]))
+
+            pair, model, context = asyncio.run(setup())
+            yield Target(f"{base}/v1", pair, model, context, urls, secret)
+
+
+async def _send(http: httpx.AsyncClient, target: Target, key: str, path: str, body: bytes) -> Any:
+    headers = {"Authorization": f"Bearer {key}", "Content-Type": "application/json"}
+    return await http.post(f"{target.base}{path}", content=body, headers=headers)
+
+
+async def _ordinary(http: httpx.AsyncClient, target: Target) -> float:
+    body = f'{{"model": "{target.model}", "prompt": "Return the", "max_tokens": 4}}'.encode()
+    started = time.monotonic()
+    response = await _send(http, target, target.keys[1], "/completions", body)
+    assert response.status_code == 200, response.text
+    return time.monotonic() - started
+
+
+async def _replay(target: Target) -> None:
+    failures = []
+    async with httpx.AsyncClient(timeout=120) as http:
+        unloaded = max([await _ordinary(http, target) for _ in range(3)])
+        bound = max(10 * unloaded, 5.0)  # a stall (seconds of a frozen loop) is far past it
+        for poison in table(target.model, target.max_model_len):
+            sent = asyncio.ensure_future(
+                _send(http, target, target.keys[0], poison.path, poison.body)
+            )
+            beside = await _ordinary(http, target)
+            answer = await sent
+            if answer.status_code not in poison.statuses or beside > bound:
+                failures.append((poison.name, answer.status_code, answer.text[:200], beside))
+            for url in target.backends:
+                alive = await http.get(f"{url}/healthz")
+                assert alive.status_code == 200, f"{poison.name} killed backend {url}"
+        assert failures == [], f"unloaded {unloaded:.3f}s, bound {bound:.1f}s"
+        assert (await http.get(target.base.removesuffix("/v1") + "/healthz")).status_code == 200
+
+
+async def test_poison_requests_on_the_embedded_default(embedded: Target) -> None:
+    await _replay(embedded)
+
+
+async def test_poison_requests_on_the_stack(stack: Target) -> None:
+    await _replay(stack)
+    async with httpx.AsyncClient(timeout=30) as http:
+        for url in stack.backends:  # nothing left running: every poison settled or aborted
+            stats = await http.get(f"{url}/internal/stats", headers={SECRET_HEADER: stack.secret})
+            assert stats.json()["num_running"] == 0
