@@ -16,10 +16,11 @@ import hashlib
 import hmac
 import re
 import secrets
-import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from datetime import datetime, timedelta
+from typing import TypeVar
 
 from sqlalchemy import DateTime, ForeignKey, String, delete, func, select
 from sqlalchemy.ext.asyncio import AsyncSession
@@ -31,6 +32,7 @@ from tenants.errors import ConflictError, InvalidInputError, NotFoundError
 from tenants.keys import hash_key
 from tenants.models import Base, as_utc, new_id, utcnow
 
+T = TypeVar("T")
 MIN_PASSWORD_LENGTH = 12
 # Touch a session's last_seen_at at most this often: one write a minute, not one a page.
 SEEN_GRANULARITY = timedelta(seconds=30)
@@ -49,8 +51,10 @@ class ScryptCost:
 OWASP_COST = ScryptCost(n=2**17, r=8, p=1)
 _MAXMEM = 256 * 2**20  # room for OWASP_COST; a stored hash asking for more never verifies
 _cost = OWASP_COST
-# Each running scrypt holds its 128 MiB: only a few at once, however many sign-ins arrive.
-_RUNNING = threading.BoundedSemaphore(2)
+# Each running scrypt holds its 128 MiB. Two threads of its own run it: a flood of sign-ins
+# then queues there, and neither exhausts memory nor takes the default executor's threads
+# (which other work, such as tokenizing, runs on).
+_HASHER = ThreadPoolExecutor(max_workers=2, thread_name_prefix="scrypt")
 # Checked when the email is unknown, so the work does not reveal which emails exist.
 _DUMMY_SALT, _DUMMY_DIGEST = secrets.token_bytes(16), secrets.token_bytes(32)
 
@@ -142,10 +146,14 @@ def _dummy_hash() -> str:
 
 
 def _scrypt(password: str, salt: bytes, cost: ScryptCost) -> bytes:
-    with _RUNNING:
-        return hashlib.scrypt(
-            password.encode(), salt=salt, n=cost.n, r=cost.r, p=cost.p, maxmem=_MAXMEM, dklen=32
-        )
+    return hashlib.scrypt(
+        password.encode(), salt=salt, n=cost.n, r=cost.r, p=cost.p, maxmem=_MAXMEM, dklen=32
+    )
+
+
+async def _hashing(work: Callable[..., T], *args: str) -> T:
+    """`work` (slow on purpose) on the scrypt threads, never on the event loop."""
+    return await asyncio.get_running_loop().run_in_executor(_HASHER, work, *args)
 
 
 def _b64(data: bytes) -> str:
@@ -171,7 +179,7 @@ class AdminService:
             raise InvalidInputError(f"password must be at least {MIN_PASSWORD_LENGTH} characters")
         if await self.find(email) is not None:
             raise ConflictError(f"administrator {email!r} already exists")
-        hashed = await asyncio.to_thread(hash_password, password)
+        hashed = await _hashing(hash_password, password)
         admin = ConsoleAdmin(email=email, role=role, password_hash=hashed)
         self.session.add(admin)
         await self.session.flush()
@@ -206,13 +214,13 @@ class AdminService:
 
     async def verify(self, email: str, password: str) -> ConsoleAdmin | None:
         """The administrator if the password is right; None for a wrong email or password.
-        scrypt runs in a thread: it is slow on purpose, and must not stall the event loop."""
+        scrypt runs on its own threads: it is slow on purpose, and must not stall the event loop."""
         admin = await self.find(email)
         stored = _dummy_hash() if admin is None else admin.password_hash
-        if not await asyncio.to_thread(verify_password, password, stored) or admin is None:
+        if not await _hashing(verify_password, password, stored) or admin is None:
             return None
         if needs_rehash(admin.password_hash):  # saved with the sign-in's transaction
-            admin.password_hash = await asyncio.to_thread(hash_password, password)
+            admin.password_hash = await _hashing(hash_password, password)
         return admin
 
     async def sign_in(self, admin: ConsoleAdmin, now: datetime | None = None) -> str:
