@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import os
 import secrets
+import stat
 from dataclasses import dataclass
+from pathlib import Path
 
 from sqlalchemy import select
 from sqlalchemy.exc import IntegrityError
@@ -91,8 +93,10 @@ async def _adopt(session: AsyncSession, tenant: Tenant, secret: str) -> bool:
 
 
 async def _known_admin_key(settings: Settings, service: ApiKeyService) -> str | None:
-    """The key in the data folder, if it is still a working admin key."""
+    """The key in the data folder, if it is still a working admin key. A file others may
+    read (copied, or made before the folder was owner-only) is made owner-only first."""
     try:
+        _owner_only(settings.admin_key_file)
         secret = settings.admin_key_file.read_text().strip()
     except FileNotFoundError:
         return None
@@ -102,10 +106,20 @@ async def _known_admin_key(settings: Settings, service: ApiKeyService) -> str | 
 
 def _write_key_file(settings: Settings, secret: str) -> None:
     """Owner-only file so `make run` can show the key again; like a Jupyter token."""
-    settings.data_dir.mkdir(parents=True, exist_ok=True)
+    settings.data_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
     fd = os.open(settings.admin_key_file, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    os.fchmod(fd, 0o600)  # the mode above applies only to a file created now
     with os.fdopen(fd, "w") as handle:
         handle.write(secret + "\n")
+
+
+def _owner_only(path: Path) -> None:
+    if stat.S_IMODE(path.stat().st_mode) & 0o077:
+        try:
+            path.chmod(0o600)
+        except PermissionError:
+            message = f"{path} is readable by others and not ours to fix: chmod 600 it"
+            raise SettingsError(message) from None
 
 
 CONSOLE_OWNER_EMAIL = "owner@localhost"

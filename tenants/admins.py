@@ -1,6 +1,7 @@
 """Console administrators (owner or viewer) and their server-side sign-in sessions.
 
-Passwords are hashed with scrypt (memory-hard, in the standard library). A session is a
+Passwords are hashed with scrypt (memory-hard, in the standard library) at OWASP's minimum
+cost; a hash stored at another cost is redone at its owner's next sign-in. A session is a
 random token in an HttpOnly cookie; only its SHA-256 is stored, so a copy of the database
 cannot sign anyone in. Sessions end on logout or after an idle period.
 """
@@ -9,13 +10,17 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import contextlib
 import enum
 import hashlib
 import hmac
 import re
 import secrets
+from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from datetime import datetime, timedelta
+from typing import TypeVar
 
 from sqlalchemy import DateTime, ForeignKey, String, delete, func, select
 from sqlalchemy.ext.asyncio import AsyncSession
@@ -27,14 +32,43 @@ from tenants.errors import ConflictError, InvalidInputError, NotFoundError
 from tenants.keys import hash_key
 from tenants.models import Base, as_utc, new_id, utcnow
 
+T = TypeVar("T")
 MIN_PASSWORD_LENGTH = 12
 # Touch a session's last_seen_at at most this often: one write a minute, not one a page.
 SEEN_GRANULARITY = timedelta(seconds=30)
 # No whitespace or control characters (PostgreSQL text cannot hold NUL at all).
 _EMAIL = re.compile(r"^[^@\s\x00-\x1f\x7f]+@[^@\s\x00-\x1f\x7f]+$")
 
-# scrypt at n=2^14, r=8 (16 MiB, ~50 ms): OWASP's floor for interactive sign-in.
-_SCRYPT_N, _SCRYPT_R, _SCRYPT_P = 2**14, 8, 1
+
+@dataclass(frozen=True)
+class ScryptCost:
+    n: int  # CPU and memory cost: 128 * n * r bytes
+    r: int
+    p: int
+
+
+# OWASP's minimum for scrypt (Password Storage Cheat Sheet): 128 MiB, ~0.3 s a hash.
+OWASP_COST = ScryptCost(n=2**17, r=8, p=1)
+_MAXMEM = 256 * 2**20  # room for OWASP_COST; a stored hash asking for more never verifies
+_cost = OWASP_COST
+# Each running scrypt holds its 128 MiB. Two threads of its own run it: a flood of sign-ins
+# then queues there, and neither exhausts memory nor takes the default executor's threads
+# (which other work, such as tokenizing, runs on).
+_HASHER = ThreadPoolExecutor(max_workers=2, thread_name_prefix="scrypt")
+# Checked when the email is unknown, so the work does not reveal which emails exist.
+_DUMMY_SALT, _DUMMY_DIGEST = secrets.token_bytes(16), secrets.token_bytes(32)
+
+
+@contextlib.contextmanager
+def scrypt_cost_for_tests(cost: ScryptCost) -> Iterator[None]:
+    """Tests only: hash new passwords at `cost` instead of OWASP_COST within the block, so
+    a suite that creates hundreds of administrators stays fast. The gateway never calls it."""
+    global _cost
+    saved, _cost = _cost, cost
+    try:
+        yield
+    finally:
+        _cost = saved
 
 
 class AdminRole(enum.StrEnum):
@@ -82,26 +116,44 @@ class SignedIn:
 
 
 def hash_password(password: str) -> str:
-    salt = secrets.token_bytes(16)
-    digest = _scrypt(password, salt, _SCRYPT_N, _SCRYPT_R, _SCRYPT_P)
-    return "$".join(
-        ["scrypt", str(_SCRYPT_N), str(_SCRYPT_R), str(_SCRYPT_P), _b64(salt), _b64(digest)]
-    )
+    cost, salt = _cost, secrets.token_bytes(16)
+    return _format(cost, salt, _scrypt(password, salt, cost))
 
 
 def verify_password(password: str, stored: str) -> bool:
+    """Whether `password` is the one `stored` was made from, at whatever cost it names."""
     try:
         scheme, n, r, p, salt, digest = stored.split("$")
         if scheme != "scrypt":
             return False
-        actual = _scrypt(password, _unb64(salt), int(n), int(r), int(p))
+        actual = _scrypt(password, _unb64(salt), ScryptCost(int(n), int(r), int(p)))
     except ValueError:
         return False
     return hmac.compare_digest(actual, _unb64(digest))
 
 
-def _scrypt(password: str, salt: bytes, n: int, r: int, p: int) -> bytes:
-    return hashlib.scrypt(password.encode(), salt=salt, n=n, r=r, p=p, maxmem=64 * 2**20, dklen=32)
+def needs_rehash(stored: str) -> bool:
+    """Made at another cost than today's (an older, cheaper one): hash it again."""
+    return stored.split("$")[:4] != ["scrypt", str(_cost.n), str(_cost.r), str(_cost.p)]
+
+
+def _format(cost: ScryptCost, salt: bytes, digest: bytes) -> str:
+    return "$".join(["scrypt", str(cost.n), str(cost.r), str(cost.p), _b64(salt), _b64(digest)])
+
+
+def _dummy_hash() -> str:
+    return _format(_cost, _DUMMY_SALT, _DUMMY_DIGEST)
+
+
+def _scrypt(password: str, salt: bytes, cost: ScryptCost) -> bytes:
+    return hashlib.scrypt(
+        password.encode(), salt=salt, n=cost.n, r=cost.r, p=cost.p, maxmem=_MAXMEM, dklen=32
+    )
+
+
+async def _hashing(work: Callable[..., T], *args: str) -> T:
+    """`work` (slow on purpose) on the scrypt threads, never on the event loop."""
+    return await asyncio.get_running_loop().run_in_executor(_HASHER, work, *args)
 
 
 def _b64(data: bytes) -> str:
@@ -110,10 +162,6 @@ def _b64(data: bytes) -> str:
 
 def _unb64(text: str) -> bytes:
     return base64.b64decode(text.encode(), validate=True)
-
-
-# Compared against when the email is unknown, so timing does not reveal which emails exist.
-_DUMMY_HASH = hash_password(secrets.token_urlsafe(16))
 
 
 class AdminService:
@@ -131,7 +179,7 @@ class AdminService:
             raise InvalidInputError(f"password must be at least {MIN_PASSWORD_LENGTH} characters")
         if await self.find(email) is not None:
             raise ConflictError(f"administrator {email!r} already exists")
-        hashed = await asyncio.to_thread(hash_password, password)
+        hashed = await _hashing(hash_password, password)
         admin = ConsoleAdmin(email=email, role=role, password_hash=hashed)
         self.session.add(admin)
         await self.session.flush()
@@ -166,11 +214,14 @@ class AdminService:
 
     async def verify(self, email: str, password: str) -> ConsoleAdmin | None:
         """The administrator if the password is right; None for a wrong email or password.
-        scrypt runs in a thread: it is slow on purpose, and must not stall the event loop."""
+        scrypt runs on its own threads: it is slow on purpose, and must not stall the event loop."""
         admin = await self.find(email)
-        stored = _DUMMY_HASH if admin is None else admin.password_hash
-        right = await asyncio.to_thread(verify_password, password, stored)
-        return admin if right and admin is not None else None
+        stored = _dummy_hash() if admin is None else admin.password_hash
+        if not await _hashing(verify_password, password, stored) or admin is None:
+            return None
+        if needs_rehash(admin.password_hash):  # saved with the sign-in's transaction
+            admin.password_hash = await _hashing(hash_password, password)
+        return admin
 
     async def sign_in(self, admin: ConsoleAdmin, now: datetime | None = None) -> str:
         """Open a session; returns its token (the cookie value), never stored as such."""

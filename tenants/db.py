@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+import os
 from pathlib import Path
 
 import sqlalchemy
@@ -41,8 +43,14 @@ def sync_url(url: str) -> URL:
 
 
 def _ensure_sqlite_dir(url: URL) -> None:
+    """The embedded database holds password hashes and stored completions: its folder is
+    made owner-only (0700), and the file too (0600; SQLite gives its -wal and -shm files
+    the database's mode) when they are created here."""
     if url.get_backend_name() == "sqlite" and url.database and url.database != ":memory:":
-        Path(url.database).parent.mkdir(parents=True, exist_ok=True)
+        path = Path(url.database)
+        path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+        with contextlib.suppress(FileExistsError):  # an empty file is an empty database
+            os.close(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600))
 
 
 def create_engine(url: str) -> AsyncEngine:

@@ -13,7 +13,7 @@ import hashlib
 from dataclasses import dataclass
 from datetime import datetime, timedelta
 
-from sqlalchemy import DateTime, Integer, String, case, delete
+from sqlalchemy import DateTime, Integer, String, case, delete, update
 from sqlalchemy.dialects.postgresql import insert as pg_insert
 from sqlalchemy.dialects.sqlite import insert as sqlite_insert
 from sqlalchemy.ext.asyncio import AsyncSession
@@ -49,10 +49,16 @@ class SignInThrottle:
         return await self._count(session, _account_key(email, address), now) <= self.per_account
 
     async def succeeded(self, session: AsyncSession, email: str, address: str | None) -> None:
-        """The right password clears its account's count from its address; the address's
-        own count stays, or signing in to one's own account would reset a guesser."""
+        """The right password clears its account's count from its address, and takes back
+        its own attempt from the address's count: only failures add up there (clearing that
+        count instead would let a guesser reset it by signing in to an account of its own)."""
         await session.execute(
             delete(SignInAttempts).where(SignInAttempts.key_hash == _account_key(email, address))
+        )
+        await session.execute(
+            update(SignInAttempts)
+            .where(SignInAttempts.key_hash == _address_key(address), SignInAttempts.attempts > 0)
+            .values(attempts=SignInAttempts.attempts - 1)
         )
 
     async def purge(self, session: AsyncSession, now: datetime | None = None) -> int:

@@ -7,7 +7,7 @@ import asyncio
 import contextlib
 import inspect
 import os
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Iterator
 from dataclasses import replace
 from pathlib import Path
 
@@ -21,6 +21,7 @@ from gateway.app import create_app, engine_config
 from gateway.dispatch.engine_client import InProcessEngineClient
 from gateway.settings import Settings
 from tenants import db
+from tenants.admins import ScryptCost, scrypt_cost_for_tests
 from tenants.models import KeyRole
 from tenants.services import ApiKeyService, TenantService
 
@@ -28,6 +29,17 @@ POSTGRES_URL = os.environ.get(
     "TOLLGATE_TEST_DATABASE_URL",
     "postgresql+psycopg://postgres:postgres@127.0.0.1:5432/tollgate_test",
 )
+
+
+# The real cost (OWASP's minimum) takes ~0.3 s a hash, and the suite creates hundreds of
+# administrators; tests that are about the cost set it themselves.
+TEST_SCRYPT_COST = ScryptCost(n=2**12, r=8, p=1)
+
+
+@pytest.fixture(scope="session", autouse=True)
+def cheap_password_hashing() -> Iterator[None]:
+    with scrypt_cost_for_tests(TEST_SCRYPT_COST):
+        yield
 
 
 @pytest.fixture(params=["sqlite", "postgresql"])

@@ -2,15 +2,16 @@ from __future__ import annotations
 
 import stat
 from dataclasses import replace
+from pathlib import Path
 
 import pytest
 from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
 
 from gateway.bootstrap import ensure_admin_key
 from gateway.settings import Settings, SettingsError
-from tenants import keys
+from tenants import db, keys
 from tenants.models import KeyRole
-from tenants.services import ApiKeyService
+from tenants.services import ApiKeyService, TenantService
 
 Sessions = async_sessionmaker[AsyncSession]
 
@@ -52,3 +53,45 @@ async def test_operator_given_key_is_adopted_once(settings: Settings, sessions: 
 async def test_malformed_operator_key_is_refused(settings: Settings, sessions: Sessions) -> None:
     with pytest.raises(SettingsError, match="TOLLGATE_ADMIN_KEY"):
         await ensure_admin_key(replace(settings, admin_key="hunter2"), sessions)
+
+
+async def test_an_admin_key_file_others_can_read_is_made_owner_only(
+    settings: Settings, sessions: Sessions
+) -> None:
+    first = await ensure_admin_key(settings, sessions)
+    settings.admin_key_file.chmod(0o644)
+    again = await ensure_admin_key(settings, sessions)
+    assert again.secret == first.secret
+    assert stat.S_IMODE(settings.admin_key_file.stat().st_mode) == 0o600
+
+
+async def test_a_rewritten_admin_key_file_is_owner_only(
+    settings: Settings, sessions: Sessions
+) -> None:
+    """A key file left behind by a revoked key, readable by others, is replaced owner-only."""
+    first = await ensure_admin_key(settings, sessions)
+    assert first.secret is not None
+    async with sessions.begin() as session:
+        await ApiKeyService(session).revoke(first.secret.split("_")[0])
+    settings.admin_key_file.chmod(0o644)
+    assert (await ensure_admin_key(settings, sessions)).created
+    assert stat.S_IMODE(settings.admin_key_file.stat().st_mode) == 0o600
+
+
+async def test_the_embedded_database_is_created_owner_only(tmp_path: Path) -> None:
+    """It holds password hashes and stored completions: a 0700 folder, 0600 files."""
+    path = tmp_path / "fresh" / "data" / "tollgate.db"
+    url = f"sqlite:///{path}"
+    db.upgrade(url)
+    engine = db.create_engine(url)
+    try:
+        async with db.session_factory(engine).begin() as session:
+            await TenantService(session).create("acme")  # a write: the WAL file exists now
+        assert stat.S_IMODE(path.parent.stat().st_mode) == 0o700
+        files = [p for p in path.parent.iterdir() if p.name.startswith("tollgate.db")]
+        assert {p.name for p in files} >= {"tollgate.db", "tollgate.db-wal"}
+        assert {p.name: stat.S_IMODE(p.stat().st_mode) for p in files} == {
+            p.name: 0o600 for p in files
+        }
+    finally:
+        await engine.dispose()

@@ -19,7 +19,14 @@ from gateway.console.session import MAX_FAILURES
 from gateway.dispatch.engine_client import InProcessEngineClient
 from gateway.settings import Settings
 from tenants import audit
-from tenants.admins import AdminService, ConsoleSession
+from tenants.admins import (
+    AdminService,
+    ConsoleSession,
+    ScryptCost,
+    needs_rehash,
+    scrypt_cost_for_tests,
+    verify_password,
+)
 from tenants.billing.models import OutboxRow, OutboxStatus
 from tenants.models import Tenant, UsageEvent, utcnow
 from tenants.services import ApiKeyService, PlanService, TenantService
@@ -429,3 +436,16 @@ async def test_forms_with_too_many_fields_are_refused(
     answer = await client.post(path, content=many.encode(), headers=headers)
     assert answer.status_code == 400
     assert "too many fields" in answer.text
+
+
+async def test_sign_in_rehashes_a_password_stored_at_another_cost(
+    client: Client, sessions: async_sessionmaker[AsyncSession]
+) -> None:
+    with scrypt_cost_for_tests(ScryptCost(n=2**10, r=8, p=1)):
+        async with sessions.begin() as session:
+            await AdminService(session).create(OWNER, "owner", PASSWORD)
+    await sign_in(client, OWNER)
+    async with sessions() as session:
+        stored = (await AdminService(session).get(OWNER)).password_hash
+    assert not needs_rehash(stored) and not stored.startswith("scrypt$1024$")
+    assert verify_password(PASSWORD, stored)

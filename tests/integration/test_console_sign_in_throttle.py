@@ -119,16 +119,16 @@ async def test_an_address_trying_many_accounts_waits_until_its_window_ends(
         assert await throttle.purge(session, later) == 5
 
 
-async def test_the_right_password_clears_only_its_accounts_count(
+async def test_sign_ins_clear_their_count_and_spend_none_of_the_addresss(
     sessions: async_sessionmaker[AsyncSession],
 ) -> None:
-    throttle = SignInThrottle(per_account=2, per_address=3)
+    throttle, address = SignInThrottle(per_account=2, per_address=3), "198.51.100.1"
     async with sessions.begin() as session:
-        assert [await throttle.admit(session, OWNER, "198.51.100.1") for _ in range(3)] == [
-            True,
-            True,
-            False,
-        ]
-        await throttle.succeeded(session, OWNER, "198.51.100.1")
-        assert await throttle.admit(session, OWNER, "198.51.100.1") is False  # address: 4 > 3
-        assert await throttle.admit(session, OWNER, "198.51.100.9")
+        for _ in range(5):  # signing in again and again from one address
+            assert await throttle.admit(session, OWNER, address)
+            await throttle.succeeded(session, OWNER, address)
+        tries = [await throttle.admit(session, OWNER, address) for _ in range(3)]
+        assert tries == [True, True, False]  # the account's limit from this address
+        await throttle.succeeded(session, OWNER, address)  # a right password at last
+        assert await throttle.admit(session, OWNER, address)
+        assert not await throttle.admit(session, "u0@x.example", address)  # address: 4 > 3

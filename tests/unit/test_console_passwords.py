@@ -12,16 +12,36 @@ from gateway.console.auth import decode_flash, encode_flash
 from gateway.console.ledger import effective_from, price_from
 from gateway.console.queries import percentile
 from gateway.console.session import safe_next
-from tenants.admins import hash_password, verify_password
+from tenants.admins import (
+    OWASP_COST,
+    ScryptCost,
+    hash_password,
+    needs_rehash,
+    scrypt_cost_for_tests,
+    verify_password,
+)
 from tenants.errors import InvalidInputError
 from tenants.pricing import Price
 
 
 def test_password_hash_verifies_only_the_right_password() -> None:
     stored = hash_password("correct horse battery")
-    assert stored.startswith("scrypt$16384$8$1$")
     assert verify_password("correct horse battery", stored)
     assert not verify_password("correct horse batterY", stored)
+
+
+def test_the_real_cost_is_owasps_minimum_and_older_hashes_still_verify() -> None:
+    """N=2^17, r=8, p=1 (128 MiB); the suite runs cheaper through its test-only setting."""
+    assert ScryptCost(n=2**17, r=8, p=1) == OWASP_COST
+    with scrypt_cost_for_tests(OWASP_COST):
+        stored = hash_password("correct horse battery")
+        assert stored.startswith("scrypt$131072$8$1$")
+        assert not needs_rehash(stored)
+        assert verify_password("correct horse battery", stored)
+        with scrypt_cost_for_tests(ScryptCost(n=2**14, r=8, p=1)):  # the cost before
+            older = hash_password("correct horse battery")
+        assert needs_rehash(older)
+        assert verify_password("correct horse battery", older)
 
 
 def test_same_password_hashes_differently_each_time() -> None:
