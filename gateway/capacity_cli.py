@@ -27,6 +27,16 @@ def add_commands(commands: Any) -> None:
     model_flags(capacity)
     capacity.add_argument("--json", action="store_true", help="one JSON object")
     capacity.set_defaults(handler=_capacity)
+    sub = capacity.add_subparsers(metavar="{plan,check}")
+    plan = sub.add_parser(
+        "plan",
+        help="the fewest replicas meeting every SLO, by simulation",
+        description="Runs the simulator (the real scheduler and block manager on a virtual "
+        "clock, stepped by the roofline cost model) at 1, 2, ... replicas.",
+    )
+    model_flags(plan)
+    plan_flags(plan)
+    plan.set_defaults(handler=_plan)
 
 
 def _count(text: str) -> int:
@@ -65,9 +75,9 @@ def model_flags(p: argparse.ArgumentParser) -> None:
     load.add_argument("--output-tokens", type=int)
     load.add_argument("--rate", type=float, help="requests/s, for Little's law")
     load.add_argument("--duration-s", type=float, help="each request's time in the system")
-    load.add_argument("--mfu", type=float, default=1.0, help="share of peak FLOP/s (default 1)")
-    load.add_argument("--mbu", type=float, default=1.0, help="share of peak bandwidth (default 1)")
-    load.add_argument("--step-overhead-ms", type=float, default=0.0)
+    load.add_argument("--mfu", type=float, help="share of peak FLOP/s reached")
+    load.add_argument("--mbu", type=float, help="share of peak bandwidth reached")
+    load.add_argument("--step-overhead-ms", type=float, help="per engine step")
     load.add_argument("--calibration", type=Path, help="factors saved by `capacity check --save`")
 
 
@@ -104,16 +114,32 @@ def _fail(exc: Exception) -> int:
     return 2
 
 
-def inputs_from(args: argparse.Namespace) -> Any:
-    """Planner inputs from the flags (imported late: the planner pulls in torch's loader)."""
+def _efficiency(args: argparse.Namespace, default: Any) -> Any:
+    """--calibration, else the factors given (the rest from `default`), else `default`."""
     from backend.capacity.calibration import Calibration
+    from backend.capacity.planner import Efficiency
+
+    given = (args.mfu, args.mbu, args.step_overhead_ms)
+    if args.calibration:
+        if any(v is not None for v in given):
+            raise CapacityInputError("--calibration", "--calibration or --mfu/--mbu, not both")
+        return Calibration.load(args.calibration).efficiency()
+    if all(v is None for v in given):
+        return default
+    mfu, mbu, overhead_ms = given
+    return Efficiency(
+        default.mfu if mfu is None else mfu,
+        default.mbu if mbu is None else mbu,
+        default.step_overhead_s if overhead_ms is None else overhead_ms / 1000,
+        "given (--mfu, --mbu, --step-overhead-ms); not checked against measurement",
+    )
+
+
+def inputs_from(args: argparse.Namespace, default_efficiency: Any = None) -> Any:
+    """Planner inputs from the flags (imported late: the planner pulls in torch's loader)."""
     from backend.capacity.planner import Efficiency, Inputs
 
-    efficiency = Efficiency(args.mfu, args.mbu, args.step_overhead_ms / 1000, "given (--mfu/--mbu)")
-    if args.mfu == 1.0 and args.mbu == 1.0 and args.step_overhead_ms == 0.0:
-        efficiency = Efficiency()
-    if args.calibration:
-        efficiency = Calibration.load(args.calibration).efficiency()
+    efficiency = _efficiency(args, default_efficiency or Efficiency())
     return Inputs(
         gpu=_gpu(args),
         arch=_arch(args),
@@ -229,3 +255,126 @@ def _capacity(settings: object, args: argparse.Namespace) -> int:
         return _fail(exc)
     print(json.dumps(result.as_json(), indent=2) if args.json else format_plan(result))
     return 0
+
+
+def _progress(done: int, total: int) -> None:
+    """A bar on stderr, redrawn in place."""
+    width = 30
+    filled = width * done // max(1, total)
+    end = "\n" if done >= total else ""
+    bar = "#" * filled + "." * (width - filled)
+    print(f"\r[{bar}] {done}/{total} replica counts simulated", end=end, file=sys.stderr)
+    sys.stderr.flush()
+
+
+def _workload(args: argparse.Namespace) -> tuple[list[Any], dict[str, Any]]:
+    """The trace and the SLOs per class, from --trace or --class, and --slo."""
+    from backend.capacity.cluster import parse_class, parse_slo
+    from backend.sim.trace import load_trace, make_trace
+
+    slos = dict(parse_slo(spec) for spec in args.slo)
+    classes = [parse_class(spec, args.duration) for spec in args.classes]
+    if bool(args.trace) == bool(classes):
+        raise CapacityInputError("--trace", "give --trace FILE or one or more --class")
+    for stream, slo in classes:
+        slos.setdefault(stream.name, slo)
+    if classes:
+        return make_trace([stream for stream, _ in classes], args.seed), slos
+    try:
+        return load_trace(args.trace), slos
+    except (OSError, ValueError) as exc:
+        raise CapacityInputError("--trace", f"--trace: {exc}") from None
+
+
+def _plan(settings: object, args: argparse.Namespace) -> int:
+    from backend.capacity.cluster import size_cluster
+    from backend.capacity.planner import Efficiency, plan
+    from backend.config import EngineConfig
+    from backend.sim.cost import CostModel
+
+    sim = CostModel()
+    assumed = Efficiency(
+        sim.mfu,
+        sim.mbu,
+        sim.step_overhead_s,
+        f"assumed (the simulator's defaults: mfu {sim.mfu}, mbu {sim.mbu}, "
+        f"{sim.step_overhead_s * 1000:g} ms a step); no calibration, so unchecked against "
+        "measurement: run `tollgate capacity check --save FILE` and pass --calibration FILE",
+    )
+    try:
+        sized = plan(inputs_from(args, assumed))
+        if sized.inputs.arch is None:
+            raise CapacityInputError("--params", "plan needs the model's shape, not --params alone")
+        trace, slos = _workload(args)
+        config = EngineConfig(
+            max_num_seqs=args.max_num_seqs or EngineConfig.max_num_seqs,
+            max_num_batched_tokens=args.max_num_batched_tokens
+            or EngineConfig.max_num_batched_tokens,
+        )
+        blocks = int(sized.number("max_kv_tokens")) // config.block_size
+        progress = None if args.json else _progress
+        tried, smallest = size_cluster(
+            trace, config, sized.cost, blocks, slos, args.max_replicas, progress
+        )
+    except (CapacityInputError, ValueError) as exc:
+        return _fail(exc)
+    if args.json:
+        print(json.dumps(_sizing_json(sized, tried, smallest, blocks), indent=2))
+    else:
+        print(_sizing_text(sized, tried, smallest, blocks))
+    return 0 if smallest is not None else 1
+
+
+def _sizing_json(sized: Any, tried: list[Any], smallest: int | None, blocks: int) -> object:
+    from dataclasses import asdict
+
+    return {
+        "smallest_replicas": smallest,
+        "kv_blocks_per_replica": blocks,
+        "counts": [{**asdict(f), "meets_slos": f.meets_slos} for f in tried],
+        "model": sized.as_json(),
+        "notes": _sizing_notes(sized),
+    }
+
+
+def _sizing_notes(sized: Any) -> list[str]:
+    return [
+        "a roofline model (backend/sim/cost.py), not a measurement: step time = overhead + "
+        "max(FLOPs / (peak x mfu), bytes / (bandwidth x mbu))",
+        f"efficiency: {sized.inputs.efficiency.source}",
+        "arrivals dealt to replicas round-robin; each replica is one engine "
+        "(EngineConfig defaults unless --max-num-seqs/--max-num-batched-tokens)",
+    ]
+
+
+def _sizing_text(sized: Any, tried: list[Any], smallest: int | None, blocks: int) -> str:
+    i = sized.inputs
+    lines = [
+        f"{i.arch.name} on {sized.cost.gpu.name} ({i.weights_dtype}, KV {i.cache_dtype}): "
+        f"{blocks:,} KV blocks per replica",
+    ]
+    for f in tried:
+        verdict = "meets every SLO" if f.meets_slos else "misses an SLO"
+        lines.append(
+            f"\n{f.replicas} replica(s): {verdict}; goodput {f.goodput_rps:.2f} req/s "
+            f"({f.goodput_tps:,.0f} tok/s); KV peak {f.kv_peak:.0%}, mean {f.kv_mean:.0%}; "
+            f"rejected {f.rejected}, preemptions {f.preemptions}"
+        )
+        lines.append(
+            f"  {'class':<12}{'n':>6}  {'TTFT p50/p95/p99 s':<22}{'ITL p50/p95/p99 ms':<22}"
+            f"{'queue p95 s':<13}SLO (p95 TTFT, ITL)"
+        )
+        for c in f.classes:
+            ttft = "/".join(f"{v:.2f}" for v in c.ttft)
+            itl = "/".join(f"{v * 1000:.1f}" for v in c.itl)
+            met = "met" if c.met else "MISSED"
+            lines.append(
+                f"  {c.name:<12}{c.count:>6}  {ttft:<22}{itl:<22}{c.queue_p95:<13.2f}"
+                f"{met} ({c.slo.ttft_s:g} s, {c.slo.itl_s * 1000:g} ms)"
+            )
+    answer = (
+        f"smallest replica count meeting every SLO: {smallest}"
+        if smallest is not None
+        else f"no count up to {len(tried)} meets every SLO (raise --max-replicas)"
+    )
+    return "\n".join([*lines, "", answer, *(f"note: {n}" for n in _sizing_notes(sized))])
