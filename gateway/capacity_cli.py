@@ -37,6 +37,12 @@ def add_commands(commands: Any) -> None:
     model_flags(plan)
     plan_flags(plan)
     plan.set_defaults(handler=_plan)
+    check = sub.add_parser(
+        "check",
+        help="time the engine's steps against the roofline; save the factors for `plan`",
+    )
+    check_flags(check)
+    check.set_defaults(handler=_check)
 
 
 def _count(text: str) -> int:
@@ -105,6 +111,7 @@ def check_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--url", help="a running backend (TOLLGATE_BACKEND_SECRET); default: in-process")
     p.add_argument("--model", type=Path, help="in-process checkpoint (default: built-in)")
     p.add_argument("--device", default="cpu", help="in-process: cpu or cuda")
+    p.add_argument("--cpu-threads", type=int, default=1, help="in-process on the CPU (default 1)")
     p.add_argument("--save", type=Path, help="write the calibration here, for `plan`")
     p.add_argument("--json", action="store_true")
 
@@ -378,3 +385,74 @@ def _sizing_text(sized: Any, tried: list[Any], smallest: int | None, blocks: int
         else f"no count up to {len(tried)} meets every SLO (raise --max-replicas)"
     )
     return "\n".join([*lines, "", answer, *(f"note: {n}" for n in _sizing_notes(sized))])
+
+
+def _check(settings: Any, args: argparse.Namespace) -> int:
+    if args.url:
+        from backend.capacity.remote import check_remote
+
+        secret = settings.backend_secret or ""
+        try:
+            facts, peaks, cal = check_remote(args.url, secret)
+        except (CapacityInputError, OSError, ValueError) as exc:
+            return _fail(exc)
+    else:
+        from backend.builtin import BUILTIN_MODEL_DIR
+        from backend.capacity.check import check_in_process
+        from backend.errors import CheckpointError
+
+        try:
+            facts, peaks, cal = check_in_process(
+                args.model or BUILTIN_MODEL_DIR, args.device, args.cpu_threads
+            )
+        except (CheckpointError, RuntimeError, ValueError) as exc:
+            return _fail(exc)
+    if args.save:
+        cal.save(args.save)
+    if args.json:
+        from dataclasses import asdict
+
+        report = {"engine": asdict(facts), "peaks": asdict(peaks), "calibration": asdict(cal)}
+        print(json.dumps(report, indent=2))
+    else:
+        print(_check_text(facts, peaks, cal, args.save))
+    return 0
+
+
+def _check_text(facts: Any, peaks: Any, cal: Any, saved: Path | None) -> str:
+    planned_blocks = facts.planner_num_blocks
+    rows = [
+        f"engine: {facts.model} on {facts.device} ({facts.dtype}), max_model_len "
+        f"{facts.max_model_len:,}",
+        f"KV block: {facts.block_size} tokens, {facts.bytes_per_block:,} B (planner: "
+        f"{facts.planner_bytes_per_block:,.0f} B)",
+        f"KV pool: {facts.num_blocks:,} blocks, {facts.kv_tensor_bytes:,} B in the cache tensor"
+        + (
+            f" (planner: {planned_blocks:,} blocks in the {facts.kv_budget_bytes:,} B budget)"
+            if planned_blocks is not None
+            else ""
+        ),
+        f"peaks: {peaks.flops / 1e9:,.1f} GFLOP/s, {peaks.bandwidth / 1e9:,.1f} GB/s ({peaks.how})",
+        f"{'step':<24}{'floor ms':>10}{'predicted ms':>14}{'measured ms':>13}{'error':>8}",
+    ]
+    for p in cal.points:
+        label = (
+            f"{p.kind} batch {p.batch} @ {p.tokens}"
+            if p.kind == "decode"
+            else (f"prefill {p.tokens} tokens")
+        )
+        error = abs(p.predicted_s - p.measured_s) / p.measured_s
+        rows.append(
+            f"{label:<24}{p.floor_s * 1000:>10.3f}{p.predicted_s * 1000:>14.3f}"
+            f"{p.measured_s * 1000:>13.3f}{error:>8.0%}"
+        )
+    rows += [
+        f"fitted: step overhead {cal.step_overhead_s * 1000:.3g} ms, mbu {cal.mbu:.3g}, "
+        f"mfu {cal.mfu:.3g}",
+        f"roofline error (mean |predicted - measured| / measured): bare {cal.floor_error:.0%}, "
+        f"calibrated {cal.mean_abs_error:.0%}",
+        "note: measured now, on this machine as loaded now; repeat runs vary",
+    ]
+    if saved:
+        rows.append(f"saved {saved}: use it with `tollgate capacity plan --calibration {saved}`")
+    return "\n".join(rows)
