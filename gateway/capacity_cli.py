@@ -109,6 +109,7 @@ def plan_flags(p: argparse.ArgumentParser) -> None:
 
 def check_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--url", help="a running backend (TOLLGATE_BACKEND_SECRET); default: in-process")
+    p.add_argument("--gpu", help="--url: take the peaks from this GPU preset")
     p.add_argument("--model", type=Path, help="in-process checkpoint (default: built-in)")
     p.add_argument("--device", default="cpu", help="in-process: cpu or cuda")
     p.add_argument("--cpu-threads", type=int, default=1, help="in-process on the CPU (default 1)")
@@ -389,11 +390,13 @@ def _sizing_text(sized: Any, tried: list[Any], smallest: int | None, blocks: int
 
 def _check(settings: Any, args: argparse.Namespace) -> int:
     if args.url:
+        from backend.capacity.presets import gpu_preset
         from backend.capacity.remote import check_remote
 
         secret = settings.backend_secret or ""
         try:
-            facts, peaks, cal = check_remote(args.url, secret)
+            gpu = gpu_preset(args.gpu) if args.gpu else None
+            facts, peaks, cal = check_remote(args.url, secret, gpu)
         except (CapacityInputError, OSError, ValueError) as exc:
             return _fail(exc)
     else:

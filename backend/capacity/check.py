@@ -19,7 +19,7 @@ from pathlib import Path
 import torch
 
 from backend.capacity.calibration import Calibration, Point
-from backend.capacity.model import TORCH_NAMES, Architecture
+from backend.capacity.model import DTYPE_BYTES, TORCH_NAMES, Architecture
 from backend.config import EngineConfig
 from backend.engine.engine import Engine
 from backend.engine.model_runner import kv_bytes_per_block
@@ -218,13 +218,11 @@ def _prefill_sample(driver: _Driver, length: int) -> Sample:
     return Sample("prefill", 1, length, [(0, length)], min(times))
 
 
-def cost_for(engine: Engine, peaks: Peaks) -> CostModel:
-    """The roofline floor of this engine's model on the calibrated device."""
-    arch = Architecture.of(engine.model_dir.name, engine.model_config)
-    f = facts(engine)
-    elem = engine.runner.kv_cache.element_size()
+def floor_model(arch: Architecture, dtype: str, peaks: Peaks, device: str) -> CostModel:
+    """The roofline floor of a model (weights and KV in `dtype`) on the calibrated device."""
+    elem = DTYPE_BYTES[dtype]
     spec = ModelSpec(
-        f.model,
+        arch.name,
         arch.param_count(),
         arch.num_layers,
         arch.hidden_size,
@@ -233,7 +231,7 @@ def cost_for(engine: Engine, peaks: Peaks) -> CostModel:
         bytes_per_param=elem,
         kv_bytes_per_element=elem,
     )
-    gpu = GpuSpec(f.device, peaks.flops, peaks.bandwidth, float(f.kv_tensor_bytes))
+    gpu = GpuSpec(device, peaks.flops, peaks.bandwidth, memory_bytes=0.0)
     return CostModel(spec, gpu, mfu=1.0, mbu=1.0, step_overhead_s=0.0)
 
 
@@ -283,9 +281,8 @@ def fit(samples: list[Sample], floor: CostModel) -> CostModel:
 
 
 def calibration(
-    engine: Engine, peaks: Peaks, samples: list[Sample], device_name: str
+    floor: CostModel, peaks: Peaks, samples: list[Sample], device_name: str
 ) -> Calibration:
-    floor = cost_for(engine, peaks)
     fitted = fit(samples, floor)
     points = [
         Point(
@@ -300,7 +297,7 @@ def calibration(
     ]
     return Calibration(
         device=device_name,
-        model=engine.model_dir.name,
+        model=floor.model.name,
         peak_flops=peaks.flops,
         hbm_bandwidth=peaks.bandwidth,
         mfu=fitted.mfu,
@@ -323,8 +320,7 @@ def check_in_process(
     engine = Engine(model_dir, check_config(device, cpu_threads))
     peaks = calibrate(engine.runner.device, engine.runner.dtype)
     samples = measure(engine)
-    return (
-        facts(engine),
-        peaks,
-        calibration(engine, peaks, samples, device_name(engine.runner.device)),
-    )
+    f = facts(engine)
+    arch = Architecture.of(f.model, engine.model_config)
+    floor = floor_model(arch, f.dtype, peaks, f.device)
+    return f, peaks, calibration(floor, peaks, samples, device_name(engine.runner.device))

@@ -5,6 +5,7 @@ noisy; nothing here asserts a speed.)"""
 
 from __future__ import annotations
 
+import asyncio
 from pathlib import Path
 
 import pytest
@@ -16,13 +17,18 @@ from backend.capacity.check import (
     DECODE_BATCHES,
     PREFILL_LENGTHS,
     Sample,
+    check_config,
     fit,
 )
+from backend.capacity.remote import check_remote_async
 from backend.config import EngineConfig
+from backend.engine.async_engine import AsyncEngine
 from backend.engine.model_runner import kv_bytes_per_block
 from backend.loader import load_model_config
+from backend.server import create_backend_app
 from backend.sim.cost import CostModel, GpuSpec, ModelSpec
 from gateway.cli import main
+from tests.conftest import serving
 
 
 def test_check_reads_the_real_pool_times_steps_and_saves_a_calibration(
@@ -84,3 +90,27 @@ def test_the_fit_recovers_known_factors() -> None:
     assert fitted.mfu == pytest.approx(0.4, rel=0.02)
     assert fitted.mbu == pytest.approx(0.6, rel=0.02)
     assert fitted.step_overhead_s == pytest.approx(0.003, rel=0.2)
+
+
+async def test_check_against_a_running_backend(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A real backend on loopback: its pool from /internal/info, its step times from the
+    engine's token timestamps, through the CLI in its own thread (and event loop)."""
+    engine = AsyncEngine.from_pretrained(BUILTIN_MODEL_DIR, check_config("cpu"))
+    app = create_backend_app(engine, BUILTIN_MODEL_DIR, secret="s3cret")
+    async with serving(app) as url:
+        facts, peaks, cal = await check_remote_async(url, "s3cret")
+        monkeypatch.setenv("TOLLGATE_BACKEND_SECRET", "wrong")
+        code = await asyncio.to_thread(main, ["capacity", "check", "--url", url])
+    stats = engine.stats()
+    per_block = kv_bytes_per_block(load_model_config(BUILTIN_MODEL_DIR), 16, torch.float32)
+    assert facts.bytes_per_block == facts.planner_bytes_per_block == per_block
+    assert facts.num_blocks == stats.kv_blocks_total == facts.planner_num_blocks
+    assert facts.kv_tensor_bytes == stats.kv_blocks_total * per_block
+    assert facts.block_size == stats.block_size
+    assert [p.kind for p in cal.points] == ["decode"] * 3 + ["prefill"] * 3
+    assert all(p.measured_s > 0 for p in cal.points) and peaks.flops > 0
+    assert cal.mean_abs_error <= cal.floor_error
+    assert code == 2
+    assert "--url" in capsys.readouterr().err
