@@ -465,8 +465,13 @@ def _service_time(
     for _ in range(LITTLE_ITERATIONS):
         service = prefill + (i.output_tokens - 1) * cost.decode_step(batch, context)
         grown = max(1, math.ceil(i.rate * service))
-        if grown == batch or grown > cap:
+        if grown == batch:
             break
+        if grown > cap:
+            return service, (
+                f"TTFT + {i.output_tokens - 1:,} decode steps at batch {batch:,}; still "
+                "growing: the queue does not settle"
+            )
         batch = grown
     return service, f"TTFT + {i.output_tokens - 1:,} decode steps at batch {batch:,}"
 
