@@ -32,8 +32,10 @@ DECODE_STEPS = 4  # timed per batch size, after its prefill; the fastest counts
 ROUNDS = 2
 PREFILL_REPEATS = 2
 PROMPT_FOR_DECODE = 32
-MATMUL_SIZE = 1024
-COPY_BYTES = 128 * 2**20
+# Calibration sizes per device type: big enough to reach the roofs, small enough to take
+# well under a second.
+MATMUL_SIZE = {"cpu": 1024, "cuda": 8192}
+COPY_BYTES = {"cpu": 128 * 2**20, "cuda": 2**30}
 EFFICIENCY_GRID = [10 ** (k / 20) for k in range(-40, 21)]  # 0.01 to 10: the fit's search
 
 
@@ -89,18 +91,15 @@ def _best_time(work: Callable[[], object], device: torch.device, repeats: int = 
 def calibrate(device: torch.device, dtype: torch.dtype = torch.float32) -> Peaks:
     """Peak FLOP/s from an n x n matmul, bandwidth from copying a large tensor (it reads
     and writes every byte); the best of a few runs, well under a second on a CPU."""
-    n = MATMUL_SIZE
+    n, size = MATMUL_SIZE[device.type], COPY_BYTES[device.type]
     a = torch.randn(n, n, device=device, dtype=dtype)
     b = torch.randn(n, n, device=device, dtype=dtype)
     flops = 2 * n**3 / _best_time(lambda: a @ b, device)
-    elements = COPY_BYTES // a.element_size()
-    src = torch.ones(elements, device=device, dtype=dtype)
+    src = torch.ones(size // a.element_size(), device=device, dtype=dtype)
     dst = torch.empty_like(src)
-    bandwidth = 2 * COPY_BYTES / _best_time(lambda: dst.copy_(src), device)
-    how = (
-        f"calibrated on {device}: a {n}x{n} {TORCH_NAMES.get(str(dtype)[6:], dtype)} matmul, "
-        f"a {COPY_BYTES >> 20} MiB copy"
-    )
+    bandwidth = 2 * size / _best_time(lambda: dst.copy_(src), device)
+    name = TORCH_NAMES.get(str(dtype).removeprefix("torch."), str(dtype))
+    how = f"calibrated on {device}: a {n}x{n} {name} matmul, a {size >> 20} MiB copy"
     return Peaks(flops, bandwidth, how)
 
 
