@@ -450,7 +450,8 @@ def _check_text(facts: Any, peaks: Any, cal: Any, saved: Path | None) -> str:
             f"{p.measured_s * 1000:>13.3f}{error:>8.0%}"
         )
     rows += [
-        f"fitted: step overhead {cal.step_overhead_s * 1000:.3g} ms, mbu {cal.mbu:.3g}, "
+        f"fitted: overhead {cal.step_overhead_s * 1000:.3g} ms a step + "
+        f"{cal.seq_overhead_s * 1000:.3g} ms a request, mbu {cal.mbu:.3g}, "
         f"mfu {cal.mfu:.3g}",
         f"roofline error (mean |predicted - measured| / measured): bare {cal.floor_error:.0%}, "
         f"calibrated {cal.mean_abs_error:.0%}",

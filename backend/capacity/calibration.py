@@ -32,6 +32,7 @@ class Calibration:
     step_overhead_s: float
     measured_at: str  # ISO 8601, UTC
     points: list[Point] = field(default_factory=list)
+    seq_overhead_s: float = 0.0  # per scheduled request per step
 
     @property
     def mean_abs_error(self) -> float:
@@ -52,9 +53,11 @@ class Calibration:
             self.step_overhead_s,
             f"measured by `tollgate capacity check` on {self.device} ({self.model}, "
             f"{self.measured_at}): mfu {self.mfu:.3g}, mbu {self.mbu:.3g}, overhead "
-            f"{self.step_overhead_s * 1000:.3g} ms; the bare roofline was "
+            f"{self.step_overhead_s * 1000:.3g} ms a step and "
+            f"{self.seq_overhead_s * 1000:.3g} ms a request; the bare roofline was "
             f"{self.floor_error:.0%} off the measured step times, the calibrated one "
             f"{self.mean_abs_error:.0%}",
+            self.seq_overhead_s,
         )
 
     def save(self, path: Path) -> None:

@@ -12,7 +12,7 @@ import random
 import statistics
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from datetime import UTC, datetime
 from pathlib import Path
 
@@ -36,7 +36,8 @@ PROMPT_FOR_DECODE = 32
 # well under a second.
 MATMUL_SIZE = {"cpu": 1024, "cuda": 8192}
 COPY_BYTES = {"cpu": 128 * 2**20, "cuda": 2**30}
-EFFICIENCY_GRID = [10 ** (k / 20) for k in range(-40, 21)]  # 0.01 to 10: the fit's search
+EFFICIENCY_GRID = [10 ** (k / 10) for k in range(-20, 11)]  # 0.01 to 10: the fit's search
+PER_REQUEST_GRID = [0.0, *(10 ** (k / 4) for k in range(-24, -7))]  # 1 us to 10 ms
 
 
 @dataclass(frozen=True)
@@ -247,36 +248,42 @@ def _weighted_median(pairs: list[tuple[float, float]]) -> float:
 
 
 def _best_fit(
-    measured: list[tuple[Roofs, float]], mfus: list[float], mbus: list[float]
-) -> tuple[float, float, float, float]:
-    """(mean relative error, mfu, mbu, overhead): the best pair on the grid, each with its
-    best overhead (a weighted median minimises the sum of relative errors)."""
-    best = (math.inf, 1.0, 1.0, 0.0)
-    for mfu in mfus:
-        for mbu in mbus:
-            roof = [max(r.compute_s / mfu, r.memory_s / mbu) for r, _ in measured]
-            pairs = list(zip(roof, measured, strict=True))
-            overhead = max(0.0, _weighted_median([(y - t, 1 / y) for t, (_, y) in pairs]))
-            error = statistics.fmean(abs(overhead + t - y) / y for t, (_, y) in pairs)
-            if error < best[0]:
-                best = (error, mfu, mbu, overhead)
+    measured: list[tuple[Roofs, int, float]],
+    mfus: list[float],
+    mbus: list[float],
+    per_request: list[float],
+) -> tuple[float, float, float, float, float]:
+    """(mean relative error, mfu, mbu, per-request overhead, step overhead): the best
+    triple on the grids, each with its best step overhead (a weighted median minimises the
+    sum of relative errors)."""
+    best = (math.inf, 1.0, 1.0, 0.0, 0.0)
+    for seq in per_request:
+        for mfu in mfus:
+            for mbu in mbus:
+                model = [seq * n + max(r.compute_s / mfu, r.memory_s / mbu) for r, n, _ in measured]
+                pairs = [(t, y) for t, (_, _, y) in zip(model, measured, strict=True)]
+                overhead = max(0.0, _weighted_median([(y - t, 1 / y) for t, y in pairs]))
+                error = statistics.fmean(abs(overhead + t - y) / y for t, y in pairs)
+                if error < best[0]:
+                    best = (error, mfu, mbu, seq, overhead)
     return best
 
 
 def fit(samples: list[Sample], floor: CostModel) -> CostModel:
-    """The step overhead, mfu and mbu that bring the cost model (overhead + max(compute
-    roof / mfu, memory roof / mbu)) closest to the measured steps, in mean relative error:
-    a coarse grid over mfu and mbu (0.01 to 10, nearest 1 first on ties), then a fine one
-    around the best pair. mfu = mbu = 1 with no overhead is on the grid, so the fit is
-    never worse than the bare roofline."""
-    measured = [(floor.roofs(s.chunks), s.measured_s) for s in samples]
+    """The overheads (per step and per request), mfu and mbu that bring the cost model
+    closest to the measured steps, in mean relative error: coarse grids (mfu and mbu 0.01
+    to 10, nearest 1 first on ties; per-request overhead 0 first, then 1 us to 10 ms),
+    then fine ones around the best. mfu = mbu = 1 with no overhead is on the grids, so the
+    fit is never worse than the bare roofline."""
+    measured = [(floor.roofs(s.chunks), len(s.chunks), s.measured_s) for s in samples]
     coarse = sorted(EFFICIENCY_GRID, key=lambda v: abs(math.log10(v)))
-    _, mfu, mbu, _ = _best_fit(measured, coarse, coarse)
-    fine = [1 + k / 100 for k in range(-12, 13)]
-    _, mfu, mbu, overhead = _best_fit(
-        measured, [mfu, *(mfu * f for f in fine)], [mbu, *(mbu * f for f in fine)]
+    _, mfu, mbu, seq, _ = _best_fit(measured, coarse, coarse, PER_REQUEST_GRID)
+    fine = [1 + k / 50 for k in range(-6, 7)]
+    seqs = [seq * (1 + k / 10) for k in range(-5, 6)] if seq else [0.0]
+    _, mfu, mbu, seq, overhead = _best_fit(
+        measured, [mfu * f for f in fine], [mbu * f for f in fine], seqs
     )
-    return CostModel(floor.model, floor.gpu, mfu=mfu, mbu=mbu, step_overhead_s=overhead)
+    return replace(floor, mfu=mfu, mbu=mbu, step_overhead_s=overhead, seq_overhead_s=seq)
 
 
 def calibration(
@@ -302,6 +309,7 @@ def calibration(
         mfu=fitted.mfu,
         mbu=fitted.mbu,
         step_overhead_s=fitted.step_overhead_s,
+        seq_overhead_s=fitted.seq_overhead_s,
         measured_at=datetime.now(UTC).isoformat(timespec="seconds"),
         points=points,
     )

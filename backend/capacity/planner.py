@@ -29,6 +29,7 @@ class Efficiency:
     mbu: float = 1.0
     step_overhead_s: float = 0.0
     source: str = "roofline floor: mfu = mbu = 1, no step overhead"
+    seq_overhead_s: float = 0.0  # per scheduled request per step
 
 
 @dataclass(frozen=True)
@@ -105,6 +106,7 @@ def describe_inputs(i: Inputs, context: int) -> dict[str, object]:
         "mfu": i.efficiency.mfu,
         "mbu": i.efficiency.mbu,
         "step_overhead_s": i.efficiency.step_overhead_s,
+        "seq_overhead_s": i.efficiency.seq_overhead_s,
     }
 
 
@@ -165,6 +167,7 @@ def _check_efficiency(e: Efficiency) -> None:
     positive("--mfu", e.mfu)
     positive("--mbu", e.mbu)
     non_negative("--step-overhead-ms", e.step_overhead_s)
+    non_negative("--calibration", e.seq_overhead_s)
 
 
 # -- the arithmetic ---------------------------------------------------------------------
@@ -204,7 +207,14 @@ def cost_model(i: Inputs, params: int) -> CostModel:
         memory_bytes=i.gpu.memory_bytes * n,
     )
     e = i.efficiency
-    return CostModel(spec, gpu, mfu=e.mfu, mbu=e.mbu, step_overhead_s=e.step_overhead_s)
+    return CostModel(
+        spec,
+        gpu,
+        mfu=e.mfu,
+        mbu=e.mbu,
+        step_overhead_s=e.step_overhead_s,
+        seq_overhead_s=e.seq_overhead_s,
+    )
 
 
 def needed_tensor_parallel(i: Inputs, weights: float, context: int) -> int | None:
@@ -251,7 +261,7 @@ def plan(i: Inputs) -> Plan:
             f"prefill of {prompt:,} tokens (TTFT, no queueing)",
             prefill,
             "s",
-            f"overhead + max(FLOPs / peak, bytes / bandwidth) = {_ms(cost.step_overhead_s)} + "
+            f"overhead + max(FLOPs / peak, bytes / bandwidth) = {_ms(cost.overhead(1))} + "
             f"max({_ms(roofs.compute_s)}, {_ms(roofs.memory_s)}): {roofs.bound}-bound",
         )
     )
@@ -372,7 +382,7 @@ def _decode_lines(cost: CostModel, context: int, max_seqs: int | None, lines: li
             "decode step at batch 1",
             one,
             "s",
-            f"overhead + bytes read / bandwidth = {_ms(cost.step_overhead_s)} + "
+            f"overhead + bytes read / bandwidth = {_ms(cost.overhead(1))} + "
             f"({_size(weights_read)} weights + {_size(kv_read)} KV) / {bandwidth / 1e12:.3g} TB/s",
         )
     )
@@ -385,7 +395,7 @@ def _decode_lines(cost: CostModel, context: int, max_seqs: int | None, lines: li
             f"decode step at batch {batch:,}",
             full,
             "s",
-            f"overhead + max(FLOPs / peak, bytes / bandwidth) = {_ms(cost.step_overhead_s)} + "
+            f"overhead + max(FLOPs / peak, bytes / bandwidth) = {_ms(cost.overhead(batch))} + "
             f"max({_ms(roofs.compute_s)}, {_ms(roofs.memory_s)}): {roofs.bound}-bound",
         )
     )

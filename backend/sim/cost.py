@@ -4,8 +4,8 @@ shared by the simulator (backend/sim) and the capacity planner (backend/capacity
     weights bytes      = params x bytes per weight
     FLOPs per token    = 2 x params + 4 x layers x context x hidden   (weights + attention)
     KV bytes per token = 2 x layers x kv_heads x head_dim x bytes per KV element
-    step time          = overhead + max(FLOPs / (peak FLOP/s x mfu),
-                                        bytes read / (HBM bandwidth x mbu))
+    step time          = overhead + requests x per-request overhead
+                         + max(FLOPs / (peak FLOP/s x mfu), bytes read / (HBM bandwidth x mbu))
 
 where a step reads the weights once plus the KV cache of every scheduled request's
 context. Prefill-heavy steps land on the compute roof, decode-heavy ones on the bandwidth
@@ -75,6 +75,7 @@ class CostModel:
     mfu: float = 0.5  # share of peak FLOP/s a real prefill reaches
     mbu: float = 0.8  # share of peak bandwidth a real decode reaches
     step_overhead_s: float = 0.002  # scheduling, launch and sampling per step
+    seq_overhead_s: float = 0.0  # per scheduled request per step (sampling, detokenising)
 
     def roofs(self, chunks: Iterable[tuple[int, int]]) -> Roofs:
         """The roofs of one step computing `num_tokens` new tokens at `start` for each
@@ -93,9 +94,13 @@ class CostModel:
             bytes_read / (self.gpu.hbm_bandwidth * self.mbu),
         )
 
+    def overhead(self, num_requests: int) -> float:
+        return self.step_overhead_s + self.seq_overhead_s * num_requests
+
     def step_time(self, chunks: Iterable[tuple[int, int]]) -> float:
-        roofs = self.roofs(chunks)
-        return self.step_overhead_s + max(roofs.compute_s, roofs.memory_s)
+        scheduled = list(chunks)
+        roofs = self.roofs(scheduled)
+        return self.overhead(len(scheduled)) + max(roofs.compute_s, roofs.memory_s)
 
     def decode_chunks(self, batch: int, context: int) -> list[tuple[int, int]]:
         """`batch` sequences each decoding one token with `context` tokens of KV."""

@@ -68,7 +68,7 @@ def test_check_of_a_folder_without_a_model_is_one_line(
 
 def test_the_fit_recovers_known_factors() -> None:
     """Step times made by a cost model with known factors come back out of the fit
-    (to within the fine grid's 1% steps)."""
+    (to within the fine grids' steps)."""
     spec = ModelSpec(
         "m",
         50e6,
@@ -80,7 +80,9 @@ def test_the_fit_recovers_known_factors() -> None:
         kv_bytes_per_element=4,
     )
     floor = CostModel(spec, GpuSpec("dev", 1e12, 1e10, 1e9), mfu=1, mbu=1, step_overhead_s=0)
-    truth = CostModel(spec, floor.gpu, mfu=0.4, mbu=0.6, step_overhead_s=0.003)
+    truth = CostModel(
+        spec, floor.gpu, mfu=0.4, mbu=0.6, step_overhead_s=0.003, seq_overhead_s=0.0002
+    )
     shapes = [[(99, 1)] * b for b in (1, 8, 64)] + [[(0, n)] for n in (256, 1024, 4096)]
     samples = [
         Sample("decode" if c[0][1] == 1 else "prefill", len(c), 0, c, truth.step_time(c))
@@ -90,6 +92,8 @@ def test_the_fit_recovers_known_factors() -> None:
     assert fitted.mfu == pytest.approx(0.4, rel=0.02)
     assert fitted.mbu == pytest.approx(0.6, rel=0.02)
     assert fitted.step_overhead_s == pytest.approx(0.003, rel=0.2)
+    assert fitted.seq_overhead_s == pytest.approx(0.0002, rel=0.2)
+    assert all(fitted.step_time(c) == pytest.approx(truth.step_time(c), rel=0.05) for c in shapes)
 
 
 async def test_check_against_a_running_backend(
