@@ -8,7 +8,9 @@ import math
 
 import pytest
 import torch
+from safetensors import safe_open
 
+from backend.builtin import BUILTIN_MODEL_DIR
 from backend.capacity.model import GIB
 from backend.capacity.planner import Inputs, plan
 from backend.capacity.presets import MODELS_DIR, gpu_preset, model_preset, model_presets
@@ -57,6 +59,18 @@ def test_kv_bytes_agree_with_the_engine(name: str, dtype: str) -> None:
         )
     )
     assert p.value("kv_bytes_per_token") == block / 16
+
+
+def test_a_checkpoint_folder_counts_a_tied_head_once(capsys: pytest.CaptureFixture[str]) -> None:
+    """The built-in model ties its LM head to the embeddings: its count is exactly the
+    tensors stored in its safetensors file."""
+    with safe_open(str(BUILTIN_MODEL_DIR / "model.safetensors"), "pt") as f:
+        stored = sum(math.prod(f.get_slice(name).get_shape()) for name in f.keys())  # noqa: SIM118
+    data = capacity(capsys, "--model-dir", str(BUILTIN_MODEL_DIR), "--gpu", "L4")
+    assert data["params"] == stored
+    assert data["inputs"]["context"] == 2048  # type: ignore[index]
+    assert data["inputs"]["dtype"] == "fp32"  # type: ignore[index]
+    assert "--model-dir" in failure(capsys, "--model-dir", "/nonexistent", "--gpu", "L4")
 
 
 def test_published_parameter_counts() -> None:
