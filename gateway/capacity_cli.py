@@ -265,13 +265,13 @@ def _capacity(settings: object, args: argparse.Namespace) -> int:
     return 0
 
 
-def _progress(done: int, total: int) -> None:
-    """A bar on stderr, redrawn in place."""
+def _progress(done: int, most: int, finished: bool) -> None:
+    """A bar on stderr, redrawn in place: replica counts simulated of at most `most`."""
     width = 30
-    filled = width * done // max(1, total)
-    end = "\n" if done >= total else ""
+    filled = width if finished else width * done // max(1, most)
     bar = "#" * filled + "." * (width - filled)
-    print(f"\r[{bar}] {done}/{total} replica counts simulated", end=end, file=sys.stderr)
+    end = "\n" if finished else ""
+    print(f"\r[{bar}] {done} of up to {most} replica counts simulated", end=end, file=sys.stderr)
     sys.stderr.flush()
 
 
@@ -320,9 +320,8 @@ def _plan(settings: object, args: argparse.Namespace) -> int:
             or EngineConfig.max_num_batched_tokens,
         )
         blocks = int(sized.number("max_kv_tokens")) // config.block_size
-        progress = None if args.json else _progress
         tried, smallest = size_cluster(
-            trace, config, sized.cost, blocks, slos, args.max_replicas, progress
+            trace, config, sized.cost, blocks, slos, args.max_replicas, _progress
         )
     except (CapacityInputError, ValueError) as exc:
         return _fail(exc)

@@ -221,10 +221,11 @@ def size_cluster(
     num_kv_blocks: int,
     slos: dict[str, Slo],
     max_replicas: int,
-    progress: Callable[[int, int], None] | None = None,
+    progress: Callable[[int, int, bool], None] | None = None,
 ) -> tuple[list[ReplicaFigures], int | None]:
     """Figures at 1, 2, ... replicas, stopping at the first count meeting every SLO (the
-    second value; None if none up to `max_replicas` does)."""
+    second value; None if none up to `max_replicas` does). `progress(done, of, finished)`
+    hears of each count."""
     if not trace:
         raise CapacityInputError("--class", "the workload has no requests")
     if max_replicas < 1:
@@ -232,13 +233,11 @@ def size_cluster(
     tried: list[ReplicaFigures] = []
     for n in range(1, max_replicas + 1):
         if progress:
-            progress(n - 1, max_replicas)
+            progress(n - 1, max_replicas, False)
         figures = simulate(trace, n, config, cost, num_kv_blocks, slos)
         tried.append(figures)
         if figures.meets_slos:
-            if progress:
-                progress(max_replicas, max_replicas)
-            return tried, n
+            break
     if progress:
-        progress(max_replicas, max_replicas)
-    return tried, None
+        progress(len(tried), max_replicas, True)
+    return tried, tried[-1].replicas if tried[-1].meets_slos else None
