@@ -18,6 +18,24 @@ from backend.sim.cost import CostModel, GpuSpec, ModelSpec
 
 ENGINE_UTILIZATION = 0.9  # EngineConfig.gpu_memory_utilization's default
 LITTLE_ITERATIONS = 50
+# Always in --json, null where the inputs do not give them (KV figures under --params).
+JSON_KEYS = (
+    "params",
+    "weights_bytes",
+    "kv_bytes_per_token",
+    "kv_bytes_per_sequence",
+    "kv_budget_bytes",
+    "max_kv_tokens",
+    "max_concurrent_sequences",
+    "decode_step_floor_s",
+    "decode_step_at_max_batch_s",
+    "compute_bound_batch",
+    "decode_tokens_per_s_per_sequence",
+    "decode_tokens_per_s_ceiling",
+    "prefill_s",
+    "required_concurrency",
+    "fits",
+)
 
 
 @dataclass(frozen=True)
@@ -79,7 +97,8 @@ class Plan:
     notes: list[str]
 
     def value(self, key: str) -> float | int | bool | None:
-        return next(line.value for line in self.lines if line.key == key)
+        """None for a figure this plan has no inputs for (KV lines under --params)."""
+        return next((line.value for line in self.lines if line.key == key), None)
 
     def number(self, key: str) -> float:
         value = self.value(key)
@@ -88,7 +107,8 @@ class Plan:
         return float(value)
 
     def as_json(self) -> dict[str, object]:
-        data: dict[str, object] = {line.key: line.value for line in self.lines}
+        data: dict[str, object] = dict.fromkeys(JSON_KEYS)
+        data.update({line.key: line.value for line in self.lines})
         data["formulas"] = {line.key: line.formula for line in self.lines}
         data["inputs"] = describe_inputs(self.inputs, self.context)
         data["notes"] = self.notes

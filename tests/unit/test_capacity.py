@@ -102,6 +102,7 @@ def test_seed_70b_fp16_reads_140_gb_a_step_42_ms_on_an_h100(
         "989",
     )
     assert data["weights_bytes"] == 140e9
+    assert data["kv_bytes_per_token"] is None and data["max_concurrent_sequences"] is None
     assert round(float(data["decode_step_floor_s"]) * 1000) == 42  # type: ignore[arg-type]
     err = failure(capsys, "--params", "70e9", "--dtype", "fp16", "--gpu", "H100-SXM")
     assert "--tensor-parallel 2" in err and "do not fit" in err
