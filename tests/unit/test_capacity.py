@@ -367,3 +367,36 @@ def test_bad_input_is_one_line_naming_the_flag(
     capsys: pytest.CaptureFixture[str], flags: list[str], flag: str
 ) -> None:
     assert flag in failure(capsys, *flags)
+
+
+def test_seed_llama_3_8b_at_128k_holds_about_its_weights_in_kv_per_sequence(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """Overview, exercise B: one 128k-token sequence of Llama-3-8B needs 2 x 32 x 8 x 128
+    x 2 bytes a token, 16 GiB, about the size of its bf16 weights (16.06 GB)."""
+    data = capacity(capsys, "--preset", "llama-3.1-8b", "--gpu", "H200", "--context", "131072")
+    assert data["kv_bytes_per_sequence"] == 16 * GIB
+    ratio = float(data["kv_bytes_per_sequence"]) / float(data["weights_bytes"])  # type: ignore[arg-type]
+    assert 1.0 < ratio < 1.1
+
+
+def test_seed_ttft_budget_of_a_7b_model_on_an_a100(capsys: pytest.CaptureFixture[str]) -> None:
+    """Chapter 10: a 500 ms-1 s TTFT budget lets a 7B model on an A100 take prompts of
+    roughly 4,000 tokens; prefill is compute-bound, so at half the peak it lands there."""
+    data = capacity(
+        capsys,
+        "--preset",
+        "llama-2-7b",
+        "--gpu",
+        "A100-80GB",
+        "--context",
+        "4096",
+        "--prompt-tokens",
+        "4000",
+        "--mfu",
+        "0.5",
+    )
+    prefill = float(data["prefill_s"])  # type: ignore[arg-type]
+    flops = 2 * 6_738_415_616 * 4000 + 4 * 32 * 4096 * (4000 * 4001 / 2)
+    assert prefill == pytest.approx(flops / (312e12 * 0.5))
+    assert 0.2 < prefill < 1.0
