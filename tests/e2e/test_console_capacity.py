@@ -7,6 +7,7 @@ from __future__ import annotations
 import math
 import re
 
+import pytest
 from litestar import Litestar
 from playwright.async_api import Browser, expect
 
@@ -24,6 +25,8 @@ from tests.e2e.test_console import (  # noqa: F401 (fixtures)
     shot,
     sign_in,
 )
+
+pytestmark = pytest.mark.e2e
 
 A100_80GB = {"memory": 80 * GIB, "bandwidth": 2.039e12}
 LLAMA_2_7B = {"params": 6_738_415_616, "kv_per_token": 2 * 32 * 32 * 128 * 2}  # fp16
