@@ -121,7 +121,30 @@ async def info(request: Request[Any, Any, Any]) -> dict[str, Any]:
         for name in TOKENIZER_FILES
         if (model_dir / name).is_file()
     }
-    return {"model": engine.model_name, "max_model_len": engine.max_model_len, "files": files}
+    return {
+        "model": engine.model_name,
+        "max_model_len": engine.max_model_len,
+        "files": files,
+        "kv": _kv_facts(engine),
+    }
+
+
+def _kv_facts(engine: AsyncEngine) -> dict[str, Any]:
+    """The model's shapes and the KV pool, for `tollgate capacity check --url`."""
+    inner = engine.engine
+    runner = inner.runner
+    cache = runner.kv_cache
+    return {
+        "config": msgspec.to_builtins(inner.model_config),
+        "device": str(runner.device),
+        "dtype": str(runner.dtype).removeprefix("torch."),
+        "block_size": inner.config.block_size,
+        "num_blocks": runner.num_blocks,
+        "tensor_bytes": cache.numel() * cache.element_size(),
+        "kv_cache_bytes": inner.config.kv_cache_bytes,
+        "num_kv_blocks": inner.config.num_kv_blocks,
+        "max_num_batched_tokens": inner.config.max_num_batched_tokens,
+    }
 
 
 @get("/internal/stats", media_type=MediaType.JSON)

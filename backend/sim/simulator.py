@@ -43,6 +43,8 @@ class SimResult:
     num_priority_preemptions: int
     # Tokens scheduled per tenant over the steps where two or more tenants were waiting.
     contended_tokens: dict[str, int]
+    kv_peak_fraction: float = 0.0  # of the KV blocks in use, the most at any step ...
+    kv_mean_fraction: float = 0.0  # ... and the mean over steps
 
 
 class Simulator:
@@ -59,6 +61,7 @@ class Simulator:
         self.num_steps = 0
         self._contended: dict[str, int] = {}
         self._cancels: list[tuple[float, str]] = []
+        self._kv_used: list[float] = []  # share of blocks in use, per step
 
     def run(self, trace: list[Arrival], until: float | None = None) -> SimResult:
         """Replay the trace until every request is done (or virtual time `until`)."""
@@ -92,6 +95,8 @@ class Simulator:
             sched.num_preemptions,
             sched.num_priority_preemptions,
             dict(self._contended),
+            max(self._kv_used, default=0.0),
+            sum(self._kv_used) / max(1, len(self._kv_used)),
         )
 
     def _arrive(self, a: Arrival) -> None:
@@ -146,6 +151,8 @@ class Simulator:
             if len(waiting_tenants) > 1:
                 tenant = record.arrival.stream.tenant
                 self._contended[tenant] = self._contended.get(tenant, 0) + len(item.token_ids)
+        bm = self.block_manager
+        self._kv_used.append(bm.num_used_blocks / bm.num_blocks)
         dt = self.cost.step_time((r.start_pos, len(r.token_ids)) for r in out.requests)
         self.now += dt
         self.num_steps += 1

@@ -5,8 +5,10 @@ a short window. Seeded: the same streams and seed give the same trace."""
 
 from __future__ import annotations
 
+import json
 import random
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
+from pathlib import Path
 
 
 @dataclass(frozen=True)
@@ -58,5 +60,61 @@ def make_trace(streams: list[Stream], seed: int = 0) -> list[Arrival]:
                     cancel_at,
                 )
             )
+    arrivals.sort(key=lambda a: a.time)
+    return arrivals
+
+
+def save_trace(arrivals: list[Arrival], path: Path) -> None:
+    """JSON Lines, one arrival a line: time, class, prompt_tokens, output_tokens and,
+    where set, priority, tenant, cancel_at."""
+    with path.open("w", encoding="utf-8") as out:
+        for a in arrivals:
+            row: dict[str, object] = {
+                "time": a.time,
+                "class": a.stream.name,
+                "prompt_tokens": a.prompt_tokens,
+                "output_tokens": a.output_tokens,
+                "priority": a.stream.priority,
+                "tenant": a.stream.tenant,
+            }
+            if a.cancel_at is not None:
+                row["cancel_at"] = a.cancel_at
+            out.write(json.dumps(row) + "\n")
+
+
+def load_trace(path: Path, classes: dict[str, Stream] | None = None) -> list[Arrival]:
+    """A trace written by save_trace (or by hand). Each class becomes a Stream (rate 0:
+    it only labels arrivals); `classes` supplies them, e.g. with their TTFT SLOs. Raises
+    ValueError naming the line at fault."""
+    known = dict(classes or {})
+    arrivals: list[Arrival] = []
+    lines = path.read_text(encoding="utf-8").splitlines()
+    for number, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+            name = str(row["class"])
+            base = known.setdefault(
+                name, Stream(name, rate=0.0, prompt_tokens=(1, 1), output_tokens=(1, 1))
+            )
+            stream = replace(
+                base,
+                priority=int(row.get("priority", base.priority)),
+                tenant=str(row.get("tenant", base.tenant)),
+            )
+            arrival = Arrival(
+                float(row["time"]),
+                f"{name}-{len(arrivals)}",
+                stream,
+                int(row["prompt_tokens"]),
+                int(row["output_tokens"]),
+                None if row.get("cancel_at") is None else float(row["cancel_at"]),
+            )
+        except (ValueError, KeyError, TypeError) as exc:
+            raise ValueError(f"{path}:{number}: not an arrival ({exc!r})") from None
+        if arrival.prompt_tokens < 1 or arrival.output_tokens < 1 or arrival.time < 0:
+            raise ValueError(f"{path}:{number}: times must be >= 0 and token counts >= 1")
+        arrivals.append(arrival)
     arrivals.sort(key=lambda a: a.time)
     return arrivals

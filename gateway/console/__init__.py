@@ -11,6 +11,7 @@ from litestar.static_files import create_static_files_router
 
 from gateway.console.actions import ActionsController
 from gateway.console.auth import MAX_FORM_BYTES, ConsoleForbidden, SignInRequired
+from gateway.console.capacity import CapacityController
 from gateway.console.ledger import LedgerActionsController, LedgerPagesController
 from gateway.console.pages import PagesController
 from gateway.console.render import STATIC_DIR, page
@@ -42,6 +43,7 @@ def console_router() -> Router:
             ActionsController,
             LedgerPagesController,
             LedgerActionsController,
+            CapacityController,
             create_static_files_router(path="/static", directories=[STATIC_DIR]),
         ],
         request_max_body_size=MAX_FORM_BYTES,  # 413 before a byte past it is read

@@ -1,0 +1,164 @@
+"""`tollgate capacity check --url`: the same check against a running backend replica over
+its internal API (backend/server.py): the KV pool and the model's shapes from
+/internal/info, step times from the engine's own token timestamps on /internal/generate.
+
+A prefill step is first_scheduled_time to first_token_time of a one-token request; a
+decode step at batch B is the median gap between tokens while B requests all decode. The
+backend should be otherwise idle. Peaks: a GPU preset, or a calibration on this machine
+(right for a backend on this host, the loopback case)."""
+
+from __future__ import annotations
+
+import asyncio
+import statistics
+import uuid
+from typing import Any
+
+import httpx
+import msgspec
+import torch
+
+from backend.capacity.calibration import Calibration
+from backend.capacity.check import (
+    DECODE_BATCHES,
+    DECODE_STEPS,
+    PREFILL_LENGTHS,
+    PROMPT_FOR_DECODE,
+    EngineFacts,
+    Peaks,
+    Sample,
+    calibrate,
+    calibration,
+    floor_model,
+)
+from backend.capacity.errors import CapacityInputError
+from backend.capacity.model import TORCH_NAMES, Architecture, Hardware
+from backend.models.config import ModelConfig
+from backend.outputs import RequestOutput
+from backend.sampling import SamplingParams
+from backend.server import SECRET_HEADER
+
+TIMEOUT_S = 60.0
+_decoder = msgspec.json.Decoder(type=RequestOutput)
+
+
+def _facts(info: dict[str, Any]) -> tuple[EngineFacts, Architecture]:
+    kv = info.get("kv")
+    if not isinstance(kv, dict):
+        raise CapacityInputError("--url", "--url: the backend does not report its KV pool")
+    arch = Architecture.of(str(info["model"]), ModelConfig(**kv["config"]))
+    dtype = TORCH_NAMES[kv["dtype"]]
+    planned = arch.kv_bytes_per_token(dtype) * kv["block_size"]
+    engine_per_block = kv["tensor_bytes"] // kv["num_blocks"]
+    sized_by_bytes = kv["device"] == "cpu" and kv["num_kv_blocks"] is None
+    facts = EngineFacts(
+        model=str(info["model"]),
+        device=kv["device"],
+        dtype=dtype,
+        block_size=kv["block_size"],
+        num_blocks=kv["num_blocks"],
+        bytes_per_block=engine_per_block,
+        kv_tensor_bytes=kv["tensor_bytes"],
+        kv_budget_bytes=kv["kv_cache_bytes"],
+        max_model_len=int(info["max_model_len"]),
+        planner_bytes_per_block=planned,
+        planner_num_blocks=int(kv["kv_cache_bytes"] // planned) if sized_by_bytes else None,
+    )
+    return facts, arch
+
+
+async def _generate(
+    http: httpx.AsyncClient, url: str, prompt: list[int], max_tokens: int
+) -> list[RequestOutput]:
+    params = SamplingParams(max_tokens=max_tokens, ignore_eos=True, temperature=0.0)
+    body = {
+        "request_id": f"capacity-check-{uuid.uuid4().hex[:12]}",
+        "prompt": prompt,
+        "params": msgspec.to_builtins(params),
+    }
+    outputs = []
+    async with http.stream("POST", f"{url}/internal/generate", json=body) as response:
+        if response.status_code != 200:
+            raise CapacityInputError("--url", f"--url: generate answered {response.status_code}")
+        async for line in response.aiter_lines():
+            if line.strip():
+                if '"error"' in line[:12]:
+                    raise CapacityInputError("--url", f"--url: the backend refused: {line}")
+                outputs.append(_decoder.decode(line))
+    return outputs
+
+
+def _prompt(count: int, vocab: int, seed: int) -> list[int]:
+    return [3 + (seed * 7919 + i * 104729) % (vocab - 3) for i in range(count)]
+
+
+async def _measure(http: httpx.AsyncClient, url: str, vocab: int) -> list[Sample]:
+    samples = []
+    seed = 0
+    for batch in DECODE_BATCHES:
+        streams = []
+        for _ in range(batch):
+            seed += 1
+            streams.append(
+                _generate(http, url, _prompt(PROMPT_FOR_DECODE, vocab, seed), DECODE_STEPS + 8)
+            )
+        runs = await asyncio.gather(*streams)
+        times = [[t for out in run for t in out.token_times] for run in runs]
+        start, end = max(ts[0] for ts in times), min(ts[-1] for ts in times)
+        gaps = [
+            b - a for a, b in zip(times[0], times[0][1:], strict=False) if a >= start and b <= end
+        ]
+        if not gaps:
+            raise CapacityInputError("--url", "--url: the requests never decoded together")
+        context = PROMPT_FOR_DECODE + DECODE_STEPS // 2 + 1
+        samples.append(
+            Sample("decode", batch, context, [(context - 1, 1)] * batch, statistics.median(gaps))
+        )
+    for length in PREFILL_LENGTHS:
+        seed += 1
+        outs = await _generate(http, url, _prompt(length, vocab, seed), 1)
+        last = outs[-1]
+        if last.first_token_time is None or last.first_scheduled_time is None:
+            raise CapacityInputError("--url", "--url: the backend reported no step times")
+        samples.append(
+            Sample(
+                "prefill",
+                1,
+                length,
+                [(0, length)],
+                last.first_token_time - last.first_scheduled_time,
+            )
+        )
+    return samples
+
+
+async def check_remote_async(
+    url: str, secret: str, gpu: Hardware | None = None
+) -> tuple[EngineFacts, Peaks, Calibration]:
+    url = url.rstrip("/")
+    try:
+        async with httpx.AsyncClient(headers={SECRET_HEADER: secret}, timeout=TIMEOUT_S) as http:
+            response = await http.get(f"{url}/internal/info")
+            if response.status_code != 200:
+                raise CapacityInputError(
+                    "--url",
+                    f"--url {url}: /internal/info answered {response.status_code} "
+                    "(is TOLLGATE_BACKEND_SECRET the backend's?)",
+                )
+            facts, arch = _facts(response.json())
+            samples = await _measure(http, url, arch.vocab_size)
+    except httpx.HTTPError as exc:
+        raise CapacityInputError("--url", f"--url {url}: {exc!r}") from None
+    if gpu is not None:
+        peaks = Peaks(gpu.peak_flops(facts.dtype), gpu.hbm_bandwidth, f"the {gpu.name} preset")
+    else:
+        here = await asyncio.to_thread(calibrate, torch.device("cpu"), torch.float32)
+        peaks = Peaks(here.flops, here.bandwidth, here.how + " here, not on the backend's host")
+    floor = floor_model(arch, facts.dtype, peaks, facts.device)
+    return facts, peaks, calibration(floor, peaks, samples, f"{facts.device} at {url}")
+
+
+def check_remote(
+    url: str, secret: str, gpu: Hardware | None = None
+) -> tuple[EngineFacts, Peaks, Calibration]:
+    return asyncio.run(check_remote_async(url, secret, gpu))
