@@ -1,6 +1,6 @@
 """The engine behind an internal HTTP API, for remote mode (`tollgate backend serve`).
 
-Every route but /healthz needs the shared secret in `x-tollgate-secret`. Generation
+Every route but /healthz and /readyz needs the shared secret in `x-tollgate-secret`. Generation
 streams newline-delimited JSON, one RequestOutput per line; a client that disconnects
 aborts its request, so the engine never works for nobody.
 """
@@ -128,8 +128,17 @@ async def metrics(request: Request[Any, Any, Any]) -> Response[bytes]:
 
 @get("/healthz", media_type=MediaType.JSON)
 async def healthz(request: Request[Any, Any, Any]) -> Response[dict[str, str]]:
+    """Liveness: the engine loop runs (a draining replica is still alive)."""
     running = _engine(request).is_running()
     return Response({"status": "ok" if running else "dead"}, status_code=200 if running else 503)
+
+
+@get("/readyz", media_type=MediaType.JSON)
+async def readyz(request: Request[Any, Any, Any]) -> Response[dict[str, str]]:
+    """Readiness: takes new requests (running, and not draining)."""
+    if not _engine(request).is_running():
+        return Response({"status": "dead"}, status_code=503)
+    return Response({"status": "ready"}, status_code=200)
 
 
 def create_backend_app(engine: AsyncEngine, model_dir: Path, secret: str) -> Litestar:
@@ -162,6 +171,7 @@ def create_backend_app(engine: AsyncEngine, model_dir: Path, secret: str) -> Lit
                 "/", route_handlers=[generate, abort, info, stats, metrics], guards=[require_secret]
             ),
             healthz,
+            readyz,
         ],
         lifespan=[lifespan],
         openapi_config=None,

@@ -45,6 +45,8 @@ class Settings:
     # Peers whose X-Forwarded-For / X-Forwarded-Proto are believed (IPs or CIDRs; "*": all).
     # The audit log, rate-limit failures and /metrics' loopback check see the client behind.
     trusted_proxies: tuple[str, ...] = ("127.0.0.1",)
+    # On SIGTERM: seconds in-flight requests get to finish before the process exits anyway.
+    drain_s: float = 30.0
 
     @classmethod
     def from_env(cls, env: Mapping[str, str] | None = None) -> Settings:
@@ -88,6 +90,7 @@ class Settings:
             celery_queue=env.get("TOLLGATE_CELERY_QUEUE", "").strip() or "tollgate",
             console_idle_s=_int(env, "TOLLGATE_CONSOLE_IDLE_S", 1800, low=60),
             trusted_proxies=_proxies(env.get("TOLLGATE_TRUSTED_PROXIES", "127.0.0.1")),
+            drain_s=float(_int(env, "TOLLGATE_DRAIN_S", 30, low=0, high=3600)),
         )
 
     def with_overrides(self, **changes: object) -> Settings:
