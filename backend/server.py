@@ -24,7 +24,12 @@ from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_l
 
 from backend.errors import DeadlineExceededError, EngineDeadError, OverloadedError
 from backend.sampling import SamplingParams
-from backend.telemetry import EngineRequestMetrics, EngineStatsCollector, served
+from backend.telemetry import (
+    EngineRequestMetrics,
+    EngineStatsCollector,
+    ModelServerCollector,
+    served,
+)
 
 if TYPE_CHECKING:
     from backend.engine.async_engine import AsyncEngine
@@ -121,7 +126,8 @@ async def stats(request: Request[Any, Any, Any]) -> dict[str, Any]:
 
 @get("/metrics")
 async def metrics(request: Request[Any, Any, Any]) -> Response[bytes]:
-    """Engine stats in the Prometheus text format (see backend/telemetry.py)."""
+    """Engine stats in the Prometheus text format, under Tollgate's names and vLLM's
+    (see backend/telemetry.py)."""
     registry: CollectorRegistry = request.app.state.metrics
     return Response(generate_latest(registry), media_type=CONTENT_TYPE_LATEST)
 
@@ -159,6 +165,7 @@ def create_backend_app(engine: AsyncEngine, model_dir: Path, secret: str) -> Lit
         app.state.model_dir = model_dir
         app.state.metrics = CollectorRegistry()
         app.state.metrics.register(EngineStatsCollector(engine.stats))
+        app.state.metrics.register(ModelServerCollector(engine.stats, engine.model_name))
         app.state.engine_metrics = EngineRequestMetrics(app.state.metrics)
         try:
             yield
