@@ -119,9 +119,10 @@ async def info(request: Request[Any, Any, Any]) -> dict[str, Any]:
 
 @get("/internal/stats", media_type=MediaType.JSON)
 async def stats(request: Request[Any, Any, Any]) -> dict[str, Any]:
+    """Load for routing; `running` is false while draining, so gateways route elsewhere."""
     engine = _engine(request)
     stats: dict[str, Any] = msgspec.to_builtins(engine.stats())
-    return {"running": engine.is_running(), **stats}
+    return {"running": engine.is_running() and not _draining(request), **stats}
 
 
 @get("/metrics")
@@ -144,7 +145,15 @@ async def readyz(request: Request[Any, Any, Any]) -> Response[dict[str, str]]:
     """Readiness: takes new requests (running, and not draining)."""
     if not _engine(request).is_running():
         return Response({"status": "dead"}, status_code=503)
+    if _draining(request):
+        return Response({"status": "draining"}, status_code=503)
     return Response({"status": "ready"}, status_code=200)
+
+
+def _draining(request: Request[Any, Any, Any]) -> bool:
+    """Set by `tollgate backend serve` (gateway/drain.py) on SIGTERM."""
+    drain = request.app.state.get("drain")
+    return drain is not None and bool(drain.draining)
 
 
 def create_backend_app(engine: AsyncEngine, model_dir: Path, secret: str) -> Litestar:

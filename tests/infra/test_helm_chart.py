@@ -342,12 +342,16 @@ def test_backends_are_found_through_a_headless_service() -> None:
 
 
 @ALL
-def test_grace_period_outlasts_the_drain(values: str) -> None:
+def test_grace_period_outlasts_prestop_drain_and_settling(values: str) -> None:
+    from gateway.drain import SETTLE_S
+
     docs = _docs(values)
-    drain = int(_one(docs, "ConfigMap", f"{FULLNAME}-gateway")["data"]["TOLLGATE_DRAIN_S"])
     for component in ("gateway", "backend"):
+        drain = int(_one(docs, "ConfigMap", f"{FULLNAME}-{component}")["data"]["TOLLGATE_DRAIN_S"])
         pod = _one(docs, "Deployment", f"{FULLNAME}-{component}")["spec"]["template"]["spec"]
-        assert pod["terminationGracePeriodSeconds"] > drain
+        pre_stop = pod["containers"][0]["lifecycle"]["preStop"]["sleep"]["seconds"]
+        assert pre_stop > 0
+        assert pod["terminationGracePeriodSeconds"] > pre_stop + drain + SETTLE_S
 
 
 def test_migrations_run_as_a_hook_before_the_gateways() -> None:

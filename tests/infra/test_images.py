@@ -178,3 +178,16 @@ def test_prometheus_and_nginx_point_at_the_compose_services() -> None:
     upstreams = set(re.findall(r"server (\S+:\d+)", nginx))
     assert upstreams == {"gateway-0:8000", "gateway-1:8000"}
     assert "proxy_buffering off" in nginx  # server-sent events stream through
+
+
+def test_compose_stops_gateways_and_backends_after_their_drain() -> None:
+    from gateway.drain import SETTLE_S
+
+    for name, service in _compose()["services"].items():
+        drain = _env(service).get("TOLLGATE_DRAIN_S")
+        if drain is None:
+            continue
+        grace = int(service["stop_grace_period"].removesuffix("s"))
+        assert grace > int(drain) + SETTLE_S, name
+    services = _compose()["services"]
+    assert all("TOLLGATE_DRAIN_S" in _env(services[n]) for n in ("gateway-1", "backend-1"))

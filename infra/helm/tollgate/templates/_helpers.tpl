@@ -48,9 +48,20 @@ app.kubernetes.io/component: {{ .component }}
 {{- printf "dns://%s.%s.svc:%d" (include "tollgate.backendService" .) .Release.Namespace (int .Values.backend.port) -}}
 {{- end -}}
 
-{{/* Seconds Kubernetes waits after SIGTERM: the drain, the settling, a margin. */}}
+{{/* Seconds Kubernetes gives a terminating pod: preStop, the drain, the settling after
+it (gateway/drain.py SETTLE_S, 5 s), a margin. */}}
 {{- define "tollgate.gracePeriod" -}}
-{{- add (int .Values.config.drainSeconds) 15 -}}
+{{- add (int .Values.config.preStopSeconds) (int .Values.config.drainSeconds) 10 -}}
+{{- end -}}
+
+{{/* Keep serving while endpoints catch up, then SIGTERM starts the drain. */}}
+{{- define "tollgate.lifecycle" -}}
+{{- if .Values.config.preStopSeconds }}
+lifecycle:
+  preStop:
+    sleep:
+      seconds: {{ .Values.config.preStopSeconds }}
+{{- end }}
 {{- end -}}
 
 {{- define "tollgate.podSecurityContext" -}}
