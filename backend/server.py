@@ -1,6 +1,6 @@
 """The engine behind an internal HTTP API, for remote mode (`tollgate backend serve`).
 
-Every route but /healthz needs the shared secret in `x-tollgate-secret`. Generation
+Every route but /healthz and /readyz needs the shared secret in `x-tollgate-secret`. Generation
 streams newline-delimited JSON, one RequestOutput per line; a client that disconnects
 aborts its request, so the engine never works for nobody.
 """
@@ -29,7 +29,12 @@ from backend.errors import (
     RequestFailedError,
 )
 from backend.sampling import SamplingParams
-from backend.telemetry import EngineRequestMetrics, EngineStatsCollector, served
+from backend.telemetry import (
+    EngineRequestMetrics,
+    EngineStatsCollector,
+    ModelServerCollector,
+    served,
+)
 
 if TYPE_CHECKING:
     from backend.engine.async_engine import AsyncEngine
@@ -149,22 +154,41 @@ def _kv_facts(engine: AsyncEngine) -> dict[str, Any]:
 
 @get("/internal/stats", media_type=MediaType.JSON)
 async def stats(request: Request[Any, Any, Any]) -> dict[str, Any]:
+    """Load for routing; `running` is false while draining, so gateways route elsewhere."""
     engine = _engine(request)
     stats: dict[str, Any] = msgspec.to_builtins(engine.stats())
-    return {"running": engine.is_running(), **stats}
+    return {"running": engine.is_running() and not _draining(request), **stats}
 
 
 @get("/metrics")
 async def metrics(request: Request[Any, Any, Any]) -> Response[bytes]:
-    """Engine stats in the Prometheus text format (see backend/telemetry.py)."""
+    """Engine stats in the Prometheus text format, under Tollgate's names and vLLM's
+    (see backend/telemetry.py)."""
     registry: CollectorRegistry = request.app.state.metrics
     return Response(generate_latest(registry), media_type=CONTENT_TYPE_LATEST)
 
 
 @get("/healthz", media_type=MediaType.JSON)
 async def healthz(request: Request[Any, Any, Any]) -> Response[dict[str, str]]:
+    """Liveness: the engine loop runs (a draining replica is still alive)."""
     running = _engine(request).is_running()
     return Response({"status": "ok" if running else "dead"}, status_code=200 if running else 503)
+
+
+@get("/readyz", media_type=MediaType.JSON)
+async def readyz(request: Request[Any, Any, Any]) -> Response[dict[str, str]]:
+    """Readiness: takes new requests (running, and not draining)."""
+    if not _engine(request).is_running():
+        return Response({"status": "dead"}, status_code=503)
+    if _draining(request):
+        return Response({"status": "draining"}, status_code=503)
+    return Response({"status": "ready"}, status_code=200)
+
+
+def _draining(request: Request[Any, Any, Any]) -> bool:
+    """Set by `tollgate backend serve` (gateway/drain.py) on SIGTERM."""
+    drain = request.app.state.get("drain")
+    return drain is not None and bool(drain.draining)
 
 
 def create_backend_app(engine: AsyncEngine, model_dir: Path, secret: str) -> Litestar:
@@ -185,6 +209,7 @@ def create_backend_app(engine: AsyncEngine, model_dir: Path, secret: str) -> Lit
         app.state.model_dir = model_dir
         app.state.metrics = CollectorRegistry()
         app.state.metrics.register(EngineStatsCollector(engine.stats))
+        app.state.metrics.register(ModelServerCollector(engine.stats, engine.model_name))
         app.state.engine_metrics = EngineRequestMetrics(app.state.metrics)
         try:
             yield
@@ -197,6 +222,7 @@ def create_backend_app(engine: AsyncEngine, model_dir: Path, secret: str) -> Lit
                 "/", route_handlers=[generate, abort, info, stats, metrics], guards=[require_secret]
             ),
             healthz,
+            readyz,
         ],
         lifespan=[lifespan],
         openapi_config=None,

@@ -274,6 +274,58 @@ def _gauge(name: str, help_text: str, value: float) -> GaugeMetricFamily:
     return GaugeMetricFamily(name, help_text, value=value)
 
 
+class ModelServerCollector(Collector):
+    """The same engine stats under the names vLLM gives them: the Gateway API Inference
+    Extension's model-server protocol, which llm-d's endpoint picker, vLLM
+    production-stack's router and KEDA read, so they route and scale Tollgate backends
+    unchanged. `num_gpu_blocks` is the KV block count on whatever device holds the cache."""
+
+    def __init__(self, stats: Callable[[], EngineStats | None], model_name: str) -> None:
+        self.stats = stats
+        self.model_name = model_name
+
+    def collect(self) -> Iterator[Metric]:
+        stats = self.stats()
+        if stats is None:
+            return
+        usage = stats.kv_blocks_used / max(1, stats.kv_blocks_total)
+        gauges = (
+            ("num_requests_running", "Number of requests in model execution batches.",
+             stats.num_running),
+            ("num_requests_waiting", "Number of requests waiting to be processed.",
+             stats.num_waiting),
+            ("kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage.", usage),
+        )  # fmt: skip
+        for name, help_text, value in gauges:
+            yield self._family(GaugeMetricFamily, name, help_text, value)
+        counters = (
+            ("prefix_cache_queries", "Prefix cache queries, in tokens.",
+             stats.prefix_cache_queries),
+            ("prefix_cache_hits", "Prefix cache hits, in tokens.", stats.prefix_cache_hits),
+            ("num_preemptions", "Cumulative number of preemptions.", stats.num_preemptions),
+        )  # fmt: skip
+        for name, help_text, value in counters:
+            yield self._family(CounterMetricFamily, name, help_text, value)
+        info = GaugeMetricFamily(
+            "vllm:cache_config_info",
+            "Information of the LLMEngine CacheConfig",
+            labels=["block_size", "num_gpu_blocks"],
+        )
+        info.add_metric([str(stats.block_size), str(stats.kv_blocks_total)], 1.0)
+        yield info
+
+    def _family(
+        self,
+        kind: type[GaugeMetricFamily] | type[CounterMetricFamily],
+        name: str,
+        help_text: str,
+        value: float,
+    ) -> Metric:
+        family = kind(f"vllm:{name}", help_text, labels=["model_name"])
+        family.add_metric([self.model_name], value)
+        return family
+
+
 # Engine-side latency: the replica's own view, without gateway or network time.
 LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
 

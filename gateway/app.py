@@ -28,8 +28,8 @@ from gateway.api.openai import OpenAIController
 from gateway.billing.controllers import BillingAdminController, UsageController
 from gateway.billing.jobs import BillingJobs
 from gateway.console import console_router
+from gateway.dispatch import discovery
 from gateway.dispatch.engine_client import EngineClient, InProcessEngineClient
-from gateway.dispatch.remote import RemoteEngineClient
 from gateway.errors import (
     ApiError,
     handle_api_error,
@@ -68,7 +68,7 @@ async def connect_engine(settings: Settings) -> EngineClient:
     """Remote replicas when TOLLGATE_BACKENDS is set; otherwise the engine in this process."""
     if settings.backends:
         assert settings.backend_secret is not None  # Settings checks this pairing
-        return await RemoteEngineClient.connect(
+        return await discovery.connect(  # dns:// entries are re-resolved (discovery.py)
             settings.backends, settings.backend_secret, settings.data_dir
         )
     return await InProcessEngineClient.load(

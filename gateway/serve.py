@@ -14,6 +14,7 @@ from sqlalchemy.engine import make_url
 
 from gateway.app import create_app, engine_config
 from gateway.bootstrap import AdminKey, ConsoleOwner, ensure_admin_key, ensure_console_owner
+from gateway.drain import PROBES, SETTLE_S, Drain, DrainGuard, DrainingServer
 from gateway.settings import Settings
 from gateway.telemetry.logs import configure_logging, log_format
 from gateway.telemetry.tracing import setup_tracing
@@ -27,13 +28,15 @@ def serve(settings: Settings) -> int:
     admin = asyncio.run(_bootstrap(settings))
     owner = asyncio.run(_bootstrap_console(settings))
     app = create_app(settings)
-    config = _uvicorn_config(app, settings, **proxy_options(settings))
+    drain = Drain(settings.drain_s)
+    app.state.drain = drain  # /readyz reads it
+    config = _uvicorn_config(DrainGuard(app, drain), settings, **proxy_options(settings))
 
     def on_started() -> None:
         _banner(settings, admin, app.state.runtime.engine.model_name)
         _console_banner(settings, owner)
 
-    server = _Server(config, on_started)
+    server = _Server(config, drain, on_started)
     server.run()
     return 0 if server.started else 1
 
@@ -56,15 +59,19 @@ def _uvicorn_config(app: Any, settings: Settings, **options: Any) -> uvicorn.Con
         log_level=settings.log_level,
         log_config=None,  # uvicorn's loggers go through ours (JSON lines)
         lifespan="on",
+        timeout_graceful_shutdown=SETTLE_S,  # after the drain (gateway/drain.py)
         **options,
     )
 
 
-class _Server(uvicorn.Server):
-    """Prints the banner once the socket listens, so the printed curl works at once."""
+class _Server(DrainingServer):
+    """Prints the banner once the socket listens, so the printed curl works at once;
+    drains on SIGTERM."""
 
-    def __init__(self, config: uvicorn.Config, on_started: Callable[[], None]) -> None:
-        super().__init__(config)
+    def __init__(
+        self, config: uvicorn.Config, drain: Drain, on_started: Callable[[], None]
+    ) -> None:
+        super().__init__(config, drain)
         self.on_started = on_started
 
     async def startup(self, sockets: list[socket.socket] | None = None) -> None:
@@ -86,11 +93,15 @@ def serve_backend(settings: Settings) -> int:
     model_dir = settings.model_path or BUILTIN_MODEL_DIR
     engine = AsyncEngine.from_pretrained(model_dir, engine_config(settings))
     app = create_backend_app(engine, model_dir, settings.backend_secret)
-    config = _uvicorn_config(app, settings)
+    drain = Drain(settings.drain_s)
+    app.state.drain = drain  # /readyz and /internal/stats read it
+    # Aborts, stats and model info still answer while the running requests finish.
+    exempt = PROBES | {"/internal/stats", "/internal/abort", "/internal/info"}
+    config = _uvicorn_config(DrainGuard(app, drain, exempt), settings)
     banner = (
         f"Tollgate backend ({engine.model_name}) ready on http://{settings.host}:{settings.port}"
     )
-    server = _Server(config, lambda: print(banner, flush=True))
+    server = _Server(config, drain, lambda: print(banner, flush=True))
     server.run()
     return 0 if server.started else 1
 

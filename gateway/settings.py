@@ -48,6 +48,8 @@ class Settings:
     # The largest request body: a 128k-token context is about 0.5 MB of text, or 1 MB of
     # token ids, so 4 MiB leaves room for JSON escaping and multi-byte text.
     max_body_bytes: int = 4 * 2**20
+    # On SIGTERM: seconds in-flight requests get to finish before the process exits anyway.
+    drain_s: float = 30.0
 
     @classmethod
     def from_env(cls, env: Mapping[str, str] | None = None) -> Settings:
@@ -92,6 +94,7 @@ class Settings:
             celery_queue=env.get("TOLLGATE_CELERY_QUEUE", "").strip() or "tollgate",
             console_idle_s=_int(env, "TOLLGATE_CONSOLE_IDLE_S", 1800, low=60),
             trusted_proxies=_proxies(env.get("TOLLGATE_TRUSTED_PROXIES", "127.0.0.1")),
+            drain_s=float(_int(env, "TOLLGATE_DRAIN_S", 30, low=0, high=3600)),
         )
 
     def with_overrides(self, **changes: object) -> Settings:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from litestar import MediaType, Response, get
+from litestar import MediaType, Request, Response, get
 from litestar.di import NamedDependency
 from sqlalchemy import text
 
@@ -22,9 +22,15 @@ async def healthz(runtime: NamedDependency[Runtime]) -> Response[dict[str, str]]
 
 
 @get("/readyz", media_type=MediaType.JSON)
-async def readyz(runtime: NamedDependency[Runtime]) -> Response[dict[str, Any]]:
-    """Ready for traffic: the database answers and the engine is running."""
+async def readyz(
+    request: Request[Any, Any, Any], runtime: NamedDependency[Runtime]
+) -> Response[dict[str, Any]]:
+    """Ready for traffic: not draining (SIGTERM, gateway/drain.py), the database answers
+    and the engine is running."""
     checks = {"database": await _database_ok(runtime), "engine": _engine_ok(runtime)}
+    drain = request.app.state.get("drain")
+    if drain is not None and drain.draining:  # out of rotation first, whatever else holds
+        return Response({"status": "draining", "checks": checks}, status_code=503)
     ready = all(checks.values())
     body = {"status": "ready" if ready else "not_ready", "checks": checks}
     return Response(body, status_code=200 if ready else 503)
