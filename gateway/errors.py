@@ -104,6 +104,14 @@ class Overloaded(ApiError):
     default_code = "overloaded"
 
 
+class QuotaStoreUnavailable(ApiError):
+    """The quota store is down, or does not know the tenant's spend yet: retryable."""
+
+    status = 503
+    type = "server_error"
+    default_code = "quota_unavailable"
+
+
 class DeadlineExceeded(ApiError):
     status = 504
     type = "timeout_error"
@@ -147,6 +155,17 @@ def handle_http_exception(_: Request[Any, Any, Any], exc: Exception) -> Response
     response = error_response(error)
     response.status_code = status
     return response
+
+
+def handle_store_down(_: Request[Any, Any, Any], exc: Exception) -> Response[bytes]:
+    """Redis (locks, idempotency) unreachable: retryable, not a defect."""
+    log.warning("shared store unreachable: %s", exc)
+    error = QuotaStoreUnavailable(
+        "a shared store is unavailable; retry shortly",
+        code="store_unavailable",
+        headers={"Retry-After": "1"},
+    )
+    return error_response(error)
 
 
 def handle_unexpected(request: Request[Any, Any, Any], exc: Exception) -> Response[bytes]:

@@ -16,6 +16,7 @@ from datetime import datetime
 from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
 
 from gateway.admission.quota import Admission
+from gateway.admission.reconcile import to_us
 from gateway.tasks import TaskSet
 from gateway.telemetry.tracing import REQUEST_ID, in_span
 from tenants.billing.prices import PriceBook
@@ -115,12 +116,15 @@ class UsageRecorder:
             trace_id=outcome.trace_id,
             replica=outcome.replica,
             started_at=charge.started_at,
+            created_at=utcnow(),  # the row's time, which settling passes to the store
         )
 
     async def _write(self, charge: Charge, outcome: Outcome) -> None:
-        """Ledger first, then quota counters: spent always matches the ledger (a crash in
-        between leaves a row the reconciler charges later)."""
+        """Ledger first, once; then quota counters from it: spent always matches the
+        ledger (a crash in between leaves a row the reconciler charges later; a store
+        outage, a settle the recorder retries until the store takes it)."""
         cost = tokens = 0
+        at_us: int | None = None
         request_id = charge.request_id
         try:
             event = await self._event(charge, outcome)
@@ -128,6 +132,7 @@ class UsageRecorder:
             tokens = event.prompt_tokens + event.completion_tokens
             async with self.sessions.begin() as session:
                 await UsageService(session).record(event)
+            at_us = to_us(event.created_at)
         except Exception:
             # Never silently: the request id lets an operator reconcile by hand.
             log.exception("usage row %s not written", request_id)
@@ -135,4 +140,4 @@ class UsageRecorder:
             raise
         finally:
             if charge.reservation is not None:
-                await self.admission.settle(charge.reservation, tokens, cost)
+                await self.admission.settle(charge.reservation, tokens, cost, at_us)

@@ -176,23 +176,22 @@ async def complete(job: Job, engine: EngineClient, recorder: UsageRecorder) -> d
     """Run to the end and return the whole response body."""
     outcome = Outcome(prompt_tokens=len(job.prompt))
     choices = Choices(job.params.n)
-    settled = False
     try:
         async for out in _outputs(job, engine):
             _observe(outcome, choices, job, out)
             choices.collect(out)
-        settled = True
-        await asyncio.shield(recorder.settle(job.charge, _finish(outcome, job)))
     except Exception as exc:
         error = _fail(outcome, exc, delivered=0)
-        settled = True
         recorder.settle(job.charge, _finish(outcome, job))
         raise error from exc
-    finally:
-        if not settled:  # cancelled: the client went away before the answer was sent
-            with current_request().span("cancel"):
-                engine.abort(job.charge.request_id)
-            recorder.settle(job.charge, _finish(_cancelled(outcome, 0), job))
+    except BaseException:  # cancelled: the client went away before the answer was sent
+        with current_request().span("cancel"):
+            engine.abort(job.charge.request_id)
+        recorder.settle(job.charge, _finish(_cancelled(outcome, 0), job))
+        raise
+    # Settled exactly once from here, whatever happens to this task; the quota store's
+    # part never fails it (see Admission.settle), so a completed request is a 200.
+    await asyncio.shield(recorder.settle(job.charge, _finish(outcome, job)))
     want_logprobs = job.params.logprobs is not None
     body = job.envelope(
         [
