@@ -22,6 +22,7 @@ import time
 from collections import defaultdict
 from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
+from typing import Any
 
 from sqlalchemy import func, select
 from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
@@ -34,6 +35,7 @@ from tenants.quota import QuotaStore, month_period
 log = logging.getLogger(__name__)
 
 BATCH = 500
+CONCURRENT_CHARGES = 50  # charges in flight at once (each is one round trip)
 GRACE_S = 300.0
 """Rows younger than this are charged one by one (with their markers) rather than put in
 the base: a ledger transaction still open after this long is not expected."""
@@ -106,15 +108,21 @@ async def reconcile(
         )
         async for batch in rows.partitions(BATCH):
             done = await store.charged([row.request_id for row in batch])
-            for row in batch:
-                if row.request_id in done:
-                    continue
-                scopes = (f"tenant:{row.tenant_id}", f"key:{row.api_key_id}")
-                period = month_period(as_utc(row.created_at))
-                at_us = to_us(row.created_at)
-                if await store.charge(row.request_id, scopes, period, row.cost_micros, at_us):
-                    repaired += 1
+            missing = [row for row in batch if row.request_id not in done]
+            for start in range(0, len(missing), CONCURRENT_CHARGES):
+                charges = [
+                    _charge(store, row) for row in missing[start : start + CONCURRENT_CHARGES]
+                ]
+                repaired += sum(await asyncio.gather(*charges))
     return repaired
+
+
+async def _charge(store: QuotaStore, row: Any) -> bool:
+    scopes = (f"tenant:{row.tenant_id}", f"key:{row.api_key_id}")
+    period = month_period(as_utc(row.created_at))
+    return await store.charge(
+        row.request_id, scopes, period, row.cost_micros, to_us(row.created_at)
+    )
 
 
 async def rebuild(
