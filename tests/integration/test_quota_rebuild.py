@@ -174,3 +174,79 @@ async def test_refused_while_rebuilding_is_a_503_with_retry_after(
         return (await _wave(stack, tenant, 1, engine_client.model_name))[0].status_code == 200
 
     await eventually(admitted, timeout_s=10)
+
+
+async def _request(
+    http: httpx.AsyncClient, tenant: Tenant, model: str, *, stream: bool
+) -> tuple[int, str]:
+    """Status and body of one request of 400 tokens (a stream's body: all its events)."""
+    body = {"model": model, "prompt": PROMPT, "max_tokens": 400, "ignore_eos": True}
+    headers = {"Authorization": f"Bearer {tenant.secret}"}
+    if not stream:
+        response = await http.post("/v1/completions", json=body, headers=headers)
+        return response.status_code, response.text
+    async with http.stream(
+        "POST", "/v1/completions", json=body | {"stream": True}, headers=headers
+    ) as response:
+        return response.status_code, "".join([line async for line in response.aiter_lines()])
+
+
+async def test_store_down_during_settlement_still_answers_and_catches_up(
+    stack: Stack, sessions: Sessions, engine_client: InProcessEngineClient
+) -> None:
+    tenant = await _tenant(sessions, 10**9)
+    model = engine_client.model_name
+    async with httpx.AsyncClient(base_url=stack.url, timeout=60) as http:
+        requests = [
+            asyncio.create_task(_request(http, tenant, model, stream=i % 2 == 0)) for i in range(8)
+        ]
+
+        async def all_admitted() -> bool:
+            return (await _usage(stack, tenant)).concurrent == 8
+
+        await eventually(all_admitted, timeout_s=30)
+        stack.redis.stop()  # they finish, and settle, while the store is away
+        results = await asyncio.gather(*requests)
+        assert stack.runtime.admission.unsettled > 0
+        await stack.redis.start()  # back, and empty
+        for status, text in results:
+            assert status == 200, text
+        streams = [text for _, text in results[0::2]]  # even ones streamed
+        assert all(text.rstrip().endswith("data: [DONE]") for text in streams), streams
+        ledger = await _ledger(sessions, tenant)
+        assert ledger > 0
+
+        async def caught_up() -> bool:
+            if stack.runtime.admission.unsettled:
+                return False
+            await rebuild(stack.runtime.sessions, stack.runtime.admission.store)
+            usage = await _usage(stack, tenant)
+            return usage.spent_micros == ledger and usage.reserved_micros == 0
+
+        await eventually(caught_up, timeout_s=20)
+
+
+async def test_dropped_connections_during_settlement_are_retried(
+    stack: Stack, sessions: Sessions, engine_client: InProcessEngineClient
+) -> None:
+    tenant = await _tenant(sessions, 10**9)
+    model = engine_client.model_name
+    async with httpx.AsyncClient(base_url=stack.url, timeout=60) as http:
+        requests = [
+            asyncio.create_task(_request(http, tenant, model, stream=i % 2 == 0)) for i in range(8)
+        ]
+
+        async def all_admitted() -> bool:
+            return (await _usage(stack, tenant)).concurrent == 8
+
+        await eventually(all_admitted, timeout_s=30)
+        assert await stack.redis.drop_connections() > 0  # every pooled connection is dead
+        results = await asyncio.gather(*requests)
+    assert [status for status, _ in results] == [200] * 8
+    ledger = await _ledger(sessions, tenant)
+
+    async def settled() -> bool:
+        usage = await _usage(stack, tenant)
+        return usage.spent_micros == ledger and usage.reserved_micros == 0
+
+    await eventually(settled, timeout_s=10)
