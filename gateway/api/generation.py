@@ -15,7 +15,7 @@ from typing import Any
 from backend import EngineDeadError, RequestOutput, SamplingParams, TokenLogprobs
 from gateway.api.formats import Format
 from gateway.api.schemas import encode
-from gateway.dispatch.engine_client import EngineClient
+from gateway.dispatch.engine_client import RESTART, EngineClient
 from gateway.errors import (
     ApiError,
     DeadlineExceeded,
@@ -136,7 +136,9 @@ def _cancelled(outcome: Outcome, delivered: int) -> Outcome:
     return outcome
 
 
-async def _outputs(job: Job, engine: EngineClient) -> AsyncIterator[RequestOutput]:
+async def _outputs(
+    job: Job, engine: EngineClient, restartable: bool = False
+) -> AsyncIterator[RequestOutput]:
     """The engine's outputs for this job, under its server-side deadlines: the first token
     by `first_token_within_s`, the last by `timeout_s`. Missing one closes the engine's
     stream, which aborts the request there."""
@@ -152,6 +154,7 @@ async def _outputs(job: Job, engine: EngineClient) -> AsyncIterator[RequestOutpu
         weight=job.charge.principal.plan.weight,
         # The engine rejects what cannot start by then, before spending compute on it.
         deadline=job.started + job.first_token_within_s,
+        restartable=restartable,
     )
     outputs = current_request().dispatch(outputs)  # the dispatch span; the timeline
     while True:
@@ -177,7 +180,12 @@ async def complete(job: Job, engine: EngineClient, recorder: UsageRecorder) -> d
     outcome = Outcome(prompt_tokens=len(job.prompt))
     choices = Choices(job.params.n)
     try:
-        async for out in _outputs(job, engine):
+        # Nothing reaches the client before the end, so a replica that dies on the way
+        # does not fail the request: it starts over on another one.
+        async for out in _outputs(job, engine, restartable=True):
+            if out.finish_reason == RESTART:
+                outcome, choices = Outcome(prompt_tokens=len(job.prompt)), Choices(job.params.n)
+                continue
             _observe(outcome, choices, job, out)
             choices.collect(out)
     except Exception as exc:
