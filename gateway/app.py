@@ -109,11 +109,17 @@ def create_app(
             billing_jobs.start()
         auth_failures = AuthFailureLog(sessions)
         auth_failures.start()
+        recorder = UsageRecorder(
+            sessions, PriceBook(sessions), tasks, admission, settings.checkpoint_ms / 1000
+        )
+        recorder.start()  # checkpoints of running streams
+        orphans = recorder.periodic()
+        orphans.start()
         runtime = Runtime(
             settings=settings,
             db=db,
             sessions=sessions,
-            recorder=UsageRecorder(sessions, PriceBook(sessions), tasks, admission),
+            recorder=recorder,
             admission=admission,
             idempotency=Idempotency(
                 sessions,
@@ -136,6 +142,8 @@ def create_app(
             yield
         finally:
             await tasks.drain()
+            await orphans.close()
+            await recorder.close()
             await upkeep.close()
             await rebuilder.close()
             await billing_jobs.close()

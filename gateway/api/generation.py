@@ -281,6 +281,7 @@ async def _events(
         return _sse(body)
 
     streaming = current_request().start_span("stream")
+    recorder.track(job.charge, outcome)  # checkpointed: a crash bills what was delivered
     try:
         for index in range(choices.n):
             yield chunk(index, job.echo, None, first=True)
@@ -288,7 +289,7 @@ async def _events(
             _observe(outcome, choices, job, out)
             if out.text or out.logprobs:
                 yield chunk(out.index, out.text, None, logprobs=out.logprobs)
-            delivered = choices.completion_tokens  # reached only once the chunk was sent
+            delivered = outcome.delivered = choices.completion_tokens  # once the chunk was sent
             if out.finished:
                 yield chunk(out.index, "", out.finish_reason)
         settled = True
