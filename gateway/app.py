@@ -11,7 +11,7 @@ from datetime import timedelta
 from litestar import Litestar
 from litestar.di import Provide
 from litestar.exceptions import HTTPException
-from redis.asyncio import Redis
+from redis import exceptions as redis_errors
 from sqlalchemy.exc import DataError
 
 from backend import EngineConfig
@@ -22,7 +22,7 @@ from gateway.admission.auth import echo_request_id
 from gateway.admission.auth_failures import AuthFailureLog
 from gateway.admission.idempotency import Idempotency
 from gateway.admission.quota import Admission
-from gateway.admission.reconcile import Upkeep
+from gateway.admission.reconcile import Rebuilder, Upkeep
 from gateway.api.health import healthz, readyz
 from gateway.api.openai import OpenAIController
 from gateway.billing.controllers import BillingAdminController, UsageController
@@ -35,6 +35,7 @@ from gateway.errors import (
     handle_api_error,
     handle_domain_error,
     handle_http_exception,
+    handle_store_down,
     handle_too_deep,
     handle_unexpected,
     handle_unstorable,
@@ -51,6 +52,7 @@ from tenants.errors import DomainError
 from tenants.idempotency import InFlightLocks, MemoryLocks, RedisLocks
 from tenants.pricing import DEFAULT_PRICE
 from tenants.quota import open_quota_store
+from tenants.quota.redis import connect as connect_redis
 
 log = logging.getLogger(__name__)
 
@@ -89,28 +91,38 @@ def create_app(
     async def lifespan(app: Litestar) -> AsyncIterator[None]:
         db = create_engine(settings.database_url)
         sessions = session_factory(db)
-        redis = Redis.from_url(settings.redis_url) if settings.redis_url else None
+        redis = connect_redis(settings.redis_url) if settings.redis_url else None
         locks: InFlightLocks = RedisLocks(redis) if redis is not None else MemoryLocks()
         tasks = TaskSet()
+        max_life_s = settings.request_timeout_s + 30
         admission = Admission(
-            open_quota_store(settings.redis_url),
+            open_quota_store(settings.redis_url, guarded=True),
             DEFAULT_PRICE,
             lease_s=settings.lease_s,
-            max_life_s=settings.request_timeout_s + 30,
+            max_life_s=max_life_s,
         )
+        rebuilder = Rebuilder(sessions, admission.store, settings.lease_s, max_life_s)
+        admission.rebuilds = rebuilder
         admission.start()
-        upkeep = Upkeep(sessions, admission.store, settings.lease_s).periodic()
+        rebuilder.ensure()  # every start rebuilds this period's spend from the ledger
+        upkeep = Upkeep(sessions, admission.store, settings.lease_s, rebuilder).periodic()
         upkeep.start()
         billing_jobs = BillingJobs(settings, sessions).periodic()
         if BillingJobs.wanted(settings):
             billing_jobs.start()
         auth_failures = AuthFailureLog(sessions)
         auth_failures.start()
+        recorder = UsageRecorder(
+            sessions, PriceBook(sessions), tasks, admission, settings.checkpoint_ms / 1000
+        )
+        recorder.start()  # checkpoints of running streams
+        orphans = recorder.periodic()
+        orphans.start()
         runtime = Runtime(
             settings=settings,
             db=db,
             sessions=sessions,
-            recorder=UsageRecorder(sessions, PriceBook(sessions), tasks, admission),
+            recorder=recorder,
             admission=admission,
             idempotency=Idempotency(
                 sessions,
@@ -133,7 +145,10 @@ def create_app(
             yield
         finally:
             await tasks.drain()
+            await orphans.close()
+            await recorder.close()
             await upkeep.close()
+            await rebuilder.close()
             await billing_jobs.close()
             await auth_failures.close()
             await admission.close()
@@ -159,6 +174,8 @@ def create_app(
         dependencies={"runtime": Provide(provide_runtime, sync_to_thread=False)},
         exception_handlers={
             ApiError: handle_api_error,
+            redis_errors.ConnectionError: handle_store_down,  # locks, idempotency
+            redis_errors.TimeoutError: handle_store_down,
             DomainError: handle_domain_error,
             HTTPException: handle_http_exception,
             RecursionError: handle_too_deep,

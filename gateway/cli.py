@@ -19,6 +19,7 @@ from typing import TypeVar
 from sqlalchemy.ext.asyncio import AsyncSession
 
 from gateway import capacity_cli
+from gateway.admission import cli as quota_cli
 from gateway.billing import cli as billing_cli
 from gateway.settings import Settings, SettingsError
 from tenants import audit, db
@@ -152,6 +153,7 @@ def _parser() -> argparse.ArgumentParser:
     admins.add_parser("list", help="list console administrators").set_defaults(handler=_admins_list)
     billing_cli.add_commands(commands)
     capacity_cli.add_commands(commands)
+    quota_cli.add_commands(commands)
     return parser
 
 

@@ -104,6 +104,14 @@ class Overloaded(ApiError):
     default_code = "overloaded"
 
 
+class QuotaStoreUnavailable(ApiError):
+    """The quota store is down, or does not know the tenant's spend yet: retryable."""
+
+    status = 503
+    type = "server_error"
+    default_code = "quota_unavailable"
+
+
 class DeadlineExceeded(ApiError):
     status = 504
     type = "timeout_error"
@@ -163,6 +171,17 @@ def handle_unstorable(request: Request[Any, Any, Any], exc: Exception) -> Respon
     return error_response(
         InvalidRequest("a value in the request cannot be stored (too long, out of range or NUL)")
     )
+
+
+def handle_store_down(_: Request[Any, Any, Any], exc: Exception) -> Response[bytes]:
+    """Redis (locks, idempotency) unreachable: retryable, not a defect."""
+    log.warning("shared store unreachable: %s", exc)
+    error = QuotaStoreUnavailable(
+        "a shared store is unavailable; retry shortly",
+        code="store_unavailable",
+        headers={"Retry-After": "1"},
+    )
+    return error_response(error)
 
 
 def handle_unexpected(request: Request[Any, Any, Any], exc: Exception) -> Response[bytes]:

@@ -38,6 +38,7 @@ class Settings:
     stripe_meter_event: str = "tollgate_usage_micros"
     stripe_timeout_s: float = 20.0
     stripe_retry_base_ms: int = 200  # first backoff before jitter; doubles per retry
+    checkpoint_ms: int = 2000  # running streams' delivered tokens recorded this often
     export_interval_s: int = 30  # embedded mode: how often the gateway runs the relay
     celery_queue: str = "tollgate"
     console_idle_s: int = 1800  # admin console sessions end after this long unused
@@ -78,6 +79,7 @@ class Settings:
                 env, "TOLLGATE_IDEMPOTENCY_RETENTION_S", 24 * 3600, low=60
             ),
             lease_s=_int(env, "TOLLGATE_LEASE_S", 30, low=1, high=3600),
+            checkpoint_ms=_int(env, "TOLLGATE_CHECKPOINT_MS", 2000, low=100, high=5000),
             backends=tuple(
                 url.strip().rstrip("/")
                 for url in env.get("TOLLGATE_BACKENDS", "").split(",")

@@ -160,6 +160,28 @@ class UsageEvent(Base):
     created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
 
 
+class UsageCheckpoint(Base):
+    """A running stream's delivered tokens, rewritten every few seconds by its gateway and
+    deleted with the ledger write; one left stale is a dead gateway's, billed by another
+    (gateway.metering.bill_orphans)."""
+
+    __tablename__ = "usage_checkpoints"
+
+    request_id: Mapped[str] = mapped_column(String(64), primary_key=True)
+    tenant_id: Mapped[str] = mapped_column(ForeignKey("tenants.id"))
+    api_key_id: Mapped[str] = mapped_column(ForeignKey("api_keys.id"))
+    model: Mapped[str] = mapped_column(String(200))
+    endpoint: Mapped[str] = mapped_column(String(64))
+    priority: Mapped[int | None] = mapped_column(Integer)
+    prompt_tokens: Mapped[int] = mapped_column(Integer)
+    cached_tokens: Mapped[int] = mapped_column(Integer)
+    completion_tokens: Mapped[int] = mapped_column(Integer)  # delivered to the client
+    trace_id: Mapped[str | None] = mapped_column(String(32))
+    replica: Mapped[str | None] = mapped_column(String(255))
+    started_at: Mapped[datetime] = mapped_column(DateTime(timezone=True))
+    updated_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), index=True)
+
+
 class IdempotencyRecord(Base):
     """The stored outcome of a request sent with an Idempotency-Key, replayed on repeats."""
 

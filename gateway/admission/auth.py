@@ -47,14 +47,19 @@ def audit_context(request: Request[Any, Any, Any]) -> AuditContext:
 
 
 async def echo_request_id(message: Message, scope: Scope) -> None:
-    """A `before_send` hook: the answer carries the request id its audit events recorded
-    (unless the handler set its own, as generation does)."""
+    """A `before_send` hook: every answer, errors included, carries the request's one id.
+    A generation request's is the one its ledger row carries (an error answer may have a
+    row too); any other's, the one its audit events recorded, or a new one. The request's
+    span and its "request finished" log line take the same id."""
     if message["type"] != "http.response.start":
         return
-    context = scope.get("state", {}).get(_AUDIT_CONTEXT)
     headers = MutableScopeHeaders.from_message(message)
-    if isinstance(context, AuditContext) and context.request_id and "x-request-id" not in headers:
-        headers["x-request-id"] = context.request_id
+    request = current_request()
+    context = scope.get("state", {}).get(_AUDIT_CONTEXT)
+    audit_id = context.request_id if isinstance(context, AuditContext) else None
+    request_id = headers.get("x-request-id") or request.request_id or audit_id or new_request_id()
+    request.assign_id(request_id)
+    headers["x-request-id"] = request_id
 
 
 def bearer_token(request: Request[Any, Any, Any]) -> str | None:

@@ -2,8 +2,15 @@
 
 Every request reserves its worst case — prompt tokens at the input price plus max_tokens
 at the output price — in its tenant's scope and its key's scope at once. The lease is
-renewed while the request runs, so a crashed gateway strands nothing for long. Settling
-releases the reservation and charges the actual cost, after the ledger row is written.
+renewed while the request runs, so a crashed gateway strands nothing for long; a lease
+the store lost (a restart) or let lapse (an outage) is restored while the request runs.
+Settling releases the reservation and charges the actual cost, after the ledger row is
+written; a settle the store cannot take now is retried in the background until it does
+(the ledger row is the truth: the answer to the client never depends on the store).
+
+A store that does not know a period's spend (it came up empty) refuses reservations;
+admission then starts a rebuild from the ledger and waits for it briefly, else answers
+503 with Retry-After. A store that cannot be reached is a 503 with Retry-After too.
 """
 
 from __future__ import annotations
@@ -12,9 +19,10 @@ import asyncio
 import contextlib
 import logging
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Protocol
 
-from gateway.errors import RateLimited
+from gateway.errors import QuotaStoreUnavailable, RateLimited
 from gateway.telemetry import current_request
 from tenants.limits import LimitSet
 from tenants.pricing import Price
@@ -23,16 +31,40 @@ from tenants.quota import (
     DenyReason,
     Granted,
     Limits,
+    QuotaError,
     QuotaStore,
     Reservation,
     ReserveRequest,
     Scope,
+    SpendUnknownError,
+    StoreUnavailableError,
     WindowStatus,
     month_period,
 )
 from tenants.services import Principal
 
 log = logging.getLogger(__name__)
+
+REBUILD_WAIT_S = 2.0  # how long a request waits for a rebuild before a 503
+SETTLE_RETRY_S = 1.0  # how often settles the store refused are tried again
+STORE_RETRY_AFTER = "1"  # Retry-After of a 503 for a store outage
+
+
+class Rebuilds(Protocol):
+    """Starts (or joins) a rebuild of a period's spend; True if it finished in time."""
+
+    async def wait(self, period: str, timeout_s: float) -> bool: ...
+
+
+@dataclass(frozen=True)
+class Unsettled:
+    """A settle the store has not taken yet: the ledger row exists, the charge must follow."""
+
+    reservation: Reservation
+    tokens: int
+    cost_micros: int
+    at_us: int | None = None
+    failures: int = field(default=1, compare=False)
 
 
 class QuotaExceeded(RateLimited):
@@ -84,8 +116,10 @@ class Admission:
         # Renewal stops after max_life_s (past the request timeout): a reservation whose
         # settle never comes (a stream the client left before it began) then expires.
         self.max_life_s = max_life_s
+        self.rebuilds: Rebuilds | None = None  # set by the app: who rebuilds spend
         self._live: dict[str, tuple[Reservation, float]] = {}
-        self._keeper: asyncio.Task[None] | None = None
+        self._unsettled: dict[str, Unsettled] = {}
+        self._tasks: list[asyncio.Task[None]] = []
 
     async def reserve(
         self,
@@ -96,16 +130,15 @@ class Admission:
         price: Price | None = None,  # the price book's, for this model now
     ) -> Ticket:
         price = price or self.price
-        outcome = await self.store.reserve(
-            ReserveRequest(
-                reservation_id=request_id,
-                scopes=scopes(principal),
-                tokens=prompt_tokens + max_tokens,
-                cost_micros=price.cost_micros(prompt_tokens, 0, max_tokens),
-                period=month_period(),
-                lease_s=self.lease_s,
-            )
+        request = ReserveRequest(
+            reservation_id=request_id,
+            scopes=scopes(principal),
+            tokens=prompt_tokens + max_tokens,
+            cost_micros=price.cost_micros(prompt_tokens, 0, max_tokens),
+            period=month_period(),
+            lease_s=self.lease_s,
         )
+        outcome = await self._reserve(request)
         if isinstance(outcome, Denied):
             current_request().reject(outcome.reason.value)  # rpm, tpm, concurrency, budget
             raise _denial(outcome)
@@ -114,12 +147,82 @@ class Admission:
         self._live[request_id] = (outcome.reservation, deadline)
         return Ticket(outcome.reservation, rate_headers(outcome.requests, outcome.tokens))
 
-    async def settle(self, reservation: Reservation, tokens: int, cost_micros: int) -> None:
+    async def _reserve(self, request: ReserveRequest) -> Granted | Denied:
+        """The store's answer; spend unknown: rebuild, wait briefly, try once more."""
+        try:
+            try:
+                return await self.store.reserve(request)
+            except SpendUnknownError as unknown:
+                await self._restore_live()  # our running requests count before new ones
+                if self.rebuilds is None or not await self.rebuilds.wait(
+                    unknown.period, REBUILD_WAIT_S
+                ):
+                    raise
+                return await self.store.reserve(request)
+        except SpendUnknownError as unknown:
+            current_request().reject("spend_unknown")
+            retry_after = str(max(1, math.ceil(unknown.retry_after_s)))
+            raise QuotaStoreUnavailable(
+                "this tenant's spend is being rebuilt from the ledger; retry shortly",
+                code="spend_rebuilding",
+                headers={"Retry-After": retry_after},
+            ) from unknown
+        except StoreUnavailableError as down:
+            current_request().reject("store_unavailable")
+            raise QuotaStoreUnavailable(
+                "the quota store is unavailable; retry shortly",
+                headers={"Retry-After": STORE_RETRY_AFTER},
+            ) from down
+
+    @property
+    def unsettled(self) -> int:
+        """Settles waiting for the store to take them."""
+        return len(self._unsettled)
+
+    async def settle(
+        self, reservation: Reservation, tokens: int, cost_micros: int, at_us: int | None = None
+    ) -> None:
+        """Settle now, or keep it for the background retry: this never fails the request."""
         self._live.pop(reservation.reservation_id, None)
-        await self.store.settle(reservation, tokens, cost_micros)
+        pending = Unsettled(reservation, tokens, cost_micros, at_us)
+        if not await self._try_settle(pending):
+            self._unsettled[reservation.reservation_id] = pending
+
+    async def _try_settle(self, pending: Unsettled) -> bool:
+        try:
+            await self.store.settle(
+                pending.reservation, pending.tokens, pending.cost_micros, pending.at_us
+            )
+        except (QuotaError, OSError) as exc:
+            log.warning(
+                "settle of %s deferred (%s): retrying in the background",
+                pending.reservation.reservation_id,
+                exc,
+            )
+            return False
+        return True
+
+    async def settle_pending(self) -> int:
+        """Try every deferred settle once; returns how many are still waiting."""
+        for request_id, pending in list(self._unsettled.items()):
+            if await self._try_settle(pending):
+                self._unsettled.pop(request_id, None)
+            else:
+                break  # the store is still away: the next round tries again
+        return len(self._unsettled)
 
     def start(self) -> None:
-        self._keeper = asyncio.get_running_loop().create_task(self._renew_forever())
+        loop = asyncio.get_running_loop()
+        self._tasks = [
+            loop.create_task(self._renew_forever()),
+            loop.create_task(self._settle_forever()),
+        ]
+
+    async def _settle_forever(self) -> None:
+        while True:
+            await asyncio.sleep(SETTLE_RETRY_S)  # a retry period, not synchronisation
+            if self._unsettled:
+                await self.settle_pending()
 
     async def _renew_forever(self) -> None:
         while True:
@@ -129,15 +232,35 @@ class Admission:
                 del self._live[request_id]
             if self._live:
                 try:
-                    await self.store.renew([r for r, _ in self._live.values()], self.lease_s)
-                except Exception:  # Redis briefly away: the next round tries again
+                    await self._renew_live()
+                except (QuotaError, OSError):  # store briefly away: the next round tries again
                     log.warning("lease renewal failed", exc_info=True)
 
+    async def _renew_live(self) -> None:
+        """Renew every running request's lease; give back those the store lost."""
+        live = [r for r, _ in self._live.values()]
+        renewed = await self.store.renew(live, self.lease_s)
+        lost = [r for r in live if r.reservation_id not in renewed]
+        if lost:
+            restored = await self.store.restore(lost, self.lease_s)
+            log.warning("quota store had lost %d running reservations: restored", restored)
+
+    async def _restore_live(self) -> None:
+        live = [r for r, _ in self._live.values()]
+        if live:
+            with contextlib.suppress(QuotaError, OSError):
+                await self.store.restore(live, self.lease_s)
+
     async def close(self) -> None:
-        if self._keeper is not None:
-            self._keeper.cancel()
+        for task in self._tasks:
+            task.cancel()
+        for task in self._tasks:
             with contextlib.suppress(asyncio.CancelledError):
-                await self._keeper
+                await task
+        if self._unsettled and await self.settle_pending():
+            # The ledger has these rows: the reconciler charges them, and their leases
+            # release the reserved budget.
+            log.warning("%d settles left to the reconciler at shutdown", len(self._unsettled))
         await self.store.aclose()
 
 

@@ -1,17 +1,30 @@
-"""Repairs quota counters from the ledger, and other periodic upkeep.
+"""Quota spend rebuilt from the ledger, and other periodic upkeep.
 
-Settling writes the ledger row first and then charges the quota store; a gateway that
-dies between the two leaves a row the store never charged. The reconciler finds such
-rows (the store remembers which ids it charged) and charges them, once: the same
-marker guards settle and charge, so a late settle and the reconciler never both count.
+The ledger is the truth; the quota store's spent is derived from it. A rebuild of a
+period sets every tenant's and key's spent to the ledger's sum of that period's rows
+older than a cutoff (GRACE_S ago: any such row has surely committed), plus the charges
+the store took one by one for rows at or after it; rows at or after the cutoff that the
+store never took (their gateway died between the ledger write and the settle, or the
+store was down) are charged then, once: the same marker guards settle and charge. See
+tenants.quota.contract for why this counts every row exactly once, whatever runs at the
+same time.
+
+Every gateway rebuilds at start and every RECONCILE_EVERY_S; a store that came up empty
+(a Redis restart) refuses reservations until a rebuild finishes, and the first refused
+request starts one at once.
 """
 
 from __future__ import annotations
 
+import asyncio
 import logging
-from datetime import datetime, timedelta
+import time
+from collections import defaultdict
+from dataclasses import dataclass
+from datetime import UTC, datetime, timedelta
+from typing import Any
 
-from sqlalchemy import select
+from sqlalchemy import func, select
 from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
 
 from gateway.tasks import Periodic
@@ -22,6 +35,54 @@ from tenants.quota import QuotaStore, month_period
 log = logging.getLogger(__name__)
 
 BATCH = 500
+CONCURRENT_CHARGES = 50  # charges in flight at once (each is one round trip)
+GRACE_S = 300.0
+"""Rows younger than this are charged one by one (with their markers) rather than put in
+the base: a ledger transaction still open after this long is not expected."""
+RECONCILE_EVERY_S = 60.0
+
+
+def period_bounds(period: str) -> tuple[datetime, datetime]:
+    """[start, end) of a "YYYY-MM" period, in UTC."""
+    year, month = (int(part) for part in period.split("-"))
+    start = datetime(year, month, 1, tzinfo=UTC)
+    end = datetime(year + month // 12, month % 12 + 1, 1, tzinfo=UTC)
+    return start, end
+
+
+def to_us(moment: datetime) -> int:
+    return int(as_utc(moment).timestamp() * 1_000_000)
+
+
+@dataclass(frozen=True)
+class Rebuilt:
+    """What one rebuild did."""
+
+    period: str
+    scopes: int  # scopes whose base was set
+    charged: int  # recent rows the store had not taken
+    ready: bool  # False: the store lost the rebuild (came up empty meanwhile)
+    seconds: float
+
+
+async def ledger_bases(
+    sessions: async_sessionmaker[AsyncSession], since: datetime, until: datetime
+) -> dict[str, int]:
+    """Each tenant's and key's ledger cost of [since, until)."""
+    bases: dict[str, int] = defaultdict(int)
+    if until <= since:
+        return bases
+    query = (
+        select(UsageEvent.tenant_id, UsageEvent.api_key_id, func.sum(UsageEvent.cost_micros))
+        .where(UsageEvent.created_at >= since, UsageEvent.created_at < until)
+        .where(UsageEvent.cost_micros > 0)
+        .group_by(UsageEvent.tenant_id, UsageEvent.api_key_id)
+    )
+    async with sessions() as session:
+        for tenant_id, key_id, cost in await session.execute(query):
+            bases[f"tenant:{tenant_id}"] += int(cost)
+            bases[f"key:{key_id}"] += int(cost)
+    return bases
 
 
 async def reconcile(
@@ -47,16 +108,102 @@ async def reconcile(
         )
         async for batch in rows.partitions(BATCH):
             done = await store.charged([row.request_id for row in batch])
-            for row in batch:
-                if row.request_id in done:
-                    continue
-                scopes = (f"tenant:{row.tenant_id}", f"key:{row.api_key_id}")
-                period = month_period(as_utc(row.created_at))
-                if await store.charge(row.request_id, scopes, period, row.cost_micros):
-                    repaired += 1
-    if repaired:
-        log.warning("reconciler charged %d ledger rows the quota store had missed", repaired)
+            missing = [row for row in batch if row.request_id not in done]
+            for start in range(0, len(missing), CONCURRENT_CHARGES):
+                charges = [
+                    _charge(store, row) for row in missing[start : start + CONCURRENT_CHARGES]
+                ]
+                repaired += sum(await asyncio.gather(*charges))
     return repaired
+
+
+async def _charge(store: QuotaStore, row: Any) -> bool:
+    scopes = (f"tenant:{row.tenant_id}", f"key:{row.api_key_id}")
+    period = month_period(as_utc(row.created_at))
+    return await store.charge(
+        row.request_id, scopes, period, row.cost_micros, to_us(row.created_at)
+    )
+
+
+async def rebuild(
+    sessions: async_sessionmaker[AsyncSession],
+    store: QuotaStore,
+    period: str | None = None,
+    hold_s: float = 0.0,
+) -> Rebuilt:
+    """Rebuild one period's spend (default: this month's) from the ledger, then mark the
+    period known (after hold_s if it was not: see QuotaStore.finish_rebuild)."""
+    period = period or month_period()
+    began = time.monotonic()
+    start, end = period_bounds(period)
+    token = await store.begin_rebuild(period)
+    cutoff = max(start, min(end, utcnow() - timedelta(seconds=GRACE_S)))
+    bases = await ledger_bases(sessions, start, cutoff)
+    await store.rebase(period, to_us(cutoff), bases)
+    charged = await reconcile(sessions, store, cutoff, end)
+    ready = await store.finish_rebuild(period, token, hold_s)
+    rebuilt = Rebuilt(period, len(bases), charged, ready, time.monotonic() - began)
+    if charged or not ready:
+        log.warning("quota rebuild of %s: %s", period, rebuilt)
+    return rebuilt
+
+
+async def recently_active(sessions: async_sessionmaker[AsyncSession], within_s: float) -> bool:
+    """Whether any request ended within the last within_s (so a gateway may still be
+    running others, whose leases it must restore before admission resumes)."""
+    since = utcnow() - timedelta(seconds=within_s)
+    async with sessions() as session:
+        found = await session.scalar(
+            select(UsageEvent.id).where(UsageEvent.created_at >= since).limit(1)
+        )
+    return found is not None
+
+
+class Rebuilder:
+    """One rebuild at a time per period, started on demand (a refused reservation) or by
+    the schedule; callers may wait for the running one."""
+
+    def __init__(
+        self,
+        sessions: async_sessionmaker[AsyncSession],
+        store: QuotaStore,
+        lease_s: float,
+        max_life_s: float,
+    ) -> None:
+        self.sessions = sessions
+        self.store = store
+        self.lease_s = lease_s
+        self.max_life_s = max_life_s
+        self._running: dict[str, asyncio.Task[Rebuilt]] = {}
+
+    def ensure(self, period: str | None = None) -> asyncio.Task[Rebuilt]:
+        period = period or month_period()
+        task = self._running.get(period)
+        if task is None or task.done():
+            task = asyncio.get_running_loop().create_task(self._run(period))
+            self._running[period] = task
+        return task
+
+    async def wait(self, period: str, timeout_s: float) -> bool:
+        """Start (or join) a rebuild of `period`; True if it finished within timeout_s."""
+        task = self.ensure(period)
+        await asyncio.wait({task}, timeout=timeout_s)  # never cancels the rebuild
+        return task.done() and not task.cancelled() and task.exception() is None
+
+    async def _run(self, period: str) -> Rebuilt:
+        hold_s = 0.0
+        if not await self.store.is_ready(period) and await recently_active(
+            self.sessions, self.max_life_s
+        ):
+            # Gateways may be running requests whose leases the store lost: give each
+            # of them a renewal round (every lease_s / 3) to restore them first.
+            hold_s = self.lease_s / 2
+        return await rebuild(self.sessions, self.store, period, hold_s)
+
+    async def close(self) -> None:
+        for task in self._running.values():
+            task.cancel()
+        await asyncio.gather(*self._running.values(), return_exceptions=True)
 
 
 class Upkeep:
@@ -68,21 +215,16 @@ class Upkeep:
         sessions: async_sessionmaker[AsyncSession],
         store: QuotaStore,
         lease_s: float,
+        rebuilder: Rebuilder,
     ) -> None:
         self.sessions = sessions
         self.store = store
         self.lease_s = lease_s
+        self.rebuilder = rebuilder
 
-    async def reconcile_recent(self) -> None:
-        now = utcnow()
-        # Rows younger than two leases may still be settling; older than an hour were
-        # reconciled by earlier rounds.
-        await reconcile(
-            self.sessions,
-            self.store,
-            since=now - timedelta(hours=1),
-            until=now - timedelta(seconds=2 * self.lease_s),
-        )
+    async def reconcile_period(self) -> None:
+        """The whole period's spend from the ledger: repairs any drift or lost charge."""
+        await self.rebuilder.ensure()
 
     async def clean_idempotency(self) -> None:
         async with self.sessions.begin() as session:
@@ -91,7 +233,7 @@ class Upkeep:
     def periodic(self) -> Periodic:
         return Periodic(
             [
-                (self.reconcile_recent, 60.0),
+                (self.reconcile_period, RECONCILE_EVERY_S),
                 (self.store.expire_leases, self.lease_s),
                 (self.clean_idempotency, 3600.0),
             ]

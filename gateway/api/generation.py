@@ -15,7 +15,7 @@ from typing import Any
 from backend import EngineDeadError, RequestOutput, SamplingParams, TokenLogprobs
 from gateway.api.formats import Format
 from gateway.api.schemas import encode
-from gateway.dispatch.engine_client import EngineClient
+from gateway.dispatch.engine_client import RESTART, EngineClient
 from gateway.errors import (
     ApiError,
     DeadlineExceeded,
@@ -136,7 +136,9 @@ def _cancelled(outcome: Outcome, delivered: int) -> Outcome:
     return outcome
 
 
-async def _outputs(job: Job, engine: EngineClient) -> AsyncIterator[RequestOutput]:
+async def _outputs(
+    job: Job, engine: EngineClient, restartable: bool = False
+) -> AsyncIterator[RequestOutput]:
     """The engine's outputs for this job, under its server-side deadlines: the first token
     by `first_token_within_s`, the last by `timeout_s`. Missing one closes the engine's
     stream, which aborts the request there."""
@@ -152,6 +154,7 @@ async def _outputs(job: Job, engine: EngineClient) -> AsyncIterator[RequestOutpu
         weight=job.charge.principal.plan.weight,
         # The engine rejects what cannot start by then, before spending compute on it.
         deadline=job.started + job.first_token_within_s,
+        restartable=restartable,
     )
     outputs = current_request().dispatch(outputs)  # the dispatch span; the timeline
     while True:
@@ -176,23 +179,27 @@ async def complete(job: Job, engine: EngineClient, recorder: UsageRecorder) -> d
     """Run to the end and return the whole response body."""
     outcome = Outcome(prompt_tokens=len(job.prompt))
     choices = Choices(job.params.n)
-    settled = False
     try:
-        async for out in _outputs(job, engine):
+        # Nothing reaches the client before the end, so a replica that dies on the way
+        # does not fail the request: it starts over on another one.
+        async for out in _outputs(job, engine, restartable=True):
+            if out.finish_reason == RESTART:
+                outcome, choices = Outcome(prompt_tokens=len(job.prompt)), Choices(job.params.n)
+                continue
             _observe(outcome, choices, job, out)
             choices.collect(out)
-        settled = True
-        await asyncio.shield(recorder.settle(job.charge, _finish(outcome, job)))
     except Exception as exc:
         error = _fail(outcome, exc, delivered=0)
-        settled = True
         recorder.settle(job.charge, _finish(outcome, job))
         raise error from exc
-    finally:
-        if not settled:  # cancelled: the client went away before the answer was sent
-            with current_request().span("cancel"):
-                engine.abort(job.charge.request_id)
-            recorder.settle(job.charge, _finish(_cancelled(outcome, 0), job))
+    except BaseException:  # cancelled: the client went away before the answer was sent
+        with current_request().span("cancel"):
+            engine.abort(job.charge.request_id)
+        recorder.settle(job.charge, _finish(_cancelled(outcome, 0), job))
+        raise
+    # Settled exactly once from here, whatever happens to this task; the quota store's
+    # part never fails it (see Admission.settle), so a completed request is a 200.
+    await asyncio.shield(recorder.settle(job.charge, _finish(outcome, job)))
     want_logprobs = job.params.logprobs is not None
     body = job.envelope(
         [
@@ -274,6 +281,7 @@ async def _events(
         return _sse(body)
 
     streaming = current_request().start_span("stream")
+    recorder.track(job.charge, outcome)  # checkpointed: a crash bills what was delivered
     try:
         for index in range(choices.n):
             yield chunk(index, job.echo, None, first=True)
@@ -281,7 +289,7 @@ async def _events(
             _observe(outcome, choices, job, out)
             if out.text or out.logprobs:
                 yield chunk(out.index, out.text, None, logprobs=out.logprobs)
-            delivered = choices.completion_tokens  # reached only once the chunk was sent
+            delivered = outcome.delivered = choices.completion_tokens  # once the chunk was sent
             if out.finished:
                 yield chunk(out.index, "", out.finish_reason)
         settled = True

@@ -19,6 +19,9 @@ from gateway.errors import DeadlineExceeded, InternalError, Overloaded
 from gateway.telemetry.request import current_request
 
 IN_PROCESS = "in-process"  # the replica name of the engine in this process
+RESTART = "restart"
+"""finish_reason of the marker output a restartable request's retry on another replica
+begins with: what came before it is void."""
 
 
 class EngineClient(Protocol):
@@ -44,9 +47,12 @@ class EngineClient(Protocol):
         tenant: str | None = None,
         weight: int = 1,
         deadline: float | None = None,
+        restartable: bool = False,
     ) -> AsyncIterator[RequestOutput]:
         """`deadline`: time.monotonic() by which the first token is due. Raises Overloaded
-        (503, Retry-After) or DeadlineExceeded (504) when the engine's policy rejects it."""
+        (503, Retry-After) or DeadlineExceeded (504) when the engine's policy rejects it.
+        `restartable`: the caller sends nothing on until the end, so the request may be
+        started over elsewhere after an output with finish_reason RESTART."""
         ...
 
     def abort(self, request_id: str) -> None: ...
@@ -99,6 +105,7 @@ class InProcessEngineClient:
         tenant: str | None = None,
         weight: int = 1,
         deadline: float | None = None,
+        restartable: bool = False,  # one engine: nowhere else to restart
     ) -> AsyncIterator[RequestOutput]:
         outputs = self.engine.generate(
             prompt,

@@ -1,8 +1,15 @@
 """The engine as remote backend replicas over the internal HTTP API (backend/server.py).
 
-A request is retried on another replica only while nothing of it has been handed back,
-so no client ever sees a token twice; a replica that dies mid-stream fails that stream
-with EngineUnavailable, which the gateway turns into a clean error event.
+A request is retried on another replica only while nothing of it has reached the
+client, so no client ever sees a token twice: a stream until its first output (which is
+sent at once), a whole response (restartable) until its end: the retry then starts with
+a RESTART output that tells the caller to drop what it collected. A replica that dies
+mid-stream fails that stream with EngineUnavailable, which the gateway turns into a
+clean error event.
+
+A replica's refusal (4xx: the request is invalid) is never retried elsewhere, and a
+request on which replicas failed MAX_REPLICA_FAILURES times (it may be what kills them)
+is not sent to another one: it fails with `replica_failed`.
 """
 
 from __future__ import annotations
@@ -22,7 +29,7 @@ from backend import RequestOutput, SamplingParams
 from backend.errors import DeadlineExceededError, OverloadedError
 from backend.server import SECRET_HEADER
 from backend.tokenizer import Tokenizer
-from gateway.dispatch.engine_client import overloaded
+from gateway.dispatch.engine_client import RESTART, overloaded
 from gateway.dispatch.routing import Replica, affinity_key, pick
 from gateway.errors import DeadlineExceeded, EngineUnavailable, Overloaded
 from gateway.telemetry import tracing
@@ -32,10 +39,20 @@ log = logging.getLogger(__name__)
 
 HEALTH_INTERVAL_S = 1.0
 CONNECT_TIMEOUT_S = 2.0
+MAX_REPLICA_FAILURES = 2  # one retry after a replica died under a request, no more
 
 
 class ReplicaFailed(Exception):
     """The replica broke the stream (connection lost, engine dead, bad reply)."""
+
+
+class ReplicaRefused(Exception):
+    """The replica answered 4xx: the request itself is at fault, so no retry."""
+
+
+def restart_output(request_id: str) -> RequestOutput:
+    """The marker a restartable request's retry begins with: drop what came before."""
+    return RequestOutput(request_id, "", [], False, RESTART, 0, 0)
 
 
 class RemoteEngineClient:
@@ -104,6 +121,7 @@ class RemoteEngineClient:
         tenant: str | None = None,
         weight: int = 1,
         deadline: float | None = None,
+        restartable: bool = False,
     ) -> AsyncIterator[RequestOutput]:
         timeout_s = None if deadline is None else deadline - time.monotonic()
         body = msgspec.json.encode(
@@ -120,6 +138,8 @@ class RemoteEngineClient:
         key = affinity_key(tenant, prompt)
         tried: set[str] = set()
         shed: Overloaded | None = None  # every replica tried so far was overloaded
+        failures = 0
+        handed_back = False  # outputs of an earlier attempt reached the caller
         while True:
             replica = pick(self.replicas, key, exclude=tried)
             if replica is None:
@@ -135,19 +155,35 @@ class RemoteEngineClient:
             self._placements[request_id] = replica
             try:
                 async for out in self._stream(replica, body):
+                    if handed_back and not started:
+                        yield restart_output(request_id)
                     started = True
                     yield out
                 return
             except Overloaded as exc:  # nothing was handed back: another replica may have room
+                if started:
+                    raise
                 shed = exc
+            except ReplicaRefused as exc:
+                raise EngineUnavailable(
+                    f"the backend replica refused this request: {exc}", code="replica_refused"
+                ) from exc
             except ReplicaFailed as exc:
                 replica.healthy = False  # the health check brings it back when it answers
+                failures += 1
                 log.warning("replica %s failed request %s: %s", replica.url, request_id, exc)
-                if started:
+                if failures >= MAX_REPLICA_FAILURES:
+                    raise EngineUnavailable(
+                        f"the request failed on {failures} backend replicas; it is not "
+                        "retried further (it may be what made them fail)",
+                        code="replica_failed",
+                    ) from exc
+                if started and not restartable:
                     raise EngineUnavailable(
                         "the backend replica serving this request failed",
                         code="replica_failed",
                     ) from exc
+                handed_back = handed_back or started
             finally:
                 replica.in_flight -= 1
                 self._placements.pop(request_id, None)
@@ -160,8 +196,10 @@ class RemoteEngineClient:
                 content=body,
                 headers=tracing.trace_headers(),  # the backend's spans join this trace
             ) as response:
-                if response.status_code == 400:
+                if response.status_code in (400, 413, 422):
                     raise ValueError((await response.aread()).decode(errors="replace"))
+                if 400 <= response.status_code < 500:
+                    raise ReplicaRefused(f"HTTP {response.status_code}")
                 if response.status_code != 200:
                     raise ReplicaFailed(f"HTTP {response.status_code}")
                 async for line in response.aiter_lines():

@@ -168,6 +168,15 @@ class RequestScope:
                 principal.tenant_id, principal.plan.limits.monthly_budget_micros
             )
 
+    def assign_id(self, request_id: str) -> None:
+        """The id of a request that did not get one from describe() (not a generation),
+        given when it is answered: its span and its log line carry it too."""
+        if self.telemetry is None or self.request_id:
+            return
+        self.request_id = request_id
+        request_id_var.set(request_id)
+        self.root.set_attribute(tracing.REQUEST_ID, request_id)
+
     def describe(self, job: Job, stream: bool) -> None:
         """Name the root span after the operation, with the GenAI request attributes."""
         self.request_id = job.charge.request_id

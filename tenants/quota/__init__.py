@@ -24,21 +24,27 @@ from tenants.quota.contract import (
     Scope,
     ScopeUsage,
     SettleResult,
+    SpendUnknownError,
+    StoreUnavailableError,
     WindowStatus,
     month_period,
+    wall_us,
 )
 from tenants.quota.memory import MemoryQuotaStore
 from tenants.quota.redis import RedisQuotaStore
 
 
-def open_quota_store(redis_url: str | None, *, prefix: str | None = None) -> QuotaStore:
+def open_quota_store(
+    redis_url: str | None, *, prefix: str | None = None, guarded: bool = False
+) -> QuotaStore:
     """RedisQuotaStore on `redis_url` (its own pool, closed by aclose()), or a
-    MemoryQuotaStore when no URL is configured."""
+    MemoryQuotaStore when no URL is configured. guarded: reserve() refuses a period
+    whose spend has not been rebuilt from the ledger (the gateway's setting)."""
     if not redis_url:
-        return MemoryQuotaStore()
+        return MemoryQuotaStore(guarded=guarded)
     if prefix is None:
-        return RedisQuotaStore.from_url(redis_url)
-    return RedisQuotaStore.from_url(redis_url, prefix=prefix)
+        return RedisQuotaStore.from_url(redis_url, guarded=guarded)
+    return RedisQuotaStore.from_url(redis_url, prefix=prefix, guarded=guarded)
 
 
 __all__ = [
@@ -60,7 +66,10 @@ __all__ = [
     "Scope",
     "ScopeUsage",
     "SettleResult",
+    "SpendUnknownError",
+    "StoreUnavailableError",
     "WindowStatus",
     "month_period",
     "open_quota_store",
+    "wall_us",
 ]

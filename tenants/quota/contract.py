@@ -23,13 +23,22 @@ Semantics, shared by both implementations:
   window by the actual tokens, and charges the actual cost exactly once per reservation
   id (a "done" marker kept for `settled_ttl_s`). charge() uses the same marker, so the
   reconciler and a late settle never both charge one ledger row.
+- Spent is rebuilt from the ledger, never trusted blind. rebase() sets a scope's spent
+  of a period to the ledger's sum of rows older than a cutoff plus the charges the store
+  took for rows at or after it (settle and charge pass the row's time `at_us`; a charge
+  older than the cutoff only sets its marker, since the base has it). A guarded store
+  refuses reserve() with SpendUnknownError until a rebuild of that period finished
+  (begin_rebuild .. finish_rebuild) since the store last came up empty.
+- restore() re-creates the leases of reservations a live gateway still runs after the
+  store lost them (a restart) or let them expire (an outage longer than a lease).
 - Money (micro-units) and tokens are integers everywhere; both stay below 2**53 so the
   Redis scripts (Lua numbers are doubles) compute them exactly.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import time
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from enum import StrEnum
@@ -61,6 +70,20 @@ class DenyReason(StrEnum):
 
 class QuotaError(Exception):
     """Base for errors the quota store raises on purpose."""
+
+
+class SpendUnknownError(QuotaError):
+    """The store does not know this period's spend yet (it came up empty and no rebuild
+    from the ledger has finished): admitting now would be admitting blind."""
+
+    def __init__(self, period: str, retry_after_s: float) -> None:
+        super().__init__(f"spend of period {period} is being rebuilt from the ledger")
+        self.period = period
+        self.retry_after_s = retry_after_s
+
+
+class StoreUnavailableError(QuotaError):
+    """The store cannot be reached (connection refused, reset or timed out)."""
 
 
 class ReservationIdError(QuotaError, ValueError):
@@ -116,6 +139,7 @@ class Reservation:
     reservation_id: str
     scope_keys: tuple[str, ...]
     period: str
+    cost_micros: int = 0  # the worst case reserved, for restore()
 
 
 @dataclass(frozen=True, slots=True)
@@ -144,7 +168,8 @@ class ReserveRequest:
 
     @property
     def reservation(self) -> Reservation:
-        return Reservation(self.reservation_id, tuple(s.key for s in self.scopes), self.period)
+        keys = tuple(s.key for s in self.scopes)
+        return Reservation(self.reservation_id, keys, self.period, self.cost_micros)
 
 
 def check_lease(lease_s: float) -> int:
@@ -159,6 +184,19 @@ def check_window(window_s: float) -> int:
     if not 0.001 <= window_s <= 24 * 3600:
         raise ValueError(f"window_s must be between 0.001 s and one day, got {window_s}")
     return int(window_s * 1_000_000)
+
+
+def wall_us() -> int:
+    """Now on the wall clock, in microseconds: the ledger's clock (rows' created_at)."""
+    return time.time_ns() // 1000
+
+
+def check_rebase(period: str, cutoff_us: int, bases: Mapping[str, int]) -> None:
+    _check_name("period", period)
+    _check_int("cutoff_us", cutoff_us)
+    for key, base in bases.items():
+        _check_name("scope key", key)
+        _check_int("base", base)
 
 
 def check_settle(actual_tokens: int, actual_cost_micros: int) -> None:
@@ -259,18 +297,54 @@ class QuotaStore(Protocol):
         Returns the ids renewed; an expired lease stays expired."""
         ...
 
+    async def restore(self, reservations: Sequence[Reservation], lease_s: float) -> int:
+        """Re-create, without checking limits, the lease (and reserved cost) of each
+        reservation not settled yet whose lease the store no longer holds in a scope.
+        Returns how many reservations got a lease back."""
+        ...
+
     async def settle(
-        self, reservation: Reservation, actual_tokens: int, actual_cost_micros: int
+        self,
+        reservation: Reservation,
+        actual_tokens: int,
+        actual_cost_micros: int,
+        at_us: int | None = None,
     ) -> SettleResult:
-        """Release the reservation and charge its actual cost once (idempotent)."""
+        """Release the reservation and charge its actual cost once (idempotent). at_us:
+        the ledger row's time (default now); older than the cutoff: marked, not added."""
         ...
 
     async def charge(
-        self, charge_id: str, scope_keys: Sequence[str], period: str, cost_micros: int
+        self,
+        charge_id: str,
+        scope_keys: Sequence[str],
+        period: str,
+        cost_micros: int,
+        at_us: int | None = None,
     ) -> bool:
         """Add cost_micros to spent in every scope, once per charge_id (the same marker
         as settle: a reservation id settled already is not charged again). True if this
-        call charged."""
+        call charged (or marked a row older than the cutoff)."""
+        ...
+
+    async def begin_rebuild(self, period: str) -> str:
+        """Start a rebuild of `period`; returns its token for finish_rebuild."""
+        ...
+
+    async def rebase(self, period: str, cutoff_us: int, bases: Mapping[str, int]) -> None:
+        """For each scope: spent = its base (the ledger's rows older than cutoff_us) plus
+        the charges taken for rows at or after it. A cutoff older than the scope's last
+        one is ignored (a slower, concurrent rebuild)."""
+        ...
+
+    async def finish_rebuild(self, period: str, token: str, hold_s: float) -> bool:
+        """Mark `period` known, unless the store lost the rebuild (came up empty since
+        begin_rebuild): then False and nothing changes. A period that was not known is
+        admitted only hold_s later, so every live gateway restore()s its leases first."""
+        ...
+
+    async def is_ready(self, period: str) -> bool:
+        """Whether a rebuild of `period` finished since the store last came up empty."""
         ...
 
     async def charged(self, charge_ids: Sequence[str]) -> set[str]:

@@ -8,7 +8,8 @@ makes it safe from several threads or loops. Per-scope state mirrors the Redis l
   leave from the left as they age past WINDOW_S.
 - leases: id -> expiry, with a heap of (expiry, id) whose stale entries (renewed or
   settled leases) are skipped when they surface; held: id -> (cost, period).
-- spent and reserved per period.
+- spent and reserved per period; per period too, the last rebase's cutoff and the
+  charges taken since (id -> (row time, cost)), whose sum is `recent`.
 
 The clock is injectable (a callable returning seconds) so tests move time without
 sleeping; it is clamped to never run backwards.
@@ -19,8 +20,9 @@ from __future__ import annotations
 import heapq
 import threading
 import time
+import uuid
 from collections import deque
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 from tenants.quota.contract import (
@@ -35,12 +37,15 @@ from tenants.quota.contract import (
     ReserveRequest,
     ScopeUsage,
     SettleResult,
+    SpendUnknownError,
     WindowStatus,
     check_charge,
     check_lease,
+    check_rebase,
     check_settle,
     check_window,
     retry_after,
+    wall_us,
     window_status,
 )
 
@@ -55,6 +60,33 @@ class _ScopeState:
     window: deque[tuple[int, str]] = field(default_factory=deque)
     window_tokens: dict[str, int] = field(default_factory=dict)
     tokens_total: int = 0
+    cut: dict[str, int] = field(default_factory=dict)
+    recent: dict[str, int] = field(default_factory=dict)
+    charges: dict[str, dict[str, tuple[int, int]]] = field(default_factory=dict)
+
+    def credit(self, period: str, charge_id: str, at_us: int, cost: int) -> None:
+        """Charge a ledger row, unless the last rebase's base already holds it."""
+        if at_us < self.cut.get(period, -1) or cost == 0:
+            return
+        self.spent[period] = self.spent.get(period, 0) + cost
+        self.recent[period] = self.recent.get(period, 0) + cost
+        self.charges.setdefault(period, {})[charge_id] = (at_us, cost)
+
+    def rebase(self, period: str, cutoff_us: int, base: int) -> None:
+        if cutoff_us < self.cut.get(period, -1):
+            return  # a slower rebuild than the last one
+        charges = self.charges.get(period, {})
+        for charge_id in [c for c, (at, _) in charges.items() if at < cutoff_us]:
+            self.recent[period] -= charges.pop(charge_id)[1]
+        self.cut[period] = cutoff_us
+        self.spent[period] = base + self.recent.get(period, 0)
+
+    def hold(self, rid: str, expiry: int, cost: int, period: str) -> None:
+        self.leases[rid] = expiry
+        heapq.heappush(self.lease_heap, (expiry, rid))
+        self.held[rid] = (cost, period)
+        if cost:
+            self.reserved[period] = self.reserved.get(period, 0) + cost
 
     def expire(self, now: int) -> int:
         """Release every lease whose expiry is <= now; returns how many."""
@@ -120,8 +152,12 @@ class MemoryQuotaStore:
         clock: Callable[[], float] = time.monotonic,
         settled_ttl_s: float = DEFAULT_SETTLED_TTL_S,
         window_s: float = WINDOW_S,
+        guarded: bool = False,
     ) -> None:
         self._clock = clock
+        self._guarded = guarded  # refuse reserve() until the period's spend is rebuilt
+        self._ready: set[str] = set()
+        self._rebuilds: set[str] = set()
         self._window_us = check_window(window_s)
         self._settled_ttl_us = int(settled_ttl_s * 1_000_000)
         self._lock = threading.Lock()
@@ -180,6 +216,8 @@ class MemoryQuotaStore:
     def _reserve(self, request: ReserveRequest) -> Granted | Denied:
         rid = request.reservation_id
         now = self._now()
+        if self._guarded and request.period not in self._ready:
+            raise SpendUnknownError(request.period, 1.0)
         if self._is_done(rid, now):
             raise ReservationIdError(f"reservation {rid!r} was already settled")
         states = [self._scope(scope.key, now) for scope in request.scopes]
@@ -225,11 +263,7 @@ class MemoryQuotaStore:
             state.window.append((now, rid))
             state.window_tokens[rid] = tokens
             state.tokens_total += tokens
-            state.leases[rid] = expiry
-            heapq.heappush(state.lease_heap, (expiry, rid))
-            state.held[rid] = (cost, period)
-            if cost:
-                state.reserved[period] = state.reserved.get(period, 0) + cost
+            state.hold(rid, expiry, cost, period)
             self._with_leases.add(scope.key)
         return Granted(request.reservation, *self._statuses(first_limits, first, now))
 
@@ -252,10 +286,36 @@ class MemoryQuotaStore:
                         renewed.add(rid)
             return renewed
 
+    async def restore(self, reservations: Sequence[Reservation], lease_s: float) -> int:
+        lease_us = check_lease(lease_s)
+        with self._lock:
+            now = self._now()
+            restored = 0
+            for r in reservations:
+                if self._is_done(r.reservation_id, now):
+                    continue
+                missing = [
+                    key
+                    for key in r.scope_keys
+                    if r.reservation_id not in self._scope(key, now).leases
+                ]
+                for key in missing:
+                    self._scopes[key].hold(
+                        r.reservation_id, now + lease_us, r.cost_micros, r.period
+                    )
+                    self._with_leases.add(key)
+                restored += bool(missing)
+            return restored
+
     async def settle(
-        self, reservation: Reservation, actual_tokens: int, actual_cost_micros: int
+        self,
+        reservation: Reservation,
+        actual_tokens: int,
+        actual_cost_micros: int,
+        at_us: int | None = None,
     ) -> SettleResult:
         check_settle(actual_tokens, actual_cost_micros)
+        at = wall_us() if at_us is None else at_us
         with self._lock:
             rid, period = reservation.reservation_id, reservation.period
             now = self._now()
@@ -274,21 +334,53 @@ class MemoryQuotaStore:
                         state.window_tokens[rid] = actual_tokens
                         state.tokens_total += actual_tokens - old
                     if charged:
-                        state.spent[period] = state.spent.get(period, 0) + actual_cost_micros
+                        state.credit(period, rid, at, actual_cost_micros)
             return SettleResult(released, charged)
 
     async def charge(
-        self, charge_id: str, scope_keys: Sequence[str], period: str, cost_micros: int
+        self,
+        charge_id: str,
+        scope_keys: Sequence[str],
+        period: str,
+        cost_micros: int,
+        at_us: int | None = None,
     ) -> bool:
         check_charge(charge_id, scope_keys, period, cost_micros)
+        at = wall_us() if at_us is None else at_us
         with self._lock:
             now = self._now()
             if not self._mark_done(charge_id, now):
                 return False
             for key in scope_keys:
-                state = self._scopes.get(key) or self._scopes.setdefault(key, _ScopeState())
-                state.spent[period] = state.spent.get(period, 0) + cost_micros
+                self._scopes.setdefault(key, _ScopeState()).credit(
+                    period, charge_id, at, cost_micros
+                )
             return True
+
+    async def begin_rebuild(self, period: str) -> str:
+        token = uuid.uuid4().hex
+        with self._lock:
+            self._rebuilds.add(token)
+        return token
+
+    async def rebase(self, period: str, cutoff_us: int, bases: Mapping[str, int]) -> None:
+        check_rebase(period, cutoff_us, bases)
+        with self._lock:
+            for key, base in bases.items():
+                self._scopes.setdefault(key, _ScopeState()).rebase(period, cutoff_us, base)
+
+    async def finish_rebuild(self, period: str, token: str, hold_s: float) -> bool:
+        """hold_s is moot here: the only gateway is this process, which restores nothing."""
+        with self._lock:
+            if token not in self._rebuilds:
+                return False
+            self._rebuilds.discard(token)
+            self._ready.add(period)
+            return True
+
+    async def is_ready(self, period: str) -> bool:
+        with self._lock:
+            return period in self._ready
 
     async def charged(self, charge_ids: Sequence[str]) -> set[str]:
         with self._lock:

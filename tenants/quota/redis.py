@@ -11,14 +11,22 @@ all keys live in one slot.
 Key layout, with P the prefix (default "tollgate:quota:") and S a scope key:
 
     P s:S:st     HASH  spent:<period> -> micros charged; reserved:<period> -> micros held
-                       by live leases; wtokens -> tokens in the window (running total)
+                       by live leases; wtokens -> tokens in the window (running total);
+                       cut:<period> -> the last rebase's cutoff (us, ledger clock);
+                       recent:<period> -> micros of the charges at or after it
     P s:S:lease  ZSET  reservation id -> lease expiry (us, Redis TIME)
     P s:S:held   HASH  reservation id -> "<cost_micros> <period>" for each live lease
     P s:S:win    ZSET  reservation id -> admission time (us): the requests in the window
     P s:S:wtok   HASH  reservation id -> tokens of that admission (worst case, then actual)
     P active     ZSET  scope key -> earliest lease expiry in that scope (a lower bound;
                        the sweep visits scopes whose score has passed)
+    P s:S:chg:<period>   ZSET  charge id -> its ledger row's time (us): charges taken
+                       since the cutoff, so a rebase can tell which the ledger base holds
+    P s:S:chgc:<period>  HASH  charge id -> its cost (micros)
     P done:<id>  STRING "1" with a TTL: this reservation or charge id was charged
+    P ready:<period>     STRING "<not before (us, Redis TIME)> <token>": a rebuild of
+                       the period finished since the store came up empty (never expires)
+    P rebuild:<token>    STRING a rebuild in progress (lost if Redis restarts meanwhile)
 
 Window and lease entries leave as they age or are released (Redis drops empty keys);
 st keeps one spent field per period and is never expired, since it is the budget.
@@ -28,10 +36,14 @@ script sends back to Redis goes through string.format('%d') to stay out of expon
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from typing import Any
+import uuid
+from collections.abc import Awaitable, Callable, Mapping, Sequence
+from typing import Any, TypeVar
 
+from redis import exceptions
 from redis.asyncio import Redis
+from redis.asyncio.retry import Retry
+from redis.backoff import ExponentialBackoff
 
 from tenants.quota.contract import (
     DEFAULT_SETTLED_TTL_S,
@@ -44,15 +56,37 @@ from tenants.quota.contract import (
     ReserveRequest,
     ScopeUsage,
     SettleResult,
+    SpendUnknownError,
+    StoreUnavailableError,
     check_charge,
     check_lease,
+    check_rebase,
     check_settle,
     check_window,
     retry_after,
+    wall_us,
     window_status,
 )
 
 DEFAULT_PREFIX = "tollgate:quota:"
+HEALTH_CHECK_INTERVAL_S = 5
+"""A pooled connection idle this long is PINGed before use, so the first command after
+a Redis restart does not fail on a dead socket."""
+T = TypeVar("T")
+
+
+def connect(url: str) -> Redis:
+    """A client that checks idle connections and retries a command on a new connection
+    when one was lost (every quota operation is idempotent, so a retry is safe)."""
+    return Redis.from_url(
+        url,
+        health_check_interval=HEALTH_CHECK_INTERVAL_S,
+        retry=Retry(ExponentialBackoff(cap=0.2, base=0.02), retries=2),
+        retry_on_error=[exceptions.ConnectionError, exceptions.TimeoutError],
+        socket_connect_timeout=2.0,
+        socket_timeout=5.0,
+    )
+
 
 # Helpers shared by the scripts (prepended to each). A scope is addressed by its keys:
 # st, lease, held, win, wtok as in the module docstring.
@@ -109,6 +143,17 @@ local function prune_window(st, win, wtok, now)
   end
 end
 
+-- Charge a ledger row's cost to one scope, unless the row is older than the scope's
+-- cutoff (its cost is in the base the last rebase set).
+local function credit(st, chg, chgc, period, id, at, cost)
+  local cut = tonumber(redis.call('HGET', st, 'cut:' .. period) or -1)
+  if at < cut or cost == 0 then return end
+  add(st, 'spent:' .. period, cost)
+  add(st, 'recent:' .. period, cost)
+  redis.call('ZADD', chg, int(at), id)
+  redis.call('HSET', chgc, id, int(cost))
+end
+
 -- Set the scope's score in `active` to its earliest lease expiry (or remove it).
 local function touch_active(active, lease, name)
   local first = redis.call('ZRANGE', lease, 0, 0, 'WITHSCORES')
@@ -137,10 +182,12 @@ end
 # ARGV[4] period           ARGV[5] lease (us)            ARGV[6] window (us)
 # ARGV[7] n (number of scopes)
 # ARGV[8+5(i-1)..]   scope i: name, rpm, tpm, max_concurrent, budget (-1 = unlimited)
+# KEYS[3+5n]         ready marker of the period   ARGV[8+5n] guard (1: require it)
 # Returns {code, reason, scope index, retry us, now, count, tokens, newest} where code is
 # 1 granted, 2 granted before (live lease: a retry), 0 denied (reason 1 rpm, 2 tpm,
 # 3 concurrency, 4 budget; retry -1 = waiting cannot help), -1 id already settled,
-# -2 id expired but still in the window; the last three are scope 1's window after it.
+# -2 id expired but still in the window, -3 {-3, retry us}: spend not rebuilt yet; the
+# last three are scope 1's window after it.
 RESERVE_LUA = (
     _LUA_HELPERS
     + """
@@ -167,6 +214,12 @@ local period, lease_us, n = ARGV[4], tonumber(ARGV[5]), tonumber(ARGV[7])
 WINDOW = tonumber(ARGV[6])
 local now = now_us()
 
+if ARGV[8 + 5 * n] == '1' then
+  local ready = redis.call('GET', KEYS[3 + 5 * n])
+  if not ready then return {-3, 1000000} end
+  local not_before = tonumber(string.match(ready, '^(%d+)'))
+  if not_before > now then return {-3, not_before - now} end
+end
 if redis.call('EXISTS', done) == 1 then return {-1} end
 for i = 1, n do
   local k = 2 + 5 * (i - 1)
@@ -240,7 +293,8 @@ return {1, 0, 0, -1, now, count1 + 1, total1 + tokens, now}
 # KEYS[3+5(i-1)..]   scope i: st, lease, held, win, wtok
 # ARGV[1] reservation id   ARGV[2] actual tokens   ARGV[3] actual cost micros
 # ARGV[4] period of the reservation   ARGV[5] done marker TTL (s)   ARGV[6] window (us)
-# ARGV[7] n          ARGV[7+i] name of scope i
+# ARGV[7] n          ARGV[7+i] name of scope i   ARGV[8+n] the ledger row's time (us)
+# KEYS[3+5n+2(i-1)..] scope i: chg, chgc of the period
 # Returns {released (0/1), charged (0/1)}.
 SETTLE_LUA = (
     _LUA_HELPERS
@@ -248,6 +302,7 @@ SETTLE_LUA = (
 local active, done = KEYS[1], KEYS[2]
 local rid, actual_tokens, actual_cost = ARGV[1], tonumber(ARGV[2]), tonumber(ARGV[3])
 local period, ttl, n = ARGV[4], ARGV[5], tonumber(ARGV[7])
+local at = tonumber(ARGV[8 + n])
 WINDOW = tonumber(ARGV[6])
 local now = now_us()
 
@@ -278,7 +333,10 @@ if released == 1 or charged == 1 then
       redis.call('HSET', wtok, rid, int(actual_tokens))
       add(st, 'wtokens', actual_tokens - tonumber(old))
     end
-    if charged == 1 then add(st, 'spent:' .. period, actual_cost) end
+    if charged == 1 then
+      local c = 3 + 5 * n + 2 * (i - 1)
+      credit(st, KEYS[c], KEYS[c + 1], period, rid, at, actual_cost)
+    end
   end
 end
 return {released, charged}
@@ -317,15 +375,87 @@ return result
 )
 
 # charge: add a cost to spent in every scope, once per charge id.
-# KEYS[1]    done marker of this charge id
-# KEYS[1+i]  st HASH of scope i
-# ARGV[1] period   ARGV[2] cost micros   ARGV[3] done marker TTL (s)
+# KEYS[1]              done marker of this charge id
+# KEYS[2+3(i-1)..]     scope i: st, chg, chgc of the period
+# ARGV[1] period   ARGV[2] cost micros   ARGV[3] done marker TTL (s)   ARGV[4] row time (us)
+# ARGV[5] charge id
 # Returns 1 if this call charged, 0 if the id was charged already.
 CHARGE_LUA = (
     _LUA_HELPERS
     + """
 if not redis.call('SET', KEYS[1], '1', 'NX', 'EX', ARGV[3]) then return 0 end
-for i = 2, #KEYS do add(KEYS[i], 'spent:' .. ARGV[1], tonumber(ARGV[2])) end
+local cost, at = tonumber(ARGV[2]), tonumber(ARGV[4])
+for k = 2, #KEYS, 3 do credit(KEYS[k], KEYS[k + 1], KEYS[k + 2], ARGV[1], ARGV[5], at, cost) end
+return 1
+"""
+)
+
+# restore: give a reservation that is not settled its lease back where it is missing.
+# KEYS[1] active ZSET   KEYS[2] done marker   KEYS[3+3(i-1)..] scope i: st, lease, held
+# ARGV[1] reservation id   ARGV[2] cost   ARGV[3] period   ARGV[4] lease (us)
+# ARGV[4+i] name of scope i
+# Returns 1 if a lease was re-created in some scope.
+RESTORE_LUA = (
+    _LUA_HELPERS
+    + """
+if redis.call('EXISTS', KEYS[2]) == 1 then return 0 end
+local rid, cost, period = ARGV[1], tonumber(ARGV[2]), ARGV[3]
+local now = now_us()
+local expiry = int(now + tonumber(ARGV[4]))
+local restored = 0
+for i = 1, (#KEYS - 2) / 3 do
+  local st, lease, held = KEYS[3 * i], KEYS[3 * i + 1], KEYS[3 * i + 2]
+  expire_scope(st, lease, held, now)
+  if not redis.call('ZSCORE', lease, rid) then
+    redis.call('ZADD', lease, expiry, rid)
+    redis.call('HSET', held, rid, int(cost) .. ' ' .. period)
+    add(st, 'reserved:' .. period, cost)
+    restored = 1
+  end
+  touch_active(KEYS[1], lease, ARGV[4 + i])
+end
+return restored
+"""
+)
+
+# rebase: spent = the ledger's base before the cutoff + the charges taken at or after it.
+# KEYS[1+3(i-1)..] scope i: st, chg, chgc of the period
+# ARGV[1] period   ARGV[2] cutoff (us, ledger clock)   ARGV[2+i] base of scope i
+REBASE_LUA = (
+    _LUA_HELPERS
+    + """
+local period, cutoff = ARGV[1], tonumber(ARGV[2])
+for i = 1, #KEYS / 3 do
+  local st, chg, chgc = KEYS[3 * i - 2], KEYS[3 * i - 1], KEYS[3 * i]
+  if cutoff >= tonumber(redis.call('HGET', st, 'cut:' .. period) or -1) then
+    while true do
+      local ids = redis.call('ZRANGEBYSCORE', chg, '-inf', '(' .. int(cutoff), 'LIMIT', 0, PAGE)
+      if #ids == 0 then break end
+      local costs = redis.call('HMGET', chgc, unpack(ids))
+      local sum = 0
+      for j = 1, #ids do sum = sum + (tonumber(costs[j]) or 0) end
+      redis.call('HDEL', chgc, unpack(ids))
+      redis.call('ZREM', chg, unpack(ids))
+      add(st, 'recent:' .. period, -sum)
+    end
+    local recent = tonumber(redis.call('HGET', st, 'recent:' .. period) or 0)
+    redis.call('HSET', st, 'spent:' .. period, int(tonumber(ARGV[2 + i]) + recent),
+               'cut:' .. period, int(cutoff))
+  end
+end
+return 1
+"""
+)
+
+# finish: mark the period known, if the rebuild's token survived (no restart meanwhile).
+# KEYS[1] rebuild:<token>   KEYS[2] ready:<period>   ARGV[1] hold (us)   ARGV[2] token
+FINISH_LUA = (
+    _LUA_HELPERS
+    + """
+if redis.call('DEL', KEYS[1]) == 0 then return 0 end
+if redis.call('EXISTS', KEYS[2]) == 0 then
+  redis.call('SET', KEYS[2], int(now_us() + tonumber(ARGV[1])) .. ' ' .. ARGV[2])
+end
 return 1
 """
 )
@@ -375,6 +505,7 @@ return released
 )
 
 _SWEEP_BATCH = 100
+_REBASE_BATCH = 200  # scopes per rebase script: short enough not to stall Redis
 _SWEEP_MAX_ROUNDS = 1000
 
 
@@ -401,6 +532,7 @@ class RedisQuotaStore:
         settled_ttl_s: int = DEFAULT_SETTLED_TTL_S,
         window_s: float = WINDOW_S,
         owns_client: bool = False,
+        guarded: bool = False,
     ) -> None:
         if settled_ttl_s < 1:
             raise ValueError("settled_ttl_s must be at least 1 second")
@@ -409,6 +541,7 @@ class RedisQuotaStore:
         self._prefix = prefix
         self._settled_ttl_s = int(settled_ttl_s)
         self._owns_client = owns_client
+        self._guarded = guarded  # refuse reserve() until the period's spend is rebuilt
         self._active = f"{prefix}active"
         self._reserve = client.register_script(RESERVE_LUA)
         self._settle = client.register_script(SETTLE_LUA)
@@ -417,11 +550,14 @@ class RedisQuotaStore:
         self._usage = client.register_script(USAGE_LUA)
         self._due = client.register_script(DUE_LUA)
         self._expire = client.register_script(EXPIRE_LUA)
+        self._restore = client.register_script(RESTORE_LUA)
+        self._rebase = client.register_script(REBASE_LUA)
+        self._finish = client.register_script(FINISH_LUA)
 
     @classmethod
     def from_url(cls, url: str, **kwargs: Any) -> RedisQuotaStore:
         """A store on its own connection pool (closed by aclose())."""
-        return cls(Redis.from_url(url), owns_client=True, **kwargs)
+        return cls(connect(url), owns_client=True, **kwargs)
 
     @property
     def prefix(self) -> str:
@@ -433,6 +569,23 @@ class RedisQuotaStore:
 
     def _done_key(self, charge_id: str) -> str:
         return f"{self._prefix}done:{charge_id}"
+
+    def _charge_keys(self, scope: str, period: str) -> list[str]:
+        base = f"{self._prefix}s:{scope}:"
+        return [f"{base}chg:{period}", f"{base}chgc:{period}"]
+
+    def _ready_key(self, period: str) -> str:
+        return f"{self._prefix}ready:{period}"
+
+    async def _call(self, command: Callable[[], Awaitable[T]]) -> T:
+        """Run one command; a lost or refused connection is StoreUnavailableError."""
+        try:
+            return await command()
+        except (exceptions.ConnectionError, exceptions.TimeoutError) as exc:
+            raise StoreUnavailableError(f"quota store unreachable: {exc}") from exc
+
+    async def _script(self, script: Any, keys: list[str], args: list[str | int]) -> Any:
+        return await self._call(lambda: script(keys=keys, args=args))
 
     async def reserve(self, request: ReserveRequest) -> Granted | Denied:
         rid = request.reservation_id
@@ -456,8 +609,12 @@ class RedisQuotaStore:
                 _limit(limits.max_concurrent),
                 _limit(limits.budget_micros),
             ]
-        result = await self._reserve(keys=keys, args=args)
+        keys.append(self._ready_key(request.period))
+        args.append(1 if self._guarded else 0)
+        result = await self._script(self._reserve, keys, args)
         code = int(result[0])
+        if code == -3:
+            raise SpendUnknownError(request.period, int(result[1]) / 1e6)
         if code == -1:
             raise ReservationIdError(f"reservation {rid!r} was already settled")
         if code == -2:
@@ -492,20 +649,37 @@ class RedisQuotaStore:
         for scope, ids in by_scope.items():
             keys.append(self._scope_keys(scope)[1])
             args += [scope, len(ids), *ids]
-        result = await self._renew(keys=keys, args=args)
+        result = await self._script(self._renew, keys, args)
         renewed: set[str] = set()
         for scope, ids in zip(by_scope, result, strict=True):
             renewed.update(rid for rid in map(_text, ids) if first_scope[rid] == scope)
         return renewed
 
+    async def restore(self, reservations: Sequence[Reservation], lease_s: float) -> int:
+        lease_us = check_lease(lease_s)
+        restored = 0
+        for r in reservations:  # rare (after a restart or a long outage): one call each
+            keys = [self._active, self._done_key(r.reservation_id)]
+            for scope in r.scope_keys:
+                keys += self._scope_keys(scope)[:3]
+            args: list[str | int] = [r.reservation_id, r.cost_micros, r.period, lease_us]
+            restored += int(await self._script(self._restore, keys, [*args, *r.scope_keys]))
+        return restored
+
     async def settle(
-        self, reservation: Reservation, actual_tokens: int, actual_cost_micros: int
+        self,
+        reservation: Reservation,
+        actual_tokens: int,
+        actual_cost_micros: int,
+        at_us: int | None = None,
     ) -> SettleResult:
         check_settle(actual_tokens, actual_cost_micros)
         rid = reservation.reservation_id
         keys = [self._active, self._done_key(rid)]
         for scope in reservation.scope_keys:
             keys += self._scope_keys(scope)
+        for scope in reservation.scope_keys:
+            keys += self._charge_keys(scope, reservation.period)
         args: list[str | int] = [
             rid,
             actual_tokens,
@@ -515,44 +689,78 @@ class RedisQuotaStore:
             self._window_us,
             len(reservation.scope_keys),
             *reservation.scope_keys,
+            wall_us() if at_us is None else at_us,
         ]
-        released, charged = await self._settle(keys=keys, args=args)
+        released, charged = await self._script(self._settle, keys, args)
         return SettleResult(bool(released), bool(charged))
 
     async def charge(
-        self, charge_id: str, scope_keys: Sequence[str], period: str, cost_micros: int
+        self,
+        charge_id: str,
+        scope_keys: Sequence[str],
+        period: str,
+        cost_micros: int,
+        at_us: int | None = None,
     ) -> bool:
         check_charge(charge_id, scope_keys, period, cost_micros)
-        keys = [self._done_key(charge_id)] + [self._scope_keys(s)[0] for s in scope_keys]
-        result = await self._charge(keys=keys, args=[period, cost_micros, self._settled_ttl_s])
-        return bool(result)
+        keys = [self._done_key(charge_id)]
+        for scope in scope_keys:
+            keys += [self._scope_keys(scope)[0], *self._charge_keys(scope, period)]
+        at = wall_us() if at_us is None else at_us
+        args: list[str | int] = [period, cost_micros, self._settled_ttl_s, at, charge_id]
+        return bool(await self._script(self._charge, keys, args))
 
     async def charged(self, charge_ids: Sequence[str]) -> set[str]:
         if not charge_ids:
             return set()
-        values = await self._client.mget([self._done_key(cid) for cid in charge_ids])
+        done_keys = [self._done_key(cid) for cid in charge_ids]
+        values = await self._call(lambda: self._client.mget(done_keys))
         return {cid for cid, value in zip(charge_ids, values, strict=True) if value is not None}
 
     async def usage(self, scope_key: str, period: str) -> ScopeUsage:
         keys = [self._active, *self._scope_keys(scope_key)]
-        spent, reserved, concurrent, requests, tokens = await self._usage(
-            keys=keys, args=[scope_key, period, self._window_us]
+        spent, reserved, concurrent, requests, tokens = await self._script(
+            self._usage, keys, [scope_key, period, self._window_us]
         )
         return ScopeUsage(int(spent), int(reserved), int(concurrent), int(requests), int(tokens))
+
+    async def begin_rebuild(self, period: str) -> str:
+        token = uuid.uuid4().hex
+        key = f"{self._prefix}rebuild:{token}"
+        await self._call(lambda: self._client.set(key, period, ex=24 * 3600))
+        return token
+
+    async def rebase(self, period: str, cutoff_us: int, bases: Mapping[str, int]) -> None:
+        check_rebase(period, cutoff_us, bases)
+        items = list(bases.items())
+        for start in range(0, len(items), _REBASE_BATCH):
+            keys: list[str] = []
+            args: list[str | int] = [period, cutoff_us]
+            for scope, base in items[start : start + _REBASE_BATCH]:
+                keys += [self._scope_keys(scope)[0], *self._charge_keys(scope, period)]
+                args.append(base)
+            await self._script(self._rebase, keys, args)
+
+    async def finish_rebuild(self, period: str, token: str, hold_s: float) -> bool:
+        keys = [f"{self._prefix}rebuild:{token}", self._ready_key(period)]
+        return bool(await self._script(self._finish, keys, [int(hold_s * 1e6), token]))
+
+    async def is_ready(self, period: str) -> bool:
+        key = self._ready_key(period)
+        return bool(await self._call(lambda: self._client.exists(key)))
 
     async def expire_leases(self) -> int:
         """Sweep: two round trips per batch of due scopes (which scopes, then release)."""
         released = 0
         for _ in range(_SWEEP_MAX_ROUNDS):
-            due = [
-                _text(name) for name in await self._due(keys=[self._active], args=[_SWEEP_BATCH])
-            ]
+            names = await self._script(self._due, [self._active], [_SWEEP_BATCH])
+            due = [_text(name) for name in names]
             if not due:
                 break
             keys = [self._active]
             for scope in due:
                 keys += self._scope_keys(scope)[:3]
-            released += int(await self._expire(keys=keys, args=due))
+            released += int(await self._script(self._expire, keys, list(due)))
             if len(due) < _SWEEP_BATCH:
                 break
         return released

@@ -4,16 +4,19 @@ across replicas, under concurrency, and through a SIGKILL."""
 from __future__ import annotations
 
 import asyncio
+import json
 import os
+import time
 import uuid
 from collections.abc import AsyncIterator, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import httpx
 import pytest
 from sqlalchemy import func, select
 
+from gateway.metering import ORPHAN_SWEEP_S, STALE_AFTER_S
 from tenants import db, keys
 from tenants.limits import LimitSet, PlanTerms
 from tenants.models import UsageEvent
@@ -181,6 +184,9 @@ async def test_idempotency_across_replicas(cluster: Cluster, sessions: Any) -> N
     assert other[0].status_code == 422
 
 
+CHECKPOINT_S = 0.2  # the victim's checkpoint interval in the SIGKILL billing test
+WRITE_SLACK_S = 0.2  # what the last checkpoint write may take on this busy 2-core VM
+
 # Streams that outlast the test's polling even on a fast machine: none may finish (and
 # settle) before the gateway is killed.
 BUSY = 1000
@@ -234,3 +240,75 @@ async def _eventually(read: Any, check: Any, timeout_s: float = 30) -> None:
         if asyncio.get_running_loop().time() > deadline:
             raise AssertionError(f"not reached within {timeout_s} s: {await read()}")
         await asyncio.sleep(0.05)
+
+
+@dataclass
+class Followed:
+    """What a client saw of one stream: its request id and when each text chunk came."""
+
+    request_id: str = ""
+    chunks_at: list[float] = field(default_factory=list)
+
+
+async def _follow(base: str, key: str, cluster: Cluster, seen: Followed) -> None:
+    body = _body(cluster, BUSY) | {"stream": True, "ignore_eos": True}
+    async with (
+        httpx.AsyncClient(timeout=120) as http,
+        http.stream(
+            "POST", f"{base}/v1/completions", json=body, headers={"Authorization": f"Bearer {key}"}
+        ) as response,
+    ):
+        seen.request_id = response.headers["x-request-id"]
+        async for line in response.aiter_lines():
+            if line.startswith("data: {") and json.loads(line[6:])["choices"][0]["text"]:
+                seen.chunks_at.append(time.monotonic())
+
+
+async def test_killed_gateway_bills_what_its_streams_delivered(
+    cluster: Cluster, sessions: Any
+) -> None:
+    tenant_id, key = await _tenant(sessions, LimitSet())
+    port = free_port()
+    # Short checkpoints: the tiny model streams a whole answer in about a second.
+    env = _env_of(cluster) | {"TOLLGATE_CHECKPOINT_MS": str(int(CHECKPOINT_S * 1000))}
+    victim = start(["serve", "--port", str(port)], env)
+    followed = [Followed(), Followed()]
+    with running(victim):
+        victim.wait_for('"model"')
+        base = f"http://127.0.0.1:{port}"
+        tasks = [asyncio.create_task(_follow(base, key, cluster, seen)) for seen in followed]
+
+        async def progress() -> list[float]:  # seconds each stream has been delivering
+            return [s.chunks_at[-1] - s.chunks_at[0] if s.chunks_at else 0.0 for s in followed]
+
+        # Long enough that checkpoints were written while tokens flowed.
+        await _eventually(progress, lambda spans: min(spans) > 3 * CHECKPOINT_S, 60)
+        victim.kill()
+        killed_at = time.monotonic()
+        await asyncio.gather(*tasks, return_exceptions=True)
+    # Another gateway finds the stale checkpoints and bills them.
+    bound_s = STALE_AFTER_S + ORPHAN_SWEEP_S + CHECKPOINT_S + 10
+
+    async def rows() -> dict[str, UsageEvent]:
+        async with sessions() as session:
+            query = select(UsageEvent).where(UsageEvent.tenant_id == tenant_id)
+            return {row.request_id: row for row in (await session.scalars(query)).all()}
+
+    await _eventually(rows, lambda found: len(found) == 2, timeout_s=bound_s)
+    billed = await rows()
+    for seen in followed:
+        row = billed[seen.request_id]
+        received = len(seen.chunks_at)
+        bound = killed_at - CHECKPOINT_S - WRITE_SLACK_S
+        checkpointed = sum(t <= bound for t in seen.chunks_at)
+        print(
+            f"\nstream {seen.request_id}: {received} chunks received, "
+            f"{row.completion_tokens} tokens billed, {checkpointed} chunks "
+            f"{CHECKPOINT_S + WRITE_SLACK_S:g} s before the kill"
+        )
+        assert (row.status, row.error) == ("failed", "gateway_lost")
+        # Everything delivered up to one checkpoint interval (and write) before the kill.
+        assert checkpointed <= row.completion_tokens < BUSY
+        assert row.cost_micros == DEFAULT_PRICE.cost_micros(
+            cluster.prompt_tokens, 0, row.completion_tokens
+        )

@@ -28,6 +28,9 @@ from tenants.quota import (
     Scope,
     ScopeUsage,
     SettleResult,
+    SpendUnknownError,
+    StoreUnavailableError,
+    wall_us,
 )
 from tests.conftest import eventually
 
@@ -297,9 +300,11 @@ async def test_window_ages_out_with_the_actual_tokens(replicas: Replicas) -> Non
         return (seen.requests_in_window, seen.tokens_in_window) == (0, 0)
 
     await eventually(window_empty, timeout_s=5)
-    # The running total left with exactly what entered: no drift, nothing left behind.
+    # The running total left with exactly what entered: no drift, nothing left behind
+    # (recent: the charges since the last rebase, which the next rebase folds in).
     assert await replicas.clients[0].hgetall(f"{replicas.prefix}s:tenant:t:st") == {
-        b"spent:2026-11": b"10"
+        b"spent:2026-11": b"10",
+        b"recent:2026-11": b"10",
     }
     assert isinstance(await store.reserve(request("c", tenant, tokens=100)), Granted)
 
@@ -317,10 +322,13 @@ async def test_nothing_is_left_behind_but_spent_and_done_markers(replicas: Repli
     assert await replicas.keys() == layout | {"active"}
     assert await store.settle(granted.reservation, 5, 700) == SettleResult(True, True)
 
+    # What is left: spent, the done marker, and the charge until a rebase folds it in.
+    charges = {f"s:{s}:{part}:{PERIOD}" for s in ("key:k", "tenant:t") for part in ("chg", "chgc")}
+
     async def only_ledger_left() -> bool:
         await usage_of(store, "key:k")
         await usage_of(store, "tenant:t")
-        return await replicas.keys() == {"s:key:k:st", "s:tenant:t:st", "done:a"}
+        return await replicas.keys() == {"s:key:k:st", "s:tenant:t:st", "done:a"} | charges
 
     await eventually(only_ledger_left, timeout_s=5)
     ttl = await replicas.clients[0].ttl(f"{replicas.prefix}done:a")
@@ -365,3 +373,56 @@ async def test_store_works_with_decoded_responses(replicas: Replicas) -> None:
     assert await store.settle(granted.reservation, 1, 2) == SettleResult(True, True)
     assert await store.charged(["a", "zz"]) == {"a"}
     assert (await store.expire_leases()) == 0
+
+
+async def test_a_wiped_store_refuses_until_rebuilt_and_running_leases_are_restored(
+    replicas: Replicas,
+) -> None:
+    store = replicas.store(guarded=True)
+    tenant = Scope("tenant:t", Limits(budget_micros=1000))
+    assert await store.finish_rebuild(PERIOD, await store.begin_rebuild(PERIOD), 0)
+    running = await store.reserve(request("running", tenant, cost=600))
+    assert isinstance(running, Granted)
+
+    async def wipe() -> None:  # what a restart of a Redis that keeps nothing on disk does
+        keys = [k async for k in replicas.clients[0].scan_iter(match=f"{replicas.prefix}*")]
+        await replicas.clients[0].delete(*keys)
+
+    await wipe()
+    with pytest.raises(SpendUnknownError):
+        await store.reserve(request("blind", tenant, cost=100))
+    # A rebuild that the store loses half-way (another restart) does not count.
+    lost = await store.begin_rebuild(PERIOD)
+    await wipe()
+    assert not await store.finish_rebuild(PERIOD, lost, 0)
+    # The gateway still running `running` gives it its lease back; the ledger's 300 too.
+    assert await store.restore([running.reservation], 30) == 1
+    token = await store.begin_rebuild(PERIOD)
+    await store.rebase(PERIOD, wall_us(), {"tenant:t": 300})
+    assert await store.finish_rebuild(PERIOD, token, hold_s=0.3)
+    with pytest.raises(SpendUnknownError) as held:
+        await store.reserve(request("early", tenant, cost=100))
+    assert 0 < held.value.retry_after_s <= 0.3
+
+    async def admitted() -> bool:
+        try:
+            return isinstance(await store.reserve(request("after", tenant, cost=100)), Granted)
+        except SpendUnknownError:
+            return False
+
+    await eventually(admitted, timeout_s=5)
+    assert await usage_of(store, "tenant:t") == ScopeUsage(300, 700, 2, 1, 10)
+    over = await store.reserve(request("over", tenant, cost=1))
+    assert isinstance(over, Denied)
+    assert over.reason is DenyReason.BUDGET
+
+
+async def test_store_outage_is_a_typed_error(replicas: Replicas) -> None:
+    from tests.e2e.processes import free_port
+
+    store = RedisQuotaStore.from_url(f"redis://127.0.0.1:{free_port()}/0", prefix=replicas.prefix)
+    try:
+        with pytest.raises(StoreUnavailableError):
+            await store.usage("tenant:t", PERIOD)
+    finally:
+        await store.aclose()

@@ -47,6 +47,7 @@ from tenants.quota import (
     Scope,
     ScopeUsage,
     SettleResult,
+    SpendUnknownError,
     WindowStatus,
     month_period,
     open_quota_store,
@@ -797,3 +798,90 @@ async def test_done_markers_expire_after_their_ttl() -> None:
     assert await store.charged(["x"]) == {"x"}
     clock.advance(1)
     assert await store.charged(["x"]) == set()
+
+
+# ---------------------------------------------------------------------------------------
+# Spend rebuilt from the ledger: the guard, rebase around a cutoff, restore.
+
+
+@pytest.fixture(params=["memory", pytest.param("redis", marks=pytest.mark.integration)])
+async def guarded(request: pytest.FixtureRequest) -> AsyncIterator[QuotaStore]:
+    if request.param == "memory":
+        yield MemoryQuotaStore(guarded=True)
+        return
+    client = Redis.from_url(REDIS_URL)
+    prefix = f"tgtest:quota:{uuid.uuid4().hex}:"
+    try:
+        yield RedisQuotaStore(client, prefix=prefix, guarded=True)
+    finally:
+        await delete_prefix(client, prefix)
+        await client.aclose()
+
+
+async def test_guarded_store_admits_nothing_until_the_period_is_rebuilt(
+    guarded: QuotaStore,
+) -> None:
+    tenant = Scope("tenant:t", Limits(budget_micros=1000))
+    with pytest.raises(SpendUnknownError) as refused:
+        await guarded.reserve(reserve_request("a", tenant))
+    assert refused.value.period == "2026-11"
+    assert refused.value.retry_after_s > 0
+    assert not await guarded.is_ready("2026-11")
+    assert not await guarded.finish_rebuild("2026-11", "not-a-token", 0)
+    token = await guarded.begin_rebuild("2026-11")
+    await guarded.rebase("2026-11", 5_000, {"tenant:t": 950})
+    assert await guarded.finish_rebuild("2026-11", token, 0)
+    assert await guarded.is_ready("2026-11")
+    assert not await guarded.is_ready("2026-12")
+    # The rebuilt spend counts: 950 spent leaves room for 50, not for 100.
+    denied = await guarded.reserve(reserve_request("a", tenant))
+    assert isinstance(denied, Denied)
+    assert denied.reason is DenyReason.BUDGET
+    assert isinstance(await guarded.reserve(reserve_request("b", tenant, cost=50)), Granted)
+
+
+async def test_rebase_counts_every_ledger_row_once_around_the_cutoff(store: QuotaStore) -> None:
+    scopes = ["tenant:t", "key:k"]
+
+    async def spent() -> int:
+        return (await store.usage("tenant:t", "2026-11")).spent_micros
+
+    assert await store.charge("r100", scopes, "2026-11", 100, at_us=100)
+    assert await store.charge("r300", scopes, "2026-11", 300, at_us=300)
+    assert await spent() == 400
+    # The ledger before 200 holds r100 and r150 (never charged): 250.
+    await store.rebase("2026-11", 200, {"tenant:t": 250, "key:k": 250})
+    assert await spent() == 250 + 300
+    assert (await store.usage("key:k", "2026-11")).spent_micros == 550
+    # A late charge of a row the base holds marks it but adds nothing; a newer row adds.
+    assert await store.charge("r150", scopes, "2026-11", 150, at_us=150)
+    assert not await store.charge("r150", scopes, "2026-11", 150, at_us=150)
+    assert await store.charged(["r150"]) == {"r150"}
+    assert await spent() == 550
+    granted = await store.reserve(reserve_request("r250", Scope("tenant:t", Limits())))
+    assert isinstance(granted, Granted)
+    assert await store.settle(granted.reservation, 1, 250, at_us=250) == SettleResult(True, True)
+    assert await spent() == 800
+    # A slower rebuild with an older cutoff changes nothing; a newer one takes over.
+    await store.rebase("2026-11", 100, {"tenant:t": 0})
+    assert await spent() == 800
+    await store.rebase("2026-11", 400, {"tenant:t": 800})
+    assert await spent() == 800
+    assert await store.charge("r500", scopes, "2026-11", 5, at_us=500)
+    await store.rebase("2026-11", 400, {"tenant:t": 800})  # idempotent
+    assert await spent() == 805
+
+
+async def test_restore_gives_a_running_request_its_expired_lease_back() -> None:
+    store, clock = memory_store()
+    tenant = Scope("tenant:t", Limits(max_concurrent=1, budget_micros=1000))
+    granted = await store.reserve(reserve_request("a", tenant, cost=600, lease_s=1.0))
+    assert isinstance(granted, Granted)
+    clock.advance(2)
+    assert await store.usage("tenant:t", "2026-11") == ScopeUsage(0, 0, 0, 1, 10)
+    assert await store.restore([granted.reservation], 30) == 1
+    assert await store.restore([granted.reservation], 30) == 0  # nothing missing now
+    assert await store.usage("tenant:t", "2026-11") == ScopeUsage(0, 600, 1, 1, 10)
+    assert await store.settle(granted.reservation, 5, 500) == SettleResult(True, True)
+    assert await store.restore([granted.reservation], 30) == 0  # settled: never again
+    assert await store.usage("tenant:t", "2026-11") == ScopeUsage(500, 0, 0, 1, 5)
