@@ -406,21 +406,22 @@ async def test_a_tenant_linked_to_an_existing_customer_is_billed_as_it(
 ) -> None:
     spent = await add_usage(sessions, tenants=2, rows=20, seed=19, free_share=0)
     linked, created = sorted(spent)
+    existing = fake.add_customer()
     async with sessions.begin() as session:
         tenant = await session.get_one(Tenant, linked)
         service = StripeCustomerService(session, Actor("cli:ops"))
-        await service.link(tenant, "cus_existing")
+        await service.link(tenant, existing)
         with pytest.raises(InvalidInputError):
             await service.link(tenant, "acct_123")
         with pytest.raises(ConflictError):
-            await service.link(await session.get_one(Tenant, created), "cus_existing")
+            await service.link(await session.get_one(Tenant, created), existing)
 
     Relay(engine, meters(fake)).run()
     totals = fake.customer_totals()
-    assert totals.pop("cus_existing") == spent[linked]
+    assert totals.pop(existing) == spent[linked]
     assert list(totals.values()) == [spent[created]]
-    assert len(fake.customers) == 1  # only the unlinked tenant got a new customer
+    assert len(fake.customers) == 2  # only the unlinked tenant got a new customer
     async with sessions() as session:
         [event] = await audit.list_events(session, action="billing.customer.link")
     assert (event.actor, event.tenant_id) == ("cli:ops", linked)
-    assert event.details == {"customer_id": "cus_existing", "previous": None}
+    assert event.details == {"customer_id": existing, "previous": None}
