@@ -201,6 +201,8 @@ class FakeStripe:
                 if fault == "hang":
                     return None  # nothing created
                 answer: Answer = (500, _error("An unknown error occurred", "api_error"))
+                if fault == "400":
+                    answer = (400, _error("Invalid request (injected)"))
                 self._save(key, endpoint, fingerprint, answer)
                 return answer
             answer = self._route(method, path, form)

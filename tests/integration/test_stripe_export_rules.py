@@ -1,0 +1,164 @@
+"""The Stripe export under Stripe's real rules (issue 16), against the strict fake: keys that
+never replay a saved failure, no double count past both 24-hour windows, a stuck row or a
+stuck customer holding up nobody else."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from datetime import timedelta
+
+import pytest
+from sqlalchemy import Engine, select
+from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
+from sqlalchemy.orm import Session
+
+from tenants.audit import Actor
+from tenants.billing.export import sync_engine
+from tenants.billing.models import CustomerRequestStatus, OutboxStatus, StripeCustomerRequest
+from tenants.billing.outbox import OutboxService
+from tenants.billing.relay import Relay
+from tests.integration.stripe_support import (
+    Clock,
+    add_usage,
+    identifier_of,
+    meters,
+    outbox,
+    statuses,
+    stripe_totals,
+)
+from tests.support.fake_stripe import FakeStripe
+
+BACKOFF_PASSED = timedelta(minutes=2)  # past a first-time deferral's backoff
+BOTH_WINDOWS = timedelta(hours=25)  # past the identifier window and the key window
+
+
+@pytest.fixture
+def fake() -> Iterator[FakeStripe]:
+    with FakeStripe(hang_s=1.3).serving() as server:
+        yield server
+
+
+@pytest.fixture
+def engine(database_url: str) -> Iterator[Engine]:
+    engine = sync_engine(database_url)
+    yield engine
+    engine.dispose()
+
+
+async def test_saved_500s_are_not_replayed_and_nothing_counts_twice_past_both_windows(
+    sessions: async_sessionmaker[AsyncSession], engine: Engine, fake: FakeStripe
+) -> None:
+    """A row recorded, then answered 500 on every try of a run: it backs off alone (the
+    rest of its batch goes out), the next run's new keys get "already exists" instead of
+    the saved 500s, and after both windows nothing is sent again."""
+    spent = await add_usage(sessions, tenants=2, rows=12, seed=21, free_share=0)
+    stuck = outbox(engine)[0]
+    fake.program(rows={identifier_of(stuck): ["commit_then_500"] + ["500"] * 4})
+    clock = Clock(fake)
+    relay = Relay(engine, meters(fake, attempts=5), clock=clock)
+
+    first = relay.run()
+    assert (first.deferred, first.exported) == (1, len(outbox(engine)) - 1)
+    rows = {row.id: row for row in outbox(engine)}
+    assert rows.pop(stuck.id).maybe_sent_at is not None
+    assert all(r.status == OutboxStatus.EXPORTED and r.last_error is None for r in rows.values())
+
+    clock.advance(BACKOFF_PASSED)
+    assert relay.run().exported == 1
+    clock.advance(BOTH_WINDOWS)
+    assert relay.run().claimed == 0
+    assert fake.counted[identifier_of(stuck)] == 1 and fake.doubled() == {}
+    assert stripe_totals(engine, fake) == spent
+
+
+@pytest.mark.parametrize("recorded", [True, False])
+async def test_a_row_maybe_in_stripe_is_not_resent_past_the_identifier_window(
+    sessions: async_sessionmaker[AsyncSession], engine: Engine, fake: FakeStripe, recorded: bool
+) -> None:
+    """Stripe answers 500 for a day: past the window no key can make a resend safe, so the
+    row turns `unconfirmed`; the operator checks Stripe and resolves it either way."""
+    spent = await add_usage(sessions, tenants=1, rows=3, seed=22, free_share=0)
+    stuck = outbox(engine)[0]
+    faults = ["commit_then_500"] if recorded else []
+    fake.program(rows={identifier_of(stuck): faults + ["500"] * 40})
+    clock = Clock(fake)
+    relay = Relay(engine, meters(fake, attempts=3), clock=clock)
+    relay.run()
+    clock.advance(BACKOFF_PASSED)
+    assert relay.run().deferred == 1
+
+    clock.advance(timedelta(hours=24))
+    retired = relay.run()
+    assert retired.unconfirmed == 1 and retired.claimed == 0
+    assert statuses(engine)[OutboxStatus.UNCONFIRMED] == 1
+    assert fake.counted[identifier_of(stuck)] == (1 if recorded else 0)  # not sent again
+    fake.program()
+
+    async with sessions.begin() as session:
+        service = OutboxService(session, Actor("cli:ops"))
+        status = await service.status(now=clock())
+        assert status.unconfirmed == 1 and any("unconfirmed" in w for w in status.warnings())
+        assert await service.resolve_unconfirmed(in_stripe=recorded) == 1
+    relay.run()
+    assert stripe_totals(engine, fake) == spent and fake.doubled() == {}
+    assert statuses(engine) == {OutboxStatus.EXPORTED: 3}
+
+
+async def test_a_row_that_only_got_definite_answers_has_no_time_limit(
+    sessions: async_sessionmaker[AsyncSession], engine: Engine, fake: FakeStripe
+) -> None:
+    """429s are not executed: the row was never in Stripe and is sent whenever it is due."""
+    spent = await add_usage(sessions, tenants=1, rows=2, seed=24, free_share=0)
+    stuck = outbox(engine)[0]
+    fake.program(rows={identifier_of(stuck): ["429"] * 3})
+    clock = Clock(fake)
+    relay = Relay(engine, meters(fake, attempts=3), clock=clock)
+    assert relay.run().deferred == 1
+    assert outbox(engine)[0].maybe_sent_at is None
+    clock.advance(BOTH_WINDOWS)
+    assert relay.run().exported == 1
+    assert stripe_totals(engine, fake) == spent
+
+
+async def test_a_failing_customer_creation_holds_up_only_its_tenant(
+    sessions: async_sessionmaker[AsyncSession], engine: Engine, fake: FakeStripe
+) -> None:
+    spent = await add_usage(sessions, tenants=3, rows=30, seed=23, free_share=0)
+    fake.program(customers=["500"] * 5)  # the first tenant's creation, every try
+    clock = Clock(fake)
+    relay = Relay(engine, meters(fake, attempts=5), clock=clock)
+
+    relay.run()
+    with Session(engine) as session:
+        [request] = session.scalars(select(StripeCustomerRequest))
+        blocked = request.tenant_id
+        assert (request.attempts, request.status) == (1, CustomerRequestStatus.PENDING)
+        assert request.key_seq == 5 and "500" in (request.last_error or "")
+    exported = stripe_totals(engine, fake)
+    assert exported == {t: total for t, total in spent.items() if t != blocked}
+    waiting = [r for r in outbox(engine) if r.tenant_id == blocked]
+    assert waiting and all(r.status == OutboxStatus.PENDING and r.attempts == 0 for r in waiting)
+
+    clock.advance(BACKOFF_PASSED)  # the next try starts past the saved 500s' keys
+    relay.run()
+    assert stripe_totals(engine, fake) == spent
+    assert len(fake.customers) == 3
+    with Session(engine) as session:
+        assert session.scalars(select(StripeCustomerRequest)).all() == []
+
+
+async def test_a_refused_customer_waits_for_the_operator_then_requeue(
+    sessions: async_sessionmaker[AsyncSession], engine: Engine, fake: FakeStripe
+) -> None:
+    spent = await add_usage(sessions, tenants=1, rows=5, seed=25, free_share=0)
+    fake.program(customers=["400"])
+    relay = Relay(engine, meters(fake))
+    assert relay.run().claimed == 0
+    assert relay.run().claimed == 0  # refused for good: not retried on its own
+    async with sessions.begin() as session:
+        service = OutboxService(session, Actor("cli:ops"))
+        status = await service.status()
+        assert status.customers_failed == 1 and any("customer" in w for w in status.warnings())
+        await service.requeue_failed()
+    relay.run()  # a new key: the saved 400 is not replayed
+    assert stripe_totals(engine, fake) == spent
