@@ -154,7 +154,9 @@ def _billing_export(settings: Settings, args: argparse.Namespace) -> int:
 
     counts = _in_session(settings, work)
     print(", ".join(f"{name}={value}" for name, value in counts.items()))
-    return 0 if not result.deferred else 1
+    if result.meter_error is not None:
+        print(f"tollgate: nothing exported: {result.meter_error}", file=sys.stderr)
+    return 0 if not (result.deferred or result.meter_error) else 1
 
 
 def _billing_status(settings: Settings, args: argparse.Namespace) -> int:

@@ -11,6 +11,7 @@ from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
 from gateway.settings import Settings
 from gateway.tasks import Periodic
 from tenants.billing.export import export_once
+from tenants.billing.export_lock import ExportBusy
 from tenants.billing.rollups import ROLLUP_EVERY_S, rebuild_recent
 
 log = logging.getLogger(__name__)
@@ -29,7 +30,10 @@ class BillingJobs:
     async def export(self) -> None:
         if self.settings.stripe_api_key is not None:
             # The relay is synchronous (the Stripe SDK and a sync engine): off the loop.
-            await asyncio.to_thread(export_once, self.settings)
+            try:
+                await asyncio.to_thread(export_once, self.settings)
+            except ExportBusy:
+                log.info("stripe export skipped: another run holds the lock")
 
     async def rollup(self) -> None:
         async with self.sessions.begin() as session:

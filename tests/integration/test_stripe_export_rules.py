@@ -4,19 +4,34 @@ stuck customer holding up nobody else."""
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Iterator
+from dataclasses import replace
 from datetime import timedelta
+from pathlib import Path
 
 import pytest
 from sqlalchemy import Engine, select
 from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
 from sqlalchemy.orm import Session
 
+from gateway import cli
+from gateway.billing.jobs import BillingJobs
+from gateway.settings import Settings
+from tenants import db
 from tenants.audit import Actor
-from tenants.billing.export import sync_engine
-from tenants.billing.models import CustomerRequestStatus, OutboxStatus, StripeCustomerRequest
+from tenants.billing.export import relay_for, sync_engine
+from tenants.billing.export_lock import STATE, ExportBusy
+from tenants.billing.models import (
+    CustomerRequestStatus,
+    ExportState,
+    OutboxStatus,
+    StripeCustomerRequest,
+)
 from tenants.billing.outbox import OutboxService
 from tenants.billing.relay import Relay
+from tenants.models import utcnow
+from tests.conftest import eventually
 from tests.integration.stripe_support import (
     Clock,
     add_usage,
@@ -26,7 +41,7 @@ from tests.integration.stripe_support import (
     statuses,
     stripe_totals,
 )
-from tests.support.fake_stripe import FakeStripe
+from tests.support.fake_stripe import API_KEY, FakeStripe
 
 BACKOFF_PASSED = timedelta(minutes=2)  # past a first-time deferral's backoff
 BOTH_WINDOWS = timedelta(hours=25)  # past the identifier window and the key window
@@ -162,3 +177,73 @@ async def test_a_refused_customer_waits_for_the_operator_then_requeue(
         await service.requeue_failed()
     relay.run()  # a new key: the saved 400 is not replayed
     assert stripe_totals(engine, fake) == spent
+
+
+# One relay at a time per database, whoever starts it.
+
+
+async def test_one_relay_at_a_time_per_database(
+    sessions: async_sessionmaker[AsyncSession],
+    engine: Engine,
+    fake: FakeStripe,
+    database_url: str,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """A relay caught mid-batch holds the lock: a second relay, the CLI export and the
+    gateway's periodic export all find it busy and send nothing; afterwards all is sent."""
+    spent = await add_usage(sessions, tenants=2, rows=20, seed=31, free_share=0)
+    fake.hold_after = 3  # the first relay's 4th event waits on the fake
+    first = asyncio.create_task(asyncio.to_thread(Relay(engine, meters(fake, attempts=2)).run))
+    await eventually(lambda: fake.held > 0)
+
+    with pytest.raises(ExportBusy):
+        Relay(engine, meters(fake)).run()
+    settings = stripe_settings(database_url, fake)
+    for name, value in {
+        "TOLLGATE_DATABASE_URL": database_url,
+        "TOLLGATE_STRIPE_API_KEY": API_KEY,
+        "TOLLGATE_STRIPE_BASE_URL": fake.url,
+    }.items():
+        monkeypatch.setenv(name, value)
+    try:
+        assert await asyncio.to_thread(cli.main, ["billing", "export"]) == 2
+        await BillingJobs(settings, sessions).export()  # logs and returns
+    finally:
+        relay_for.cache_clear()
+    assert "another Stripe export is running" in capsys.readouterr().err
+    assert fake.meter_event_requests == 3  # only the first relay's
+
+    fake.release.set()
+    await first
+    Relay(engine, meters(fake)).run()
+    assert stripe_totals(engine, fake) == spent and fake.doubled() == {}
+
+
+def test_a_crashed_holders_lease_lapses_on_sqlite(tmp_path: Path, fake: FakeStripe) -> None:
+    url = f"sqlite:///{tmp_path / 'lease.db'}"
+    db.upgrade(url)
+    engine = sync_engine(url)
+    try:
+        with Session(engine) as session, session.begin():
+            session.add(ExportState(name=STATE, holder="dead:1", lease_until=utcnow()))
+        Relay(engine, meters(fake)).run()  # the lapsed lease is taken over
+        with Session(engine) as session, session.begin():
+            state = session.get_one(ExportState, STATE)
+            assert state.holder is None  # released after the run
+            state.holder, state.lease_until = "alive:2", utcnow() + timedelta(minutes=1)
+        with pytest.raises(ExportBusy):
+            Relay(engine, meters(fake)).run()
+    finally:
+        engine.dispose()
+
+
+def stripe_settings(database_url: str, fake: FakeStripe) -> Settings:
+    base = Settings.from_env({})
+    return replace(
+        base,
+        database_url=database_url,
+        stripe_api_key=API_KEY,
+        stripe_base_url=fake.url,
+        stripe_retry_base_ms=1,
+    )
