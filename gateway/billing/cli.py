@@ -15,7 +15,7 @@ from gateway.settings import Settings
 from tenants.billing.customers import StripeCustomerService
 from tenants.billing.export import export_once
 from tenants.billing.models import PriceVersion
-from tenants.billing.outbox import OutboxService
+from tenants.billing.outbox import OutboxService, TooOld
 from tenants.billing.prices import PriceService, audit_created
 from tenants.billing.reports import Period, Report, build_report, format_micros
 from tenants.errors import InvalidInputError
@@ -42,6 +42,18 @@ def add_commands(commands: Any) -> None:
     billing_commands.add_parser(
         "requeue", help="send the rows Stripe rejected again (after fixing the cause)"
     ).set_defaults(handler=_billing_requeue)
+    resolve = billing_commands.add_parser(
+        "resolve", help="settle the unconfirmed rows once you checked them in Stripe"
+    )
+    found = resolve.add_mutually_exclusive_group(required=True)
+    found.add_argument("--in-stripe", action="store_true", help="they are there: mark exported")
+    found.add_argument(
+        "--not-in-stripe", action="store_true", help="they are not there: send them again"
+    )
+    resolve.set_defaults(handler=_billing_resolve)
+    billing_commands.add_parser(
+        "too-old", help="rows older than Stripe accepts (35 days), per tenant: bill them by hand"
+    ).set_defaults(handler=_billing_too_old)
     customer = billing_commands.add_parser(
         "customer", help="show, or --link, the Stripe customer a tenant is billed as"
     )
@@ -166,11 +178,14 @@ def _billing_status(settings: Settings, args: argparse.Namespace) -> int:
         return (await OutboxService(session).status()).view()
 
     status = _in_session(settings, work)
+    warnings = status.pop("warnings")
     print(
         "\n".join(
             f"{name}\t{value if value is not None else '-'}" for name, value in status.items()
         )
     )
+    for warning in warnings if isinstance(warnings, list) else []:
+        print(f"warning: {warning}", file=sys.stderr)
     if settings.stripe_api_key is None:
         print("Stripe export is off (TOLLGATE_STRIPE_API_KEY unset): rows wait", file=sys.stderr)
     return 0
@@ -185,6 +200,31 @@ def _billing_requeue(settings: Settings, args: argparse.Namespace) -> int:
         return await OutboxService(session, actor).requeue_failed()
 
     print(f"requeued {_in_session(settings, work)} rows")
+    return 0
+
+
+def _billing_resolve(settings: Settings, args: argparse.Namespace) -> int:
+    from gateway.cli import _actor, _in_session
+
+    actor = _actor()
+
+    async def work(session: AsyncSession) -> int:
+        return await OutboxService(session, actor).resolve_unconfirmed(in_stripe=args.in_stripe)
+
+    done = "marked exported" if args.in_stripe else "queued to send again"
+    print(f"{_in_session(settings, work)} unconfirmed rows {done}")
+    return 0
+
+
+def _billing_too_old(settings: Settings, args: argparse.Namespace) -> int:
+    from gateway.cli import _in_session
+
+    async def work(session: AsyncSession) -> list[TooOld]:
+        return await OutboxService(session).too_old()
+
+    rows = _in_session(settings, work)
+    lines = [f"{t.tenant}\t{t.rows}\t{format_micros(t.micros)}" for t in rows]
+    print("\n".join(["TENANT\tROWS\tAMOUNT (USD)", *lines]))
     return 0
 
 

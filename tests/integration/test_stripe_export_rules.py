@@ -30,9 +30,13 @@ from tenants.billing.models import (
 )
 from tenants.billing.outbox import OutboxService
 from tenants.billing.relay import Relay
+from tenants.billing.reports import Period, build_report
 from tenants.models import utcnow
+from tenants.services import TenantService
 from tests.conftest import eventually
+from tests.integration.billing_support import ledger_rows, owner
 from tests.integration.stripe_support import (
+    EVENT,
     Clock,
     add_usage,
     identifier_of,
@@ -247,3 +251,93 @@ def stripe_settings(database_url: str, fake: FakeStripe) -> Settings:
         stripe_base_url=fake.url,
         stripe_retry_base_ms=1,
     )
+
+
+# The meter: its status and every page of the list.
+
+
+async def test_an_inactive_meter_stops_the_export_with_a_clear_warning(
+    sessions: async_sessionmaker[AsyncSession],
+    engine: Engine,
+    fake: FakeStripe,
+    database_url: str,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    spent = await add_usage(sessions, tenants=1, rows=6, seed=41, free_share=0)
+    meter = fake.add_meter(EVENT, status="inactive")
+    result = Relay(engine, meters(fake)).run()
+    assert result.meter_error is not None and "inactive" in result.meter_error
+    assert result.claimed == 0 and len(fake.meters) == 1  # not parked, no second meter
+    assert all((r.status, r.attempts) == (OutboxStatus.PENDING, 0) for r in outbox(engine))
+
+    monkeypatch.setenv("TOLLGATE_DATABASE_URL", database_url)
+    assert await asyncio.to_thread(cli.main, ["billing", "status"]) == 0
+    assert "warning: Stripe meter inactive" in capsys.readouterr().err
+
+    meter["status"] = "active"  # reactivated in Stripe
+    assert Relay(engine, meters(fake)).run().exported == len(outbox(engine))
+    assert stripe_totals(engine, fake) == spent
+    async with sessions() as session:
+        assert (await OutboxService(session).status()).warnings() == []
+
+
+async def test_the_meter_is_found_past_the_first_page(
+    sessions: async_sessionmaker[AsyncSession], engine: Engine, fake: FakeStripe
+) -> None:
+    spent = await add_usage(sessions, tenants=1, rows=4, seed=42, free_share=0)
+    for index in range(150):
+        fake.add_meter(f"other_{index}")
+    fake.add_meter(EVENT)
+    Relay(engine, meters(fake)).run()  # a duplicate create would be refused: 400
+    assert len(fake.meters) == 151 and stripe_totals(engine, fake) == spent
+
+
+async def test_a_meter_that_cannot_be_created_is_reported_missing(
+    sessions: async_sessionmaker[AsyncSession], engine: Engine, fake: FakeStripe
+) -> None:
+    await add_usage(sessions, tenants=1, rows=2, seed=43, free_share=0)
+    sink = meters(fake)
+    sink.event_name = "x" * 101  # Stripe refuses such an event name
+    result = Relay(engine, sink).run()
+    assert result.meter_error is not None and "creating it failed" in result.meter_error
+    async with sessions() as session:
+        status = await OutboxService(session).status()
+    assert status.meter_status == "missing" and fake.meters == {}
+
+
+# Stripe's 35 days: a warning with 7 days left, then too_old_for_stripe.
+
+
+async def test_rows_near_the_35_day_limit_warn_and_rows_past_it_are_too_old(
+    sessions: async_sessionmaker[AsyncSession],
+    engine: Engine,
+    fake: FakeStripe,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    who = await owner(sessions, "aged")
+    now = utcnow()
+    near, old = now - timedelta(days=30), now - timedelta(days=36)
+    rows = await ledger_rows(sessions, who, [near, near, old, now, old], seed=44)
+    cost = {m: sum(r.cost_micros for r in rows if r.created_at == m) for m in (near, old)}
+    billable_old = [r for r in rows if r.created_at == old and r.cost_micros]
+
+    async with sessions() as session:
+        before = await OutboxService(session).status()
+    assert before.near_limit == sum(1 for r in rows if r.created_at != now and r.cost_micros)
+    assert any("less than 7 days left" in w for w in before.warnings())
+
+    result = Relay(engine, meters(fake)).run()
+    assert result.too_old == len(billable_old) and "bill them by hand" in caplog.text
+    assert "less than 7 days left" in caplog.text
+    assert sum(fake.customer_totals().values()) == sum(r.cost_micros for r in rows) - cost[old]
+    async with sessions() as session:
+        after = await OutboxService(session).status()
+        [too_old] = await OutboxService(session).too_old()
+        report = await build_report(
+            session, await TenantService(session).get("aged"), Period.current(old)
+        )
+    assert after.too_old == len(billable_old) and after.near_limit == 0
+    assert (too_old.tenant, too_old.rows, too_old.micros) == ("aged", len(billable_old), cost[old])
+    assert any("too_old_for_stripe" in w for w in after.warnings())
+    assert report.totals.cost_micros >= cost[old]  # still in the ledger and the invoice preview
