@@ -18,6 +18,7 @@ from tenants.billing.models import PriceVersion
 from tenants.billing.outbox import OutboxService, TooOld
 from tenants.billing.prices import PriceService, audit_created
 from tenants.billing.reports import Period, Report, build_report, format_micros
+from tenants.billing.stripe_meters import event_identifier
 from tenants.errors import InvalidInputError
 from tenants.models import as_utc
 from tenants.pricing import TOKENS_PER_UNIT, Price
@@ -42,6 +43,9 @@ def add_commands(commands: Any) -> None:
     billing_commands.add_parser(
         "requeue", help="send the rows Stripe rejected again (after fixing the cause)"
     ).set_defaults(handler=_billing_requeue)
+    billing_commands.add_parser(
+        "unconfirmed", help="rows maybe in Stripe past its dedup window: check these in Stripe"
+    ).set_defaults(handler=_billing_unconfirmed)
     resolve = billing_commands.add_parser(
         "resolve", help="settle the unconfirmed rows once you checked them in Stripe"
     )
@@ -49,6 +53,9 @@ def add_commands(commands: Any) -> None:
     found.add_argument("--in-stripe", action="store_true", help="they are there: mark exported")
     found.add_argument(
         "--not-in-stripe", action="store_true", help="they are not there: send them again"
+    )
+    resolve.add_argument(
+        "--row", type=int, action="append", help="only this outbox row id (repeatable)"
     )
     resolve.set_defaults(handler=_billing_resolve)
     billing_commands.add_parser(
@@ -203,13 +210,39 @@ def _billing_requeue(settings: Settings, args: argparse.Namespace) -> int:
     return 0
 
 
+def _billing_unconfirmed(settings: Settings, args: argparse.Namespace) -> int:
+    from gateway.cli import _in_session
+
+    async def work(session: AsyncSession) -> list[str]:
+        return [
+            "\t".join(
+                [
+                    str(row.id),
+                    row.tenant_id,
+                    event_identifier(row.usage_event_id),
+                    format_micros(row.value),
+                    as_utc(row.maybe_sent_at).isoformat() if row.maybe_sent_at else "-",
+                ]
+            )
+            for row in await OutboxService(session).unconfirmed()
+        ]
+
+    print(
+        "\n".join(
+            ["ROW\tTENANT ID\tIDENTIFIER\tAMOUNT (USD)\tFIRST SENT", *_in_session(settings, work)]
+        )
+    )
+    return 0
+
+
 def _billing_resolve(settings: Settings, args: argparse.Namespace) -> int:
     from gateway.cli import _actor, _in_session
 
     actor = _actor()
 
     async def work(session: AsyncSession) -> int:
-        return await OutboxService(session, actor).resolve_unconfirmed(in_stripe=args.in_stripe)
+        service = OutboxService(session, actor)
+        return await service.resolve_unconfirmed(in_stripe=args.in_stripe, rows=args.row)
 
     done = "marked exported" if args.in_stripe else "queued to send again"
     print(f"{_in_session(settings, work)} unconfirmed rows {done}")

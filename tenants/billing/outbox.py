@@ -145,29 +145,37 @@ class OutboxService:
         )
         return count
 
-    async def resolve_unconfirmed(self, in_stripe: bool) -> int:
-        """An operator checked Stripe for the `unconfirmed` rows: they are there (marked
-        exported) or not (sent again, as never sent). Audited."""
+    async def resolve_unconfirmed(self, in_stripe: bool, rows: list[int] | None = None) -> int:
+        """An operator checked Stripe for the `unconfirmed` rows (all, or the outbox `rows`
+        given): they are there (marked exported) or not (sent again, as never sent). Audited."""
         values: dict[str, object]
         if in_stripe:
             values = {"status": OutboxStatus.EXPORTED, "exported_at": utcnow()}
         else:
             values = {"status": OutboxStatus.PENDING, "maybe_sent_at": None, "attempts": 0}
-        result = await self.session.execute(
-            update(OutboxRow)
-            .where(OutboxRow.status == OutboxStatus.UNCONFIRMED)
-            .values(next_attempt_at=None, **values)
-        )
+        query = update(OutboxRow).where(OutboxRow.status == OutboxStatus.UNCONFIRMED)
+        if rows is not None:
+            query = query.where(OutboxRow.id.in_(rows))
+        result = await self.session.execute(query.values(next_attempt_at=None, **values))
         count = int(result.rowcount or 0)  # type: ignore[attr-defined]
         await audit.record(
             self.session,
             actor=self.actor.name,
             action="billing.export.resolve",
             target="stripe",
-            details={"rows": count, "in_stripe": in_stripe},
+            details={"rows": count, "in_stripe": in_stripe, "only": rows},
             context=self.actor.context,
         )
         return count
+
+    async def unconfirmed(self) -> list[OutboxRow]:
+        """The rows to check in Stripe (by identifier, tg-usage-<usage id>)."""
+        rows = await self.session.scalars(
+            select(OutboxRow)
+            .where(OutboxRow.status == OutboxStatus.UNCONFIRMED)
+            .order_by(OutboxRow.id)
+        )
+        return list(rows)
 
     async def too_old(self) -> list[TooOld]:
         """Rows Stripe can no longer take, per tenant: what to bill by hand."""

@@ -1,18 +1,12 @@
 """Stripe export: the relay against the fake Stripe through the real `stripe` SDK, fault by
-fault, and a real Celery worker killed with SIGKILL mid-batch (the acceptance test)."""
+fault (the Celery soak, with SIGKILLs, is tests/integration/test_stripe_soak.py)."""
 
 from __future__ import annotations
 
 import asyncio
-import os
-import signal
-import subprocess
-import sys
-import uuid
 from collections import Counter
 from collections.abc import Iterator
 from dataclasses import replace
-from pathlib import Path
 from typing import Any
 
 import pytest
@@ -33,10 +27,8 @@ from tenants.billing.relay import OUTAGE_STREAK, Relay
 from tenants.billing.stripe_meters import IdempotencyKeys, MeterEvent
 from tenants.errors import ConflictError, InvalidInputError
 from tenants.models import Tenant
-from tests.conftest import POSTGRES_URL, eventually
 from tests.integration.stripe_support import (
     add_usage,
-    ledger_totals,
     meters,
     outbox,
     pending,
@@ -172,104 +164,6 @@ async def test_a_rejected_event_is_parked_as_failed(
         [event] = await audit.list_events(session, action="billing.export.requeue")
     assert (status.pending, status.failed, status.exported) == (0, 0, result.claimed)
     assert status.oldest_pending is None and event.details == {"rows": 1}
-
-
-# The acceptance test: a real Celery worker (with its embedded beat) on Redis and
-# PostgreSQL, SIGKILLed mid-batch and restarted, while the fake injects faults.
-
-ROOT = Path(__file__).resolve().parents[2]
-REDIS_URL = os.environ.get("TOLLGATE_TEST_REDIS_URL", "redis://127.0.0.1:6379/0")
-ACCEPTANCE_ROWS = 10_000
-
-
-def start_worker(env: dict[str, str], schedule: Path) -> subprocess.Popen[bytes]:
-    command = [
-        sys.executable,
-        "-m",
-        "celery",
-        "-A",
-        "tenants.billing.worker",
-        "worker",
-        "-B",
-        "-s",
-        str(schedule),
-        "-Q",
-        env["TOLLGATE_CELERY_QUEUE"],
-        "-P",
-        "solo",
-        "--loglevel",
-        "WARNING",
-        "--without-gossip",
-        "--without-mingle",
-        "--without-heartbeat",
-    ]
-    # Its own session: SIGKILL reaches the worker and its beat process together.
-    return subprocess.Popen(command, cwd=ROOT, env=env, start_new_session=True)
-
-
-def kill(worker: subprocess.Popen[bytes]) -> None:
-    if worker.poll() is None:
-        os.killpg(worker.pid, signal.SIGKILL)
-    worker.wait(timeout=10)
-
-
-def sent_but_unmarked(engine: Engine, fake: FakeStripe) -> int:
-    with Session(engine) as session:
-        unmarked = set(
-            session.scalars(
-                select(OutboxRow.usage_event_id).where(OutboxRow.status == OutboxStatus.PENDING)
-            )
-        )
-    return sum(1 for identifier in list(fake.events) if identifier[9:] in unmarked)
-
-
-@pytest.mark.slow
-async def test_celery_worker_killed_mid_batch_exports_every_row_once(
-    tmp_path: Path, fake: FakeStripe
-) -> None:
-    db.reset_schema(POSTGRES_URL)
-    db.upgrade(POSTGRES_URL)
-    engine = db.create_engine(POSTGRES_URL)
-    try:
-        await add_usage(
-            db.session_factory(engine), tenants=5, rows=ACCEPTANCE_ROWS, seed=42, free_share=0
-        )
-    finally:
-        await engine.dispose()
-    ledger = sync_engine(POSTGRES_URL)
-    env = {
-        **os.environ,
-        "TOLLGATE_DATABASE_URL": POSTGRES_URL,
-        "TOLLGATE_REDIS_URL": REDIS_URL,
-        "TOLLGATE_CELERY_QUEUE": f"tollgate-test-{uuid.uuid4().hex}",
-        "TOLLGATE_STRIPE_API_KEY": "sk_test_fake",
-        "TOLLGATE_STRIPE_BASE_URL": fake.url,
-        "TOLLGATE_STRIPE_TIMEOUT_S": "1",
-        "TOLLGATE_STRIPE_RETRY_BASE_MS": "2",
-        "TOLLGATE_EXPORT_INTERVAL_S": "1",
-    }
-    fake.program(rates={"429": 0.02, "500": 0.02, "drop_after_commit": 0.02, "hang": 0.0005})
-    to_export = pending(ledger)
-    assert to_export == ACCEPTANCE_ROWS
-    # The fake holds the worker's next request once 2,550 events are in: 150 into a batch
-    # of 200, so the kill lands mid-batch.
-    fake.hold_after = 2_550
-    worker = start_worker(env, tmp_path / "beat-1")
-    try:
-        await eventually(lambda: fake.held > 0, timeout_s=60)
-        kill(worker)
-        fake.release.set()
-        assert sent_but_unmarked(ledger, fake) > 0  # killed mid-batch: sent, not yet marked
-        assert 0 < pending(ledger) < to_export
-
-        worker = start_worker(env, tmp_path / "beat-2")
-        await eventually(lambda: pending(ledger) == 0, timeout_s=120)
-        assert stripe_totals(ledger, fake) == ledger_totals(ledger)
-        assert fake.accepted() == to_export  # every row once: nothing lost, nothing doubled
-        assert all(fake.injected[fault] > 0 for fault in ("429", "500", "drop_after_commit"))
-    finally:
-        kill(worker)
-        ledger.dispose()
 
 
 def stripe_settings(database_url: str, fake: FakeStripe, **changes: Any) -> Settings:

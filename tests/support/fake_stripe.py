@@ -130,6 +130,13 @@ class FakeStripe:
             self.faults.rows = {k: list(v) for k, v in (rows or {}).items()}
             self.faults.customers = list(customers)
 
+    def hold_at(self, recorded: int) -> None:
+        """Hold meter-event requests once `recorded` identifiers are in (see hold_after)."""
+        with self.lock:
+            self.release = threading.Event()
+            self.hold_after = recorded
+            self.held = 0
+
     def customer_totals(self) -> dict[str, int]:
         with self.lock:
             return dict(self.totals)
