@@ -20,6 +20,7 @@ from gateway.billing.jobs import BillingJobs
 from gateway.settings import Settings
 from tenants import db
 from tenants.audit import Actor
+from tenants.billing.customers import StripeCustomerService
 from tenants.billing.export import relay_for, sync_engine
 from tenants.billing.export_lock import STATE, ExportBusy
 from tenants.billing.models import (
@@ -341,3 +342,21 @@ async def test_rows_near_the_35_day_limit_warn_and_rows_past_it_are_too_old(
     assert (too_old.tenant, too_old.rows, too_old.micros) == ("aged", len(billable_old), cost[old])
     assert any("too_old_for_stripe" in w for w in after.warnings())
     assert report.totals.cost_micros >= cost[old]  # still in the ledger and the invoice preview
+
+
+async def test_linking_a_refused_tenant_to_an_existing_customer_unblocks_it(
+    sessions: async_sessionmaker[AsyncSession], engine: Engine, fake: FakeStripe
+) -> None:
+    spent = await add_usage(sessions, tenants=1, rows=4, seed=45, free_share=0)
+    fake.program(customers=["400"])
+    relay = Relay(engine, meters(fake))
+    relay.run()
+    existing = fake.add_customer()
+    async with sessions.begin() as session:
+        [tenant_id] = spent
+        tenant = await TenantService(session).get_by_id(tenant_id)
+        await StripeCustomerService(session, Actor("cli:ops")).link(tenant, existing)
+    relay.run()
+    assert fake.customer_totals() == {existing: spent[tenant_id]}
+    async with sessions() as session:
+        assert (await OutboxService(session).status()).customers_failed == 0
