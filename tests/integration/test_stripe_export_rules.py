@@ -11,12 +11,13 @@ from datetime import timedelta
 from pathlib import Path
 
 import pytest
+from prometheus_client import CollectorRegistry, generate_latest
 from sqlalchemy import Engine, select
 from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
 from sqlalchemy.orm import Session
 
 from gateway import cli
-from gateway.billing.jobs import BillingJobs
+from gateway.billing.jobs import BillingJobs, ExportGauges
 from gateway.settings import Settings
 from tenants import db
 from tenants.audit import Actor
@@ -360,3 +361,23 @@ async def test_linking_a_refused_tenant_to_an_existing_customer_unblocks_it(
     assert fake.customer_totals() == {existing: spent[tenant_id]}
     async with sessions() as session:
         assert (await OutboxService(session).status()).customers_failed == 0
+
+
+async def test_export_health_is_exported_as_metrics(
+    sessions: async_sessionmaker[AsyncSession],
+    engine: Engine,
+    fake: FakeStripe,
+    database_url: str,
+) -> None:
+    who = await owner(sessions, "metered")
+    now = utcnow()
+    await ledger_rows(sessions, who, [now - timedelta(days=30)] * 4 + [now], seed=46)
+    fake.add_meter(EVENT, status="inactive")
+    Relay(engine, meters(fake)).run()  # records the meter's status
+    registry = CollectorRegistry()
+    gauges = ExportGauges(registry)
+    status = await BillingJobs(stripe_settings(database_url, fake), sessions).refresh_health(gauges)
+    assert status.near_limit > 0
+    text = generate_latest(registry).decode()
+    assert f'tollgate_stripe_export_rows{{state="near_limit"}} {float(status.near_limit)}' in text
+    assert "tollgate_stripe_meter_active 0.0" in text
