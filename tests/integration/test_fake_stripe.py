@@ -15,6 +15,7 @@ from tests.conftest import eventually
 from tests.support.fake_stripe import API_KEY, DAY_S, FakeStripe
 
 EVENT = "fake_rules_usage"
+START = time.time()  # one timestamp for every event: a retry's parameters stay the same
 
 
 @pytest.fixture
@@ -51,7 +52,7 @@ def send(
         "event_name": event_name,
         "identifier": identifier,
         "payload": {"stripe_customer_id": customer, "value": value},
-        "timestamp": int(time.time() if timestamp is None else timestamp),
+        "timestamp": int(START if timestamp is None else timestamp),
     }
     options: dict[str, Any] = {"idempotency_key": key} if key else {}
     return api.v1.billing.meter_events.create(params, options)  # type: ignore[arg-type]
