@@ -381,3 +381,24 @@ async def test_export_health_is_exported_as_metrics(
     text = generate_latest(registry).decode()
     assert f'tollgate_stripe_export_rows{{state="near_limit"}} {float(status.near_limit)}' in text
     assert "tollgate_stripe_meter_active 0.0" in text
+
+
+async def test_keys_move_on_after_a_5xx_and_every_run_but_not_after_a_drop(
+    sessions: async_sessionmaker[AsyncSession], engine: Engine, fake: FakeStripe
+) -> None:
+    await add_usage(sessions, tenants=1, rows=3, seed=47, free_share=0)
+    first, second, third = (identifier_of(row) for row in outbox(engine))
+    fake.program(rows={first: ["500", "500"], second: ["drop_after_commit"], third: ["429"] * 3})
+    clock = Clock(fake)
+    relay = Relay(engine, meters(fake, attempts=3), clock=clock)
+    relay.run()
+    clock.advance(BACKOFF_PASSED)
+    relay.run()
+
+    def keys(identifier: str) -> list[str]:
+        return sorted(key.removeprefix(identifier) for key in fake.saved if identifier in key)
+
+    assert keys(first) == ["-1.0", "-1.1", "-1.2"]  # a new key after each 500
+    assert keys(second) == ["-1.0"]  # the drop's retry replays the recorded event's answer
+    assert keys(third) == ["-2.0"]  # 429s save nothing; the next run has a key of its own
+    assert fake.doubled() == {} and fake.accepted() == 3
