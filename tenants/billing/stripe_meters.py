@@ -116,8 +116,8 @@ class StripeMeters:
     def ensure_meter(self) -> str:
         """The id of the active meter our events feed, created if there is none; checked
         every run (an operator may deactivate it). Raises MeterUnavailable."""
-        keys = IdempotencyKeys("unused")
-        meters = self._call(lambda key: list(self._meters()), keys)
+        listing = IdempotencyKeys("tg-meter-list")  # a GET sends no key; retries only
+        meters = self._call(lambda key: list(self._meters()), listing)
         ours = [m for m in meters if m.event_name == self.event_name]
         active = [m for m in ours if m.status == "active"]
         if active:
