@@ -110,6 +110,8 @@ def create_app(
         billing_jobs = BillingJobs(settings, sessions).periodic()
         if BillingJobs.wanted(settings):
             billing_jobs.start()
+        export_health = BillingJobs(settings, sessions).health(telemetry.metrics.registry)
+        export_health.start()
         auth_failures = AuthFailureLog(sessions)
         auth_failures.start()
         recorder = UsageRecorder(
@@ -150,6 +152,7 @@ def create_app(
             await upkeep.close()
             await rebuilder.close()
             await billing_jobs.close()
+            await export_health.close()
             await auth_failures.close()
             await admission.close()
             if owned:

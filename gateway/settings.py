@@ -40,6 +40,7 @@ class Settings:
     stripe_retry_base_ms: int = 200  # first backoff before jitter; doubles per retry
     checkpoint_ms: int = 2000  # running streams' delivered tokens recorded this often
     export_interval_s: int = 30  # embedded mode: how often the gateway runs the relay
+    export_retry_s: int = 30  # a row Stripe deferred waits this long, doubling per try (<= 1 h)
     celery_queue: str = "tollgate"
     console_idle_s: int = 1800  # admin console sessions end after this long unused
     max_waiting_requests: int = 1024  # engine queue; past it, 503 + Retry-After (shed)
@@ -93,6 +94,7 @@ class Settings:
             stripe_timeout_s=float(_int(env, "TOLLGATE_STRIPE_TIMEOUT_S", 20, low=1, high=300)),
             stripe_retry_base_ms=_int(env, "TOLLGATE_STRIPE_RETRY_BASE_MS", 200, low=1),
             export_interval_s=_int(env, "TOLLGATE_EXPORT_INTERVAL_S", 30, low=1, high=86400),
+            export_retry_s=_int(env, "TOLLGATE_EXPORT_RETRY_S", 30, low=1, high=3600),
             celery_queue=env.get("TOLLGATE_CELERY_QUEUE", "").strip() or "tollgate",
             console_idle_s=_int(env, "TOLLGATE_CONSOLE_IDLE_S", 1800, low=60),
             trusted_proxies=_proxies(env.get("TOLLGATE_TRUSTED_PROXIES", "127.0.0.1")),

@@ -15,9 +15,10 @@ from gateway.settings import Settings
 from tenants.billing.customers import StripeCustomerService
 from tenants.billing.export import export_once
 from tenants.billing.models import PriceVersion
-from tenants.billing.outbox import OutboxService
+from tenants.billing.outbox import OutboxService, TooOld
 from tenants.billing.prices import PriceService, audit_created
 from tenants.billing.reports import Period, Report, build_report, format_micros
+from tenants.billing.stripe_meters import event_identifier
 from tenants.errors import InvalidInputError
 from tenants.models import as_utc
 from tenants.pricing import TOKENS_PER_UNIT, Price
@@ -42,6 +43,24 @@ def add_commands(commands: Any) -> None:
     billing_commands.add_parser(
         "requeue", help="send the rows Stripe rejected again (after fixing the cause)"
     ).set_defaults(handler=_billing_requeue)
+    billing_commands.add_parser(
+        "unconfirmed", help="rows maybe in Stripe past its dedup window: check these in Stripe"
+    ).set_defaults(handler=_billing_unconfirmed)
+    resolve = billing_commands.add_parser(
+        "resolve", help="settle the unconfirmed rows once you checked them in Stripe"
+    )
+    found = resolve.add_mutually_exclusive_group(required=True)
+    found.add_argument("--in-stripe", action="store_true", help="they are there: mark exported")
+    found.add_argument(
+        "--not-in-stripe", action="store_true", help="they are not there: send them again"
+    )
+    resolve.add_argument(
+        "--row", type=int, action="append", help="only this outbox row id (repeatable)"
+    )
+    resolve.set_defaults(handler=_billing_resolve)
+    billing_commands.add_parser(
+        "too-old", help="rows older than Stripe accepts (35 days), per tenant: bill them by hand"
+    ).set_defaults(handler=_billing_too_old)
     customer = billing_commands.add_parser(
         "customer", help="show, or --link, the Stripe customer a tenant is billed as"
     )
@@ -154,7 +173,9 @@ def _billing_export(settings: Settings, args: argparse.Namespace) -> int:
 
     counts = _in_session(settings, work)
     print(", ".join(f"{name}={value}" for name, value in counts.items()))
-    return 0 if not result.deferred else 1
+    if result.meter_error is not None:
+        print(f"tollgate: nothing exported: {result.meter_error}", file=sys.stderr)
+    return 0 if not (result.deferred or result.meter_error) else 1
 
 
 def _billing_status(settings: Settings, args: argparse.Namespace) -> int:
@@ -164,11 +185,14 @@ def _billing_status(settings: Settings, args: argparse.Namespace) -> int:
         return (await OutboxService(session).status()).view()
 
     status = _in_session(settings, work)
+    warnings = status.pop("warnings")
     print(
         "\n".join(
             f"{name}\t{value if value is not None else '-'}" for name, value in status.items()
         )
     )
+    for warning in warnings if isinstance(warnings, list) else []:
+        print(f"warning: {warning}", file=sys.stderr)
     if settings.stripe_api_key is None:
         print("Stripe export is off (TOLLGATE_STRIPE_API_KEY unset): rows wait", file=sys.stderr)
     return 0
@@ -183,6 +207,57 @@ def _billing_requeue(settings: Settings, args: argparse.Namespace) -> int:
         return await OutboxService(session, actor).requeue_failed()
 
     print(f"requeued {_in_session(settings, work)} rows")
+    return 0
+
+
+def _billing_unconfirmed(settings: Settings, args: argparse.Namespace) -> int:
+    from gateway.cli import _in_session
+
+    async def work(session: AsyncSession) -> list[str]:
+        return [
+            "\t".join(
+                [
+                    str(row.id),
+                    row.tenant_id,
+                    event_identifier(row.usage_event_id),
+                    format_micros(row.value),
+                    as_utc(row.maybe_sent_at).isoformat() if row.maybe_sent_at else "-",
+                ]
+            )
+            for row in await OutboxService(session).unconfirmed()
+        ]
+
+    print(
+        "\n".join(
+            ["ROW\tTENANT ID\tIDENTIFIER\tAMOUNT (USD)\tFIRST SENT", *_in_session(settings, work)]
+        )
+    )
+    return 0
+
+
+def _billing_resolve(settings: Settings, args: argparse.Namespace) -> int:
+    from gateway.cli import _actor, _in_session
+
+    actor = _actor()
+
+    async def work(session: AsyncSession) -> int:
+        service = OutboxService(session, actor)
+        return await service.resolve_unconfirmed(in_stripe=args.in_stripe, rows=args.row)
+
+    done = "marked exported" if args.in_stripe else "queued to send again"
+    print(f"{_in_session(settings, work)} unconfirmed rows {done}")
+    return 0
+
+
+def _billing_too_old(settings: Settings, args: argparse.Namespace) -> int:
+    from gateway.cli import _in_session
+
+    async def work(session: AsyncSession) -> list[TooOld]:
+        return await OutboxService(session).too_old()
+
+    rows = _in_session(settings, work)
+    lines = [f"{t.tenant}\t{t.rows}\t{format_micros(t.micros)}" for t in rows]
+    print("\n".join(["TENANT\tROWS\tAMOUNT (USD)", *lines]))
     return 0
 
 

@@ -18,12 +18,20 @@ from sqlalchemy import select
 from gateway.admin.controllers import admin_actor, require_admin
 from gateway.admission.auth import authenticate
 from gateway.api.schemas import decode
-from gateway.billing.schemas import CustomerBody, PriceBody, period_of, price_view, usage_row_view
-from gateway.errors import InvalidRequest, NotFound
+from gateway.billing.schemas import (
+    CustomerBody,
+    PriceBody,
+    ResolveBody,
+    period_of,
+    price_view,
+    usage_row_view,
+)
+from gateway.errors import Conflict, InvalidRequest, NotFound
 from gateway.runtime import Runtime
 from tenants.audit import Actor
 from tenants.billing.customers import StripeCustomerService
 from tenants.billing.export import export_once
+from tenants.billing.export_lock import ExportBusy
 from tenants.billing.outbox import OutboxService
 from tenants.billing.prices import PriceService, audit_created
 from tenants.billing.reports import build_report, export_csv
@@ -179,17 +187,33 @@ class BillingAdminController(Controller):
         async with runtime.sessions.begin() as session:
             return {"requeued": await OutboxService(session, actor).requeue_failed()}
 
+    @post("/billing/export/resolve", status_code=200)
+    async def resolve(
+        self, body: RawBody, runtime: NamedDependency[Runtime], actor: NamedDependency[Actor]
+    ) -> dict[str, Any]:
+        """Settle `unconfirmed` rows once they were checked in Stripe (audited)."""
+        checked = decode(body, ResolveBody)
+        async with runtime.sessions.begin() as session:
+            service = OutboxService(session, actor)
+            count = await service.resolve_unconfirmed(checked.in_stripe, checked.rows)
+        return {"resolved": count, "in_stripe": checked.in_stripe}
+
     @post("/billing/export", status_code=200)
     async def export(
         self, runtime: NamedDependency[Runtime], actor: NamedDependency[Actor]
     ) -> dict[str, Any]:
-        """Run the Stripe relay once, now (it also runs on its schedule)."""
+        """Run the Stripe relay once, now (it also runs on its schedule); 409 while
+        another run holds the export lock."""
         settings = runtime.settings
         if settings.stripe_api_key is None:
             raise InvalidRequest(
                 "Stripe export is off: set TOLLGATE_STRIPE_API_KEY", code="stripe_disabled"
             )
-        result = await asyncio.to_thread(export_once, settings)
+        try:
+            result = await asyncio.to_thread(export_once, settings)
+        except ExportBusy as exc:
+            raise Conflict(str(exc), code="export_running") from None
         assert result is not None  # Stripe is configured
         async with runtime.sessions.begin() as session:
-            return await OutboxService(session, actor).record_export(result)
+            counts = await OutboxService(session, actor).record_export(result)
+        return {**counts, "meter_error": result.meter_error}

@@ -34,6 +34,13 @@ class CustomerBody(Struct, kw_only=True, forbid_unknown_fields=True):
     customer_id: Annotated[str, Meta(min_length=1, max_length=255)]
 
 
+class ResolveBody(Struct, kw_only=True, forbid_unknown_fields=True):
+    """Unconfirmed rows checked in Stripe: there (`in_stripe`) or not; all, or `rows`."""
+
+    in_stripe: bool
+    rows: list[int] | None = None
+
+
 def parse_moment(text: str) -> datetime:
     """'2026-12-01' (midnight UTC) or an ISO date-time (UTC when it names no zone)."""
     try:

@@ -5,12 +5,12 @@ from __future__ import annotations
 
 import re
 
-from sqlalchemy import select
+from sqlalchemy import delete, select
 from sqlalchemy.ext.asyncio import AsyncSession
 
 from tenants import audit
 from tenants.audit import SYSTEM, Actor
-from tenants.billing.models import StripeCustomer
+from tenants.billing.models import StripeCustomer, StripeCustomerRequest
 from tenants.errors import ConflictError, InvalidInputError
 from tenants.models import Tenant
 
@@ -43,6 +43,10 @@ class StripeCustomerService:
             self.session.add(StripeCustomer(tenant_id=tenant.id, customer_id=customer_id))
         else:
             mapping.customer_id = customer_id
+        # A creation still pending (or refused) is moot now: the relay uses this customer.
+        await self.session.execute(
+            delete(StripeCustomerRequest).where(StripeCustomerRequest.tenant_id == tenant.id)
+        )
         await self.session.flush()
         await audit.record(
             self.session,

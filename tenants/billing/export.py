@@ -4,6 +4,7 @@ periodic job in the embedded default, or `tollgate billing export`."""
 from __future__ import annotations
 
 import asyncio
+from datetime import timedelta
 from functools import cache
 
 from sqlalchemy import Engine, create_engine
@@ -41,10 +42,12 @@ def relay_for(settings: Settings) -> Relay | None:
     meters = stripe_meters(settings)
     if meters is None:
         return None
-    return Relay(sync_engine(settings.database_url), meters)
+    redelay = timedelta(seconds=settings.export_retry_s)
+    return Relay(sync_engine(settings.database_url), meters, redelay=redelay)
 
 
 def export_once(settings: Settings, budget_s: float = 60.0) -> RelayResult | None:
+    """One relay run; None when Stripe is off. ExportBusy if another run holds the lock."""
     relay = relay_for(settings)
     return None if relay is None else relay.run(budget_s)
 

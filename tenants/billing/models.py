@@ -1,4 +1,4 @@
-"""Billing tables. The schema itself is owned by the Alembic migrations (revision 0004)."""
+"""Billing tables. The schema itself is owned by the Alembic migrations (0004, 0008)."""
 
 from __future__ import annotations
 
@@ -44,6 +44,12 @@ class OutboxStatus(enum.StrEnum):
     PENDING = "pending"
     EXPORTED = "exported"
     FAILED = "failed"  # rejected by Stripe for good: an operator must look
+    # Sent once with its outcome unknown, and Stripe's 24 h identifier guard has passed:
+    # a resend could count twice, so an operator checks Stripe and resolves it.
+    UNCONFIRMED = "unconfirmed"
+    # Older than Stripe accepts (35 days): kept in the ledger and the invoice preview,
+    # billed by hand (see README, "Usage and billing").
+    TOO_OLD = "too_old_for_stripe"
 
 
 class OutboxRow(Base):
@@ -66,12 +72,17 @@ class OutboxRow(Base):
     tenant_id: Mapped[str] = mapped_column(ForeignKey("tenants.id"))
     value: Mapped[int] = mapped_column(BigInteger)  # cost in micro-units
     occurred_at: Mapped[datetime] = mapped_column(DateTime(timezone=True))
-    status: Mapped[str] = mapped_column(String(16), default=OutboxStatus.PENDING)
+    status: Mapped[str] = mapped_column(String(24), default=OutboxStatus.PENDING)
     attempts: Mapped[int] = mapped_column(Integer, default=0)
     next_attempt_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True))
     last_error: Mapped[str | None] = mapped_column(Text)
     exported_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True))
     created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
+    # Bumped (and committed) before each run sends the row: every run's idempotency
+    # keys are new (tenants/billing/relay.py has the argument).
+    key_seq: Mapped[int] = mapped_column(Integer, default=0, server_default="0")
+    # Since when Stripe may have recorded this row without our knowing; None: it has not.
+    maybe_sent_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True))
 
 
 class DailyUsage(Base):
@@ -97,3 +108,39 @@ class StripeCustomer(Base):
     tenant_id: Mapped[str] = mapped_column(ForeignKey("tenants.id"), primary_key=True)
     customer_id: Mapped[str] = mapped_column(String(255), unique=True)
     created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
+
+
+class CustomerRequestStatus(enum.StrEnum):
+    PENDING = "pending"
+    FAILED = "failed"  # Stripe refused to create it: an operator must look (then requeue)
+
+
+class StripeCustomerRequest(Base):
+    """A tenant whose Stripe customer is still to be created, with its own retry state:
+    one tenant's failing creation never holds up another's export."""
+
+    __tablename__ = "stripe_customer_requests"
+
+    tenant_id: Mapped[str] = mapped_column(ForeignKey("tenants.id"), primary_key=True)
+    status: Mapped[str] = mapped_column(
+        String(16), default=CustomerRequestStatus.PENDING, server_default="pending"
+    )
+    attempts: Mapped[int] = mapped_column(Integer, default=0, server_default="0")
+    key_seq: Mapped[int] = mapped_column(Integer, default=0, server_default="0")
+    next_attempt_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True))
+    last_error: Mapped[str | None] = mapped_column(Text)
+    updated_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
+
+
+class ExportState(Base):
+    """One row per exporter ("stripe"): the lease that keeps relays from overlapping on
+    SQLite (PostgreSQL uses an advisory lock) and the meter's status at the last check."""
+
+    __tablename__ = "stripe_export_state"
+
+    name: Mapped[str] = mapped_column(String(32), primary_key=True)
+    holder: Mapped[str | None] = mapped_column(String(200))
+    lease_until: Mapped[datetime | None] = mapped_column(DateTime(timezone=True))
+    meter_status: Mapped[str | None] = mapped_column(String(16))
+    meter_checked_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True))
+    meter_error: Mapped[str | None] = mapped_column(Text)

@@ -1,9 +1,11 @@
 """Stripe Billing Meters through the `stripe` SDK: one meter (sum of micro-units), one
 customer per tenant, one meter event per exported ledger row.
 
-Delivery is at-least-once from our side and exactly-once in Stripe: every event carries a
-deterministic `identifier` (Stripe rejects a second event with the same identifier as a
-duplicate, which we read as "already delivered") and an Idempotency-Key derived from it.
+Delivery is at-least-once from our side and exactly-once in Stripe: every event carries
+its row's permanent `identifier` (Stripe answers a second event with it "already exists",
+which we read as delivered) and an Idempotency-Key that changes whenever a saved answer
+must not be replayed; tenants/billing/relay.py has the argument over both 24 h windows.
+Each call reports whether it may have been recorded without our knowing (`ambiguous`).
 """
 
 from __future__ import annotations
@@ -23,12 +25,44 @@ log = logging.getLogger(__name__)
 DUPLICATE = "already exists with identifier"
 
 
-class ExportDeferred(Exception):
-    """Stripe did not take the event this time (rate limit, outage, timeout): try later."""
+class ExportError(Exception):
+    def __init__(self, message: str, ambiguous: bool = False) -> None:
+        super().__init__(message)
+        # True when an attempt may have been recorded by Stripe (a timeout, a dropped
+        # connection, a 5xx): the row stays "maybe in Stripe".
+        self.ambiguous = ambiguous
 
 
-class ExportRejected(Exception):
-    """Stripe refused the event for good (bad request): retrying cannot help."""
+class ExportDeferred(ExportError):
+    """Stripe did not take the request this time (rate limit, outage, timeout): try later."""
+
+
+class ExportRejected(ExportError):
+    """Stripe refused the request for good (bad request): retrying cannot help."""
+
+
+class MeterUnavailable(Exception):
+    """The meter our events feed is inactive or missing: nothing can be exported."""
+
+    def __init__(self, status: str, message: str) -> None:
+        super().__init__(message)
+        self.status = status  # "inactive" | "missing"
+
+
+@dataclass
+class IdempotencyKeys:
+    """The Idempotency-Keys of one request, attempt after attempt: `prefix.n`. A 5xx (or a
+    key clash) moves `n` on, so a saved failure is never replayed; a 429, a 409 (key in
+    use) or a dropped connection keeps it, so a replay returns the first attempt's answer."""
+
+    prefix: str
+    n: int = 0
+
+    def current(self) -> str:
+        return f"{self.prefix}.{self.n}"
+
+    def rotate(self) -> None:
+        self.n += 1
 
 
 @dataclass(frozen=True)
@@ -49,6 +83,7 @@ class MeterEvent:
     customer_id: str
     value: int
     timestamp: datetime
+    key_prefix: str  # this run's keys: the identifier and the row's key_seq
 
 
 def event_identifier(usage_event_id: str) -> str:
@@ -77,31 +112,49 @@ class StripeMeters:
         self.event_name = event_name
         self.retry = retry
         self.sleep = sleep
-        self._meter_ready = False
 
-    def ensure_meter(self) -> None:
-        """The meter our events feed: found by event name, created once if missing."""
-        if self._meter_ready:
-            return
-        meters = self._call(lambda key: self.client.v1.billing.meters.list({"limit": 100}))
-        if not any(m.event_name == self.event_name for m in meters.data):
-            params: dict[str, Any] = {
-                "display_name": "Tollgate usage (micro-units)",
-                "event_name": self.event_name,
-                "default_aggregation": {"formula": "sum"},
-                "customer_mapping": {"type": "by_id", "event_payload_key": "stripe_customer_id"},
-                "value_settings": {"event_payload_key": "value"},
-            }
-            self._call(
+    def ensure_meter(self) -> str:
+        """The id of the active meter our events feed, created if there is none; checked
+        every run (an operator may deactivate it). Raises MeterUnavailable."""
+        listing = IdempotencyKeys("tg-meter-list")  # a GET sends no key; retries only
+        meters = self._call(lambda key: list(self._meters()), listing)
+        ours = [m for m in meters if m.event_name == self.event_name]
+        active = [m for m in ours if m.status == "active"]
+        if active:
+            return str(active[0].id)
+        if ours:
+            raise MeterUnavailable(
+                "inactive",
+                f"the Stripe meter for {self.event_name!r} ({ours[0].id}) is inactive: "
+                "reactivate it in Stripe; rows wait meanwhile",
+            )
+        params: dict[str, Any] = {
+            "display_name": "Tollgate usage (micro-units)",
+            "event_name": self.event_name,
+            "default_aggregation": {"formula": "sum"},
+            "customer_mapping": {"type": "by_id", "event_payload_key": "stripe_customer_id"},
+            "value_settings": {"event_payload_key": "value"},
+        }
+        try:
+            meter = self._call(
                 lambda key: self.client.v1.billing.meters.create(
                     params,  # type: ignore[arg-type]
                     {"idempotency_key": key},
                 ),
-                f"tg-meter-{self.event_name}",
+                IdempotencyKeys(f"tg-meter-{self.event_name}-{int(time.time())}"),
             )
-        self._meter_ready = True
+        except ExportRejected as exc:
+            raise MeterUnavailable(
+                "missing", f"no Stripe meter for {self.event_name!r} and creating it failed: {exc}"
+            ) from None
+        log.info("created the Stripe meter %s for %r", meter.id, self.event_name)
+        return str(meter.id)
 
-    def create_customer(self, tenant_id: str, tenant_name: str) -> str:
+    def _meters(self) -> Any:
+        return self.client.v1.billing.meters.list({"limit": 100}).auto_paging_iter()
+
+    def create_customer(self, tenant_id: str, tenant_name: str, keys: IdempotencyKeys) -> str:
+        """The new customer's id; `keys.n` tells the caller which key to start from next."""
         params: dict[str, Any] = {
             "name": tenant_name,
             "metadata": {"tollgate_tenant_id": tenant_id},
@@ -111,7 +164,7 @@ class StripeMeters:
                 params,  # type: ignore[arg-type]
                 {"idempotency_key": key},
             ),
-            f"tg-customer-{tenant_id}",
+            keys,
         )
         return str(customer.id)
 
@@ -129,35 +182,42 @@ class StripeMeters:
                     params,  # type: ignore[arg-type]
                     {"idempotency_key": key},
                 ),
-                event.identifier,
+                IdempotencyKeys(event.key_prefix),
             )
         except ExportRejected as exc:
             if DUPLICATE in str(exc):
                 return  # an earlier attempt got through (its answer was lost): delivered
             raise
 
-    def _call(self, request: Callable[[str], Any], key: str = "") -> Any:
-        """Run `request` with an idempotency key, retrying what may succeed later. A v1 key
-        replays even a saved 500, so after a 5xx the next attempt takes a new key (the
-        identifier still prevents a double count)."""
-        current = key
+    def _call(self, request: Callable[[str], Any], keys: IdempotencyKeys) -> Any:
+        """Run `request`, retrying (with jitter) what may succeed later."""
+        ambiguous = False
+        error: stripe.StripeError | None = None
         for attempt in range(self.retry.attempts):
             try:
-                return request(current)
+                return request(keys.current())
+            except stripe.IdempotencyError as exc:
+                keys.rotate()  # a key clash: the saved answer is not ours to replay
+                error = exc
             except stripe.InvalidRequestError as exc:
-                raise ExportRejected(_message(exc)) from None
-            except (stripe.APIConnectionError, stripe.RateLimitError) as exc:
-                error: stripe.StripeError = exc
+                raise ExportRejected(_message(exc), ambiguous) from None
+            except (stripe.RateLimitError, stripe.AuthenticationError) as exc:
+                error = exc  # not executed: a wrong key defers rows instead of failing them
+            except stripe.APIConnectionError as exc:
+                ambiguous = True  # it may have reached Stripe; the same key replays it
+                error = exc
             except stripe.StripeError as exc:
                 status = exc.http_status or 0
-                if status not in (409, 429) and status < 500:
-                    raise ExportRejected(_message(exc)) from None
-                error = exc
                 if status >= 500:
-                    current = f"{key}-r{attempt + 1}"
+                    ambiguous = True  # maybe recorded, then failed: a new key next
+                    keys.rotate()
+                elif status not in (403, 409):  # 409: the key's first request still runs
+                    raise ExportRejected(_message(exc), ambiguous) from None
+                error = exc
             if attempt + 1 < self.retry.attempts:
                 self.sleep(self.retry.delay_s(attempt))
-        raise ExportDeferred(_message(error))
+        assert error is not None
+        raise ExportDeferred(_message(error), ambiguous)
 
 
 def _message(exc: stripe.StripeError) -> str:

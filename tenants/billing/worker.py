@@ -6,7 +6,8 @@
 Settings come from the TOLLGATE_* environment when the app is first used, not at import.
 The relay task is `acks_late` and its effects are idempotent (rows are marked exported
 only after Stripe took them; identifiers deduplicate a resend), so a redelivery after a
-worker crash sends nothing twice.
+worker crash sends nothing twice. Runs never overlap: a task finding another run holding
+the export lock (a long run with `-c 2`, a hand-run export) returns at once.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from celery import Celery
 
 from gateway.settings import Settings
 from tenants.billing.export import export_once, rollup_once
+from tenants.billing.export_lock import ExportBusy
 from tenants.billing.rollups import ROLLUP_EVERY_S
 
 log = logging.getLogger(__name__)
@@ -62,7 +64,10 @@ def create_celery(config: Settings) -> Celery:
 
 
 def relay() -> dict[str, int]:
-    result = export_once(settings(), RELAY_BUDGET_S)
+    try:
+        result = export_once(settings(), RELAY_BUDGET_S)
+    except ExportBusy:
+        return {"busy": 1}  # a run longer than the beat interval, or a hand-run export
     if result is None:
         return {"exported": 0}  # Stripe is off: the ledger alone is kept
     return result.counts()

@@ -6,15 +6,20 @@ from __future__ import annotations
 import asyncio
 import csv
 import io
+from dataclasses import replace
 from datetime import UTC, datetime, timedelta
 from typing import Any
 
 import pytest
 from litestar.testing import AsyncTestClient
 from sqlalchemy import func, select
+from sqlalchemy.orm import Session
 
 from gateway import cli
 from tenants import audit, db
+from tenants.billing.export import relay_for, sync_engine
+from tenants.billing.export_lock import ExportLock
+from tenants.billing.models import OutboxRow, OutboxStatus
 from tenants.billing.reports import CSV_FIELDS, Period, build_report, format_micros
 from tenants.errors import InvalidInputError
 from tenants.models import KeyRole, Tenant, UsageEvent
@@ -197,3 +202,38 @@ async def test_admin_export_status_and_requeue(
     assert requeued.json() == {"requeued": 0}
     refused = await client.post("/admin/api/billing/export", headers=admin.headers)
     assert refused.status_code == 400 and refused.json()["error"]["code"] == "stripe_disabled"
+
+
+async def test_admin_export_meets_the_lock_and_resolves_unconfirmed_rows(
+    client: AsyncTestClient[Any], sessions: Sessions, database_url: str
+) -> None:
+    admin = await owner(sessions, "ops", KeyRole.ADMIN)
+    await november(sessions, await owner(sessions, "acme"))
+    runtime = client.app.state.runtime
+    runtime.settings = replace(
+        runtime.settings, stripe_api_key="sk_test_on", stripe_base_url="http://127.0.0.1:9"
+    )
+    engine = sync_engine(database_url)
+    try:
+        with ExportLock(engine).hold():  # another run, say the Celery worker's
+            busy = await client.post("/admin/api/billing/export", headers=admin.headers)
+        with Session(engine) as session, session.begin():
+            row = session.scalars(select(OutboxRow)).first()
+            assert row is not None
+            row.status = OutboxStatus.UNCONFIRMED
+            row_id = row.id
+    finally:
+        engine.dispose()
+        relay_for.cache_clear()
+    assert busy.status_code == 409 and busy.json()["error"]["code"] == "export_running"
+    resolved = await client.post(
+        "/admin/api/billing/export/resolve",
+        json={"in_stripe": True, "rows": [row_id]},
+        headers=admin.headers,
+    )
+    assert resolved.json() == {"resolved": 1, "in_stripe": True}
+    status = (await client.get("/admin/api/billing/export", headers=admin.headers)).json()
+    assert (status["exported"], status["unconfirmed"]) == (1, 0)
+    async with sessions() as reader:
+        [event] = await audit.list_events(reader, action="billing.export.resolve")
+    assert event.details == {"rows": 1, "in_stripe": True, "only": [row_id]}

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import re
+from dataclasses import replace
 from datetime import timedelta
 from typing import Any
 
@@ -27,7 +28,8 @@ from tenants.admins import (
     scrypt_cost_for_tests,
     verify_password,
 )
-from tenants.billing.models import OutboxRow, OutboxStatus
+from tenants.billing.export_lock import STATE
+from tenants.billing.models import ExportState, OutboxRow, OutboxStatus
 from tenants.models import Tenant, UsageEvent, utcnow
 from tenants.services import ApiKeyService, PlanService, TenantService
 
@@ -449,3 +451,29 @@ async def test_sign_in_rehashes_a_password_stored_at_another_cost(
         stored = (await AdminService(session).get(OWNER)).password_hash
     assert not needs_rehash(stored) and not stored.startswith("scrypt$1024$")
     assert verify_password(PASSWORD, stored)
+
+
+async def test_billing_page_warns_about_the_stripe_export(
+    client: Client, admins: None, sessions: async_sessionmaker[AsyncSession]
+) -> None:
+    await record_usage(sessions, "acme", "req_too_old")
+    async with sessions.begin() as session:
+        event = (await session.execute(select(UsageEvent))).scalar_one()
+        session.add(
+            OutboxRow(
+                usage_event_id=event.id,
+                tenant_id=event.tenant_id,
+                value=7,
+                occurred_at=utcnow() - timedelta(days=40),
+                status=OutboxStatus.TOO_OLD,
+            )
+        )
+        session.add(ExportState(name=STATE, meter_status="inactive", meter_error="reactivate it"))
+    await sign_in(client, VIEWER)
+    quiet = (await client.get("/admin/billing")).text
+    assert 'id="export-warnings"' not in quiet  # Stripe off: nothing to warn about
+    runtime = client.app.state.runtime
+    runtime.settings = replace(runtime.settings, stripe_api_key="sk_test_on")
+    page = (await client.get("/admin/billing")).text
+    assert 'id="export-warnings"' in page
+    assert "Stripe meter inactive: reactivate it" in page and "too_old_for_stripe" in page
