@@ -2,28 +2,52 @@
 
 The model only sees `AttentionBackend`: write this step's K/V into cache slots, then attend
 from this step's queries over each sequence's cached keys. `TorchPagedAttention` is the
-readable reference; a Triton backend implements the same two methods."""
+readable reference and the CPU path; `TritonPagedAttention` (backend/kernels) implements
+the same two methods with Triton kernels. `attention_backend` picks one."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import importlib.util
+import itertools
+import os
+from dataclasses import dataclass, field
 from typing import Protocol
 
 import torch
 from torch.nn import functional
+
+from backend.config import ATTENTION_BACKENDS
 
 
 @dataclass(frozen=True)
 class AttentionMetadata:
     """Describes one flat batch: sequence i owns query rows
     query_start_loc[i]:query_start_loc[i+1] and has seq_lens[i] tokens of context
-    (cached + new) stored in the blocks block_tables[i]."""
+    (cached + new) stored in the blocks block_tables[i].
+
+    The lengths come twice: as lists for host-side decisions and as tensors on the
+    model's device for kernels. The runner builds both from one host-to-device copy;
+    tensors left out are made from the lists."""
 
     slot_mapping: torch.Tensor  # [T] int64, cache slot (block * block_size + offset) per token
     block_tables: torch.Tensor  # [B, max_blocks] int64, padded with 0
     seq_lens: list[int]  # [B]
     query_start_loc: list[int]  # [B + 1]
     block_size: int
+    seq_lens_tensor: torch.Tensor | None = None  # [B] on the device; None: from the list
+    query_start_tensor: torch.Tensor | None = None  # [B + 1] on the device
+    max_query_len: int = field(init=False)
+    max_seq_len: int = field(init=False)
+
+    def __post_init__(self) -> None:
+        starts, device = self.query_start_loc, self.slot_mapping.device
+        if self.seq_lens_tensor is None:
+            object.__setattr__(self, "seq_lens_tensor", torch.tensor(self.seq_lens, device=device))
+        if self.query_start_tensor is None:
+            object.__setattr__(self, "query_start_tensor", torch.tensor(starts, device=device))
+        max_query = max((b - a for a, b in itertools.pairwise(starts)), default=0)
+        object.__setattr__(self, "max_query_len", max_query)
+        object.__setattr__(self, "max_seq_len", max(self.seq_lens, default=0))
 
 
 class AttentionBackend(Protocol):
@@ -36,6 +60,33 @@ class AttentionBackend(Protocol):
         self, q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata, scale: float
     ) -> torch.Tensor:
         """q: [T, heads, head_dim] -> [T, heads, head_dim], causal within each sequence."""
+
+
+def attention_backend(name: str, device: torch.device) -> AttentionBackend:
+    """ "auto": Triton on CUDA, torch on the CPU. "triton" on the CPU runs only in Triton's
+    interpreter (TRITON_INTERPRET=1, for tests): nothing compiles Triton for a CPU here."""
+    if name not in ATTENTION_BACKENDS:
+        raise ValueError(f"attention_backend must be one of {ATTENTION_BACKENDS}, got {name!r}")
+    if name == "auto":
+        name = "triton" if device.type == "cuda" and _have_triton() else "torch"
+    if name == "torch":
+        return TorchPagedAttention()
+    if not _have_triton():
+        raise ValueError("attention_backend 'triton' needs the triton package, not installed")
+    if device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
+        raise ValueError(
+            f"attention_backend 'triton' needs a CUDA device, not {device.type!r} "
+            "(on the CPU only under TRITON_INTERPRET=1, Triton's slow interpreter)"
+        )
+    # Imported here, not at the top: importing decorates the kernels, and whether they
+    # are compiled or interpreted is fixed at that moment.
+    from backend.kernels.triton_attention import TritonPagedAttention
+
+    return TritonPagedAttention()
+
+
+def _have_triton() -> bool:
+    return importlib.util.find_spec("triton") is not None
 
 
 class TorchPagedAttention:
