@@ -194,8 +194,13 @@ def _attend_one(
     k = _gather(kv_cache[0], blocks, seq_len)[:, None].expand(shape)
     v = _gather(kv_cache[1], blocks, seq_len)[:, None].expand(shape)
     qg = q[start:end].view(n, kv_heads, group, dim).permute(1, 2, 0, 3)
-    mask = None if n == 1 else _causal_mask(n, seq_len, q.device)
-    o = functional.scaled_dot_product_attention(qg, k, v, attn_mask=mask, scale=scale)
+    # A whole prompt is plain causal attention (SDPA skips the masked half itself); a
+    # chunk over cached keys needs its offset mask.
+    whole = n == seq_len
+    mask = None if n == 1 or whole else _causal_mask(n, seq_len, q.device)
+    o = functional.scaled_dot_product_attention(
+        qg, k, v, attn_mask=mask, is_causal=whole and n > 1, scale=scale
+    )
     out[start:end] = o.permute(2, 0, 1, 3).reshape(n, heads, dim)
 
 
