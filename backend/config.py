@@ -6,6 +6,7 @@ import re
 from dataclasses import dataclass
 
 DTYPES = ("auto", "float32", "float16", "bfloat16")
+ATTENTION_BACKENDS = ("auto", "torch", "triton")  # auto: triton on CUDA, torch on the CPU
 _DEVICE = re.compile(r"^(cpu|cuda(:\d+)?)$")
 
 
@@ -38,6 +39,7 @@ class EngineConfig:
     enable_prefix_caching: bool = True
     share_prefix_cache: bool = False  # True: all tenants share one prefix cache
     gpu_memory_utilization: float = 0.9
+    attention_backend: str = "auto"  # one of ATTENTION_BACKENDS
     # -- scheduling policy (backend/SCHEDULING.md) --
     aging_interval_s: float | None = 5.0  # a waiting request rises one class per interval
     tenant_fairness: bool = True  # weighted fair share of tokens among equal classes
@@ -58,6 +60,11 @@ class EngineConfig:
                 _positive(name, getattr(self, name))
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {DTYPES}, got {self.dtype!r}")
+        if self.attention_backend not in ATTENTION_BACKENDS:
+            raise ValueError(
+                f"attention_backend must be one of {ATTENTION_BACKENDS}, "
+                f"got {self.attention_backend!r}"
+            )
         if not _DEVICE.match(self.device):
             raise ValueError(f"device must be 'cpu', 'cuda' or 'cuda:N', got {self.device!r}")
         util = self.gpu_memory_utilization

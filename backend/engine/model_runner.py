@@ -11,7 +11,7 @@ import torch
 from backend.config import EngineConfig
 from backend.engine.batch import ModelRunnerOutput, ScheduledRequest, SchedulerOutput
 from backend.errors import RequestStepError
-from backend.layers.attention import AttentionBackend, AttentionMetadata, TorchPagedAttention
+from backend.layers.attention import AttentionBackend, AttentionMetadata, attention_backend
 from backend.layers.sampler import apply_penalties, sample, token_logprobs
 from backend.loader import load_model, resolve_dtype
 from backend.models.config import ModelConfig
@@ -39,7 +39,7 @@ class ModelRunner:
             if config.cpu_threads is not None:
                 torch.set_num_threads(config.cpu_threads)
         self.dtype = resolve_dtype(config.dtype, self.device, model_config)
-        self.attention: AttentionBackend = TorchPagedAttention()
+        self.attention: AttentionBackend = attention_backend(config.attention_backend, self.device)
         self.model = load_model(
             model_dir,
             model_config,
@@ -139,6 +139,8 @@ class ModelRunner:
     def _prepare(
         self, batch: SchedulerOutput
     ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
+        """The step's inputs as one int64 buffer, copied to the device once and cut into
+        views: input ids, positions, slots, sequence lengths, query starts, block tables."""
         bs = self.config.block_size
         input_ids: list[int] = []
         positions: list[int] = []
@@ -146,22 +148,32 @@ class ModelRunner:
         seq_lens: list[int] = []
         starts = [0]
         for r in batch.requests:
-            pos = range(r.start_pos, r.start_pos + len(r.token_ids))
+            start, end = r.start_pos, r.start_pos + len(r.token_ids)
             input_ids += r.token_ids
-            positions += pos
-            slots += [r.block_ids[p // bs] * bs + p % bs for p in pos]
-            seq_lens.append(pos.stop)
-            starts.append(starts[-1] + len(pos))
+            positions += range(start, end)
+            slots += _slots(r.block_ids, start, end, bs)
+            seq_lens.append(end)
+            starts.append(starts[-1] + end - start)
         width = max(len(r.block_ids) for r in batch.requests)
-        tables = [r.block_ids + [0] * (width - len(r.block_ids)) for r in batch.requests]
+        tables: list[int] = []
+        for r in batch.requests:
+            tables += r.block_ids
+            tables += [0] * (width - len(r.block_ids))
+        num_tokens, num_seqs = len(input_ids), len(seq_lens)
+        flat = self._tensor(input_ids + positions + slots + seq_lens + starts + tables)
+        ids, pos, slot_mapping, lens, query_starts, table = torch.split(
+            flat, [num_tokens, num_tokens, num_tokens, num_seqs, num_seqs + 1, num_seqs * width]
+        )
         meta = AttentionMetadata(
-            slot_mapping=self._tensor(slots),
-            block_tables=self._tensor(tables),
+            slot_mapping=slot_mapping,
+            block_tables=table.view(num_seqs, width),
             seq_lens=seq_lens,
             query_start_loc=starts,
             block_size=bs,
+            seq_lens_tensor=lens,
+            query_start_tensor=query_starts,
         )
-        return self._tensor(input_ids), self._tensor(positions), meta
+        return ids, pos, meta
 
     def _tensor(self, data: list[int] | list[list[int]]) -> torch.Tensor:
         return torch.tensor(data, dtype=torch.int64).to(self.device, non_blocking=True)
@@ -188,6 +200,19 @@ class ModelRunner:
             gen = torch.Generator(self.device).manual_seed(r.params.seed)
             self._generators[r.request_id] = gen
         return self._generators[r.request_id]
+
+
+def _slots(block_ids: list[int], start: int, end: int, block_size: int) -> list[int]:
+    """Cache slots of positions start..end-1, one range per block rather than per token."""
+    slots: list[int] = []
+    pos = start
+    while pos < end:
+        index = pos // block_size
+        stop = min(end, (index + 1) * block_size)
+        base = (block_ids[index] - index) * block_size  # slot = base + position
+        slots += range(base + pos, base + stop)
+        pos = stop
+    return slots
 
 
 def _keep_freed_memory() -> None:

@@ -5,14 +5,32 @@ from torch import nn
 
 
 class RMSNorm(nn.Module):
+    """On CUDA one fused Triton kernel (backend/kernels/norm.py) does the residual add and
+    the norm; on the CPU torch does, in the same order of rounding."""
+
     def __init__(self, hidden_size: int, eps: float) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.ones(hidden_size))
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.is_cuda:
+            from backend.kernels.norm import rms_norm  # imported on first CUDA use only
+
+            return rms_norm(x, self.weight, self.eps)
         # Normalise in float32 and cast back before scaling, exactly as Hugging Face does.
         dtype = x.dtype
         x32 = x.float()
         x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight * x32.to(dtype)
+
+    def add_and_norm(
+        self, x: torch.Tensor, residual: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(norm(x + residual), x + residual); on CUDA the sum is written into residual."""
+        if x.is_cuda:
+            from backend.kernels.norm import rms_norm
+
+            return rms_norm(x, self.weight, self.eps, residual), residual
+        total = residual + x
+        return self.forward(total), total

@@ -54,13 +54,21 @@ class LlamaDecoderLayer(nn.Module):
     def forward(
         self,
         x: torch.Tensor,
+        residual: torch.Tensor | None,
         positions: torch.Tensor,
         rotary: RotaryEmbedding,
         kv_cache: torch.Tensor,
         meta: AttentionMetadata,
-    ) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), positions, rotary, kv_cache, meta)
-        return x + self.mlp(self.post_attention_layernorm(x))  # type: ignore[no-any-return]
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Returns (this layer's MLP output, the residual stream before it); the next
+        norm adds the two, fused with the norm on CUDA."""
+        if residual is None:
+            h, residual = self.input_layernorm(x), x
+        else:
+            h, residual = self.input_layernorm.add_and_norm(x, residual)
+        h = self.self_attn(h, positions, rotary, kv_cache, meta)
+        h, residual = self.post_attention_layernorm.add_and_norm(h, residual)
+        return self.mlp(h), residual
 
 
 class LlamaModel(nn.Module):
@@ -108,9 +116,12 @@ class LlamaForCausalLM(nn.Module):
         Returns hidden states [T, hidden]; call `logits` on the rows that sample."""
         m = self.model
         x = m.embed_tokens(input_ids)
+        residual: torch.Tensor | None = None
         for i, layer in enumerate(m.layers):
-            x = layer(x, positions, m.rotary, kv_caches[i], meta)
-        return m.norm(x)  # type: ignore[no-any-return]
+            x, residual = layer(x, residual, positions, m.rotary, kv_caches[i], meta)
+        if residual is None:  # no layers
+            return m.norm(x)  # type: ignore[no-any-return]
+        return m.norm.add_and_norm(x, residual)[0]
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden).float()  # type: ignore[no-any-return]

@@ -1,0 +1,57 @@
+"""`TritonPagedAttention`: the AttentionBackend of backend/layers/attention.py on the
+Triton kernels beside it."""
+
+from __future__ import annotations
+
+import torch
+
+from backend.kernels.kv_cache import write_kv
+from backend.kernels.paged_attention import paged_attention
+from backend.layers.attention import AttentionMetadata
+
+
+class TritonPagedAttention:
+    """One kernel launch per layer for the whole flat batch. Decode-only steps over long
+    contexts with few (sequence, KV head) programs take the split path: each program's
+    keys in `num_segments` parts, merged by log-sum-exp, so a handful of long sequences
+    still spreads over the GPU."""
+
+    def __init__(
+        self, split_min_seq_len: int = 1024, num_segments: int = 16, max_split_programs: int = 512
+    ) -> None:
+        self.split_min_seq_len = split_min_seq_len
+        self.num_segments = num_segments
+        self.max_split_programs = max_split_programs
+
+    def write_kv(
+        self, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata
+    ) -> None:
+        write_kv(k, v, kv_cache[0], kv_cache[1], meta.slot_mapping)
+
+    def attend(
+        self, q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata, scale: float
+    ) -> torch.Tensor:
+        seq_lens, starts = meta.seq_lens_tensor, meta.query_start_tensor
+        assert seq_lens is not None and starts is not None  # filled in by the metadata
+        out, _ = paged_attention(
+            q,
+            kv_cache[0],
+            kv_cache[1],
+            meta.block_tables,
+            seq_lens,
+            starts,
+            scale,
+            meta.max_query_len,
+            self.segments(meta, kv_cache.shape[-2]),
+        )
+        return out
+
+    def segments(self, meta: AttentionMetadata, kv_heads: int) -> int:
+        """How many parts each program's keys are split into: 1 unless flash-decoding
+        pays (decode-only, a long context, a small grid)."""
+        split = (
+            meta.max_query_len == 1
+            and meta.max_seq_len >= self.split_min_seq_len
+            and len(meta.seq_lens) * kv_heads <= self.max_split_programs
+        )
+        return self.num_segments if split else 1

@@ -1,0 +1,109 @@
+"""TritonPagedAttention behind the AttentionBackend protocol, the backend selector, and
+the engine served with attention_backend="triton" (in the interpreter) against
+transformers' greedy tokens."""
+
+from __future__ import annotations
+
+import random
+from pathlib import Path
+
+import pytest
+import torch
+
+from backend.config import EngineConfig
+from backend.kernels.triton_attention import TritonPagedAttention
+from backend.layers.attention import AttentionMetadata, TorchPagedAttention, attention_backend
+from backend.sampling import SamplingParams
+from tests.engine.engine_support import build_checkpoint, make_engine, run_to_completion, tokens_of
+from tests.engine.test_engine_oracle import NEW_TOKENS, hf_greedy
+from tests.kernels.kernel_support import MIXED, Batch, make_batch
+
+pytestmark = pytest.mark.interpreter
+
+CPU = torch.device("cpu")
+
+
+def test_auto_is_torch_on_the_cpu_and_names_are_checked() -> None:
+    assert isinstance(attention_backend("auto", CPU), TorchPagedAttention)
+    assert isinstance(attention_backend("torch", CPU), TorchPagedAttention)
+    with pytest.raises(ValueError, match="attention_backend must be one of"):
+        attention_backend("flash", CPU)
+    with pytest.raises(ValueError, match="attention_backend must be one of"):
+        EngineConfig(attention_backend="flash")
+
+
+def test_triton_on_the_cpu_needs_the_interpreter(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("TRITON_INTERPRET")
+    with pytest.raises(ValueError, match="TRITON_INTERPRET=1"):
+        attention_backend("triton", CPU)
+
+
+def _meta(batch_seqs: list[tuple[int, int]], block_size: int) -> tuple[AttentionMetadata, Batch]:
+    batch = make_batch(batch_seqs, 8, 2, 64, block_size, seed=5)
+    meta = AttentionMetadata(
+        slot_mapping=torch.full((batch.q.shape[0],), -1),
+        block_tables=batch.block_tables,
+        seq_lens=batch.seq_lens,
+        query_start_loc=batch.query_start_loc,
+        block_size=block_size,
+    )
+    return meta, batch
+
+
+@pytest.mark.parametrize("split_min_seq_len", [1, 10**6])  # split path, then unsplit
+def test_backend_attend_equals_the_torch_backend(split_min_seq_len: int) -> None:
+    backend = TritonPagedAttention(split_min_seq_len=split_min_seq_len)
+    for seqs in (MIXED, [(90, 1), (17, 1), (300, 1)]):
+        meta, batch = _meta(seqs, 16)
+        kv_cache = torch.stack([batch.k_cache, batch.v_cache])
+        split = backend.segments(meta, kv_heads=2) > 1
+        assert split == (split_min_seq_len == 1 and meta.max_query_len == 1)
+        got = backend.attend(batch.q, kv_cache, meta, 0.125)
+        want = TorchPagedAttention().attend(batch.q, kv_cache, meta, 0.125)
+        torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
+
+
+def test_backend_write_kv_skips_padding_slots() -> None:
+    backend = attention_backend("triton", CPU)
+    assert isinstance(backend, TritonPagedAttention)
+    cache = torch.zeros(2, 4, 16, 2, 8)
+    k, v = torch.randn(2, 3, 2, 8)
+    meta = AttentionMetadata(
+        slot_mapping=torch.tensor([17, -1, 40]),
+        block_tables=torch.tensor([[1, 2]]),
+        seq_lens=[3],
+        query_start_loc=[0, 3],
+        block_size=16,
+    )
+    backend.write_kv(k, v, cache, meta)
+    flat = cache.view(2, -1, 2, 8)
+    assert torch.equal(flat[0, [17, 40]], k[[0, 2]])
+    assert torch.equal(flat[1, [17, 40]], v[[0, 2]])
+    assert int(flat.ne(0).any(-1).any(-1).sum()) == 4  # two slots each in K and V, no more
+
+
+@pytest.fixture(scope="module")
+def llama(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return build_checkpoint(tmp_path_factory.mktemp("triton") / "llama", "llama")
+
+
+def test_engine_on_triton_gives_transformers_greedy_tokens(llama: Path) -> None:
+    """Batched short prompts in chunks of at most 16 tokens, then one whose first block
+    is a prefix-cache hit: decode rows, whole prefills and chunks over a cached prefix."""
+    rng = random.Random(3)
+    shared = [rng.randrange(2, 300) for _ in range(16)]
+    prompts = [[rng.randrange(2, 300) for _ in range(n)] for n in (5, 9, 30)]
+    prompts += [shared + [rng.randrange(2, 300) for _ in range(n)] for n in (3, 20)]
+    engine = make_engine(
+        llama, block_size=16, max_num_batched_tokens=16, attention_backend="triton"
+    )
+    assert type(engine.runner.attention).__name__ == "TritonPagedAttention"
+    greedy = SamplingParams(max_tokens=NEW_TOKENS, temperature=0, ignore_eos=True)
+    outputs = {}
+    for wave in (prompts[:-1], prompts[-1:]):  # the last one reuses the cached shared block
+        for prompt in wave:
+            engine.add_request(f"r{prompts.index(prompt)}", prompt, greedy)
+        outputs.update(run_to_completion(engine))
+    got = [tokens_of(outputs[f"r{i}"]) for i in range(len(prompts))]
+    assert got == hf_greedy(llama, prompts)
+    assert engine.stats().prefix_cache_hits == 16
