@@ -12,7 +12,7 @@ from backend.config import EngineConfig
 from backend.engine.batch import ModelRunnerOutput, ScheduledRequest, SchedulerOutput
 from backend.layers.attention import AttentionBackend, AttentionMetadata, TorchPagedAttention
 from backend.layers.sampler import apply_penalties, sample, token_logprobs
-from backend.loader import load_model, resolve_dtype
+from backend.loader import load_model, resolve_device, resolve_dtype
 from backend.models.config import ModelConfig
 from backend.outputs import TokenLogprobs
 
@@ -30,7 +30,7 @@ class ModelRunner:
     ) -> None:
         self.config = config
         self.eos_token_ids = eos_token_ids  # masked until a request reaches min_tokens
-        self.device = torch.device(config.device)
+        self.device = resolve_device(config.device)
         if self.device.type == "cuda" and not torch.cuda.is_available():
             raise ValueError(f"device {config.device!r} requested but CUDA is not available")
         if self.device.type == "cpu":
