@@ -61,8 +61,14 @@ class ModelRunner:
             dtype=self.dtype,
             device=self.device,
         )
+        self.use_cuda_graphs = self.device.type == "cuda" and not config.enforce_eager
         self._generators: dict[str, torch.Generator] = {}
         self._prompt_masks: dict[str, torch.Tensor] = {}  # penalised requests' prompts
+
+    @property
+    def attention_name(self) -> str:
+        name: str = getattr(self.attention, "name", type(self.attention).__name__)
+        return name
 
     @torch.inference_mode()
     def execute(self, batch: SchedulerOutput) -> ModelRunnerOutput:
