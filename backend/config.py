@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 DTYPES = ("auto", "float32", "float16", "bfloat16")
 ATTENTION_BACKENDS = ("auto", "torch", "triton")  # auto: triton on CUDA, torch on the CPU
-_DEVICE = re.compile(r"^(cpu|cuda(:\d+)?)$")
+_DEVICE = re.compile(r"^(auto|cpu|cuda(:\d+)?)$")
 
 
 @dataclass(frozen=True)
@@ -31,8 +31,8 @@ class EngineConfig:
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 2048
     max_model_len: int | None = None
-    dtype: str = "auto"  # "auto": float32 on CPU, the checkpoint's dtype on CUDA
-    device: str = "cpu"
+    dtype: str = "auto"  # "auto": float32 on CPU, bfloat16 on CUDA (float16 if unsupported)
+    device: str = "auto"  # "auto": CUDA when torch sees a GPU, else the CPU
     # CPU threads for torch ops (process-wide). None keeps torch's default; on a small
     # machine one thread fewer than the cores leaves the event loop room to stream.
     cpu_threads: int | None = None
@@ -40,6 +40,7 @@ class EngineConfig:
     share_prefix_cache: bool = False  # True: all tenants share one prefix cache
     gpu_memory_utilization: float = 0.9
     attention_backend: str = "auto"  # one of ATTENTION_BACKENDS
+    enforce_eager: bool = False  # True: no CUDA graphs for decode steps
     # -- scheduling policy (backend/SCHEDULING.md) --
     aging_interval_s: float | None = 5.0  # a waiting request rises one class per interval
     tenant_fairness: bool = True  # weighted fair share of tokens among equal classes
@@ -66,7 +67,9 @@ class EngineConfig:
                 f"got {self.attention_backend!r}"
             )
         if not _DEVICE.match(self.device):
-            raise ValueError(f"device must be 'cpu', 'cuda' or 'cuda:N', got {self.device!r}")
+            raise ValueError(
+                f"device must be 'auto', 'cpu', 'cuda' or 'cuda:N', got {self.device!r}"
+            )
         util = self.gpu_memory_utilization
         if isinstance(util, bool) or not isinstance(util, int | float) or not 0 < util <= 1:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {util!r}")
@@ -76,6 +79,7 @@ class EngineConfig:
             "tenant_fairness",
             "reject_infeasible_deadlines",
             "shed_least_urgent_first",
+            "enforce_eager",
         ):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}")

@@ -84,11 +84,25 @@ def _parse_config(arch: str, cfg: dict[str, Any]) -> ModelConfig:
     )
 
 
+def resolve_device(requested: str) -> torch.device:
+    """'auto': the first CUDA device when torch sees one, else the CPU."""
+    if requested == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(requested)
+
+
 def resolve_dtype(requested: str, device: torch.device, cfg: ModelConfig) -> torch.dtype:
+    """'auto': float32 on the CPU (its half-precision matmuls are slow and often
+    unsupported); on CUDA the checkpoint's half dtype, else bfloat16 where the GPU has it,
+    else float16."""
     if requested == "auto":
         if device.type == "cpu":
-            return torch.float32  # CPU half-precision matmuls are slow and often unsupported
-        requested = cfg.torch_dtype if cfg.torch_dtype in ("float16", "bfloat16") else "bfloat16"
+            return torch.float32
+        bf16 = torch.cuda.is_bf16_supported()
+        if cfg.torch_dtype == "float16" or (cfg.torch_dtype == "bfloat16" and bf16):
+            requested = cfg.torch_dtype
+        else:
+            requested = "bfloat16" if bf16 else "float16"
     return {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}[
         requested
     ]

@@ -38,13 +38,21 @@ def build_random_llama(
     stamp = folder / "bench-spec.json"
     if stamp.is_file() and json.loads(stamp.read_text()) == spec:
         return folder
-    from tokenizers import Tokenizer, models, pre_tokenizers
     from transformers import LlamaConfig, LlamaForCausalLM
 
     folder.mkdir(parents=True, exist_ok=True)
     torch.manual_seed(0)
     config = LlamaConfig(**spec, bos_token_id=0, eos_token_id=1)
     LlamaForCausalLM(config).save_pretrained(folder)
+    write_word_tokenizer(folder, vocab)
+    stamp.write_text(json.dumps(spec))
+    return folder
+
+
+def write_word_tokenizer(folder: Path, vocab: int) -> None:
+    """A word-level tokenizer "t0".."tN" (t0 BOS, t1 EOS) and a generation config."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
     words = {f"t{i}": i for i in range(vocab)}
     tok = Tokenizer(models.WordLevel(words, unk_token="t2"))
     tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
@@ -53,8 +61,39 @@ def build_random_llama(
         json.dumps({"bos_token": "t0", "eos_token": "t1"})
     )
     (folder / "generation_config.json").write_text(json.dumps({"eos_token_id": 1}))
-    stamp.write_text(json.dumps(spec))
-    return folder
+
+
+Workload = list[tuple[list[int], int]]  # (prompt ids, output tokens)
+
+
+def static_batches(work: Workload, batch_size: int, by_length: bool) -> list[Workload]:
+    """Fixed batches for generate(): in arrival order, or of similar prompt lengths
+    (sorted), which wastes less padding."""
+    items = sorted(work, key=lambda w: len(w[0])) if by_length else list(work)
+    return [items[i : i + batch_size] for i in range(0, len(items), batch_size)]
+
+
+def generate_static(model: Any, batch: Workload, device: torch.device) -> int:
+    """One generate() call on a left-padded batch, every row generating until the
+    batch's longest output is done (EOS ignored, greedy). Returns the padded token slots."""
+    width = max(len(p) for p, _ in batch)
+    longest = max(n for _, n in batch)
+    ids = torch.zeros(len(batch), width, dtype=torch.long)
+    mask = torch.zeros(len(batch), width, dtype=torch.long)
+    for row, (prompt, _) in enumerate(batch):
+        ids[row, width - len(prompt) :] = torch.tensor(prompt)
+        mask[row, width - len(prompt) :] = 1
+    out = model.generate(
+        input_ids=ids.to(device),
+        attention_mask=mask.to(device),
+        max_new_tokens=longest,
+        do_sample=False,
+        eos_token_id=None,
+        pad_token_id=0,
+    )
+    if out.shape[1] != width + longest:  # stopped early: that would flatter it
+        raise RuntimeError(f"generate() made {out.shape[1] - width} of {longest} tokens")
+    return len(batch) * (width + longest)
 
 
 def long_tailed(rng: Any, low: int, high: int, median: float, sigma: float) -> int:

@@ -1,30 +1,52 @@
-"""Throughput: this engine (continuous batching, paged KV, chunked prefill) against
-transformers' generate() with static batching, on the same random 8-layer, 512-wide
-Llama and the same mixed workload: 128 requests, long-tailed prompt lengths from 32 to
-1,536 tokens, outputs of 16 to 256 tokens, EOS ignored, greedy.
+"""Throughput: this engine (continuous batching, paged KV, chunked prefill), in process
+and through its HTTP API, against the strongest static baseline: transformers'
+generate() on length-sorted and on arrival-order batches of 8, 16 and 32, the best of
+the six reported. Same random 8-layer, 512-wide Llama, same long-tailed workload
+(prompts of 32 to 1,536 tokens, outputs of 16 to 256, EOS ignored, greedy), 32 and 128
+requests, each workload drawn with its own seed so that no prompt is in a prefix cache.
 
 Only the tokens each request asked for count as output; static batching also computes
 padding and keeps generating for a batch's shorter requests until its longest is done,
-which is what continuous batching avoids.
+which is what continuous batching avoids. The HTTP figure comes from a real
+`tollgate backend serve` on loopback that this script starts, with every request
+streamed at once by an httpx client in this process (on the same cores).
 
-    .venv/bin/python -m bench.engine_throughput [--quick]
+    .venv/bin/python -m bench.engine_throughput [--workloads 32,128] [--profile]
 """
 
 from __future__ import annotations
 
 import argparse
+import asyncio
+import os
 import random
+import subprocess
+import sys
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
+import httpx
+import msgspec
 import torch
 
 from backend.config import EngineConfig
 from backend.engine.engine import Engine
 from backend.sampling import SamplingParams
-from bench._common import CACHE, build_random_llama, long_tailed
+from bench._common import (
+    CACHE,
+    Workload,
+    build_random_llama,
+    generate_static,
+    long_tailed,
+    static_batches,
+)
+from tests.e2e.processes import free_port
 
-Workload = list[tuple[list[int], int]]  # (prompt ids, output tokens)
+SECRET = "bench-secret"  # for a loopback server this script starts and stops
 
 
 def make_workload(num: int, max_prompt: int, max_output: int, seed: int, vocab: int) -> Workload:
@@ -37,112 +59,245 @@ def make_workload(num: int, max_prompt: int, max_output: int, seed: int, vocab: 
     return work
 
 
-def run_engine(model_dir: Path, work: Workload, config: EngineConfig) -> tuple[int, float]:
-    engine = Engine(model_dir, config)
-    warm = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True)
-    engine.add_request("warm-up", work[0][0][:64], warm)
-    while engine.has_work():
-        engine.step()
-    start, cpu = time.perf_counter(), time.process_time()
+def greedy(max_tokens: int) -> SamplingParams:
+    return SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True)
+
+
+@dataclass(frozen=True)
+class Rate:
+    tokens: int
+    seconds: float
+    note: str = ""
+
+    @property
+    def per_s(self) -> float:
+        return self.tokens / self.seconds
+
+
+def run_engine(engine: Engine, work: Workload, tag: str) -> Rate:
+    steps, cpu = engine.num_steps, time.process_time()
+    start = time.perf_counter()
     for i, (prompt, out_len) in enumerate(work):
-        params = SamplingParams(max_tokens=out_len, temperature=0, ignore_eos=True)
-        engine.add_request(f"r{i}", prompt, params)
+        engine.add_request(f"{tag}-{i}", prompt, greedy(out_len))
     tokens = 0
     while engine.has_work():
         tokens += sum(len(o.token_ids) for o in engine.step())
     elapsed, cpu = time.perf_counter() - start, time.process_time() - cpu
-    stats = engine.stats()
-    print(
-        f"  engine: {stats.num_steps} steps, {stats.num_preemptions} preemptions, "
-        f"{stats.total_prefill_tokens} prefill + {stats.total_decode_tokens} decode tokens, "
-        f"{cpu:.1f} s CPU"
+    return Rate(tokens, elapsed, f"{engine.num_steps - steps} steps, {cpu:.1f} s CPU")
+
+
+WARM_UP = list(range(2, 66))  # a prompt no workload shares a prefix with
+
+
+def warm(engine: Engine) -> None:
+    engine.add_request("warm-up", WARM_UP, greedy(4))
+    while engine.has_work():
+        engine.step()
+
+
+# -- through the HTTP API --------------------------------------------------------------
+
+
+def server_flags(config: EngineConfig) -> list[str]:
+    return [
+        f"--kv-cache-bytes={config.kv_cache_bytes}",
+        f"--max-num-seqs={config.max_num_seqs}",
+        f"--max-num-batched-tokens={config.max_num_batched_tokens}",
+        f"--cpu-threads={config.cpu_threads}",
+        "--device=cpu",
+    ]
+
+
+@contextmanager
+def backend_server(model_dir: Path, config: EngineConfig) -> Iterator[str]:
+    """`tollgate backend serve` on a free loopback port, until the block ends."""
+    port = free_port()
+    env = {**os.environ, "TOLLGATE_BACKEND_SECRET": SECRET, "TOLLGATE_LOG_LEVEL": "warning"}
+    args = ["backend", "serve", "--model", str(model_dir), "--port", str(port)]
+    process = subprocess.Popen(
+        [sys.executable, "-m", "gateway.cli", *args, *server_flags(config)],
+        env=env,
+        stdout=subprocess.DEVNULL,
     )
-    return tokens, elapsed
+    url = f"http://127.0.0.1:{port}"
+    try:
+        _wait_until_healthy(url, process)
+        yield url
+    finally:
+        process.terminate()
+        process.wait(timeout=60)
 
 
-def run_static(model_dir: Path, work: Workload, batch_size: int) -> tuple[int, float]:
-    """generate() on fixed batches in arrival order: left-padded prompts, every request
-    in a batch generating until the batch's longest output is done."""
+def _wait_until_healthy(url: str, process: subprocess.Popen[bytes]) -> None:
+    deadline = time.monotonic() + 180
+    while time.monotonic() < deadline:
+        if process.poll() is not None:
+            raise RuntimeError(f"the backend exited with {process.returncode}")
+        try:
+            if httpx.get(f"{url}/healthz", timeout=1).status_code == 200:
+                return
+        except httpx.TransportError:
+            pass
+        time.sleep(0.25)  # polling a process we started; no event to wait on
+    raise RuntimeError("the backend did not become healthy in 180 s")
+
+
+async def _stream_one(
+    client: httpx.AsyncClient, url: str, rid: str, prompt: list[int], n: int
+) -> int:
+    body = {"request_id": rid, "prompt": prompt, "params": msgspec.to_builtins(greedy(n))}
+    tokens = 0
+    headers = {"x-tollgate-secret": SECRET}
+    async with client.stream("POST", f"{url}/internal/generate", json=body, headers=headers) as r:
+        r.raise_for_status()
+        async for line in r.aiter_lines():
+            if line:
+                out: dict[str, Any] = msgspec.json.decode(line)
+                if "error" in out and "token_ids" not in out:
+                    raise RuntimeError(f"{rid}: {out['error']}")
+                tokens += len(out["token_ids"])
+    return tokens
+
+
+async def _stream_all(url: str, work: Workload, tag: str) -> Rate:
+    limits = httpx.Limits(max_connections=len(work) + 4)
+    async with httpx.AsyncClient(timeout=None, limits=limits) as client:
+        await _stream_one(client, url, f"{tag}-warm", WARM_UP, 4)
+        start = time.perf_counter()
+        counts = await asyncio.gather(
+            *(_stream_one(client, url, f"{tag}-{i}", p, n) for i, (p, n) in enumerate(work))
+        )
+    return Rate(sum(counts), time.perf_counter() - start, "all requests streamed at once")
+
+
+def run_http(url: str, work: Workload, tag: str) -> Rate:
+    return asyncio.run(_stream_all(url, work, tag))
+
+
+# -- the static baseline ---------------------------------------------------------------
+
+
+def load_static_model(model_dir: Path) -> Any:
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
-    model.eval()  # type: ignore[no-untyped-call]
-    with torch.inference_mode():
-        model.generate(torch.tensor([work[0][0][:64]]), max_new_tokens=4, do_sample=False)
-        start, cpu = time.perf_counter(), time.process_time()
-        padded = 0
-        for b in range(0, len(work), batch_size):
-            batch = work[b : b + batch_size]
-            width = max(len(p) for p, _ in batch)
-            ids = torch.zeros(len(batch), width, dtype=torch.long)
-            mask = torch.zeros(len(batch), width, dtype=torch.long)
-            for row, (prompt, _) in enumerate(batch):
-                ids[row, width - len(prompt) :] = torch.tensor(prompt)
-                mask[row, width - len(prompt) :] = 1
-            out = model.generate(
-                input_ids=ids,
-                attention_mask=mask,
-                max_new_tokens=max(n for _, n in batch),
-                do_sample=False,
-                eos_token_id=None,
-                pad_token_id=0,
-            )
-            longest = max(n for _, n in batch)
-            if out.shape[1] != width + longest:  # stopped early: that would flatter it
-                raise RuntimeError(f"generate() made {out.shape[1] - width} of {longest} tokens")
-            padded += len(batch) * (width + longest)
-        elapsed, cpu = time.perf_counter() - start, time.process_time() - cpu
-    useful = sum(len(p) + n for p, n in work)
-    print(f"  static: {padded} padded token slots for {useful} useful ones, {cpu:.1f} s CPU")
-    return sum(n for _, n in work), elapsed
+    model: Any = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    return model.eval()
+
+
+@torch.inference_mode()
+def run_static(
+    model: Any, work: Workload, batch_size: int, by_length: bool, budget_s: float
+) -> Rate:
+    """generate() on fixed batches. With a budget, the batches run in a shuffled order
+    until it is spent, and the rate is over those done (a fair sample of all of them)."""
+    batches = static_batches(work, batch_size, by_length)
+    random.Random(batch_size).shuffle(batches)
+    generate_static(model, [(WARM_UP, 2)], torch.device("cpu"))  # warm-up
+    start, tokens, padded, done = time.perf_counter(), 0, 0, 0
+    for batch in batches:
+        if time.perf_counter() - start > budget_s:
+            break
+        padded += generate_static(model, batch, torch.device("cpu"))
+        tokens += sum(n for _, n in batch)
+        done += 1
+    useful = sum(len(p) + n for b in batches[:done] for p, n in b)
+    note = f"{done}/{len(batches)} batches, {padded} padded slots for {useful} useful"
+    return Rate(tokens, time.perf_counter() - start, note)
+
+
+# -- the report ------------------------------------------------------------------------
+
+
+def line(label: str, rate: Rate, best: float | None = None) -> str:
+    ratio = f"  {rate.per_s / best:5.2f}x best static" if best else ""
+    figures = f"{rate.per_s:8.1f} tok/s ({rate.tokens} in {rate.seconds:6.1f} s; {rate.note})"
+    return f"  {label:<34} {figures}{ratio}"
+
+
+def profile_engine(model_dir: Path, config: EngineConfig, work: Workload) -> None:
+    """The in-process engine under pyinstrument: where each step's time goes."""
+    from pyinstrument import Profiler
+
+    engine = Engine(model_dir, config)
+    warm(engine)
+    profiler = Profiler(interval=0.002)
+    with profiler:
+        rate = run_engine(engine, work, "profile")
+    print(line("engine (profiled)", rate))
+    print(profiler.output_text(unicode=False, color=False, show_all=False, short_mode=False))
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--quick", action="store_true", help="32 requests, shorter lengths")
-    parser.add_argument("--requests", type=int, default=None)
-    parser.add_argument("--static-batch-size", type=int, default=16)
+    parser.add_argument("--workloads", default="32,128", help="request counts, comma-separated")
+    parser.add_argument("--static-batch-sizes", default="8,16,32")
+    parser.add_argument(
+        "--static-budget-s",
+        type=float,
+        default=float("inf"),
+        help="time per static configuration (rate over the batches done)",
+    )
     parser.add_argument("--max-num-seqs", type=int, default=64)
     parser.add_argument("--max-num-batched-tokens", type=int, default=1024)
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--skip-static", action="store_true")
-    parser.add_argument("--skip-engine", action="store_true")
+    parser.add_argument("--skip-http", action="store_true")
+    parser.add_argument("--profile", action="store_true", help="profile the engine and stop")
     args = parser.parse_args()
 
     torch.set_num_threads(args.threads)
     model_dir = build_random_llama(CACHE / "llama-8x512")
-    num, max_prompt, max_output = (32, 512, 64) if args.quick else (128, 1536, 256)
-    work = make_workload(args.requests or num, max_prompt, max_output, args.seed, 32000)
-    prompt_tokens = sum(len(p) for p, _ in work)
-    print(
-        f"{len(work)} requests: {prompt_tokens} prompt tokens "
-        f"(max {max(len(p) for p, _ in work)}), {sum(n for _, n in work)} output tokens "
-        f"(max {max(n for _, n in work)}); {args.threads} threads"
-    )
+    sizes = [int(n) for n in args.workloads.split(",")]
+    works = {n: make_workload(n, 1536, 256, args.seed + n, 32000) for n in sizes}
     config = EngineConfig(
         kv_cache_bytes=2 * 2**30,
         max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens,
+        cpu_threads=args.threads,
+        device="cpu",
     )
-    engine_tps = 0.0
-    if not args.skip_engine:
-        tokens, seconds = run_engine(model_dir, work, config)
-        engine_tps = tokens / seconds
-        print(
-            f"tollgate engine : {tokens} output tokens in {seconds:7.1f} s "
-            f"= {engine_tps:7.1f} tok/s"
-        )
-    if args.skip_static:
+    if args.profile:
+        profile_engine(model_dir, config, works[sizes[0]])
         return
-    tokens, seconds = run_static(model_dir, work, args.static_batch_size)
-    static_tps = tokens / seconds
+    engine = Engine(model_dir, config)
+    warm(engine)
+    static_model = None if args.skip_static else load_static_model(model_dir)
+    with backend_server(model_dir, config) if not args.skip_http else _nothing() as url:
+        for n in sizes:
+            report(n, works[n], engine, url, static_model, args)
+
+
+@contextmanager
+def _nothing() -> Iterator[str]:
+    yield ""
+
+
+def report(n: int, work: Workload, engine: Engine, url: str, static_model: Any, args: Any) -> None:
     print(
-        f"static batching : {tokens} output tokens in {seconds:7.1f} s = {static_tps:7.1f} tok/s "
-        f"(transformers generate, batches of {args.static_batch_size})"
+        f"\n{n} requests: {sum(len(p) for p, _ in work)} prompt tokens "
+        f"(max {max(len(p) for p, _ in work)}), {sum(k for _, k in work)} output tokens "
+        f"(max {max(k for _, k in work)}); {args.threads} threads",
+        flush=True,
     )
-    if engine_tps:
-        print(f"ratio           : {engine_tps / static_tps:.2f}x")
+    statics: dict[str, Rate] = {}
+    if static_model is not None:
+        for size in (int(s) for s in args.static_batch_sizes.split(",")):
+            for by_length in (True, False):
+                label = f"static {'sorted' if by_length else 'arrival'} batches of {size}"
+                statics[label] = run_static(
+                    static_model, work, size, by_length, args.static_budget_s
+                )
+                print(line(label, statics[label]), flush=True)
+    best = max((r.per_s for r in statics.values()), default=None)
+    if best:
+        label = max(statics, key=lambda k: statics[k].per_s)
+        print(f"  best static: {label}, {best:.1f} tok/s")
+    print(line("engine in process", run_engine(engine, work, f"in{n}"), best), flush=True)
+    if url:
+        print(
+            line("engine through the HTTP API", run_http(url, work, f"http{n}"), best), flush=True
+        )
 
 
 if __name__ == "__main__":

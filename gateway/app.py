@@ -58,12 +58,8 @@ log = logging.getLogger(__name__)
 
 
 def engine_config(settings: Settings) -> EngineConfig:
-    return EngineConfig(
-        kv_cache_bytes=settings.kv_cache_bytes,
-        max_num_seqs=settings.max_num_seqs,
-        cpu_threads=settings.engine_threads,
-        max_waiting_requests=settings.max_waiting_requests,
-    )
+    """The in-process engine's knobs (TOLLGATE_<FIELD> variables, `tollgate serve` flags)."""
+    return settings.engine
 
 
 async def connect_engine(settings: Settings) -> EngineClient:

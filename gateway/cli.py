@@ -18,10 +18,10 @@ from typing import TypeVar
 
 from sqlalchemy.ext.asyncio import AsyncSession
 
-from gateway import capacity_cli
+from gateway import capacity_cli, engine_knobs
 from gateway.admission import cli as quota_cli
 from gateway.billing import cli as billing_cli
-from gateway.settings import Settings, SettingsError
+from gateway.settings import Settings, SettingsError, gateway_engine_defaults
 from tenants import audit, db
 from tenants.admins import AdminService
 from tenants.audit import Actor
@@ -38,7 +38,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         settings = Settings.from_env()
         result: int = args.handler(settings, args)
-    except (SettingsError, DomainError) as exc:
+    except (SettingsError, engine_knobs.KnobError, DomainError) as exc:
         print(f"tollgate: {exc}", file=sys.stderr)
         return 2
     return result
@@ -52,6 +52,7 @@ def _parser() -> argparse.ArgumentParser:
     serve.add_argument("--host", help="interface to bind (TOLLGATE_HOST, default 127.0.0.1)")
     serve.add_argument("--port", type=int, help="port (TOLLGATE_PORT, default 8000)")
     serve.add_argument("--model", type=Path, help="checkpoint folder (TOLLGATE_MODEL)")
+    engine_knobs.add_flags(serve, gateway_engine_defaults())
     serve.set_defaults(handler=_serve)
 
     backend = commands.add_parser("backend", help="inference backend replicas")
@@ -62,6 +63,7 @@ def _parser() -> argparse.ArgumentParser:
     backend_serve.add_argument("--model", type=Path, help="checkpoint folder (default: built-in)")
     backend_serve.add_argument("--host", default="127.0.0.1")
     backend_serve.add_argument("--port", type=int, default=9000)
+    engine_knobs.add_flags(backend_serve, gateway_engine_defaults())
     backend_serve.set_defaults(handler=_backend_serve)
 
     database = commands.add_parser("db", help="database schema").add_subparsers(required=True)
@@ -278,7 +280,10 @@ def _in_session(settings: Settings, work: Callable[[AsyncSession], Awaitable[T]]
 def _serve(settings: Settings, args: argparse.Namespace) -> int:
     from gateway.serve import serve
 
-    settings = settings.with_overrides(host=args.host, port=args.port, model_path=args.model)
+    engine = engine_knobs.from_flags(settings.engine, args)
+    settings = settings.with_overrides(
+        host=args.host, port=args.port, model_path=args.model, engine=engine
+    )
     return serve(settings)
 
 
@@ -286,7 +291,10 @@ def _backend_serve(settings: Settings, args: argparse.Namespace) -> int:
     from gateway.serve import serve_backend
 
     model = args.model or settings.model_path
-    return serve_backend(settings.with_overrides(host=args.host, port=args.port, model_path=model))
+    engine = engine_knobs.from_flags(settings.engine, args)
+    return serve_backend(
+        settings.with_overrides(host=args.host, port=args.port, model_path=model, engine=engine)
+    )
 
 
 def _db_upgrade(settings: Settings, args: argparse.Namespace) -> int:

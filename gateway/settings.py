@@ -5,14 +5,23 @@ from __future__ import annotations
 import ipaddress
 import os
 from collections.abc import Mapping
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from pathlib import Path
+
+from backend.config import EngineConfig
+from gateway import engine_knobs
 
 DEFAULT_DATA_DIR = Path(".tollgate")
 
 
 class SettingsError(ValueError):
     """A setting has a value that cannot be used; the message names the variable."""
+
+
+def gateway_engine_defaults() -> EngineConfig:
+    """The engine's defaults when the gateway starts it: fewer running requests than the
+    library default, and one CPU thread fewer than the cores, so the event loop can stream."""
+    return EngineConfig(max_num_seqs=32, cpu_threads=max(1, (os.cpu_count() or 2) - 1))
 
 
 @dataclass(frozen=True)
@@ -24,9 +33,6 @@ class Settings:
     port: int
     data_dir: Path
     admin_key: str | None  # bootstrap: ensure this admin key exists
-    kv_cache_bytes: int
-    max_num_seqs: int
-    engine_threads: int
     request_timeout_s: float
     idempotency_retention_s: int
     lease_s: int
@@ -43,7 +49,8 @@ class Settings:
     export_retry_s: int = 30  # a row Stripe deferred waits this long, doubling per try (<= 1 h)
     celery_queue: str = "tollgate"
     console_idle_s: int = 1800  # admin console sessions end after this long unused
-    max_waiting_requests: int = 1024  # engine queue; past it, 503 + Retry-After (shed)
+    # The in-process engine's (or `tollgate backend serve`'s) knobs: TOLLGATE_<FIELD>.
+    engine: EngineConfig = field(default_factory=gateway_engine_defaults)
     # Peers whose X-Forwarded-For / X-Forwarded-Proto are believed (IPs or CIDRs; "*": all).
     # The audit log, rate-limit failures and /metrics' loopback check see the client behind.
     trusted_proxies: tuple[str, ...] = ("127.0.0.1",)
@@ -68,12 +75,7 @@ class Settings:
             max_body_bytes=_int(env, "TOLLGATE_MAX_BODY_BYTES", 4 * 2**20, low=2**10),
             data_dir=data_dir,
             admin_key=env.get("TOLLGATE_ADMIN_KEY", "").strip() or None,
-            kv_cache_bytes=_int(env, "TOLLGATE_KV_CACHE_BYTES", 256 * 2**20, low=2**20),
-            max_num_seqs=_int(env, "TOLLGATE_MAX_NUM_SEQS", 32, low=1, high=4096),
-            max_waiting_requests=_int(env, "TOLLGATE_MAX_WAITING_REQUESTS", 1024, low=1),
-            engine_threads=_int(
-                env, "TOLLGATE_ENGINE_THREADS", max(1, (os.cpu_count() or 2) - 1), low=1
-            ),
+            engine=_engine(env),
             log_level=env.get("TOLLGATE_LOG_LEVEL", "info").lower(),
             request_timeout_s=float(_int(env, "TOLLGATE_REQUEST_TIMEOUT_S", 600, low=1)),
             idempotency_retention_s=_int(
@@ -112,6 +114,13 @@ class Settings:
     @property
     def admin_key_file(self) -> Path:
         return self.data_dir / "admin-key"
+
+
+def _engine(env: Mapping[str, str]) -> EngineConfig:
+    try:
+        return engine_knobs.from_env(env, gateway_engine_defaults())
+    except engine_knobs.KnobError as exc:
+        raise SettingsError(str(exc)) from None
 
 
 def _proxies(raw: str) -> tuple[str, ...]:

@@ -56,6 +56,7 @@ class Engine:
         )
         self.max_model_len = self._fit_max_model_len(wanted)
         self.scheduler = Scheduler(config, self.block_manager)
+        log.info("%s", self.describe())
         self.num_steps = 0
         self.num_failed_requests = 0  # failed by a fault while stepping them
         self._failed_steps = 0  # in a row
@@ -83,6 +84,20 @@ class Engine:
             )
         log.info("max_model_len capped at %d tokens: the KV pool holds no more", capacity)
         return capacity
+
+    def describe(self) -> str:
+        """The one start-up line: where it runs, and how much the KV pool holds."""
+        runner, bs = self.runner, self.config.block_size
+        per_seq = -(-self.max_model_len // bs)  # blocks one sequence of max_model_len needs
+        kv_bytes = runner.kv_cache.numel() * runner.kv_cache.element_size()
+        return (
+            f"engine: device={runner.device} dtype={str(runner.dtype).removeprefix('torch.')} "
+            f"attention={runner.attention_name} kv_blocks={runner.num_blocks} "
+            f"kv_bytes={kv_bytes} ({kv_bytes / 2**30:.2f} GiB) "
+            f"max_seqs_at_max_model_len={runner.num_blocks // per_seq} "
+            f"(max_model_len={self.max_model_len}) "
+            f"cuda_graphs={'on' if runner.use_cuda_graphs else 'off'}"
+        )
 
     # -- any thread ---------------------------------------------------------------------
 

@@ -5,17 +5,26 @@ from __future__ import annotations
 
 import ctypes
 from pathlib import Path
+from typing import cast
 
 import torch
 
 from backend.config import EngineConfig
 from backend.engine.batch import ModelRunnerOutput, ScheduledRequest, SchedulerOutput
+from backend.engine.cuda_graphs import DecodeGraphs, GraphableBackend, can_capture
+from backend.engine.step_inputs import Staging, to_device, to_host
 from backend.errors import RequestStepError
 from backend.layers.attention import AttentionBackend, AttentionMetadata, attention_backend
-from backend.layers.sampler import apply_penalties, sample, token_logprobs
-from backend.loader import load_model, resolve_dtype
+from backend.layers.sampler import (
+    SamplingTensors,
+    apply_penalties_batch,
+    assemble_logprobs,
+    logprob_tensors,
+    sample_tokens,
+)
+from backend.loader import load_model, resolve_device, resolve_dtype
 from backend.models.config import ModelConfig
-from backend.outputs import TokenLogprobs
+from backend.sampling import SamplingParams
 
 _M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3  # mallopt parameters, from glibc's malloc.h
 
@@ -31,7 +40,7 @@ class ModelRunner:
     ) -> None:
         self.config = config
         self.eos_token_ids = eos_token_ids  # masked until a request reaches min_tokens
-        self.device = torch.device(config.device)
+        self.device = resolve_device(config.device)
         if self.device.type == "cuda" and not torch.cuda.is_available():
             raise ValueError(f"device {config.device!r} requested but CUDA is not available")
         if self.device.type == "cpu":
@@ -64,6 +73,33 @@ class ModelRunner:
         )
         self._generators: dict[str, torch.Generator] = {}
         self._prompt_masks: dict[str, torch.Tensor] = {}  # penalised requests' prompts
+        self.graphs: DecodeGraphs | None = None
+        if self.device.type == "cuda" and not config.enforce_eager and can_capture(self.attention):
+            self.graphs = self._capture_graphs(max_model_len)
+        self.use_cuda_graphs = self.graphs is not None  # may be switched off (benchmarks)
+
+    @torch.inference_mode()
+    def _capture_graphs(self, max_model_len: int) -> DecodeGraphs:
+        bs = self.config.block_size
+        graphs = DecodeGraphs(
+            lambda ids, positions, meta: self.model(ids, positions, self.kv_cache, meta),
+            cast(GraphableBackend, self.attention),
+            max_num_seqs=self.config.max_num_seqs,
+            max_blocks=-(-max_model_len // bs),
+            block_size=bs,
+            device=self.device,
+        )
+        graphs.capture()
+        return graphs
+
+    @property
+    def graph_replays(self) -> int:
+        return 0 if self.graphs is None else self.graphs.replays
+
+    @property
+    def attention_name(self) -> str:
+        name: str = getattr(self.attention, "name", type(self.attention).__name__)
+        return name
 
     @torch.inference_mode()
     def execute(self, batch: SchedulerOutput) -> ModelRunnerOutput:
@@ -72,32 +108,94 @@ class ModelRunner:
             self._prompt_masks.pop(request_id, None)
         if not batch.requests:
             return ModelRunnerOutput({})
-        rows = [i for i, r in enumerate(batch.requests) if r.sample]
-        reqs = [batch.requests[i] for i in rows]
+        reqs = [r for r in batch.requests if r.sample]
+        stage = Staging(self.device)  # sampling's inputs, copied with one transfer
+        stage.add("last", _last_rows(batch))
+        SamplingTensors.stage(stage, [r.params for r in reqs], self.model.cfg.vocab_size)
+        self._stage_logit_work(stage, reqs)
         generators = self._generators_for(reqs)  # first: a bad seed fails only its request
-        input_ids, positions, meta = self._prepare(batch)
-        hidden = self.model(input_ids, positions, self.kv_cache, meta)
-        if not rows:
+        hidden = self._forward(batch)
+        if not reqs:
             return ModelRunnerOutput({})
-        last = torch.tensor([meta.query_start_loc[i + 1] - 1 for i in rows], device=self.device)
-        logits = self.model.logits(hidden[last])
-        processed = self._process_logits(logits, reqs)
-        tokens = sample(processed, [r.params for r in reqs], generators)
-        sampled = {r.request_id: t for r, t in zip(reqs, tokens, strict=True)}
-        return ModelRunnerOutput(sampled, self._logprobs(logits, reqs, tokens))
+        staged = stage.upload()
+        logits = self.model.logits(hidden[staged["last"]])
+        processed = self._process_logits(logits, reqs, staged)
+        sampling = SamplingTensors.of(staged, [r.params for r in reqs])
+        tokens = sample_tokens(processed, generators, sampling)
+        want = [i for i, r in enumerate(reqs) if r.params.logprobs is not None]
+        if not want:
+            sampled = to_host(tokens)[0].tolist()
+            return ModelRunnerOutput({r.request_id: t for r, t in zip(reqs, sampled, strict=True)})
+        k = max(reqs[i].params.logprobs or 0 for i in want)
+        # Over every row (one kernel each), read back with the tokens: one wait per step.
+        host_tokens, *lps = to_host(tokens, *logprob_tensors(logits, tokens, k))
+        sampled = host_tokens.tolist()
+        rows = torch.tensor(want)
+        found = assemble_logprobs(
+            [sampled[i] for i in want],
+            (lps[0][rows], lps[1][rows], lps[2][rows], lps[3][rows]),
+            [reqs[i].params.logprobs or 0 for i in want],
+        )
+        return ModelRunnerOutput(
+            {r.request_id: t for r, t in zip(reqs, sampled, strict=True)},
+            {reqs[i].request_id: lp for i, lp in zip(want, found, strict=True)},
+        )
 
-    def _process_logits(self, logits: torch.Tensor, reqs: list[ScheduledRequest]) -> torch.Tensor:
-        """Penalties and min_tokens masks, on a copy: logprobs report the raw distribution."""
-        work = [(i, r, self._banned(r)) for i, r in enumerate(reqs)]
-        work = [(i, r, banned) for i, r, banned in work if r.params.penalized or banned]
-        if not work:
+    def _forward(self, batch: SchedulerOutput) -> torch.Tensor:
+        """Hidden states of every scheduled token: a CUDA-graph replay for decode-only
+        steps that fit one, else the eager forward pass."""
+        graphs, reqs = self.graphs, batch.requests
+        if (
+            self.use_cuda_graphs
+            and graphs is not None
+            and graphs.fits(len(reqs))
+            and all(len(r.token_ids) == 1 for r in reqs)
+        ):
+            return graphs.replay(
+                [r.token_ids[0] for r in reqs],
+                [r.start_pos for r in reqs],
+                [r.block_ids for r in reqs],
+            )
+        input_ids, positions, meta = self._prepare(batch)
+        return self.model(input_ids, positions, self.kv_cache, meta)  # type: ignore[no-any-return]
+
+    def _stage_logit_work(self, stage: Staging, reqs: list[ScheduledRequest]) -> None:
+        """Penalties (rows, each row's output so far padded with -1, its three penalty
+        values) and min_tokens masks (row, token pairs), for `_process_logits`."""
+        penalized = [i for i, r in enumerate(reqs) if r.params.penalized]
+        if penalized:
+            longest = max(len(reqs[i].output_token_ids) for i in penalized)
+            outputs = [reqs[i].output_token_ids for i in penalized]
+            stage.add("pen_rows", penalized)
+            stage.add("pen_outputs", [o + [-1] * (longest - len(o)) for o in outputs])
+            stage.add("pen_values", [_penalties(reqs[i].params) for i in penalized], torch.float32)
+        banned = [(i, t) for i, r in enumerate(reqs) for t in self._banned(r)]
+        if banned:
+            stage.add("ban_rows", [i for i, _ in banned])
+            stage.add("ban_tokens", [t for _, t in banned])
+
+    def _process_logits(
+        self,
+        logits: torch.Tensor,
+        reqs: list[ScheduledRequest],
+        staged: dict[str, torch.Tensor] | None = None,
+    ) -> torch.Tensor:
+        """Penalties and min_tokens masks, on a copy: logprobs report the raw distribution.
+        `staged`: what `_stage_logit_work` put on the device (built here if not given)."""
+        if staged is None:
+            stage = Staging(self.device)
+            self._stage_logit_work(stage, reqs)
+            staged = stage.upload()
+        if "pen_rows" not in staged and "ban_rows" not in staged:
             return logits
         out = logits.float().clone()
-        for i, r, banned in work:
-            if r.params.penalized:
-                mask = self._prompt_mask(r, out.shape[-1])
-                apply_penalties(out[i], r.params, mask, r.output_token_ids)
-            out[i, banned] = float("-inf")
+        if "pen_rows" in staged:
+            penalized = [r for r in reqs if r.params.penalized]
+            masks = torch.stack([self._prompt_mask(r, out.shape[-1]) for r in penalized])
+            rows, outputs, values = staged["pen_rows"], staged["pen_outputs"], staged["pen_values"]
+            apply_penalties_batch(out, rows, masks, outputs, values)
+        if "ban_rows" in staged:
+            out[staged["ban_rows"], staged["ban_tokens"]] = float("-inf")
         return out
 
     def _banned(self, r: ScheduledRequest) -> list[int]:
@@ -113,22 +211,9 @@ class ModelRunner:
         mask = self._prompt_masks.get(r.request_id)
         if mask is None:
             mask = torch.zeros(vocab, dtype=torch.bool, device=self.device)
-            mask[self._tensor(r.prompt_token_ids)] = True
+            mask[to_device(torch.tensor(r.prompt_token_ids), self.device)] = True
             self._prompt_masks[r.request_id] = mask
         return mask
-
-    def _logprobs(
-        self, logits: torch.Tensor, reqs: list[ScheduledRequest], tokens: list[int]
-    ) -> dict[str, TokenLogprobs]:
-        want = [i for i, r in enumerate(reqs) if r.params.logprobs is not None]
-        if not want:
-            return {}
-        found = token_logprobs(
-            logits[want] if len(want) < len(reqs) else logits,
-            [tokens[i] for i in want],
-            [reqs[i].params.logprobs or 0 for i in want],
-        )
-        return {reqs[i].request_id: lp for i, lp in zip(want, found, strict=True)}
 
     def _kv_budget(self) -> int:
         if self.device.type != "cuda":
@@ -213,6 +298,20 @@ def _slots(block_ids: list[int], start: int, end: int, block_size: int) -> list[
         slots += range(base + pos, base + stop)
         pos = stop
     return slots
+
+
+def _last_rows(batch: SchedulerOutput) -> list[int]:
+    """The flat-batch row of each sampling request's last token."""
+    rows, end = [], 0
+    for r in batch.requests:
+        end += len(r.token_ids)
+        if r.sample:
+            rows.append(end - 1)
+    return rows
+
+
+def _penalties(p: SamplingParams) -> list[float]:
+    return [p.repetition_penalty, p.presence_penalty, p.frequency_penalty]
 
 
 def _keep_freed_memory() -> None:

@@ -1,13 +1,90 @@
-"""Turns last-position logits into one token per sequence."""
+"""Turns last-position logits into one token per sequence.
+
+Everything here stays on the logits' device and works on the whole batch at once: the
+per-request parameters arrive as tensors (`SamplingTensors`, staged by the model runner
+with the step's other inputs), so sampling never waits for the GPU. The only wait is the
+runner's read-back of the tokens (and logprobs) at the end of the step."""
 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import torch
 
+from backend.engine.step_inputs import Staging
 from backend.outputs import TokenLogprobs
 from backend.sampling import SamplingParams
+
+
+@dataclass(frozen=True)
+class SamplingTensors:
+    """Per-row parameters, [B] each; the flags skip work no row needs."""
+
+    temperature: torch.Tensor  # float32; 1.0 for greedy rows (unused there)
+    top_k: torch.Tensor  # int64; vocab size when off
+    top_p: torch.Tensor  # float32
+    greedy: torch.Tensor  # bool
+    all_greedy: bool
+    use_top_k: bool
+    use_top_p: bool
+
+    @staticmethod
+    def stage(stage: Staging, params: Sequence[SamplingParams], vocab: int) -> None:
+        if all(p.greedy for p in params):
+            return
+        stage.add("temperature", [p.temperature or 1.0 for p in params], torch.float32)
+        stage.add("top_k", [p.top_k or vocab for p in params])
+        stage.add("top_p", [p.top_p for p in params], torch.float32)
+        stage.add("greedy", [int(p.greedy) for p in params])
+
+    @classmethod
+    def of(
+        cls, staged: dict[str, torch.Tensor], params: Sequence[SamplingParams]
+    ) -> SamplingTensors:
+        all_greedy = all(p.greedy for p in params)
+        if all_greedy:
+            empty = torch.empty(0)
+            return cls(empty, empty, empty, empty, True, False, False)
+        return cls(
+            staged["temperature"],
+            staged["top_k"],
+            staged["top_p"],
+            staged["greedy"].bool(),
+            all_greedy=False,
+            use_top_k=any(p.top_k for p in params),
+            use_top_p=any(p.top_p < 1 for p in params),
+        )
+
+    @classmethod
+    def build(
+        cls, params: Sequence[SamplingParams], vocab: int, device: torch.device
+    ) -> SamplingTensors:
+        stage = Staging(device)
+        cls.stage(stage, params, vocab)
+        return cls.of(stage.upload(), params)
+
+
+def sample_tokens(
+    logits: torch.Tensor,
+    generators: Sequence[torch.Generator | None],
+    tensors: SamplingTensors,
+) -> torch.Tensor:
+    """logits: [B, vocab] -> [B] token ids, on the logits' device. Greedy rows take the
+    argmax; the others draw with the exponential trick (argmax of p / q, q ~ Exp(1)),
+    each seeded row from its own generator so its draw does not depend on the batch."""
+    logits = logits.float()
+    greedy = logits.argmax(dim=-1)
+    if tensors.all_greedy:
+        return greedy
+    scaled = _top_k_top_p(logits / tensors.temperature[:, None], tensors)
+    probs = torch.softmax(scaled, dim=-1)
+    q = torch.empty_like(probs).exponential_()
+    for i, gen in enumerate(generators):
+        if gen is not None:
+            q[i].exponential_(generator=gen)
+    sampled = probs.div_(q.clamp_min_(1e-10)).argmax(dim=-1)
+    return torch.where(tensors.greedy, greedy, sampled)
 
 
 def sample(
@@ -15,49 +92,33 @@ def sample(
     params: Sequence[SamplingParams],
     generators: Sequence[torch.Generator | None],
 ) -> list[int]:
-    """logits: [B, vocab]. Greedy rows take the argmax; the others draw with the
-    exponential trick (argmax of p / q, q ~ Exp(1)), each seeded row from its own
-    generator so its draw does not depend on the rest of the batch."""
-    logits = logits.float()
-    greedy = logits.argmax(dim=-1)
-    if all(p.greedy for p in params):
-        return greedy.tolist()  # type: ignore[no-any-return]
-    temps = torch.tensor([p.temperature or 1.0 for p in params], device=logits.device)
-    probs = torch.softmax(_top_k_top_p(logits / temps[:, None], params), dim=-1)
-    q = torch.empty_like(probs).exponential_()
-    for i, gen in enumerate(generators):
-        if gen is not None:
-            q[i].exponential_(generator=gen)
-    sampled = probs.div_(q.clamp_min_(1e-10)).argmax(dim=-1)
-    is_greedy = torch.tensor([p.greedy for p in params], device=logits.device)
-    return torch.where(is_greedy, greedy, sampled).tolist()  # type: ignore[no-any-return]
+    """`sample_tokens` with the parameters built here, read back as a list."""
+    tensors = SamplingTensors.build(params, logits.shape[-1], logits.device)
+    return sample_tokens(logits, generators, tensors).tolist()  # type: ignore[no-any-return]
 
 
-def _top_k_top_p(logits: torch.Tensor, params: Sequence[SamplingParams]) -> torch.Tensor:
-    use_k = any(p.top_k for p in params)
-    use_p = any(p.top_p < 1 for p in params)
-    if not (use_k or use_p):
+def _top_k_top_p(logits: torch.Tensor, t: SamplingTensors) -> torch.Tensor:
+    if not (t.use_top_k or t.use_top_p):
         return logits
     vocab = logits.shape[-1]
     sorted_logits, order = logits.sort(dim=-1, descending=True)
-    if use_k:
-        k = torch.tensor([p.top_k or vocab for p in params], device=logits.device)
+    if t.use_top_k:
         ranks = torch.arange(vocab, device=logits.device)
-        sorted_logits.masked_fill_(ranks[None, :] >= k[:, None], float("-inf"))
-    if use_p:
-        top_p = torch.tensor([p.top_p for p in params], device=logits.device)
+        sorted_logits.masked_fill_(ranks[None, :] >= t.top_k[:, None], float("-inf"))
+    if t.use_top_p:
         sorted_probs = torch.softmax(sorted_logits, dim=-1)
         # Drop a token once the tokens ranked above it already cover top_p (keeps >= 1).
         mass_before = sorted_probs.cumsum(dim=-1) - sorted_probs
-        sorted_logits.masked_fill_(mass_before > top_p[:, None], float("-inf"))
+        sorted_logits.masked_fill_(mass_before > t.top_p[:, None], float("-inf"))
     return torch.full_like(logits, float("-inf")).scatter_(-1, order, sorted_logits)
 
 
 def apply_penalties(
     row: torch.Tensor, params: SamplingParams, in_prompt: torch.Tensor, output: list[int]
 ) -> None:
-    """Penalise one row of logits in place. `in_prompt`: a [vocab] mask of the prompt's
-    tokens (the repetition penalty also counts them); `output`: the tokens so far."""
+    """One row of logits, in place (the readable form of `apply_penalties_batch`).
+    `in_prompt`: a [vocab] mask of the prompt's tokens (the repetition penalty also
+    counts them); `output`: the tokens so far."""
     counts = None
     if output:
         ids = torch.tensor(output, device=row.device)
@@ -70,20 +131,48 @@ def apply_penalties(
         row -= params.frequency_penalty * counts + params.presence_penalty * (counts > 0)
 
 
-def token_logprobs(
-    logits: torch.Tensor, tokens: Sequence[int], num_top: Sequence[int]
-) -> list[TokenLogprobs]:
-    """Logprobs of each row's chosen token under the raw distribution, its rank, and the
-    row's num_top most likely alternatives (one topk for the whole batch)."""
+def apply_penalties_batch(
+    logits: torch.Tensor,
+    rows: torch.Tensor,
+    in_prompt: torch.Tensor,
+    outputs: torch.Tensor,
+    values: torch.Tensor,
+) -> None:
+    """logits: [B, vocab] float, changed in place on `rows` [R]. in_prompt: [R, vocab]
+    bool; outputs: [R, L] each row's tokens so far, padded with -1; values: [R, 3] its
+    repetition, presence and frequency penalties. The same arithmetic as apply_penalties
+    (a penalty at its neutral value changes nothing)."""
+    counts = torch.zeros(rows.shape[0], logits.shape[-1], device=logits.device)
+    counts.scatter_add_(1, outputs.clamp_min(0), (outputs >= 0).float())
+    rep, presence, frequency = (v[:, None] for v in values.unbind(-1))
+    sub = logits[rows]
+    seen = in_prompt | (counts > 0)
+    sub = torch.where(seen, torch.where(sub > 0, sub / rep, sub * rep), sub)
+    sub -= frequency * counts + presence * (counts > 0)
+    logits[rows] = sub
+
+
+LogprobTensors = tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]
+
+
+def logprob_tensors(logits: torch.Tensor, tokens: torch.Tensor, k: int) -> LogprobTensors:
+    """On the device, for one read-back: each row's chosen token's logprob under the raw
+    distribution [R], its rank [R], and the k most likely alternatives [R, k] (ids, lps)."""
     logprobs = torch.log_softmax(logits.float(), dim=-1)
-    chosen = torch.tensor(tokens, device=logits.device)[:, None]
+    chosen = tokens[:, None]
     chosen_lp = logprobs.gather(-1, chosen)
     ranks = (logprobs > chosen_lp).sum(-1) + 1
-    k = max(num_top)
     top_lp, top_ids = logprobs.topk(k, dim=-1) if k else (logprobs[:, :0], chosen[:, :0])
+    return chosen_lp[:, 0], ranks, top_ids, top_lp
+
+
+def assemble_logprobs(
+    tokens: Sequence[int], host: LogprobTensors, num_top: Sequence[int]
+) -> list[TokenLogprobs]:
+    chosen_lp, ranks, top_ids, top_lp = host
     rows = zip(
         tokens,
-        chosen_lp[:, 0].tolist(),
+        chosen_lp.tolist(),
         ranks.tolist(),
         top_ids.tolist(),
         top_lp.tolist(),
@@ -94,3 +183,12 @@ def token_logprobs(
         TokenLogprobs(token, lp, rank, list(zip(ids[:n], lps[:n], strict=True)))
         for token, lp, rank, ids, lps, n in rows
     ]
+
+
+def token_logprobs(
+    logits: torch.Tensor, tokens: Sequence[int], num_top: Sequence[int]
+) -> list[TokenLogprobs]:
+    """Logprobs of each row's chosen token, its rank, and its num_top alternatives."""
+    chosen = torch.tensor(list(tokens), device=logits.device)
+    host = logprob_tensors(logits, chosen, max(num_top))
+    return assemble_logprobs(tokens, host, num_top)

@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from backend.engine.engine import Engine
-from backend.layers.sampler import apply_penalties
+from backend.layers.sampler import apply_penalties, apply_penalties_batch
 from backend.sampling import SamplingParams
 from tests.engine.engine_support import make_engine, run_to_completion, text_of, tokens_of
 
@@ -211,3 +211,29 @@ def test_penalties_math_on_one_row() -> None:
 def test_out_of_range_values_are_rejected(field: str, value: object) -> None:
     with pytest.raises(ValueError, match=field):
         SamplingParams(**{field: value})  # type: ignore[arg-type]
+
+
+def test_batched_penalties_match_the_one_row_form() -> None:
+    gen = torch.Generator().manual_seed(0)
+    vocab = 50
+    logits = torch.randn(4, vocab, generator=gen) * 3
+    params = [
+        SamplingParams(repetition_penalty=1.3),
+        SamplingParams(presence_penalty=0.5, frequency_penalty=-0.25),
+        SamplingParams(repetition_penalty=0.8, presence_penalty=-1.0, frequency_penalty=2.0),
+    ]
+    outputs = [[1, 1, 7], [], [3, 49, 3, 3, 0]]
+    prompts = torch.rand(3, vocab, generator=gen) < 0.2
+    rows = [0, 2, 3]  # row 1 has no penalties
+    want = logits.clone()
+    for row, p, mask, out in zip(rows, params, prompts, outputs, strict=True):
+        apply_penalties(want[row], p, mask, out)
+    got = logits.clone()
+    longest = max(map(len, outputs))
+    padded = torch.tensor([o + [-1] * (longest - len(o)) for o in outputs])
+    values = torch.tensor(
+        [[p.repetition_penalty, p.presence_penalty, p.frequency_penalty] for p in params]
+    )
+    apply_penalties_batch(got, torch.tensor(rows), prompts, padded, values)
+    torch.testing.assert_close(got, want)
+    assert torch.equal(got[1], logits[1])

@@ -1,0 +1,741 @@
+"""The prepared device check: one command, at most 8 minutes on one H200, nothing
+downloaded. Random-weight bfloat16 checkpoints shaped like Llama-3.2-1B and Llama-3-8B
+are built on the GPU (into /dev/shm), then, each section bounded in time:
+
+- kernels: each Triton kernel of backend/kernels against its torch reference (bf16);
+  skipped when backend/kernels is not there;
+- greedy_1b: the engine's greedy tokens against transformers' for 20 prompts of 5 to
+  2,000 tokens (a divergence where transformers' own two choices are within 0.1 nats is
+  a near-tie of bfloat16 rounding, counted apart from a mismatch);
+- decode_8b, decode_1b: batch-1 decode tokens/s and achieved memory bandwidth
+  ((weight bytes + KV bytes read) x steps/s / 4.8 TB/s), CUDA graphs on and off;
+- ttft_1b: time to first token of 1k, 8k and 32k-token prompts;
+- throughput_1b: output tokens/s at 64 and 256 concurrent requests of a long-tailed
+  workload, against transformers generate() on length-sorted static batches.
+
+It writes one JSON (after every section, so a run cut short keeps what it measured) and
+prints a table. `--dry-run` runs every section on the CPU with tiny shapes.
+
+    python -m bench.gpu_check --out $OUT/gpu_check.json
+    python -m bench.gpu_check --dry-run --out /tmp/gpu_check.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import importlib
+import json
+import math
+import os
+import platform
+import random
+import shutil
+import signal
+import tempfile
+import time
+import traceback
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field, fields, replace
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from backend.config import EngineConfig
+from backend.engine.engine import Engine
+from backend.outputs import RequestOutput
+from backend.sampling import SamplingParams
+from bench._common import (
+    Workload,
+    generate_static,
+    long_tailed,
+    static_batches,
+    write_word_tokenizer,
+)
+
+HBM_BYTES_PER_S = 4.8e12  # H200, the vendor's figure
+NEAR_TIE_NATS = 0.1
+
+
+@dataclass(frozen=True)
+class Shape:
+    layers: int
+    hidden: int
+    heads: int
+    kv_heads: int
+    intermediate: int
+    vocab: int
+    max_positions: int
+    tie: bool
+    llama3_rope: bool  # Llama-3.2's scaled rope
+    init_std: float = 0.02
+
+
+SHAPES = {
+    "1b": Shape(16, 2048, 32, 8, 8192, 128256, 131072, tie=True, llama3_rope=True),
+    "8b": Shape(32, 4096, 32, 8, 14336, 128256, 8192, tie=False, llama3_rope=False),
+}
+# Sharp logits (std 0.2) so the float32 dry run has no near-ties.
+TINY = {
+    "1b": Shape(2, 64, 4, 2, 128, 512, 40000, tie=True, llama3_rope=True, init_std=0.2),
+    "8b": Shape(2, 128, 4, 1, 256, 512, 2048, tie=False, llama3_rope=False, init_std=0.2),
+}
+
+
+@dataclass(frozen=True)
+class Plan:
+    """How much each section does, and how long it may take (seconds)."""
+
+    greedy_prompts: int = 20
+    greedy_lengths: tuple[int, int] = (5, 2000)
+    greedy_tokens: int = 16
+    decode_prompt: int = 512
+    decode_tokens: int = 256
+    ttft_lengths: tuple[int, ...] = (1024, 8192, 32768)
+    concurrency: tuple[int, ...] = (64, 256)
+    max_prompt: int = 2048
+    max_output: int = 512
+    prompt_median: int = 256
+    output_median: int = 96
+    static_batch_size: int = 64
+    static_budget_s: float = 45.0  # per workload; the rate is over the batches completed
+    max_num_batched_tokens: int = 8192
+    total_s: float = 470.0
+    budgets: dict[str, float] = field(
+        default_factory=lambda: {
+            "build_1b": 45,
+            "kernels": 45,
+            "greedy_1b": 50,
+            "build_8b": 75,
+            "decode_8b": 45,
+            "decode_1b": 30,
+            "ttft_1b": 40,
+            "throughput_1b": 150,
+        }
+    )
+
+
+DRY = Plan(
+    greedy_prompts=4,
+    greedy_lengths=(5, 200),
+    greedy_tokens=8,
+    decode_prompt=32,
+    decode_tokens=12,
+    ttft_lengths=(64, 256, 1024),
+    concurrency=(8, 16),
+    max_prompt=128,
+    max_output=24,
+    prompt_median=40,
+    output_median=8,
+    static_batch_size=8,
+    static_budget_s=20.0,
+    max_num_batched_tokens=256,
+    total_s=240.0,
+    budgets=dict.fromkeys(Plan().budgets, 60.0),
+)
+
+
+class SectionTimeout(Exception):
+    pass
+
+
+@dataclass
+class Run:
+    """Where the check runs and what it found so far."""
+
+    device: torch.device
+    dtype: torch.dtype
+    plan: Plan
+    shapes: dict[str, Shape]
+    workdir: Path
+    out: Path
+    results: dict[str, Any] = field(default_factory=dict)
+    checkpoints: dict[str, Path] = field(default_factory=dict)
+    hf_models: dict[str, Any] = field(default_factory=dict)
+    deadline: float = 0.0
+
+    def section(self, name: str, work: Callable[[Run], dict[str, Any]]) -> None:
+        """Run one section under its time budget; record ok / error / timeout / skipped."""
+        left = self.deadline - time.monotonic()
+        budget = min(self.plan.budgets[name], left)
+        started = time.monotonic()
+        if budget < 5:
+            entry: dict[str, Any] = {"status": "skipped", "reason": "no time left"}
+        else:
+            entry = _bounded(lambda: work(self), budget)
+        entry["seconds"] = round(time.monotonic() - started, 1)
+        self.results["sections"][name] = entry
+        self.out.write_text(json.dumps(self.results, indent=2, default=str))
+        print(f"[{name}] {entry['status']} in {entry['seconds']} s", flush=True)
+
+
+def _bounded(work: Callable[[], dict[str, Any]], budget: float) -> dict[str, Any]:
+    def expire(signum: int, frame: object) -> None:
+        raise SectionTimeout
+
+    previous = signal.signal(signal.SIGALRM, expire)
+    signal.setitimer(signal.ITIMER_REAL, budget)
+    try:
+        return {"status": "ok", **work()}
+    except SectionTimeout:
+        return {"status": "timeout", "budget_s": round(budget, 1)}
+    except Skip as exc:
+        return {"status": "skipped", "reason": str(exc)}
+    except Exception as exc:  # a failed section must not cost the others
+        lines = traceback.format_exc().strip().splitlines()[-6:]
+        return {"status": "error", "error": f"{type(exc).__name__}: {exc}", "trace": lines}
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, previous)
+        release()
+
+
+class Skip(Exception):
+    pass
+
+
+def release() -> None:
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+
+
+# -- checkpoints -----------------------------------------------------------------------
+
+
+def hf_config(shape: Shape) -> Any:
+    from transformers import LlamaConfig
+
+    rope: dict[str, Any] = {"rope_type": "default", "rope_theta": 500000.0}
+    if shape.llama3_rope:
+        rope = {
+            "rope_type": "llama3",
+            "rope_theta": 500000.0,
+            "factor": 32.0,
+            "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 8192,
+        }
+    return LlamaConfig(
+        vocab_size=shape.vocab,
+        hidden_size=shape.hidden,
+        intermediate_size=shape.intermediate,
+        num_hidden_layers=shape.layers,
+        num_attention_heads=shape.heads,
+        num_key_value_heads=shape.kv_heads,
+        max_position_embeddings=shape.max_positions,
+        rms_norm_eps=1e-5,
+        tie_word_embeddings=shape.tie,
+        rope_parameters=rope,
+        bos_token_id=0,
+        eos_token_id=1,
+        dtype="bfloat16",
+        architectures=["LlamaForCausalLM"],
+    )
+
+
+def build_checkpoint(
+    folder: Path, shape: Shape, device: torch.device, dtype: torch.dtype, seed: int = 0
+) -> dict[str, Any]:
+    """Random weights drawn on `device`, saved as safetensors shards of about 2 GB (norm
+    weights 1, everything else N(0, init_std))."""
+    from safetensors.torch import save_file
+    from transformers import LlamaForCausalLM
+
+    config = hf_config(shape)
+    with torch.device("meta"):
+        names = {n: tuple(t.shape) for n, t in LlamaForCausalLM(config).state_dict().items()}
+    if shape.tie:
+        names.pop("lm_head.weight", None)
+    folder.mkdir(parents=True, exist_ok=True)
+    config.save_pretrained(folder)
+    write_word_tokenizer(folder, shape.vocab)
+    gen = torch.Generator(device).manual_seed(seed)
+    weight_map: dict[str, str] = {}
+    shard: dict[str, torch.Tensor] = {}
+    total = 0
+    for name, dims in names.items():
+        shard[name] = _random_weight(name, dims, shape.init_std, gen, device, dtype).cpu()
+        total += shard[name].numel() * shard[name].element_size()
+        if sum(t.numel() * t.element_size() for t in shard.values()) > 2 * 2**30:
+            _save_shard(folder, shard, weight_map, save_file)
+    if shard:
+        _save_shard(folder, shard, weight_map, save_file)
+    index = {"metadata": {"total_size": total}, "weight_map": weight_map}
+    (folder / "model.safetensors.index.json").write_text(json.dumps(index))
+    return {"params": sum(math.prod(d) for d in names.values()), "bytes": total}
+
+
+def _random_weight(
+    name: str,
+    dims: tuple[int, ...],
+    std: float,
+    gen: torch.Generator,
+    device: torch.device,
+    dtype: torch.dtype,
+) -> torch.Tensor:
+    if name.endswith("norm.weight"):
+        return torch.ones(dims, dtype=dtype, device=device)
+    return (torch.randn(dims, generator=gen, device=device) * std).to(dtype)
+
+
+def _save_shard(
+    folder: Path, shard: dict[str, torch.Tensor], weight_map: dict[str, str], save: Any
+) -> None:
+    file = f"model-{len(set(weight_map.values())) + 1:05d}.safetensors"
+    save(shard, str(folder / file), metadata={"format": "pt"})
+    weight_map.update(dict.fromkeys(shard, file))
+    shard.clear()
+
+
+def section_build(name: str) -> Callable[[Run], dict[str, Any]]:
+    def build(run: Run) -> dict[str, Any]:
+        folder = run.workdir / name
+        info = build_checkpoint(folder, run.shapes[name], run.device, run.dtype)
+        run.checkpoints[name] = folder
+        return info
+
+    return build
+
+
+def checkpoint(run: Run, name: str) -> Path:
+    if name not in run.checkpoints:
+        raise Skip(f"the {name} checkpoint was not built")
+    return run.checkpoints[name]
+
+
+def hf_model(run: Run, name: str) -> Any:
+    """transformers' model of a checkpoint, loaded once per run."""
+    if name not in run.hf_models:
+        from transformers import LlamaForCausalLM
+
+        model: Any = LlamaForCausalLM.from_pretrained(checkpoint(run, name), dtype=run.dtype)
+        run.hf_models[name] = model.to(run.device).eval()
+    return run.hf_models[name]
+
+
+# -- the engine ------------------------------------------------------------------------
+
+
+def make_engine(run: Run, model_dir: Path, **knobs: Any) -> Engine:
+    """An engine on the run's device; knobs this branch's EngineConfig lacks are dropped
+    (attention_backend arrives with the Triton kernels)."""
+    known = {f.name for f in fields(EngineConfig)}
+    base = EngineConfig(device=str(run.device), dtype=str(run.dtype).removeprefix("torch."))
+    return Engine(model_dir, replace(base, **{k: v for k, v in knobs.items() if k in known}))
+
+
+def drain(engine: Engine) -> dict[str, list[RequestOutput]]:
+    outputs: dict[str, list[RequestOutput]] = {}
+    while engine.has_work():
+        for out in engine.step():
+            outputs.setdefault(out.request_id, []).append(out)
+    return outputs
+
+
+def tokens_of(outs: list[RequestOutput]) -> list[int]:
+    return [t for o in outs for t in o.token_ids]
+
+
+def greedy(max_tokens: int, logprobs: int | None = None) -> SamplingParams:
+    return SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True, logprobs=logprobs)
+
+
+def random_prompt(rng: random.Random, length: int, vocab: int) -> list[int]:
+    return [rng.randrange(2, vocab) for _ in range(length)]
+
+
+def engine_facts(engine: Engine) -> dict[str, Any]:
+    runner = engine.runner
+    return {
+        "attention": runner.attention_name,
+        "cuda_graphs": runner.use_cuda_graphs,
+        "kv_blocks": runner.num_blocks,
+        "start_line": engine.describe(),
+    }
+
+
+# -- sections --------------------------------------------------------------------------
+
+
+def section_kernels(run: Run) -> dict[str, Any]:
+    try:
+        importlib.import_module("backend.kernels")
+    except ImportError as exc:
+        raise Skip(f"backend.kernels is not in this tree ({exc})") from None
+    from bench import gpu_kernels
+
+    checks = gpu_kernels.run_all(run.device, run.dtype)
+    failed = [c["name"] for c in checks if not c.get("ok")]
+    return {"checks": checks, "passed": len(checks) - len(failed), "failed": failed}
+
+
+def section_greedy(run: Run) -> dict[str, Any]:
+    plan, shape = run.plan, run.shapes["1b"]
+    rng = random.Random(1)
+    low, high = plan.greedy_lengths
+    lengths = [
+        round(low * (high / low) ** (i / max(plan.greedy_prompts - 1, 1)))
+        for i in range(plan.greedy_prompts)
+    ]
+    prompts = [random_prompt(rng, n, shape.vocab) for n in lengths]
+    engine = make_engine(
+        run,
+        checkpoint(run, "1b"),
+        gpu_memory_utilization=0.5,
+        max_model_len=high + plan.greedy_tokens + 16,
+        max_num_batched_tokens=plan.max_num_batched_tokens,
+    )
+    facts = engine_facts(engine)
+    for i, prompt in enumerate(prompts):
+        engine.add_request(f"g{i}", prompt, greedy(plan.greedy_tokens))
+    outputs = drain(engine)
+    del engine
+    release()
+    model = hf_model(run, "1b")
+    rows = [
+        _compare_greedy(model, prompt, tokens_of(outputs[f"g{i}"]), run.device)
+        for i, prompt in enumerate(prompts)
+    ]
+    exact = sum(r["verdict"] == "exact" for r in rows)
+    ties = sum(r["verdict"] == "near-tie" for r in rows)
+    return {
+        **facts,
+        "prompts": len(rows),
+        "exact": exact,
+        "near_ties": ties,
+        "mismatches": len(rows) - exact - ties,
+        "rows": rows,
+    }
+
+
+@torch.inference_mode()
+def _compare_greedy(
+    model: Any, prompt: list[int], ours: list[int], device: torch.device
+) -> dict[str, Any]:
+    out = model.generate(
+        torch.tensor([prompt], device=device),
+        max_new_tokens=len(ours),
+        do_sample=False,
+        eos_token_id=None,
+        pad_token_id=0,
+        output_logits=True,
+        return_dict_in_generate=True,
+    )
+    theirs = out.sequences[0, len(prompt) :].tolist()
+    row: dict[str, Any] = {"prompt_len": len(prompt), "verdict": "exact"}
+    diverged = next((i for i, (a, b) in enumerate(zip(ours, theirs, strict=True)) if a != b), None)
+    if diverged is not None:
+        logprobs = torch.log_softmax(out.logits[diverged][0].float(), dim=-1)
+        gap = float(logprobs[theirs[diverged]] - logprobs[ours[diverged]])
+        row.update(first_divergence=diverged, gap_nats=round(gap, 4))
+        row["verdict"] = "near-tie" if gap < NEAR_TIE_NATS else "mismatch"
+    return row
+
+
+def section_decode(name: str) -> Callable[[Run], dict[str, Any]]:
+    def decode(run: Run) -> dict[str, Any]:
+        plan, shape = run.plan, run.shapes[name]
+        engine = make_engine(
+            run,
+            checkpoint(run, name),
+            max_num_seqs=8,
+            max_model_len=plan.decode_prompt + plan.decode_tokens + 32,
+            max_num_batched_tokens=plan.max_num_batched_tokens,
+        )
+        runner = engine.runner
+        weights = _weight_bytes_read(runner.model, shape.tie)
+        kv_per_token = (
+            2
+            * shape.layers
+            * shape.kv_heads
+            * (shape.hidden // shape.heads)
+            * runner.kv_cache.element_size()
+        )
+        result: dict[str, Any] = {**engine_facts(engine), "weight_bytes": weights}
+        captured = runner.use_cuda_graphs
+        for graphs in (True, False):
+            key = "graphs" if graphs else "eager"
+            if graphs and not captured:
+                result[key] = {"status": "unavailable (CPU, enforce_eager or backend)"}
+                continue
+            runner.use_cuda_graphs = graphs
+            result[key] = _decode_rate(engine, plan, shape, weights, kv_per_token)
+        runner.use_cuda_graphs = captured
+        return result
+
+    return decode
+
+
+def _weight_bytes_read(model: torch.nn.Module, tied: bool) -> int:
+    """Bytes of the weights one decode step reads: all of them but the input embedding
+    table (one row per token), unless it doubles as the output head."""
+    total = sum(p.numel() * p.element_size() for p in model.parameters())
+    if tied:
+        return total
+    embed = model.get_parameter("model.embed_tokens.weight")
+    return total - embed.numel() * embed.element_size()
+
+
+def _decode_rate(
+    engine: Engine, plan: Plan, shape: Shape, weights: int, kv_per_token: int
+) -> dict[str, Any]:
+    rng = random.Random(2)
+    engine.add_request("warm", random_prompt(rng, plan.decode_prompt, shape.vocab), greedy(8))
+    drain(engine)
+    replays = getattr(engine.runner, "graph_replays", 0)
+    engine.add_request(
+        "d", random_prompt(rng, plan.decode_prompt, shape.vocab), greedy(plan.decode_tokens)
+    )
+    outs = drain(engine)["d"]
+    times = [t for o in outs for t in o.token_times]
+    steps_per_s = (len(times) - 1) / (times[-1] - times[0])
+    mean_context = plan.decode_prompt + plan.decode_tokens / 2
+    step_bytes = weights + kv_per_token * mean_context
+    bandwidth = step_bytes * steps_per_s
+    return {
+        "tokens_per_s": round(steps_per_s, 1),
+        "ms_per_token": round(1000 / steps_per_s, 3),
+        "bytes_per_step": int(step_bytes),
+        "bandwidth_gb_s": round(bandwidth / 1e9, 1),
+        "hbm_fraction": round(bandwidth / HBM_BYTES_PER_S, 3),
+        "graph_replays": getattr(engine.runner, "graph_replays", 0) - replays,
+    }
+
+
+def section_ttft(run: Run) -> dict[str, Any]:
+    plan, shape = run.plan, run.shapes["1b"]
+    engine = make_engine(
+        run,
+        checkpoint(run, "1b"),
+        max_num_seqs=4,
+        max_model_len=max(plan.ttft_lengths) + 64,
+        max_num_batched_tokens=plan.max_num_batched_tokens,
+        gpu_memory_utilization=0.6,
+    )
+    rng = random.Random(3)
+    engine.add_request("warm", random_prompt(rng, plan.ttft_lengths[0], shape.vocab), greedy(2))
+    drain(engine)
+    result: dict[str, Any] = engine_facts(engine)
+    for length in plan.ttft_lengths:
+        engine.add_request(f"t{length}", random_prompt(rng, length, shape.vocab), greedy(1))
+        first = drain(engine)[f"t{length}"][0]
+        assert first.first_token_time is not None
+        ttft = first.first_token_time - first.arrival_time
+        result[f"ttft_{length}"] = {
+            "ms": round(ttft * 1000, 1),
+            "prefill_tokens_per_s": round(length / ttft),
+        }
+    return result
+
+
+def long_tailed_workload(plan: Plan, num: int, vocab: int, seed: int) -> Workload:
+    rng = random.Random(seed)
+    work = []
+    for _ in range(num):
+        prompt_len = long_tailed(rng, 32, plan.max_prompt, median=plan.prompt_median, sigma=0.9)
+        out_len = long_tailed(rng, 16, plan.max_output, median=plan.output_median, sigma=0.8)
+        work.append((random_prompt(rng, prompt_len, vocab), out_len))
+    return work
+
+
+def section_throughput(run: Run) -> dict[str, Any]:
+    plan, shape = run.plan, run.shapes["1b"]
+    works = {n: long_tailed_workload(plan, n, shape.vocab, seed=n) for n in plan.concurrency}
+    engine = make_engine(
+        run,
+        checkpoint(run, "1b"),
+        max_num_seqs=max(plan.concurrency),
+        max_model_len=plan.max_prompt + plan.max_output + 16,
+        max_num_batched_tokens=plan.max_num_batched_tokens,
+        gpu_memory_utilization=0.85,
+    )
+    result: dict[str, Any] = engine_facts(engine)
+    engine.add_request("warm", works[plan.concurrency[0]][0][0][:64], greedy(4))
+    drain(engine)
+    for n, work in works.items():
+        result[f"engine_{n}"] = _engine_rate(engine, work)
+    del engine
+    release()
+    model = hf_model(run, "1b")
+    for n, work in works.items():
+        static = _static_rate(model, work, plan, run.device)
+        result[f"static_{n}"] = static
+        result[f"ratio_{n}"] = round(
+            result[f"engine_{n}"]["tokens_per_s"] / static["tokens_per_s"], 2
+        )
+    return result
+
+
+def _engine_rate(engine: Engine, work: Workload) -> dict[str, Any]:
+    steps = engine.num_steps
+    started = time.perf_counter()
+    for i, (prompt, out_len) in enumerate(work):
+        engine.add_request(f"w{len(work)}-{i}", prompt, greedy(out_len))
+    outputs = drain(engine)
+    seconds = time.perf_counter() - started
+    tokens = sum(len(tokens_of(o)) for o in outputs.values())
+    return {
+        "output_tokens": tokens,
+        "seconds": round(seconds, 2),
+        "tokens_per_s": round(tokens / seconds, 1),
+        "steps": engine.num_steps - steps,
+    }
+
+
+@torch.inference_mode()
+def _static_rate(model: Any, work: Workload, plan: Plan, device: torch.device) -> dict[str, Any]:
+    """Length-sorted batches run in a shuffled order until the budget is spent, so the
+    batches done are a fair sample of all of them; the rate counts requested tokens only."""
+    batches = static_batches(work, plan.static_batch_size, by_length=True)
+    random.Random(4).shuffle(batches)
+    generate_static(model, [(work[0][0][:16], 2)], device)  # warm-up
+    started, tokens, done = time.perf_counter(), 0, 0
+    for batch in batches:
+        if time.perf_counter() - started > plan.static_budget_s:
+            break
+        generate_static(model, batch, device)
+        tokens += sum(n for _, n in batch)
+        done += 1
+    seconds = time.perf_counter() - started
+    return {
+        "batch_size": plan.static_batch_size,
+        "batches_done": f"{done}/{len(batches)}",
+        "output_tokens": tokens,
+        "seconds": round(seconds, 2),
+        "tokens_per_s": round(tokens / seconds, 1),
+    }
+
+
+SECTIONS: list[tuple[str, Callable[[Run], dict[str, Any]]]] = [
+    ("build_1b", section_build("1b")),
+    ("kernels", section_kernels),
+    ("greedy_1b", section_greedy),
+    ("build_8b", section_build("8b")),
+    ("decode_8b", section_decode("8b")),
+    ("decode_1b", section_decode("1b")),
+    ("ttft_1b", section_ttft),
+    ("throughput_1b", section_throughput),
+]
+
+
+# -- the report ------------------------------------------------------------------------
+
+
+def table(results: dict[str, Any]) -> str:
+    """The figures that matter, one per line."""
+    lines = [f"{'check':<44} {'result':>30}", "-" * 75]
+    for name, entry in results["sections"].items():
+        for label, value in _figures(name, entry):
+            lines.append(f"{label:<44} {value:>30}")
+    return "\n".join(lines)
+
+
+def _figures(name: str, e: dict[str, Any]) -> Iterator[tuple[str, str]]:
+    if e["status"] != "ok":
+        yield name, f"{e['status']} {e.get('reason') or e.get('error', '')}"[:60]
+        return
+    if name.startswith("build"):
+        yield f"{name} ({e['params'] / 1e9:.2f}B params)", f"{e['seconds']} s"
+    elif name == "kernels":
+        yield "kernels equal to torch reference", f"{e['passed']}/{e['passed'] + len(e['failed'])}"
+    elif name == "greedy_1b":
+        yield (
+            "greedy == transformers (exact/tie/mismatch)",
+            f"{e['exact']}/{e['near_ties']}/{e['mismatches']}",
+        )
+    elif name.startswith("decode"):
+        for key in ("graphs", "eager"):
+            d = e[key]
+            value = d.get("status") or f"{d['tokens_per_s']} tok/s, {d['hbm_fraction']:.0%} HBM"
+            yield f"{name} batch 1, {key}", value
+    elif name == "ttft_1b":
+        for key, d in e.items():
+            if key.startswith("ttft_"):
+                yield f"TTFT {key[5:]} tokens", f"{d['ms']} ms"
+    elif name == "throughput_1b":
+        for key in e:
+            if key.startswith("ratio_"):
+                n = key[6:]
+                ours, theirs = e[f"engine_{n}"]["tokens_per_s"], e[f"static_{n}"]["tokens_per_s"]
+                yield f"{n} concurrent: engine / static tok/s", f"{ours} / {theirs} = {e[key]}x"
+
+
+@contextmanager
+def workdir(given: Path | None, dry_run: bool) -> Iterator[Path]:
+    """/dev/shm when it has room (no disk writes of 19 GB), else a temporary folder."""
+    if given is not None:
+        given.mkdir(parents=True, exist_ok=True)
+        yield given
+        return
+    shm = Path("/dev/shm")
+    base = (
+        shm if not dry_run and shm.is_dir() and shutil.disk_usage(shm).free > 40 * 2**30 else None
+    )
+    folder = Path(tempfile.mkdtemp(prefix="tollgate-gpu-check-", dir=base))
+    try:
+        yield folder
+    finally:
+        shutil.rmtree(folder, ignore_errors=True)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--dry-run", action="store_true", help="tiny shapes on the CPU")
+    parser.add_argument("--out", type=Path, default=Path("gpu_check.json"))
+    parser.add_argument("--workdir", type=Path, help="where checkpoints go (default /dev/shm)")
+    parser.add_argument("--only", help="comma-separated sections (builds are added as needed)")
+    args = parser.parse_args(argv)
+    if args.dry_run:
+        os.environ.setdefault("TRITON_INTERPRET", "1")  # kernels on CPU tensors
+        torch.set_num_threads(min(2, torch.get_num_threads()))
+    elif not torch.cuda.is_available():
+        parser.error("no CUDA device: use --dry-run on a machine without a GPU")
+    sections = _selected(args.only)
+    device = torch.device("cpu" if args.dry_run else "cuda")
+    with workdir(args.workdir, args.dry_run) as folder:
+        run = Run(
+            device=device,
+            dtype=torch.float32 if args.dry_run else torch.bfloat16,
+            plan=DRY if args.dry_run else Plan(),
+            shapes=TINY if args.dry_run else SHAPES,
+            workdir=folder,
+            out=args.out,
+            results={"environment": _environment(device, args.dry_run), "sections": {}},
+        )
+        run.deadline = time.monotonic() + run.plan.total_s
+        for name, work in sections:
+            run.section(name, work)
+    print(table(run.results))
+    print(f"\nwritten to {args.out}")
+    return 0
+
+
+def _selected(only: str | None) -> list[tuple[str, Callable[[Run], dict[str, Any]]]]:
+    if not only:
+        return SECTIONS
+    wanted = {s.strip() for s in only.split(",")}
+    wanted |= {f"build_{n.rsplit('_', 1)[1]}" for n in wanted if n[-3:] in ("_1b", "_8b")}
+    return [(n, w) for n, w in SECTIONS if n in wanted]
+
+
+def _environment(device: torch.device, dry_run: bool) -> dict[str, Any]:
+    env: dict[str, Any] = {
+        "dry_run": dry_run,
+        "torch": torch.__version__,
+        "python": platform.python_version(),
+        "device": torch.cuda.get_device_name(0) if device.type == "cuda" else platform.processor(),
+    }
+    try:
+        import triton
+
+        env["triton"] = triton.__version__
+    except ImportError:
+        env["triton"] = None
+    return env
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
