@@ -126,20 +126,20 @@ async def info(request: Request[Any, Any, Any]) -> dict[str, Any]:
         for name in TOKENIZER_FILES
         if (model_dir / name).is_file()
     }
-    return {
-        "model": engine.model_name,
-        "max_model_len": engine.max_model_len,
-        "files": files,
-        "kv": _kv_facts(engine),
-    }
+    return {"model": engine.model_name, "max_model_len": engine.max_model_len, "files": files}
 
 
-def _kv_facts(engine: AsyncEngine) -> dict[str, Any]:
-    """The model's shapes and the KV pool, for `tollgate capacity check --url`."""
+@get("/internal/kv", media_type=MediaType.JSON)
+async def kv(request: Request[Any, Any, Any]) -> dict[str, Any]:
+    """The model's shapes and the KV pool, for capacity planning (`tollgate capacity
+    check --url`, the console's Capacity page)."""
+    engine = _engine(request)
     inner = engine.engine
     runner = inner.runner
     cache = runner.kv_cache
     return {
+        "model": engine.model_name,
+        "max_model_len": engine.max_model_len,
         "config": msgspec.to_builtins(inner.model_config),
         "device": str(runner.device),
         "dtype": str(runner.dtype).removeprefix("torch."),
@@ -219,7 +219,9 @@ def create_backend_app(engine: AsyncEngine, model_dir: Path, secret: str) -> Lit
     return Litestar(
         route_handlers=[
             Router(
-                "/", route_handlers=[generate, abort, info, stats, metrics], guards=[require_secret]
+                "/",
+                route_handlers=[generate, abort, info, kv, stats, metrics],
+                guards=[require_secret],
             ),
             healthz,
             readyz,

@@ -1,6 +1,6 @@
 """`tollgate capacity check --url`: the same check against a running backend replica over
 its internal API (backend/server.py): the KV pool and the model's shapes from
-/internal/info, step times from the engine's own token timestamps on /internal/generate.
+/internal/kv, step times from the engine's own token timestamps on /internal/generate.
 
 A prefill step is first_scheduled_time to first_token_time of a one-token request; a
 decode step at batch B is the median gap between tokens while B requests all decode. The
@@ -10,6 +10,7 @@ backend should be otherwise idle. Peaks: a GPU preset, or a calibration on this 
 from __future__ import annotations
 
 import asyncio
+import itertools
 import statistics
 import uuid
 from typing import Any
@@ -39,20 +40,18 @@ from backend.sampling import SamplingParams
 from backend.server import SECRET_HEADER
 
 TIMEOUT_S = 60.0
+DECODE_TOKENS = (16, 64, 256)  # output lengths tried until a batch overlaps long enough
 _decoder = msgspec.json.Decoder(type=RequestOutput)
 
 
-def _facts(info: dict[str, Any]) -> tuple[EngineFacts, Architecture]:
-    kv = info.get("kv")
-    if not isinstance(kv, dict):
-        raise CapacityInputError("--url", "--url: the backend does not report its KV pool")
-    arch = Architecture.of(str(info["model"]), ModelConfig(**kv["config"]))
+def _facts(kv: dict[str, Any]) -> tuple[EngineFacts, Architecture]:
+    arch = Architecture.of(str(kv["model"]), ModelConfig(**kv["config"]))
     dtype = TORCH_NAMES[kv["dtype"]]
     planned = arch.kv_bytes_per_token(dtype) * kv["block_size"]
     engine_per_block = kv["tensor_bytes"] // kv["num_blocks"]
     sized_by_bytes = kv["device"] == "cpu" and kv["num_kv_blocks"] is None
     facts = EngineFacts(
-        model=str(info["model"]),
+        model=str(kv["model"]),
         device=kv["device"],
         dtype=dtype,
         block_size=kv["block_size"],
@@ -60,7 +59,7 @@ def _facts(info: dict[str, Any]) -> tuple[EngineFacts, Architecture]:
         bytes_per_block=engine_per_block,
         kv_tensor_bytes=kv["tensor_bytes"],
         kv_budget_bytes=kv["kv_cache_bytes"],
-        max_model_len=int(info["max_model_len"]),
+        max_model_len=int(kv["max_model_len"]),
         planner_bytes_per_block=planned,
         planner_num_blocks=int(kv["kv_cache_bytes"] // planned) if sized_by_bytes else None,
     )
@@ -92,30 +91,35 @@ def _prompt(count: int, vocab: int, seed: int) -> list[int]:
     return [3 + (seed * 7919 + i * 104729) % (vocab - 3) for i in range(count)]
 
 
-async def _measure(http: httpx.AsyncClient, url: str, vocab: int) -> list[Sample]:
-    samples = []
-    seed = 0
-    for batch in DECODE_BATCHES:
-        streams = []
-        for _ in range(batch):
-            seed += 1
-            streams.append(
-                _generate(http, url, _prompt(PROMPT_FOR_DECODE, vocab, seed), DECODE_STEPS + 8)
-            )
-        runs = await asyncio.gather(*streams)
+async def _decode_sample(
+    http: httpx.AsyncClient, url: str, vocab: int, batch: int, seed: int
+) -> Sample:
+    """`batch` requests at once; the gaps between tokens of the first while all of them
+    decode. Requests reach the engine over HTTP at slightly different times, so the
+    outputs grow until they overlap for a few steps."""
+    for max_tokens in DECODE_TOKENS:
+        prompts = [_prompt(PROMPT_FOR_DECODE, vocab, seed + i) for i in range(batch)]
+        runs = await asyncio.gather(*(_generate(http, url, p, max_tokens) for p in prompts))
         times = [[t for out in run for t in out.token_times] for run in runs]
         start, end = max(ts[0] for ts in times), min(ts[-1] for ts in times)
-        gaps = [
-            b - a for a, b in zip(times[0], times[0][1:], strict=False) if a >= start and b <= end
+        steps = [
+            (k, b - a)
+            for k, (a, b) in enumerate(itertools.pairwise(times[0]))
+            if a >= start and b <= end
         ]
-        if not gaps:
-            raise CapacityInputError("--url", "--url: the requests never decoded together")
-        context = PROMPT_FOR_DECODE + DECODE_STEPS // 2 + 1
-        samples.append(
-            Sample("decode", batch, context, [(context - 1, 1)] * batch, statistics.median(gaps))
-        )
-    for length in PREFILL_LENGTHS:
-        seed += 1
+        if len(steps) >= DECODE_STEPS:
+            # Gap k follows token k + 1: that step read PROMPT + k + 1 positions of KV.
+            context = PROMPT_FOR_DECODE + round(statistics.fmean(k for k, _ in steps)) + 1
+            gap = statistics.median(g for _, g in steps)
+            return Sample("decode", batch, context, [(context - 1, 1)] * batch, gap)
+    raise CapacityInputError("--url", f"--url: {batch} requests never decoded together")
+
+
+async def _measure(http: httpx.AsyncClient, url: str, vocab: int) -> list[Sample]:
+    samples = [
+        await _decode_sample(http, url, vocab, batch, seed=1000 * batch) for batch in DECODE_BATCHES
+    ]
+    for seed, length in enumerate(PREFILL_LENGTHS, 1):
         outs = await _generate(http, url, _prompt(length, vocab, seed), 1)
         last = outs[-1]
         if last.first_token_time is None or last.first_scheduled_time is None:
@@ -138,11 +142,11 @@ async def check_remote_async(
     url = url.rstrip("/")
     try:
         async with httpx.AsyncClient(headers={SECRET_HEADER: secret}, timeout=TIMEOUT_S) as http:
-            response = await http.get(f"{url}/internal/info")
+            response = await http.get(f"{url}/internal/kv")
             if response.status_code != 200:
                 raise CapacityInputError(
                     "--url",
-                    f"--url {url}: /internal/info answered {response.status_code} "
+                    f"--url {url}: /internal/kv answered {response.status_code} "
                     "(is TOLLGATE_BACKEND_SECRET the backend's?)",
                 )
             facts, arch = _facts(response.json())

@@ -96,33 +96,35 @@ async def _remote(http: httpx.AsyncClient, url: str, client: RemoteEngineClient)
         url, client.model_name, False, client.max_model_len, 1, 0, 0, 0, None, 0, 0
     )
     try:
-        stats_reply, info_reply = await asyncio.gather(
-            http.get(f"{url}/internal/stats"), http.get(f"{url}/internal/info")
+        stats_reply, kv_reply = await asyncio.gather(
+            http.get(f"{url}/internal/stats"), http.get(f"{url}/internal/kv")
         )
-        stats, info = stats_reply.json(), info_reply.json()
+        stats, kv = stats_reply.json(), kv_reply.json()
     except (httpx.HTTPError, ValueError):
         return down
     if stats_reply.status_code != 200 or not stats.get("running"):
         return down
-    kv = info.get("kv") if info_reply.status_code == 200 else None
+    if kv_reply.status_code != 200:
+        kv = {}
     total = int(stats.get("kv_blocks_total", 0))
     return ReplicaCapacity(
         name=url,
-        model=str(info.get("model", client.model_name)),
+        model=str(kv.get("model", client.model_name)),
         healthy=True,
-        context=int(info.get("max_model_len", client.max_model_len)),
+        context=int(kv.get("max_model_len", client.max_model_len)),
         block_size=int(stats.get("block_size", 16)),
         blocks_total=total,
         blocks_used=int(stats.get("kv_blocks_used", 0)),
         blocks_free=int(stats.get("kv_blocks_free", 0)) + int(stats.get("kv_blocks_cached", 0)),
-        bytes_per_block=kv["tensor_bytes"] // max(1, total) if isinstance(kv, dict) else None,
+        bytes_per_block=kv["tensor_bytes"] // max(1, total) if "tensor_bytes" in kv else None,
         running=int(stats.get("num_running", 0)),
         waiting=int(stats.get("num_waiting", 0)),
     )
 
 
 async def live_replicas(client: EngineClient | None, secret: str | None) -> list[ReplicaCapacity]:
-    """What each replica's engine reports now (remote ones polled with the backend secret)."""
+    """What each replica's engine reports now (remote ones polled on /internal/stats and
+    /internal/kv with the backend secret)."""
     if isinstance(client, InProcessEngineClient):
         return [_in_process(client)]
     if isinstance(client, RemoteEngineClient):
