@@ -153,7 +153,6 @@ class Admission:
             try:
                 return await self.store.reserve(request)
             except SpendUnknownError as unknown:
-                await self._restore_live()  # our running requests count before new ones
                 if self.rebuilds is None or not await self.rebuilds.wait(
                     unknown.period, REBUILD_WAIT_S
                 ):
@@ -193,11 +192,12 @@ class Admission:
             await self.store.settle(
                 pending.reservation, pending.tokens, pending.cost_micros, pending.at_us
             )
-        except (QuotaError, OSError) as exc:
+        except Exception as exc:  # the store away, or anything else: never fail the request
             log.warning(
                 "settle of %s deferred (%s): retrying in the background",
                 pending.reservation.reservation_id,
                 exc,
+                exc_info=not isinstance(exc, QuotaError),
             )
             return False
         return True
@@ -233,7 +233,7 @@ class Admission:
             if self._live:
                 try:
                     await self._renew_live()
-                except (QuotaError, OSError):  # store briefly away: the next round tries again
+                except Exception:  # store briefly away: the next round tries again
                     log.warning("lease renewal failed", exc_info=True)
 
     async def _renew_live(self) -> None:
@@ -244,12 +244,6 @@ class Admission:
         if lost:
             restored = await self.store.restore(lost, self.lease_s)
             log.warning("quota store had lost %d running reservations: restored", restored)
-
-    async def _restore_live(self) -> None:
-        live = [r for r, _ in self._live.values()]
-        if live:
-            with contextlib.suppress(QuotaError, OSError):
-                await self.store.restore(live, self.lease_s)
 
     async def close(self) -> None:
         for task in self._tasks:

@@ -50,6 +50,11 @@ def period_bounds(period: str) -> tuple[datetime, datetime]:
     return start, end
 
 
+def previous_period(period: str) -> str:
+    year, month = (int(part) for part in period.split("-"))
+    return f"{year - (month == 1):04d}-{(month - 2) % 12 + 1:02d}"
+
+
 def to_us(moment: datetime) -> int:
     return int(as_utc(moment).timestamp() * 1_000_000)
 
@@ -181,6 +186,7 @@ class Rebuilder:
         task = self._running.get(period)
         if task is None or task.done():
             task = asyncio.get_running_loop().create_task(self._run(period))
+            task.add_done_callback(_log_failure)
             self._running[period] = task
         return task
 
@@ -191,19 +197,27 @@ class Rebuilder:
         return task.done() and not task.cancelled() and task.exception() is None
 
     async def _run(self, period: str) -> Rebuilt:
-        hold_s = 0.0
-        if not await self.store.is_ready(period) and await recently_active(
-            self.sessions, self.max_life_s
-        ):
-            # Gateways may be running requests whose leases the store lost: give each
-            # of them a renewal round (every lease_s / 3) to restore them first.
-            hold_s = self.lease_s / 2
+        hold_s = self.lease_s / 2 if await self._wiped(period) else 0.0
         return await rebuild(self.sessions, self.store, period, hold_s)
+
+    async def _wiped(self, period: str) -> bool:
+        """Whether the store lost what it knew while gateways may be running requests
+        whose leases it lost too: then each gets a renewal round (every lease_s / 3) to
+        restore them before admission resumes. A new month is not a loss: the last one
+        is still known; neither is a first start: no request ended lately."""
+        if await self.store.is_ready(period) or await self.store.is_ready(previous_period(period)):
+            return False
+        return await recently_active(self.sessions, self.max_life_s)
 
     async def close(self) -> None:
         for task in self._running.values():
             task.cancel()
         await asyncio.gather(*self._running.values(), return_exceptions=True)
+
+
+def _log_failure(task: asyncio.Task[Rebuilt]) -> None:
+    if not task.cancelled() and task.exception() is not None:
+        log.warning("quota rebuild failed; the next one tries again", exc_info=task.exception())
 
 
 class Upkeep:

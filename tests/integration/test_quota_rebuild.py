@@ -5,6 +5,8 @@ nothing on disk) never lets a tenant be admitted past its budget, whenever it co
 from __future__ import annotations
 
 import asyncio
+import json
+import time
 import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, replace
@@ -16,6 +18,7 @@ from litestar import Litestar
 from sqlalchemy import func, select
 from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
 
+from gateway import cli
 from gateway.admission.reconcile import period_bounds, rebuild
 from gateway.app import create_app
 from gateway.dispatch.engine_client import InProcessEngineClient
@@ -24,7 +27,7 @@ from gateway.settings import Settings
 from tenants.limits import LimitSet, PlanTerms
 from tenants.models import UsageEvent, utcnow
 from tenants.pricing import DEFAULT_PRICE
-from tenants.quota import ScopeUsage, month_period
+from tenants.quota import RedisQuotaStore, ScopeUsage, month_period
 from tenants.services import ApiKeyService, PlanService, TenantService, UsageService
 from tests.conftest import eventually, serving
 from tests.support.redis_server import RedisServer, redis_server
@@ -132,11 +135,15 @@ async def test_redis_restart_just_after_a_reconcile_never_admits_past_the_budget
     assert (await rebuild(runtime.sessions, runtime.admission.store)).ready
     assert (await _usage(stack, tenant)).spent_micros == await _ledger(sessions, tenant)
     await stack.redis.restart()
+    restarted = time.monotonic()
+    resumed: list[float] = []
 
     codes: list[int] = []
 
     async def budget_used_up() -> bool:  # waves of 10 until the budget refuses
         codes.extend(r.status_code for r in await _wave(stack, tenant, 10, model))
+        if 200 in codes and not resumed:
+            resumed.append(time.monotonic() - restarted)
         usage = await _usage(stack, tenant)
         assert usage.spent_micros + usage.reserved_micros <= budget
         return 429 in codes
@@ -145,8 +152,9 @@ async def test_redis_restart_just_after_a_reconcile_never_admits_past_the_budget
     refused = codes.count(503)
     admitted = codes.count(200)
     print(
-        f"\nafter the restart: {admitted} admitted, {refused} refused while rebuilding, "
-        f"{codes.count(429)} over budget"
+        f"\nafter the restart: {admitted} admitted, {refused} refused while rebuilding "
+        f"(admission resumed {resumed[0]:.2f} s after it), {codes.count(429)} over budget; "
+        f"ledger {await _ledger(sessions, tenant)} of a budget of {budget}"
     )
     assert set(codes) <= {200, 429, 503}, codes
     ledger = await _ledger(sessions, tenant)
@@ -248,5 +256,74 @@ async def test_dropped_connections_during_settlement_are_retried(
     async def settled() -> bool:
         usage = await _usage(stack, tenant)
         return usage.spent_micros == ledger and usage.reserved_micros == 0
+
+    await eventually(settled, timeout_s=10)
+
+
+async def test_quota_rebuild_command(
+    database_url: str,
+    sessions: Sessions,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    tenant = await _tenant(sessions, 10**9)
+    await _old_spend(sessions, tenant, 4321)
+    async with redis_server() as redis:
+        monkeypatch.setenv("TOLLGATE_DATABASE_URL", database_url)
+        monkeypatch.setenv("TOLLGATE_REDIS_URL", redis.url)
+        assert await asyncio.to_thread(cli.main, ["quota", "rebuild"]) == 0
+        report = json.loads(capsys.readouterr().out)
+        assert (report["period"], report["ready"], report["scopes"]) == (month_period(), True, 2)
+        store = RedisQuotaStore.from_url(redis.url)
+        try:
+            assert (await store.usage(f"tenant:{tenant.id}", month_period())).spent_micros == 4321
+            assert (await store.usage(f"key:{tenant.key_id}", month_period())).spent_micros == 4321
+            assert await store.is_ready(month_period())
+        finally:
+            await store.aclose()
+    with pytest.raises(SystemExit):
+        cli.main(["quota", "rebuild", "--period", "2026-13"])
+
+
+@pytest.mark.slow  # a stream long enough to outlive the restart: ~10 s on 2 cores
+async def test_a_running_requests_reservation_is_restored_after_a_restart(
+    stack: Stack, sessions: Sessions, engine_client: InProcessEngineClient
+) -> None:
+    tenant = await _tenant(sessions, 10**12)
+    prompt_tokens = len(engine_client.encode(PROMPT))
+    max_tokens = engine_client.max_model_len - prompt_tokens - 8  # a long one: n=4 of them
+    body = {"model": engine_client.model_name, "prompt": PROMPT, "max_tokens": max_tokens}
+    body |= {"n": 4, "ignore_eos": True, "stream": True}
+    worst = DEFAULT_PRICE.cost_micros(prompt_tokens, 0, 4 * max_tokens)
+
+    async def run() -> str:
+        async with (
+            httpx.AsyncClient(base_url=stack.url, timeout=120) as http,
+            http.stream(
+                "POST",
+                "/v1/completions",
+                json=body,
+                headers={"Authorization": f"Bearer {tenant.secret}"},
+            ) as response,
+        ):
+            return "".join([line async for line in response.aiter_lines()])
+
+    running = asyncio.create_task(run())
+
+    async def reserved() -> bool:
+        return (await _usage(stack, tenant)).reserved_micros == worst
+
+    await eventually(reserved, timeout_s=30)
+    await stack.redis.restart()
+    await eventually(reserved, timeout_s=5)  # the gateway's next renewal gave it back
+    assert not running.done()
+    # The store was emptied (the admission left no trace in the window); the lease is back.
+    assert (await _usage(stack, tenant)).requests_in_window == 0
+    assert (await running).rstrip().endswith("data: [DONE]")
+    ledger = await _ledger(sessions, tenant)
+
+    async def settled() -> bool:
+        usage = await _usage(stack, tenant)
+        return usage.reserved_micros == 0 and usage.spent_micros == ledger
 
     await eventually(settled, timeout_s=10)
