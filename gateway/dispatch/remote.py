@@ -26,12 +26,12 @@ import httpx
 import msgspec
 
 from backend import RequestOutput, SamplingParams
-from backend.errors import DeadlineExceededError, OverloadedError
+from backend.errors import DeadlineExceededError, OverloadedError, RequestFailedError
 from backend.server import SECRET_HEADER
 from backend.tokenizer import Tokenizer
 from gateway.dispatch.engine_client import RESTART, overloaded
 from gateway.dispatch.routing import Replica, affinity_key, pick
-from gateway.errors import DeadlineExceeded, EngineUnavailable, Overloaded
+from gateway.errors import DeadlineExceeded, EngineUnavailable, InternalError, Overloaded
 from gateway.telemetry import tracing
 from gateway.telemetry.request import current_request
 
@@ -221,6 +221,8 @@ class RemoteEngineClient:
                 raise overloaded(error.get("retry_after_s") or 1.0, error["error"])
             if kind == DeadlineExceededError.kind:
                 raise DeadlineExceeded(error["error"])
+            if kind == RequestFailedError.kind:  # the replica is fine; retrying could repeat it
+                raise InternalError(error["error"], code=RequestFailedError.kind)
             raise ReplicaFailed(error.get("error", "engine error"))
         try:
             return self._decoder.decode(line)

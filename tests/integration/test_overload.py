@@ -19,11 +19,12 @@ from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
 
 from backend import AsyncEngine, EngineConfig, SamplingParams
 from backend.builtin import BUILTIN_MODEL_DIR
+from backend.errors import RequestStepError
 from backend.server import create_backend_app
 from gateway.app import create_app
 from gateway.dispatch.engine_client import InProcessEngineClient
 from gateway.dispatch.remote import RemoteEngineClient
-from gateway.errors import Overloaded
+from gateway.errors import InternalError, Overloaded
 from gateway.settings import Settings
 from tenants.models import UsageEvent, UsageStatus
 from tests.conftest import eventually, serving
@@ -208,5 +209,37 @@ async def test_remote_replica_load_snapshot_follows_its_stats(tmp_path: Path) ->
             assert stats.prefix_cache_hits > 0
             assert replica.healthy and replica.prefix_cache_hit_rate == stats.prefix_cache_hit_rate
             assert replica.kv_used_fraction == stats.kv_blocks_used / stats.kv_blocks_total
+        finally:
+            await remote.close()
+
+
+async def test_a_request_a_replica_failed_is_not_retried_elsewhere(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A step fault the engine pins on one request fails that request with 500
+    `request_failed`; the replica stays healthy and the request is not sent to the next
+    replica, where it could fail the same way."""
+    engines = [AsyncEngine.from_pretrained(BUILTIN_MODEL_DIR, ONE_AT_A_TIME) for _ in range(2)]
+    for engine in engines:  # a fault pinned on one request, as a bad seed was
+        execute = engine.engine.runner.execute
+
+        def failing(batch: Any, execute: Any = execute) -> Any:
+            if any(r.request_id == "poison" for r in batch.requests):
+                raise RequestStepError(["poison"], "injected")
+            return execute(batch)
+
+        monkeypatch.setattr(engine.engine.runner, "execute", failing)
+    params = SamplingParams(max_tokens=2, temperature=0)
+    apps = [create_backend_app(engine, BUILTIN_MODEL_DIR, secret="s3cret") for engine in engines]
+    async with serving(apps[0]) as first, serving(apps[1]) as second:
+        remote = await RemoteEngineClient.connect([first, second], "s3cret", tmp_path)
+        try:
+            with pytest.raises(InternalError) as caught:
+                async for _ in remote.generate([1, 2, 3], params, "poison"):
+                    pass
+            assert caught.value.code == "request_failed"
+            assert sorted(e.engine.num_failed_requests for e in engines) == [0, 1]
+            assert all(replica.healthy for replica in remote.replicas)
+            assert [o async for o in remote.generate([1, 2, 3], params, "after")][-1].finished
         finally:
             await remote.close()
