@@ -16,7 +16,7 @@ from gateway.errors import AuthenticationFailed
 from gateway.runtime import Runtime
 from gateway.telemetry import current_request
 from tenants import keys
-from tenants.audit import AuditContext
+from tenants.audit import AuditContext, client_address
 from tenants.services import ApiKeyService, Principal
 
 _REQUEST_ID = re.compile(r"^[A-Za-z0-9._:-]{1,64}$")
@@ -98,5 +98,5 @@ def note_failure(
 ) -> None:
     """Count a refused caller for the aggregated `auth.failures` audit event."""
     if runtime.auth_failures is not None:
-        ip = request.client.host if request.client else None
+        ip = client_address(request.client.host if request.client else None)
         runtime.auth_failures.note(ip, key_prefix, reason)
