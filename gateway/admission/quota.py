@@ -36,6 +36,7 @@ from tenants.quota import (
     Reservation,
     ReserveRequest,
     Scope,
+    ScopeUsage,
     SpendUnknownError,
     StoreUnavailableError,
     WindowStatus,
@@ -173,6 +174,25 @@ class Admission:
                 headers={"Retry-After": STORE_RETRY_AFTER},
             ) from down
 
+    async def refuse_if_exhausted(self, principal: Principal) -> None:
+        """Before expensive work (tokenizing a long prompt), refuse a caller whose request
+        window, concurrency or budget is already used up, without waiting for the token
+        count. Read-only and advisory: reserve() stays the one atomic check."""
+        period = month_period()
+        for scope in scopes(principal):
+            try:
+                usage = await self.store.usage(scope.key, period)
+            except (StoreUnavailableError, SpendUnknownError):
+                return  # reserve() answers these properly
+            reason = _exhausted(scope.limits, usage)
+            if reason is not None:
+                current_request().reject(reason.value)
+                who = "key" if scope.key.startswith("key:") else "tenant"
+                message = f"{_EXHAUSTED[reason]} for this {who}"
+                if reason is DenyReason.BUDGET:
+                    raise QuotaExceeded(message)
+                raise RateLimited(message, headers={"Retry-After": "1"})
+
     @property
     def unsettled(self) -> int:
         """Settles waiting for the store to take them."""
@@ -256,6 +276,25 @@ class Admission:
             # release the reserved budget.
             log.warning("%d settles left to the reconciler at shutdown", len(self._unsettled))
         await self.store.aclose()
+
+
+_EXHAUSTED = {
+    DenyReason.RPM: "rate limit reached: requests per minute",
+    DenyReason.CONCURRENCY: "rate limit reached: concurrent requests",
+    DenyReason.BUDGET: "the monthly budget is spent",
+}
+
+
+def _exhausted(limits: Limits, usage: ScopeUsage) -> DenyReason | None:
+    """The limit, if any, that no request could pass now whatever its token count."""
+    if limits.rpm is not None and usage.requests_in_window >= limits.rpm:
+        return DenyReason.RPM
+    if limits.max_concurrent is not None and usage.concurrent >= limits.max_concurrent:
+        return DenyReason.CONCURRENCY
+    budget = limits.budget_micros
+    if budget is not None and usage.spent_micros + usage.reserved_micros >= budget:
+        return DenyReason.BUDGET
+    return None
 
 
 def _denial(denied: Denied) -> RateLimited:

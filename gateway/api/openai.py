@@ -87,7 +87,7 @@ class OpenAIController(Controller):
         messages = [{"role": m.role, "content": m.text()} for m in body.messages]
         chars = sum(len(m["content"]) for m in messages)
         policy.check_prompt_chars(chars, engine.max_model_len, engine.max_token_chars, "messages")
-        prompt = await _tokenize(chars, partial(_chat_prompt, engine, messages))
+        prompt = await _tokenize(runtime, principal, chars, partial(_chat_prompt, engine, messages))
         params = _params(principal, body, prompt, engine, "messages")
         job = _job(runtime, principal, body, ChatFormat, "chat.completions", prompt, params)
         return await _respond(request, runtime, principal, job, stream=body.stream)
@@ -105,7 +105,7 @@ class OpenAIController(Controller):
         if isinstance(body.prompt, str):
             chars = len(body.prompt)
             policy.check_prompt_chars(chars, engine.max_model_len, engine.max_token_chars, "prompt")
-            prompt = await _tokenize(chars, partial(engine.encode, body.prompt))
+            prompt = await _tokenize(runtime, principal, chars, partial(engine.encode, body.prompt))
         else:
             prompt = body.prompt
         if not prompt:
@@ -149,9 +149,12 @@ def _chat_prompt(engine: EngineClient, messages: list[dict[str, str]]) -> list[i
 INLINE_TOKENIZE_CHARS = 4096
 
 
-async def _tokenize(chars: int, work: Callable[[], list[int]]) -> list[int]:
+async def _tokenize(
+    runtime: Runtime, principal: Principal, chars: int, work: Callable[[], list[int]]
+) -> list[int]:
     if chars <= INLINE_TOKENIZE_CHARS:
         return work()
+    await runtime.admission.refuse_if_exhausted(principal)  # a spent key costs no tokenizing
     return await asyncio.to_thread(work)
 
 

@@ -151,3 +151,41 @@ async def test_key_override_limits_one_key_only(
         )
     assert limited == [200, 429]
     assert free.status_code == 200
+
+
+@pytest.mark.parametrize("limit", ["rpm", "budget"])
+async def test_a_spent_key_costs_no_tokenizing(
+    app: Litestar,
+    sessions: Sessions,
+    engine_client: InProcessEngineClient,
+    monkeypatch: pytest.MonkeyPatch,
+    limit: str,
+) -> None:
+    """A long prompt from a caller whose minute or budget is already used up is refused
+    before it is tokenized (tokenizing megabytes cost seconds of CPU a quota never saw)."""
+    body = {**_body(engine_client.model_name, max_tokens=1), "ignore_eos": True}
+    exact = DEFAULT_PRICE.cost_micros(len(engine_client.encode(body["prompt"])), 0, 1)
+    limits = LimitSet(rpm=1) if limit == "rpm" else LimitSet(monthly_budget_micros=exact)
+    _, key = await _tenant_key(sessions, limits)
+    headers = {"Authorization": f"Bearer {key}"}
+    tokenized: list[int] = []
+    encode = engine_client.encode
+
+    def recording(text: str) -> list[int]:
+        tokenized.append(len(text))
+        return encode(text)
+
+    async with _client(app) as client:
+        spend = await client.post(
+            "/v1/completions", json={**body, "ignore_eos": True}, headers=headers
+        )
+        assert spend.status_code == 200, spend.text  # uses up the minute or the budget
+        runtime: Runtime = app.state.runtime
+        await runtime.tasks.drain()  # its settlement is in the store
+        monkeypatch.setattr(engine_client, "encode", recording)
+        long = {**body, "prompt": "-" * 5000}
+        refused = await client.post("/v1/completions", json=long, headers=headers)
+    assert refused.status_code == 429, refused.text
+    assert tokenized == []
+    expected = "rate_limit_exceeded" if limit == "rpm" else "insufficient_quota"
+    assert refused.json()["error"]["code"] == expected
