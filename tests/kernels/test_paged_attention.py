@@ -119,3 +119,20 @@ def test_write_kv_past_int32_offsets() -> None:
     write_kv(k, v, k_cache, v_cache, slots.to(torch.int32))  # widened in the kernel
     assert torch.equal(k_cache.reshape(-1, 2, 64)[slots[kept]], k[kept])
     assert torch.equal(v_cache.reshape(-1, 2, 64)[slots[kept]], v[kept])
+
+
+@pytest.mark.parametrize("num_segments", [1, 4])
+def test_padding_rows_give_zeros_not_nan(num_segments: int) -> None:
+    """A padded decode row (seq_len 0, as a CUDA-graph batch padded to its captured size
+    carries) sees no key: its output is 0 and its lse -inf, and the real rows are intact."""
+    batch = make_batch([(40, 1), (9, 1), (1, 1)], 8, 2, 64, 16, seed=2)
+    seq_lens, starts = batch.tensors()
+    seq_lens[2] = 0
+    args = (batch.q, batch.k_cache, batch.v_cache, batch.block_tables, seq_lens, starts, 0.125)
+    out, lse = paged_attention(*args, 1, num_segments)
+    assert bool((out[2] == 0).all()) and bool(torch.isneginf(lse[2]).all())
+    ref, ref_lse = paged_attention_reference(
+        batch.q, batch.k_cache, batch.v_cache, batch.block_tables, [40, 9], [0, 1, 2], 0.125
+    )
+    torch.testing.assert_close(out[:2], ref[:2], atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(lse[:2], ref_lse[:2], atol=1e-4, rtol=1e-4)
