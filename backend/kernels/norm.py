@@ -39,7 +39,7 @@ def _rms_norm_kernel(
         total = (x + r).to(dtype, fp_downcast_rounding="rtne")
         tl.store(residual_ptr + row * stride_r + cols, total, mask=ok)
         x = total.to(tl.float32)
-    inv_rms = 1.0 / tl.sqrt(tl.sum(x * x, 0) / hidden + eps)
+    inv_rms = tl.rsqrt(tl.sum(x * x, 0) / hidden + eps)  # x * rsqrt(mean(x^2) + eps), as HF
     normed = (x * inv_rms).to(dtype, fp_downcast_rounding="rtne").to(tl.float32)
     weight = tl.load(weight_ptr + cols, mask=ok, other=0.0).to(tl.float32)
     tl.store(

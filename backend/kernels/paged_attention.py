@@ -23,7 +23,7 @@ def _find_sequence(query_start_ptr, num_seqs, q_block, BLOCK_Q: tl.constexpr):
     """The sequence owning program `q_block`: sequence i's programs start at
     query_start[i] // BLOCK_Q + i (an upper bound on the blocks before it, so no two
     sequences share one); binary search for the last start <= q_block."""
-    lo = 0
+    lo = num_seqs * 0  # an int32 tensor like hi, so the loop-carried types agree
     hi = num_seqs
     while lo < hi:
         mid = (lo + hi) // 2

@@ -4,6 +4,8 @@ import torch
 from torch import nn
 from torch.nn import functional
 
+from backend.kernels import use_fused
+
 
 class GatedMLP(nn.Module):
     """SwiGLU: down(silu(gate(x)) * up(x)), with gate and up fused into one matmul."""
@@ -16,7 +18,7 @@ class GatedMLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate_up = self.gate_up_proj(x)
-        if gate_up.is_cuda:  # one fused Triton kernel instead of silu, then a multiply
+        if use_fused(gate_up):  # one fused Triton kernel instead of silu, then a multiply
             from backend.kernels.norm import silu_and_mul  # imported on first CUDA use only
 
             return self.down_proj(silu_and_mul(gate_up))  # type: ignore[no-any-return]

@@ -3,6 +3,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from backend.kernels import use_fused
+
 
 class RMSNorm(nn.Module):
     """On CUDA one fused Triton kernel (backend/kernels/norm.py) does the residual add and
@@ -14,7 +16,7 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.is_cuda:
+        if use_fused(x):
             from backend.kernels.norm import rms_norm  # imported on first CUDA use only
 
             return rms_norm(x, self.weight, self.eps)
@@ -28,7 +30,7 @@ class RMSNorm(nn.Module):
         self, x: torch.Tensor, residual: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """(norm(x + residual), x + residual); on CUDA the sum is written into residual."""
-        if x.is_cuda:
+        if use_fused(x):
             from backend.kernels.norm import rms_norm
 
             return rms_norm(x, self.weight, self.eps, residual), residual

@@ -46,8 +46,8 @@ def check(batch: Batch, num_segments: int) -> None:
     torch.testing.assert_close(lse, ref_lse, atol=1e-4, rtol=1e-4)
 
 
-@pytest.mark.parametrize("block_size", [16, 32])
-@pytest.mark.parametrize("head_dim", [64, 128])
+# Every (head dim, block size) pair meets every head shape, across the two dtypes.
+@pytest.mark.parametrize(("head_dim", "block_size"), [(64, 16), (128, 32)])
 @pytest.mark.parametrize(("heads", "kv_heads"), HEADS)
 def test_float32_mixed_batch_and_both_decode_paths(
     heads: int, kv_heads: int, head_dim: int, block_size: int
@@ -60,17 +60,19 @@ def test_float32_mixed_batch_and_both_decode_paths(
 
 @pytest.mark.parametrize(("head_dim", "block_size"), [(64, 32), (128, 16)])
 @pytest.mark.parametrize(("heads", "kv_heads"), HEADS)
-def test_bfloat16_mixed_batch_and_split_decode(
+def test_bfloat16_mixed_batch_and_both_decode_paths(
     heads: int, kv_heads: int, head_dim: int, block_size: int
 ) -> None:
     dtype = torch.bfloat16
     check(make_batch(MIXED, heads, kv_heads, head_dim, block_size, dtype, seed=heads), 1)
-    check(make_batch(DECODE, heads, kv_heads, head_dim, block_size, dtype, seed=3), 4)
+    decode = make_batch(DECODE, heads, kv_heads, head_dim, block_size, dtype, seed=3)
+    check(decode, 1)
+    check(decode, 4)
 
 
 def test_split_path_over_prefill_rows_too() -> None:
     """Segments a causal query never reaches are empty (lse -inf) and must merge away."""
-    check(make_batch(MIXED, 8, 2, 64, 16, seed=11), 16)
+    check(make_batch(MIXED, 8, 2, 64, 16, seed=11), 4)
 
 
 @pytest.mark.parametrize("num_segments", [1, 4])
@@ -104,12 +106,33 @@ def test_write_kv_matches_reference_and_skips_padding(dtype: torch.dtype) -> Non
 
 
 def test_write_kv_past_int32_offsets() -> None:
+    """A 4 GiB pool of address space whose pages are backed only where written; K and V
+    are two views of it one block apart, so the slots written sit in distinct blocks."""
     num_blocks = 2**31 // (16 * 2 * 64) + 16
-    pool = torch.empty(2 * num_blocks, 16, 2, 64, dtype=torch.bfloat16)  # pages touched lazily
-    k_cache, v_cache = pool[:num_blocks], pool[num_blocks:]
+    pool = torch.empty(num_blocks + 1, 16, 2, 64, dtype=torch.bfloat16)
+    k_cache, v_cache = pool[:-1], pool[1:]
     k, v, slots = _write_case(num_blocks, torch.bfloat16)
     slots[0] = (num_blocks - 1) * 16 + 5  # in the pool's last block
-    write_kv(k, v, k_cache, v_cache, slots.to(torch.int32))  # widened in the kernel
     kept = slots >= 0
-    assert torch.equal(k_cache.view(-1, 2, 64)[slots[kept]], k[kept])
-    assert torch.equal(v_cache.view(-1, 2, 64)[slots[kept]], v[kept])
+    blocks = (slots[kept] // 16).sort().values
+    assert bool((blocks.diff() > 1).all())  # no write lands in another's V (or K) block
+    write_kv(k, v, k_cache, v_cache, slots.to(torch.int32))  # widened in the kernel
+    assert torch.equal(k_cache.reshape(-1, 2, 64)[slots[kept]], k[kept])
+    assert torch.equal(v_cache.reshape(-1, 2, 64)[slots[kept]], v[kept])
+
+
+@pytest.mark.parametrize("num_segments", [1, 4])
+def test_padding_rows_give_zeros_not_nan(num_segments: int) -> None:
+    """A padded decode row (seq_len 0, as a CUDA-graph batch padded to its captured size
+    carries) sees no key: its output is 0 and its lse -inf, and the real rows are intact."""
+    batch = make_batch([(40, 1), (9, 1), (1, 1)], 8, 2, 64, 16, seed=2)
+    seq_lens, starts = batch.tensors()
+    seq_lens[2] = 0
+    args = (batch.q, batch.k_cache, batch.v_cache, batch.block_tables, seq_lens, starts, 0.125)
+    out, lse = paged_attention(*args, 1, num_segments)
+    assert bool((out[2] == 0).all()) and bool(torch.isneginf(lse[2]).all())
+    ref, ref_lse = paged_attention_reference(
+        batch.q, batch.k_cache, batch.v_cache, batch.block_tables, [40, 9], [0, 1, 2], 0.125
+    )
+    torch.testing.assert_close(out[:2], ref[:2], atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(lse[:2], ref_lse[:2], atol=1e-4, rtol=1e-4)
