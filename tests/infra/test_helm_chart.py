@@ -330,6 +330,8 @@ def test_gpu_backends_request_gpus_and_the_cuda_image() -> None:
 
 
 def test_backends_are_found_through_a_headless_service() -> None:
+    from gateway.dispatch.discovery import RESOLVE_EVERY_S
+
     docs = _docs("defaults")
     service = _one(docs, "Service", f"{FULLNAME}-backend")
     assert service["spec"]["clusterIP"] == "None"
@@ -337,6 +339,8 @@ def test_backends_are_found_through_a_headless_service() -> None:
     backend = _one(docs, "Deployment", f"{FULLNAME}-backend")
     labels = backend["spec"]["template"]["metadata"]["labels"]
     assert service["spec"]["selector"].items() <= labels.items()
+    # A rollout waits until every gateway has re-resolved the name before the next pod goes.
+    assert backend["spec"]["minReadySeconds"] > RESOLVE_EVERY_S
     backends = _one(docs, "ConfigMap", f"{FULLNAME}-gateway")["data"]["TOLLGATE_BACKENDS"]
     assert backends == f"dns://{service['metadata']['name']}.{NAMESPACE}.svc:9000"
 
