@@ -344,7 +344,8 @@ async def test_rolling_restarts_lose_nothing(cluster: Cluster, sessions: Any) ->
     refused_ids = {request_id for request_id, _ in load.refused}
     unseen = [row for row in others if row[0] not in refused_ids]
     anonymous = sum(1 for request_id, _ in load.refused if request_id is None)
-    assert len(unseen) <= anonymous, (unseen, load.refused, _log_lines(cluster, [row[0] for row in unseen]))
+    logged = _log_lines(cluster, [row[0] for row in unseen])
+    assert len(unseen) <= anonymous, (unseen, load.refused, logged)
     assert len(completed) == len(load.completed)  # no response counted twice
     replicas = {r.replica for r in rows if r.status == "completed"}
     assert replicas == {f"http://{h}:{cluster.backend_port}" for h in BACKEND_HOSTS}
