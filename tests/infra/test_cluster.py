@@ -6,7 +6,8 @@ back), then of both gateways (each SIGTERM'd with streams open). Nothing is lost
 counted twice: every request that had not started streaming is retried and succeeds,
 every started stream finishes, completed responses == completed ledger rows (any other
 row belongs to a 503 the client saw and retried), reservations return to 0 and spent ==
-the ledger's sum."""
+the ledger's sum, and the Celery worker (scheduled by beat) exports every priced row to
+Stripe (tests/support/fake_stripe.py) exactly once."""
 
 from __future__ import annotations
 
@@ -36,6 +37,7 @@ from tests.conftest import POSTGRES_URL, eventually
 from tests.e2e.processes import Process, free_port
 from tests.infra.conftest import spawn
 from tests.infra.resolving_tollgate import write_hosts
+from tests.support.fake_stripe import FakeStripe
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 
@@ -73,6 +75,7 @@ class Cluster:
     gateways: dict[int, Process] = field(default_factory=dict)
     celery: list[Process] = field(default_factory=list)
     model: str = ""
+    stripe: FakeStripe | None = None  # where the Celery worker exports usage
     history: list[Process] = field(default_factory=list)  # every process started, for logs
 
     def start_backend(self, host: str) -> Process:
@@ -109,7 +112,13 @@ def _stop(process: Process) -> int:
 
 
 @pytest.fixture
-def cluster(tmp_path: Path) -> Iterator[Cluster]:
+def stripe() -> Iterator[FakeStripe]:
+    with FakeStripe().serving() as server:
+        yield server
+
+
+@pytest.fixture
+def cluster(tmp_path: Path, stripe: FakeStripe) -> Iterator[Cluster]:
     db.reset_schema(POSTGRES_URL)
     db.upgrade(POSTGRES_URL)
     env = {
@@ -123,9 +132,13 @@ def cluster(tmp_path: Path) -> Iterator[Cluster]:
         "TOLLGATE_CELERY_QUEUE": f"cluster-{uuid.uuid4().hex[:8]}",  # ours alone
         "TOLLGATE_DATA_DIR": str(tmp_path),
         "TOLLGATE_TEST_HOSTS": str(tmp_path / "hosts.json"),
+        "TOLLGATE_STRIPE_API_KEY": "sk_test_cluster",
+        "TOLLGATE_STRIPE_BASE_URL": stripe.url,
+        "TOLLGATE_EXPORT_INTERVAL_S": "1",  # beat schedules the relay every second
     }
     cluster = Cluster(tmp_path, env, _port_free_on_all(BACKEND_HOSTS), [free_port(), free_port()],
                       tmp_path / "hosts.json")  # fmt: skip
+    cluster.stripe = stripe
     env["TOLLGATE_BACKENDS"] = f"dns://{NAME}:{cluster.backend_port}"
     cluster.publish(*BACKEND_HOSTS)
     try:
@@ -321,7 +334,11 @@ async def test_rolling_restarts_lose_nothing(cluster: Cluster, sessions: Any) ->
         rows = (
             await session.execute(
                 select(
-                    UsageEvent.request_id, UsageEvent.status, UsageEvent.replica, UsageEvent.error
+                    UsageEvent.request_id,
+                    UsageEvent.status,
+                    UsageEvent.replica,
+                    UsageEvent.error,
+                    UsageEvent.cost_micros,
                 ).where(UsageEvent.tenant_id == tenant_id)
             )
         ).all()
@@ -356,6 +373,12 @@ async def test_rolling_restarts_lose_nothing(cluster: Cluster, sessions: Any) ->
         await store.aclose()
     assert usage.reserved_micros == 0 and usage.concurrent == 0
     assert usage.spent_micros == spent_in_ledger > 0
+    # Worker and beat exported the ledger to Stripe (the fake), every row once.
+    stripe = cluster.stripe
+    assert stripe is not None
+    priced = sum(1 for r in rows if r.cost_micros > 0)
+    await eventually(lambda: stripe.accepted() == priced, timeout_s=60)
+    assert sum(stripe.customer_totals().values()) == spent_in_ledger
     print(
         f"cluster: {len(load.completed)} streams completed, {len(load.refused)} answered 503 "
         f"by a gateway, {load.retried} sent again"
