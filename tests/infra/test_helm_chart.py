@@ -50,6 +50,26 @@ VALUE_SETS: dict[str, dict[str, Any]] = {
     },
 }
 
+# Everything optional switched off or the other way, so every template branch renders.
+VALUE_SETS["toggles"] = {
+    "gateway": {
+        "autoscaling": {"enabled": False},
+        "podDisruptionBudget": {"enabled": False},
+        "trustedProxies": ["10.0.0.0/8"],
+        "extraEnv": {"TOLLGATE_METRICS_TOP_TENANTS": "50"},
+    },
+    "backend": {
+        "podDisruptionBudget": {"enabled": False},
+        "tolerations": [{"key": "dedicated", "operator": "Exists"}],
+    },
+    "worker": {"podDisruptionBudget": {"enabled": False}},
+    "networkPolicy": {"enabled": False},
+    "config": {"preStopSeconds": 0, "otlpEndpoint": "http://otel-collector.monitoring:4318"},
+    "imagePullSecrets": [{"name": "registry"}],
+    "secrets": {"adminKey": "tg-abcdefgh_" + "x" * 43},
+}
+WITH_BUDGETS = pytest.mark.parametrize("values", sorted(set(VALUE_SETS) - {"toggles"}))
+
 Doc = dict[str, Any]
 
 
@@ -345,7 +365,7 @@ def test_backends_are_found_through_a_headless_service() -> None:
     assert backends == f"dns://{service['metadata']['name']}.{NAMESPACE}.svc:9000"
 
 
-@ALL
+@WITH_BUDGETS
 def test_grace_period_outlasts_prestop_drain_and_settling(values: str) -> None:
     from gateway.drain import SETTLE_S
 
@@ -409,7 +429,7 @@ def test_gateways_scale_on_cpu_and_backends_on_engine_signals() -> None:
     assert not [d for d in _docs("defaults") if d["kind"] == "ScaledObject"]
 
 
-@ALL
+@WITH_BUDGETS
 def test_disruption_budgets_cover_the_serving_pods(values: str) -> None:
     docs = _docs(values)
     budgets = {d["metadata"]["name"]: d for d in docs if d["kind"] == "PodDisruptionBudget"}
@@ -453,6 +473,23 @@ def test_service_monitors_scrape_with_the_right_credentials() -> None:
         assert endpoint["path"] == "/metrics" and "/metrics" in _routes()[component]
         credentials = endpoint["authorization"]["credentials"]
         assert credentials == {"name": FULLNAME, "key": key} and secret[key]
+
+
+def test_switched_off_parts_are_gone_and_settings_pass_through() -> None:
+    docs = _docs("toggles")
+    kinds = {d["kind"] for d in docs}
+    assert not kinds & {"PodDisruptionBudget", "NetworkPolicy", "HorizontalPodAutoscaler"}
+    gateway = _one(docs, "Deployment", f"{FULLNAME}-gateway")
+    assert gateway["spec"]["replicas"] == 2
+    pod = gateway["spec"]["template"]["spec"]
+    assert pod["imagePullSecrets"] == [{"name": "registry"}]
+    assert "lifecycle" not in pod["containers"][0]
+    config = _one(docs, "ConfigMap", f"{FULLNAME}-gateway")["data"]
+    assert config["TOLLGATE_TRUSTED_PROXIES"] == "10.0.0.0/8"
+    assert config["TOLLGATE_METRICS_TOP_TENANTS"] == "50"
+    assert config["OTEL_EXPORTER_OTLP_ENDPOINT"].startswith("http://otel-collector")
+    secret = _one(docs, "Secret", FULLNAME)["stringData"]
+    assert secret["admin-key"] == VALUE_SETS["toggles"]["secrets"]["adminKey"]
 
 
 def test_notes_tell_how_to_get_the_first_admin_key() -> None:
