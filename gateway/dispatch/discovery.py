@@ -76,10 +76,10 @@ class DnsEntry:
 class BackendDiscovery:
     """TOLLGATE_BACKENDS, with its dns:// entries resolved to one URL per address."""
 
-    def __init__(self, entries: Sequence[str], resolver: Resolver = system_resolver) -> None:
+    def __init__(self, entries: Sequence[str], resolver: Resolver | None = None) -> None:
         self.static = [e for e in entries if not e.startswith(f"{DNS_SCHEME}://")]
         self.dns = [DnsEntry(e) for e in entries if e.startswith(f"{DNS_SCHEME}://")]
-        self.resolver = resolver
+        self.resolver = resolver or system_resolver
 
     async def urls(self) -> list[str]:
         resolved = [await entry.resolve(self.resolver) for entry in self.dns]
@@ -130,7 +130,7 @@ async def connect(
     entries: Sequence[str],
     secret: str,
     cache_dir: Path,
-    resolver: Resolver = system_resolver,
+    resolver: Resolver | None = None,  # None: the system's (getaddrinfo)
     interval_s: float = RESOLVE_EVERY_S,
 ) -> RemoteEngineClient:
     """The engine client for TOLLGATE_BACKENDS. Static URLs only: a RemoteEngineClient as

@@ -1,10 +1,15 @@
-"""What the deployment files may name: the TOLLGATE_* variables the code reads."""
+"""Shared by the deployment tests: the TOLLGATE_* variables the code reads, and
+subprocesses."""
 
 from __future__ import annotations
 
 import re
+import subprocess
+import threading
 from functools import cache
 from pathlib import Path
+
+from tests.e2e.processes import Process
 
 ROOT = Path(__file__).resolve().parents[2]
 INFRA = ROOT / "infra"
@@ -18,3 +23,26 @@ def known_env_vars() -> frozenset[str]:
         for path in (ROOT / package).rglob("*.py"):
             names.update(re.findall(r"[\"'](TOLLGATE_[A-Z0-9_]+)[\"']", path.read_text()))
     return frozenset(names)
+
+
+def spawn(argv: list[str], env: dict[str, str], cwd: Path | None = None) -> Process:
+    """A subprocess with its output read as tests.e2e.processes does, for commands other
+    than this environment's `tollgate` (a wheel's, `python -m ...`, `celery`). `env` is
+    the whole environment."""
+    popen = subprocess.Popen(
+        argv,
+        env={**env, "PYTHONUNBUFFERED": "1"},
+        cwd=cwd,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+    process = Process(popen)
+    threading.Thread(target=_read_lines, args=(process,), daemon=True).start()
+    return process
+
+
+def _read_lines(process: Process) -> None:
+    assert process.popen.stdout is not None
+    for line in process.popen.stdout:
+        process.lines.put(line)

@@ -178,6 +178,8 @@ def test_prometheus_and_nginx_point_at_the_compose_services() -> None:
     upstreams = set(re.findall(r"server (\S+:\d+)", nginx))
     assert upstreams == {"gateway-0:8000", "gateway-1:8000"}
     assert "proxy_buffering off" in nginx  # server-sent events stream through
+    retry = re.search(r"proxy_next_upstream ([^;]+);", nginx)
+    assert retry and {"http_503", "non_idempotent"} <= set(retry.group(1).split())
 
 
 def test_compose_stops_gateways_and_backends_after_their_drain() -> None:

@@ -16,7 +16,6 @@ import shutil
 import site
 import subprocess
 import sys
-import threading
 import venv
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -25,7 +24,8 @@ from pathlib import Path
 import httpx
 import pytest
 
-from tests.e2e.processes import Process, free_port, running
+from tests.e2e.processes import free_port, running
+from tests.infra.conftest import spawn
 
 pytestmark = [pytest.mark.slow, pytest.mark.e2e]
 
@@ -118,24 +118,13 @@ def served(installed: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterato
     data_dir = tmp_path_factory.mktemp("wheel-serve")
     port = free_port()
     env = {**_clean_env(), "TOLLGATE_DATA_DIR": str(data_dir), "PYTHONUNBUFFERED": "1"}
-    popen = subprocess.Popen(
-        [str(installed / "tollgate"), "serve", "--port", str(port)],
-        env=env, cwd=data_dir, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-    )  # fmt: skip
-    process = Process(popen)
-    threading.Thread(target=_read_lines, args=(process,), daemon=True).start()
+    process = spawn([str(installed / "tollgate"), "serve", "--port", str(port)], env, data_dir)
     with running(process):
         banner = process.wait_for('"model"')  # the banner's last line, printed once listening
         admin_key = re.search(r"Admin key \(new\): (tg-\S+)", banner)
         model = re.search(r'"model": "([^"]+)"', banner)
         assert admin_key and model, banner
         yield Served(f"http://127.0.0.1:{port}", admin_key.group(1), model.group(1))
-
-
-def _read_lines(process: Process) -> None:
-    assert process.popen.stdout is not None
-    for line in process.popen.stdout:
-        process.lines.put(line)
 
 
 def test_serve_from_the_wheel_answers_chat(served: Served) -> None:
