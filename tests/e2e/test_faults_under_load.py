@@ -1,0 +1,862 @@
+"""Faults under load (issue 13): the stack with everything real on loopback — its own
+PostgreSQL and redis-server, two backend replicas, two gateways, a Celery worker exporting
+to the fake Stripe — under a steady open-loop load of streamed and whole requests from
+three tenants on budgets and TPM limits. Faults come one after another: Redis restarted,
+PostgreSQL restarted, a backend SIGKILLed mid-stream, a gateway SIGKILLed with streams
+in flight, the Celery worker SIGKILLed mid-export. A supervisor (the test) restarts what
+was killed, as systemd or Kubernetes would; the client side fails over from a gateway that
+refuses connections, as a load balancer would.
+
+After each fault the service answers again within RECOVERY_BOUND_S and no request hangs
+(each ends with an answer or a clean error within its timeout). At the end: nothing is
+reserved, spent equals the ledger and no tenant spent past its budget, each response a
+client received (whole or partial) has its one ledger row and nothing else is billed, and
+per customer the fake Stripe's total equals the ledger's. `pytest -s` prints the figures.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import json
+import os
+import random
+import secrets
+import signal
+import subprocess
+import sys
+import threading
+import time
+import uuid
+from collections import Counter
+from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine, Iterator
+from contextlib import ExitStack, asynccontextmanager, suppress
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+from sqlalchemy import Engine, create_engine, text
+
+from backend.server import SECRET_HEADER
+from tenants import db, keys
+from tenants.limits import LimitSet, PlanTerms
+from tenants.pricing import DEFAULT_PRICE
+from tenants.quota import RedisQuotaStore, ScopeUsage, month_period
+from tenants.services import ApiKeyService, PlanService, TenantService
+from tests.conftest import eventually
+from tests.e2e.processes import Process, free_port, start
+from tests.support.fake_stripe import FakeStripe
+from tests.support.servers import OwnPostgres, OwnRedis
+
+pytestmark = [pytest.mark.e2e, pytest.mark.slow, pytest.mark.timeout(480)]
+
+ROOT = Path(__file__).resolve().parents[2]
+LEASE_S = 3  # short: a killed gateway's reservations come back quickly
+RATE_PER_S = 5.0  # open loop: one request every 200 ms whatever the answers
+MAX_REQUESTS = 1_000  # the load is bounded in count as well as in time
+MAX_TOKENS = 12
+LONG_TOKENS = 160  # the streams a kill lands in the middle of
+REQUEST_TIMEOUT_S = 20.0  # the client's limit; the server's (TOLLGATE_REQUEST_TIMEOUT_S) is 15
+RECOVERY_BOUND_S = 15.0  # stated bound: answering again this long after a fault at most
+BASELINE_S = 8.0
+STEADY_S = 5.0  # load kept on after each recovery, so late failures show
+EXPORT_INTERVAL_S = 2
+STRIPE_KEY = "sk_test_fake"
+PROMPTS = ("Return the", "The cat", "Create a list of", "This is", "Once upon a time")
+
+
+# --- the stack ---------------------------------------------------------------------------
+
+
+@dataclass
+class Node:
+    """A tollgate process the supervisor can kill and start again on the same port."""
+
+    args: list[str]
+    env: dict[str, str]
+    ready: str  # a line its output shows once it serves
+    port: int
+    process: Process | None = None
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def start(self) -> None:
+        self.process = start([*self.args, "--port", str(self.port)], self.env)
+
+    def wait_ready(self) -> None:
+        assert self.process is not None
+        self.process.wait_for(self.ready)
+
+    def kill(self) -> None:
+        assert self.process is not None
+        self.process.kill()
+
+    def stop(self) -> None:
+        if self.process is not None:
+            self.process.stop()
+
+
+@dataclass
+class Worker:
+    """The Celery worker with its embedded beat, in a session of its own so SIGKILL
+    reaches both."""
+
+    env: dict[str, str]
+    folder: Path
+    popen: subprocess.Popen[bytes] | None = None
+    runs: itertools.count[int] = field(default_factory=itertools.count)
+
+    def start(self) -> None:
+        schedule = self.folder / f"beat-{next(self.runs)}"
+        command = [sys.executable, "-m", "celery", "-A", "tenants.billing.worker", "worker",
+                   "-B", "-s", str(schedule), "-Q", self.env["TOLLGATE_CELERY_QUEUE"],
+                   "-P", "solo", "--loglevel", "WARNING", "--without-gossip",
+                   "--without-mingle", "--without-heartbeat"]  # fmt: skip
+        self.popen = subprocess.Popen(command, cwd=ROOT, env=self.env, start_new_session=True)
+
+    def kill(self) -> None:
+        if self.popen is not None and self.popen.poll() is None:
+            os.killpg(self.popen.pid, signal.SIGKILL)
+        if self.popen is not None:
+            self.popen.wait(timeout=10)
+
+
+@dataclass
+class Tenant:
+    name: str
+    id: str
+    key: str
+    budget_micros: int
+    tpm: int
+
+
+@dataclass
+class Stack:
+    postgres: OwnPostgres
+    redis: OwnRedis
+    fake: FakeStripe
+    backends: list[Node]
+    gateways: list[Node]
+    worker: Worker
+    secret: str
+    ledger: Engine
+    tenants: list[Tenant] = field(default_factory=list)
+    model: str = ""
+    max_model_len: int = 0
+
+
+def _common_env(postgres: OwnPostgres, redis: OwnRedis, secret: str) -> dict[str, str]:
+    return {
+        "TOLLGATE_DATABASE_URL": postgres.url,
+        "TOLLGATE_REDIS_URL": redis.url,
+        "TOLLGATE_BACKEND_SECRET": secret,
+        "TOLLGATE_MODEL": os.environ.get("TOLLGATE_TEST_MODEL", ""),
+        "TOLLGATE_ENGINE_THREADS": "1",  # two replicas share two cores with everything else
+        "TOLLGATE_LOG_LEVEL": "warning",
+    }
+
+
+@pytest.fixture(scope="module")
+def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
+    folder = tmp_path_factory.mktemp("faults")
+    with ExitStack() as cleanup:
+        postgres = OwnPostgres(free_port())
+        cleanup.callback(postgres.remove)
+        postgres.start()
+        redis = OwnRedis(free_port())
+        cleanup.callback(redis.stop)
+        redis.start()
+        fake = cleanup.enter_context(FakeStripe(hang_s=1.0).serving())
+        db.upgrade(postgres.url)
+        secret, (admin_key, _) = secrets.token_hex(16), keys.generate_key()
+        common = _common_env(postgres, redis, secret)
+        backends = [Node(["backend", "serve"], common, "ready on", free_port()) for _ in range(2)]
+        gateway_env = {
+            **common,
+            "TOLLGATE_BACKENDS": ",".join(node.url for node in backends),
+            "TOLLGATE_ADMIN_KEY": admin_key,
+            "TOLLGATE_LEASE_S": str(LEASE_S),
+            "TOLLGATE_REQUEST_TIMEOUT_S": "15",
+            "TOLLGATE_DATA_DIR": str(folder / "gateway"),
+        }
+        gateways = [Node(["serve"], gateway_env, '"model"', free_port()) for _ in range(2)]
+        worker_env = {
+            **os.environ,
+            **common,
+            "TOLLGATE_CELERY_QUEUE": f"tollgate-faults-{uuid.uuid4().hex[:8]}",
+            "TOLLGATE_STRIPE_API_KEY": STRIPE_KEY,
+            "TOLLGATE_STRIPE_BASE_URL": fake.url,
+            "TOLLGATE_STRIPE_TIMEOUT_S": "1",
+            "TOLLGATE_STRIPE_RETRY_BASE_MS": "20",
+            "TOLLGATE_EXPORT_INTERVAL_S": str(EXPORT_INTERVAL_S),
+        }
+        worker = Worker(worker_env, folder)
+        for node in [*backends, *gateways]:
+            cleanup.callback(node.stop)
+        cleanup.callback(worker.kill)
+        for node in backends:
+            node.start()
+        for node in backends:
+            node.wait_ready()
+        for node in gateways:
+            node.start()
+        for node in gateways:
+            node.wait_ready()
+        worker.start()
+        ledger = create_engine(postgres.url, pool_pre_ping=True)
+        cleanup.callback(ledger.dispose)
+        yield Stack(postgres, redis, fake, backends, gateways, worker, secret, ledger)
+
+
+async def _make_tenants(stack: Stack, worst_micros: int, worst_tokens: int) -> None:
+    """Three tenants on budgets and TPM limits: one whose budget runs out early in the
+    run, one whose TPM limit refuses part of its load, one with room to spare (it also
+    sends the probes and the long streams)."""
+    limits = {
+        "capped": LimitSet(monthly_budget_micros=5 * worst_micros, tpm=100 * worst_tokens),
+        "metered": LimitSet(monthly_budget_micros=10**9, tpm=15 * worst_tokens),
+        "roomy": LimitSet(monthly_budget_micros=10**9, tpm=10**6),
+    }
+    engine = db.create_engine(stack.postgres.url)
+    try:
+        async with db.session_factory(engine).begin() as session:
+            for role, limit in limits.items():
+                name = f"{role}-{uuid.uuid4().hex[:6]}"
+                await PlanService(session).create(name, PlanTerms(limits=limit))
+                await TenantService(session).create(name)
+                tenant = await TenantService(session).set_plan(name, name)
+                secret = (await ApiKeyService(session).create(tenant)).secret
+                assert limit.monthly_budget_micros is not None and limit.tpm is not None
+                stack.tenants.append(
+                    Tenant(name, tenant.id, secret, limit.monthly_budget_micros, limit.tpm)
+                )
+    finally:
+        await engine.dispose()
+
+
+# --- the load ----------------------------------------------------------------------------
+
+
+@dataclass
+class Result:
+    tenant: str
+    stream: bool
+    started: float
+    probe: bool = False
+    ended: float = 0.0
+    status: int | None = None  # HTTP status; None: no answer (connection error, hang)
+    outcome: str = ""  # completed, partial, refused, failed, hung
+    response_id: str | None = None  # the one the client read: ties it to its ledger row
+    completion_tokens: int | None = None  # from the answer's usage, when whole
+    chunks: int = 0  # streamed chunks with text
+    detail: str = ""
+
+    @property
+    def bad(self) -> bool:
+        return self.outcome in ("partial", "failed", "hung")
+
+    @property
+    def request_id(self) -> str | None:
+        if self.response_id is None:
+            return None
+        return "req_" + self.response_id.split("-", 1)[1]
+
+
+class Load:
+    def __init__(self, stack: Stack) -> None:
+        self.stack = stack
+        self.results: list[Result] = []
+        self.rng = random.Random(13)
+        self.turn = itertools.count()
+        self.http = httpx.AsyncClient(
+            timeout=httpx.Timeout(REQUEST_TIMEOUT_S, connect=2.0),
+            limits=httpx.Limits(max_connections=None, max_keepalive_connections=0),
+        )
+        self.stopped = asyncio.Event()
+        self.tasks: set[asyncio.Task[Result]] = set()
+
+    async def run(self) -> None:
+        """Open loop: a request every 1 / RATE_PER_S seconds, answered or not."""
+        begin = asyncio.get_running_loop().time()
+        for index in range(MAX_REQUESTS):
+            due = begin + index / RATE_PER_S
+            try:
+                async with asyncio.timeout_at(due):
+                    await self.stopped.wait()
+                return
+            except TimeoutError:
+                pass
+            tenant = self.stack.tenants[index % len(self.stack.tenants)]
+            body = self.body(stream=self.rng.random() < 0.5)
+            self.spawn(tenant, body, chat=self.rng.random() < 0.5)
+
+    def body(self, stream: bool, max_tokens: int = MAX_TOKENS) -> dict[str, Any]:
+        body: dict[str, Any] = {"model": self.stack.model, "max_tokens": max_tokens}
+        if stream:
+            body |= {"stream": True, "stream_options": {"include_usage": True}}
+        return body
+
+    def spawn(
+        self,
+        tenant: Tenant,
+        body: dict[str, Any],
+        chat: bool = False,
+        gateway: int | None = None,
+        probe: bool = False,
+        on_chunk: Callable[[Result], None] | None = None,
+    ) -> asyncio.Task[Result]:
+        prompt = self.rng.choice(PROMPTS)
+        if chat:
+            path, body = (
+                "/v1/chat/completions",
+                body | {"messages": [{"role": "user", "content": prompt}]},
+            )
+        else:
+            path, body = "/v1/completions", body | {"prompt": prompt}
+        result = Result(tenant.name, bool(body.get("stream")), time.monotonic(), probe)
+        self.results.append(result)
+        task = asyncio.create_task(self._send(result, tenant, path, body, gateway, on_chunk))
+        self.tasks.add(task)
+        task.add_done_callback(self.tasks.discard)
+        return task
+
+    async def _send(
+        self,
+        result: Result,
+        tenant: Tenant,
+        path: str,
+        body: dict[str, Any],
+        gateway: int | None,
+        on_chunk: Callable[[Result], None] | None,
+    ) -> Result:
+        try:
+            async with asyncio.timeout(REQUEST_TIMEOUT_S):
+                await self._post(result, tenant, path, body, gateway, on_chunk)
+        except TimeoutError:
+            result.outcome, result.detail = "hung", "no end within the client's timeout"
+        except httpx.HTTPError as exc:  # the connection refused, reset or cut: a clean end
+            result.outcome = "partial" if result.chunks else "failed"
+            result.detail = type(exc).__name__
+        result.ended = time.monotonic()
+        return result
+
+    async def _post(
+        self,
+        result: Result,
+        tenant: Tenant,
+        path: str,
+        body: dict[str, Any],
+        gateway: int | None,
+        on_chunk: Callable[[Result], None] | None,
+    ) -> None:
+        """Like a load balancer: a gateway refusing connections is skipped (nothing was
+        sent to it, so trying the next is safe); `gateway` pins one."""
+        gateways = self.stack.gateways
+        first = next(self.turn) if gateway is None else gateway
+        order = [first % len(gateways)]
+        if gateway is None:
+            order += [(first + step) % len(gateways) for step in range(1, len(gateways))]
+        headers = {"Authorization": f"Bearer {tenant.key}"}
+        for attempt, index in enumerate(order):
+            url = gateways[index].url + path
+            try:
+                async with self.http.stream("POST", url, json=body, headers=headers) as response:
+                    await _read(result, response, on_chunk)
+                return
+            except httpx.ConnectError:
+                if attempt == len(order) - 1:
+                    raise
+
+    async def probe(self) -> bool:
+        """One whole request from the roomy tenant: does the service answer?"""
+        roomy = self.stack.tenants[2]
+        result = await self.spawn(roomy, self.body(stream=False, max_tokens=2), probe=True)
+        return result.outcome == "completed"
+
+    async def finish(self) -> None:
+        self.stopped.set()
+        while self.tasks:
+            await asyncio.gather(*list(self.tasks))
+        await self.http.aclose()
+
+
+async def _read(
+    result: Result, response: httpx.Response, on_chunk: Callable[[Result], None] | None
+) -> None:
+    result.status = response.status_code
+    if response.status_code != 200:
+        body = (await response.aread()).decode(errors="replace")
+        result.outcome = "refused" if response.status_code == 429 else "failed"
+        result.detail = f"{response.status_code} {_error_code(body)}"
+        return
+    if not result.stream:
+        answer = json.loads(await response.aread())
+        result.response_id = answer["id"]
+        result.completion_tokens = answer["usage"]["completion_tokens"]
+        result.outcome = "completed"
+        return
+    async for line in response.aiter_lines():
+        if not line.startswith("data: "):
+            continue
+        data = line.removeprefix("data: ")
+        if data == "[DONE]":
+            result.outcome = "completed"
+            return
+        event = json.loads(data)
+        if "error" in event:
+            result.outcome = "partial" if result.chunks else "failed"
+            result.detail = f"event {event['error'].get('code') or event['error'].get('type')}"
+            return
+        result.response_id = result.response_id or event.get("id")
+        if event.get("usage"):
+            result.completion_tokens = event["usage"]["completion_tokens"]
+        if any(_text(choice) for choice in event.get("choices") or []):
+            result.chunks += 1
+            if on_chunk is not None:
+                on_chunk(result)
+    result.outcome = "partial" if result.chunks else "failed"
+    result.detail = "stream ended without [DONE]"
+
+
+def _text(choice: dict[str, Any]) -> str:
+    return str(choice.get("text") or (choice.get("delta") or {}).get("content") or "")
+
+
+def _error_code(body: str) -> str:
+    try:
+        error = json.loads(body)["error"]
+        return str(error.get("code") or error.get("type"))
+    except (ValueError, KeyError, TypeError):
+        return body[:60]
+
+
+# --- observing the budget ----------------------------------------------------------------
+
+
+@asynccontextmanager
+async def _watching_budgets(stack: Stack, worst: dict[str, int]) -> AsyncIterator[None]:
+    """Sample each tenant's spent + reserved in Redis; `worst` keeps the largest excess
+    over its budget seen (a sample that fails while Redis is down is skipped)."""
+    store = RedisQuotaStore.from_url(stack.redis.url)
+
+    async def watch() -> None:
+        while True:
+            for tenant in stack.tenants:
+                with suppress(Exception):  # Redis restarting: nothing to read
+                    usage = await store.usage(f"tenant:{tenant.id}", month_period())
+                    over = usage.spent_micros + usage.reserved_micros - tenant.budget_micros
+                    worst[tenant.name] = max(worst.get(tenant.name, over), over)
+            await asyncio.sleep(0.25)  # the sampling period, not synchronisation
+
+    task = asyncio.create_task(watch())
+    try:
+        yield
+    finally:
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+        await store.aclose()
+
+
+async def _usage(stack: Stack, tenant: Tenant) -> ScopeUsage:
+    store = RedisQuotaStore.from_url(stack.redis.url)
+    try:
+        return await store.usage(f"tenant:{tenant.id}", month_period())
+    finally:
+        await store.aclose()
+
+
+def _ledger_rows(stack: Stack) -> dict[str, tuple[str, str, int, int]]:
+    """request id -> (tenant id, status, completion tokens, cost)."""
+    with stack.ledger.connect() as connection:
+        rows = connection.execute(
+            text(
+                "SELECT request_id, tenant_id, status, completion_tokens, cost_micros"
+                " FROM usage_events"
+            )
+        )
+        return {row[0]: (row[1], row[2], int(row[3]), int(row[4])) for row in rows}
+
+
+def _ledger_spent(stack: Stack) -> dict[str, int]:
+    totals: Counter[str] = Counter()
+    for tenant_id, _, _, cost in _ledger_rows(stack).values():
+        totals[tenant_id] += cost
+    return {tenant.name: totals[tenant.id] for tenant in stack.tenants}
+
+
+def _outbox(stack: Stack) -> Counter[str]:
+    with stack.ledger.connect() as connection:
+        rows = connection.execute(text("SELECT status, count(*) FROM usage_outbox GROUP BY 1"))
+        return Counter({row[0]: int(row[1]) for row in rows})
+
+
+def _stripe_totals(stack: Stack) -> dict[str, int]:
+    """The fake's total per customer, by our tenant names."""
+    with stack.ledger.connect() as connection:
+        rows = connection.execute(text("SELECT customer_id, tenant_id FROM stripe_customers"))
+        customers = {row[0]: row[1] for row in rows}
+    names = {tenant.id: tenant.name for tenant in stack.tenants}
+    return {names[customers[c]]: v for c, v in stack.fake.customer_totals().items() if v}
+
+
+# --- the faults --------------------------------------------------------------------------
+
+
+@dataclass
+class Phase:
+    name: str
+    injected: float = 0.0
+    answered: float | None = None  # when the service answered a probe again
+    resumed: float | None = None  # for the export: when Stripe got events again
+    ended: float = 0.0
+    notes: dict[str, Any] = field(default_factory=dict)
+
+
+# A fault injects itself, sets `phase.injected`, and returns what the supervisor does next
+# (restart what was killed), which runs while the service is probed.
+Aftermath = Coroutine[Any, Any, None] | None
+Fault = Callable[[Stack, Load, Phase], Awaitable[Aftermath]]
+
+
+async def _restart_redis(stack: Stack, load: Load, phase: Phase) -> Aftermath:
+    phase.injected = time.monotonic()
+    await asyncio.to_thread(stack.redis.restart)
+    return None
+
+
+async def _restart_postgres(stack: Stack, load: Load, phase: Phase) -> Aftermath:
+    phase.injected = time.monotonic()
+    await asyncio.to_thread(stack.postgres.restart)
+    return None
+
+
+def _long_streams(
+    load: Load, count: int, gateway: int | None
+) -> tuple[list[asyncio.Task[Result]], asyncio.Event]:
+    """`count` long streams from the roomy tenant; the event is set once each has
+    streamed two chunks (or ended)."""
+    roomy, going = load.stack.tenants[2], asyncio.Event()
+    results: list[Result] = []
+
+    def check(_: object = None) -> None:
+        if len(results) == count and all(r.chunks >= 2 or r.ended for r in results):
+            going.set()
+
+    tasks = []
+    long_tokens = min(LONG_TOKENS, load.stack.max_model_len - 32)
+    for _ in range(count):
+        body = load.body(stream=True, max_tokens=long_tokens) | {"ignore_eos": True}
+        tasks.append(load.spawn(roomy, body, gateway=gateway, on_chunk=check))
+        results.append(load.results[-1])
+        tasks[-1].add_done_callback(check)
+    return tasks, going
+
+
+async def _kill_backend(stack: Stack, load: Load, phase: Phase) -> Aftermath:
+    """Kill the busier replica once four long streams are flowing (with two replicas,
+    the busier one holds at least one of them all but never)."""
+    tasks, going = _long_streams(load, 4, gateway=None)
+    await asyncio.wait_for(going.wait(), REQUEST_TIMEOUT_S)
+    running = [await _running(stack, node) for node in stack.backends]
+    victim = stack.backends[running.index(max(running))]
+    victim.kill()
+    phase.injected = time.monotonic()
+    phase.notes["running on it"] = max(running)
+
+    async def supervise() -> None:
+        victim.start()
+        await asyncio.to_thread(victim.wait_ready)
+        await asyncio.gather(*tasks)
+        phase.notes["long streams cut"] = sum(t.result().outcome == "partial" for t in tasks)
+
+    return supervise()
+
+
+async def _running(stack: Stack, node: Node) -> int:
+    async with httpx.AsyncClient(timeout=2.0) as http:
+        stats = await http.get(f"{node.url}/internal/stats", headers={SECRET_HEADER: stack.secret})
+        return int(stats.json()["num_running"])
+
+
+async def _kill_gateway(stack: Stack, load: Load, phase: Phase) -> Aftermath:
+    tasks, going = _long_streams(load, 2, gateway=0)
+    await asyncio.wait_for(going.wait(), REQUEST_TIMEOUT_S)
+    victim = stack.gateways[0]
+    victim.kill()
+    phase.injected = time.monotonic()
+
+    async def supervise() -> None:
+        victim.start()
+        await asyncio.to_thread(victim.wait_ready)
+        phase.notes["restart s"] = round(time.monotonic() - phase.injected, 1)
+        await asyncio.gather(*tasks)
+        phase.notes["streams cut"] = sum(t.result().outcome == "partial" for t in tasks)
+
+    return supervise()
+
+
+async def _kill_worker(stack: Stack, load: Load, phase: Phase) -> Aftermath:
+    """Catch the worker mid-export: the fake holds its meter-event calls once two more
+    events are in, so the kill lands with a call in flight (and, most often, a batch
+    half sent)."""
+    fake = stack.fake
+    with fake.lock:
+        fake.release = threading.Event()
+        fake.held = 0
+        fake.hold_after = len(fake.events) + 2
+    await eventually(lambda: fake.held > 0, timeout_s=30)
+    stack.worker.kill()
+    phase.injected = time.monotonic()
+    fake.release.set()
+    phase.notes["sent, not marked"] = _sent_unmarked(stack)
+    before = fake.accepted()
+
+    async def supervise() -> None:
+        stack.worker.start()
+        await eventually(lambda: fake.accepted() > before, timeout_s=RECOVERY_BOUND_S + 30)
+        phase.resumed = time.monotonic()
+
+    return supervise()
+
+
+def _sent_unmarked(stack: Stack) -> int:
+    """Events Stripe has whose outbox rows are still pending: a batch cut halfway."""
+    with stack.ledger.connect() as connection:
+        rows = connection.execute(
+            text("SELECT usage_event_id FROM usage_outbox WHERE status = 'pending'")
+        )
+        unmarked = {row[0] for row in rows}
+    return sum(1 for identifier in list(stack.fake.events) if identifier[9:] in unmarked)
+
+
+FAULTS: list[tuple[str, Fault | None]] = [
+    ("baseline", None),
+    ("restart Redis", _restart_redis),
+    ("restart PostgreSQL", _restart_postgres),
+    ("SIGKILL a backend mid-stream", _kill_backend),
+    ("SIGKILL a gateway", _kill_gateway),
+    ("SIGKILL Celery mid-export", _kill_worker),
+]
+
+
+async def _run_phase(stack: Stack, load: Load, name: str, fault: Fault | None) -> Phase:
+    phase = Phase(name, injected=time.monotonic())
+    if fault is None:
+        await asyncio.sleep(BASELINE_S)  # the load runs meanwhile: the phase's length
+    else:
+        aftermath = await fault(stack, load, phase)
+        supervisor = asyncio.create_task(aftermath) if aftermath is not None else None
+        deadline = phase.injected + RECOVERY_BOUND_S + 15
+        while time.monotonic() < deadline:
+            if await load.probe():
+                phase.answered = time.monotonic()
+                break
+            await asyncio.sleep(0.2)  # the probing period
+        if supervisor is not None:
+            await supervisor
+        await asyncio.sleep(STEADY_S)  # the load goes on: late failures would show
+    phase.ended = time.monotonic()
+    phase.notes["ledger - budget"] = _over_budget(stack)
+    return phase
+
+
+def _over_budget(stack: Stack) -> int:
+    spent = _ledger_spent(stack)
+    return max(spent[t.name] - t.budget_micros for t in stack.tenants)
+
+
+# --- the test ----------------------------------------------------------------------------
+
+
+@dataclass
+class Row:
+    phase: str
+    sent: int
+    failed: int
+    hung: int
+    recover_s: float | None
+    detail: str
+
+
+async def test_faults_under_load(stack: Stack) -> None:
+    await _learn_model(stack)
+    prompt_tokens = 8  # the longest prompt above, with room for the chat template
+    worst_micros = DEFAULT_PRICE.cost_micros(prompt_tokens * 3, 0, MAX_TOKENS)
+    await _make_tenants(stack, worst_micros, prompt_tokens * 3 + MAX_TOKENS)
+    load = Load(stack)
+    worst_over: dict[str, int] = {}
+    phases: list[Phase] = []
+    async with _watching_budgets(stack, worst_over):
+        runner = asyncio.create_task(load.run())
+        try:
+            for name, fault in FAULTS:
+                phases.append(await _run_phase(stack, load, name, fault))
+        finally:
+            await load.finish()
+            await runner
+    rows = _phase_rows(phases, load.results)
+    invariants = await _invariants(stack, load.results, worst_over)
+    _print(rows, phases, invariants, load.results)
+
+    for row in rows:
+        assert row.hung == 0, f"{row.phase}: {row.hung} requests hung"
+        if row.phase != "baseline":
+            assert row.recover_s is not None and row.recover_s <= RECOVERY_BOUND_S, row
+    assert next(r for r in rows if r.phase == "baseline").failed == 0
+    cut = phases[3].notes["long streams cut"] + phases[4].notes["streams cut"]
+    assert phases[3].notes["long streams cut"] >= 1 and cut >= 2, "no kill landed mid-stream"
+    failed = {name: value for name, (value, ok) in invariants.items() if not ok}
+    assert not failed, failed
+
+
+async def _learn_model(stack: Stack) -> None:
+    headers = {"Authorization": f"Bearer {stack.gateways[0].env['TOLLGATE_ADMIN_KEY']}"}
+    async with httpx.AsyncClient(timeout=30) as http:
+        models = await http.get(f"{stack.gateways[0].url}/v1/models", headers=headers)
+    card = models.json()["data"][0]
+    stack.model, stack.max_model_len = card["id"], card["max_model_len"]
+
+
+def _phase_rows(phases: list[Phase], results: list[Result]) -> list[Row]:
+    """A failure belongs to the phase in which the client saw it; a phase recovered once
+    a probe was answered and no later request failed in it."""
+    rows = []
+    for phase in phases:
+        mine = [r for r in results if not r.probe and phase.injected <= r.ended < phase.ended]
+        bad = [r for r in mine if r.bad]
+        recover_s = None
+        if phase.answered is not None:
+            last = max([phase.answered, phase.resumed or 0.0, *(r.ended for r in bad)])
+            recover_s = round(last - phase.injected, 1)
+        kinds = Counter(f"{r.outcome}:{r.detail}" for r in bad)
+        rows.append(
+            Row(
+                phase.name,
+                len(mine),
+                len(bad),
+                sum(r.outcome == "hung" for r in mine),
+                recover_s if phase.name != "baseline" else 0.0,
+                ", ".join(f"{k} x{n}" for k, n in kinds.most_common(4)),
+            )
+        )
+    return rows
+
+
+async def _invariants(
+    stack: Stack, results: list[Result], worst_over: dict[str, int]
+) -> dict[str, tuple[Any, bool]]:
+    """name -> (figure, holds)."""
+    found: dict[str, tuple[Any, bool]] = {}
+
+    async def reserved() -> dict[str, int]:
+        return {t.name: (await _usage(stack, t)).reserved_micros for t in stack.tenants}
+
+    await _settle(lambda: _all_zero(reserved), 4 * LEASE_S + 10)
+    left = await reserved()
+    found["reserved back to 0"] = (left, not any(left.values()))
+
+    async def drift() -> dict[str, int]:
+        ledger = _ledger_spent(stack)
+        return {
+            t.name: (await _usage(stack, t)).spent_micros - ledger[t.name] for t in stack.tenants
+        }
+
+    await _settle(lambda: _all_zero(drift), 10)
+    found["spent - ledger"] = (await drift(), not any((await drift()).values()))
+    spent = _ledger_spent(stack)
+    over = {t.name: spent[t.name] - t.budget_micros for t in stack.tenants}
+    found["ledger - budget (max)"] = (max(over.values()), max(over.values()) <= 0)
+    found["spent + reserved - budget, sampled (max)"] = (
+        max(worst_over.values()),
+        max(worst_over.values()) <= 0,
+    )
+    found.update(_rows_per_response(stack, results))
+    await _settle(lambda: _exported(stack), 30)
+    outbox = _outbox(stack)
+    found["outbox not exported"] = (
+        dict(outbox - Counter({"exported": outbox["exported"]})),
+        set(outbox) <= {"exported"},
+    )
+    ledger = {name: cost for name, cost in _ledger_spent(stack).items() if cost}
+    stripe = _stripe_totals(stack)
+    found["stripe - ledger per customer"] = (
+        {name: stripe.get(name, 0) - ledger.get(name, 0) for name in {*ledger, *stripe}},
+        stripe == ledger,
+    )
+    billed = sum(1 for *_, cost in _ledger_rows(stack).values() if cost)
+    found["stripe events - billed rows"] = (
+        stack.fake.accepted() - billed,
+        stack.fake.accepted() == billed,
+    )
+    return found
+
+
+def _rows_per_response(stack: Stack, results: list[Result]) -> dict[str, tuple[Any, bool]]:
+    rows = _ledger_rows(stack)
+    received = [r for r in results if r.request_id is not None]
+    missing = [r for r in received if r.request_id not in rows]
+    wrong = [
+        r
+        for r in received
+        if r.request_id in rows
+        and (
+            (r.outcome == "completed") != (rows[r.request_id][1] == "completed")
+            or (r.outcome == "completed" and rows[r.request_id][2] != r.completion_tokens)
+            or (r.outcome == "partial" and rows[r.request_id][2] < r.chunks)
+        )
+    ]
+    seen = {r.request_id for r in received}
+    unseen_billed = [rid for rid, (*_, cost) in rows.items() if cost and rid not in seen]
+    return {
+        "responses without a ledger row": (len(missing), not missing),
+        "rows whose status/tokens differ from the response": (len(wrong), not wrong),
+        "billed rows no client received": (len(unseen_billed), not unseen_billed),
+    }
+
+
+async def _all_zero(read: Callable[[], Awaitable[dict[str, int]]]) -> bool:
+    try:
+        return not any((await read()).values())
+    except Exception:  # a store still reconnecting: not yet
+        return False
+
+
+def _exported(stack: Stack) -> bool:
+    return set(_outbox(stack)) <= {"exported"}
+
+
+async def _settle(check: Callable[[], Any], timeout_s: float) -> None:
+    """Give the stack up to `timeout_s` to reach a state; the caller then asserts it."""
+    with suppress(AssertionError):
+        await eventually(check, timeout_s=timeout_s)
+
+
+def _print(
+    rows: list[Row],
+    phases: list[Phase],
+    invariants: dict[str, tuple[Any, bool]],
+    results: list[Result],
+) -> None:
+    outcomes = Counter(r.outcome for r in results if not r.probe)
+    lines = [
+        "",
+        f"faults under load: {len(results)} requests ({dict(outcomes)}), "
+        f"recovery bound {RECOVERY_BOUND_S:g} s",
+        f"{'fault':<30} {'sent':>5} {'failed':>6} {'hung':>4} {'recover s':>9}  notes",
+    ]
+    for row, phase in zip(rows, phases, strict=True):
+        recover = "-" if row.recover_s is None else f"{row.recover_s:.1f}"
+        notes = "; ".join(f"{k}={v}" for k, v in phase.notes.items())
+        lines.append(
+            f"{row.phase:<30} {row.sent:>5} {row.failed:>6} {row.hung:>4} {recover:>9}  {notes}"
+        )
+        if row.detail:
+            lines.append(f"{'':<30} failures: {row.detail}")
+    lines.append("invariants at the end:")
+    for name, (value, ok) in invariants.items():
+        lines.append(f"  {'ok  ' if ok else 'FAIL'} {name}: {value}")
+    print("\n".join(lines))
