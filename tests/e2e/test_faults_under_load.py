@@ -39,7 +39,7 @@ from typing import Any, NamedTuple
 
 import httpx
 import pytest
-from sqlalchemy import Engine, create_engine, text
+from sqlalchemy import Engine, create_engine, inspect, text
 
 from backend.server import SECRET_HEADER
 from tenants import db, keys
@@ -66,7 +66,7 @@ BASELINE_S = 8.0
 STEADY_S = 5.0  # load kept on after each recovery, so late failures show
 EXPORT_INTERVAL_S = 2
 CHECKPOINT_MS = 500  # gateways that checkpoint running streams do it this often
-STREAMED_S = 1.5  # how long the older stream on the killed gateway ran before the kill
+CHECKPOINTS = "usage_checkpoints"  # where they do
 ROWS_GRACE_S = 30.0  # for the rows of streams a killed gateway was serving
 STRIPE_KEY = "sk_test_fake"
 GATEWAY_LOST = "gateway_lost"  # the error of a row written for a dead gateway's stream
@@ -669,11 +669,12 @@ async def _running(stack: Stack, node: Node) -> int:
 
 
 async def _kill_gateway(stack: Stack, load: Load, phase: Phase) -> Aftermath:
-    """Kill a gateway serving two long streams: one that has been streaming for longer
-    than a checkpoint interval, one that has just begun."""
+    """Kill a gateway serving two long streams: one it has recorded in a checkpoint
+    (where gateways checkpoint running streams), one that has just begun."""
     older, going = _long_streams(load, 1, gateway=0)
     await asyncio.wait_for(going.wait(), REQUEST_TIMEOUT_S)
-    await asyncio.sleep(STREAMED_S)  # the fault's timing: the older stream runs on
+    if _keeps_checkpoints(stack):
+        await eventually(lambda: _checkpointed(stack, older[0]), timeout_s=REQUEST_TIMEOUT_S)
     newer, going = _long_streams(load, 1, gateway=0)
     await asyncio.wait_for(going.wait(), REQUEST_TIMEOUT_S)
     victim = stack.gateways[0]
@@ -687,6 +688,16 @@ async def _kill_gateway(stack: Stack, load: Load, phase: Phase) -> Aftermath:
         phase.notes["streams cut"] = await _cut([*older, *newer])
 
     return supervise()
+
+
+def _keeps_checkpoints(stack: Stack) -> bool:
+    return inspect(stack.ledger).has_table(CHECKPOINTS)
+
+
+def _checkpointed(stack: Stack, result: Result) -> bool:
+    with stack.ledger.connect() as connection:
+        query = text(f"SELECT count(*) FROM {CHECKPOINTS} WHERE request_id = :id")
+        return bool(connection.execute(query, {"id": result.request_id}).scalar())
 
 
 async def _kill_worker(stack: Stack, load: Load, phase: Phase) -> Aftermath:
