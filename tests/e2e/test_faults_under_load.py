@@ -874,6 +874,12 @@ async def _invariants(
             t.role: (await _usage(stack, t)).spent_micros - ledger[t.role] for t in stack.tenants
         }
 
+    # A gateway killed mid-stream leaves rows for another gateway to write (from what it
+    # recorded of the streams) once its record is stale: give them ROWS_GRACE_S.
+    received = {r.request_id for r in results if r.request_id is not None}
+    began = time.monotonic()
+    await _settle(lambda: received <= set(_ledger_rows(stack)), ROWS_GRACE_S)
+    found.update(_rows_per_response(stack, results, time.monotonic() - began))
     # Leases of a killed gateway run out within a few leases; the store catches up with
     # the ledger by itself (reconciler, rebuild). Each gets a bounded wait, then is read.
     found["reserved back to 0"] = await _converge(reserved, 4 * LEASE_S + 10)
@@ -891,12 +897,6 @@ async def _invariants(
         max(worst_over.values()),
         max(worst_over.values()) <= 0,
     )
-    # A gateway killed mid-stream leaves rows for another gateway to write (from what it
-    # recorded of the streams) once its record is stale: give them ROWS_GRACE_S.
-    received = {r.request_id for r in results if r.request_id is not None}
-    began = time.monotonic()
-    await _settle(lambda: received <= set(_ledger_rows(stack)), ROWS_GRACE_S)
-    found.update(_rows_per_response(stack, results, time.monotonic() - began))
     await _settle(lambda: _exported(stack), 30)
     outbox = _outbox(stack)
     found["outbox not exported"] = (
@@ -955,7 +955,7 @@ async def _converge(
     await _settle(lambda: _all_zero(read), timeout_s)
     last = await read()
     took = f"after {time.monotonic() - began:.1f} s" if not any(last.values()) else "still"
-    return f"{last} {took} (at the load's end {first})", not any(last.values())
+    return f"{last} {took} (first read: {first})", not any(last.values())
 
 
 async def _all_zero(read: Callable[[], Awaitable[dict[str, int]]]) -> bool:
