@@ -7,11 +7,15 @@ in flight, the Celery worker SIGKILLed mid-export. A supervisor (the test) resta
 was killed, as systemd or Kubernetes would; the client side fails over from a gateway that
 refuses connections, as a load balancer would.
 
-After each fault the service answers again within RECOVERY_BOUND_S and no request hangs
-(each ends with an answer or a clean error within its timeout). At the end: nothing is
-reserved, spent equals the ledger and no tenant spent past its budget, each response a
-client received (whole or partial) has its one ledger row and nothing else is billed, and
-per customer the fake Stripe's total equals the ledger's. `pytest -s` prints the figures.
+After each fault the service recovers within RECOVERY_BOUND_S (15 s): from the fault
+until a probe is answered and no later request of that phase fails (for the worker: until
+Stripe gets events again). No request hangs: each ends with an answer or a clean error
+within its timeout. At the end: nothing is reserved, spent equals the ledger and no tenant
+spent past its budget, each response a client received (whole or partial) has its one
+ledger row and nothing else is billed, and per customer the fake Stripe's total equals
+the ledger's, each billed row sent once. `pytest -s` prints a table: per fault, the
+requests that ended in it, 429s, failures (by cause), hangs, responses without a row and
+the time to recover; then each invariant with its figure.
 """
 
 from __future__ import annotations
