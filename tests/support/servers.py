@@ -62,12 +62,14 @@ class OwnPostgres:
         shutil.rmtree(self.folder, ignore_errors=True)
 
     def _run(self, *command: str | Path) -> None:
-        subprocess.run(
+        done = subprocess.run(
             _as_postgres([str(part) for part in command]),
-            check=True,
             capture_output=True,
+            text=True,
             timeout=READY_TIMEOUT_S + 10,
         )
+        if done.returncode != 0:
+            raise RuntimeError(f"{' '.join(map(str, command))} failed: {done.stderr.strip()}")
 
 
 class OwnRedis:
