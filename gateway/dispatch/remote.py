@@ -38,6 +38,11 @@ from gateway.telemetry.request import current_request
 log = logging.getLogger(__name__)
 
 HEALTH_INTERVAL_S = 1.0
+HEALTH_TIMEOUT_S = 1.0
+# A replica too busy to answer its stats in time is slow, not dead: only this many late
+# answers in a row take it out of routing (a refused connection or a stopped engine does
+# at once). One late poll used to, and with the other replica restarting, left none.
+MISSED_POLLS_TO_DOWN = 3
 CONNECT_TIMEOUT_S = 2.0
 MAX_REPLICA_FAILURES = 2  # one retry after a replica died under a request, no more
 
@@ -247,10 +252,18 @@ class RemoteEngineClient:
 
     async def _poll(self, replica: Replica) -> None:
         try:
-            response = await self._http.get(f"{replica.url}/internal/stats", timeout=1.0)
+            response = await self._http.get(
+                f"{replica.url}/internal/stats", timeout=HEALTH_TIMEOUT_S
+            )
             stats = response.json() if response.status_code == 200 else None
+        except httpx.ReadTimeout:
+            replica.missed_polls += 1
+            if replica.missed_polls >= MISSED_POLLS_TO_DOWN:
+                replica.healthy = False
+            return
         except (httpx.HTTPError, ValueError):
             stats = None
+        replica.missed_polls = 0
         if stats is None or not stats.get("running"):
             replica.healthy = False
             return

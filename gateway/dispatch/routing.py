@@ -19,6 +19,7 @@ AFFINITY_SLACK = 4.0  # extra load (in requests) accepted to keep a cache hit
 class Replica:
     url: str
     healthy: bool = True
+    missed_polls: int = 0  # stats polls in a row that got no answer in time
     in_flight: int = 0  # requests this gateway has open on it
     waiting: int = 0  # from its last stats report
     running: int = 0
