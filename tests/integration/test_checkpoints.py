@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import uuid
+from dataclasses import replace
 from datetime import timedelta
 
 import httpx
@@ -69,6 +70,31 @@ async def test_a_running_stream_is_checkpointed_until_it_settles(
         return request_id not in await _checkpoints(sessions)
 
     await eventually(gone)
+
+
+async def test_a_new_stream_is_checkpointed_at_once_not_after_an_interval(
+    settings: Settings,
+    engine_client: InProcessEngineClient,
+    tenant_key: str,
+    sessions: Sessions,
+) -> None:
+    """A gateway that dies in a stream's first interval must still leave its row: a new
+    stream's first checkpoint comes within FIRST_CHECKPOINT_S, not the 5 s interval."""
+    app = create_app(replace(settings, checkpoint_ms=5000), engine_client=engine_client)
+    body = {"model": engine_client.model_name, "prompt": "The", "max_tokens": 2000}
+    body |= {"ignore_eos": True, "stream": True}
+    headers = {"Authorization": f"Bearer {tenant_key}"}
+    async with (
+        serving(app) as url,
+        httpx.AsyncClient(base_url=url, timeout=60) as http,
+        http.stream("POST", "/v1/completions", json=body, headers=headers) as response,
+    ):
+        request_id = response.headers["x-request-id"]
+
+        async def checkpointed() -> bool:
+            return request_id in await _checkpoints(sessions)
+
+        await eventually(checkpointed, timeout_s=2.5)  # half the interval
 
 
 async def test_a_dead_gateways_checkpoint_is_billed_once(
