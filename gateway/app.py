@@ -12,7 +12,7 @@ from litestar import Litestar
 from litestar.di import Provide
 from litestar.exceptions import HTTPException
 from redis import exceptions as redis_errors
-from sqlalchemy.exc import DataError
+from sqlalchemy.exc import DataError, InterfaceError, OperationalError
 
 from backend import EngineConfig
 from backend.builtin import BUILTIN_MODEL_DIR
@@ -33,6 +33,7 @@ from gateway.dispatch.engine_client import EngineClient, InProcessEngineClient
 from gateway.errors import (
     ApiError,
     handle_api_error,
+    handle_database_down,
     handle_domain_error,
     handle_http_exception,
     handle_store_down,
@@ -179,6 +180,8 @@ def create_app(
             HTTPException: handle_http_exception,
             RecursionError: handle_too_deep,
             DataError: handle_unstorable,  # SQLSTATE class 22: a value, not the statement
+            OperationalError: handle_database_down,  # connection lost or refused
+            InterfaceError: handle_database_down,
             Exception: handle_unexpected,
         },
         lifespan=[lifespan],

@@ -184,6 +184,23 @@ def handle_store_down(_: Request[Any, Any, Any], exc: Exception) -> Response[byt
     return error_response(error)
 
 
+class DatabaseUnavailable(ApiError):
+    """The database cannot be reached right now (a restart, a failover): retryable."""
+
+    status = 503
+    type = "server_error"
+    default_code = "database_unavailable"
+
+
+def handle_database_down(_: Request[Any, Any, Any], exc: Exception) -> Response[bytes]:
+    """A lost or refused database connection is an outage to retry, not a defect."""
+    log.warning("database unreachable: %s", type(exc).__name__)
+    error = DatabaseUnavailable(
+        "the database is unavailable; retry shortly", headers={"Retry-After": "1"}
+    )
+    return error_response(error)
+
+
 def handle_unexpected(request: Request[Any, Any, Any], exc: Exception) -> Response[bytes]:
     # A defect: never echo internals (they may hold prompt text) to the client.
     log.error("unhandled %s on %s", type(exc).__name__, request.url.path, exc_info=exc)

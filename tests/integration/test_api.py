@@ -361,3 +361,23 @@ async def test_a_long_prompt_is_tokenized_off_the_event_loop(
         assert response.status_code == 200, response.text
     loop_thread, long_thread = threads
     assert long_thread != loop_thread
+
+
+async def test_an_unreachable_database_is_a_retryable_503(
+    settings: Any, engine_client: InProcessEngineClient
+) -> None:
+    """A database restart or failover is an outage to retry, not an internal error."""
+    from dataclasses import replace
+
+    from gateway.app import create_app
+    from tenants import keys
+    from tests.e2e.processes import free_port
+
+    down = f"postgresql+psycopg://postgres@127.0.0.1:{free_port()}/nothing"
+    app = create_app(replace(settings, database_url=down), engine_client=engine_client)
+    async with AsyncTestClient(app=app) as client:
+        body = {"model": engine_client.model_name, "prompt": "The", "max_tokens": 1}
+        secret, _ = keys.generate_key()  # well formed, so the lookup reaches the database
+        response = await client.post("/v1/completions", json=body, headers=_auth(secret))
+    error = await _assert_error(response, 503)
+    assert error["code"] == "database_unavailable" and response.headers["retry-after"] == "1"
