@@ -7,9 +7,10 @@ cannot interrupt them, and shutdown waits for them: nothing metered is lost.
 
 A gateway that dies (SIGKILL, power) writes no row for its running streams, so every
 checkpoint interval (TOLLGATE_CHECKPOINT_MS, default 2 s) it records each stream's
-delivered tokens in usage_checkpoints (one upsert for all of them), and a new stream's
-within FIRST_CHECKPOINT_S of its start (so it has a row even if the gateway dies at once;
-streams starting together share that write), and the ledger write
+delivered tokens in usage_checkpoints (one upsert for all of them). A new stream's first
+checkpoint is written while the engine prefills it, and its first chunk waits for that
+write (at most FIRST_CHECKPOINT_WAIT_S), so every stream a client saw has a row even if
+the gateway dies at once. The ledger write
 deletes the stream's checkpoint. A checkpoint not refreshed for STALE_AFTER_S belongs to
 a dead gateway: any gateway's sweep (every ORPHAN_SWEEP_S) then writes its ledger row,
 status failed, error `gateway_lost`, billed for the delivered tokens it recorded. The
@@ -45,7 +46,7 @@ from tenants.services import Principal, UsageService
 log = logging.getLogger(__name__)
 
 CHECKPOINT_S = 2.0  # how often running streams' delivered tokens are recorded (default)
-FIRST_CHECKPOINT_S = 0.1  # a new stream's first checkpoint comes this soon after it starts
+FIRST_CHECKPOINT_WAIT_S = 1.0  # how long a stream's first chunk waits for its first checkpoint
 STALE_AFTER_S = 15.0  # a checkpoint this old is a dead gateway's: 3x the longest interval
 ORPHAN_SWEEP_S = 5.0  # how often stale checkpoints are looked for
 ORPHAN_BATCH = 100
@@ -106,17 +107,20 @@ class UsageRecorder:
         self.admission = admission
         self.checkpoint_s = checkpoint_s
         self._streams: dict[str, tuple[Charge, Outcome]] = {}  # running, for checkpoints
-        self._fresh: set[str] = set()  # running streams not checkpointed yet
-        self._fresh_streams = asyncio.Event()
         self._checkpoints: asyncio.Task[None] | None = None
 
-    def track(self, charge: Charge, outcome: Outcome) -> None:
-        """A stream is under way: checkpoint its delivered tokens until it settles, the
-        first time within FIRST_CHECKPOINT_S, so a stream whose gateway dies at once
-        still gets its ledger row."""
+    def track(self, charge: Charge, outcome: Outcome) -> asyncio.Task[None]:
+        """A stream is under way: checkpoint its delivered tokens until it settles. Its
+        first checkpoint is written at once (the task returned), so a stream can have
+        its row before the client sees a byte, even if the gateway dies then."""
         self._streams[charge.request_id] = (charge, outcome)
-        self._fresh.add(charge.request_id)
-        self._fresh_streams.set()
+        return self.tasks.spawn(self._first_checkpoint(charge.request_id))
+
+    async def _first_checkpoint(self, request_id: str) -> None:
+        try:
+            await self.checkpoint(only={request_id})
+        except Exception:  # the database briefly away: the periodic checkpoint tries again
+            log.warning("first checkpoint of stream %s failed", request_id, exc_info=True)
 
     def settle(self, charge: Charge, outcome: Outcome) -> asyncio.Task[None]:
         """Write the row for this outcome as it is now (later changes do not leak in)."""
@@ -191,7 +195,6 @@ class UsageRecorder:
         now = utcnow()
         streams = [v for k, v in self._streams.items() if only is None or k in only]
         rows = [_checkpoint_row(charge, outcome, now) for charge, outcome in streams]
-        self._fresh.difference_update(charge.request_id for charge, _ in streams)
         if not rows:
             return 0
         async with self.sessions.begin() as session:
@@ -295,24 +298,15 @@ class UsageRecorder:
         self._checkpoints = asyncio.get_running_loop().create_task(self._checkpoint_forever())
 
     async def _checkpoint_forever(self) -> None:
-        """Checkpoint every stream on a fixed schedule (a slow write does not stretch the
-        interval), and new streams soon after they start, batched."""
+        """Checkpoint on a fixed schedule: a slow write does not stretch the interval."""
         loop = asyncio.get_running_loop()
-        due = loop.time() + self.checkpoint_s
+        due = loop.time()
         while True:
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self._fresh_streams.wait(), max(due - loop.time(), 0))
-            self._fresh_streams.clear()
-            only: set[str] | None = None
-            if loop.time() >= due:
-                due = max(due + self.checkpoint_s, loop.time())
-            else:
-                await asyncio.sleep(FIRST_CHECKPOINT_S)  # streams that start together: one write
-                only = set(self._fresh)
+            due = max(due + self.checkpoint_s, loop.time())
+            await asyncio.sleep(due - loop.time())  # a schedule, not synchronisation
             try:
-                await self.checkpoint(only)
+                await self.checkpoint()
             except Exception:  # the database briefly away: the next one tries again
-                self._fresh.update(only or ())
                 log.warning("checkpoint of running streams failed", exc_info=True)
 
     async def close(self) -> None:

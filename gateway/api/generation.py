@@ -7,6 +7,7 @@ in the engine and settles exactly one usage row.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
@@ -24,7 +25,7 @@ from gateway.errors import (
     InvalidRequest,
     Overloaded,
 )
-from gateway.metering import Charge, Outcome, UsageRecorder
+from gateway.metering import FIRST_CHECKPOINT_WAIT_S, Charge, Outcome, UsageRecorder
 from gateway.telemetry import current_request
 from tenants.models import UsageStatus
 
@@ -234,6 +235,7 @@ async def stream(job: Job, engine: EngineClient, recorder: UsageRecorder) -> Asy
     and Retry-After rather than an error event after a 200."""
     outcome = Outcome(prompt_tokens=len(job.prompt))
     outputs = _outputs(job, engine)
+    checkpointed = recorder.track(job.charge, outcome)  # written while the engine prefills
     try:
         first = await anext(outputs, None)
     except asyncio.CancelledError:  # the client left while queued; the engine aborted
@@ -243,7 +245,7 @@ async def stream(job: Job, engine: EngineClient, recorder: UsageRecorder) -> Asy
         error = _fail(outcome, exc, delivered=0)
         recorder.settle(job.charge, _finish(outcome, job))
         raise error from exc
-    return _events(job, engine, recorder, outcome, _chain(first, outputs))
+    return _events(job, engine, recorder, outcome, _chain(first, outputs), checkpointed)
 
 
 async def _chain(
@@ -261,8 +263,11 @@ async def _events(
     recorder: UsageRecorder,
     outcome: Outcome,
     outputs: AsyncIterator[RequestOutput],
+    checkpointed: asyncio.Future[None],
 ) -> AsyncIterator[bytes]:
-    """Server-sent events; the completion tokens billed are the ones written out."""
+    """Server-sent events; the completion tokens billed are the ones written out. The
+    first waits for the stream's first checkpoint: a client never holds a response that
+    a gateway crash could leave without a ledger row."""
     choices = Choices(job.params.n)
     delivered = 0
     settled = False
@@ -281,7 +286,8 @@ async def _events(
         return _sse(body)
 
     streaming = current_request().start_span("stream")
-    recorder.track(job.charge, outcome)  # checkpointed: a crash bills what was delivered
+    with contextlib.suppress(TimeoutError):  # a slow database delays billing, not tokens
+        await asyncio.wait_for(asyncio.shield(checkpointed), FIRST_CHECKPOINT_WAIT_S)
     try:
         for index in range(choices.n):
             yield chunk(index, job.echo, None, first=True)
