@@ -17,6 +17,7 @@ from backend.engine.block_manager import BlockManager
 from backend.engine.model_runner import ModelRunner
 from backend.engine.request import Request, RequestStatus, fan_out
 from backend.engine.scheduler import Scheduler
+from backend.engine.step_cost import StepShape, warm_up_batches, warm_up_shapes
 from backend.errors import PromptTooLongError, RequestFailedError, RequestStepError
 from backend.loader import load_model_config
 from backend.outputs import EngineStats, RequestOutput, TokenLogprobs
@@ -67,6 +68,35 @@ class Engine:
         self._aborts: list[Request] = []
         self._groups: dict[str, list[Request]] = {}  # caller's id -> its n completions
         self._seqs: dict[str, _Seq] = {}  # engine key -> completion state
+        self._warm_up()
+
+    def _warm_up(self) -> None:
+        """Time a few steps of varied shapes on scratch blocks before the first request,
+        so the step-cost fit that sizes step budgets is never blind. Nothing else sees
+        them: no request, no counter, no prefix-cache entry."""
+        bm = self.block_manager
+        capacity = min(bm.num_blocks * bm.block_size, self.max_model_len)
+        shapes = warm_up_shapes(self.config.max_num_batched_tokens, capacity)
+        taken: set[str] = set()
+
+        def allocate(request_id: str, num_tokens: int) -> list[int] | None:
+            if bm.allocate_slots(request_id, num_tokens) is None:
+                return None
+            taken.add(request_id)
+            return list(bm.block_ids(request_id))
+
+        vocab = self.model_config.vocab_size
+        for i, batch in enumerate(warm_up_batches(shapes, allocate, vocab)):
+            if i == 0:
+                self.runner.execute(batch)  # the first pass pays one-time costs
+            started = time.perf_counter()
+            self.runner.execute(batch)
+            self.scheduler.step_cost.observe(StepShape.of(batch), time.perf_counter() - started)
+            for request_id in taken:
+                bm.free(request_id)
+            taken.clear()
+        for request_id in taken:
+            bm.free(request_id)
 
     def _fit_max_model_len(self, wanted: int) -> int:
         """One sequence of max_model_len must fit the pool, or preemption could never
@@ -146,6 +176,7 @@ class Engine:
 
     def stats(self) -> EngineStats:
         bm, sched = self.block_manager, self.scheduler
+        cost = sched.step_cost
         return EngineStats(
             num_running=len(sched.running),
             num_waiting=len(sched.waiting) + len(self._inbox),
@@ -159,6 +190,7 @@ class Engine:
             prefix_cache_hits=sched.prefix_cache_hits,
             num_preemptions=sched.num_preemptions,
             num_priority_preemptions=sched.num_priority_preemptions,
+            num_slot_share_preemptions=sched.num_slot_share_preemptions,
             num_rejected_overloaded=sched.num_rejected_overloaded,
             num_rejected_deadline=sched.num_rejected_deadline,
             waiting_tokens=sched.waiting.num_tokens,
@@ -166,11 +198,18 @@ class Engine:
             step_decode_tokens=self._step_tokens[1],
             total_prefill_tokens=self._total_tokens[0],
             total_decode_tokens=self._total_tokens[1],
+            step_time_predicted_s=cost.last_predicted_s,
+            step_time_actual_s=cost.last_actual_s,
+            step_time_error_ratio=cost.relative_error,
+            step_cost_s=cost.coefficients,
+            step_time_limit_s=sched.step_limit_s,
+            step_prefill_budget=sched.step_prefill_budget,
         )
 
     # -- the step thread ----------------------------------------------------------------
 
     def step(self) -> list[RequestOutput]:
+        step_started = time.perf_counter()
         with self._lock:
             inbox, self._inbox, self._inbox_tokens = self._inbox, [], 0
         for req in inbox:
@@ -198,6 +237,7 @@ class Engine:
                 log.exception("failed to process a sampled token; failing its request")
                 outputs += self._fail([req.request_id])
         self.num_steps += 1
+        self.scheduler.observe_step(batch, time.perf_counter() - step_started)
         self._step_tokens = (batch.num_prefill_tokens, batch.num_decode_tokens)
         prefill, decode = self._total_tokens
         self._total_tokens = (prefill + batch.num_prefill_tokens, decode + batch.num_decode_tokens)

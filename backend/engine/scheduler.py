@@ -32,24 +32,33 @@ from backend.engine.policy import (
     over_capacity,
     pick_victim,
     retry_after,
+    slot_share_victim,
 )
 from backend.engine.request import Request, RequestStatus
+from backend.engine.step_cost import StepCostModel, StepShape
 from backend.errors import DeadlineExceededError, OverloadedError
 
 
 @dataclass
 class _Plan:
-    """One step being planned: the chunks chosen so far and the budget left."""
+    """One step being planned: the chunks chosen so far and the budget left. `budget` is
+    what the step may still spend (the adaptive budget, once sized); `hard` what
+    max_num_batched_tokens still allows, which the budget never passes."""
 
     budget: int
+    hard: int = 0
     chunks: dict[str, tuple[Request, int]] = field(default_factory=dict)  # in order
     preempted: bool = False  # for KV blocks: the pool is short, admit nobody
     outranked: bool = False  # a waiting request preempted a running one
     capped: list[Request] = field(default_factory=list)  # prefills left unfinished
 
+    def __post_init__(self) -> None:
+        self.hard = self.hard or self.budget
+
     def add(self, req: Request, num_tokens: int) -> None:
         self.chunks[req.request_id] = (req, num_tokens)
         self.budget -= num_tokens
+        self.hard -= num_tokens
         if num_tokens > 1 and req.num_computed_tokens + num_tokens < req.num_tokens:
             self.capped.append(req)  # a prefill chunk: the top-up may extend it
 
@@ -57,11 +66,13 @@ class _Plan:
         _, scheduled = self.chunks[req.request_id]
         self.chunks[req.request_id] = (req, scheduled + num_tokens)  # keeps its place
         self.budget -= num_tokens
+        self.hard -= num_tokens
 
     def drop(self, req: Request) -> None:
         chunk = self.chunks.pop(req.request_id, None)
         if chunk is not None:
             self.budget += chunk[1]
+            self.hard += chunk[1]
 
 
 def _remaining(item: tuple[int, Request]) -> int:
@@ -82,6 +93,7 @@ class Scheduler:
         self.fair = FairShare() if config.tenant_fairness else None  # tokens served per tenant
         self.waiting = WaitingQueue(self.ranking, self.fair)
         self.throughput = Throughput()
+        self.step_cost = StepCostModel()  # fitted from observe_step; sizes step budgets
         self.requests: dict[str, Request] = {}
         self.running: list[Request] = []
         self.rejected: list[Request] = []  # finished by the policy; the engine drains it
@@ -90,8 +102,12 @@ class Scheduler:
         self._max_running = min(
             config.max_num_seqs, config.max_num_batched_tokens - config.prefill_reserve_tokens
         )
+        self._seen_at: dict[bool, float] = {}  # when each class (batch or not) was last seen
+        self.step_limit_s: float | None = None  # the last step's time target, if any
+        self.step_prefill_budget = 0  # the last step's budget after decodes
         self.num_preemptions = 0
         self.num_priority_preemptions = 0
+        self.num_slot_share_preemptions = 0
         self.num_rejected_overloaded = 0
         self.num_rejected_deadline = 0
         self.prefix_cache_queries = 0
@@ -137,6 +153,7 @@ class Scheduler:
         if request.request_id in self.requests:
             raise ValueError(f"request id {request.request_id!r} is already in the engine")
         self.requests[request.request_id] = request
+        self._seen_at[self._is_batch(request)] = self.clock()
         self.waiting.add(request)
         if self.config.shed_least_urgent_first:
             self._shed_excess()
@@ -174,37 +191,198 @@ class Scheduler:
         """How long the last step took: the throughput behind deadline estimates."""
         self.throughput.record(prefill_tokens, decode_tokens, seconds)
 
+    def observe_step(self, out: SchedulerOutput, seconds: float) -> None:
+        """How long a scheduled step took, start to finish: the step-cost fit."""
+        self.step_cost.observe(StepShape.of(out), seconds)
+
     def take_rejected(self) -> list[Request]:
         rejected, self.rejected = self.rejected, []
         return rejected
 
     def schedule(self) -> SchedulerOutput:
         cfg = self.config
+        now = self.clock()
         plan = _Plan(cfg.max_num_batched_tokens)
         # Decodes first, so a long prompt's chunks never hold back token streams.
         prefills: list[tuple[int, Request]] = []
+        decoding: set[bool] = set()  # the classes (batch or not) with a token stream
         for req in list(self.running):  # a copy: preemption shrinks self.running
+            self._seen_at[self._is_batch(req)] = now
             left = req.num_tokens - req.num_computed_tokens
             if left > 1:
                 prefills.append((left, req))
             elif req.status == RequestStatus.RUNNING and plan.budget > 0:
                 self._schedule_running(req, 1, plan)
-        # Running prefills, the closest to their first token first, leave the reserve to
-        # new prefills while anyone waits.
-        reserve = cfg.prefill_reserve_tokens if self.waiting else 0
+                decoding.add(self._is_batch(req))
         prefills.sort(key=_remaining)
-        for left, req in prefills:
-            if req.status == RequestStatus.RUNNING:  # not preempted earlier in this step
-                room = min(left, cfg.long_prefill_cap, plan.budget - reserve)
-                if room <= 0:
-                    break
-                self._schedule_running(req, room, plan)
+        adaptive = self._size_budget(plan, prefills, decoding, now)
+        reserve, cap = self._prefill_caps(plan.budget, adaptive)
+        # Short interactive prompts jump ahead of prefills of no greater urgency, running
+        # or waiting (backend/SCHEDULING.md); the running ones keep at least the floor.
+        express = self._express_candidates(now) if adaptive else []
+        if express:
+            top = self.ranking.effective(express[0], now)
+            urgent = [p for p in prefills if self.ranking.effective(p[1], now) < top]
+            self._run_prefills(urgent, plan, reserve, cap)
+            keep = min(cfg.min_prefill_tokens_per_step, plan.hard) if prefills else 0
+            self._admit_express(express, plan, now, keep)
+            prefills = [p for p in prefills if p not in urgent]
+            reserve = reserve if self.waiting else 0
+        if adaptive and prefills:
+            prefills = self._floor_to_the_oldest(prefills, plan)
+        self._run_prefills(prefills, plan, reserve, cap)
         # A step that had to preempt for blocks admits nobody: the pool is already short.
         if not plan.preempted:
-            self._admit_waiting(plan, self.clock())
+            self._admit_waiting(plan, now)
         self._top_up(plan)
         self._note_least_urgent()
         return self._output(plan)
+
+    def _is_batch(self, req: Request) -> bool:
+        return req.priority >= self.config.batch_priority
+
+    def _size_budget(
+        self,
+        plan: _Plan,
+        prefills: list[tuple[int, Request]],
+        decoding: set[bool],
+        now: float,
+    ) -> bool:
+        """Set the step's prefill budget from the tightest time target in play: the most
+        prefill tokens that the step-cost fit predicts keep this step within it, never
+        below the floor; with no target in play (or no fit yet: a scheduler without the
+        engine's warm-up), all of max_num_batched_tokens is left. True when a target
+        sized it."""
+        limit = None
+        if self.config.adaptive_step_budget and self.step_cost.ready:  # ready after warm-up
+            limit = self._step_limit(decoding, now)
+        self.step_limit_s = limit
+        if limit is not None and plan.budget > 0:
+            decodes = [(req.num_computed_tokens, n) for req, n in plan.chunks.values()]
+            decode_shape = StepShape.of_chunks(decodes)
+            start = max((req.num_computed_tokens for _, req in prefills), default=0)
+            floor = min(self.config.min_prefill_tokens_per_step, plan.budget)
+            plan.budget = self.step_cost.max_prefill_tokens(
+                limit, decode_shape, start, floor, plan.budget
+            )
+        self.step_prefill_budget = plan.budget
+        return limit is not None
+
+    def _step_limit(self, decoding: set[bool], now: float) -> float | None:
+        """The tightest step time the requests in play ask for, in seconds: a class with
+        a token stream bounds the step by its inter-token target; a class present
+        (running, waiting, or seen within latency_window_s) by half its TTFT target, so
+        a newcomer of that class waits at most one step, then starts in the next; the
+        global step_time_target_ms caps it. None: nothing latency-sensitive."""
+        cfg = self.config
+        limits = [] if cfg.step_time_target_ms is None else [cfg.step_time_target_ms / 1000]
+        waiting_batch = self.waiting.count_from(cfg.batch_priority)
+        waiting = {True: waiting_batch > 0, False: len(self.waiting) > waiting_batch}
+        for batch in (False, True):
+            ttft, itl = cfg.targets_s(cfg.batch_priority if batch else 0)
+            if itl is not None and batch in decoding:
+                limits.append(itl)
+            seen = self._seen_at.get(batch)
+            recent = seen is not None and now - seen <= cfg.latency_window_s
+            if ttft is not None and (waiting[batch] or recent):
+                limits.append(ttft / 2)
+        return min(limits, default=None)
+
+    def _prefill_caps(self, budget: int, adaptive: bool) -> tuple[int, int]:
+        """The reserve running prefills leave to newcomers while anyone waits, and the
+        most one prefill takes before the others had theirs: fixed shares of
+        max_num_batched_tokens, or of the step's budget when a target sized it."""
+        cfg = self.config
+        if not adaptive:
+            reserve = cfg.prefill_reserve_tokens
+            return (reserve if self.waiting else 0, cfg.long_prefill_cap)
+        reserve = int(budget * cfg.prefill_reserve_share) if self.waiting else 0
+        threshold = cfg.long_prefill_token_threshold
+        cap = max(1, budget // 4) if threshold is None else (threshold or budget)
+        return reserve, cap
+
+    def _run_prefills(
+        self, prefills: list[tuple[int, Request]], plan: _Plan, reserve: int, cap: int
+    ) -> None:
+        """Running prefills, the closest to their first token first, each at most `cap`,
+        leaving `reserve` to new prefills."""
+        for left, req in prefills:
+            if req.status == RequestStatus.RUNNING:  # not preempted earlier in this step
+                room = min(left, cap, plan.budget - reserve)
+                if room <= 0:
+                    break
+                self._schedule_running(req, room, plan)
+
+    def _floor_to_the_oldest(
+        self, prefills: list[tuple[int, Request]], plan: _Plan
+    ) -> list[tuple[int, Request]]:
+        """The best-ranked running prefill (by aging order) gets the floor first, so no
+        stream of shorter prompts keeps a long one from progressing (the starvation
+        bound in backend/SCHEDULING.md). Returns the prefills left to schedule."""
+        running = [p for p in prefills if p[1].status == RequestStatus.RUNNING]
+        if not running or plan.budget <= 0:
+            return prefills
+        left, oldest = min(running, key=lambda p: self.ranking.key(p[1]))
+        self._schedule_running(
+            oldest, min(left, self.config.min_prefill_tokens_per_step, plan.budget), plan
+        )
+        return [p for p in prefills if p[1] is not oldest]
+
+    def _jumps(self, req: Request) -> bool:
+        """An interactive request (its class has a TTFT target) with a short prompt: at
+        most long_prefill_cap tokens to compute before its first token."""
+        ttft, _ = self.config.targets_s(req.priority)
+        short = req.num_tokens - req.num_computed_tokens <= self.config.long_prefill_cap
+        return ttft is not None and short and req.first_token_time is None
+
+    def _express_candidates(self, now: float) -> list[Request]:
+        """Waiting requests that may jump: short interactive prompts in the best waiting
+        request's effective class, so they overtake only requests of their own class or
+        a less urgent one."""
+        if not self.waiting or len(self.running) >= self._max_running:
+            return []
+        best = self.waiting.best(now)
+        if best is None:
+            return []
+        return self.waiting.in_class(self.ranking.effective(best, now), now, self._jumps)
+
+    def _admit_express(self, candidates: list[Request], plan: _Plan, now: float, keep: int) -> None:
+        """Admit the candidates whole, in rank order, while a slot is free; their tokens
+        count in the step's budget, which grows if they need it to, up to
+        max_num_batched_tokens less `keep` for the running prefills."""
+        for req in candidates:
+            if len(self.running) >= self._max_running:
+                return
+            if self.config.reject_infeasible_deadlines and not deadline_feasible(
+                req.deadline, req.num_tokens, now, self.throughput
+            ):
+                self._reject(req, DeadlineExceededError.kind)
+                self.num_rejected_deadline += 1
+                continue
+            need = req.num_tokens - req.num_computed_tokens
+            if not self._fork_ready(req) or need + keep > plan.hard:
+                continue
+            plan.budget = max(plan.budget, need + keep)
+            if not self._admit(req, plan, now):
+                return
+
+    def _next_waiting(self, now: float) -> Request | None:
+        """The best waiting request, after rejecting those whose deadline can no longer
+        be met."""
+        cfg = self.config
+        while self.waiting:
+            req = self.waiting.best(now)
+            if (
+                req is not None
+                and cfg.reject_infeasible_deadlines
+                and req.first_token_time is None
+                and not deadline_feasible(req.deadline, req.num_tokens, now, self.throughput)
+            ):
+                self._reject(req, DeadlineExceededError.kind)
+                self.num_rejected_deadline += 1
+                continue
+            return req
+        return None
 
     def update_from_output(
         self, scheduled: SchedulerOutput, output: ModelRunnerOutput
@@ -259,34 +437,68 @@ class Scheduler:
 
     def _admit_waiting(self, plan: _Plan, now: float) -> None:
         """Admit in policy order; the best request is never overtaken. When it cannot
-        start (no slot, budget or blocks), it may preempt a running request it outranks."""
+        start (no slot, budget or blocks), it may preempt a running request it outranks,
+        or, when its tenant runs fewer than its share of the slots, one of a tenant
+        running more than its share."""
         cfg = self.config
-        while self.waiting:
-            req = self.waiting.best(now)
-            if req is None:
+        while True:
+            req = self._next_waiting(now)
+            if req is None or not self._fork_ready(req):
                 return
-            if (
-                cfg.reject_infeasible_deadlines
-                and req.first_token_time is None
-                and not deadline_feasible(req.deadline, req.num_tokens, now, self.throughput)
-            ):
-                self._reject(req, DeadlineExceededError.kind)
-                self.num_rejected_deadline += 1
-                continue
-            if not self._fork_ready(req):
-                return
-            room = len(self.running) < self._max_running and plan.budget > 0
-            if room and self._admit(req, plan, now):
+            slots_full = len(self.running) >= self._max_running
+            if not slots_full and plan.budget > 0 and self._admit(req, plan, now):
                 if plan.outranked:
                     return  # what the victims freed is spoken for
                 continue
             victim = pick_victim(self.running, req, now, self.ranking, cfg)
+            if victim is not None:
+                self.num_priority_preemptions += 1
+                plan.outranked = True
+            elif slots_full and plan.budget > 0 and self.fair is not None:
+                self._take_slot_share(plan, req, now)
+                return
             if victim is None:
                 return
             self._preempt(victim)
             plan.drop(victim)
-            plan.outranked = True
-            self.num_priority_preemptions += 1
+
+    def _take_slot_share(self, plan: _Plan, best: Request, now: float) -> None:
+        """Every slot is taken: admit, in place of running requests, the tenants that run
+        fewer than their weighted share of the slots. Only among the best class: the
+        heads of its tenants' queues, `best` first (fair share by tokens chose it), are
+        equals, and the one that lacks slots goes first."""
+        candidates = [best, *(h for h in self.waiting.tied_heads(now) if h.tenant != best.tenant)]
+        for candidate in candidates:
+            req: Request | None = candidate
+            while req is not None and self._fork_ready(req) and plan.budget > 0:
+                victim = self._slot_share_victim(req, now)
+                if victim is None:
+                    break
+                self._preempt(victim)
+                plan.drop(victim)
+                self.num_slot_share_preemptions += 1
+                if not self._admit(req, plan, now):
+                    return
+                req = self.waiting.head(req.tenant)  # its next, while it lacks slots
+
+    def _slot_share_victim(self, req: Request, now: float) -> Request | None:
+        """max_num_seqs is full: the running request to preempt so that `req`'s tenant
+        gets its weighted share of the slots, if recomputing it is predicted to cost less
+        than waiting for the first running request to finish (policy.slot_share_victim)."""
+        if not self.step_cost.ready:
+            return None
+        rows = [(r.num_computed_tokens, 1) for r in self.running]
+        step_s = self.step_cost.step_time(rows)
+        soonest = min(r.max_len - r.num_computed_tokens for r in self.running)
+        cost = self.step_cost
+
+        def recompute_s(victim: Request) -> float:
+            n = victim.num_computed_tokens
+            return cost.predict(StepShape(n, 0, n * (n + 1) // 2)) - cost.predict(StepShape())
+
+        return slot_share_victim(
+            self.running, req, now, self.ranking, self.config, recompute_s, soonest * step_s
+        )
 
     def _admit(self, req: Request, plan: _Plan, now: float) -> bool:
         computed = self._computed_blocks(req)

@@ -45,8 +45,13 @@ def document_burst(protection: bool, documents: bool = True) -> tuple[EngineConf
     256-token steps: a full step costs little more than a chat's own prefill step, which
     is what keeps TTFT near its unloaded value once chats skip the documents' queue."""
     config = replace(BASE, max_num_batched_tokens=256)
-    if not protection:
-        config = replace(config, prefill_reserve_share=0.0, long_prefill_token_threshold=0)
+    if not protection:  # no reserve, no long-prefill cap, no express lane
+        config = replace(
+            config,
+            prefill_reserve_share=0.0,
+            long_prefill_token_threshold=0,
+            adaptive_step_budget=False,
+        )
     burst = replace(DOCUMENT, rate=3.0 if documents else 0.0, start=10.0, end=15.0)
     return config, [CHAT, burst]
 

@@ -15,6 +15,7 @@ from backend.engine.block_manager import BlockManager
 from backend.engine.policy import FairShare, Ranking
 from backend.engine.request import Request, RequestStatus, fan_out
 from backend.engine.scheduler import Scheduler
+from backend.engine.step_cost import StepShape
 from backend.errors import DeadlineExceededError, OverloadedError
 from backend.sampling import SamplingParams
 from tests.unit.backend.accounting import check_accounting
@@ -408,3 +409,123 @@ def test_policy_knobs_are_validated() -> None:
     cfg = EngineConfig(max_num_batched_tokens=1000)
     assert (cfg.long_prefill_cap, cfg.prefill_reserve_tokens) == (250, 250)
     assert EngineConfig(long_prefill_token_threshold=0).long_prefill_cap == 2048
+
+
+# -- latency targets: the adaptive budget, the express lane, slot shares ---------------
+
+
+def fitted(s: Scheduler) -> Scheduler:
+    """Teach the scheduler a machine: 1 ms per step, 1 ms per prefill token, 1 ms per
+    decode row (attention free)."""
+    for prefill, rows in ((0, 1), (10, 0), (100, 4), (50, 16), (200, 0), (0, 32)):
+        shape = StepShape(prefill, rows, 0)
+        s.step_cost.observe(shape, 0.001 * (1 + prefill + rows))
+    return s
+
+
+def test_the_budget_is_what_keeps_the_step_within_the_tightest_target() -> None:
+    clock = Clock()
+    # ITL 20.5 ms: with one decode row, 1 + 1 + n ms <= 20.5 leaves n = 18 tokens.
+    s = fitted(make(clock, interactive_itl_target_ms=20.5, min_prefill_tokens_per_step=4))
+    s.add_request(request("chat", 4, max_tokens=100))
+    advance(s, s.schedule())
+    s.add_request(request("doc", 4000))  # not short (over 512): no express lane
+    out = s.schedule()
+    assert [(r.request_id, len(r.token_ids)) for r in out.requests] == [("chat", 1), ("doc", 18)]
+    assert s.step_limit_s == pytest.approx(0.0205)
+    # A global cap below it wins; a floor above what fits wins over both.
+    s = fitted(make(clock, step_time_target_ms=10.0, min_prefill_tokens_per_step=4))
+    s.add_request(request("doc", 4000, priority=5))  # batch: no target of its own
+    assert len(s.schedule().requests[0].token_ids) == 8
+    s = fitted(make(clock, step_time_target_ms=10.0, min_prefill_tokens_per_step=30))
+    s.add_request(request("doc", 4000, priority=5))
+    assert len(s.schedule().requests[0].token_ids) == 30
+
+
+def test_batch_work_alone_gets_the_static_budget() -> None:
+    clock = Clock()
+    s = fitted(make(clock, num_blocks=2048, latency_window_s=1.0))
+    s.add_request(request("chat", 4, max_tokens=1))
+    advance(s, s.schedule())
+    s.finish_requests(["chat"], RequestStatus.FINISHED_LENGTH)
+    s.add_request(request("doc", 4000, priority=5))
+    # The chat was seen just now: a newcomer of its class must not wait behind a full
+    # step, so the step is held to half its TTFT target (1 s: 1 + n ms <= 500 ms) ...
+    out = s.schedule()
+    assert s.step_limit_s == pytest.approx(0.5) and len(out.requests[0].token_ids) in (498, 499)
+    advance(s, out)
+    clock.now = 2.0  # ... until the window has passed: then nothing asks for a limit
+    out = s.schedule()
+    assert s.step_limit_s is None and len(out.requests[0].token_ids) == 2048
+
+
+def test_a_short_interactive_prompt_jumps_the_chunk_queue() -> None:
+    clock = Clock()
+    s = fitted(make(clock, max_num_batched_tokens=256, step_time_target_ms=30.0))
+    s.add_request(request("doc-a", 2000))
+    s.add_request(request("doc-b", 2000))
+    advance(s, s.schedule())
+    advance(s, s.schedule())
+    s.add_request(request("chat", 60))  # 60 tokens: more than a 30 ms step holds (29)
+    s.add_request(request("batch-chat", 20, priority=5))
+    out = s.schedule()
+    sizes = {r.request_id: len(r.token_ids) for r in out.requests}
+    # The chat computes its whole prompt now, first, ahead of doc-a's chunks and of
+    # doc-b, which arrived before it but still waits; the oldest prefill keeps the floor
+    # (32 tokens); the batch-class prompt does not jump.
+    assert ids(out) == ["chat", "doc-a"] and (sizes["chat"], sizes["doc-a"]) == (60, 32)
+    assert [r.request_id for r in s.waiting] == ["doc-b", "batch-chat"]
+    advance(s, out)
+    assert s.requests["chat"].output_token_ids  # its first token, from that very step
+    # Without the adaptive budget it is admitted after the running prefills, as before.
+    s = fitted(make(clock, max_num_batched_tokens=256, adaptive_step_budget=False))
+    s.add_request(request("doc-a", 2000))
+    advance(s, s.schedule())
+    s.add_request(request("chat", 100))
+    out = s.schedule()
+    assert ids(out) == ["doc-a", "chat"]
+
+
+def test_a_long_interactive_prompt_does_not_jump() -> None:
+    clock = Clock()
+    s = fitted(make(clock, max_num_batched_tokens=256, step_time_target_ms=30.0))
+    s.add_request(request("doc-a", 2000))
+    advance(s, s.schedule())
+    s.add_request(request("doc-b", 100))  # over long_prefill_cap (64)
+    assert ids(s.schedule()) == ["doc-a"] and [r.request_id for r in s.waiting] == ["doc-b"]
+
+
+def test_a_new_tenant_gets_its_share_of_full_slots_by_preemption() -> None:
+    clock = Clock()
+    s = fitted(make(clock, max_num_seqs=4))
+    for i in range(6):
+        s.add_request(request(f"loud{i}", 4, tenant="loud", max_tokens=200))
+    advance(s, s.schedule())
+    for i in range(3):
+        s.add_request(request(f"quiet{i}", 4, tenant="quiet", max_tokens=200))
+    out = s.schedule()
+    running = sorted(r.request_id for r in s.running)
+    # Half the slots each (equal weights): two loud requests make room, at once.
+    assert [r for r in running if r.startswith("quiet")] == ["quiet0", "quiet1"]
+    assert len(running) == 4 and s.num_slot_share_preemptions == 2
+    advance(s, out)
+    for _ in range(5):  # and nobody trades slots back and forth afterwards
+        advance(s, s.schedule())
+    assert s.num_slot_share_preemptions == 2 and s.num_preemptions == 2
+
+
+def test_slots_are_not_taken_when_waiting_is_cheaper_or_the_share_is_below_one() -> None:
+    clock = Clock()
+    s = fitted(make(clock, max_num_seqs=4))
+    for i in range(4):  # each has 2 tokens left: a slot frees sooner than a recompute
+        s.add_request(request(f"loud{i}", 200, tenant="loud", max_tokens=2))
+    advance(s, s.schedule())
+    s.add_request(request("quiet", 4, tenant="quiet"))
+    s.schedule()
+    assert s.num_slot_share_preemptions == 0
+    s = fitted(make(clock, max_num_seqs=1))  # half a slot each: nobody preempts
+    s.add_request(request("loud", 4, tenant="loud", max_tokens=200))
+    advance(s, s.schedule())
+    s.add_request(request("quiet", 4, tenant="quiet"))
+    s.schedule()
+    assert s.num_slot_share_preemptions == 0
