@@ -22,8 +22,9 @@ class EngineConfig:
     block hash, so tenants never share cached prompts unless `share_prefix_cache`.
 
     The scheduling policy knobs (priority aging, tenant fairness, priority preemption,
-    prefill protection, load shedding, deadlines) are described, with their effects and
-    the starvation bound, in backend/SCHEDULING.md."""
+    prefill protection, load shedding, deadlines, latency targets and the adaptive step
+    budget) are described, with their effects and the starvation bound, in
+    backend/SCHEDULING.md."""
 
     block_size: int = 16
     num_kv_blocks: int | None = None

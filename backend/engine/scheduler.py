@@ -2,8 +2,11 @@
 the policy (who goes first, who is preempted, who is shed) lives in policy.py and is
 described in backend/SCHEDULING.md.
 
-Every step spends a budget of max_num_batched_tokens: first one token for each running
-request that is decoding, then chunks of running prefills (each capped by the long-prefill
+Every step spends a budget of at most max_num_batched_tokens, sized from the step-cost
+fit (step_cost.py) to keep the step within the latency targets in play: first one token
+for each running request that is decoding, then (the express lane) short interactive
+prompts ahead of long prefills and the floor for the best-ranked running prefill, then
+chunks of running prefills (each capped by the long-prefill
 threshold, and leaving the prefill reserve to newcomers while anyone waits), then new (or
 preempted) requests from the waiting queue in policy order while max_num_seqs allows;
 finally what is left of the budget tops up the chunks that were capped. A prompt longer
@@ -37,6 +40,10 @@ from backend.engine.policy import (
 from backend.engine.request import Request, RequestStatus
 from backend.engine.step_cost import StepCostModel, StepShape
 from backend.errors import DeadlineExceededError, OverloadedError
+
+# An express prompt's first chunk may stretch its step to this multiple of the step's
+# time limit: its TTFT against one longer gap for the streams beside it.
+EXPRESS_STRETCH = 2.0
 
 
 @dataclass
@@ -105,6 +112,7 @@ class Scheduler:
         self._seen_at: dict[bool, float] = {}  # when each class (batch or not) was last seen
         self.step_limit_s: float | None = None  # the last step's time target, if any
         self.step_prefill_budget = 0  # the last step's budget after decodes
+        self._express_budget = 0  # prefill tokens a step with an express prompt may take
         self.num_preemptions = 0
         self.num_priority_preemptions = 0
         self.num_slot_share_preemptions = 0
@@ -262,8 +270,10 @@ class Scheduler:
             decode_shape = StepShape.of_chunks(decodes)
             start = max((req.num_computed_tokens for _, req in prefills), default=0)
             floor = min(self.config.min_prefill_tokens_per_step, plan.budget)
-            plan.budget = self.step_cost.max_prefill_tokens(
-                limit, decode_shape, start, floor, plan.budget
+            hard = plan.budget
+            plan.budget = self.step_cost.max_prefill_tokens(limit, decode_shape, start, floor, hard)
+            self._express_budget = self.step_cost.max_prefill_tokens(
+                EXPRESS_STRETCH * limit, decode_shape, 0, floor, hard
             )
         self.step_prefill_budget = plan.budget
         return limit is not None
@@ -347,23 +357,26 @@ class Scheduler:
         return self.waiting.in_class(self.ranking.effective(best, now), now, self._jumps)
 
     def _admit_express(self, candidates: list[Request], plan: _Plan, now: float, keep: int) -> None:
-        """Admit the candidates whole, in rank order, while a slot is free; their tokens
-        count in the step's budget, which grows if they need it to, up to
-        max_num_batched_tokens less `keep` for the running prefills."""
+        """Admit the candidates in this step, in order, while a slot is free: each takes
+        what the step's budget leaves, less `keep` for the running prefills, and at
+        least the floor (the budget grows for that, up to max_num_batched_tokens); the
+        rest of a prompt follows in the next steps, the fewest tokens left first."""
+        cfg = self.config
         for req in candidates:
             if len(self.running) >= self._max_running:
                 return
-            if self.config.reject_infeasible_deadlines and not deadline_feasible(
+            if cfg.reject_infeasible_deadlines and not deadline_feasible(
                 req.deadline, req.num_tokens, now, self.throughput
             ):
                 self._reject(req, DeadlineExceededError.kind)
                 self.num_rejected_deadline += 1
                 continue
             need = req.num_tokens - req.num_computed_tokens
-            if not self._fork_ready(req) or need + keep > plan.hard:
+            first = min(need, max(cfg.min_prefill_tokens_per_step, self._express_budget - keep))
+            if not self._fork_ready(req) or first + keep > plan.hard:
                 continue
-            plan.budget = max(plan.budget, need + keep)
-            if not self._admit(req, plan, now):
+            plan.budget = max(plan.budget, first + keep)
+            if not self._admit(req, plan, now, plan.budget - keep):
                 return
 
     def _next_waiting(self, now: float) -> Request | None:
@@ -500,11 +513,14 @@ class Scheduler:
             self.running, req, now, self.ranking, self.config, recompute_s, soonest * step_s
         )
 
-    def _admit(self, req: Request, plan: _Plan, now: float) -> bool:
+    def _admit(self, req: Request, plan: _Plan, now: float, most: int | None = None) -> bool:
+        """Start `req` with a first chunk of at most `most` tokens (default: the budget
+        left, capped by the long-prefill threshold)."""
         computed = self._computed_blocks(req)
         bm = self.block_manager
         num_computed = len(computed) * bm.block_size
-        num_new = min(req.num_tokens - num_computed, plan.budget, self.config.long_prefill_cap)
+        most = min(plan.budget, self.config.long_prefill_cap) if most is None else most
+        num_new = min(req.num_tokens - num_computed, most)
         if bm.allocate_slots(req.request_id, num_computed + num_new, computed) is None:
             return False
         self.waiting.admitted(req, now)

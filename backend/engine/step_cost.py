@@ -23,7 +23,10 @@ from backend.sampling import SamplingParams
 # Features are scaled to similar magnitudes (seconds per ~1,000 tokens, per ~100 rows,
 # per ~1M attended pairs), so the normal equations stay well conditioned.
 _SCALES = (1.0, 1e-3, 1e-2, 1e-6)
-_RIDGE = 1e-3  # pulls directions no recent step explored toward the last fit, not to 0
+# The ridge pulls each term toward the last fit, relative to what the steps say about it
+# (and a little in absolute terms, for directions no recent step explored), not to 0.
+_RIDGE_RELATIVE = 1e-4
+_RIDGE_ABSOLUTE = 1e-9
 _OUTLIER = 4.0  # an observation counts as at most this multiple of its prediction
 _TERMS = ("overhead", "prefill_token", "decode_row", "context_token")
 
@@ -74,6 +77,18 @@ class StepCostModel:
         self.last_predicted_s = 0.0  # of the last observed step, before it ran
         self.last_actual_s = 0.0
         self.relative_error = 0.0  # moving average of |predicted - actual| / actual
+
+    @classmethod
+    def fixed(cls, coefficients: dict[str, float]) -> StepCostModel:
+        """A model with these terms (seconds per unit, as `coefficients` reports them,
+        e.g. a real engine's EngineStats.step_cost_s): the simulator's cost calibrated
+        from an engine."""
+        model = cls()
+        model._theta = tuple(  # type: ignore[assignment]
+            coefficients.get(term, 0.0) / scale for term, scale in zip(_TERMS, _SCALES, strict=True)
+        )
+        model.num_observations = 4  # as good as warmed up
+        return model
 
     @property
     def ready(self) -> bool:
@@ -144,8 +159,9 @@ class StepCostModel:
         active = [True] * 4
         while True:
             idx = [i for i in range(4) if active[i]]
-            a = [[self._xtx[i][j] + (_RIDGE if i == j else 0.0) for j in idx] for i in idx]
-            b = [self._xty[i] + _RIDGE * self._theta[i] for i in idx]
+            ridge = [_RIDGE_RELATIVE * self._xtx[i][i] + _RIDGE_ABSOLUTE for i in range(4)]
+            a = [[self._xtx[i][j] + (ridge[i] if i == j else 0.0) for j in idx] for i in idx]
+            b = [self._xty[i] + ridge[i] * self._theta[i] for i in idx]
             solved = _gauss(a, b)
             theta = [0.0] * 4
             for k, i in enumerate(idx):
