@@ -18,6 +18,7 @@ budget or block is free."""
 
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -223,21 +224,27 @@ class Scheduler:
                 self._schedule_running(req, 1, plan)
                 decoding.add(self._is_batch(req))
         prefills.sort(key=_remaining)
-        adaptive = self._size_budget(plan, prefills, decoding, now)
-        reserve, cap = self._prefill_caps(plan.budget, adaptive)
         # Short interactive prompts jump ahead of prefills of no greater urgency, running
         # or waiting (backend/SCHEDULING.md); the running ones keep at least the floor.
-        express = self._express_candidates(now) if adaptive else []
-        if express:
-            top = self.ranking.effective(express[0], now)
+        sizing = cfg.adaptive_step_budget and self.step_cost.ready  # ready after warm-up
+        express = self._express_candidates(now) if sizing else []
+        adaptive = self._size_budget(plan, prefills, decoding, express, now)
+        reserve, cap = self._prefill_caps(plan.budget, adaptive)
+        express = express if adaptive else []
+        started = [p for p in prefills if self._jumps(p[1])] if adaptive else []
+        if express or started:
+            lane = [r for _, r in started] + express
+            top = min(self.ranking.effective(r, now) for r in lane)
             urgent = [p for p in prefills if self.ranking.effective(p[1], now) < top]
+            urgent = [p for p in urgent if p not in started]
             self._run_prefills(urgent, plan, reserve, cap)
-            keep = min(cfg.min_prefill_tokens_per_step, plan.hard) if prefills else 0
-            self._admit_express(express, plan, now, keep)
-            prefills = [p for p in prefills if p not in urgent]
+            rest = [p for p in prefills if p not in urgent and p not in started]
+            keep = min(cfg.min_prefill_tokens_per_step, plan.hard) if rest else 0
+            self._express(started, express, plan, now, keep)
+            prefills = rest
             reserve = reserve if self.waiting else 0
         if adaptive and prefills:
-            prefills = self._floor_to_the_oldest(prefills, plan)
+            prefills = self._floor_to_the_oldest(prefills, plan, reserve)
         self._run_prefills(prefills, plan, reserve, cap)
         # A step that had to preempt for blocks admits nobody: the pool is already short.
         if not plan.preempted:
@@ -254,13 +261,15 @@ class Scheduler:
         plan: _Plan,
         prefills: list[tuple[int, Request]],
         decoding: set[bool],
+        express: list[Request],
         now: float,
     ) -> bool:
         """Set the step's prefill budget from the tightest time target in play: the most
         prefill tokens that the step-cost fit predicts keep this step within it, never
-        below the floor; with no target in play (or no fit yet: a scheduler without the
-        engine's warm-up), all of max_num_batched_tokens is left. True when a target
-        sized it."""
+        below the floor nor below what the short interactive prompts in play need per
+        step to start within their TTFT target; with no target in play (or no fit yet:
+        a scheduler without the engine's warm-up), all of max_num_batched_tokens is
+        left. True when a target sized it."""
         limit = None
         if self.config.adaptive_step_budget and self.step_cost.ready:  # ready after warm-up
             limit = self._step_limit(decoding, now)
@@ -275,8 +284,25 @@ class Scheduler:
             self._express_budget = self.step_cost.max_prefill_tokens(
                 EXPRESS_STRETCH * limit, decode_shape, 0, floor, hard
             )
+            drain = self._drain_tokens(prefills, express, limit)
+            plan.budget = min(hard, max(plan.budget, drain))
         self.step_prefill_budget = plan.budget
         return limit is not None
+
+    def _drain_tokens(
+        self, prefills: list[tuple[int, Request]], express: list[Request], limit: float
+    ) -> int:
+        """Prefill tokens per step of `limit` seconds that the short interactive prompts
+        in play (running, or waiting in the express lane) need to all start within their
+        TTFT targets: a flood of short prompts must not be computed a floor at a time.
+        Long prompts do not count: their own prefill is longer than any such target."""
+        need = 0.0
+        waiting = [(r.num_tokens - r.num_computed_tokens, r) for r in express]
+        for left, req in [*prefills, *waiting]:
+            ttft, _ = self.config.targets_s(req.priority)
+            if ttft is not None and left <= self.config.long_prefill_cap:
+                need += left * limit / ttft
+        return math.ceil(need)
 
     def _step_limit(self, decoding: set[bool], now: float) -> float | None:
         """The tightest step time the requests in play ask for, in seconds: a class with
@@ -324,7 +350,7 @@ class Scheduler:
                 self._schedule_running(req, room, plan)
 
     def _floor_to_the_oldest(
-        self, prefills: list[tuple[int, Request]], plan: _Plan
+        self, prefills: list[tuple[int, Request]], plan: _Plan, reserve: int
     ) -> list[tuple[int, Request]]:
         """The best-ranked running prefill (by aging order) gets the floor first, so no
         stream of shorter prompts keeps a long one from progressing (the starvation
@@ -333,8 +359,9 @@ class Scheduler:
         if not running or plan.budget <= 0:
             return prefills
         left, oldest = min(running, key=lambda p: self.ranking.key(p[1]))
+        room = max(1, plan.budget - reserve)  # newcomers keep the reserve
         self._schedule_running(
-            oldest, min(left, self.config.min_prefill_tokens_per_step, plan.budget), plan
+            oldest, min(left, self.config.min_prefill_tokens_per_step, room), plan
         )
         return [p for p in prefills if p[1] is not oldest]
 
@@ -356,28 +383,41 @@ class Scheduler:
             return []
         return self.waiting.in_class(self.ranking.effective(best, now), now, self._jumps)
 
-    def _admit_express(self, candidates: list[Request], plan: _Plan, now: float, keep: int) -> None:
-        """Admit the candidates in this step, in order, while a slot is free: each takes
-        what the step's budget leaves, less `keep` for the running prefills, and at
-        least the floor (the budget grows for that, up to max_num_batched_tokens); the
-        rest of a prompt follows in the next steps, the fewest tokens left first."""
+    def _express(
+        self,
+        started: list[tuple[int, Request]],
+        candidates: list[Request],
+        plan: _Plan,
+        now: float,
+        keep: int,
+    ) -> None:
+        """The express lane: short interactive prompts already started go on, then the
+        candidates start, in order, while a slot and tokens are left. The step may grow
+        for them to what fits in EXPRESS_STRETCH x its limit (at least the floor for the
+        first, never past max_num_batched_tokens), less `keep` for the other prefills; a
+        prompt that does not fit goes on in the next steps, in this lane."""
         cfg = self.config
+        first = started[0][1] if started else candidates[0]
+        least = min(first.num_tokens - first.num_computed_tokens, cfg.min_prefill_tokens_per_step)
+        before, room = plan.budget, plan.hard
+        plan.budget = max(plan.budget, min(max(self._express_budget, least + keep), plan.hard))
+        for left, req in started:
+            if req.status == RequestStatus.RUNNING and plan.budget - keep > 0:
+                self._schedule_running(req, min(left, plan.budget - keep), plan)
         for req in candidates:
-            if len(self.running) >= self._max_running:
-                return
+            if len(self.running) >= self._max_running or plan.budget - keep <= 0:
+                break
             if cfg.reject_infeasible_deadlines and not deadline_feasible(
                 req.deadline, req.num_tokens, now, self.throughput
             ):
                 self._reject(req, DeadlineExceededError.kind)
                 self.num_rejected_deadline += 1
                 continue
-            need = req.num_tokens - req.num_computed_tokens
-            first = min(need, max(cfg.min_prefill_tokens_per_step, self._express_budget - keep))
-            if not self._fork_ready(req) or first + keep > plan.hard:
-                continue
-            plan.budget = max(plan.budget, first + keep)
-            if not self._admit(req, plan, now, plan.budget - keep):
-                return
+            if self._fork_ready(req) and not self._admit(req, plan, now, plan.budget - keep):
+                break
+        # The stretch was for them: the others get what was theirs, and at least `keep`.
+        used = room - plan.hard
+        plan.budget = min(plan.budget, max(before - used, keep))
 
     def _next_waiting(self, now: float) -> Request | None:
         """The best waiting request, after rejecting those whose deadline can no longer

@@ -480,11 +480,12 @@ def test_a_short_interactive_prompt_jumps_the_chunk_queue() -> None:
     out = s.schedule()
     sizes = {r.request_id: len(r.token_ids) for r in out.requests}
     # The chat computes its whole prompt now, first, ahead of both documents' chunks;
-    # the oldest prefill keeps the floor (32 tokens); the batch-class prompt does not
-    # jump.
-    assert ids(out) == ["chat", "doc-a"] and (sizes["chat"], sizes["doc-a"]) == (60, 32)
+    # the rest keep the floor (32 tokens): the oldest prefill, less the reserve (12,
+    # a quarter of the step's 49-token budget) that the batch-class prompt, which does not
+    # jump, takes as any newcomer does, after the running prefills.
+    assert ids(out) == ["chat", "doc-a", "batch-chat"]
+    assert [sizes[r] for r in ids(out)] == [60, 20, 12]
     assert s.step_prefill_budget in (48, 49)  # the fit, to a token
-    assert [r.request_id for r in s.waiting] == ["batch-chat"]
     advance(s, out)
     assert s.requests["chat"].output_token_ids  # its first token, from that very step
     # Without the adaptive budget it is admitted after the running prefills, as before.
@@ -502,7 +503,12 @@ def test_a_long_interactive_prompt_does_not_jump() -> None:
     s.add_request(request("doc-a", 2000))
     advance(s, s.schedule())
     s.add_request(request("doc-b", 100))  # over long_prefill_cap (64)
-    assert ids(s.schedule()) == ["doc-a"] and [r.request_id for r in s.waiting] == ["doc-b"]
+    out = s.schedule()
+    # It starts after the running prefill, on the reserve (a quarter of the 32 tokens).
+    assert [(r.request_id, len(r.token_ids)) for r in out.requests] == [
+        ("doc-a", 24),
+        ("doc-b", 8),
+    ]
 
 
 def test_a_new_tenant_gets_its_share_of_full_slots_by_preemption() -> None:
@@ -539,3 +545,18 @@ def test_slots_are_not_taken_when_waiting_is_cheaper_or_the_share_is_below_one()
     s.add_request(request("quiet", 4, tenant="quiet"))
     s.schedule()
     assert s.num_slot_share_preemptions == 0
+
+
+def test_a_flood_of_short_prompts_gets_the_tokens_its_ttft_target_needs() -> None:
+    """The ITL target alone would leave 18 tokens a step; 20 waiting 40-token prompts
+    with a 100 ms TTFT target need 800 x 20.5 / 100 = 164 tokens a step to all start in
+    time, so the step takes that many (its streams wait longer, once)."""
+    clock = Clock()
+    s = fitted(make(clock, interactive_itl_target_ms=20.5, interactive_ttft_target_ms=100.0))
+    s.add_request(request("chat", 4, max_tokens=100))
+    advance(s, s.schedule())
+    for i in range(20):
+        s.add_request(request(f"short{i}", 40))
+    out = s.schedule()
+    assert s.step_prefill_budget == 164
+    assert sum(len(r.token_ids) for r in out.requests) == 1 + 164
