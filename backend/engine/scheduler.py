@@ -230,6 +230,12 @@ class Scheduler:
         express = self._express_candidates(now) if sizing else []
         adaptive = self._size_budget(plan, prefills, decoding, express, now)
         reserve, cap = self._prefill_caps(plan.budget, adaptive)
+        # A tenant short of its share of full slots takes them before prefills spend the
+        # budget (and the express lane then carries its prompts on).
+        if self.fair is not None and len(self.running) >= self._max_running and plan.budget > 0:
+            best = self._next_waiting(now)
+            if best is not None and self._fork_ready(best):
+                self._take_slot_share(plan, best, now)
         express = express if adaptive else []
         started = [p for p in prefills if self._jumps(p[1])] if adaptive else []
         if express or started:
@@ -284,20 +290,41 @@ class Scheduler:
             self._express_budget = self.step_cost.max_prefill_tokens(
                 EXPRESS_STRETCH * limit, decode_shape, 0, floor, hard
             )
-            drain = self._drain_tokens(prefills, express, limit)
+            # At most the express lane's stretch: past it the targets are out of reach
+            # anyway, and the streams beside them would pay for nothing.
+            drain = min(self._drain_tokens(prefills, express, limit), self._express_budget)
             plan.budget = min(hard, max(plan.budget, drain))
         self.step_prefill_budget = plan.budget
         return limit is not None
+
+    def _may_start(self, candidates: list[Request]) -> list[Request]:
+        """The candidates that free slots could take, each tenant at most its weighted
+        share of them: one tenant's flood must not size every step for itself."""
+        free = max(0, self._max_running - len(self.running))
+        weights: dict[str | None, int] = {}
+        for req in candidates:
+            weights[req.tenant] = max(weights.get(req.tenant, 1), req.weight)
+        total = sum(weights.values())
+        taken: dict[str | None, int] = {}
+        chosen: list[Request] = []
+        for req in candidates:
+            share = math.ceil(free * weights[req.tenant] / total)
+            if taken.get(req.tenant, 0) < share and len(chosen) < free:
+                taken[req.tenant] = taken.get(req.tenant, 0) + 1
+                chosen.append(req)
+        return chosen
 
     def _drain_tokens(
         self, prefills: list[tuple[int, Request]], express: list[Request], limit: float
     ) -> int:
         """Prefill tokens per step of `limit` seconds that the short interactive prompts
-        in play (running, or waiting in the express lane) need to all start within their
-        TTFT targets: a flood of short prompts must not be computed a floor at a time.
-        Long prompts do not count: their own prefill is longer than any such target."""
+        in play (running, or waiting in the express lane for a free slot) need to all
+        start within their TTFT targets: a flood of short prompts must not be computed a
+        floor at a time. Long prompts do not count: their own prefill is longer than any
+        such target; nor do prompts that no slot could take this step, nor more than a
+        tenant's weighted share of the free slots."""
         need = 0.0
-        waiting = [(r.num_tokens - r.num_computed_tokens, r) for r in express]
+        waiting = [(r.num_tokens - r.num_computed_tokens, r) for r in self._may_start(express)]
         for left, req in [*prefills, *waiting]:
             ttft, _ = self.config.targets_s(req.priority)
             if ttft is not None and left <= self.config.long_prefill_cap:

@@ -547,16 +547,17 @@ def test_slots_are_not_taken_when_waiting_is_cheaper_or_the_share_is_below_one()
     assert s.num_slot_share_preemptions == 0
 
 
-def test_a_flood_of_short_prompts_gets_the_tokens_its_ttft_target_needs() -> None:
-    """The ITL target alone would leave 18 tokens a step; 20 waiting 40-token prompts
-    with a 100 ms TTFT target need 800 x 20.5 / 100 = 164 tokens a step to all start in
-    time, so the step takes that many (its streams wait longer, once)."""
-    clock = Clock()
-    s = fitted(make(clock, interactive_itl_target_ms=20.5, interactive_ttft_target_ms=100.0))
-    s.add_request(request("chat", 4, max_tokens=100))
-    advance(s, s.schedule())
-    for i in range(20):
-        s.add_request(request(f"short{i}", 40))
-    out = s.schedule()
-    assert s.step_prefill_budget == 164
-    assert sum(len(r.token_ids) for r in out.requests) == 1 + 164
+def test_short_prompts_get_the_tokens_their_ttft_target_needs_up_to_the_stretch() -> None:
+    """The ITL target alone would leave 18 tokens a step (1 + 1 + n ms <= 20.5 ms). Two
+    waiting 40-token prompts with a 50 ms TTFT target need 80 x 20.5 / 50 = 33 tokens a
+    step to start in time, so the step takes that many; twenty would need 328, but the
+    step stretches at most to twice its limit for them (39 tokens)."""
+    for prompts, budget in ((2, 33), (20, 39)):
+        clock = Clock()
+        s = fitted(make(clock, interactive_itl_target_ms=20.5, interactive_ttft_target_ms=50.0))
+        s.add_request(request("chat", 4, max_tokens=100))
+        advance(s, s.schedule())
+        for i in range(prompts):
+            s.add_request(request(f"short{i}", 40))
+        s.schedule()
+        assert s.step_prefill_budget == budget, prompts
