@@ -287,15 +287,28 @@ class Scheduler:
             floor = min(self.config.min_prefill_tokens_per_step, plan.budget)
             hard = plan.budget
             plan.budget = self.step_cost.max_prefill_tokens(limit, decode_shape, start, floor, hard)
-            self._express_budget = self.step_cost.max_prefill_tokens(
-                EXPRESS_STRETCH * limit, decode_shape, 0, floor, hard
-            )
+            self._express_budget = plan.budget
+            if self._may_stretch(prefills, express):
+                self._express_budget = self.step_cost.max_prefill_tokens(
+                    EXPRESS_STRETCH * limit, decode_shape, 0, floor, hard
+                )
             # At most the express lane's stretch: past it the targets are out of reach
             # anyway, and the streams beside them would pay for nothing.
             drain = min(self._drain_tokens(prefills, express, limit), self._express_budget)
             plan.budget = min(hard, max(plan.budget, drain))
         self.step_prefill_budget = plan.budget
         return limit is not None
+
+    def _may_stretch(self, prefills: list[tuple[int, Request]], express: list[Request]) -> bool:
+        """Whether the express lane may stretch this step: only for the least-served
+        tenant in play (by tokens per weight), so one tenant's flood of short prompts
+        does not slow every step of the others' token streams for its own TTFT."""
+        lane = {r.tenant for r in express} | {r.tenant for _, r in prefills if self._jumps(r)}
+        if self.fair is None or not lane:
+            return True
+        served = self.fair.served
+        least = min(served.get(t, 0.0) for t in lane | {r.tenant for r in self.running})
+        return min(served.get(t, 0.0) for t in lane) <= least
 
     def _may_start(self, candidates: list[Request]) -> list[Request]:
         """The candidates that free slots could take, each tenant at most its weighted
@@ -418,33 +431,44 @@ class Scheduler:
         now: float,
         keep: int,
     ) -> None:
-        """The express lane: short interactive prompts already started go on, then the
-        candidates start, in order, while a slot and tokens are left. The step may grow
-        for them to what fits in EXPRESS_STRETCH x its limit (at least the floor for the
-        first, never past max_num_batched_tokens), less `keep` for the other prefills; a
-        prompt that does not fit goes on in the next steps, in this lane."""
-        cfg = self.config
-        first = started[0][1] if started else candidates[0]
-        least = min(first.num_tokens - first.num_computed_tokens, cfg.min_prefill_tokens_per_step)
+        """The express lane: short interactive prompts already started go on and the
+        candidates start, the least-served tenant's first (then those started, then by
+        rank), while tokens (and, to start, a slot) are left. The step may grow for them
+        to what fits in EXPRESS_STRETCH x its limit (at least the floor for the first,
+        never past max_num_batched_tokens), less `keep` for the other prefills; a prompt
+        that does not fit goes on in the next steps, in this lane."""
+        served = {} if self.fair is None else self.fair.served
+        lane: list[tuple[int | None, Request]] = [*started, *((None, r) for r in candidates)]
+        lane.sort(
+            key=lambda i: (served.get(i[1].tenant, 0.0), i[0] is None, self.ranking.key(i[1]))
+        )
+        first = lane[0][1]
+        least = min(
+            first.num_tokens - first.num_computed_tokens, self.config.min_prefill_tokens_per_step
+        )
         before, room = plan.budget, plan.hard
         plan.budget = max(plan.budget, min(max(self._express_budget, least + keep), plan.hard))
-        for left, req in started:
-            if req.status == RequestStatus.RUNNING and plan.budget - keep > 0:
+        for left, req in lane:
+            if plan.budget - keep <= 0:
+                break
+            if left is None:
+                self._express_admit(req, plan, now, plan.budget - keep)
+            elif req.status == RequestStatus.RUNNING:  # not preempted meanwhile
                 self._schedule_running(req, min(left, plan.budget - keep), plan)
-        for req in candidates:
-            if len(self.running) >= self._max_running or plan.budget - keep <= 0:
-                break
-            if cfg.reject_infeasible_deadlines and not deadline_feasible(
-                req.deadline, req.num_tokens, now, self.throughput
-            ):
-                self._reject(req, DeadlineExceededError.kind)
-                self.num_rejected_deadline += 1
-                continue
-            if self._fork_ready(req) and not self._admit(req, plan, now, plan.budget - keep):
-                break
         # The stretch was for them: the others get what was theirs, and at least `keep`.
         used = room - plan.hard
         plan.budget = min(plan.budget, max(before - used, keep))
+
+    def _express_admit(self, req: Request, plan: _Plan, now: float, most: int) -> None:
+        if len(self.running) >= self._max_running or req.status == RequestStatus.RUNNING:
+            return  # no slot, or the slot share started it already
+        if self.config.reject_infeasible_deadlines and not deadline_feasible(
+            req.deadline, req.num_tokens, now, self.throughput
+        ):
+            self._reject(req, DeadlineExceededError.kind)
+            self.num_rejected_deadline += 1
+        elif self._fork_ready(req):
+            self._admit(req, plan, now, most)
 
     def _next_waiting(self, now: float) -> Request | None:
         """The best waiting request, after rejecting those whose deadline can no longer

@@ -561,3 +561,22 @@ def test_short_prompts_get_the_tokens_their_ttft_target_needs_up_to_the_stretch(
             s.add_request(request(f"short{i}", 40))
         s.schedule()
         assert s.step_prefill_budget == budget, prompts
+
+
+def test_only_the_least_served_tenant_may_stretch_a_step() -> None:
+    """A 50 ms step holds 49 tokens; the express lane may stretch it to 99. A tenant's
+    flood of short prompts gets the stretch while it is alone, not while a tenant
+    served less than it is running: that tenant's stream would pay for the flood."""
+    scheduled = {}
+    for with_quiet in (False, True):
+        clock = Clock()
+        s = fitted(make(clock, step_time_target_ms=50.0))
+        if with_quiet:
+            s.add_request(request("quiet", 4, tenant="quiet", max_tokens=100))
+            advance(s, s.schedule())
+        for i in range(10):
+            s.add_request(request(f"flood{i}", 40, tenant="flood"))
+        s.fair.charge(request("past", tenant="flood"), 1000)  # type: ignore[union-attr]
+        out = s.schedule()
+        scheduled[with_quiet] = out.num_prefill_tokens
+    assert scheduled == {False: 99, True: 48}  # 48: beside the quiet decode row
