@@ -64,7 +64,8 @@ def _deadline_order(req: Request) -> tuple[float, float, int]:
 class FairShare:
     """Tokens served per tenant, divided by its weight. A tenant that starts waiting again
     starts level with the least-served tenant already waiting: time spent not competing
-    (idle, or served all it asked for) earns no credit to spend later in a burst."""
+    (idle, or served all it asked for) earns no credit to spend later in a burst, and
+    service in an earlier contention is no debt that a newcomer could collect on."""
 
     def __init__(self) -> None:
         self.served: dict[str | None, float] = {}
@@ -72,7 +73,7 @@ class FairShare:
     def level(self, tenant: str | None, competitors: Iterable[str | None]) -> None:
         floor = min((self.served.get(t, 0.0) for t in competitors), default=None)
         if floor is not None:
-            self.served[tenant] = max(self.served.get(tenant, 0.0), floor)
+            self.served[tenant] = floor
 
     def charge(self, req: Request, num_tokens: int) -> None:
         tenant = req.tenant

@@ -3,12 +3,13 @@ the engine config and the streams; `simulate` replays them."""
 
 from __future__ import annotations
 
+import random
 from dataclasses import replace
 
 from backend.config import EngineConfig
 from backend.engine.step_cost import StepCostModel
 from backend.sim.simulator import SimResult, Simulator
-from backend.sim.trace import Stream, make_trace
+from backend.sim.trace import Arrival, Stream, make_trace
 
 # A latency-oriented engine: 512-token steps (vLLM's former chunked-prefill default).
 BASE = EngineConfig(block_size=16, max_num_seqs=128, max_num_batched_tokens=512)
@@ -109,3 +110,25 @@ def simulate_on(
 ) -> SimResult:
     config, streams, cost = scenario
     return Simulator(config, cost).run(make_trace(streams, seed))
+
+
+def late_tenant(flood: int, late: int = 16, seed: int = 0) -> list[Arrival]:
+    """`flood` short requests from one tenant at t = 0, then `late` from another at
+    t = 0.3 s (32-64-token prompts, 16-32 tokens out): issue 15's slot-share case."""
+    rng = random.Random(seed)
+    arrivals = []
+    for tenant, count, start in (("flood", flood, 0.0), ("late", late, 0.3)):
+        stream = Stream(tenant, 0.0, (32, 64), (16, 32), tenant=tenant)
+        for i in range(count):
+            prompt, output = rng.randint(32, 64), rng.randint(16, 32)
+            arrivals.append(Arrival(start + i * 1e-4, f"{tenant}-{i}", stream, prompt, output))
+    return sorted(arrivals, key=lambda a: a.time)
+
+
+def late_makespan(adaptive: bool, flood: int, seed: int = 0) -> float:
+    """The late tenant's makespan (its arrival to its last request's end) on the
+    CPU-like cost, beside `flood` requests of another tenant."""
+    config = replace(EngineConfig(), num_kv_blocks=20_000, adaptive_step_budget=adaptive)
+    result = Simulator(config, StepCostModel.fixed(CPU_LIKE)).run(late_tenant(flood, seed=seed))
+    ends = [r.end or 0.0 for r in result.records.values() if r.arrival.stream.name == "late"]
+    return max(ends) - 0.3

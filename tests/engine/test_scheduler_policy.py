@@ -580,3 +580,11 @@ def test_only_the_least_served_tenant_may_stretch_a_step() -> None:
         out = s.schedule()
         scheduled[with_quiet] = out.num_prefill_tokens
     assert scheduled == {False: 99, True: 48}  # 48: beside the quiet decode row
+
+
+def test_old_service_is_no_debt_when_a_tenant_waits_again() -> None:
+    fair = FairShare()
+    fair.charge(request("x", tenant="old"), 10_000)  # a busy period long ago
+    fair.charge(request("y", tenant="new"), 10)
+    fair.level("old", ["new"])  # "old" waits again beside "new": level, not 9,990 behind
+    assert fair.served["old"] == fair.served["new"] == 10.0
