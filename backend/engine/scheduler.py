@@ -284,7 +284,7 @@ class Scheduler:
             decodes = [(req.num_computed_tokens, n) for req, n in plan.chunks.values()]
             decode_shape = StepShape.of_chunks(decodes)
             start = max((req.num_computed_tokens for _, req in prefills), default=0)
-            floor = min(self.config.min_prefill_tokens_per_step, plan.budget)
+            floor = min(self._floor(decode_shape, start), plan.budget)
             hard = plan.budget
             plan.budget = self.step_cost.max_prefill_tokens(limit, decode_shape, start, floor, hard)
             self._express_budget = plan.budget
@@ -298,6 +298,16 @@ class Scheduler:
             plan.budget = min(hard, max(plan.budget, drain))
         self.step_prefill_budget = plan.budget
         return limit is not None
+
+    def _floor(self, decode: StepShape, start: int) -> int:
+        """min_prefill_tokens_per_step, or more where the step's fixed part (overhead and
+        decode rows) is long: as many tokens as that takes, so a target too tight for the
+        machine never leaves less than half of a step to prefill."""
+        terms = self.step_cost.coefficients
+        per_token = terms["prefill_token"] + terms["context_token"] * start
+        fixed = self.step_cost.predict(decode)
+        even = int(fixed / per_token) if per_token > 0 else 0
+        return max(self.config.min_prefill_tokens_per_step, even)
 
     def _may_stretch(self, prefills: list[tuple[int, Request]], express: list[Request]) -> bool:
         """Whether the express lane may stretch this step: only for the least-served

@@ -588,3 +588,16 @@ def test_old_service_is_no_debt_when_a_tenant_waits_again() -> None:
     fair.charge(request("y", tenant="new"), 10)
     fair.level("old", ["new"])  # "old" waits again beside "new": level, not 9,990 behind
     assert fair.served["old"] == fair.served["new"] == 10.0
+
+
+def test_a_target_too_tight_for_the_machine_still_leaves_half_a_step_to_prefill() -> None:
+    """40 decode rows already take 41 ms, past the 20.5 ms ITL target: the floor rises
+    to the 41 tokens that take as long, so prefill keeps half of each step."""
+    clock = Clock()
+    s = fitted(make(clock, interactive_itl_target_ms=20.5))
+    for i in range(40):
+        s.add_request(request(f"chat{i}", 4, max_tokens=100))
+    advance(s, s.schedule())
+    s.add_request(request("doc", 4000))
+    out = s.schedule()
+    assert out.num_decode_tokens == 40 and out.num_prefill_tokens in (40, 41)

@@ -269,8 +269,8 @@ def test_the_metrics_show_predicted_and_actual_step_times(llama_dir: Path) -> No
 
 def test_interactive_decodes_shrink_the_step_and_batch_work_gets_it_all(llama_dir: Path) -> None:
     """A long prompt beside a decoding chat gets a step sized to the chat's inter-token
-    target (a tiny target here: the floor); the same prompt beside a batch-class stream
-    gets the whole static budget."""
+    target (a tiny target here: the floor, 16 tokens or half the step); the same prompt
+    beside a batch-class stream gets the whole static budget."""
     budgets = {}
     for chat_priority in (0, 5):
         engine = make_engine(
@@ -288,5 +288,7 @@ def test_interactive_decodes_shrink_the_step_and_batch_work_gets_it_all(llama_di
         stats = engine.stats()
         budgets[chat_priority] = (stats.step_prefill_tokens, stats.step_time_limit_s)
         run_to_completion(engine)
-    assert budgets[0] == (16, 0.001 / 1000)
+    # The floor: 16 tokens, or as many as the step's fixed part takes (machine-dependent).
+    tokens, limit = budgets[0]
+    assert 16 <= tokens < 255 and limit == 0.001 / 1000
     assert budgets[5] == (255, None)  # 256 less the chat's decode
