@@ -17,7 +17,7 @@ from backend.engine.block_manager import BlockManager
 from backend.engine.model_runner import ModelRunner
 from backend.engine.request import Request, RequestStatus, fan_out
 from backend.engine.scheduler import Scheduler
-from backend.engine.step_cost import StepShape, warm_up_batches, warm_up_shapes
+from backend.engine.step_cost import warm_up, warm_up_shapes
 from backend.errors import PromptTooLongError, RequestFailedError, RequestStepError
 from backend.loader import load_model_config
 from backend.outputs import EngineStats, RequestOutput, TokenLogprobs
@@ -71,32 +71,13 @@ class Engine:
         self._warm_up()
 
     def _warm_up(self) -> None:
-        """Time a few steps of varied shapes on scratch blocks before the first request,
-        so the step-cost fit that sizes step budgets is never blind. Nothing else sees
-        them: no request, no counter, no prefix-cache entry."""
+        """Time a few steps before the first request: the step-cost fit is never blind."""
         bm = self.block_manager
         capacity = min(bm.num_blocks * bm.block_size, self.max_model_len)
-        shapes = warm_up_shapes(self.config.max_num_batched_tokens, capacity)
-        taken: set[str] = set()
-
-        def allocate(request_id: str, num_tokens: int) -> list[int] | None:
-            if bm.allocate_slots(request_id, num_tokens) is None:
-                return None
-            taken.add(request_id)
-            return list(bm.block_ids(request_id))
-
-        vocab = self.model_config.vocab_size
-        for i, batch in enumerate(warm_up_batches(shapes, allocate, vocab)):
-            if i == 0:
-                self.runner.execute(batch)  # the first pass pays one-time costs
-            started = time.perf_counter()
-            self.runner.execute(batch)
-            self.scheduler.step_cost.observe(StepShape.of(batch), time.perf_counter() - started)
-            for request_id in taken:
-                bm.free(request_id)
-            taken.clear()
-        for request_id in taken:
-            bm.free(request_id)
+        steps = warm_up_shapes(self.config.max_num_batched_tokens, capacity)
+        warm_up(
+            self.scheduler.step_cost, steps, self.runner.execute, bm, self.model_config.vocab_size
+        )
 
     def _fit_max_model_len(self, wanted: int) -> int:
         """One sequence of max_model_len must fit the pool, or preemption could never

@@ -14,10 +14,12 @@ tokens a step may take and still end within a time target (backend/SCHEDULING.md
 from __future__ import annotations
 
 import math
+import time
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 
 from backend.engine.batch import ScheduledRequest, SchedulerOutput
+from backend.engine.block_manager import BlockManager
 from backend.sampling import SamplingParams
 
 # Features are scaled to similar magnitudes (seconds per ~1,000 tokens, per ~100 rows,
@@ -241,3 +243,36 @@ def warm_up_batches(
                 prefill += n
         else:
             yield SchedulerOutput(requests, [], prefill, decode)
+
+
+def warm_up(
+    model: StepCostModel,
+    shapes: list[list[tuple[int, int]]],
+    execute: Callable[[SchedulerOutput], object],
+    block_manager: BlockManager,
+    vocab_size: int,
+) -> None:
+    """Run and time each warm-up shape on scratch blocks (`execute`: the model runner's),
+    teaching `model`; nothing else sees them: no request, no counter, no prefix-cache
+    entry (the blocks are freed unregistered)."""
+    taken: set[str] = set()
+
+    def allocate(request_id: str, num_tokens: int) -> list[int] | None:
+        if block_manager.allocate_slots(request_id, num_tokens) is None:
+            return None
+        taken.add(request_id)
+        return list(block_manager.block_ids(request_id))
+
+    def free() -> None:
+        for request_id in taken:
+            block_manager.free(request_id)
+        taken.clear()
+
+    for i, batch in enumerate(warm_up_batches(shapes, allocate, vocab_size)):
+        if i == 0:
+            execute(batch)  # the first pass pays one-time costs
+        started = time.perf_counter()
+        execute(batch)
+        model.observe(StepShape.of(batch), time.perf_counter() - started)
+        free()
+    free()  # a shape the pool could not hold
