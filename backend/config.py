@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import re
 from dataclasses import dataclass
 
@@ -22,8 +23,9 @@ class EngineConfig:
     block hash, so tenants never share cached prompts unless `share_prefix_cache`.
 
     The scheduling policy knobs (priority aging, tenant fairness, priority preemption,
-    prefill protection, load shedding, deadlines) are described, with their effects and
-    the starvation bound, in backend/SCHEDULING.md."""
+    prefill protection, load shedding, deadlines, latency targets and the adaptive step
+    budget) are described, with their effects and the starvation bound, in
+    backend/SCHEDULING.md."""
 
     block_size: int = 16
     num_kv_blocks: int | None = None
@@ -52,6 +54,16 @@ class EngineConfig:
     max_waiting_tokens: int = 262_144  # queued prompt tokens; past it, shed too
     shed_least_urgent_first: bool = True  # a full queue sheds its least urgent, not the new
     reject_infeasible_deadlines: bool = True  # deadline_exceeded before any compute
+    # -- latency targets (backend/SCHEDULING.md, "Step budget") --
+    adaptive_step_budget: bool = True  # size each step's prefill budget by the step-cost fit
+    batch_priority: int = 5  # priorities >= this are the batch class; below: interactive
+    interactive_ttft_target_ms: float | None = 1000.0  # first token within this
+    interactive_itl_target_ms: float | None = 100.0  # each later token within this
+    batch_ttft_target_ms: float | None = None  # the batch class has no target by default
+    batch_itl_target_ms: float | None = None
+    step_time_target_ms: float | None = None  # a cap on every step, whatever runs
+    min_prefill_tokens_per_step: int = 32  # the floor that keeps long prefills moving
+    latency_window_s: float = 5.0  # a class counts as present this long after it was seen
 
     def __post_init__(self) -> None:
         for name in ("block_size", "kv_cache_bytes", "max_num_seqs", "max_num_batched_tokens"):
@@ -99,6 +111,36 @@ class EngineConfig:
         share = self.prefill_reserve_share
         if not _is_number(share) or not 0 <= share < 1:
             raise ValueError(f"prefill_reserve_share must be in [0, 1), got {share!r}")
+        self._check_latency()
+
+    def _check_latency(self) -> None:
+        if not isinstance(self.adaptive_step_budget, bool):
+            raise ValueError(
+                f"adaptive_step_budget must be a bool, got {self.adaptive_step_budget!r}"
+            )
+        _non_negative("batch_priority", self.batch_priority)
+        _positive("min_prefill_tokens_per_step", self.min_prefill_tokens_per_step)
+        for name in (
+            "interactive_ttft_target_ms",
+            "interactive_itl_target_ms",
+            "batch_ttft_target_ms",
+            "batch_itl_target_ms",
+            "step_time_target_ms",
+        ):
+            value = getattr(self, name)
+            if value is not None and (not _is_number(value) or not 0 < value < math.inf):
+                raise ValueError(f"{name} must be a positive number of ms or None, got {value!r}")
+        window = self.latency_window_s
+        if not _is_number(window) or not 0 <= window < math.inf:
+            raise ValueError(f"latency_window_s must be a non-negative number, got {window!r}")
+
+    def targets_s(self, priority: int) -> tuple[float | None, float | None]:
+        """(TTFT, inter-token) targets in seconds of a request of this priority."""
+        if priority >= self.batch_priority:
+            ttft, itl = self.batch_ttft_target_ms, self.batch_itl_target_ms
+        else:
+            ttft, itl = self.interactive_ttft_target_ms, self.interactive_itl_target_ms
+        return (None if ttft is None else ttft / 1000, None if itl is None else itl / 1000)
 
     @property
     def long_prefill_cap(self) -> int:

@@ -63,6 +63,7 @@ class EngineStats:
     prefix_cache_hits: int = 0  # of those, tokens found (their prefill was skipped)
     num_preemptions: int = 0  # all of them: for KV blocks and for priority
     num_priority_preemptions: int = 0  # a waiting request outranked a running one
+    num_slot_share_preemptions: int = 0  # a tenant short of its share of max_num_seqs
     num_rejected_overloaded: int = 0  # shed: at submission, or displaced by a more urgent one
     num_rejected_deadline: int = 0  # deadline_exceeded, at submission or in the queue
     waiting_tokens: int = 0  # tokens the waiting requests must compute (shedding)
@@ -70,6 +71,13 @@ class EngineStats:
     step_decode_tokens: int = 0
     total_prefill_tokens: int = 0
     total_decode_tokens: int = 0
+    # The step-cost fit (backend/engine/step_cost.py) and the budget it set.
+    step_time_predicted_s: float = 0.0  # the last step's time, as predicted before it ran
+    step_time_actual_s: float = 0.0  # and as measured
+    step_time_error_ratio: float = 0.0  # moving average of |predicted - actual| / actual
+    step_cost_s: dict[str, float] = field(default_factory=dict)  # seconds per unit of each term
+    step_time_limit_s: float | None = None  # the time target of the last step; None: static
+    step_prefill_budget: int = 0  # prefill tokens the last step could take
 
     @property
     def prefix_cache_hit_rate(self) -> float:

@@ -268,6 +268,48 @@ class EngineStatsCollector(Collector):
         )
         for name, help_text, value in counters:
             yield CounterMetricFamily(f"tollgate_engine_{name}", help_text, value=value)
+        yield from _step_cost_metrics(stats)
+
+
+def _step_cost_metrics(stats: EngineStats) -> Iterator[Metric]:
+    """The step-cost fit (backend/engine/step_cost.py): predicted against measured time
+    of the last step, the fit's terms, and the budget it set."""
+    yield _gauge(
+        "tollgate_engine_step_time_predicted_seconds",
+        "The last step's time as the step-cost fit predicted it",
+        stats.step_time_predicted_s,
+    )
+    yield _gauge(
+        "tollgate_engine_step_time_actual_seconds",
+        "The last step's time as measured",
+        stats.step_time_actual_s,
+    )
+    yield _gauge(
+        "tollgate_engine_step_time_error_ratio",
+        "Moving average of |predicted - actual| / actual step time",
+        stats.step_time_error_ratio,
+    )
+    terms = GaugeMetricFamily(
+        "tollgate_engine_step_cost_seconds", "Seconds per unit of each fitted term", labels=["term"]
+    )
+    for term, seconds in stats.step_cost_s.items():
+        terms.add_metric([term], seconds)
+    yield terms
+    yield _gauge(
+        "tollgate_engine_step_time_limit_seconds",
+        "The time target that sized the last step's budget (0: none, the static budget)",
+        stats.step_time_limit_s or 0.0,
+    )
+    yield _gauge(
+        "tollgate_engine_step_prefill_budget_tokens",
+        "Tokens the last step could spend after its decodes",
+        stats.step_prefill_budget,
+    )
+    yield CounterMetricFamily(
+        "tollgate_engine_slot_share_preemptions",
+        "Requests preempted so a tenant short of its share of max_num_seqs could start",
+        value=stats.num_slot_share_preemptions,
+    )
 
 
 def _gauge(name: str, help_text: str, value: float) -> GaugeMetricFamily:

@@ -13,7 +13,10 @@ same trace (backend/sim/scenarios.py), the baseline in the same run:
   find max_num_seqs full of priority 5;
 - shedding: requests shed per class under the priority-0 flood, when a full queue refuses
   newcomers and when it sheds its least urgent first;
-- the scheduler's own cost: wall time per schedule() step of the simulated mixed trace.
+- the scheduler's own cost: wall time per schedule() step of the simulated mixed trace;
+- latency targets (issue 15), on a CPU-like fitted cost: chat TTFT p90 and ITL p95
+  alone and beside 1,800-token documents, adaptive and static budgets; the documents'
+  throughput; a late tenant's makespan beside another's 10x burst.
 
     .venv/bin/python -m bench.scheduler_sim [--seeds N]
 """
@@ -128,13 +131,43 @@ def overhead(seed: int) -> str:
     )
 
 
+def latency(seed: int) -> str:
+    def chat(result: SimResult) -> tuple[float, float]:
+        chats = of_stream(result, "chat")
+        ttft = [r.first_token - r.arrival.time for r in chats if r.first_token is not None]
+        gaps = [
+            b - a for r in chats for a, b in zip(r.token_times, r.token_times[1:], strict=False)
+        ]
+        return percentile(ttft, 90), percentile(gaps, 95)
+
+    def docs(result: SimResult) -> float:
+        done = [r for r in of_stream(result, "document") if r.outcome == "finished"]
+        return sum(r.arrival.prompt_tokens for r in done) / max(r.end or 0.0 for r in done)
+
+    (ttft0, itl0) = chat(sc.simulate_on(sc.cpu_document_flood(True, documents=False), seed))
+    on, off = (sc.simulate_on(sc.cpu_document_flood(a), seed) for a in (True, False))
+    (ttft1, itl1), (ttft2, itl2) = chat(on), chat(off)
+    late = [sc.late_makespan(a, f, seed) for a in (True, False) for f in (0, 160)]
+    return (
+        f"latency     chat TTFT p90 alone {ttft0 * 1000:.0f} ms, beside documents: adaptive "
+        f"{ttft1 * 1000:.0f} ms ({ttft1 / ttft0:.1f}x), static {ttft2 * 1000:.0f} ms "
+        f"({ttft2 / ttft0:.1f}x)\n"
+        f"            chat ITL p95 alone {itl0 * 1000:.0f} ms, beside documents: adaptive "
+        f"{itl1 * 1000:.0f} ms, static {itl2 * 1000:.0f} ms; document throughput adaptive / "
+        f"static {docs(on) / docs(off):.0%}\n"
+        f"            late tenant makespan, alone / beside 160: adaptive {late[0]:.2f} / "
+        f"{late[1]:.2f} s ({late[1] / late[0]:.1f}x), static {late[2]:.2f} / {late[3]:.2f} s "
+        f"({late[3] / late[2]:.1f}x)"
+    )
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--seeds", type=int, default=1, help="repeat each line with seeds 0..N-1")
     args = parser.parse_args()
     for seed in range(args.seeds):
         print(f"seed {seed}")
-        for line in (aging, protection, fairness, preemption, shedding, overhead):
+        for line in (aging, protection, fairness, preemption, shedding, latency, overhead):
             print(line(seed), flush=True)
 
 

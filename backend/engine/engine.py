@@ -17,6 +17,7 @@ from backend.engine.block_manager import BlockManager
 from backend.engine.model_runner import ModelRunner
 from backend.engine.request import Request, RequestStatus, fan_out
 from backend.engine.scheduler import Scheduler
+from backend.engine.step_cost import warm_up, warm_up_shapes
 from backend.errors import PromptTooLongError, RequestFailedError, RequestStepError
 from backend.loader import load_model_config
 from backend.outputs import EngineStats, RequestOutput, TokenLogprobs
@@ -68,6 +69,16 @@ class Engine:
         self._aborts: list[Request] = []
         self._groups: dict[str, list[Request]] = {}  # caller's id -> its n completions
         self._seqs: dict[str, _Seq] = {}  # engine key -> completion state
+        self._warm_up()
+
+    def _warm_up(self) -> None:
+        """Time a few steps before the first request: the step-cost fit is never blind."""
+        bm = self.block_manager
+        capacity = min(bm.num_blocks * bm.block_size, self.max_model_len)
+        steps = warm_up_shapes(self.config.max_num_batched_tokens, capacity)
+        warm_up(
+            self.scheduler.step_cost, steps, self.runner.execute, bm, self.model_config.vocab_size
+        )
 
     def _fit_max_model_len(self, wanted: int) -> int:
         """One sequence of max_model_len must fit the pool, or preemption could never
@@ -161,6 +172,7 @@ class Engine:
 
     def stats(self) -> EngineStats:
         bm, sched = self.block_manager, self.scheduler
+        cost = sched.step_cost
         return EngineStats(
             num_running=len(sched.running),
             num_waiting=len(sched.waiting) + len(self._inbox),
@@ -174,6 +186,7 @@ class Engine:
             prefix_cache_hits=sched.prefix_cache_hits,
             num_preemptions=sched.num_preemptions,
             num_priority_preemptions=sched.num_priority_preemptions,
+            num_slot_share_preemptions=sched.num_slot_share_preemptions,
             num_rejected_overloaded=sched.num_rejected_overloaded,
             num_rejected_deadline=sched.num_rejected_deadline,
             waiting_tokens=sched.waiting.num_tokens,
@@ -181,11 +194,18 @@ class Engine:
             step_decode_tokens=self._step_tokens[1],
             total_prefill_tokens=self._total_tokens[0],
             total_decode_tokens=self._total_tokens[1],
+            step_time_predicted_s=cost.last_predicted_s,
+            step_time_actual_s=cost.last_actual_s,
+            step_time_error_ratio=cost.relative_error,
+            step_cost_s=cost.coefficients,
+            step_time_limit_s=sched.step_limit_s,
+            step_prefill_budget=sched.step_prefill_budget,
         )
 
     # -- the step thread ----------------------------------------------------------------
 
     def step(self) -> list[RequestOutput]:
+        step_started = time.perf_counter()
         with self._lock:
             inbox, self._inbox, self._inbox_tokens = self._inbox, [], 0
         for req in inbox:
@@ -213,6 +233,7 @@ class Engine:
                 log.exception("failed to process a sampled token; failing its request")
                 outputs += self._fail([req.request_id])
         self.num_steps += 1
+        self.scheduler.observe_step(batch, time.perf_counter() - step_started)
         self._step_tokens = (batch.num_prefill_tokens, batch.num_decode_tokens)
         prefill, decode = self._total_tokens
         self._total_tokens = (prefill + batch.num_prefill_tokens, decode + batch.num_decode_tokens)

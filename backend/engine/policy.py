@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import bisect
 import math
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 
 from backend.config import EngineConfig
 from backend.engine.request import Request
@@ -31,6 +31,9 @@ from backend.errors import OverloadedError
 # class and arrival, so only the few at its head can share the head's class and still be
 # cheap to compare every admission.
 TIE_WINDOW = 8
+# How far into a tenant's queue the scheduler looks for short interactive prompts that
+# may jump the queue (backend/SCHEDULING.md, "Express lane").
+EXPRESS_WINDOW = 64
 _EMA = 0.2  # weight of the newest step in the throughput estimate
 
 
@@ -61,7 +64,8 @@ def _deadline_order(req: Request) -> tuple[float, float, int]:
 class FairShare:
     """Tokens served per tenant, divided by its weight. A tenant that starts waiting again
     starts level with the least-served tenant already waiting: time spent not competing
-    (idle, or served all it asked for) earns no credit to spend later in a burst."""
+    (idle, or served all it asked for) earns no credit to spend later in a burst, and
+    service in an earlier contention is no debt that a newcomer could collect on."""
 
     def __init__(self) -> None:
         self.served: dict[str | None, float] = {}
@@ -69,7 +73,7 @@ class FairShare:
     def level(self, tenant: str | None, competitors: Iterable[str | None]) -> None:
         floor = min((self.served.get(t, 0.0) for t in competitors), default=None)
         if floor is not None:
-            self.served[tenant] = max(self.served.get(tenant, 0.0), floor)
+            self.served[tenant] = floor
 
     def charge(self, req: Request, num_tokens: int) -> None:
         tenant = req.tenant
@@ -89,6 +93,7 @@ class WaitingQueue:
         self._served_at: dict[str | None, float] = {}  # each tenant's last admission
         self._size = 0
         self.num_tokens = 0  # tokens to compute before their first output: shedding
+        self._by_priority: dict[int, int] = {}  # how many wait at each priority
 
     def __len__(self) -> int:
         return self._size
@@ -114,6 +119,7 @@ class WaitingQueue:
         bisect.insort(queue, req, key=self.ranking.key)
         self._size += 1
         self.num_tokens += req.num_tokens
+        self._by_priority[req.priority] = self._by_priority.get(req.priority, 0) + 1
 
     def admitted(self, req: Request, now: float) -> None:
         self.remove(req)
@@ -126,6 +132,11 @@ class WaitingQueue:
             del self._queues[req.tenant]
         self._size -= 1
         self.num_tokens -= req.num_tokens
+        self._by_priority[req.priority] -= 1
+
+    def count_from(self, priority: int) -> int:
+        """How many wait with a priority of `priority` or higher (less urgent)."""
+        return sum(n for p, n in self._by_priority.items() if p >= priority)
 
     def best(self, now: float) -> Request | None:
         """The next request to admit: best effective class, then the neediest tenant of
@@ -152,6 +163,31 @@ class WaitingQueue:
         top = effective(head, now)
         same_class = [r for r in queue[:TIE_WINDOW] if effective(r, now) == top]
         return min(same_class, key=_deadline_order)
+
+    def in_class(self, top: int, now: float, wanted: Callable[[Request], bool]) -> list[Request]:
+        """The `wanted` requests of effective class `top` or better among the first
+        EXPRESS_WINDOW of each tenant's queue (a queue is sorted by class, so its requests
+        of that class come first): the least-served tenant's first, then by rank."""
+        found = []
+        for queue in self._queues.values():
+            for req in queue[:EXPRESS_WINDOW]:
+                if self.ranking.effective(req, now) > top:
+                    break
+                if wanted(req):
+                    found.append(req)
+        served = {} if self.fair is None else self.fair.served
+        return sorted(found, key=lambda r: (served.get(r.tenant, 0.0), self.ranking.key(r)))
+
+    def head(self, tenant: str | None) -> Request | None:
+        queue = self._queues.get(tenant)
+        return queue[0] if queue else None
+
+    def tied_heads(self, now: float) -> list[Request]:
+        """The head of each tenant's queue in the best effective class: the requests
+        best() chooses among by tokens served."""
+        heads = [(self._head_class(q[0], now), q[0]) for q in self._queues.values()]
+        top = min((e for e, _ in heads), default=0)
+        return [head for e, head in heads if e == top]
 
     def least_urgent(self) -> Request | None:
         """The request to shed first: the lowest-ranked one that was never scheduled, so
@@ -263,3 +299,48 @@ def pick_victim(
     if ranking.effective(victim, now) - ranking.effective(candidate, now) < gap:
         return None
     return victim
+
+
+def slot_share_victim(
+    running: list[Request],
+    candidate: Request,
+    now: float,
+    ranking: Ranking,
+    config: EngineConfig,
+    recompute_s: Callable[[Request], float],
+    wait_s: float,
+) -> Request | None:
+    """With every slot taken: the running request to preempt so that `candidate`'s
+    tenant gets its weighted share of max_num_seqs. Shares are by weight among the
+    tenants running and the candidate's. The candidate's tenant must stay within its
+    share with one more slot and the victim's tenant within its share with one fewer (so
+    two tenants never trade a slot back and forth); the victim is of no more urgent class
+    than the candidate, has preemptions left, and is the cheapest such request to
+    recompute; and only if recomputing it (`recompute_s`) is predicted to cost less than
+    `wait_s`, the wait for a slot to free by itself."""
+    weights: dict[str | None, int] = {candidate.tenant: candidate.weight}
+    counts: dict[str | None, int] = {candidate.tenant: 0}
+    for r in running:
+        weights[r.tenant] = max(weights.get(r.tenant, 1), r.weight)
+        counts[r.tenant] = counts.get(r.tenant, 0) + 1
+    total = sum(weights.values())
+    slots = len(running)
+
+    def share(tenant: str | None) -> float:
+        return slots * weights[tenant] / total
+
+    if counts[candidate.tenant] + 1 > share(candidate.tenant):
+        return None
+    top = ranking.effective(candidate, now)
+    eligible = [
+        r
+        for r in running
+        if r.tenant != candidate.tenant
+        and counts[r.tenant] - 1 >= share(r.tenant)
+        and r.num_preemptions < config.max_preemptions_per_request
+        and ranking.effective(r, now) >= top
+    ]
+    if not eligible:
+        return None
+    victim = min(eligible, key=lambda r: (r.num_computed_tokens, -r.arrival_time))
+    return victim if recompute_s(victim) < wait_s else None

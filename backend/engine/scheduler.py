@@ -2,8 +2,11 @@
 the policy (who goes first, who is preempted, who is shed) lives in policy.py and is
 described in backend/SCHEDULING.md.
 
-Every step spends a budget of max_num_batched_tokens: first one token for each running
-request that is decoding, then chunks of running prefills (each capped by the long-prefill
+Every step spends a budget of at most max_num_batched_tokens, sized from the step-cost
+fit (step_cost.py) to keep the step within the latency targets in play: first one token
+for each running request that is decoding, then (the express lane) short interactive
+prompts ahead of long prefills and the floor for the best-ranked running prefill, then
+chunks of running prefills (each capped by the long-prefill
 threshold, and leaving the prefill reserve to newcomers while anyone waits), then new (or
 preempted) requests from the waiting queue in policy order while max_num_seqs allows;
 finally what is left of the budget tops up the chunks that were capped. A prompt longer
@@ -15,6 +18,7 @@ budget or block is free."""
 
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -32,24 +36,37 @@ from backend.engine.policy import (
     over_capacity,
     pick_victim,
     retry_after,
+    slot_share_victim,
 )
 from backend.engine.request import Request, RequestStatus
+from backend.engine.step_cost import StepCostModel, StepShape
 from backend.errors import DeadlineExceededError, OverloadedError
+
+# An express prompt's first chunk may stretch its step to this multiple of the step's
+# time limit: its TTFT against one longer gap for the streams beside it.
+EXPRESS_STRETCH = 2.0
 
 
 @dataclass
 class _Plan:
-    """One step being planned: the chunks chosen so far and the budget left."""
+    """One step being planned: the chunks chosen so far and the budget left. `budget` is
+    what the step may still spend (the adaptive budget, once sized); `hard` what
+    max_num_batched_tokens still allows, which the budget never passes."""
 
     budget: int
+    hard: int = 0
     chunks: dict[str, tuple[Request, int]] = field(default_factory=dict)  # in order
     preempted: bool = False  # for KV blocks: the pool is short, admit nobody
     outranked: bool = False  # a waiting request preempted a running one
     capped: list[Request] = field(default_factory=list)  # prefills left unfinished
 
+    def __post_init__(self) -> None:
+        self.hard = self.hard or self.budget
+
     def add(self, req: Request, num_tokens: int) -> None:
         self.chunks[req.request_id] = (req, num_tokens)
         self.budget -= num_tokens
+        self.hard -= num_tokens
         if num_tokens > 1 and req.num_computed_tokens + num_tokens < req.num_tokens:
             self.capped.append(req)  # a prefill chunk: the top-up may extend it
 
@@ -57,11 +74,13 @@ class _Plan:
         _, scheduled = self.chunks[req.request_id]
         self.chunks[req.request_id] = (req, scheduled + num_tokens)  # keeps its place
         self.budget -= num_tokens
+        self.hard -= num_tokens
 
     def drop(self, req: Request) -> None:
         chunk = self.chunks.pop(req.request_id, None)
         if chunk is not None:
             self.budget += chunk[1]
+            self.hard += chunk[1]
 
 
 def _remaining(item: tuple[int, Request]) -> int:
@@ -82,6 +101,7 @@ class Scheduler:
         self.fair = FairShare() if config.tenant_fairness else None  # tokens served per tenant
         self.waiting = WaitingQueue(self.ranking, self.fair)
         self.throughput = Throughput()
+        self.step_cost = StepCostModel()  # fitted from observe_step; sizes step budgets
         self.requests: dict[str, Request] = {}
         self.running: list[Request] = []
         self.rejected: list[Request] = []  # finished by the policy; the engine drains it
@@ -90,8 +110,13 @@ class Scheduler:
         self._max_running = min(
             config.max_num_seqs, config.max_num_batched_tokens - config.prefill_reserve_tokens
         )
+        self._seen_at: dict[bool, float] = {}  # when each class (batch or not) was last seen
+        self.step_limit_s: float | None = None  # the last step's time target, if any
+        self.step_prefill_budget = 0  # the last step's budget after decodes
+        self._express_budget = 0  # prefill tokens a step with an express prompt may take
         self.num_preemptions = 0
         self.num_priority_preemptions = 0
+        self.num_slot_share_preemptions = 0
         self.num_rejected_overloaded = 0
         self.num_rejected_deadline = 0
         self.prefix_cache_queries = 0
@@ -137,6 +162,7 @@ class Scheduler:
         if request.request_id in self.requests:
             raise ValueError(f"request id {request.request_id!r} is already in the engine")
         self.requests[request.request_id] = request
+        self._seen_at[self._is_batch(request)] = self.clock()
         self.waiting.add(request)
         if self.config.shed_least_urgent_first:
             self._shed_excess()
@@ -174,37 +200,303 @@ class Scheduler:
         """How long the last step took: the throughput behind deadline estimates."""
         self.throughput.record(prefill_tokens, decode_tokens, seconds)
 
+    def observe_step(self, out: SchedulerOutput, seconds: float) -> None:
+        """How long a scheduled step took, start to finish: the step-cost fit."""
+        self.step_cost.observe(StepShape.of(out), seconds)
+
     def take_rejected(self) -> list[Request]:
         rejected, self.rejected = self.rejected, []
         return rejected
 
     def schedule(self) -> SchedulerOutput:
         cfg = self.config
+        now = self.clock()
         plan = _Plan(cfg.max_num_batched_tokens)
         # Decodes first, so a long prompt's chunks never hold back token streams.
         prefills: list[tuple[int, Request]] = []
+        decoding: set[bool] = set()  # the classes (batch or not) with a token stream
         for req in list(self.running):  # a copy: preemption shrinks self.running
+            self._seen_at[self._is_batch(req)] = now
             left = req.num_tokens - req.num_computed_tokens
             if left > 1:
                 prefills.append((left, req))
             elif req.status == RequestStatus.RUNNING and plan.budget > 0:
                 self._schedule_running(req, 1, plan)
-        # Running prefills, the closest to their first token first, leave the reserve to
-        # new prefills while anyone waits.
-        reserve = cfg.prefill_reserve_tokens if self.waiting else 0
+                decoding.add(self._is_batch(req))
         prefills.sort(key=_remaining)
-        for left, req in prefills:
-            if req.status == RequestStatus.RUNNING:  # not preempted earlier in this step
-                room = min(left, cfg.long_prefill_cap, plan.budget - reserve)
-                if room <= 0:
-                    break
-                self._schedule_running(req, room, plan)
+        # Short interactive prompts jump ahead of prefills of no greater urgency, running
+        # or waiting (backend/SCHEDULING.md); the running ones keep at least the floor.
+        sizing = cfg.adaptive_step_budget and self.step_cost.ready  # ready after warm-up
+        express = self._express_candidates(now) if sizing else []
+        adaptive = self._size_budget(plan, prefills, decoding, express, now)
+        reserve, cap = self._prefill_caps(plan.budget, adaptive)
+        # A tenant short of its share of full slots takes them before prefills spend the
+        # budget (and the express lane then carries its prompts on).
+        if self.fair is not None and len(self.running) >= self._max_running and plan.budget > 0:
+            best = self._next_waiting(now)
+            if best is not None and self._fork_ready(best):
+                self._take_slot_share(plan, best, now)
+        express = express if adaptive else []
+        started = [p for p in prefills if self._jumps(p[1])] if adaptive else []
+        if express or started:
+            lane = [r for _, r in started] + express
+            top = min(self.ranking.effective(r, now) for r in lane)
+            urgent = [p for p in prefills if self.ranking.effective(p[1], now) < top]
+            urgent = [p for p in urgent if p not in started]
+            self._run_prefills(urgent, plan, reserve, cap)
+            rest = [p for p in prefills if p not in urgent and p not in started]
+            keep = min(cfg.min_prefill_tokens_per_step, plan.hard) if rest else 0
+            self._express(started, express, plan, now, keep)
+            prefills = rest
+            reserve = reserve if self.waiting else 0
+        if adaptive and prefills:
+            prefills = self._floor_to_the_oldest(prefills, plan, reserve)
+        self._run_prefills(prefills, plan, reserve, cap)
         # A step that had to preempt for blocks admits nobody: the pool is already short.
         if not plan.preempted:
-            self._admit_waiting(plan, self.clock())
+            self._admit_waiting(plan, now)
         self._top_up(plan)
         self._note_least_urgent()
         return self._output(plan)
+
+    def _is_batch(self, req: Request) -> bool:
+        return req.priority >= self.config.batch_priority
+
+    def _size_budget(
+        self,
+        plan: _Plan,
+        prefills: list[tuple[int, Request]],
+        decoding: set[bool],
+        express: list[Request],
+        now: float,
+    ) -> bool:
+        """Set the step's prefill budget from the tightest time target in play: the most
+        prefill tokens that the step-cost fit predicts keep this step within it, never
+        below the floor nor below what the short interactive prompts in play need per
+        step to start within their TTFT target; with no target in play (or no fit yet:
+        a scheduler without the engine's warm-up), all of max_num_batched_tokens is
+        left. True when a target sized it."""
+        limit = None
+        if self.config.adaptive_step_budget and self.step_cost.ready:  # ready after warm-up
+            limit = self._step_limit(decoding, now)
+        self.step_limit_s = limit
+        if limit is not None and plan.budget > 0:
+            decodes = [(req.num_computed_tokens, n) for req, n in plan.chunks.values()]
+            decode_shape = StepShape.of_chunks(decodes)
+            start = max((req.num_computed_tokens for _, req in prefills), default=0)
+            floor = min(self._floor(decode_shape, start), plan.budget)
+            hard = plan.budget
+            plan.budget = self.step_cost.max_prefill_tokens(limit, decode_shape, start, floor, hard)
+            self._express_budget = plan.budget
+            if self._may_stretch(prefills, express):
+                self._express_budget = self.step_cost.max_prefill_tokens(
+                    EXPRESS_STRETCH * limit, decode_shape, 0, floor, hard
+                )
+            # At most the express lane's stretch: past it the targets are out of reach
+            # anyway, and the streams beside them would pay for nothing.
+            drain = min(self._drain_tokens(prefills, express, limit), self._express_budget)
+            plan.budget = min(hard, max(plan.budget, drain))
+        self.step_prefill_budget = plan.budget
+        return limit is not None
+
+    def _floor(self, decode: StepShape, start: int) -> int:
+        """min_prefill_tokens_per_step, or more where the step's fixed part (overhead and
+        decode rows) is long: as many tokens as that takes, so a target too tight for the
+        machine never leaves less than half of a step to prefill."""
+        terms = self.step_cost.coefficients
+        per_token = terms["prefill_token"] + terms["context_token"] * start
+        fixed = self.step_cost.predict(decode)
+        even = int(fixed / per_token) if per_token > 0 else 0
+        return max(self.config.min_prefill_tokens_per_step, even)
+
+    def _may_stretch(self, prefills: list[tuple[int, Request]], express: list[Request]) -> bool:
+        """Whether the express lane may stretch this step: only for the least-served
+        tenant in play (by tokens per weight), so one tenant's flood of short prompts
+        does not slow every step of the others' token streams for its own TTFT."""
+        lane = {r.tenant for r in express} | {r.tenant for _, r in prefills if self._jumps(r)}
+        if self.fair is None or not lane:
+            return True
+        served = self.fair.served
+        least = min(served.get(t, 0.0) for t in lane | {r.tenant for r in self.running})
+        return min(served.get(t, 0.0) for t in lane) <= least
+
+    def _may_start(self, candidates: list[Request]) -> list[Request]:
+        """The candidates that free slots could take, each tenant at most its weighted
+        share of them: one tenant's flood must not size every step for itself."""
+        free = max(0, self._max_running - len(self.running))
+        weights: dict[str | None, int] = {}
+        for req in candidates:
+            weights[req.tenant] = max(weights.get(req.tenant, 1), req.weight)
+        total = sum(weights.values())
+        taken: dict[str | None, int] = {}
+        chosen: list[Request] = []
+        for req in candidates:
+            share = math.ceil(free * weights[req.tenant] / total)
+            if taken.get(req.tenant, 0) < share and len(chosen) < free:
+                taken[req.tenant] = taken.get(req.tenant, 0) + 1
+                chosen.append(req)
+        return chosen
+
+    def _drain_tokens(
+        self, prefills: list[tuple[int, Request]], express: list[Request], limit: float
+    ) -> int:
+        """Prefill tokens per step of `limit` seconds that the short interactive prompts
+        in play (running, or waiting in the express lane for a free slot) need to all
+        start within their TTFT targets: a flood of short prompts must not be computed a
+        floor at a time. Long prompts do not count: their own prefill is longer than any
+        such target; nor do prompts that no slot could take this step, nor more than a
+        tenant's weighted share of the free slots."""
+        need = 0.0
+        waiting = [(r.num_tokens - r.num_computed_tokens, r) for r in self._may_start(express)]
+        for left, req in [*prefills, *waiting]:
+            ttft, _ = self.config.targets_s(req.priority)
+            if ttft is not None and left <= self.config.long_prefill_cap:
+                need += left * limit / ttft
+        return math.ceil(need)
+
+    def _step_limit(self, decoding: set[bool], now: float) -> float | None:
+        """The tightest step time the requests in play ask for, in seconds: a class with
+        a token stream bounds the step by its inter-token target; a class present
+        (running, waiting, or seen within latency_window_s) by half its TTFT target, so
+        a newcomer of that class waits at most one step, then starts in the next; the
+        global step_time_target_ms caps it. None: nothing latency-sensitive."""
+        cfg = self.config
+        limits = [] if cfg.step_time_target_ms is None else [cfg.step_time_target_ms / 1000]
+        waiting_batch = self.waiting.count_from(cfg.batch_priority)
+        waiting = {True: waiting_batch > 0, False: len(self.waiting) > waiting_batch}
+        for batch in (False, True):
+            ttft, itl = cfg.targets_s(cfg.batch_priority if batch else 0)
+            if itl is not None and batch in decoding:
+                limits.append(itl)
+            seen = self._seen_at.get(batch)
+            recent = seen is not None and now - seen <= cfg.latency_window_s
+            if ttft is not None and (waiting[batch] or recent):
+                limits.append(ttft / 2)
+        return min(limits, default=None)
+
+    def _prefill_caps(self, budget: int, adaptive: bool) -> tuple[int, int]:
+        """The reserve running prefills leave to newcomers while anyone waits, and the
+        most one prefill takes before the others had theirs: fixed shares of
+        max_num_batched_tokens, or of the step's budget when a target sized it."""
+        cfg = self.config
+        if not adaptive:
+            reserve = cfg.prefill_reserve_tokens
+            return (reserve if self.waiting else 0, cfg.long_prefill_cap)
+        reserve = int(budget * cfg.prefill_reserve_share) if self.waiting else 0
+        threshold = cfg.long_prefill_token_threshold
+        cap = max(1, budget // 4) if threshold is None else (threshold or budget)
+        return reserve, cap
+
+    def _run_prefills(
+        self, prefills: list[tuple[int, Request]], plan: _Plan, reserve: int, cap: int
+    ) -> None:
+        """Running prefills, the closest to their first token first, each at most `cap`,
+        leaving `reserve` to new prefills."""
+        for left, req in prefills:
+            if req.status == RequestStatus.RUNNING:  # not preempted earlier in this step
+                room = min(left, cap, plan.budget - reserve)
+                if room <= 0:
+                    break
+                self._schedule_running(req, room, plan)
+
+    def _floor_to_the_oldest(
+        self, prefills: list[tuple[int, Request]], plan: _Plan, reserve: int
+    ) -> list[tuple[int, Request]]:
+        """The best-ranked running prefill (by aging order) gets the floor first, so no
+        stream of shorter prompts keeps a long one from progressing (the starvation
+        bound in backend/SCHEDULING.md). Returns the prefills left to schedule."""
+        running = [p for p in prefills if p[1].status == RequestStatus.RUNNING]
+        if not running or plan.budget <= 0:
+            return prefills
+        left, oldest = min(running, key=lambda p: self.ranking.key(p[1]))
+        room = max(1, plan.budget - reserve)  # newcomers keep the reserve
+        self._schedule_running(
+            oldest, min(left, self.config.min_prefill_tokens_per_step, room), plan
+        )
+        return [p for p in prefills if p[1] is not oldest]
+
+    def _jumps(self, req: Request) -> bool:
+        """An interactive request (its class has a TTFT target) with a short prompt: at
+        most long_prefill_cap tokens to compute before its first token."""
+        ttft, _ = self.config.targets_s(req.priority)
+        short = req.num_tokens - req.num_computed_tokens <= self.config.long_prefill_cap
+        return ttft is not None and short and req.first_token_time is None
+
+    def _express_candidates(self, now: float) -> list[Request]:
+        """Waiting requests that may jump: short interactive prompts in the best waiting
+        request's effective class, so they overtake only requests of their own class or
+        a less urgent one."""
+        if not self.waiting or len(self.running) >= self._max_running:
+            return []
+        best = self.waiting.best(now)
+        if best is None:
+            return []
+        return self.waiting.in_class(self.ranking.effective(best, now), now, self._jumps)
+
+    def _express(
+        self,
+        started: list[tuple[int, Request]],
+        candidates: list[Request],
+        plan: _Plan,
+        now: float,
+        keep: int,
+    ) -> None:
+        """The express lane: short interactive prompts already started go on and the
+        candidates start, the least-served tenant's first (then those started, then by
+        rank), while tokens (and, to start, a slot) are left. The step may grow for them
+        to what fits in EXPRESS_STRETCH x its limit (at least the floor for the first,
+        never past max_num_batched_tokens), less `keep` for the other prefills; a prompt
+        that does not fit goes on in the next steps, in this lane."""
+        served = {} if self.fair is None else self.fair.served
+        lane: list[tuple[int | None, Request]] = [*started, *((None, r) for r in candidates)]
+        lane.sort(
+            key=lambda i: (served.get(i[1].tenant, 0.0), i[0] is None, self.ranking.key(i[1]))
+        )
+        first = lane[0][1]
+        least = min(
+            first.num_tokens - first.num_computed_tokens, self.config.min_prefill_tokens_per_step
+        )
+        before, room = plan.budget, plan.hard
+        plan.budget = max(plan.budget, min(max(self._express_budget, least + keep), plan.hard))
+        for left, req in lane:
+            if plan.budget - keep <= 0:
+                break
+            if left is None:
+                self._express_admit(req, plan, now, plan.budget - keep)
+            elif req.status == RequestStatus.RUNNING:  # not preempted meanwhile
+                self._schedule_running(req, min(left, plan.budget - keep), plan)
+        # The stretch was for them: the others get what was theirs, and at least `keep`.
+        used = room - plan.hard
+        plan.budget = min(plan.budget, max(before - used, keep))
+
+    def _express_admit(self, req: Request, plan: _Plan, now: float, most: int) -> None:
+        if len(self.running) >= self._max_running or req.status == RequestStatus.RUNNING:
+            return  # no slot, or the slot share started it already
+        if self.config.reject_infeasible_deadlines and not deadline_feasible(
+            req.deadline, req.num_tokens, now, self.throughput
+        ):
+            self._reject(req, DeadlineExceededError.kind)
+            self.num_rejected_deadline += 1
+        elif self._fork_ready(req):
+            self._admit(req, plan, now, most)
+
+    def _next_waiting(self, now: float) -> Request | None:
+        """The best waiting request, after rejecting those whose deadline can no longer
+        be met."""
+        cfg = self.config
+        while self.waiting:
+            req = self.waiting.best(now)
+            if (
+                req is not None
+                and cfg.reject_infeasible_deadlines
+                and req.first_token_time is None
+                and not deadline_feasible(req.deadline, req.num_tokens, now, self.throughput)
+            ):
+                self._reject(req, DeadlineExceededError.kind)
+                self.num_rejected_deadline += 1
+                continue
+            return req
+        return None
 
     def update_from_output(
         self, scheduled: SchedulerOutput, output: ModelRunnerOutput
@@ -259,40 +551,77 @@ class Scheduler:
 
     def _admit_waiting(self, plan: _Plan, now: float) -> None:
         """Admit in policy order; the best request is never overtaken. When it cannot
-        start (no slot, budget or blocks), it may preempt a running request it outranks."""
+        start (no slot, budget or blocks), it may preempt a running request it outranks,
+        or, when its tenant runs fewer than its share of the slots, one of a tenant
+        running more than its share."""
         cfg = self.config
-        while self.waiting:
-            req = self.waiting.best(now)
-            if req is None:
+        while True:
+            req = self._next_waiting(now)
+            if req is None or not self._fork_ready(req):
                 return
-            if (
-                cfg.reject_infeasible_deadlines
-                and req.first_token_time is None
-                and not deadline_feasible(req.deadline, req.num_tokens, now, self.throughput)
-            ):
-                self._reject(req, DeadlineExceededError.kind)
-                self.num_rejected_deadline += 1
-                continue
-            if not self._fork_ready(req):
-                return
-            room = len(self.running) < self._max_running and plan.budget > 0
-            if room and self._admit(req, plan, now):
+            slots_full = len(self.running) >= self._max_running
+            if not slots_full and plan.budget > 0 and self._admit(req, plan, now):
                 if plan.outranked:
                     return  # what the victims freed is spoken for
                 continue
             victim = pick_victim(self.running, req, now, self.ranking, cfg)
+            if victim is not None:
+                self.num_priority_preemptions += 1
+                plan.outranked = True
+            elif slots_full and plan.budget > 0 and self.fair is not None:
+                self._take_slot_share(plan, req, now)
+                return
             if victim is None:
                 return
             self._preempt(victim)
             plan.drop(victim)
-            plan.outranked = True
-            self.num_priority_preemptions += 1
 
-    def _admit(self, req: Request, plan: _Plan, now: float) -> bool:
+    def _take_slot_share(self, plan: _Plan, best: Request, now: float) -> None:
+        """Every slot is taken: admit, in place of running requests, the tenants that run
+        fewer than their weighted share of the slots. Only among the best class: the
+        heads of its tenants' queues, `best` first (fair share by tokens chose it), are
+        equals, and the one that lacks slots goes first."""
+        candidates = [best, *(h for h in self.waiting.tied_heads(now) if h.tenant != best.tenant)]
+        for candidate in candidates:
+            req: Request | None = candidate
+            while req is not None and self._fork_ready(req) and plan.budget > 0:
+                victim = self._slot_share_victim(req, now)
+                if victim is None:
+                    break
+                self._preempt(victim)
+                plan.drop(victim)
+                self.num_slot_share_preemptions += 1
+                if not self._admit(req, plan, now):
+                    return
+                req = self.waiting.head(req.tenant)  # its next, while it lacks slots
+
+    def _slot_share_victim(self, req: Request, now: float) -> Request | None:
+        """max_num_seqs is full: the running request to preempt so that `req`'s tenant
+        gets its weighted share of the slots, if recomputing it is predicted to cost less
+        than waiting for the first running request to finish (policy.slot_share_victim)."""
+        if not self.step_cost.ready:
+            return None
+        rows = [(r.num_computed_tokens, 1) for r in self.running]
+        step_s = self.step_cost.step_time(rows)
+        soonest = min(r.max_len - r.num_computed_tokens for r in self.running)
+        cost = self.step_cost
+
+        def recompute_s(victim: Request) -> float:
+            n = victim.num_computed_tokens
+            return cost.predict(StepShape(n, 0, n * (n + 1) // 2)) - cost.predict(StepShape())
+
+        return slot_share_victim(
+            self.running, req, now, self.ranking, self.config, recompute_s, soonest * step_s
+        )
+
+    def _admit(self, req: Request, plan: _Plan, now: float, most: int | None = None) -> bool:
+        """Start `req` with a first chunk of at most `most` tokens (default: the budget
+        left, capped by the long-prefill threshold)."""
         computed = self._computed_blocks(req)
         bm = self.block_manager
         num_computed = len(computed) * bm.block_size
-        num_new = min(req.num_tokens - num_computed, plan.budget, self.config.long_prefill_cap)
+        most = min(plan.budget, self.config.long_prefill_cap) if most is None else most
+        num_new = min(req.num_tokens - num_computed, most)
         if bm.allocate_slots(req.request_id, num_computed + num_new, computed) is None:
             return False
         self.waiting.admitted(req, now)

@@ -3,11 +3,13 @@ the engine config and the streams; `simulate` replays them."""
 
 from __future__ import annotations
 
+import random
 from dataclasses import replace
 
 from backend.config import EngineConfig
+from backend.engine.step_cost import StepCostModel
 from backend.sim.simulator import SimResult, Simulator
-from backend.sim.trace import Stream, make_trace
+from backend.sim.trace import Arrival, Stream, make_trace
 
 # A latency-oriented engine: 512-token steps (vLLM's former chunked-prefill default).
 BASE = EngineConfig(block_size=16, max_num_seqs=128, max_num_batched_tokens=512)
@@ -45,8 +47,13 @@ def document_burst(protection: bool, documents: bool = True) -> tuple[EngineConf
     256-token steps: a full step costs little more than a chat's own prefill step, which
     is what keeps TTFT near its unloaded value once chats skip the documents' queue."""
     config = replace(BASE, max_num_batched_tokens=256)
-    if not protection:
-        config = replace(config, prefill_reserve_share=0.0, long_prefill_token_threshold=0)
+    if not protection:  # no reserve, no long-prefill cap, no express lane
+        config = replace(
+            config,
+            prefill_reserve_share=0.0,
+            long_prefill_token_threshold=0,
+            adaptive_step_budget=False,
+        )
     burst = replace(DOCUMENT, rate=3.0 if documents else 0.0, start=10.0, end=15.0)
     return config, [CHAT, burst]
 
@@ -69,3 +76,59 @@ def inversion() -> tuple[EngineConfig, list[Stream]]:
         "urgent", rate=2.0, prompt_tokens=(50, 100), output_tokens=(10, 20), start=1.5, end=4.0
     )
     return config, [low, urgent]
+
+
+# A CPU-like machine, the shape a fit on the 8-layer, 512-wide random Llama gives here:
+# 15 ms per step, 1.1 ms per prompt token, 1 ms per decode row (attention small).
+CPU_LIKE = {"overhead": 0.015, "prefill_token": 0.0011, "decode_row": 0.001, "context_token": 1e-9}
+
+
+def cpu_document_flood(
+    adaptive: bool, documents: bool = True
+) -> tuple[EngineConfig, list[Stream], StepCostModel]:
+    """Default settings on a CPU-like cost: steady chat (prompts 50-150 tokens, 32-64
+    out) beside 1,800-token documents at about 80% of what the machine prefills; the
+    issue 15 failure when the budget is static."""
+    config = replace(EngineConfig(), num_kv_blocks=20_000, adaptive_step_budget=adaptive)
+    chat = Stream(
+        "chat", rate=2.0, prompt_tokens=(50, 150), output_tokens=(32, 64), end=30.0, tenant="chat"
+    )
+    docs = Stream(
+        "document",
+        rate=0.4 if documents else 0.0,
+        prompt_tokens=(1700, 1900),
+        output_tokens=(8, 16),
+        end=30.0,
+        tenant="docs",
+        ttft_slo_s=30.0,
+    )
+    return config, [chat, docs], StepCostModel.fixed(CPU_LIKE)
+
+
+def simulate_on(
+    scenario: tuple[EngineConfig, list[Stream], StepCostModel], seed: int = 0
+) -> SimResult:
+    config, streams, cost = scenario
+    return Simulator(config, cost).run(make_trace(streams, seed))
+
+
+def late_tenant(flood: int, late: int = 16, seed: int = 0) -> list[Arrival]:
+    """`flood` short requests from one tenant at t = 0, then `late` from another at
+    t = 0.3 s (32-64-token prompts, 16-32 tokens out): issue 15's slot-share case."""
+    rng = random.Random(seed)
+    arrivals = []
+    for tenant, count, start in (("flood", flood, 0.0), ("late", late, 0.3)):
+        stream = Stream(tenant, 0.0, (32, 64), (16, 32), tenant=tenant)
+        for i in range(count):
+            prompt, output = rng.randint(32, 64), rng.randint(16, 32)
+            arrivals.append(Arrival(start + i * 1e-4, f"{tenant}-{i}", stream, prompt, output))
+    return sorted(arrivals, key=lambda a: a.time)
+
+
+def late_makespan(adaptive: bool, flood: int, seed: int = 0) -> float:
+    """The late tenant's makespan (its arrival to its last request's end) on the
+    CPU-like cost, beside `flood` requests of another tenant."""
+    config = replace(EngineConfig(), num_kv_blocks=20_000, adaptive_step_budget=adaptive)
+    result = Simulator(config, StepCostModel.fixed(CPU_LIKE)).run(late_tenant(flood, seed=seed))
+    ends = [r.end or 0.0 for r in result.records.values() if r.arrival.stream.name == "late"]
+    return max(ends) - 0.3

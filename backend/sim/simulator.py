@@ -1,23 +1,36 @@
 """Drive the real Scheduler and BlockManager with a virtual clock: no model runs; every
-sampled token is a fake one, and each step takes the time the cost model says."""
+sampled token is a fake one, and each step takes the time the cost model says: the
+roofline (backend/sim/cost.py) by default, or a real engine's fitted step-cost model
+(backend/engine/step_cost.py), anything with `step_time(chunks)`. The scheduler fits its
+own step-cost model from the simulated steps, as in the engine (after the same warm-up
+shapes), and the result reports how far its predictions were from the steps' times."""
 
 from __future__ import annotations
 
 import heapq
 from collections import deque
+from collections.abc import Iterable
 from dataclasses import dataclass, field
+from typing import Protocol
 
 from backend.config import EngineConfig
 from backend.engine.batch import ModelRunnerOutput, SchedulerOutput
 from backend.engine.block_manager import BlockManager
 from backend.engine.request import Request, RequestStatus
 from backend.engine.scheduler import Scheduler
+from backend.engine.step_cost import StepShape, warm_up_shapes
 from backend.errors import DeadlineExceededError, OverloadedError
 from backend.sampling import SamplingParams
 from backend.sim.cost import CostModel
 from backend.sim.trace import Arrival
 
 FAKE_TOKEN = 1
+
+
+class StepTimer(Protocol):
+    def step_time(self, chunks: Iterable[tuple[int, int]]) -> float:
+        """Seconds of one step computing (start, num_tokens) chunks."""
+        ...
 
 
 @dataclass
@@ -45,15 +58,20 @@ class SimResult:
     contended_tokens: dict[str, int]
     kv_peak_fraction: float = 0.0  # of the KV blocks in use, the most at any step ...
     kv_mean_fraction: float = 0.0  # ... and the mean over steps
+    # Mean |predicted - simulated| / simulated step time of the scheduler's own fit.
+    step_time_error: float = 0.0
 
 
 class Simulator:
     def __init__(
-        self, config: EngineConfig, cost: CostModel | None = None, num_kv_blocks: int | None = None
+        self, config: EngineConfig, cost: StepTimer | None = None, num_kv_blocks: int | None = None
     ) -> None:
+        """`num_kv_blocks` defaults to what the roofline's GPU holds (the CostModel given,
+        or the default one)."""
         self.config = config
-        self.cost = cost or CostModel()
-        blocks = num_kv_blocks or config.num_kv_blocks or self.cost.kv_blocks(config.block_size)
+        self.cost: StepTimer = cost or CostModel()
+        roofline = self.cost if isinstance(self.cost, CostModel) else CostModel()
+        blocks = num_kv_blocks or config.num_kv_blocks or roofline.kv_blocks(config.block_size)
         self.block_manager = BlockManager(blocks, config.block_size, config.enable_prefix_caching)
         self.now = 0.0
         self.scheduler = Scheduler(config, self.block_manager, clock=lambda: self.now)
@@ -62,6 +80,14 @@ class Simulator:
         self._contended: dict[str, int] = {}
         self._cancels: list[tuple[float, str]] = []
         self._kv_used: list[float] = []  # share of blocks in use, per step
+        self._error_sum = 0.0
+        self._warm_up(blocks * config.block_size)
+
+    def _warm_up(self, capacity: int) -> None:
+        """The engine's warm-up shapes, timed by the cost model (no virtual time passes)."""
+        for chunks in warm_up_shapes(self.config.max_num_batched_tokens, capacity):
+            seconds = self.cost.step_time(chunks)
+            self.scheduler.step_cost.observe(StepShape.of_chunks(chunks), seconds)
 
     def run(self, trace: list[Arrival], until: float | None = None) -> SimResult:
         """Replay the trace until every request is done (or virtual time `until`)."""
@@ -97,6 +123,7 @@ class Simulator:
             dict(self._contended),
             max(self._kv_used, default=0.0),
             sum(self._kv_used) / max(1, len(self._kv_used)),
+            self._error_sum / max(1, self.num_steps),
         )
 
     def _arrive(self, a: Arrival) -> None:
@@ -153,10 +180,13 @@ class Simulator:
                 self._contended[tenant] = self._contended.get(tenant, 0) + len(item.token_ids)
         bm = self.block_manager
         self._kv_used.append(bm.num_used_blocks / bm.num_blocks)
-        dt = self.cost.step_time((r.start_pos, len(r.token_ids)) for r in out.requests)
+        dt = self.cost.step_time([(r.start_pos, len(r.token_ids)) for r in out.requests])
+        predicted = sched.step_cost.predict(StepShape.of(out))
+        self._error_sum += abs(predicted - dt) / dt if dt > 0 else 0.0
         self.now += dt
         self.num_steps += 1
         sched.record_step(out.num_prefill_tokens, out.num_decode_tokens, dt)
+        sched.observe_step(out, dt)
         sampled = {r.request_id: FAKE_TOKEN for r in out.requests if r.sample}
         for req, _ in sched.update_from_output(out, ModelRunnerOutput(sampled)):
             record = self.records[req.request_id]

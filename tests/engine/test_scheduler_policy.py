@@ -15,6 +15,7 @@ from backend.engine.block_manager import BlockManager
 from backend.engine.policy import FairShare, Ranking
 from backend.engine.request import Request, RequestStatus, fan_out
 from backend.engine.scheduler import Scheduler
+from backend.engine.step_cost import StepShape
 from backend.errors import DeadlineExceededError, OverloadedError
 from backend.sampling import SamplingParams
 from tests.unit.backend.accounting import check_accounting
@@ -402,9 +403,201 @@ def test_policy_knobs_are_validated() -> None:
         {"max_waiting_tokens": 1.5},
         {"tenant_fairness": "yes"},
         {"shed_least_urgent_first": 1},
+        {"adaptive_step_budget": 1},
+        {"batch_priority": -1},
+        {"interactive_itl_target_ms": 0},
+        {"interactive_ttft_target_ms": float("inf")},
+        {"step_time_target_ms": "50"},
+        {"min_prefill_tokens_per_step": 0},
+        {"latency_window_s": -1.0},
     ):
         with pytest.raises(ValueError, match=next(iter(bad))):
             EngineConfig(**bad)  # type: ignore[arg-type]
     cfg = EngineConfig(max_num_batched_tokens=1000)
     assert (cfg.long_prefill_cap, cfg.prefill_reserve_tokens) == (250, 250)
     assert EngineConfig(long_prefill_token_threshold=0).long_prefill_cap == 2048
+
+
+# -- latency targets: the adaptive budget, the express lane, slot shares ---------------
+
+
+def fitted(s: Scheduler) -> Scheduler:
+    """Teach the scheduler a machine: 1 ms per step, 1 ms per prefill token, 1 ms per
+    decode row (attention free)."""
+    for prefill, rows in ((0, 1), (10, 0), (100, 4), (50, 16), (200, 0), (0, 32)):
+        shape = StepShape(prefill, rows, 0)
+        s.step_cost.observe(shape, 0.001 * (1 + prefill + rows))
+    return s
+
+
+def test_the_budget_is_what_keeps_the_step_within_the_tightest_target() -> None:
+    clock = Clock()
+    # ITL 20.5 ms: with one decode row, 1 + 1 + n ms <= 20.5 leaves n = 18 tokens.
+    s = fitted(make(clock, interactive_itl_target_ms=20.5, min_prefill_tokens_per_step=4))
+    s.add_request(request("chat", 4, max_tokens=100))
+    advance(s, s.schedule())
+    s.add_request(request("doc", 4000))  # not short (over 512): no express lane
+    out = s.schedule()
+    assert [(r.request_id, len(r.token_ids)) for r in out.requests] == [("chat", 1), ("doc", 18)]
+    assert s.step_limit_s == pytest.approx(0.0205)
+    # A global cap below it wins; a floor above what fits wins over both.
+    s = fitted(make(clock, step_time_target_ms=10.0, min_prefill_tokens_per_step=4))
+    s.add_request(request("doc", 4000, priority=5))  # batch: no target of its own
+    assert len(s.schedule().requests[0].token_ids) == 8
+    s = fitted(make(clock, step_time_target_ms=10.0, min_prefill_tokens_per_step=30))
+    s.add_request(request("doc", 4000, priority=5))
+    assert len(s.schedule().requests[0].token_ids) == 30
+
+
+def test_batch_work_alone_gets_the_static_budget() -> None:
+    clock = Clock()
+    s = fitted(make(clock, num_blocks=2048, latency_window_s=1.0))
+    s.add_request(request("chat", 4, max_tokens=1))
+    advance(s, s.schedule())
+    s.finish_requests(["chat"], RequestStatus.FINISHED_LENGTH)
+    s.add_request(request("doc", 4000, priority=5))
+    # The chat was seen just now: a newcomer of its class must not wait behind a full
+    # step, so the step is held to half its TTFT target (1 s: 1 + n ms <= 500 ms) ...
+    out = s.schedule()
+    assert s.step_limit_s == pytest.approx(0.5) and len(out.requests[0].token_ids) in (498, 499)
+    advance(s, out)
+    clock.now = 2.0  # ... until the window has passed: then nothing asks for a limit
+    out = s.schedule()
+    assert s.step_limit_s is None and len(out.requests[0].token_ids) == 2048
+
+
+def test_a_short_interactive_prompt_jumps_the_chunk_queue() -> None:
+    clock = Clock()
+    s = fitted(make(clock, max_num_batched_tokens=256, step_time_target_ms=50.0))
+    s.add_request(request("doc-a", 2000))
+    s.add_request(request("doc-b", 2000))
+    advance(s, s.schedule())
+    advance(s, s.schedule())
+    # 60 tokens: more than a 50 ms step holds (49 tokens) beside the floor; an express
+    # prompt may stretch its step to twice the limit (99 tokens).
+    s.add_request(request("chat", 60))
+    s.add_request(request("batch-chat", 20, priority=5))
+    out = s.schedule()
+    sizes = {r.request_id: len(r.token_ids) for r in out.requests}
+    # The chat computes its whole prompt now, first, ahead of both documents' chunks;
+    # the rest keep the floor (32 tokens): the oldest prefill, less the reserve (12,
+    # a quarter of the step's 49-token budget) that the batch-class prompt, which does not
+    # jump, takes as any newcomer does, after the running prefills.
+    assert ids(out) == ["chat", "doc-a", "batch-chat"]
+    assert [sizes[r] for r in ids(out)] == [60, 20, 12]
+    assert s.step_prefill_budget in (48, 49)  # the fit, to a token
+    advance(s, out)
+    assert s.requests["chat"].output_token_ids  # its first token, from that very step
+    # Without the adaptive budget it is admitted after the running prefills, as before.
+    s = fitted(make(clock, max_num_batched_tokens=256, adaptive_step_budget=False))
+    s.add_request(request("doc-a", 2000))
+    advance(s, s.schedule())
+    s.add_request(request("chat", 100))
+    out = s.schedule()
+    assert ids(out) == ["doc-a", "chat"]
+
+
+def test_a_long_interactive_prompt_does_not_jump() -> None:
+    clock = Clock()
+    s = fitted(make(clock, max_num_batched_tokens=256, step_time_target_ms=30.0))
+    s.add_request(request("doc-a", 2000))
+    advance(s, s.schedule())
+    s.add_request(request("doc-b", 100))  # over long_prefill_cap (64)
+    out = s.schedule()
+    # It starts after the running prefill, on the reserve (a quarter of the 32 tokens).
+    assert [(r.request_id, len(r.token_ids)) for r in out.requests] == [
+        ("doc-a", 24),
+        ("doc-b", 8),
+    ]
+
+
+def test_a_new_tenant_gets_its_share_of_full_slots_by_preemption() -> None:
+    clock = Clock()
+    s = fitted(make(clock, max_num_seqs=4))
+    for i in range(6):
+        s.add_request(request(f"loud{i}", 4, tenant="loud", max_tokens=200))
+    advance(s, s.schedule())
+    for i in range(3):
+        s.add_request(request(f"quiet{i}", 4, tenant="quiet", max_tokens=200))
+    out = s.schedule()
+    running = sorted(r.request_id for r in s.running)
+    # Half the slots each (equal weights): two loud requests make room, at once.
+    assert [r for r in running if r.startswith("quiet")] == ["quiet0", "quiet1"]
+    assert len(running) == 4 and s.num_slot_share_preemptions == 2
+    advance(s, out)
+    for _ in range(5):  # and nobody trades slots back and forth afterwards
+        advance(s, s.schedule())
+    assert s.num_slot_share_preemptions == 2 and s.num_preemptions == 2
+
+
+def test_slots_are_not_taken_when_waiting_is_cheaper_or_the_share_is_below_one() -> None:
+    clock = Clock()
+    s = fitted(make(clock, max_num_seqs=4))
+    for i in range(4):  # each has 2 tokens left: a slot frees sooner than a recompute
+        s.add_request(request(f"loud{i}", 200, tenant="loud", max_tokens=2))
+    advance(s, s.schedule())
+    s.add_request(request("quiet", 4, tenant="quiet"))
+    s.schedule()
+    assert s.num_slot_share_preemptions == 0
+    s = fitted(make(clock, max_num_seqs=1))  # half a slot each: nobody preempts
+    s.add_request(request("loud", 4, tenant="loud", max_tokens=200))
+    advance(s, s.schedule())
+    s.add_request(request("quiet", 4, tenant="quiet"))
+    s.schedule()
+    assert s.num_slot_share_preemptions == 0
+
+
+def test_short_prompts_get_the_tokens_their_ttft_target_needs_up_to_the_stretch() -> None:
+    """The ITL target alone would leave 18 tokens a step (1 + 1 + n ms <= 20.5 ms). Two
+    waiting 40-token prompts with a 50 ms TTFT target need 80 x 20.5 / 50 = 33 tokens a
+    step to start in time, so the step takes that many; twenty would need 328, but the
+    step stretches at most to twice its limit for them (39 tokens)."""
+    for prompts, budget in ((2, 33), (20, 39)):
+        clock = Clock()
+        s = fitted(make(clock, interactive_itl_target_ms=20.5, interactive_ttft_target_ms=50.0))
+        s.add_request(request("chat", 4, max_tokens=100))
+        advance(s, s.schedule())
+        for i in range(prompts):
+            s.add_request(request(f"short{i}", 40))
+        s.schedule()
+        assert s.step_prefill_budget == budget, prompts
+
+
+def test_only_the_least_served_tenant_may_stretch_a_step() -> None:
+    """A 50 ms step holds 49 tokens; the express lane may stretch it to 99. A tenant's
+    flood of short prompts gets the stretch while it is alone, not while a tenant
+    served less than it is running: that tenant's stream would pay for the flood."""
+    scheduled = {}
+    for with_quiet in (False, True):
+        clock = Clock()
+        s = fitted(make(clock, step_time_target_ms=50.0))
+        if with_quiet:
+            s.add_request(request("quiet", 4, tenant="quiet", max_tokens=100))
+            advance(s, s.schedule())
+        for i in range(10):
+            s.add_request(request(f"flood{i}", 40, tenant="flood"))
+        s.fair.charge(request("past", tenant="flood"), 1000)  # type: ignore[union-attr]
+        out = s.schedule()
+        scheduled[with_quiet] = out.num_prefill_tokens
+    assert scheduled == {False: 99, True: 48}  # 48: beside the quiet decode row
+
+
+def test_old_service_is_no_debt_when_a_tenant_waits_again() -> None:
+    fair = FairShare()
+    fair.charge(request("x", tenant="old"), 10_000)  # a busy period long ago
+    fair.charge(request("y", tenant="new"), 10)
+    fair.level("old", ["new"])  # "old" waits again beside "new": level, not 9,990 behind
+    assert fair.served["old"] == fair.served["new"] == 10.0
+
+
+def test_a_target_too_tight_for_the_machine_still_leaves_half_a_step_to_prefill() -> None:
+    """40 decode rows already take 41 ms, past the 20.5 ms ITL target: the floor rises
+    to the 41 tokens that take as long, so prefill keeps half of each step."""
+    clock = Clock()
+    s = fitted(make(clock, interactive_itl_target_ms=20.5))
+    for i in range(40):
+        s.add_request(request(f"chat{i}", 4, max_tokens=100))
+    advance(s, s.schedule())
+    s.add_request(request("doc", 4000))
+    out = s.schedule()
+    assert out.num_decode_tokens == 40 and out.num_prefill_tokens in (40, 41)

@@ -1,0 +1,278 @@
+"""How long a step takes, learnt from the steps the engine runs: an online least-squares
+fit of
+
+    step seconds = overhead + a x prefill tokens + b x decode rows + c x context
+
+where `context` counts the query-key pairs a step attends over (a chunk of n tokens at
+position s attends n x s + n (n + 1) / 2 of them: a decode row's KV read, a prefill's
+quadratic attention). Every step adds one observation; older ones fade (a half-life in
+steps), so the fit follows the machine (a busy CPU, a GPU that warms up). Before the
+first step, a few warm-up steps of varied shapes (`warm_up_batches`) make sure the
+scheduler never sizes a step blind. The scheduler inverts the fit: the most prefill
+tokens a step may take and still end within a time target (backend/SCHEDULING.md)."""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass
+
+from backend.engine.batch import ScheduledRequest, SchedulerOutput
+from backend.engine.block_manager import BlockManager
+from backend.sampling import SamplingParams
+
+# Features are scaled to similar magnitudes (seconds per ~1,000 tokens, per ~100 rows,
+# per ~1M attended pairs), so the normal equations stay well conditioned.
+_SCALES = (1.0, 1e-3, 1e-2, 1e-6)
+# The ridge pulls each term toward the last fit, relative to what the steps say about it
+# (and a little in absolute terms, for directions no recent step explored), not to 0.
+_RIDGE_RELATIVE = 1e-4
+_RIDGE_ABSOLUTE = 1e-9
+_OUTLIER = 4.0  # an observation counts as at most this multiple of its prediction
+_TERMS = ("overhead", "prefill_token", "decode_row", "context_token")
+
+
+@dataclass(frozen=True)
+class StepShape:
+    """What a step's time depends on."""
+
+    prefill_tokens: int = 0
+    decode_rows: int = 0
+    context_tokens: int = 0  # query-key pairs attended
+
+    @classmethod
+    def of_chunks(cls, chunks: Iterable[tuple[int, int]]) -> StepShape:
+        """From (start, num_tokens) chunks; a one-token chunk counts as a decode row."""
+        prefill = decode = context = 0
+        for start, n in chunks:
+            if n == 1:
+                decode += 1
+            else:
+                prefill += n
+            context += n * start + n * (n + 1) // 2
+        return cls(prefill, decode, context)
+
+    @classmethod
+    def of(cls, out: SchedulerOutput) -> StepShape:
+        context = sum(
+            len(r.token_ids) * r.start_pos + len(r.token_ids) * (len(r.token_ids) + 1) // 2
+            for r in out.requests
+        )
+        return cls(out.num_prefill_tokens, out.num_decode_tokens, context)
+
+    def features(self) -> tuple[float, float, float, float]:
+        raw = (1.0, self.prefill_tokens, self.decode_rows, self.context_tokens)
+        return (raw[0], raw[1] * _SCALES[1], raw[2] * _SCALES[2], raw[3] * _SCALES[3])
+
+
+class StepCostModel:
+    """The online fit. Not thread-safe: the step thread observes and predicts; other
+    threads read `snapshot()`-style attributes (floats, replaced whole)."""
+
+    def __init__(self, half_life_steps: float = 256.0) -> None:
+        self._decay = 0.5 ** (1.0 / half_life_steps)
+        self._xtx = [[0.0] * 4 for _ in range(4)]
+        self._xty = [0.0] * 4
+        self._theta = (0.0, 0.0, 0.0, 0.0)  # in scaled units
+        self.num_observations = 0
+        self.last_predicted_s = 0.0  # of the last observed step, before it ran
+        self.last_actual_s = 0.0
+        self.relative_error = 0.0  # moving average of |predicted - actual| / actual
+
+    @classmethod
+    def fixed(cls, coefficients: dict[str, float]) -> StepCostModel:
+        """A model with these terms (seconds per unit, as `coefficients` reports them,
+        e.g. a real engine's EngineStats.step_cost_s): the simulator's cost calibrated
+        from an engine."""
+        model = cls()
+        model._theta = tuple(  # type: ignore[assignment]
+            coefficients.get(term, 0.0) / scale for term, scale in zip(_TERMS, _SCALES, strict=True)
+        )
+        model.num_observations = 4  # as good as warmed up
+        return model
+
+    @property
+    def ready(self) -> bool:
+        """Enough varied steps seen to trust an inversion (warm-up provides them)."""
+        return self.num_observations >= 4
+
+    @property
+    def coefficients(self) -> dict[str, float]:
+        """Seconds per unit of each term."""
+        per_unit = [t * s for t, s in zip(self._theta, _SCALES, strict=True)]
+        return dict(zip(_TERMS, per_unit, strict=True))
+
+    def predict(self, shape: StepShape) -> float:
+        return max(0.0, sum(t * x for t, x in zip(self._theta, shape.features(), strict=True)))
+
+    def step_time(self, chunks: Iterable[tuple[int, int]]) -> float:
+        """The simulator's cost interface (backend.sim.cost.CostModel has the same)."""
+        return self.predict(StepShape.of_chunks(chunks))
+
+    def observe(self, shape: StepShape, seconds: float) -> None:
+        if not seconds > 0 or not math.isfinite(seconds):
+            return
+        predicted = self.predict(shape)
+        if self.ready:
+            self.last_predicted_s, self.last_actual_s = predicted, seconds
+            error = abs(predicted - seconds) / seconds
+            self.relative_error = 0.9 * self.relative_error + 0.1 * error
+            # One step of a machine hiccup must not double every prediction.
+            seconds = min(seconds, _OUTLIER * predicted) if predicted > 0 else seconds
+        x = shape.features()
+        d = self._decay
+        for i in range(4):
+            self._xty[i] = d * self._xty[i] + x[i] * seconds
+            row = self._xtx[i]
+            for j in range(4):
+                row[j] = d * row[j] + x[i] * x[j]
+        self.num_observations += 1
+        self._theta = self._solve()
+
+    def max_prefill_tokens(
+        self, limit_s: float, decode: StepShape, prefill_start: int, low: int, high: int
+    ) -> int:
+        """The most prefill tokens in [low, high] that, next to the step's decode rows,
+        keep the predicted step time within `limit_s`; `prefill_start` is where the
+        prefill chunks begin (their attention grows with it)."""
+        if not self.ready or high <= low:
+            return high  # blind (never after warm-up), or nothing to choose
+
+        def fits(n: int) -> bool:
+            pairs = n * prefill_start + n * (n + 1) // 2
+            shape = StepShape(n, decode.decode_rows, decode.context_tokens + pairs)
+            return self.predict(shape) <= limit_s
+
+        if fits(high):
+            return high
+        lo, hi = low, high  # the answer is in [lo, hi); fits(lo) may be False: the floor
+        while hi - lo > 1:
+            mid = (lo + hi) // 2
+            if fits(mid):
+                lo = mid
+            else:
+                hi = mid
+        return lo
+
+    def _solve(self) -> tuple[float, float, float, float]:
+        """Ridge least squares with non-negative coefficients: a term that fits negative
+        (collinear features, noise) is dropped and the rest refitted."""
+        active = [True] * 4
+        while True:
+            idx = [i for i in range(4) if active[i]]
+            ridge = [_RIDGE_RELATIVE * self._xtx[i][i] + _RIDGE_ABSOLUTE for i in range(4)]
+            a = [[self._xtx[i][j] + (ridge[i] if i == j else 0.0) for j in idx] for i in idx]
+            b = [self._xty[i] + ridge[i] * self._theta[i] for i in idx]
+            solved = _gauss(a, b)
+            theta = [0.0] * 4
+            for k, i in enumerate(idx):
+                theta[i] = solved[k]
+            negative = [i for i in idx if theta[i] < 0]
+            if not negative:
+                return (theta[0], theta[1], theta[2], theta[3])
+            active[min(negative, key=lambda i: theta[i])] = False
+
+
+def _gauss(a: list[list[float]], b: list[float]) -> list[float]:
+    """Solve a x = b (a small symmetric positive definite system), partial pivoting."""
+    n = len(b)
+    m = [[*row, b[i]] for i, row in enumerate(a)]
+    for col in range(n):
+        pivot = max(range(col, n), key=lambda r: abs(m[r][col]))
+        m[col], m[pivot] = m[pivot], m[col]
+        if abs(m[col][col]) < 1e-300:
+            continue
+        for r in range(col + 1, n):
+            f = m[r][col] / m[col][col]
+            for c in range(col, n + 1):
+                m[r][c] -= f * m[col][c]
+    x = [0.0] * n
+    for r in range(n - 1, -1, -1):
+        if abs(m[r][r]) < 1e-300:
+            continue
+        x[r] = (m[r][n] - sum(m[r][c] * x[c] for c in range(r + 1, n))) / m[r][r]
+    return x
+
+
+WARMUP_ID = "\0warm-up"  # never a caller's id: those contain no NUL
+
+
+def warm_up_shapes(max_batched_tokens: int, capacity: int) -> list[list[tuple[int, int]]]:
+    """Chunks (start, num_tokens) of the warm-up steps: prefills of several sizes, decode
+    batches of several widths and contexts, and a mix, all within `capacity` KV slots
+    and the step budget, so every term of the fit is seen before the first real step."""
+    cap = max(1, min(max_batched_tokens, capacity))
+    shapes: list[list[tuple[int, int]]] = []
+    for n in (16, 64, 256, 512):
+        shapes.append([(0, min(n, cap))])
+    for rows, context in ((1, 512), (8, 128), (32, 32)):
+        rows = max(1, min(rows, capacity // (context + 1), max_batched_tokens))
+        context = max(0, min(context, capacity // rows - 1))
+        shapes.append([(context, 1)] * rows)
+    mix = min(128, cap // 2)
+    context = min(64, max(0, capacity - mix - 1))
+    rows = max(1, min(8, (capacity - mix) // (context + 1), max_batched_tokens - mix))
+    shapes.append([(0, mix), *[(context, 1)] * rows] if mix > 1 else [(0, 1)])
+    return shapes
+
+
+def warm_up_batches(
+    shapes: list[list[tuple[int, int]]],
+    allocate: Callable[[str, int], list[int] | None],
+    vocab_size: int,
+) -> Iterator[SchedulerOutput]:
+    """One SchedulerOutput per shape, on the block table `allocate(request_id,
+    num_tokens)` returns (None: the pool is short, the shape is skipped; the caller frees
+    the `WARMUP_ID`-prefixed ids after each batch). Every row samples greedily, so the lm
+    head's cost is in the measurement too."""
+    greedy = SamplingParams(max_tokens=1, temperature=0)
+    for shape in shapes:
+        requests = []
+        prefill = decode = 0
+        for i, (start, n) in enumerate(shape):
+            rid = f"{WARMUP_ID}{i}"
+            blocks = allocate(rid, start + n)
+            if blocks is None:
+                break
+            ids = [(start + k) % vocab_size for k in range(n)]
+            requests.append(ScheduledRequest(rid, ids, start, blocks, greedy, True, ids, []))
+            if n == 1:
+                decode += 1
+            else:
+                prefill += n
+        else:
+            yield SchedulerOutput(requests, [], prefill, decode)
+
+
+def warm_up(
+    model: StepCostModel,
+    shapes: list[list[tuple[int, int]]],
+    execute: Callable[[SchedulerOutput], object],
+    block_manager: BlockManager,
+    vocab_size: int,
+) -> None:
+    """Run and time each warm-up shape on scratch blocks (`execute`: the model runner's),
+    teaching `model`; nothing else sees them: no request, no counter, no prefix-cache
+    entry (the blocks are freed unregistered)."""
+    taken: set[str] = set()
+
+    def allocate(request_id: str, num_tokens: int) -> list[int] | None:
+        if block_manager.allocate_slots(request_id, num_tokens) is None:
+            return None
+        taken.add(request_id)
+        return list(block_manager.block_ids(request_id))
+
+    def free() -> None:
+        for request_id in taken:
+            block_manager.free(request_id)
+        taken.clear()
+
+    for i, batch in enumerate(warm_up_batches(shapes, allocate, vocab_size)):
+        if i == 0:
+            execute(batch)  # the first pass pays one-time costs
+        started = time.perf_counter()
+        execute(batch)
+        model.observe(StepShape.of(batch), time.perf_counter() - started)
+        free()
+    free()  # a shape the pool could not hold

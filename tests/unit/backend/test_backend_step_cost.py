@@ -1,0 +1,112 @@
+"""The online step-cost fit: what it learns from steps, how it follows a machine that
+changes, how the scheduler inverts it, and the warm-up shapes that make it never blind."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from backend.engine.step_cost import StepCostModel, StepShape, warm_up_shapes
+
+# A machine: 3 ms per step, 0.5 ms per prefill token, 1 ms per decode row, and
+# 2 us per thousand attended pairs.
+TRUE = (3e-3, 5e-4, 1e-3, 2e-9)
+
+
+def true_time(shape: StepShape, scale: float = 1.0) -> float:
+    overhead, per_token, per_row, per_pair = TRUE
+    return scale * (
+        overhead
+        + per_token * shape.prefill_tokens
+        + per_row * shape.decode_rows
+        + per_pair * shape.context_tokens
+    )
+
+
+def random_shapes(seed: int, count: int) -> list[StepShape]:
+    rng = random.Random(seed)
+    shapes = []
+    for _ in range(count):
+        chunks = [(rng.randrange(0, 1500), 1) for _ in range(rng.randrange(0, 40))]
+        if rng.random() < 0.7:
+            chunks.append((rng.randrange(0, 4000), rng.randrange(2, 1024)))
+        shapes.append(StepShape.of_chunks(chunks or [(0, 2)]))
+    return shapes
+
+
+def test_the_fit_recovers_the_terms_of_a_linear_machine() -> None:
+    model = StepCostModel()
+    for shape in random_shapes(0, 200):
+        model.observe(shape, true_time(shape))
+    terms = model.coefficients
+    for name, expected in zip(terms, TRUE, strict=True):
+        assert terms[name] == pytest.approx(expected, rel=0.02), name
+    for shape in random_shapes(1, 50):
+        assert model.predict(shape) == pytest.approx(true_time(shape), rel=0.02)
+
+
+def test_the_fit_follows_a_machine_that_slows_down() -> None:
+    model = StepCostModel(half_life_steps=32)
+    shapes = random_shapes(2, 600)
+    for shape in shapes[:300]:
+        model.observe(shape, true_time(shape))
+    for shape in shapes[300:]:
+        model.observe(shape, true_time(shape, scale=2.0))  # other work took half the CPU
+    probe = StepShape(512, 8, 400_000)
+    assert model.predict(probe) == pytest.approx(true_time(probe, scale=2.0), rel=0.05)
+    assert model.relative_error < 0.1  # it caught up: recent predictions are close
+
+
+def test_terms_stay_non_negative_and_one_hiccup_moves_little() -> None:
+    model = StepCostModel()
+    for shape in random_shapes(3, 100):
+        model.observe(shape, true_time(shape))
+    # Decode rows never vary here: the fit must not trade them for a negative term.
+    flat = StepCostModel()
+    for n in range(2, 400, 7):
+        flat.observe(StepShape(n, 4, n * n), 0.002 + 0.001 * n)
+    assert all(v >= 0 for v in flat.coefficients.values())
+    probe = StepShape(256, 4, 50_000)
+    before = model.predict(probe)
+    model.observe(probe, 100 * before)  # a step stalled by something else
+    assert model.predict(probe) < 1.5 * before
+    assert model.last_actual_s == pytest.approx(100 * before)  # reported as measured
+
+
+def test_the_inversion_gives_the_most_tokens_within_the_limit() -> None:
+    model = StepCostModel()
+    for shape in random_shapes(4, 200):
+        model.observe(shape, true_time(shape))
+    decode = StepShape.of_chunks([(100, 1)] * 10)
+    limit = 0.080
+    n = model.max_prefill_tokens(limit, decode, 0, 32, 2048)
+
+    def predicted(tokens: int) -> float:
+        pairs = decode.context_tokens + tokens * (tokens + 1) // 2
+        return model.predict(StepShape(tokens, decode.decode_rows, pairs))
+
+    assert predicted(n) <= limit < predicted(n + 1)
+    assert 100 < n < 200  # about (80 - 3 - 10) ms / 0.5 ms per token
+    assert model.max_prefill_tokens(0.001, decode, 0, 32, 2048) == 32  # the floor
+    assert model.max_prefill_tokens(10.0, decode, 0, 32, 2048) == 2048  # all of it
+    # Deeper into a long prompt, each token attends to more: fewer fit.
+    assert model.max_prefill_tokens(limit, decode, 100_000, 32, 2048) < n
+    assert StepCostModel().max_prefill_tokens(limit, decode, 0, 32, 2048) == 2048  # blind
+
+
+def test_warm_up_shapes_fit_any_pool_and_budget_and_show_every_term() -> None:
+    for budget in (1, 16, 64, 2048, 8192):
+        for capacity in (16, 20, 100, 1000, 10**6):
+            shapes = warm_up_shapes(budget, capacity)
+            for chunks in shapes:
+                assert sum(n for _, n in chunks) <= max(budget, 1)
+                assert sum(start + n for start, n in chunks) <= capacity
+            model = StepCostModel()
+            for chunks in shapes:
+                model.observe(StepShape.of_chunks(chunks), 0.01)
+            assert model.ready
+    seen = [StepShape.of_chunks(c) for c in warm_up_shapes(2048, 10**6)]
+    assert {s.prefill_tokens > 0 for s in seen} == {True, False}
+    assert len({s.decode_rows for s in seen}) >= 3
+    assert len({s.context_tokens for s in seen}) == len(seen)
