@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import json
 import os
 import random
 import subprocess
@@ -244,6 +245,9 @@ def main() -> None:
     parser.add_argument("--skip-static", action="store_true")
     parser.add_argument("--skip-http", action="store_true")
     parser.add_argument("--profile", action="store_true", help="profile the engine and stop")
+    parser.add_argument(
+        "--model", type=Path, help="checkpoint to profile (default: the random 8x512 Llama)"
+    )
     args = parser.parse_args()
 
     torch.set_num_threads(args.threads)
@@ -258,7 +262,9 @@ def main() -> None:
         device="cpu",
     )
     if args.profile:
-        profile_engine(model_dir, config, works[sizes[0]])
+        profiled = args.model or model_dir
+        vocab = json.loads((profiled / "config.json").read_text())["vocab_size"]
+        profile_engine(profiled, config, make_workload(sizes[0], 1536, 256, args.seed, vocab))
         return
     engine = Engine(model_dir, config)
     warm(engine)
