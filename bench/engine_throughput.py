@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import json
 import os
 import random
 import subprocess
@@ -244,6 +245,9 @@ def main() -> None:
     parser.add_argument("--skip-static", action="store_true")
     parser.add_argument("--skip-http", action="store_true")
     parser.add_argument("--profile", action="store_true", help="profile the engine and stop")
+    parser.add_argument(
+        "--model", type=Path, help="checkpoint to profile (default: the random 8x512 Llama)"
+    )
     args = parser.parse_args()
 
     torch.set_num_threads(args.threads)
@@ -258,14 +262,27 @@ def main() -> None:
         device="cpu",
     )
     if args.profile:
-        profile_engine(model_dir, config, works[sizes[0]])
+        profiled = args.model or model_dir
+        vocab = json.loads((profiled / "config.json").read_text())["vocab_size"]
+        profile_engine(profiled, config, make_workload(sizes[0], 1536, 256, args.seed, vocab))
         return
+    # The engine runs first: generate() in this process left the in-process engine at
+    # half speed afterwards (2x the CPU time for the same 261 steps, seen twice).
     engine = Engine(model_dir, config)
     warm(engine)
-    static_model = None if args.skip_static else load_static_model(model_dir)
+    results: dict[int, dict[str, Rate]] = {n: {} for n in sizes}
     with backend_server(model_dir, config) if not args.skip_http else _nothing() as url:
         for n in sizes:
-            report(n, works[n], engine, url, static_model, args)
+            results[n]["engine in process"] = run_engine(engine, works[n], f"in{n}")
+            if url:
+                results[n]["engine through the HTTP API"] = run_http(url, works[n], f"http{n}")
+    del engine
+    if not args.skip_static:
+        static_model = load_static_model(model_dir)
+        for n in sizes:
+            results[n].update(run_statics(static_model, works[n], args))
+    for n in sizes:
+        report(n, works[n], results[n], args.threads)
 
 
 @contextmanager
@@ -273,31 +290,28 @@ def _nothing() -> Iterator[str]:
     yield ""
 
 
-def report(n: int, work: Workload, engine: Engine, url: str, static_model: Any, args: Any) -> None:
+def run_statics(model: Any, work: Workload, args: Any) -> dict[str, Rate]:
+    statics = {}
+    for size in (int(s) for s in args.static_batch_sizes.split(",")):
+        for by_length in (True, False):
+            label = f"static {'sorted' if by_length else 'arrival'} batches of {size}"
+            statics[label] = run_static(model, work, size, by_length, args.static_budget_s)
+            print(f"  ({len(work)} requests) {line(label, statics[label])}", flush=True)
+    return statics
+
+
+def report(n: int, work: Workload, results: dict[str, Rate], threads: int) -> None:
     print(
         f"\n{n} requests: {sum(len(p) for p, _ in work)} prompt tokens "
         f"(max {max(len(p) for p, _ in work)}), {sum(k for _, k in work)} output tokens "
-        f"(max {max(k for _, k in work)}); {args.threads} threads",
-        flush=True,
+        f"(max {max(k for _, k in work)}); {threads} threads"
     )
-    statics: dict[str, Rate] = {}
-    if static_model is not None:
-        for size in (int(s) for s in args.static_batch_sizes.split(",")):
-            for by_length in (True, False):
-                label = f"static {'sorted' if by_length else 'arrival'} batches of {size}"
-                statics[label] = run_static(
-                    static_model, work, size, by_length, args.static_budget_s
-                )
-                print(line(label, statics[label]), flush=True)
+    statics = {k: r for k, r in results.items() if k.startswith("static")}
     best = max((r.per_s for r in statics.values()), default=None)
+    for label, rate in results.items():
+        print(line(label, rate, None if label in statics else best))
     if best:
-        label = max(statics, key=lambda k: statics[k].per_s)
-        print(f"  best static: {label}, {best:.1f} tok/s")
-    print(line("engine in process", run_engine(engine, work, f"in{n}"), best), flush=True)
-    if url:
-        print(
-            line("engine through the HTTP API", run_http(url, work, f"http{n}"), best), flush=True
-        )
+        print(f"  best static: {max(statics, key=lambda k: statics[k].per_s)}, {best:.1f} tok/s")
 
 
 if __name__ == "__main__":

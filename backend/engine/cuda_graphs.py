@@ -86,6 +86,8 @@ class DecodeGraphs:
         return parts
 
     def _run(self, size: int) -> torch.Tensor:
+        # Fresh views on every call: nothing memoised on a tensor's identity (the rotary
+        # table's rows) carries over from the warm-up into a capture.
         ids, positions, slots, seq_lens, starts, tables = self._split(self._static)
         meta = self.backend.decode_metadata(
             slots[:size], tables[:size], seq_lens[:size], starts[: size + 1], self.block_size

@@ -48,21 +48,35 @@ class RotaryEmbedding(nn.Module):
         # A plain attribute, not a buffer: built on first use on the right device, so
         # meta-device construction and dtype casts of the model never touch it.
         self._cos_sin: torch.Tensor | None = None
+        # The last step's rows of the table: every layer of a step passes the same
+        # positions tensor, so the lookup (a gather and a cast) is done once per step.
+        self._last: tuple[torch.Tensor, torch.dtype, torch.Tensor, torch.Tensor] | None = None
 
     def _cache(self, device: torch.device) -> torch.Tensor:
+        """[max_positions, 2 * head_dim] float32: cos then sin, each already repeated to
+        the full head width (the rotate-half layout pairs dimension i with i + d/2)."""
         if self._cos_sin is None or self._cos_sin.device != device:
             inv_freq = inverse_frequencies(self.head_dim, self.theta, self.scaling)
             freqs = torch.outer(torch.arange(self.max_positions, dtype=torch.float32), inv_freq)
-            self._cos_sin = torch.cat([freqs.cos(), freqs.sin()], dim=-1).to(device)
+            cos, sin = freqs.cos(), freqs.sin()
+            self._cos_sin = torch.cat([cos, cos, sin, sin], dim=-1).to(device)
         return self._cos_sin
+
+    def _rows(
+        self, positions: torch.Tensor, dtype: torch.dtype
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        last = self._last
+        if last is not None and last[0] is positions and last[1] == dtype:
+            return last[2], last[3]
+        cos, sin = self._cache(positions.device)[positions].unsqueeze(1).to(dtype).chunk(2, dim=-1)
+        self._last = (positions, dtype, cos, sin)
+        return cos, sin
 
     def forward(
         self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """q: [T, heads, head_dim], k: [T, kv_heads, head_dim], positions: [T]."""
-        cos, sin = self._cache(q.device)[positions].chunk(2, dim=-1)
-        cos = torch.cat([cos, cos], dim=-1).unsqueeze(1).to(q.dtype)
-        sin = torch.cat([sin, sin], dim=-1).unsqueeze(1).to(q.dtype)
+        cos, sin = self._rows(positions, q.dtype)
         return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
 
 
