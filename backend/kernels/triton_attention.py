@@ -46,6 +46,30 @@ class TritonPagedAttention:
         )
         return out
 
+    def decode_metadata(
+        self,
+        slot_mapping: torch.Tensor,
+        block_tables: torch.Tensor,
+        seq_lens: torch.Tensor,
+        query_start_loc: torch.Tensor,
+        block_size: int,
+    ) -> AttentionMetadata:
+        """A decode-only batch's metadata that reads only these device tensors, so a CUDA
+        graph can replay it with new values (backend/engine/cuda_graphs.py). The host-side
+        lengths are placeholders for one token per row: the kernel takes its lengths from
+        the tensors, and the unsplit path, which a captured graph freezes, holds for any
+        context."""
+        rows = block_tables.shape[0]
+        return AttentionMetadata(
+            slot_mapping=slot_mapping,
+            block_tables=block_tables,
+            seq_lens=[1] * rows,
+            query_start_loc=list(range(rows + 1)),
+            block_size=block_size,
+            seq_lens_tensor=seq_lens,
+            query_start_tensor=query_start_loc,
+        )
+
     def segments(self, meta: AttentionMetadata, kv_heads: int) -> int:
         """How many parts each program's keys are split into: 1 unless flash-decoding
         pays (decode-only, a long context, a small grid)."""

@@ -63,6 +63,25 @@ def test_backend_attend_equals_the_torch_backend(split_min_seq_len: int) -> None
         torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
 
 
+def test_decode_metadata_reads_lengths_from_tensors_alone() -> None:
+    """What a CUDA graph replays: metadata whose host-side lengths are placeholders gives
+    the same attention as the real lengths, long contexts included."""
+    backend = TritonPagedAttention()
+    meta, batch = _meta([(90, 1), (17, 1), (1300, 1)], 16)
+    kv_cache = torch.stack([batch.k_cache, batch.v_cache])
+    graphable = backend.decode_metadata(
+        meta.slot_mapping,
+        meta.block_tables,
+        torch.tensor(meta.seq_lens),
+        torch.tensor(meta.query_start_loc),
+        16,
+    )
+    assert graphable.max_seq_len == 1 and backend.segments(graphable, kv_heads=2) == 1
+    got = backend.attend(batch.q, kv_cache, graphable, 0.125)
+    want = TorchPagedAttention().attend(batch.q, kv_cache, meta, 0.125)
+    torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
+
+
 def test_backend_write_kv_skips_padding_slots() -> None:
     backend = attention_backend("triton", CPU)
     assert isinstance(backend, TritonPagedAttention)
