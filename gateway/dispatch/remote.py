@@ -18,6 +18,7 @@ import asyncio
 import contextlib
 import logging
 import time
+import uuid
 from collections.abc import AsyncIterator, Sequence
 from pathlib import Path
 from typing import Any
@@ -92,7 +93,7 @@ class RemoteEngineClient:
         folder = cache_dir / "tokenizers" / info["model"]
         folder.mkdir(parents=True, exist_ok=True)
         for name, content in info["files"].items():
-            (folder / Path(name).name).write_text(content, encoding="utf-8")
+            _write_atomically(folder / Path(name).name, content)
         client = cls(replicas, secret, Tokenizer(folder), info["model"], info["max_model_len"])
         await client.refresh()
         client._health = asyncio.get_running_loop().create_task(client._watch())
@@ -299,3 +300,11 @@ async def _fetch_info(replicas: Sequence[str], secret: str) -> dict[str, Any]:
                 info: dict[str, Any] = response.json()
                 return info
     raise EngineUnavailable(f"no backend replica answered: {', '.join(replicas)}")
+
+
+def _write_atomically(path: Path, content: str) -> None:
+    """Gateways sharing a data folder learn the same tokenizer at once: each writes its
+    own temporary file and renames it, so none reads another's half-written file."""
+    temporary = path.with_name(f".{path.name}.{uuid.uuid4().hex}")
+    temporary.write_text(content, encoding="utf-8")
+    temporary.replace(path)
