@@ -37,10 +37,16 @@ class Process:
         deadline = time.monotonic() + timeout_s
         while not any(marker in line for line in self.output):
             if self.popen.poll() is not None or time.monotonic() > deadline:
+                self._drain()  # what it printed before it exited, for the message
                 raise AssertionError(f"no {marker!r} from {self.popen.args!r}:\n{self.text}")
             with contextlib.suppress(queue.Empty):
                 self.output.append(self.lines.get(timeout=1))
         return self.text
+
+    def _drain(self) -> None:
+        with contextlib.suppress(queue.Empty):
+            while True:
+                self.output.append(self.lines.get(timeout=0.5))
 
     @property
     def text(self) -> str:

@@ -35,7 +35,7 @@ from tenants.quota import RedisQuotaStore, month_period
 from tenants.services import ApiKeyService, PlanService, TenantService
 from tests.conftest import POSTGRES_URL, eventually
 from tests.e2e.processes import Process, free_port
-from tests.infra.conftest import spawn
+from tests.infra.conftest import ROOT, spawn
 from tests.infra.resolving_tollgate import write_hosts
 from tests.support.fake_stripe import FakeStripe
 
@@ -132,9 +132,12 @@ def cluster(tmp_path: Path, stripe: FakeStripe) -> Iterator[Cluster]:
         "TOLLGATE_CELERY_QUEUE": f"cluster-{uuid.uuid4().hex[:8]}",  # ours alone
         "TOLLGATE_DATA_DIR": str(tmp_path),
         "TOLLGATE_TEST_HOSTS": str(tmp_path / "hosts.json"),
-        "TOLLGATE_STRIPE_API_KEY": "sk_test_cluster",
+        "TOLLGATE_STRIPE_API_KEY": stripe.api_key,  # the strict fake checks it
         "TOLLGATE_STRIPE_BASE_URL": stripe.url,
         "TOLLGATE_EXPORT_INTERVAL_S": "1",  # beat schedules the relay every second
+        "TOLLGATE_EXPORT_RETRY_S": "1",  # a row Stripe deferred is retried a second later
+        # The gateways run tests.infra.resolving_tollgate from the temporary folder.
+        "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])),
     }
     cluster = Cluster(tmp_path, env, _port_free_on_all(BACKEND_HOSTS), [free_port(), free_port()],
                       tmp_path / "hosts.json")  # fmt: skip
