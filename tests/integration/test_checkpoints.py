@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
 import uuid
+from collections.abc import AsyncIterator
 from dataclasses import replace
 from datetime import timedelta
 
@@ -37,6 +39,22 @@ async def _checkpoints(sessions: Sessions) -> dict[str, int]:
         return {row.request_id: row.completion_tokens for row in rows}
 
 
+@contextlib.asynccontextmanager
+async def _long_stream(
+    app: Litestar, engine_client: InProcessEngineClient, key: str
+) -> AsyncIterator[httpx.Response]:
+    """A 2,000-token completion streamed from `app` served on loopback."""
+    body = {"model": engine_client.model_name, "prompt": "The", "max_tokens": 2000}
+    body |= {"ignore_eos": True, "stream": True}
+    headers = {"Authorization": f"Bearer {key}"}
+    async with (
+        serving(app) as url,
+        httpx.AsyncClient(base_url=url, timeout=60) as http,
+        http.stream("POST", "/v1/completions", json=body, headers=headers) as response,
+    ):
+        yield response
+
+
 async def test_a_running_stream_is_checkpointed_until_it_settles(
     settings: Settings,
     engine_client: InProcessEngineClient,
@@ -44,14 +62,7 @@ async def test_a_running_stream_is_checkpointed_until_it_settles(
     sessions: Sessions,
 ) -> None:
     app = create_app(settings, engine_client=engine_client)
-    body = {"model": engine_client.model_name, "prompt": "The", "max_tokens": 2000}
-    body |= {"ignore_eos": True, "stream": True}
-    headers = {"Authorization": f"Bearer {tenant_key}"}
-    async with (
-        serving(app) as url,
-        httpx.AsyncClient(base_url=url, timeout=60) as http,
-        http.stream("POST", "/v1/completions", json=body, headers=headers) as response,
-    ):
+    async with _long_stream(app, engine_client, tenant_key) as response:
         request_id = response.headers["x-request-id"]
         lines = response.aiter_lines()
         received = 0
@@ -81,14 +92,7 @@ async def test_a_new_stream_is_checkpointed_at_once_not_after_an_interval(
     """A gateway that dies in a stream's first interval must still leave its row: a new
     stream is checkpointed before its first chunk is sent, not after the 5 s interval."""
     app = create_app(replace(settings, checkpoint_ms=5000), engine_client=engine_client)
-    body = {"model": engine_client.model_name, "prompt": "The", "max_tokens": 2000}
-    body |= {"ignore_eos": True, "stream": True}
-    headers = {"Authorization": f"Bearer {tenant_key}"}
-    async with (
-        serving(app) as url,
-        httpx.AsyncClient(base_url=url, timeout=60) as http,
-        http.stream("POST", "/v1/completions", json=body, headers=headers) as response,
-    ):
+    async with _long_stream(app, engine_client, tenant_key) as response:
         request_id = response.headers["x-request-id"]
         lines = response.aiter_lines()
         while not (await anext(lines)).startswith("data: {"):
