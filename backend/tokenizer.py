@@ -34,6 +34,7 @@ class Tokenizer:
         self.eos_token_ids = frozenset(self._eos_ids(model_dir))
         self.chat_template = _chat_template(model_dir, cfg)
         self._template = _compile(self.chat_template, cfg_path)
+        self.tool_call_parser = cfg.get("tool_call_parser") or _tool_format(self.chat_template)
         self._source = model_dir
         self._max_token_chars: int | None = None
 
@@ -63,13 +64,19 @@ class Tokenizer:
         return self._tok.decode(ids, skip_special_tokens=skip_special_tokens)  # type: ignore[no-any-return]
 
     def apply_chat_template(
-        self, messages: list[dict[str, str]], add_generation_prompt: bool = True
+        self,
+        messages: list[dict[str, Any]],
+        add_generation_prompt: bool = True,
+        tools: list[dict[str, Any]] | None = None,
     ) -> str:
+        """`tools` and messages with `tool_calls` / `tool_call_id` follow Hugging Face's
+        convention, which chat templates that know tools expect."""
         if self._template is None:
             raise ValueError(f"{self._source} has no chat template")
         try:
             return self._template.render(
                 messages=messages,
+                tools=tools,
                 add_generation_prompt=add_generation_prompt,
                 bos_token=self.bos_token or "",
                 eos_token=self.eos_token or "",
@@ -123,6 +130,14 @@ def _token_text(value: Any) -> str | None:
     if isinstance(value, dict):  # serialised AddedToken
         value = value.get("content")
     return value if isinstance(value, str) else None
+
+
+def _tool_format(template: str | None) -> str:
+    """The tool-call format a chat template writes (tokenizer_config.json's
+    `tool_call_parser` overrides it): Llama 3.1's JSON after `<|python_tag|>`, else Hermes."""
+    if template and ("<|python_tag|>" in template or "ipython" in template):
+        return "llama3_json"
+    return "hermes"
 
 
 def _chat_template(model_dir: Path, cfg: dict[str, Any]) -> str | None:

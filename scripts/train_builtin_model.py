@@ -86,8 +86,17 @@ SPECIAL_TOKENS = [PAD, BOS, EOS, *ROLE_TOKENS, END_OF_TURN]
 
 CHAT_TEMPLATE = (
     "{{ bos_token }}"
+    # Tools (Hugging Face's `tools` variable) as a system block; calls in the Hermes format.
+    "{% if tools %}{{ '<|system|>\\nTools you may call, each call as <tool_call>"
+    '{"name": ..., "arguments": {...}}</tool_call>:\\n<tools>\\n\' }}'
+    "{% for tool in tools %}{{ tool | tojson }}{{ '\\n' }}{% endfor %}"
+    "{{ '</tools><|end|>\\n' }}{% endif %}"
     "{% for message in messages %}"
-    "{{ '<|' + message['role'] + '|>\\n' + message['content'] | trim + '<|end|>\\n' }}"
+    "{{ '<|' + message['role'] + '|>\\n' + (message['content'] or '') | trim }}"
+    "{% for call in message.get('tool_calls') or [] %}{{ '<tool_call>' }}"
+    "{{ {'name': call['function']['name'], 'arguments': call['function']['arguments']} | tojson }}"
+    "{{ '</tool_call>' }}{% endfor %}"
+    "{{ '<|end|>\\n' }}"
     "{% endfor %}"
     "{% if add_generation_prompt %}{{ '<|assistant|>\\n' }}{% endif %}"
 )
@@ -647,7 +656,8 @@ serves real completions with no download and no GPU.
 - Built with torch {torch.__version__}, transformers {transformers.__version__}, \
 tokenizers {tokenizers.__version__}.
 - Chat format: `<s><|user|>\\n...<|end|>\\n<|assistant|>\\n`; generation stops at `</s>`
-  or `<|end|>`.
+  or `<|end|>`. Tools render as a system block; calls use the Hermes
+  `<tool_call>{...}</tool_call>` format.
 
 Regenerate (identical weights on the same machine, Python and torch versions):
 

@@ -1,0 +1,301 @@
+"""Tool calling: the request's tools, the constraint a forced choice puts on the output,
+and the parsers that turn a model's output into OpenAI `tool_calls`.
+
+`tool_choice` "required" and a named function are enforced by constrained decoding (the
+output is then plain JSON: the arguments of the named function, or a list of calls);
+"auto" lets the model answer freely and parses the output in the model's own tool-call
+format (Hermes `<tool_call>` blocks or Llama 3.1 JSON).
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import secrets
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, Literal
+
+from msgspec import Struct
+
+from gateway.errors import InvalidRequest
+
+
+class FunctionDef(Struct, kw_only=True):
+    name: str
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+    def schema(self) -> dict[str, Any]:
+        return self.parameters or {"type": "object", "properties": {}}
+
+
+class ToolDef(Struct):
+    type: Literal["function"]
+    function: FunctionDef
+
+
+class FunctionName(Struct):
+    name: str
+
+
+class NamedToolChoice(Struct):
+    type: Literal["function"]
+    function: FunctionName
+
+
+ToolChoice = Literal["none", "auto", "required"] | NamedToolChoice
+
+
+class CalledFunction(Struct):
+    name: str
+    arguments: str  # JSON text, as OpenAI sends it
+
+
+class ToolCall(Struct):
+    id: str
+    function: CalledFunction
+    type: Literal["function"] = "function"
+
+
+def new_call_id() -> str:
+    return "call_" + secrets.token_hex(12)
+
+
+@dataclass(frozen=True)
+class ToolPlan:
+    """What the request's tools mean for one generation: a JSON schema the output must
+    follow (a forced choice), or a parser for free output ("auto"), or neither."""
+
+    tools: list[ToolDef]
+    forced: dict[str, Any] | None = None  # the output's JSON schema, when forced
+    named: str | None = None  # the output is this function's arguments
+    parser: str | None = None  # "auto": the model's tool-call format
+
+    @property
+    def active(self) -> bool:
+        return self.forced is not None or self.parser is not None
+
+    def calls(self, text: str) -> tuple[str | None, list[ToolCall]]:
+        """The content and the tool calls of a finished output."""
+        if self.named is not None:
+            return None, [_call(self.named, _arguments(text))]
+        if self.forced is not None:
+            return None, [_call(c["name"], c["parameters"]) for c in _json(text)]
+        if self.parser is not None:
+            return PARSERS[self.parser].parse(text)
+        return text, []
+
+
+def plan(
+    tools: list[ToolDef] | None,
+    choice: ToolChoice | None,
+    parallel: bool,
+    parser: str,
+) -> ToolPlan | None:
+    """Check the request's tools against its tool_choice and say how to honour them."""
+    if not tools:
+        if choice not in (None, "none", "auto"):
+            raise InvalidRequest("tool_choice needs tools", param="tool_choice")
+        return None
+    _check_names(tools)
+    if choice is None or choice == "auto":
+        return ToolPlan(tools, parser=parser)
+    if choice == "none":
+        return ToolPlan(tools)
+    if choice == "required":
+        return ToolPlan(tools, forced=_calls_schema(tools, parallel))
+    assert isinstance(choice, NamedToolChoice)
+    chosen = next((t for t in tools if t.function.name == choice.function.name), None)
+    if chosen is None:
+        raise InvalidRequest(
+            f"tool_choice names {choice.function.name!r}, which is not among the tools",
+            param="tool_choice",
+        )
+    return ToolPlan(tools, forced=chosen.function.schema(), named=chosen.function.name)
+
+
+def template_tools(tools: list[ToolDef]) -> list[dict[str, Any]]:
+    """The tools as chat templates take them (Hugging Face's convention)."""
+    return [
+        {
+            "type": "function",
+            "function": {
+                "name": t.function.name,
+                "description": t.function.description or "",
+                "parameters": t.function.schema(),
+            },
+        }
+        for t in tools
+    ]
+
+
+def _check_names(tools: list[ToolDef]) -> None:
+    names = [t.function.name for t in tools]
+    for name in names:
+        if not re.fullmatch(r"[A-Za-z0-9_-]{1,64}", name):
+            raise InvalidRequest(
+                f"function name {name[:80]!r} must be 1-64 letters, digits, _ or -",
+                param="tools",
+            )
+    if len(set(names)) != len(names):
+        raise InvalidRequest("function names must be unique", param="tools")
+
+
+def _calls_schema(tools: list[ToolDef], parallel: bool) -> dict[str, Any]:
+    """vLLM's shape for "required": a list of {name, parameters}, at least one."""
+    one_of = [
+        {
+            "type": "object",
+            "properties": {
+                "name": {"type": "string", "enum": [t.function.name]},
+                "parameters": t.function.schema(),
+            },
+            "required": ["name", "parameters"],
+            "additionalProperties": False,
+        }
+        for t in tools
+    ]
+    schema: dict[str, Any] = {"type": "array", "minItems": 1, "items": {"anyOf": one_of}}
+    if not parallel:
+        schema["maxItems"] = 1
+    return schema
+
+
+def _call(name: str, arguments: Any) -> ToolCall:
+    text = arguments if isinstance(arguments, str) else json.dumps(arguments)
+    return ToolCall(id=new_call_id(), function=CalledFunction(name=name, arguments=text))
+
+
+def _json(text: str) -> Any:
+    try:
+        return json.loads(text)
+    except ValueError:
+        # Only a forced output that ran out of max_tokens can be cut short.
+        raise InvalidRequest(
+            "the tool call was cut short by max_tokens; raise max_tokens", param="max_tokens"
+        ) from None
+
+
+def _arguments(text: str) -> str:
+    _json(text)
+    return text
+
+
+Split = tuple[str, bool]  # (the text that is safe to send now, whether a call has begun)
+
+
+@dataclass(frozen=True)
+class Parser:
+    """One model family's tool-call format."""
+
+    parse: Callable[[str], tuple[str | None, list[ToolCall]]]
+    split: Callable[[str, bool], Split]  # (text so far, content sent yet?) -> Split
+
+
+_HERMES_CALL = re.compile(r"<tool_call>\s*(.*?)\s*(?:</tool_call>|$)", re.DOTALL)
+_HERMES_START = "<tool_call>"
+
+
+def _parse_hermes(text: str) -> tuple[str | None, list[ToolCall]]:
+    """Hermes / Qwen: `<tool_call>{"name": ..., "arguments": {...}}</tool_call>` blocks."""
+    head, marker, _ = text.partition(_HERMES_START)
+    if not marker:
+        return text, []
+    calls = [c for c in (_named_call(m) for m in _HERMES_CALL.findall(text)) if c is not None]
+    if not calls:
+        return text, []
+    return head.strip() or None, calls
+
+
+def _split_hermes(text: str, _sent: bool) -> Split:
+    at = text.find(_HERMES_START)
+    if at >= 0:
+        return text[:at], True
+    for keep in range(min(len(text), len(_HERMES_START) - 1), 0, -1):
+        if _HERMES_START.startswith(text[-keep:]):  # may be the start of a marker
+            return text[:-keep], False
+    return text, False
+
+
+_PYTHON_TAG = "<|python_tag|>"
+
+
+def _parse_llama3(text: str) -> tuple[str | None, list[ToolCall]]:
+    """Llama 3.1/3.2 JSON: `{"name": ..., "parameters": {...}}`, optionally after
+    `<|python_tag|>`, several separated by `;`."""
+    body = text.strip().removeprefix(_PYTHON_TAG).strip()
+    if not body.startswith("{"):
+        return text, []
+    calls = [_named_call(part) for part in _split_objects(body)]
+    if not calls or any(c is None for c in calls):
+        return text, []
+    return None, [c for c in calls if c is not None]
+
+
+def _split_llama3(text: str, sent: bool) -> Split:
+    """A Llama call is the whole output: only its very start can begin one."""
+    head = text.lstrip()
+    if sent or (head and not head.startswith("{") and not _PYTHON_TAG.startswith(head[:14])):
+        return text, False
+    return "", head.startswith(("{", _PYTHON_TAG))
+
+
+def _split_objects(body: str) -> list[str]:
+    decoder = json.JSONDecoder()
+    parts, at = [], 0
+    while at < len(body):
+        try:
+            _, end = decoder.raw_decode(body, at)
+        except ValueError:
+            return [body]  # not a sequence of objects: the caller sees it fail to parse
+        parts.append(body[at:end])
+        at = end
+        while at < len(body) and body[at] in " \n\t;":
+            at += 1
+    return parts
+
+
+def _named_call(text: str) -> ToolCall | None:
+    try:
+        value = json.loads(text)
+    except ValueError:
+        return None
+    if not isinstance(value, dict) or not isinstance(value.get("name"), str):
+        return None
+    arguments = value.get("arguments", value.get("parameters", {}))
+    return _call(value["name"], arguments)
+
+
+PARSERS: dict[str, Parser] = {
+    "hermes": Parser(parse=_parse_hermes, split=_split_hermes),
+    "llama3_json": Parser(parse=_parse_llama3, split=_split_llama3),
+}
+
+
+@dataclass
+class ToolStream:
+    """For an active plan: streams content while the output cannot be a tool call, and
+    holds back what may be one until the end, when it is parsed (content deltas never
+    carry a call's text)."""
+
+    plan: ToolPlan
+    pending: str = ""
+    holding: bool = False  # a call has begun (or the output is forced): hold the rest
+    sent: bool = False
+
+    def feed(self, text: str) -> str:
+        """The part of the output so far that can be sent as content now."""
+        self.pending += text
+        if self.holding or self.plan.parser is None:  # forced: all of the output is calls
+            self.holding = True
+            return ""
+        out, self.holding = PARSERS[self.plan.parser].split(self.pending, self.sent)
+        self.pending = self.pending[len(out) :]
+        self.sent = self.sent or bool(out)
+        return out
+
+    def finish(self) -> tuple[str | None, list[ToolCall]]:
+        """What was held back at the end: content still unsent, and the parsed calls."""
+        return self.plan.calls(self.pending)

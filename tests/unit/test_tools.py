@@ -1,0 +1,153 @@
+"""Tool calling: plans from tools + tool_choice, the output parsers, the streaming hold."""
+
+from __future__ import annotations
+
+import json
+
+import msgspec
+import pytest
+
+from gateway.api.tools import (
+    PARSERS,
+    NamedToolChoice,
+    ToolDef,
+    ToolStream,
+    plan,
+)
+from gateway.errors import InvalidRequest
+
+WEATHER = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "description": "Weather in a city",
+        "parameters": {
+            "type": "object",
+            "properties": {"city": {"type": "string"}},
+            "required": ["city"],
+        },
+    },
+}
+TIME = {"type": "function", "function": {"name": "get_time"}}
+
+
+def tools(*defs: dict[str, object]) -> list[ToolDef]:
+    return msgspec.convert(list(defs), list[ToolDef])
+
+
+def named(name: str) -> NamedToolChoice:
+    return msgspec.convert({"type": "function", "function": {"name": name}}, NamedToolChoice)
+
+
+def test_no_tools_means_no_plan_and_a_forced_choice_without_tools_is_refused() -> None:
+    assert plan(None, None, True, "hermes") is None
+    assert plan([], "auto", True, "hermes") is None
+    with pytest.raises(InvalidRequest) as caught:
+        plan(None, "required", True, "hermes")
+    assert caught.value.param == "tool_choice"
+
+
+def test_named_choice_forces_the_functions_schema_and_yields_one_call() -> None:
+    p = plan(tools(WEATHER, TIME), named("get_weather"), True, "hermes")
+    assert p is not None
+    assert p.forced == WEATHER["function"]["parameters"]  # type: ignore[index]
+    content, calls = p.calls('{"city": "Oslo"}')
+    assert content is None
+    assert [(c.function.name, json.loads(c.function.arguments)) for c in calls] == [
+        ("get_weather", {"city": "Oslo"})
+    ]
+    assert calls[0].id.startswith("call_")
+
+
+def test_an_unknown_named_function_is_refused() -> None:
+    with pytest.raises(InvalidRequest, match="not among the tools"):
+        plan(tools(WEATHER), named("launch"), True, "hermes")
+
+
+def test_required_forces_a_list_of_calls_and_parallel_false_allows_one() -> None:
+    p = plan(tools(WEATHER, TIME), "required", False, "hermes")
+    assert p is not None and p.forced is not None
+    assert p.forced["minItems"] == 1 and p.forced["maxItems"] == 1
+    names = [a["properties"]["name"]["enum"] for a in p.forced["items"]["anyOf"]]
+    assert names == [["get_weather"], ["get_time"]]
+    _, calls = p.calls('[{"name": "get_time", "parameters": {}}]')
+    assert [c.function.name for c in calls] == ["get_time"]
+    parallel = plan(tools(WEATHER), "required", True, "hermes")
+    assert parallel is not None and parallel.forced is not None
+    assert "maxItems" not in parallel.forced
+
+
+def test_a_forced_output_cut_short_is_a_clear_error() -> None:
+    p = plan(tools(WEATHER), "required", True, "hermes")
+    assert p is not None
+    with pytest.raises(InvalidRequest, match="max_tokens"):
+        p.calls('[{"name": "get_weather", "param')
+
+
+def test_bad_and_duplicate_function_names_are_refused() -> None:
+    bad = {"type": "function", "function": {"name": "no spaces"}}
+    with pytest.raises(InvalidRequest, match="letters"):
+        plan(tools(bad), "auto", True, "hermes")
+    with pytest.raises(InvalidRequest, match="unique"):
+        plan(tools(TIME, TIME), "auto", True, "hermes")
+
+
+def test_hermes_parser_finds_every_block_and_keeps_the_text_before() -> None:
+    text = (
+        'Let me check.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Rome"}}\n'
+        '</tool_call>\n<tool_call>{"name": "get_time", "arguments": {}}</tool_call>'
+    )
+    content, calls = PARSERS["hermes"].parse(text)
+    assert content == "Let me check."
+    assert [c.function.name for c in calls] == ["get_weather", "get_time"]
+    assert json.loads(calls[0].function.arguments) == {"city": "Rome"}
+    assert PARSERS["hermes"].parse("no calls here") == ("no calls here", [])
+    assert PARSERS["hermes"].parse("<tool_call>not json</tool_call>")[1] == []
+
+
+def test_llama3_parser_reads_json_calls_with_or_without_python_tag() -> None:
+    text = '<|python_tag|>{"name": "get_weather", "parameters": {"city": "Lima"}}; '
+    text += '{"name": "get_time", "parameters": {}}'
+    content, calls = PARSERS["llama3_json"].parse(text)
+    assert content is None
+    assert [c.function.name for c in calls] == ["get_weather", "get_time"]
+    assert PARSERS["llama3_json"].parse("The answer is 4.") == ("The answer is 4.", [])
+    assert PARSERS["llama3_json"].parse('{"no": "name"}') == ('{"no": "name"}', [])
+
+
+def _stream(p: object, pieces: list[str]) -> tuple[str, ToolStream]:
+    assert p is not None
+    stream = ToolStream(p)  # type: ignore[arg-type]
+    return "".join(stream.feed(piece) for piece in pieces), stream
+
+
+def test_streaming_holds_back_a_hermes_call_but_sends_the_text_before_it() -> None:
+    p = plan(tools(WEATHER), "auto", True, "hermes")
+    pieces = ["Sure", ", one", " moment <tool", '_call>{"name": "get_weather", ', '"arguments": {}}']
+    sent, stream = _stream(p, [*pieces, "</tool_call>"])
+    assert sent == "Sure, one moment "
+    content, calls = stream.finish()
+    assert content is None and [c.function.name for c in calls] == ["get_weather"]
+
+
+def test_streaming_releases_a_partial_marker_that_turns_out_to_be_text() -> None:
+    p = plan(tools(WEATHER), "auto", True, "hermes")
+    sent, stream = _stream(p, ["a <to", "y> b"])
+    assert sent == "a <toy> b"
+    assert stream.finish() == ("", [])
+
+
+def test_streaming_a_llama_call_holds_everything_and_plain_text_flows() -> None:
+    p = plan(tools(WEATHER), "auto", True, "llama3_json")
+    sent, stream = _stream(p, [" ", '{"name": "get_weather",', ' "parameters": {"city": "X"}}'])
+    assert sent == ""
+    assert [c.function.name for c in stream.finish()[1]] == ["get_weather"]
+    sent, stream = _stream(p, ["Hello", ' {"a": 1}'])
+    assert sent == 'Hello {"a": 1}'
+
+
+def test_streaming_a_forced_output_sends_no_content() -> None:
+    p = plan(tools(WEATHER), named("get_weather"), True, "hermes")
+    sent, stream = _stream(p, ['{"city"', ': "Oslo"}'])
+    assert sent == ""
+    assert stream.finish()[1][0].function.arguments == '{"city": "Oslo"}'
