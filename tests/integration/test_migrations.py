@@ -7,12 +7,13 @@ from sqlalchemy import create_engine, inspect
 import tenants.admins
 import tenants.audit
 import tenants.billing.models
+import tenants.registry
 import tenants.sign_ins  # noqa: F401  (their tables join Base.metadata)
 from tenants import db
 from tenants.models import Base
 
 HEAD = db.head_revision()
-TABLES = {"tenants", "plans", "api_keys", "usage_events"}
+TABLES = {"tenants", "plans", "api_keys", "usage_events", "served_models"}
 
 
 def _tables(url: str) -> set[str]:

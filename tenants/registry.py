@@ -1,0 +1,226 @@
+"""The model registry: which model names the gateway serves, and from where.
+
+A model is either `tollgate` (Tollgate backend replicas, `tollgate backend serve`) or
+`openai` (any OpenAI-compatible server: vLLM, SGLang, TGI, a hosted API). Several targets
+form a pool. An upstream's API key is never stored: only the name of the environment
+variable that holds it on the gateway's machines.
+"""
+
+from __future__ import annotations
+
+import enum
+import re
+from dataclasses import dataclass, fields, replace
+from datetime import datetime
+from pathlib import Path
+from typing import Any
+from urllib.parse import urlsplit
+
+from sqlalchemy import JSON, DateTime, Integer, String, Text, select
+from sqlalchemy.ext.asyncio import AsyncSession
+from sqlalchemy.orm import Mapped, mapped_column
+
+from tenants import audit
+from tenants.audit import SYSTEM, Actor
+from tenants.errors import ConflictError, InvalidInputError, NotFoundError
+from tenants.models import Base, new_id, utcnow
+
+_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._:/@+-]{0,127}$")  # OpenAI-style model ids
+_ENV_VAR = re.compile(r"^[A-Z_][A-Z0-9_]{0,127}$")
+MAX_TARGETS = 64
+MAX_WEIGHT = 1000
+MAX_CONTEXT = 10_000_000
+
+
+class ModelKind(enum.StrEnum):
+    TOLLGATE = "tollgate"  # Tollgate backend replicas
+    OPENAI = "openai"  # an OpenAI-compatible server
+
+
+class ServedModel(Base):
+    __tablename__ = "served_models"
+
+    id: Mapped[str] = mapped_column(String(36), primary_key=True, default=new_id)
+    name: Mapped[str] = mapped_column(String(128), unique=True)
+    kind: Mapped[str] = mapped_column(String(16))
+    targets: Mapped[list[dict[str, Any]]] = mapped_column(JSON)
+    tokenizer: Mapped[str | None] = mapped_column(Text)
+    upstream_model: Mapped[str | None] = mapped_column(String(256))
+    api_key_env: Mapped[str | None] = mapped_column(String(128))
+    context_length: Mapped[int | None] = mapped_column(Integer)
+    created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
+    updated_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
+
+
+@dataclass(frozen=True)
+class Target:
+    url: str
+    weight: int = 1
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """What an operator says about a model; checked before it is stored."""
+
+    name: str
+    kind: ModelKind
+    targets: tuple[Target, ...]
+    tokenizer: str | None = None
+    upstream_model: str | None = None
+    api_key_env: str | None = None
+    context_length: int | None = None
+
+    def checked(self) -> ModelSpec:
+        _check_name(self.name)
+        if not self.targets:
+            raise InvalidInputError("a model needs at least one target URL")
+        if len(self.targets) > MAX_TARGETS:
+            raise InvalidInputError(f"a model has at most {MAX_TARGETS} targets")
+        urls = [_check_target(t) for t in self.targets]
+        if len(set(urls)) != len(urls):
+            raise InvalidInputError("a target URL is listed twice")
+        if self.api_key_env is not None and not _ENV_VAR.match(self.api_key_env):
+            raise InvalidInputError(
+                f"api key variable {self.api_key_env[:40]!r} must be an environment "
+                "variable's name (A-Z, 0-9, _), not the key itself"
+            )
+        if self.context_length is not None and not 1 <= self.context_length <= MAX_CONTEXT:
+            raise InvalidInputError(f"context length must be 1..{MAX_CONTEXT}")
+        if self.tokenizer is not None:
+            _check_tokenizer(self.tokenizer)
+        return self
+
+
+EDITABLE = frozenset(f.name for f in fields(ModelSpec)) - {"name"}
+
+
+def spec_of(row: ServedModel) -> ModelSpec:
+    return ModelSpec(
+        name=row.name,
+        kind=ModelKind(row.kind),
+        targets=tuple(Target(t["url"], int(t.get("weight", 1))) for t in row.targets),
+        tokenizer=row.tokenizer,
+        upstream_model=row.upstream_model,
+        api_key_env=row.api_key_env,
+        context_length=row.context_length,
+    )
+
+
+def model_view(row: ServedModel) -> dict[str, Any]:
+    """A model as the admin API and the CLI show it (never an API key: only its variable)."""
+    return {
+        "name": row.name,
+        "kind": row.kind,
+        "targets": list(row.targets),
+        "tokenizer": row.tokenizer,
+        "upstream_model": row.upstream_model,
+        "api_key_env": row.api_key_env,
+        "context_length": row.context_length,
+        "created_at": row.created_at.isoformat(),
+        "updated_at": row.updated_at.isoformat(),
+    }
+
+
+def _check_name(name: str) -> None:
+    if not _NAME.match(name):
+        raise InvalidInputError(
+            "model name must be 1-128 characters of letters, digits and . _ : / @ + -, "
+            "starting with a letter or digit"
+        )
+
+
+def _check_target(target: Target) -> str:
+    parts = urlsplit(target.url)
+    if parts.scheme not in ("http", "https") or not parts.hostname:
+        raise InvalidInputError(f"target {target.url[:200]!r} must be an http(s) URL")
+    if parts.query or parts.fragment or parts.username or parts.password:
+        raise InvalidInputError(
+            f"target {target.url[:200]!r} must not carry a query, fragment or credentials "
+            "(use --api-key-env for a key)"
+        )
+    if not 1 <= target.weight <= MAX_WEIGHT:
+        raise InvalidInputError(f"target weight must be 1..{MAX_WEIGHT}")
+    return target.url.rstrip("/")
+
+
+def _check_tokenizer(folder: str) -> None:
+    path = Path(folder)
+    if not path.is_absolute():
+        raise InvalidInputError("tokenizer must be an absolute folder path")
+    if not (path / "tokenizer.json").is_file():
+        raise InvalidInputError(f"tokenizer folder {folder!r} has no tokenizer.json")
+
+
+class ModelService:
+    """Adding, changing and removing served models, audited in the caller's transaction."""
+
+    def __init__(self, session: AsyncSession, actor: Actor = SYSTEM) -> None:
+        self.session = session
+        self.actor = actor
+
+    async def list(self) -> list[ServedModel]:
+        rows = await self.session.execute(select(ServedModel).order_by(ServedModel.name))
+        return list(rows.scalars())
+
+    async def find(self, name: str) -> ServedModel | None:
+        rows = await self.session.execute(select(ServedModel).where(ServedModel.name == name))
+        return rows.scalar_one_or_none()
+
+    async def get(self, name: str) -> ServedModel:
+        row = await self.find(name)
+        if row is None:
+            raise NotFoundError(f"no model named {name!r}")
+        return row
+
+    async def add(self, spec: ModelSpec) -> ServedModel:
+        spec = spec.checked()
+        if await self.find(spec.name) is not None:
+            raise ConflictError(f"model {spec.name!r} already exists")
+        row = ServedModel(name=spec.name)
+        _store(row, spec)
+        self.session.add(row)
+        await self.session.flush()
+        await self._audit("model.add", row, model_view(row))
+        return row
+
+    async def update(self, name: str, **changes: Any) -> ServedModel:
+        """Change some fields of a model (the others stay): `targets`, `tokenizer`, ..."""
+        row = await self.get(name)
+        before = model_view(row)
+        fixed = set(changes) - EDITABLE
+        if fixed:
+            raise InvalidInputError(f"cannot change {', '.join(sorted(fixed))}")
+        spec = replace(spec_of(row), **changes).checked()
+        _store(row, spec)
+        row.updated_at = utcnow()
+        await self.session.flush()
+        after = model_view(row)
+        diff = {k: [before[k], after[k]] for k in after if before[k] != after[k]}
+        await self._audit("model.update", row, {"changes": diff})
+        return row
+
+    async def remove(self, name: str) -> None:
+        row = await self.get(name)
+        await self.session.delete(row)
+        await self.session.flush()
+        await self._audit("model.remove", row, {})
+
+    async def _audit(self, action: str, row: ServedModel, details: dict[str, Any]) -> None:
+        await audit.record(
+            self.session,
+            actor=self.actor.name,
+            action=action,
+            target=f"model:{row.name}",
+            tenant_id=None,
+            details=details,
+            context=self.actor.context,
+        )
+
+
+def _store(row: ServedModel, spec: ModelSpec) -> None:
+    row.kind = spec.kind.value
+    row.targets = [{"url": t.url.rstrip("/"), "weight": t.weight} for t in spec.targets]
+    row.tokenizer = spec.tokenizer
+    row.upstream_model = spec.upstream_model
+    row.api_key_env = spec.api_key_env
+    row.context_length = spec.context_length
