@@ -1,0 +1,86 @@
+"""Which client serves each model name: the default entry (the in-process engine, or the
+replicas of TOLLGATE_BACKENDS) and the registry's models. Every gateway replica re-reads
+the registry every `refresh_s` seconds, so adding, changing or removing a model takes
+effect everywhere within a few seconds, without a restart."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Awaitable, Callable
+
+from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
+
+from gateway.dispatch.engine_client import EngineClient
+from gateway.errors import EngineUnavailable, NotFound
+from gateway.tasks import Periodic
+from tenants.registry import ModelService, ModelSpec, spec_of
+
+log = logging.getLogger(__name__)
+
+Builder = Callable[[ModelSpec], Awaitable[EngineClient]]
+REFRESH_S = 2.0
+
+
+class ModelDirectory:
+    def __init__(
+        self,
+        sessions: async_sessionmaker[AsyncSession],
+        build: Builder,
+        default: EngineClient | None = None,
+    ) -> None:
+        self.sessions = sessions
+        self.build = build
+        self.default = default
+        self._specs: dict[str, ModelSpec] = {}  # what the registry says
+        self._clients: dict[str, EngineClient] = {}  # what is built of it
+
+    def get(self, name: str) -> EngineClient:
+        """The client for `name`; 404 when no such model is served, 503 while its client
+        cannot be built (an upstream that is down when the model is added)."""
+        client = self._clients.get(name)
+        if client is not None:
+            return client
+        if name in self._specs:
+            raise EngineUnavailable(
+                f"model {name!r} is not reachable yet", headers={"Retry-After": "2"}
+            )
+        if self.default is not None and name == self.default.model_name:
+            return self.default
+        raise NotFound(f"the model {name!r} does not exist", param="model", code="model_not_found")
+
+    def names(self) -> list[str]:
+        """Every model served, the default entry first."""
+        default = [self.default.model_name] if self.default is not None else []
+        return [*default, *sorted(n for n in self._specs if n not in default)]
+
+    async def refresh(self) -> None:
+        async with self.sessions() as session:
+            rows = await ModelService(session).list()
+        specs = {row.name: spec_of(row) for row in rows}
+        for name in [n for n in self._specs if specs.get(n) != self._specs[n]]:
+            await self._drop(name)  # removed or changed: the old client goes
+        self._specs = specs
+        for name, spec in specs.items():
+            if name not in self._clients:
+                await self._open(name, spec)
+
+    def periodic(self) -> Periodic:
+        return Periodic([(self.refresh, REFRESH_S)])
+
+    async def close(self) -> None:
+        for name in list(self._clients):
+            await self._drop(name)
+        self._specs = {}
+
+    async def _open(self, name: str, spec: ModelSpec) -> None:
+        try:
+            self._clients[name] = await self.build(spec)
+        except Exception as exc:  # retried at the next refresh; requests get 503 meanwhile
+            log.warning("model %s: cannot open its client (%s)", name, type(exc).__name__)
+        else:
+            log.info("model %s: serving from %d target(s)", name, len(spec.targets))
+
+    async def _drop(self, name: str) -> None:
+        client = self._clients.pop(name, None)
+        if client is not None:
+            await client.close()
