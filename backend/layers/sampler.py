@@ -65,6 +65,17 @@ class SamplingTensors:
         return cls.of(stage.upload(), params)
 
 
+def apply_token_bitmask(logits: torch.Tensor, rows: torch.Tensor, bitmask: torch.Tensor) -> None:
+    """Constrained rows' grammar masks, in place: logits [B, vocab] on `rows` [R];
+    bitmask [R, ceil(vocab / 32)] int32 on the logits' device, bit j of word w allowing
+    token 32 w + j. Every other token gets the lowest finite logit: probability 0, and a
+    logprob that JSON can still carry."""
+    shifts = torch.arange(32, dtype=torch.int32, device=bitmask.device)
+    allowed = (bitmask[:, :, None] >> shifts & 1).bool().flatten(1)[:, : logits.shape[-1]]
+    lowest = torch.finfo(logits.dtype).min
+    logits[rows] = logits[rows].masked_fill_(~allowed, lowest)
+
+
 def sample_tokens(
     logits: torch.Tensor,
     generators: Sequence[torch.Generator | None],
