@@ -115,6 +115,19 @@ def test_an_unconstrained_request_is_unchanged_beside_a_constrained_one(engine: 
         jsonschema.validate(json.loads(text_of(outputs[key])), SCHEMA)
 
 
+def test_a_batch_without_a_constrained_request_builds_no_mask(
+    engine: Engine, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    def no_masks(*_: object) -> None:
+        raise AssertionError("a mask was built for an unconstrained batch")
+
+    monkeypatch.setattr("backend.engine.model_runner.fill_bitmasks", no_masks)
+    monkeypatch.setattr("backend.engine.model_runner.apply_token_bitmask", no_masks)
+    engine.add_request("plain", "The engine", SamplingParams(max_tokens=8, n=2, logprobs=2))
+    outputs = run_to_completion(engine)["plain"]
+    assert sum(len(o.token_ids) for o in outputs) > 0 and all(o.error is None for o in outputs)
+
+
 def test_logprobs_are_of_the_masked_distribution(engine: Engine) -> None:
     params = SamplingParams(
         max_tokens=4, logprobs=5, constraint=Constraint("regex", "[ab]"), seed=1
