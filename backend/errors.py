@@ -67,3 +67,11 @@ class RequestStepError(EngineError):
     def __init__(self, request_ids: list[str], problem: str) -> None:
         super().__init__(f"{len(request_ids)} request(s) failed in a step: {problem}")
         self.request_ids = request_ids
+
+
+class ConstraintError(EngineError, ValueError):
+    """A structured-output constraint cannot be enforced: a bad regex or grammar, or a JSON
+    schema feature the grammar library does not implement (the message names it). Raised
+    when the request is submitted, never mid-step; OpenAI answers 400 on `param`."""
+
+    param = "response_format"

@@ -5,6 +5,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
+from backend.constraint import Constraint
+
 MAX_N = 16
 MAX_LOGPROBS = 20
 MAX_SEED = 2**63 - 1  # torch generators take any int64 >= 0; choice i uses seed + i
@@ -26,7 +28,10 @@ class SamplingParams:
     the prompt or the output; `presence_penalty` and `frequency_penalty` (OpenAI's, in
     [-2, 2]) subtract once per token seen in the output and once per occurrence there.
     `min_tokens` keeps EOS, stop tokens and stop strings from ending the output before it
-    has that many tokens."""
+    has that many tokens.
+
+    `constraint` (structured outputs) masks every token that would leave its grammar;
+    the request stops once the grammar is complete (see backend/grammar.py)."""
 
     max_tokens: int = 16
     temperature: float = 1.0
@@ -42,6 +47,7 @@ class SamplingParams:
     repetition_penalty: float = 1.0
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
+    constraint: Constraint | None = None
 
     def __post_init__(self) -> None:
         if not _is_int(self.max_tokens) or not 1 <= self.max_tokens <= MAX_COUNT:

@@ -23,6 +23,7 @@ from litestar.response import Stream
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 
 from backend.errors import (
+    ConstraintError,
     DeadlineExceededError,
     EngineDeadError,
     OverloadedError,
@@ -103,7 +104,10 @@ async def _ndjson(outputs: AsyncIterator[Any]) -> AsyncIterator[bytes]:
     except (ValueError, EngineDeadError) as exc:
         # The request never started, or the engine died: the client gets a typed error line.
         kind = "engine_dead" if isinstance(exc, EngineDeadError) else "invalid_request"
-        yield encoder.encode({"error": str(exc), "kind": kind}) + b"\n"
+        error: dict[str, Any] = {"error": str(exc), "kind": kind}
+        if isinstance(exc, ConstraintError):
+            error["param"] = exc.param  # the request field at fault
+        yield encoder.encode(error) + b"\n"
 
 
 @post("/internal/abort", status_code=200)
