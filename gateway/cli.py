@@ -3,34 +3,28 @@
 from __future__ import annotations
 
 import argparse
-import asyncio
 import getpass
 import json
 import logging
-import os
 import sys
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import replace
 from datetime import datetime
-from decimal import Decimal, InvalidOperation
 from pathlib import Path
-from typing import TypeVar
 
 from sqlalchemy.ext.asyncio import AsyncSession
 
 from gateway import capacity_cli, engine_knobs
 from gateway.admission import cli as quota_cli
 from gateway.billing import cli as billing_cli
+from gateway.cli_support import actor, in_session, micros
 from gateway.settings import Settings, SettingsError, gateway_engine_defaults
 from tenants import audit, db
 from tenants.admins import AdminService
-from tenants.audit import Actor
 from tenants.errors import DomainError, InvalidInputError
 from tenants.limits import LIMIT_NAMES, LimitSet, PlanTerms
 from tenants.models import KeyRole, Plan, as_utc
 from tenants.services import ApiKeyService, PlanService, TenantService
-
-T = TypeVar("T")
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -177,13 +171,7 @@ def _budget(text: str) -> int | None:
     """A monthly budget in currency units ('25.50'), stored in integer micro-units."""
     if text.lower() in ("none", "unlimited"):
         return None
-    try:
-        micros = Decimal(text) * 1_000_000
-    except InvalidOperation:
-        raise argparse.ArgumentTypeError(f"expected an amount like 25.50, got {text!r}") from None
-    if micros < 0 or micros != micros.to_integral_value():
-        raise argparse.ArgumentTypeError("budget must be >= 0 with at most 6 decimals")
-    return int(micros)
+    return micros(text, "25.50", "budget")
 
 
 _UNSET = object()  # a flag that was not given: keep the current value
@@ -257,26 +245,6 @@ def _anchor(text: str) -> audit.Anchor:
         raise argparse.ArgumentTypeError(str(exc)) from None
 
 
-def _actor() -> Actor:
-    """The audit log's name for whoever runs the CLI."""
-    try:
-        return Actor(f"cli:{getpass.getuser()}")
-    except (KeyError, OSError):  # no user name in this environment
-        return Actor("cli:unknown")
-
-
-def _in_session(settings: Settings, work: Callable[[AsyncSession], Awaitable[T]]) -> T:
-    async def run() -> T:
-        engine = db.create_engine(settings.database_url)
-        try:
-            async with db.session_factory(engine).begin() as session:
-                return await work(session)
-        finally:
-            await engine.dispose()
-
-    return asyncio.run(run())
-
-
 def _serve(settings: Settings, args: argparse.Namespace) -> int:
     from gateway.serve import serve
 
@@ -324,7 +292,7 @@ def _audit_verify(settings: Settings, args: argparse.Namespace) -> int:
     async def work(session: AsyncSession) -> audit.Verification:
         return await audit.verify(session, args.anchor)
 
-    result = _in_session(settings, work)
+    result = in_session(settings, work)
     print(result.describe(), file=sys.stdout if result.ok else sys.stderr)
     return 0 if result.ok else 1
 
@@ -343,7 +311,7 @@ def _audit_list(settings: Settings, args: argparse.Namespace) -> int:
         return ["\t".join(_event_columns(audit.event_view(event))) for event in events]
 
     header = "ID\tTIME\tACTOR\tACTION\tTARGET\tTENANT ID\tREQUEST ID\tIP\tDETAILS"
-    print("\n".join([header, *_in_session(settings, work)]))
+    print("\n".join([header, *in_session(settings, work)]))
     return 0
 
 
@@ -355,22 +323,22 @@ def _event_columns(view: dict[str, object]) -> list[str]:
 
 def _plans_create(settings: Settings, args: argparse.Namespace) -> int:
     async def work(session: AsyncSession) -> str:
-        service = PlanService(session, _actor())
+        service = PlanService(session, actor())
         plan = await service.create(args.name, _terms_from(args, PlanTerms()))
         return "created plan " + _describe_plan(plan)
 
-    print(_in_session(settings, work))
+    print(in_session(settings, work))
     return 0
 
 
 def _plans_update(settings: Settings, args: argparse.Namespace) -> int:
     async def work(session: AsyncSession) -> str:
-        service = PlanService(session, _actor())
-        current = PlanTerms.of(await service.get(args.name))
-        plan = await service.update(args.name, _terms_from(args, current))
+        plan = await PlanService(session, actor()).update(
+            args.name, lambda current: _terms_from(args, current)
+        )
         return "updated plan " + _describe_plan(plan)
 
-    print(_in_session(settings, work))
+    print(in_session(settings, work))
     return 0
 
 
@@ -378,42 +346,39 @@ def _plans_list(settings: Settings, args: argparse.Namespace) -> int:
     async def work(session: AsyncSession) -> list[str]:
         return [_describe_plan(plan) for plan in await PlanService(session).list()]
 
-    print("\n".join(_in_session(settings, work)) or "no plans")
+    print("\n".join(in_session(settings, work)) or "no plans")
     return 0
 
 
 def _tenants_set_plan(settings: Settings, args: argparse.Namespace) -> int:
     async def work(session: AsyncSession) -> str:
         plan = None if args.plan.lower() == "none" else args.plan
-        tenant = await TenantService(session, _actor()).set_plan(args.name, plan)
+        tenant = await TenantService(session, actor()).set_plan(args.name, plan)
         return f"tenant {tenant.name} is on plan {plan or 'none (unlimited)'}"
 
-    print(_in_session(settings, work))
+    print(in_session(settings, work))
     return 0
 
 
 def _keys_limits(settings: Settings, args: argparse.Namespace) -> int:
     async def work(session: AsyncSession) -> str:
-        service = ApiKeyService(session, _actor())
-        key = await service.get(args.key)
-        limits = _limits_from(args, LimitSet.of(key))
-        await service.set_limits(args.key, limits)
+        key = await ApiKeyService(session, actor()).set_limits(
+            args.key, lambda current: _limits_from(args, current)
+        )
+        limits = LimitSet.of(key)
         shown = ", ".join(f"{n}={getattr(limits, n)}" for n in LIMIT_NAMES)
         return f"key {key.prefix}: {shown} (None: the plan's)"
 
-    print(_in_session(settings, work))
+    print(in_session(settings, work))
     return 0
 
 
 def _tenants_create(settings: Settings, args: argparse.Namespace) -> int:
     async def work(session: AsyncSession) -> str:
-        service = TenantService(session, _actor())
-        tenant = await service.create(args.name)
-        if args.plan:
-            await service.set_plan(tenant.name, args.plan)
+        tenant = await TenantService(session, actor()).create(args.name, args.plan or None)
         return f"created tenant {tenant.name} ({tenant.id})"
 
-    print(_in_session(settings, work))
+    print(in_session(settings, work))
     return 0
 
 
@@ -421,7 +386,7 @@ def _tenants_list(settings: Settings, args: argparse.Namespace) -> int:
     async def work(session: AsyncSession) -> list[str]:
         return [f"{t.name}\t{t.id}" for t in await TenantService(session).list()]
 
-    print("\n".join(["NAME\tID", *_in_session(settings, work)]))
+    print("\n".join(["NAME\tID", *in_session(settings, work)]))
     return 0
 
 
@@ -429,10 +394,10 @@ def _keys_create(settings: Settings, args: argparse.Namespace) -> int:
     async def work(session: AsyncSession) -> str:
         tenant = await TenantService(session).get(args.tenant)
         role = KeyRole.ADMIN if args.admin else KeyRole.TENANT
-        created = await ApiKeyService(session, _actor()).create(tenant, args.name, role)
+        created = await ApiKeyService(session, actor()).create(tenant, args.name, role)
         return created.secret
 
-    secret = _in_session(settings, work)
+    secret = in_session(settings, work)
     print(secret)
     print("store this key now: it is shown only once", file=sys.stderr)
     return 0
@@ -459,21 +424,21 @@ def _keys_list(settings: Settings, args: argparse.Namespace) -> int:
         ]
 
     header = "PREFIX\tTENANT\tROLE\tSTATUS\tNAME\tCREATED\tLAST USED\tID"
-    print("\n".join([header, *_in_session(settings, work)]))
+    print("\n".join([header, *in_session(settings, work)]))
     return 0
 
 
 def _keys_revoke(settings: Settings, args: argparse.Namespace) -> int:
     async def work(session: AsyncSession) -> str:
-        key = await ApiKeyService(session, _actor()).revoke(args.key)
+        key = await ApiKeyService(session, actor()).revoke(args.key)
         return f"revoked {key.prefix} ({key.id})"
 
-    print(_in_session(settings, work))
+    print(in_session(settings, work))
     return 0
 
 
-def _admin_password() -> str:
-    if password := os.environ.get("TOLLGATE_ADMIN_PASSWORD"):
+def _admin_password(settings: Settings) -> str:
+    if password := settings.admin_password:
         return password
     if not sys.stdin.isatty():
         return sys.stdin.readline().rstrip("\n")
@@ -484,13 +449,13 @@ def _admin_password() -> str:
 
 
 def _admins_create(settings: Settings, args: argparse.Namespace) -> int:
-    password = _admin_password()
+    password = _admin_password(settings)
 
     async def work(session: AsyncSession) -> str:
-        admin = await AdminService(session, _actor()).create(args.email, args.role, password)
+        admin = await AdminService(session, actor()).create(args.email, args.role, password)
         return f"created {admin.role} {admin.email}: sign in at /admin"
 
-    print(_in_session(settings, work))
+    print(in_session(settings, work))
     return 0
 
 
@@ -503,7 +468,7 @@ def _admins_list(settings: Settings, args: argparse.Namespace) -> int:
         admins = await AdminService(session).list()
         return [f"{a.email}\t{a.role}\t{_when(a.last_login_at)}" for a in admins]
 
-    print("\n".join(["EMAIL\tROLE\tLAST SIGN-IN", *_in_session(settings, work)]))
+    print("\n".join(["EMAIL\tROLE\tLAST SIGN-IN", *in_session(settings, work)]))
     return 0
 
 
