@@ -14,7 +14,8 @@ from tenants.quota import QuotaStore, ScopeUsage, month_period
 
 async def provide_db_session(runtime: NamedDependency[Runtime]) -> AsyncIterator[AsyncSession]:
     """The request's session: committed when the handler returns, rolled back when it
-    raises (a handler that must act after the commit may commit earlier itself)."""
+    raises (a handler that must act after the commit may commit earlier itself). It takes
+    no connection until first used, so a dependency that refuses the request holds none."""
     async with runtime.sessions() as session:
         try:
             yield session
