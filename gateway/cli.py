@@ -11,6 +11,7 @@ from collections.abc import Sequence
 from dataclasses import replace
 from datetime import datetime
 from pathlib import Path
+from typing import Any
 
 from sqlalchemy.ext.asyncio import AsyncSession
 
@@ -41,7 +42,21 @@ def main(argv: Sequence[str] | None = None) -> int:
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="tollgate", description=__doc__)
     commands = parser.add_subparsers(required=True, metavar="COMMAND")
+    _add_serve_commands(commands)
+    _add_db_commands(commands)
+    _add_audit_commands(commands)
+    _add_plan_commands(commands)
+    _add_tenant_commands(commands)
+    _add_key_commands(commands)
+    _add_admin_commands(commands)
+    billing_cli.add_commands(commands)
+    capacity_cli.add_commands(commands)
+    quota_cli.add_commands(commands)
+    return parser
 
+
+def _add_serve_commands(commands: Any) -> None:
+    """`serve` and `backend serve`: the gateway and engine processes."""
     serve = commands.add_parser("serve", help="run the gateway with the in-process engine")
     serve.add_argument("--host", help="interface to bind (TOLLGATE_HOST, default 127.0.0.1)")
     serve.add_argument("--port", type=int, help="port (TOLLGATE_PORT, default 8000)")
@@ -60,6 +75,9 @@ def _parser() -> argparse.ArgumentParser:
     engine_knobs.add_flags(backend_serve, gateway_engine_defaults())
     backend_serve.set_defaults(handler=_backend_serve)
 
+
+def _add_db_commands(commands: Any) -> None:
+    """`db …`: the schema, and the application role."""
     database = commands.add_parser("db", help="database schema").add_subparsers(required=True)
     upgrade = database.add_parser("upgrade", help="apply migrations")
     upgrade.add_argument("revision", nargs="?", default="head")
@@ -77,6 +95,9 @@ def _parser() -> argparse.ArgumentParser:
     grant.add_argument("--role", required=True, help="the role the gateway connects as")
     grant.set_defaults(handler=_db_grant_app_role)
 
+
+def _add_audit_commands(commands: Any) -> None:
+    """`audit …`: verify and list the audit log."""
     audit_log = commands.add_parser("audit", help="the tamper-evident audit log")
     audit_commands = audit_log.add_subparsers(required=True)
     verify = audit_commands.add_parser(
@@ -92,6 +113,9 @@ def _parser() -> argparse.ArgumentParser:
     list_events.add_argument("--limit", type=int, default=50)
     list_events.set_defaults(handler=_audit_list)
 
+
+def _add_plan_commands(commands: Any) -> None:
+    """`plans …`."""
     plans = commands.add_parser("plans", help="plans and their limits").add_subparsers(
         required=True
     )
@@ -105,6 +129,9 @@ def _parser() -> argparse.ArgumentParser:
     update_plan.set_defaults(handler=_plans_update)
     plans.add_parser("list", help="list plans").set_defaults(handler=_plans_list)
 
+
+def _add_tenant_commands(commands: Any) -> None:
+    """`tenants …`."""
     tenants = commands.add_parser("tenants", help="tenants").add_subparsers(required=True)
     create_tenant = tenants.add_parser("create", help="create a tenant")
     create_tenant.add_argument("name")
@@ -116,6 +143,9 @@ def _parser() -> argparse.ArgumentParser:
     set_plan.add_argument("plan")
     set_plan.set_defaults(handler=_tenants_set_plan)
 
+
+def _add_key_commands(commands: Any) -> None:
+    """`keys …`."""
     api_keys = commands.add_parser("keys", help="API keys").add_subparsers(required=True)
     create_key = api_keys.add_parser("create", help="create a key (printed once)")
     create_key.add_argument("--tenant", required=True)
@@ -135,6 +165,9 @@ def _parser() -> argparse.ArgumentParser:
     revoke.add_argument("key")
     revoke.set_defaults(handler=_keys_revoke)
 
+
+def _add_admin_commands(commands: Any) -> None:
+    """`admins …`: console administrators."""
     admins = commands.add_parser("admins", help="console administrators").add_subparsers(
         required=True
     )
@@ -147,10 +180,6 @@ def _parser() -> argparse.ArgumentParser:
     create_admin.add_argument("--role", choices=["owner", "viewer"], default="viewer")
     create_admin.set_defaults(handler=_admins_create)
     admins.add_parser("list", help="list console administrators").set_defaults(handler=_admins_list)
-    billing_cli.add_commands(commands)
-    capacity_cli.add_commands(commands)
-    quota_cli.add_commands(commands)
-    return parser
 
 
 def _optional_int(text: str) -> int | None:
