@@ -28,6 +28,7 @@ from gateway.api.openai import OpenAIController
 from gateway.billing.controllers import BillingAdminController, UsageController
 from gateway.billing.jobs import BillingJobs
 from gateway.console import console_router
+from gateway.deps import REQUEST_DEPENDENCIES
 from gateway.dispatch import discovery
 from gateway.dispatch.engine_client import EngineClient, InProcessEngineClient
 from gateway.errors import (
@@ -171,7 +172,10 @@ def create_app(
             metrics,
         ],
         middleware=[telemetry.middleware],
-        dependencies={"runtime": Provide(provide_runtime, sync_to_thread=False)},
+        dependencies={
+            "runtime": Provide(provide_runtime, sync_to_thread=False),
+            **REQUEST_DEPENDENCIES,
+        },
         exception_handlers={
             ApiError: handle_api_error,
             redis_errors.ConnectionError: handle_store_down,  # locks, idempotency
