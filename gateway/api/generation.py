@@ -22,7 +22,6 @@ from gateway.errors import (
     DeadlineExceeded,
     EngineUnavailable,
     InternalError,
-    InvalidRequest,
     Overloaded,
 )
 from gateway.metering import FIRST_CHECKPOINT_WAIT_S, Charge, Outcome, UsageRecorder
@@ -115,13 +114,13 @@ def _usage(outcome: Outcome) -> dict[str, Any]:
 
 
 def _fail(outcome: Outcome, exc: BaseException, delivered: int) -> ApiError:
-    """Map an engine-side failure to its API error; bill only what reached the client."""
+    """Map an engine-side failure to its API error; bill only what reached the client.
+    The engine clients raise API errors for what the engine refused on purpose; anything
+    else (a ValueError included) is a defect: a 500."""
     if isinstance(exc, ApiError):
         error = exc
     elif isinstance(exc, EngineDeadError):
         error = EngineUnavailable("the engine stopped; retry shortly", headers={"Retry-After": "1"})
-    elif isinstance(exc, ValueError):
-        error = InvalidRequest(str(exc))
     else:
         error = InternalError("the engine failed this request")
     refused = isinstance(error, Overloaded | DeadlineExceeded) and delivered == 0

@@ -14,7 +14,7 @@ from litestar.di import NamedDependency, Provide
 from litestar.params import FromPath
 from litestar.response import Stream
 
-from backend import SamplingParams
+from backend import InvalidParameterError, SamplingParams
 from gateway.admission import idempotency, policy
 from gateway.admission.auth import authenticate, new_request_id
 from gateway.admission.idempotency import Claim, Replay
@@ -58,9 +58,9 @@ def _sampling(fields: SamplingFields, max_tokens: int) -> SamplingParams:
             presence_penalty=fields.presence_penalty or 0.0,
             frequency_penalty=fields.frequency_penalty or 0.0,
         )
-    except ValueError as exc:  # a combination the schema cannot check, e.g. min > max
-        field = str(exc).split(" ", 1)[0]
-        raise InvalidRequest(str(exc), param=field if hasattr(fields, field) else None) from None
+    except InvalidParameterError as exc:  # a combination the schema cannot check, e.g. min > max
+        param = exc.param if exc.param and hasattr(fields, exc.param) else None
+        raise InvalidRequest(str(exc), param=param) from None
 
 
 def _params(
@@ -139,7 +139,7 @@ class OpenAIController(Controller):
 def _chat_prompt(engine: EngineClient, messages: list[dict[str, str]]) -> list[int]:
     try:
         rendered = engine.render_chat(messages)
-    except ValueError as exc:  # the template refused these messages (e.g. role order)
+    except InvalidParameterError as exc:  # the template refused these messages (role order)
         raise InvalidRequest(str(exc), param="messages") from None
     return engine.encode(rendered)
 

@@ -44,6 +44,8 @@ from datetime import UTC, datetime
 from enum import StrEnum
 from typing import Protocol, runtime_checkable
 
+from tenants.errors import TenantsError
+
 WINDOW_S = 60
 """Length of the sliding window behind rpm and tpm, in seconds. The stores take a
 window_s argument so tests can shorten it; every replica must use the same value."""
@@ -68,7 +70,7 @@ class DenyReason(StrEnum):
     BUDGET = "budget"
 
 
-class QuotaError(Exception):
+class QuotaError(TenantsError):
     """Base for errors the quota store raises on purpose."""
 
 
@@ -86,7 +88,7 @@ class StoreUnavailableError(QuotaError):
     """The store cannot be reached (connection refused, reset or timed out)."""
 
 
-class ReservationIdError(QuotaError, ValueError):
+class ReservationIdError(QuotaError):
     """A reservation id that cannot be used: already settled, or reused after its lease
     expired while its admission is still in the window. Ids must be unique per request."""
 
