@@ -69,7 +69,9 @@ __all__ = [
     "SpendUnknownError",
     "StoreUnavailableError",
     "WindowStatus",
+    "key_scope",
     "month_period",
     "open_quota_store",
+    "tenant_scope",
     "wall_us",
 ]

@@ -93,6 +93,16 @@ class ReservationIdError(QuotaError):
     expired while its admission is still in the window. Ids must be unique per request."""
 
 
+def tenant_scope(tenant_id: str) -> str:
+    """The scope key of a tenant's limits, by its id (audit targets name it by name)."""
+    return f"tenant:{tenant_id}"
+
+
+def key_scope(key_id: str) -> str:
+    """The scope key of an API key's limits, by its id (audit targets use its prefix)."""
+    return f"key:{key_id}"
+
+
 def _check_int(name: str, value: int) -> None:
     if isinstance(value, bool) or not isinstance(value, int):
         raise TypeError(f"{name} must be an int, not {type(value).__name__}")
@@ -279,7 +289,8 @@ class ScopeUsage:
     tokens_in_window: int
 
 
-Outcome = Granted | Denied
+Decision = Granted | Denied
+"""What a reserve() answers."""
 
 
 @runtime_checkable
@@ -287,7 +298,7 @@ class QuotaStore(Protocol):
     """The atomic check-and-reserve engine under admission. All methods are coroutines;
     each Redis operation is one round trip (expire_leases() excepted: it is a sweep)."""
 
-    async def reserve(self, request: ReserveRequest) -> Granted | Denied:
+    async def reserve(self, request: ReserveRequest) -> Decision:
         """Check every limit of every scope and, if all pass, charge them all at once.
         Repeating a reserve whose lease is live returns Granted without charging again;
         an id that was settled, or whose expired admission is still in the window,
