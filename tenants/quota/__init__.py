@@ -27,7 +27,9 @@ from tenants.quota.contract import (
     SpendUnknownError,
     StoreUnavailableError,
     WindowStatus,
+    key_scope,
     month_period,
+    tenant_scope,
     wall_us,
 )
 from tenants.quota.memory import MemoryQuotaStore
