@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from typing import Any
 
 import msgspec
 import pytest
@@ -16,7 +17,7 @@ from gateway.api.tools import (
 )
 from gateway.errors import InvalidRequest
 
-WEATHER = {
+WEATHER: dict[str, Any] = {
     "type": "function",
     "function": {
         "name": "get_weather",
@@ -28,10 +29,10 @@ WEATHER = {
         },
     },
 }
-TIME = {"type": "function", "function": {"name": "get_time"}}
+TIME: dict[str, Any] = {"type": "function", "function": {"name": "get_time"}}
 
 
-def tools(*defs: dict[str, object]) -> list[ToolDef]:
+def tools(*defs: dict[str, Any]) -> list[ToolDef]:
     return msgspec.convert(list(defs), list[ToolDef])
 
 
