@@ -90,7 +90,7 @@ def create_app(
         # Every resource is pushed on the stack as soon as it is open: shutdown, or a
         # failure halfway through startup, closes what was opened, in reverse order.
         async with AsyncExitStack() as stack:
-            runtime = await open_runtime(settings, telemetry, stack)
+            runtime = open_runtime(settings, telemetry, stack)
             app.state.runtime = runtime
             app.state.telemetry = telemetry
             await attach_engine(runtime, telemetry, stack, engine_client)
@@ -143,14 +143,14 @@ S = TypeVar("S", bound=_Service)
 
 
 def _started(stack: AsyncExitStack, service: S) -> S:
-    """Start `service`, its close on the stack first (a start that fails halfway is
-    closed too)."""
+    """Start `service` with its close already on the stack: a start that fails halfway
+    is closed too."""
     stack.push_async_callback(service.close)
     service.start()
     return service
 
 
-async def open_runtime(settings: Settings, telemetry: Telemetry, stack: AsyncExitStack) -> Runtime:
+def open_runtime(settings: Settings, telemetry: Telemetry, stack: AsyncExitStack) -> Runtime:
     """The database, the stores and the background jobs, each closed by `stack`."""
     db = create_engine(settings.database_url)
     stack.push_async_callback(db.dispose)
