@@ -44,6 +44,7 @@ from gateway.errors import (
     InvalidRequest,
     Overloaded,
 )
+from gateway.tasks import Periodic, TaskSet
 from gateway.telemetry import tracing
 from gateway.telemetry.request import current_request
 
@@ -93,7 +94,8 @@ class RemoteEngineClient:
         )
         self._placements: dict[str, Replica] = {}
         self._decoder = msgspec.json.Decoder(type=RequestOutput)
-        self._health: asyncio.Task[None] | None = None
+        self._health = Periodic([(self.refresh, HEALTH_INTERVAL_S)])  # started by connect
+        self._aborts = TaskSet()  # finished before the HTTP client closes
 
     @classmethod
     async def connect(
@@ -107,7 +109,7 @@ class RemoteEngineClient:
             _write_atomically(folder / Path(name).name, content)
         client = cls(replicas, secret, Tokenizer(folder), info["model"], info["max_model_len"])
         await client.refresh()
-        client._health = asyncio.get_running_loop().create_task(client._watch())
+        client._health.start()
         return client
 
     def encode(self, text: str) -> list[int]:
@@ -250,7 +252,7 @@ class RemoteEngineClient:
         """Closing the stream already aborts on the replica; this says it explicitly."""
         replica = self._placements.get(request_id)
         if replica is not None:
-            asyncio.get_running_loop().create_task(self._abort(replica, request_id))
+            self._aborts.spawn(self._abort(replica, request_id))
 
     async def _abort(self, replica: Replica, request_id: str) -> None:
         with contextlib.suppress(httpx.HTTPError):
@@ -287,16 +289,9 @@ class RemoteEngineClient:
         queries = int(stats.get("prefix_cache_queries", 0))
         replica.prefix_cache_hit_rate = int(stats.get("prefix_cache_hits", 0)) / max(1, queries)
 
-    async def _watch(self) -> None:
-        while True:
-            await asyncio.sleep(HEALTH_INTERVAL_S)  # a polling period, not synchronisation
-            await self.refresh()
-
     async def close(self) -> None:
-        if self._health is not None:
-            self._health.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._health
+        await self._health.close()
+        await self._aborts.drain()
         await self._http.aclose()
 
 
