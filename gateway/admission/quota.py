@@ -27,6 +27,7 @@ from gateway.telemetry import current_request
 from tenants.limits import LimitSet
 from tenants.pricing import Price
 from tenants.quota import (
+    KEY_SCOPE,
     Denied,
     DenyReason,
     Granted,
@@ -194,7 +195,7 @@ class Admission:
             reason = _exhausted(scope.limits, usage)
             if reason is not None:
                 current_request().reject(reason.value)
-                who = "key" if scope.key.startswith("key:") else "tenant"
+                who = "key" if scope.key.startswith(KEY_SCOPE) else "tenant"
                 message = f"{_EXHAUSTED[reason]} for this {who}"
                 if reason is DenyReason.BUDGET:
                     raise QuotaExceeded(message)
@@ -307,5 +308,5 @@ def _denial(denied: Denied) -> RateLimited:
         DenyReason.TPM: "tokens per minute",
         DenyReason.CONCURRENCY: "concurrent requests",
     }[denied.reason]
-    scope = "key" if denied.scope_key.startswith("key:") else "tenant"
+    scope = "key" if denied.scope_key.startswith(KEY_SCOPE) else "tenant"
     return RateLimited(f"rate limit reached: {limit} for this {scope}", headers=headers)
