@@ -16,6 +16,7 @@ from typing import Any
 from backend import EngineDeadError, RequestOutput, SamplingParams, TokenLogprobs
 from gateway.api.formats import Format
 from gateway.api.schemas import encode
+from gateway.api.tools import ToolPlan
 from gateway.dispatch.engine_client import RESTART, EngineClient
 from gateway.errors import (
     ApiError,
@@ -43,6 +44,7 @@ class Job:
     first_token_s: float | None = None  # the client's ttft_deadline_ms, in seconds
     priority: int = 0
     echo: str = ""  # completions: the prompt text, sent back before the answer
+    tools: ToolPlan | None = None  # chat: how the output's tool calls are found
     created: int = field(default_factory=lambda: int(time.time()))
     started: float = field(default_factory=time.monotonic)
 

@@ -75,6 +75,7 @@ class RemoteEngineClient:
         self.model_name = model_name
         self.max_model_len = max_model_len
         self.max_token_chars = tokenizer.max_token_chars
+        self.tool_call_parser = tokenizer.tool_call_parser
         self._http = httpx.AsyncClient(
             headers={SECRET_HEADER: secret},
             timeout=httpx.Timeout(None, connect=CONNECT_TIMEOUT_S),
@@ -108,8 +109,10 @@ class RemoteEngineClient:
     def token_text(self, token_id: int) -> str:
         return self.decode([token_id])
 
-    def render_chat(self, messages: list[dict[str, str]]) -> str:
-        return self.tokenizer.apply_chat_template(messages)
+    def render_chat(
+        self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None
+    ) -> str:
+        return self.tokenizer.apply_chat_template(messages, tools=tools)
 
     def is_ready(self) -> bool:
         return any(r.healthy for r in self.replicas)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from typing import Any
 
 import msgspec
 import pytest
@@ -16,7 +17,7 @@ from gateway.api.tools import (
 )
 from gateway.errors import InvalidRequest
 
-WEATHER = {
+WEATHER: dict[str, Any] = {
     "type": "function",
     "function": {
         "name": "get_weather",
@@ -28,7 +29,7 @@ WEATHER = {
         },
     },
 }
-TIME = {"type": "function", "function": {"name": "get_time"}}
+TIME: dict[str, Any] = {"type": "function", "function": {"name": "get_time"}}
 
 
 def tools(*defs: dict[str, object]) -> list[ToolDef]:
@@ -85,7 +86,7 @@ def test_a_forced_output_cut_short_is_a_clear_error() -> None:
 
 
 def test_bad_and_duplicate_function_names_are_refused() -> None:
-    bad = {"type": "function", "function": {"name": "no spaces"}}
+    bad: dict[str, Any] = {"type": "function", "function": {"name": "no spaces"}}
     with pytest.raises(InvalidRequest, match="letters"):
         plan(tools(bad), "auto", True, "hermes")
     with pytest.raises(InvalidRequest, match="unique"):
@@ -123,7 +124,13 @@ def _stream(p: object, pieces: list[str]) -> tuple[str, ToolStream]:
 
 def test_streaming_holds_back_a_hermes_call_but_sends_the_text_before_it() -> None:
     p = plan(tools(WEATHER), "auto", True, "hermes")
-    pieces = ["Sure", ", one", " moment <tool", '_call>{"name": "get_weather", ', '"arguments": {}}']
+    pieces = [
+        "Sure",
+        ", one",
+        " moment <tool",
+        '_call>{"name": "get_weather", ',
+        '"arguments": {}}',
+    ]
     sent, stream = _stream(p, [*pieces, "</tool_call>"])
     assert sent == "Sure, one moment "
     content, calls = stream.finish()
