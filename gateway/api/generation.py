@@ -14,9 +14,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from backend import EngineDeadError, RequestOutput, SamplingParams, TokenLogprobs
-from gateway.api.formats import Format
+from gateway.api.formats import Format, tool_calls_delta, with_tool_calls
 from gateway.api.schemas import encode
-from gateway.api.tools import ToolPlan
+from gateway.api.tools import ToolCall, ToolPlan, ToolStream
 from gateway.dispatch.engine_client import RESTART, EngineClient
 from gateway.errors import (
     ApiError,
@@ -206,12 +206,15 @@ async def complete(job: Job, engine: EngineClient, recorder: UsageRecorder) -> d
     want_logprobs = job.params.logprobs is not None
     body = job.envelope(
         [
-            job.format.choice(
-                index,
-                job.echo + "".join(choices.texts.get(index, [])),
-                choices.finish.get(index),
-                choices.logprobs.get(index, []) if want_logprobs else None,
-                engine.token_text,
+            _with_calls(
+                job,
+                job.format.choice(
+                    index,
+                    job.echo + "".join(choices.texts.get(index, [])),
+                    choices.finish.get(index),
+                    choices.logprobs.get(index, []) if want_logprobs else None,
+                    engine.token_text,
+                ),
             )
             for index in range(choices.n)
         ],
@@ -219,6 +222,23 @@ async def complete(job: Job, engine: EngineClient, recorder: UsageRecorder) -> d
     )
     body["usage"] = _usage(outcome)
     return body
+
+
+def _with_calls(job: Job, choice: dict[str, Any]) -> dict[str, Any]:
+    if job.tools is None or not job.tools.active:
+        return choice
+    text = choice["message"]["content"]
+    return with_tool_calls(choice, *_calls(job.tools, text, choice["finish_reason"]))
+
+
+def _calls(
+    plan: ToolPlan, text: str, finish_reason: str | None
+) -> tuple[str | None, list[ToolCall]]:
+    """The content and tool calls of one finished output. A forced output that max_tokens
+    cut short is not JSON: it is sent as it is, with finish_reason "length"."""
+    if finish_reason == "length" and plan.forced is not None:
+        return text, []
+    return plan.calls(text)
 
 
 def _finish(outcome: Outcome, job: Job) -> Outcome:
@@ -259,6 +279,20 @@ async def _chain(
         yield out
 
 
+def _delta_event(job: Job, choice: dict[str, Any]) -> bytes:
+    body = job.envelope([choice], chunk=True)
+    if job.include_usage:
+        body["usage"] = None
+    return _sse(body)
+
+
+def _tool_streams(job: Job) -> dict[int, ToolStream]:
+    """Per choice, what holds back tool-call text while it streams (none without tools)."""
+    if job.tools is None or not job.tools.active:
+        return {}
+    return {index: ToolStream(job.tools) for index in range(job.params.n)}
+
+
 async def _events(
     job: Job,
     engine: EngineClient,
@@ -273,6 +307,7 @@ async def _events(
     choices = Choices(job.params.n)
     delivered = 0
     settled = False
+    held = _tool_streams(job)
 
     def chunk(
         index: int,
@@ -282,10 +317,7 @@ async def _events(
         logprobs: list[TokenLogprobs] | None = None,
     ) -> bytes:
         choice = job.format.delta(index, text, finish_reason, first, logprobs, engine.token_text)
-        body = job.envelope([choice], chunk=True)
-        if job.include_usage:
-            body["usage"] = None
-        return _sse(body)
+        return _delta_event(job, choice)
 
     streaming = current_request().start_span("stream")
     with contextlib.suppress(TimeoutError):  # a slow database delays billing, not tokens
@@ -295,11 +327,21 @@ async def _events(
             yield chunk(index, job.echo, None, first=True)
         async for out in outputs:
             _observe(outcome, choices, job, out)
-            if out.text or out.logprobs:
-                yield chunk(out.index, out.text, None, logprobs=out.logprobs)
+            text = held[out.index].feed(out.text) if held else out.text
+            if text or out.logprobs:
+                yield chunk(out.index, text, None, logprobs=out.logprobs)
             delivered = outcome.delivered = choices.completion_tokens  # once the chunk was sent
             if out.finished:
-                yield chunk(out.index, "", out.finish_reason)
+                reason = out.finish_reason
+                if held:  # what was held back: content that turned out not to be a call, calls
+                    stream = held[out.index]
+                    content, calls = _calls(stream.plan, stream.pending, reason)
+                    if content:
+                        yield chunk(out.index, content, None)
+                    if calls:
+                        yield _delta_event(job, tool_calls_delta(out.index, calls))
+                        reason = "tool_calls"
+                yield chunk(out.index, "", reason)
         settled = True
         await asyncio.shield(recorder.settle(job.charge, _finish(outcome, job)))
         if job.include_usage:

@@ -163,7 +163,7 @@ class RemoteEngineClient:
             replica.in_flight += 1
             self._placements[request_id] = replica
             try:
-                async for out in self._stream(replica, body):
+                async for out in self._stream(replica, body, params.n):
                     if handed_back and not started:
                         yield restart_output(request_id)
                     started = True
@@ -197,7 +197,9 @@ class RemoteEngineClient:
                 replica.in_flight -= 1
                 self._placements.pop(request_id, None)
 
-    async def _stream(self, replica: Replica, body: bytes) -> AsyncIterator[RequestOutput]:
+    async def _stream(self, replica: Replica, body: bytes, n: int) -> AsyncIterator[RequestOutput]:
+        """The outputs of one attempt, until each of the request's n completions finished."""
+        unfinished = n
         try:
             async with self._http.stream(
                 "POST",
@@ -215,7 +217,9 @@ class RemoteEngineClient:
                     out = self._decode(line)
                     yield out
                     if out.finished:
-                        return
+                        unfinished -= 1
+                        if not unfinished:
+                            return
         except httpx.TransportError as exc:
             raise ReplicaFailed(repr(exc)) from exc
         raise ReplicaFailed("the stream ended before the request finished")
