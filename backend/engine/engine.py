@@ -18,7 +18,12 @@ from backend.engine.model_runner import ModelRunner
 from backend.engine.request import Request, RequestStatus, fan_out
 from backend.engine.scheduler import Scheduler
 from backend.engine.step_cost import warm_up, warm_up_shapes
-from backend.errors import PromptTooLongError, RequestFailedError, RequestStepError
+from backend.errors import (
+    InvalidParameterError,
+    PromptTooLongError,
+    RequestFailedError,
+    RequestStepError,
+)
 from backend.grammar import GrammarCompiler
 from backend.loader import load_model_config
 from backend.outputs import EngineStats, RequestOutput, TokenLogprobs
@@ -128,9 +133,10 @@ class Engine:
         tenant: str | None = None,
         weight: int = 1,
     ) -> None:
-        """Validate and queue a request. Raises ValueError (PromptTooLongError for a prompt
-        that does not fit, ConstraintError for a constraint that cannot be compiled),
-        OverloadedError (the waiting queue is full) or
+        """Validate and queue a request. Raises InvalidParameterError for a prompt the
+        caller must change (PromptTooLongError when it does not fit, ConstraintError for a
+        constraint that cannot be compiled), ValueError for ids or weights the gateway got
+        wrong, OverloadedError (the waiting queue is full) or
         DeadlineExceededError (the first token cannot come by `deadline`) in the caller's
         thread."""
         if not isinstance(weight, int) or isinstance(weight, bool) or weight < 1:
@@ -381,12 +387,12 @@ class Engine:
         elif isinstance(prompt, list) and all(type(t) is int for t in prompt):
             ids = list(prompt)
         else:
-            raise ValueError("prompt must be a string or a list of token ids")
+            raise InvalidParameterError("prompt must be a string or a list of token ids", "prompt")
         if not ids:
-            raise ValueError("prompt is empty")
+            raise InvalidParameterError("prompt is empty", "prompt")
         vocab = self.model_config.vocab_size
         if any(not 0 <= t < vocab for t in ids):
-            raise ValueError(f"prompt token ids must be in [0, {vocab})")
+            raise InvalidParameterError(f"prompt token ids must be in [0, {vocab})", "prompt")
         if len(ids) >= self.max_model_len:
             raise PromptTooLongError(len(ids), self.max_model_len)
         return ids

@@ -27,12 +27,24 @@ import httpx
 import msgspec
 
 from backend import RequestOutput, SamplingParams
-from backend.errors import DeadlineExceededError, OverloadedError, RequestFailedError
+from backend.errors import (
+    DeadlineExceededError,
+    EngineError,
+    OverloadedError,
+    RequestFailedError,
+)
 from backend.server import SECRET_HEADER
 from backend.tokenizer import Tokenizer
 from gateway.dispatch.engine_client import RESTART, overloaded
 from gateway.dispatch.routing import Replica, affinity_key, pick
-from gateway.errors import DeadlineExceeded, EngineUnavailable, InternalError, Overloaded
+from gateway.errors import (
+    DeadlineExceeded,
+    EngineUnavailable,
+    InternalError,
+    InvalidRequest,
+    Overloaded,
+)
+from gateway.tasks import Periodic, TaskSet
 from gateway.telemetry import tracing
 from gateway.telemetry.request import current_request
 
@@ -48,11 +60,11 @@ CONNECT_TIMEOUT_S = 2.0
 MAX_REPLICA_FAILURES = 2  # one retry after a replica died under a request, no more
 
 
-class ReplicaFailed(Exception):
+class ReplicaFailed(EngineError):
     """The replica broke the stream (connection lost, engine dead, bad reply)."""
 
 
-class ReplicaRefused(Exception):
+class ReplicaRefused(EngineError):
     """The replica answered 4xx: the request itself is at fault, so no retry."""
 
 
@@ -83,7 +95,8 @@ class RemoteEngineClient:
         )
         self._placements: dict[str, Replica] = {}
         self._decoder = msgspec.json.Decoder(type=RequestOutput)
-        self._health: asyncio.Task[None] | None = None
+        self._health = Periodic([(self.refresh, HEALTH_INTERVAL_S)])  # started by connect
+        self._aborts = TaskSet()  # finished before the HTTP client closes
 
     @classmethod
     async def connect(
@@ -97,7 +110,7 @@ class RemoteEngineClient:
             _write_atomically(folder / Path(name).name, content)
         client = cls(replicas, secret, Tokenizer(folder), info["model"], info["max_model_len"])
         await client.refresh()
-        client._health = asyncio.get_running_loop().create_task(client._watch())
+        client._health.start()
         return client
 
     def encode(self, text: str) -> list[int]:
@@ -208,7 +221,7 @@ class RemoteEngineClient:
                 headers=tracing.trace_headers(),  # the backend's spans join this trace
             ) as response:
                 if response.status_code in (400, 413, 422):
-                    raise ValueError((await response.aread()).decode(errors="replace"))
+                    raise _invalid(await response.aread())
                 if 400 <= response.status_code < 500:
                     raise ReplicaRefused(f"HTTP {response.status_code}")
                 if response.status_code != 200:
@@ -229,7 +242,7 @@ class RemoteEngineClient:
             error: dict[str, Any] = msgspec.json.decode(line)
             kind = error.get("kind")
             if kind == "invalid_request":
-                raise ValueError(error["error"])
+                raise InvalidRequest(error["error"], param=error.get("param"))
             if kind == OverloadedError.kind:
                 raise overloaded(error.get("retry_after_s") or 1.0, error["error"])
             if kind == DeadlineExceededError.kind:
@@ -246,7 +259,7 @@ class RemoteEngineClient:
         """Closing the stream already aborts on the replica; this says it explicitly."""
         replica = self._placements.get(request_id)
         if replica is not None:
-            asyncio.get_running_loop().create_task(self._abort(replica, request_id))
+            self._aborts.spawn(self._abort(replica, request_id))
 
     async def _abort(self, replica: Replica, request_id: str) -> None:
         with contextlib.suppress(httpx.HTTPError):
@@ -283,16 +296,9 @@ class RemoteEngineClient:
         queries = int(stats.get("prefix_cache_queries", 0))
         replica.prefix_cache_hit_rate = int(stats.get("prefix_cache_hits", 0)) / max(1, queries)
 
-    async def _watch(self) -> None:
-        while True:
-            await asyncio.sleep(HEALTH_INTERVAL_S)  # a polling period, not synchronisation
-            await self.refresh()
-
     async def close(self) -> None:
-        if self._health is not None:
-            self._health.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._health
+        await self._health.close()
+        await self._aborts.drain()
         await self._http.aclose()
 
 
@@ -307,6 +313,15 @@ async def _fetch_info(replicas: Sequence[str], secret: str) -> dict[str, Any]:
                 info: dict[str, Any] = response.json()
                 return info
     raise EngineUnavailable(f"no backend replica answered: {', '.join(replicas)}")
+
+
+def _invalid(body: bytes) -> InvalidRequest:
+    """The replica's 400 (backend.server's refusal: message and parameter) as ours."""
+    try:
+        refusal: dict[str, Any] = msgspec.json.decode(body)
+        return InvalidRequest(str(refusal["error"]), param=refusal.get("param"))
+    except (msgspec.DecodeError, KeyError, TypeError):  # not a refusal we know: pass it on
+        return InvalidRequest(body.decode(errors="replace"))
 
 
 def _write_atomically(path: Path, content: str) -> None:

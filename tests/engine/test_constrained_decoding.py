@@ -27,6 +27,7 @@ from backend.sampling import SamplingParams
 from backend.server import GenerateBody, create_backend_app
 from backend.tokenizer import Tokenizer
 from gateway.dispatch.remote import RemoteEngineClient
+from gateway.errors import InvalidRequest
 from tests.conftest import serving
 from tests.engine.engine_support import run_to_completion, text_of, tokens_of
 
@@ -229,8 +230,9 @@ async def test_a_replica_enforces_the_constraint_and_names_a_bad_one() -> None:
             outs = [out async for out in client.generate(prompt, params, "ok")]
             assert re.fullmatch("[0-9]{4}", text_of(outs)) and outs[-1].finish_reason == "stop"
             bad = SamplingParams(constraint=Constraint("regex", "(unclosed"))
-            with pytest.raises(ValueError, match=r"regex constraint: .*unclosed group"):
+            with pytest.raises(InvalidRequest, match=r"regex constraint: .*unclosed group") as e:
                 async for _ in client.generate(prompt, bad, "bad"):
                     pass
+            assert e.value.param == "response_format"
         finally:
             await client.close()
