@@ -10,7 +10,7 @@ import asyncio
 import contextlib
 from collections.abc import AsyncGenerator, AsyncIterator
 from pathlib import Path
-from typing import Protocol
+from typing import Any, Protocol
 
 from backend import AsyncEngine, EngineConfig, RequestOutput, SamplingParams
 from backend.errors import (
@@ -33,6 +33,7 @@ class EngineClient(Protocol):
     model_name: str
     max_model_len: int
     max_token_chars: int  # the tokenizer's bound on characters per token
+    tool_call_parser: str  # the model's tool-call format (gateway/api/tools.py PARSERS)
 
     def encode(self, text: str) -> list[int]: ...
 
@@ -40,7 +41,12 @@ class EngineClient(Protocol):
 
     def token_text(self, token_id: int) -> str: ...
 
-    def render_chat(self, messages: list[dict[str, str]]) -> str: ...
+    def render_chat(
+        self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None
+    ) -> str:
+        """The chat template's prompt; `tools` and the messages' tool calls follow Hugging
+        Face's convention. Raises ValueError when the template refuses the messages."""
+        ...
 
     def generate(
         self,
@@ -81,6 +87,7 @@ class InProcessEngineClient:
         self.model_name = engine.model_name
         self.max_model_len = engine.max_model_len
         self.max_token_chars = engine.tokenizer.max_token_chars
+        self.tool_call_parser = engine.tokenizer.tool_call_parser
 
     @classmethod
     async def load(cls, model_path: Path, config: EngineConfig) -> InProcessEngineClient:
@@ -97,8 +104,10 @@ class InProcessEngineClient:
     def token_text(self, token_id: int) -> str:
         return self.decode([token_id])
 
-    def render_chat(self, messages: list[dict[str, str]]) -> str:
-        return self.engine.tokenizer.apply_chat_template(messages)
+    def render_chat(
+        self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None
+    ) -> str:
+        return self.engine.tokenizer.apply_chat_template(messages, tools=tools)
 
     def generate(
         self,

@@ -87,6 +87,7 @@ class RemoteEngineClient:
         self.model_name = model_name
         self.max_model_len = max_model_len
         self.max_token_chars = tokenizer.max_token_chars
+        self.tool_call_parser = tokenizer.tool_call_parser
         self._http = httpx.AsyncClient(
             headers={SECRET_HEADER: secret},
             timeout=httpx.Timeout(None, connect=CONNECT_TIMEOUT_S),
@@ -121,8 +122,10 @@ class RemoteEngineClient:
     def token_text(self, token_id: int) -> str:
         return self.decode([token_id])
 
-    def render_chat(self, messages: list[dict[str, str]]) -> str:
-        return self.tokenizer.apply_chat_template(messages)
+    def render_chat(
+        self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None
+    ) -> str:
+        return self.tokenizer.apply_chat_template(messages, tools=tools)
 
     def is_ready(self) -> bool:
         return any(r.healthy for r in self.replicas)
@@ -173,7 +176,7 @@ class RemoteEngineClient:
             replica.in_flight += 1
             self._placements[request_id] = replica
             try:
-                async for out in self._stream(replica, body):
+                async for out in self._stream(replica, body, params.n):
                     if handed_back and not started:
                         yield restart_output(request_id)
                     started = True
@@ -207,7 +210,9 @@ class RemoteEngineClient:
                 replica.in_flight -= 1
                 self._placements.pop(request_id, None)
 
-    async def _stream(self, replica: Replica, body: bytes) -> AsyncIterator[RequestOutput]:
+    async def _stream(self, replica: Replica, body: bytes, n: int) -> AsyncIterator[RequestOutput]:
+        """The outputs of one attempt, until each of the request's n completions finished."""
+        unfinished = n
         try:
             async with self._http.stream(
                 "POST",
@@ -225,7 +230,9 @@ class RemoteEngineClient:
                     out = self._decode(line)
                     yield out
                     if out.finished:
-                        return
+                        unfinished -= 1
+                        if not unfinished:
+                            return
         except httpx.TransportError as exc:
             raise ReplicaFailed(repr(exc)) from exc
         raise ReplicaFailed("the stream ended before the request finished")
