@@ -303,8 +303,8 @@ class Client:
         """One request; its latency counts from `due` (open loop: when it should have
         been sent, so a late send is not hidden) or from now."""
         started = time.perf_counter() if due is None else due
-        for attempt in range(2):  # a kept-alive connection the server closed: one more try
-            reused = bool(self.idle)
+        for attempt in range(2):  # a kept-alive connection the server closed: a new one
+            reused = bool(self.idle) and attempt == 0
             try:
                 reader, writer = self.idle.pop() if reused else await self._connect()
             except OSError:
@@ -316,7 +316,8 @@ class Client:
                 )
             except (asyncio.IncompleteReadError, ConnectionError, TimeoutError) as exc:
                 writer.close()
-                if reused and attempt == 0 and not isinstance(exc, TimeoutError):
+                if reused and not isinstance(exc, TimeoutError):
+                    self.close()  # idle past the server's keep-alive: so are the others
                     continue
                 return Sample(False, time.perf_counter() - started, 0.0)
             if keep:
@@ -530,21 +531,16 @@ async def start_tollgate(
 
 async def _tenant_key(base: str, admin: str) -> str:
     auth = {"Authorization": f"Bearer {admin}"}
-    plan = {
-        "name": "bench",
-        "rpm": 10**7,
-        "tpm": 10**10,
-        "max_concurrent": 10**5,
-        "monthly_budget_micros": 10**15,
-        "max_tokens_per_request": 4096,
-    }
+    plan = {"name": "bench", "rpm": 10**9, "tpm": 10**9, "max_concurrent": 10**5,
+            "monthly_budget_micros": 10**12, "max_tokens_per_request": 4096}  # fmt: skip
+    steps = [("/admin/api/plans", plan), ("/admin/api/tenants", {"name": "bench", "plan": "bench"}),
+             ("/admin/api/tenants/bench/keys", {})]  # fmt: skip
     async with httpx.AsyncClient(base_url=base, headers=auth, timeout=30) as http:
-        (await http.post("/admin/api/plans", json=plan)).raise_for_status()
-        tenant = {"name": "bench", "plan": "bench"}
-        (await http.post("/admin/api/tenants", json=tenant)).raise_for_status()
-        created = await http.post("/admin/api/tenants/bench/keys", json={})
-        created.raise_for_status()
-        return str(created.json()["key"])
+        for path, body in steps:
+            response = await http.post(path, json=body)
+            if response.status_code >= 300:
+                raise RuntimeError(f"{path}: {response.status_code} {response.text}")
+    return str(response.json()["key"])
 
 
 def prepare_postgres() -> str:
@@ -719,11 +715,13 @@ def sustains(cell: Cell) -> bool:
     return total > 0 and cell.errors / total < ERROR_LIMIT and cell.latency(99) <= P99_LIMIT_S
 
 
-async def highest_rate(target: Target, seconds: float, steps: int) -> tuple[float, str]:
+async def highest_rate(
+    target: Target, seconds: float, steps: int, most_rounds: int = 40
+) -> tuple[float, str]:
     """Grow the rate by 1.5x while it is sustained, then bisect between the last good and
     the first bad rate for `steps` more rounds."""
-    good, bad, rate, log = 0.0, None, 50.0, []
-    for step in range(40):
+    good, bad, rate, log = 0.0, None, 20.0, []
+    for step in range(most_rounds):
         cell = await open_loop(target, rate, seconds, seed=step)
         passed = sustains(cell)
         log.append(
@@ -750,11 +748,12 @@ class Plan:
     rounds: int
     requests: dict[int, int]  # concurrency -> requests per round
     rate_seconds: float
-    rate_steps: int
+    rate_steps: int  # bisection rounds after the first rate that fails
+    rate_rounds: int = 40  # rates tried at most
 
 
 PLANS = {
-    "dry": Plan(rounds=1, requests={1: 8, 16: 16}, rate_seconds=0.5, rate_steps=0),
+    "dry": Plan(rounds=1, requests={1: 8, 16: 16}, rate_seconds=0.5, rate_steps=0, rate_rounds=1),
     "quick": Plan(rounds=3, requests={1: 100, 16: 320}, rate_seconds=3.0, rate_steps=2),
     "full": Plan(rounds=6, requests={1: 300, 16: 960}, rate_seconds=8.0, rate_steps=4),
 }
@@ -794,7 +793,7 @@ async def measure(targets: list[Target], plan: Plan) -> dict[str, Any]:
     for target in targets:
         if target.baseline is None:
             continue
-        rate, log = await highest_rate(target, plan.rate_seconds, plan.rate_steps)
+        rate, log = await highest_rate(target, plan.rate_seconds, plan.rate_steps, plan.rate_rounds)
         rates[target.name] = {"sustained_rps": rate, "steps": log}
     return {"rows": rows, "sustained": rates}
 
