@@ -841,7 +841,8 @@ async def profile(processes: Processes, args: argparse.Namespace, plan: Plan) ->
     """Tollgate (embedded) under pyinstrument through a closed-loop load phase; prints
     the functions with the most self time and the request path's call tree."""
     _, replica_port = await start_upstreams(processes)
-    session_file = processes.folder / "tollgate.pyisession"
+    session_file = Path(args.profile_out)
+    session_file.parent.mkdir(parents=True, exist_ok=True)
     target = await start_tollgate(
         processes,
         "tollgate embedded",
@@ -850,7 +851,7 @@ async def profile(processes: Processes, args: argparse.Namespace, plan: Plan) ->
         {},
         profile_to=session_file,
     )
-    requests = plan.requests[16] * plan.rounds * 2
+    requests = plan.requests[16] * plan.rounds
     started = time.perf_counter()
     for stream in (False, True):
         await closed_loop(target, 16, stream, requests, Cell())
@@ -862,7 +863,15 @@ async def profile(processes: Processes, args: argparse.Namespace, plan: Plan) ->
     summarize_profile(session_file, top=args.top)
 
 
+# The process's own frames around every request (and its imports): not the request path.
+_ENTRY_POINTS = frozenset(
+    {"main (gateway/cli.py)", "_serve (gateway/cli.py)", "serve (gateway/serve.py)"}
+)
+
+
 def summarize_profile(path: Path, top: int) -> None:
+    """Three views of the main thread's busy time: self time by library, inclusive time
+    of Tollgate's own functions, and the call tree."""
     from pyinstrument.renderers import ConsoleRenderer
     from pyinstrument.session import Session
 
@@ -870,29 +879,52 @@ def summarize_profile(path: Path, top: int) -> None:
     root = session.root_frame()
     if root is None:
         raise SystemExit("the profile is empty")
-    own: dict[str, float] = {}
-    stack = [root]
+    by_library: dict[str, float] = {}
+    inclusive: dict[str, float] = {}
+    stack: list[tuple[Any, frozenset[str]]] = [(root, frozenset())]
     while stack:
-        frame = stack.pop()
-        label = f"{frame.function} ({_short(frame.file_path)}:{frame.line_no})"
-        own[label] = own.get(label, 0.0) + frame.total_self_time
-        stack.extend(frame.children)
-    idle = sum(
-        t for label, t in own.items() if label.startswith(("select ", "[await]", "[self]", "poll "))
-    )
-    busy = max(session.duration - idle, 1e-9)
-    print(f"\nself time, % of the process's busy time ({busy:.1f} s of {session.duration:.1f} s):")
-    for label, seconds in sorted(own.items(), key=lambda kv: -kv[1])[:top]:
+        frame, above = stack.pop()
+        library = _library(frame.file_path, frame.function)
+        by_library[library] = by_library.get(library, 0.0) + frame.total_self_time
+        label = f"{frame.function} ({_short(frame.file_path)})"
+        if library in ("gateway", "tenants") and label not in above | _ENTRY_POINTS:
+            inclusive[label] = inclusive.get(label, 0.0) + frame.time
+        children = [c for c in frame.children if not c.is_synthetic]  # counted in the parent
+        stack.extend((child, above | {label}) for child in children)
+    idle = by_library.pop("idle (epoll)", 0.0)
+    startup = inclusive.get("<module> (gateway/serve.py)", 0.0)
+    inclusive = {k: v for k, v in inclusive.items() if not k.startswith("<module>")}
+    busy = max(root.time - idle - startup, 1e-9)
+    print(f"\nmain thread: {busy:.1f} s busy serving ({idle:.1f} s idle, {startup:.1f} s imports)")
+    print("self time by library, % of busy:")
+    for library, seconds in sorted(by_library.items(), key=lambda kv: -kv[1])[:12]:
+        print(f"  {100 * seconds / busy:5.1f}%  {library}")
+    print("Tollgate's functions, inclusive time, % of busy:")
+    for label, seconds in sorted(inclusive.items(), key=lambda kv: -kv[1])[:top]:
         print(f"  {100 * seconds / busy:5.1f}%  {label}")
     print(
         ConsoleRenderer(
             unicode=False,
             color=False,
-            show_all=False,
             short_mode=True,
             processor_options={"filter_threshold": 0.02},
         ).render(session)
     )
+
+
+def _library(path: str | None, function: str) -> str:
+    if function in ("epoll.poll", "select"):
+        return "idle (epoll)"
+    if not path:
+        return "other"
+    if "site-packages/" in path:
+        return path.split("site-packages/", 1)[1].split("/", 1)[0].removesuffix(".py")
+    for package in ("gateway", "tenants", "backend"):
+        if f"/{package}/" in path:
+            return package
+    if "<built-in>" in path:
+        return "builtins (C calls: sockets, queues, json)"
+    return "python stdlib (asyncio, ...)" if "/lib/python3" in path else "other"
 
 
 def _short(path: str | None) -> str:
@@ -945,6 +977,11 @@ def main() -> None:
     parser.add_argument("--skip-stack", action="store_true", help="no PostgreSQL + Redis Tollgate")
     parser.add_argument("--tollgate-upstream", choices=["replica", "openai"], default="replica")
     parser.add_argument("--profile", action="store_true", help="pyinstrument on Tollgate's path")
+    parser.add_argument(
+        "--profile-out",
+        default=str(ROOT / ".bench_cache" / "gateway_overhead.pyisession"),
+        help="where --profile keeps its pyinstrument session (pyinstrument --load=FILE)",
+    )
     parser.add_argument("--top", type=int, default=25, help="functions listed by --profile")
     parser.add_argument("--json", help="also write the figures to this file")
     parser.add_argument(
