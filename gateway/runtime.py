@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from litestar.datastructures import State
 from sqlalchemy.ext.asyncio import AsyncEngine, AsyncSession, async_sessionmaker
 
 from gateway.admission.auth_failures import AuthFailureLog
 from gateway.admission.idempotency import Idempotency
+from gateway.admission.key_cache import KeyCache
 from gateway.admission.quota import Admission
 from gateway.dispatch.engine_client import EngineClient
 from gateway.errors import EngineUnavailable
@@ -28,6 +29,7 @@ class Runtime:
     tasks: TaskSet
     engine_client: EngineClient | None = None
     auth_failures: AuthFailureLog | None = None  # counted, audited once per window
+    keys: KeyCache = field(default_factory=KeyCache)  # authenticated keys, for seconds
 
     @property
     def engine(self) -> EngineClient:

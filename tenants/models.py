@@ -114,6 +114,17 @@ class ApiKey(LimitColumns, Base):
     revoked_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True))
 
 
+class KeyGeneration(Base):
+    """One row, bumped in the same transaction as every change to a key's standing
+    (revocation, its limits, its tenant's plan): a gateway's remembered keys are good only
+    while it is unchanged (gateway.admission.key_cache)."""
+
+    __tablename__ = "key_generation"
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True)
+    value: Mapped[int] = mapped_column(BigInteger)
+
+
 class UsageEvent(Base):
     """The ledger: one row per request, whatever its outcome."""
 

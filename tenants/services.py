@@ -4,11 +4,11 @@ an AsyncSession; callers own the transaction."""
 from __future__ import annotations
 
 import re
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta
 
-from sqlalchemy import func, select
+from sqlalchemy import func, select, update
 from sqlalchemy.ext.asyncio import AsyncSession
 
 from tenants import audit, keys
@@ -16,7 +16,17 @@ from tenants.audit import SYSTEM, Actor, AuditContext
 from tenants.billing import ledger
 from tenants.errors import ConflictError, InvalidInputError, NotFoundError
 from tenants.limits import LIMIT_NAMES, LimitSet, PlanTerms, check_priorities
-from tenants.models import ApiKey, KeyRole, KeyStatus, Plan, Tenant, UsageEvent, as_utc, utcnow
+from tenants.models import (
+    ApiKey,
+    KeyGeneration,
+    KeyRole,
+    KeyStatus,
+    Plan,
+    Tenant,
+    UsageEvent,
+    as_utc,
+    utcnow,
+)
 
 _TENANT_NAME = re.compile(r"^[a-z0-9][a-z0-9_.-]{0,99}$")
 LAST_USED_GRANULARITY = timedelta(minutes=1)
@@ -65,6 +75,13 @@ def _terms_view(terms: PlanTerms) -> dict[str, object]:
 def _changes(before: dict[str, object], after: dict[str, object]) -> dict[str, object]:
     """{field: [old, new]} for the fields that changed."""
     return {name: [before[name], after[name]] for name in after if before[name] != after[name]}
+
+
+async def keys_changed(session: AsyncSession) -> None:
+    """A key's standing changed (revoked, re-limited, its plan changed): bump the key
+    generation in the caller's transaction, so every gateway forgets the keys it
+    remembered the moment the change commits."""
+    await session.execute(update(KeyGeneration).values(value=KeyGeneration.value + 1))
 
 
 class Audited:
@@ -138,6 +155,7 @@ class TenantService(Audited):
             tenant.id,
             plan=[None if previous is None else previous.name, plan_name],
         )
+        await keys_changed(self.session)
         return tenant
 
 
@@ -163,6 +181,7 @@ class PlanService(Audited):
         await self.session.flush()
         after = _terms_view(PlanTerms.of(plan))
         await self._audit("plan.update", f"plan:{name}", None, changes=_changes(before, after))
+        await keys_changed(self.session)
         return plan
 
     @staticmethod
@@ -234,6 +253,7 @@ class ApiKeyService(Audited):
         limits.apply_to(key)
         changes = _changes(before, _limits_view(limits))
         await self._audit("key.set_limits", f"key:{key.prefix}", key.tenant_id, changes=changes)
+        await keys_changed(self.session)
         return key
 
     async def revoke(self, key_id_or_prefix: str) -> ApiKey:
@@ -242,6 +262,7 @@ class ApiKeyService(Audited):
             key.status = KeyStatus.REVOKED
             key.revoked_at = utcnow()
             await self._audit("key.revoke", f"key:{key.prefix}", key.tenant_id, key_id=key.id)
+            await keys_changed(self.session)
         return key
 
     async def authenticate(
@@ -307,6 +328,10 @@ class UsageService:
     async def record(self, event: UsageEvent) -> None:
         """The ledger row and, when it costs something, its Stripe outbox row."""
         await ledger.record(self.session, event)
+
+    async def record_all(self, events: Sequence[UsageEvent]) -> None:
+        """Several requests' ledger and outbox rows, written together."""
+        await ledger.record_all(self.session, events)
 
     async def for_tenant(self, tenant_id: str, limit: int = 100) -> list[UsageEvent]:
         result = await self.session.execute(

@@ -12,6 +12,7 @@ from litestar.datastructures import MutableScopeHeaders
 from litestar.di import NamedDependency
 from litestar.types import Message, Scope
 
+from gateway.admission.key_cache import key_generation
 from gateway.errors import AuthenticationFailed
 from gateway.runtime import Runtime
 from gateway.telemetry import current_request
@@ -81,15 +82,29 @@ async def authenticate(
         )
     scope = current_request()
     with scope.span("authenticate"):
-        async with runtime.sessions.begin() as session:
-            principal = await ApiKeyService(session).authenticate(
-                token, context=audit_context(request)
-            )
+        principal = await _principal(request, runtime, token)
     if principal is None:
         note_failure(request, runtime, keys.key_prefix(token), "invalid_key")
         # The same answer for unknown, malformed and revoked keys: no oracle for attackers.
         raise AuthenticationFailed("invalid or revoked API key")
     scope.identify(principal)
+    return principal
+
+
+async def _principal(
+    request: Request[Any, Any, Any], runtime: Runtime, token: str
+) -> Principal | None:
+    """The caller remembered under the current key generation (gateway/admission/key_cache),
+    else the key's lookup."""
+    async with runtime.db.connect() as connection:
+        generation = await key_generation(connection)
+    principal = runtime.keys.get(token, generation)
+    if principal is not None:
+        return principal
+    async with runtime.sessions.begin() as session:
+        principal = await ApiKeyService(session).authenticate(token, context=audit_context(request))
+    if principal is not None:
+        runtime.keys.put(token, principal, generation)
     return principal
 
 

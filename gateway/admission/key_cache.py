@@ -1,0 +1,64 @@
+"""Authenticated keys, remembered for a few seconds so a request need not look its key up.
+
+Every change to a key's standing (revocation, its limits, its tenant's plan) bumps the
+key generation, one row, in the change's own transaction (tenants.services.keys_changed),
+whichever process makes it: a gateway replica, the console, the CLI. Each request reads
+that row, one primary-key read, cheaper than the key lookup, and uses a remembered key
+only if the generation is the one it was looked up under. So a revocation committed
+anywhere refuses the very next request on every replica; the few seconds bound only how
+long an unchanged key goes without its lookup (its last_used_at, a revoked key's audit).
+"""
+
+from __future__ import annotations
+
+import time
+from collections import OrderedDict
+
+from sqlalchemy import select
+from sqlalchemy.ext.asyncio import AsyncConnection
+
+from tenants import keys
+from tenants.models import KeyGeneration
+from tenants.services import Principal
+
+REMEMBER_S = 5.0
+MOST_KEYS = 10_000  # the least recently used are forgotten first
+
+_GENERATION = select(KeyGeneration.value).where(KeyGeneration.id == 1)
+
+
+async def key_generation(connection: AsyncConnection) -> int | None:
+    """The current generation; None where the row is missing (nothing is remembered)."""
+    return await connection.scalar(_GENERATION)
+
+
+class KeyCache:
+    def __init__(self, remember_s: float = REMEMBER_S, most: int = MOST_KEYS) -> None:
+        self.remember_s = remember_s
+        self.most = most
+        # the key's hash -> (who it is, the generation it was looked up under, until when)
+        self._known: OrderedDict[str, tuple[Principal, int, float]] = OrderedDict()
+
+    def get(self, secret: str, generation: int | None) -> Principal | None:
+        digest = keys.hash_key(secret)
+        known = self._known.get(digest)
+        if known is None or generation is None:
+            return None
+        principal, looked_up_under, until = known
+        if looked_up_under != generation or time.monotonic() >= until:
+            del self._known[digest]
+            return None
+        self._known.move_to_end(digest)
+        return principal
+
+    def put(self, secret: str, principal: Principal, generation: int | None) -> None:
+        """Remember a key looked up under `generation` (read before the lookup began)."""
+        if generation is None:
+            return
+        self._known[keys.hash_key(secret)] = (
+            principal,
+            generation,
+            time.monotonic() + self.remember_s,
+        )
+        while len(self._known) > self.most:
+            self._known.popitem(last=False)

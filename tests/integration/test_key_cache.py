@@ -1,0 +1,109 @@
+"""Authenticated keys are remembered for a few seconds, yet a revocation (or any change
+to a key's standing) made anywhere refuses the very next request on every gateway."""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import AsyncIterator
+
+from litestar import Litestar
+from litestar.testing import AsyncTestClient
+from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
+
+from gateway.admission.key_cache import KeyCache, key_generation
+from gateway.app import create_app
+from gateway.dispatch.engine_client import InProcessEngineClient
+from gateway.runtime import Runtime
+from gateway.settings import Settings
+from tenants.limits import LimitSet
+from tenants.models import KeyRole
+from tenants.services import ApiKeyService, Principal, TenantService
+
+Sessions = async_sessionmaker[AsyncSession]
+Client = AsyncTestClient[Litestar]
+
+
+@contextlib.asynccontextmanager
+async def _gateways(
+    settings: Settings, engine_client: InProcessEngineClient
+) -> AsyncIterator[tuple[Client, Client]]:
+    """Two gateway replicas sharing one database."""
+    first = create_app(settings, engine_client=engine_client)
+    second = create_app(settings, engine_client=engine_client)
+    async with AsyncTestClient(app=first) as one, AsyncTestClient(app=second) as other:
+        yield one, other
+
+
+def _runtime(client: Client) -> Runtime:
+    runtime: Runtime = client.app.state.runtime
+    return runtime
+
+
+async def _remembered(client: Client, secret: str) -> Principal | None:
+    runtime = _runtime(client)
+    async with runtime.db.connect() as connection:
+        return runtime.keys.get(secret, await key_generation(connection))
+
+
+async def _admin_key(sessions: Sessions) -> str:
+    async with sessions.begin() as session:
+        tenant = await TenantService(session).create("ops")
+        return (await ApiKeyService(session).create(tenant, "root", KeyRole.ADMIN)).secret
+
+
+def _bearer(secret: str) -> dict[str, str]:
+    return {"Authorization": f"Bearer {secret}"}
+
+
+async def test_a_key_revoked_on_one_gateway_is_refused_at_once_by_another(
+    settings: Settings, engine_client: InProcessEngineClient, tenant_key: str, sessions: Sessions
+) -> None:
+    admin = await _admin_key(sessions)
+    async with _gateways(settings, engine_client) as (one, other):
+        assert (await other.get("/v1/models", headers=_bearer(tenant_key))).status_code == 200
+        assert await _remembered(other, tenant_key) is not None  # the next one needs no lookup
+        prefix = tenant_key.split("_")[0]
+        revoked = await one.post(f"/admin/api/keys/{prefix}/revoke", headers=_bearer(admin))
+        assert revoked.status_code == 200
+        assert await _remembered(other, tenant_key) is None
+        refused = await other.get("/v1/models", headers=_bearer(tenant_key))
+        assert refused.status_code == 401
+
+
+async def test_a_revocation_outside_any_gateway_is_seen_at_once(
+    settings: Settings, engine_client: InProcessEngineClient, tenant_key: str, sessions: Sessions
+) -> None:
+    """As `tollgate keys revoke` does it: straight in the database."""
+    async with _gateways(settings, engine_client) as (one, _):
+        assert (await one.get("/v1/models", headers=_bearer(tenant_key))).status_code == 200
+        async with sessions.begin() as session:
+            await ApiKeyService(session).revoke(tenant_key.split("_")[0])
+        assert (await one.get("/v1/models", headers=_bearer(tenant_key))).status_code == 401
+
+
+async def test_new_limits_reach_a_remembered_key_at_once(
+    settings: Settings, engine_client: InProcessEngineClient, tenant_key: str, sessions: Sessions
+) -> None:
+    async with _gateways(settings, engine_client) as (one, _):
+        assert (await one.get("/v1/models", headers=_bearer(tenant_key))).status_code == 200
+        async with sessions.begin() as session:
+            await ApiKeyService(session).set_limits(tenant_key.split("_")[0], LimitSet(rpm=7))
+        assert (await one.get("/v1/models", headers=_bearer(tenant_key))).status_code == 200
+        remembered = await _remembered(one, tenant_key)
+        assert remembered is not None and remembered.key_limits.rpm == 7
+
+
+def test_a_remembered_key_is_forgotten_when_the_generation_moves_or_time_is_up() -> None:
+    caller = Principal(tenant_id="t", tenant_name="acme", key_id="k", role=KeyRole.TENANT)
+    cache = KeyCache()
+    cache.put("tg-secret", caller, generation=3)
+    assert cache.get("tg-secret", 3) == caller
+    assert cache.get("tg-secret", 4) is None
+    assert cache.get("tg-secret", 3) is None  # forgotten, not remembered again
+    expired = KeyCache(remember_s=0.0)
+    expired.put("tg-secret", caller, generation=3)
+    assert expired.get("tg-secret", 3) is None
+    bounded = KeyCache(most=2)
+    for name in ("a", "b", "c"):
+        bounded.put(name, caller, generation=1)
+    assert [bounded.get(name, 1) for name in ("a", "b", "c")] == [None, caller, caller]

@@ -1,0 +1,62 @@
+"""The recorder's group commit: writes that arrive during a commit go together in the
+next one, each submitter returns after its own write's commit, and one bad write fails
+only its submitter."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from gateway.metering import Checkpoint, GroupCommit, Write
+from gateway.tasks import TaskSet
+
+
+def _write(name: str) -> Checkpoint:
+    return Checkpoint(frozenset({name}))
+
+
+async def test_writes_arriving_during_a_commit_share_the_next_one() -> None:
+    groups: list[list[Write]] = []
+    committing = asyncio.Event()
+    release = asyncio.Event()
+
+    async def commit(writes: list[Write]) -> None:
+        groups.append(writes)
+        committing.set()
+        await release.wait()
+
+    writes = GroupCommit(commit, TaskSet())
+    first = asyncio.create_task(writes.submit(_write("a")))
+    await committing.wait()
+    later = [asyncio.create_task(writes.submit(_write(name))) for name in ("b", "c")]
+    release.set()  # they queued (they ran first: asyncio runs ready work in order)
+    await asyncio.gather(first, *later)
+    assert groups == [[_write("a")], [_write("b"), _write("c")]]
+
+
+async def test_a_bad_write_fails_only_its_own_submitter() -> None:
+    committed: list[Write] = []
+    release = asyncio.Event()
+
+    async def commit(writes: list[Write]) -> None:
+        await release.wait()
+        if _write("bad") in writes:
+            raise ValueError("refused by the database")
+        committed.extend(writes)
+
+    writes = GroupCommit(commit, TaskSet())
+    first = asyncio.create_task(writes.submit(_write("first")))
+    group = [asyncio.create_task(writes.submit(_write(n))) for n in ("good", "bad", "fine")]
+    release.set()
+    results = await asyncio.gather(first, *group, return_exceptions=True)
+    assert [type(r) for r in results] == [type(None), type(None), ValueError, type(None)]
+    assert committed == [_write("first"), _write("good"), _write("fine")]
+
+
+async def test_a_failing_commit_reaches_the_submitter() -> None:
+    async def commit(writes: list[Write]) -> None:
+        raise OSError("database away")
+
+    with pytest.raises(OSError, match="database away"):
+        await GroupCommit(commit, TaskSet()).submit(_write("a"))
