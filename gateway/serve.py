@@ -1,4 +1,5 @@
-"""`tollgate serve`: migrate the embedded database, bootstrap the admin key, run uvicorn."""
+"""`tollgate serve`: migrate the embedded database, bootstrap the admin key, run uvicorn
+(on uvloop and httptools where they are installed)."""
 
 from __future__ import annotations
 
@@ -58,6 +59,9 @@ def _uvicorn_config(app: Any, settings: Settings, **options: Any) -> uvicorn.Con
         log_level=settings.log_level,
         log_config=None,  # uvicorn's loggers go through ours (JSON lines)
         lifespan="on",
+        # uvloop and httptools (dependencies) where installed, else asyncio's loop and h11
+        loop="auto",
+        http="auto",
         timeout_graceful_shutdown=SETTLE_S,  # after the drain (gateway/drain.py)
         **options,
     )
