@@ -140,12 +140,12 @@ class UsageRecorder:
         cost = tokens = 0
         at_us: int | None = None
         request_id = charge.request_id
-        self._streams.pop(request_id, None)
+        streamed = self._streams.pop(request_id, None) is not None
         try:
             event = await self._event(charge, outcome)
             cost = event.cost_micros
             tokens = event.prompt_tokens + event.completion_tokens
-            await self._writes.submit(event)
+            await self._writes.submit(Settled(event, streamed))
             at_us = to_us(event.created_at)
         except Exception:
             # Never silently: the request id lets an operator reconcile by hand.
@@ -167,7 +167,7 @@ class UsageRecorder:
     async def _commit(self, writes: list[Write]) -> None:
         """One transaction: the checkpoints of the streams still running, then the ledger
         rows (each deleting its stream's checkpoint)."""
-        events = [write for write in writes if isinstance(write, UsageEvent)]
+        settled = [write for write in writes if isinstance(write, Settled)]
         now = utcnow()
         asked = frozenset[str]().union(*(w.streams for w in writes if isinstance(w, Checkpoint)))
         checkpoints = [
@@ -179,11 +179,12 @@ class UsageRecorder:
             if checkpoints:
                 dialect = (await session.connection()).dialect.name
                 await session.execute(_CHECKPOINT_UPSERTS[dialect], checkpoints)
-            if events:
-                await UsageService(session).record_all(events)
-                settled = [event.request_id for event in events]
+            if settled:
+                await UsageService(session).record_all([write.event for write in settled])
+            streams = [write.event.request_id for write in settled if write.streamed]
+            if streams:
                 await session.execute(
-                    delete(UsageCheckpoint).where(UsageCheckpoint.request_id.in_(settled))
+                    delete(UsageCheckpoint).where(UsageCheckpoint.request_id.in_(streams))
                 )
 
     async def bill_orphans(self) -> int:
@@ -300,7 +301,16 @@ class Checkpoint:
     streams: frozenset[str]
 
 
-Write = UsageEvent | Checkpoint
+@dataclass(frozen=True)
+class Settled:
+    """A finished request's ledger row; a stream's checkpoint goes with it (only streams
+    have one)."""
+
+    event: UsageEvent
+    streamed: bool
+
+
+Write = Settled | Checkpoint
 Waiting = tuple[Write, "asyncio.Future[None]"]
 
 
