@@ -17,7 +17,6 @@ from prometheus_client.parser import text_string_to_metric_families
 from gateway.dispatch.routing import Replica
 
 PROBE_TIMEOUT_S = 1.0
-MISSED_POLLS_TO_DOWN = 3
 
 
 @dataclass(frozen=True)
@@ -77,30 +76,18 @@ async def probe(http: httpx.AsyncClient, target: Replica) -> None:
         _get(http, f"{target.url}/health"), _get(http, f"{target.url}/metrics")
     )
     if isinstance(health, httpx.TimeoutException) or isinstance(metrics, httpx.TimeoutException):
-        missed(target)
+        target.missed()
         return
     if isinstance(health, Exception) or health.status_code >= 500:
-        answered(target, healthy=False)
+        target.answered(healthy=False)
         return
-    answered(target, healthy=True)
+    target.answered(healthy=True)
     load = None
     if isinstance(metrics, httpx.Response) and metrics.status_code == 200:
         load = parse_load(metrics.text)
     if load is not None:
         target.waiting, target.running = load.waiting, load.running
         target.kv_used_fraction = load.kv_used_fraction
-
-
-def missed(target: Replica) -> None:
-    """A probe got no answer in time: slow is not dead, so only a few in a row count."""
-    target.missed_polls += 1
-    if target.missed_polls >= MISSED_POLLS_TO_DOWN:
-        target.healthy = False
-
-
-def answered(target: Replica, healthy: bool) -> None:
-    target.missed_polls = 0
-    target.healthy = healthy
 
 
 async def _get(http: httpx.AsyncClient, url: str) -> httpx.Response | httpx.HTTPError:
