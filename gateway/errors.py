@@ -124,6 +124,15 @@ class InternalError(ApiError):
     default_code = "internal_error"
 
 
+class UpstreamFailed(ApiError):
+    """An OpenAI-compatible upstream failed the request (5xx, a broken stream, refused
+    credentials): a bad gateway, as a proxy answers it."""
+
+    status = 502
+    type = "server_error"
+    default_code = "upstream_error"
+
+
 def error_response(error: ApiError) -> Response[bytes]:
     return Response(
         content=msgspec.json.encode(error.body()),
