@@ -8,7 +8,13 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 from backend.config import EngineConfig
-from backend.errors import CheckpointError, EngineDeadError, EngineError, PromptTooLongError
+from backend.errors import (
+    CheckpointError,
+    EngineDeadError,
+    EngineError,
+    InvalidParameterError,
+    PromptTooLongError,
+)
 from backend.outputs import EngineStats, RequestOutput, TokenLogprobs
 from backend.sampling import SamplingParams
 
@@ -22,6 +28,7 @@ __all__ = [
     "EngineDeadError",
     "EngineError",
     "EngineStats",
+    "InvalidParameterError",
     "PromptTooLongError",
     "RequestOutput",
     "SamplingParams",

@@ -18,13 +18,25 @@ class CheckpointError(EngineError):
         self.problem = problem
 
 
-class PromptTooLongError(EngineError, ValueError):
+class InvalidParameterError(EngineError, ValueError):
+    """A request parameter the engine cannot take (a sampling setting out of range, a
+    prompt it cannot run): the caller's input, which the gateway answers with a 400
+    naming `param`. A ValueError too, for callers of the engine's Python API; the gateway
+    maps this type alone, so a ValueError from a defect stays a 500."""
+
+    def __init__(self, message: str, param: str | None = None) -> None:
+        super().__init__(message)
+        self.param = param
+
+
+class PromptTooLongError(InvalidParameterError):
     """The prompt does not fit the model's context (OpenAI: context_length_exceeded)."""
 
     def __init__(self, prompt_tokens: int, max_model_len: int) -> None:
         super().__init__(
             f"prompt has {prompt_tokens} tokens; max_model_len is {max_model_len} "
-            "and at least one token must be generated"
+            "and at least one token must be generated",
+            param="prompt",
         )
         self.prompt_tokens = prompt_tokens
         self.max_model_len = max_model_len
@@ -67,3 +79,12 @@ class RequestStepError(EngineError):
     def __init__(self, request_ids: list[str], problem: str) -> None:
         super().__init__(f"{len(request_ids)} request(s) failed in a step: {problem}")
         self.request_ids = request_ids
+
+
+class ConstraintError(InvalidParameterError):
+    """A structured-output constraint cannot be enforced: a bad regex or grammar, or a JSON
+    schema feature the grammar library does not implement (the message names it). Raised
+    when the request is submitted, never mid-step; OpenAI answers 400 on `param`."""
+
+    def __init__(self, message: str, param: str | None = "response_format") -> None:
+        super().__init__(message, param)

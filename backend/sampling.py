@@ -5,6 +5,9 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
+from backend.constraint import Constraint
+from backend.errors import InvalidParameterError
+
 MAX_N = 16
 MAX_LOGPROBS = 20
 MAX_SEED = 2**63 - 1  # torch generators take any int64 >= 0; choice i uses seed + i
@@ -26,7 +29,10 @@ class SamplingParams:
     the prompt or the output; `presence_penalty` and `frequency_penalty` (OpenAI's, in
     [-2, 2]) subtract once per token seen in the output and once per occurrence there.
     `min_tokens` keeps EOS, stop tokens and stop strings from ending the output before it
-    has that many tokens."""
+    has that many tokens.
+
+    `constraint` (structured outputs) masks every token that would leave its grammar;
+    the request stops once the grammar is complete (see backend/grammar.py)."""
 
     max_tokens: int = 16
     temperature: float = 1.0
@@ -42,32 +48,44 @@ class SamplingParams:
     repetition_penalty: float = 1.0
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
+    constraint: Constraint | None = None
 
     def __post_init__(self) -> None:
         if not _is_int(self.max_tokens) or not 1 <= self.max_tokens <= MAX_COUNT:
-            raise ValueError(
-                f"max_tokens must be an integer in [1, {MAX_COUNT}], got {self.max_tokens!r}"
+            raise InvalidParameterError(
+                f"max_tokens must be an integer in [1, {MAX_COUNT}], got {self.max_tokens!r}",
+                "max_tokens",
             )
         if not _is_real(self.temperature) or self.temperature < 0:
-            raise ValueError(f"temperature must be a number >= 0, got {self.temperature!r}")
+            raise InvalidParameterError(
+                f"temperature must be a number >= 0, got {self.temperature!r}", "temperature"
+            )
         if not _is_real(self.top_p) or not 0 < self.top_p <= 1:
-            raise ValueError(f"top_p must be in (0, 1], got {self.top_p!r}")
+            raise InvalidParameterError(f"top_p must be in (0, 1], got {self.top_p!r}", "top_p")
         if not _is_int(self.top_k) or not 0 <= self.top_k <= MAX_COUNT:
-            raise ValueError(
-                f"top_k must be an integer in [0, {MAX_COUNT}] (0 = off), got {self.top_k!r}"
+            raise InvalidParameterError(
+                f"top_k must be an integer in [0, {MAX_COUNT}] (0 = off), got {self.top_k!r}",
+                "top_k",
             )
         if not isinstance(self.stop, list) or not all(isinstance(s, str) and s for s in self.stop):
-            raise ValueError(f"stop must be a list of non-empty strings, got {self.stop!r}")
+            raise InvalidParameterError(
+                f"stop must be a list of non-empty strings, got {self.stop!r}", "stop"
+            )
         ids = self.stop_token_ids
         if not isinstance(ids, list) or not all(_is_int(t) and 0 <= t <= MAX_COUNT for t in ids):
-            raise ValueError(f"stop_token_ids must be a list of token ids >= 0, got {ids!r}")
+            raise InvalidParameterError(
+                f"stop_token_ids must be a list of token ids >= 0, got {ids!r}", "stop_token_ids"
+            )
         if not _is_int(self.n) or not 1 <= self.n <= MAX_N:
-            raise ValueError(f"n must be an integer in [1, {MAX_N}], got {self.n!r}")
+            raise InvalidParameterError(
+                f"n must be an integer in [1, {MAX_N}], got {self.n!r}", "n"
+            )
         self._check_seed()
         lp = self.logprobs
         if lp is not None and (not _is_int(lp) or not 0 <= lp <= MAX_LOGPROBS):
-            raise ValueError(
-                f"logprobs must be None or an integer in [0, {MAX_LOGPROBS}], got {lp!r}"
+            raise InvalidParameterError(
+                f"logprobs must be None or an integer in [0, {MAX_LOGPROBS}], got {lp!r}",
+                "logprobs",
             )
         self._check_penalties()
 
@@ -78,21 +96,28 @@ class SamplingParams:
             return
         highest = MAX_SEED - (self.n - 1)
         if not _is_int(seed) or not 0 <= seed <= highest:
-            raise ValueError(f"seed must be an integer in [0, {highest}] (2^63 - n), got {seed!r}")
+            raise InvalidParameterError(
+                f"seed must be an integer in [0, {highest}] (2^63 - n), got {seed!r}", "seed"
+            )
 
     def _check_penalties(self) -> None:
         if not _is_int(self.min_tokens) or not 0 <= self.min_tokens <= self.max_tokens:
-            raise ValueError(
+            raise InvalidParameterError(
                 f"min_tokens must be an integer in [0, max_tokens={self.max_tokens}], "
-                f"got {self.min_tokens!r}"
+                f"got {self.min_tokens!r}",
+                "min_tokens",
             )
         rp = self.repetition_penalty
         if not _is_real(rp) or rp <= 0:
-            raise ValueError(f"repetition_penalty must be a number > 0, got {rp!r}")
+            raise InvalidParameterError(
+                f"repetition_penalty must be a number > 0, got {rp!r}", "repetition_penalty"
+            )
         for name in ("presence_penalty", "frequency_penalty"):
             value = getattr(self, name)
             if not _is_real(value) or not -2 <= value <= 2:
-                raise ValueError(f"{name} must be a number in [-2, 2], got {value!r}")
+                raise InvalidParameterError(
+                    f"{name} must be a number in [-2, 2], got {value!r}", name
+                )
 
     @property
     def penalized(self) -> bool:

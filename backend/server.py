@@ -8,6 +8,7 @@ aborts its request, so the engine never works for nobody.
 from __future__ import annotations
 
 import hmac
+import logging
 import time
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
@@ -25,6 +26,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_l
 from backend.errors import (
     DeadlineExceededError,
     EngineDeadError,
+    InvalidParameterError,
     OverloadedError,
     RequestFailedError,
 )
@@ -38,6 +40,8 @@ from backend.telemetry import (
 
 if TYPE_CHECKING:
     from backend.engine.async_engine import AsyncEngine
+
+log = logging.getLogger(__name__)
 
 SECRET_HEADER = "x-tollgate-secret"  # noqa: S105 (a header name, not a secret)
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "generation_config.json")
@@ -67,7 +71,7 @@ async def generate(request: Request[Any, Any, Any]) -> Response[Any]:
     try:
         body = msgspec.json.decode(await request.body(), type=GenerateBody)
     except (msgspec.DecodeError, ValueError, RecursionError) as exc:  # RecursionError: too deep
-        return Response({"error": str(exc)}, status_code=400)
+        return Response(_refusal(exc), status_code=400)
     engine = _engine(request)
     if not engine.is_running():
         return Response({"error": "engine is not running"}, status_code=503)
@@ -100,10 +104,24 @@ async def _ndjson(outputs: AsyncIterator[Any]) -> AsyncIterator[bytes]:
         # A step failed this request (the engine goes on): the gateway must not retry it
         # on another replica, where it could fail the same way.
         yield encoder.encode({"error": str(exc), "kind": exc.kind}) + b"\n"
-    except (ValueError, EngineDeadError) as exc:
-        # The request never started, or the engine died: the client gets a typed error line.
-        kind = "engine_dead" if isinstance(exc, EngineDeadError) else "invalid_request"
-        yield encoder.encode({"error": str(exc), "kind": kind}) + b"\n"
+    except InvalidParameterError as exc:  # the request never started: the caller's input
+        yield encoder.encode({**_refusal(exc), "kind": "invalid_request"}) + b"\n"
+    except EngineDeadError as exc:
+        yield encoder.encode({"error": str(exc), "kind": "engine_dead"}) + b"\n"
+    except ValueError:
+        # A defect of ours, not the caller's input: the gateway answers 500 and keeps
+        # this replica in routing (a broken stream would take it out).
+        log.exception("a request failed in the engine")
+        line = {"error": "the engine failed this request", "kind": RequestFailedError.kind}
+        yield encoder.encode(line) + b"\n"
+
+
+def _refusal(exc: Exception) -> dict[str, Any]:
+    """A refused request on the wire: the message and the parameter at fault, if named
+    (msgspec wraps a SamplingParams refusal in its ValidationError; the cause keeps it)."""
+    cause = exc if isinstance(exc, InvalidParameterError) else exc.__cause__
+    param = cause.param if isinstance(cause, InvalidParameterError) else None
+    return {"error": str(exc), "param": param}
 
 
 @post("/internal/abort", status_code=200)

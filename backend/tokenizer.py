@@ -13,7 +13,7 @@ from jinja2.ext import loopcontrols
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import Tokenizer as HFTokenizer
 
-from backend.errors import CheckpointError
+from backend.errors import CheckpointError, InvalidParameterError
 from backend.loader import read_json
 
 
@@ -72,7 +72,7 @@ class Tokenizer:
         """`tools` and messages with `tool_calls` / `tool_call_id` follow Hugging Face's
         convention, which chat templates that know tools expect."""
         if self._template is None:
-            raise ValueError(f"{self._source} has no chat template")
+            raise InvalidParameterError(f"{self._source} has no chat template", "messages")
         try:
             return self._template.render(
                 messages=messages,
@@ -82,7 +82,7 @@ class Tokenizer:
                 eos_token=self.eos_token or "",
             )
         except TemplateError as exc:
-            raise ValueError(f"chat template failed: {exc}") from exc
+            raise InvalidParameterError(f"chat template failed: {exc}", "messages") from exc
 
     def _id(self, token: str | None) -> int | None:
         return None if token is None else self._tok.token_to_id(token)

@@ -27,7 +27,7 @@ from bench.usage_report import _tenants, ensure_database
 from gateway.admission.reconcile import GRACE_S, period_bounds, rebuild
 from tenants import db
 from tenants.models import UsageEvent, utcnow
-from tenants.quota import RedisQuotaStore, month_period
+from tenants.quota import RedisQuotaStore, month_period, tenant_scope
 
 
 def fill(url: str, rows: int, tenants: int, recent: int) -> None:
@@ -88,7 +88,7 @@ async def measure(url: str, redis_url: str) -> None:
         async with sessions() as session:
             tenant_ids = (await session.scalars(text("SELECT id FROM tenants"))).all()
         for tenant_id in tenant_ids:
-            spent += (await store.usage(f"tenant:{tenant_id}", month_period())).spent_micros
+            spent += (await store.usage(tenant_scope(tenant_id), month_period())).spent_micros
         print(
             f"store spent, all tenants: {spent:,}; ledger: {int(total or 0):,}; "
             f"equal: {spent == total}"

@@ -10,9 +10,6 @@ from datetime import timedelta
 
 from litestar import Litestar
 from litestar.di import Provide
-from litestar.exceptions import HTTPException
-from redis import exceptions as redis_errors
-from sqlalchemy.exc import DataError, InterfaceError, OperationalError
 
 from backend import EngineConfig
 from backend.builtin import BUILTIN_MODEL_DIR
@@ -28,19 +25,10 @@ from gateway.api.openai import OpenAIController
 from gateway.billing.controllers import BillingAdminController, UsageController
 from gateway.billing.jobs import BillingJobs
 from gateway.console import console_router
+from gateway.deps import REQUEST_DEPENDENCIES
 from gateway.dispatch import discovery
 from gateway.dispatch.engine_client import EngineClient, InProcessEngineClient
-from gateway.errors import (
-    ApiError,
-    handle_api_error,
-    handle_database_down,
-    handle_domain_error,
-    handle_http_exception,
-    handle_store_down,
-    handle_too_deep,
-    handle_unexpected,
-    handle_unstorable,
-)
+from gateway.errors import exception_handlers
 from gateway.metering import UsageRecorder
 from gateway.runtime import Runtime, provide_runtime
 from gateway.settings import Settings
@@ -49,7 +37,6 @@ from gateway.telemetry import Telemetry
 from gateway.telemetry.endpoint import metrics
 from tenants.billing.prices import PriceBook
 from tenants.db import create_engine, session_factory
-from tenants.errors import DomainError
 from tenants.idempotency import InFlightLocks, MemoryLocks, RedisLocks
 from tenants.pricing import DEFAULT_PRICE
 from tenants.quota import open_quota_store
@@ -171,19 +158,11 @@ def create_app(
             metrics,
         ],
         middleware=[telemetry.middleware],
-        dependencies={"runtime": Provide(provide_runtime, sync_to_thread=False)},
-        exception_handlers={
-            ApiError: handle_api_error,
-            redis_errors.ConnectionError: handle_store_down,  # locks, idempotency
-            redis_errors.TimeoutError: handle_store_down,
-            DomainError: handle_domain_error,
-            HTTPException: handle_http_exception,
-            RecursionError: handle_too_deep,
-            DataError: handle_unstorable,  # SQLSTATE class 22: a value, not the statement
-            OperationalError: handle_database_down,  # connection lost or refused
-            InterfaceError: handle_database_down,
-            Exception: handle_unexpected,
+        dependencies={
+            "runtime": Provide(provide_runtime, sync_to_thread=False),
+            **REQUEST_DEPENDENCIES,
         },
+        exception_handlers=exception_handlers(),
         lifespan=[lifespan],
         before_send=[echo_request_id],
         openapi_config=None,

@@ -3,34 +3,29 @@
 from __future__ import annotations
 
 import argparse
-import asyncio
 import getpass
 import json
 import logging
-import os
 import sys
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import replace
 from datetime import datetime
-from decimal import Decimal, InvalidOperation
 from pathlib import Path
-from typing import TypeVar
+from typing import Any
 
 from sqlalchemy.ext.asyncio import AsyncSession
 
 from gateway import capacity_cli, engine_knobs
 from gateway.admission import cli as quota_cli
 from gateway.billing import cli as billing_cli
+from gateway.cli_support import actor, in_session, micros
 from gateway.settings import Settings, SettingsError, gateway_engine_defaults
 from tenants import audit, db
 from tenants.admins import AdminService
-from tenants.audit import Actor
 from tenants.errors import DomainError, InvalidInputError
 from tenants.limits import LIMIT_NAMES, LimitSet, PlanTerms
 from tenants.models import KeyRole, Plan, as_utc
 from tenants.services import ApiKeyService, PlanService, TenantService
-
-T = TypeVar("T")
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -47,7 +42,21 @@ def main(argv: Sequence[str] | None = None) -> int:
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="tollgate", description=__doc__)
     commands = parser.add_subparsers(required=True, metavar="COMMAND")
+    _add_serve_commands(commands)
+    _add_db_commands(commands)
+    _add_audit_commands(commands)
+    _add_plan_commands(commands)
+    _add_tenant_commands(commands)
+    _add_key_commands(commands)
+    _add_admin_commands(commands)
+    billing_cli.add_commands(commands)
+    capacity_cli.add_commands(commands)
+    quota_cli.add_commands(commands)
+    return parser
 
+
+def _add_serve_commands(commands: Any) -> None:
+    """`serve` and `backend serve`: the gateway and engine processes."""
     serve = commands.add_parser("serve", help="run the gateway with the in-process engine")
     serve.add_argument("--host", help="interface to bind (TOLLGATE_HOST, default 127.0.0.1)")
     serve.add_argument("--port", type=int, help="port (TOLLGATE_PORT, default 8000)")
@@ -66,6 +75,9 @@ def _parser() -> argparse.ArgumentParser:
     engine_knobs.add_flags(backend_serve, gateway_engine_defaults())
     backend_serve.set_defaults(handler=_backend_serve)
 
+
+def _add_db_commands(commands: Any) -> None:
+    """`db …`: the schema, and the application role."""
     database = commands.add_parser("db", help="database schema").add_subparsers(required=True)
     upgrade = database.add_parser("upgrade", help="apply migrations")
     upgrade.add_argument("revision", nargs="?", default="head")
@@ -83,6 +95,9 @@ def _parser() -> argparse.ArgumentParser:
     grant.add_argument("--role", required=True, help="the role the gateway connects as")
     grant.set_defaults(handler=_db_grant_app_role)
 
+
+def _add_audit_commands(commands: Any) -> None:
+    """`audit …`: verify and list the audit log."""
     audit_log = commands.add_parser("audit", help="the tamper-evident audit log")
     audit_commands = audit_log.add_subparsers(required=True)
     verify = audit_commands.add_parser(
@@ -98,6 +113,9 @@ def _parser() -> argparse.ArgumentParser:
     list_events.add_argument("--limit", type=int, default=50)
     list_events.set_defaults(handler=_audit_list)
 
+
+def _add_plan_commands(commands: Any) -> None:
+    """`plans …`."""
     plans = commands.add_parser("plans", help="plans and their limits").add_subparsers(
         required=True
     )
@@ -111,6 +129,9 @@ def _parser() -> argparse.ArgumentParser:
     update_plan.set_defaults(handler=_plans_update)
     plans.add_parser("list", help="list plans").set_defaults(handler=_plans_list)
 
+
+def _add_tenant_commands(commands: Any) -> None:
+    """`tenants …`."""
     tenants = commands.add_parser("tenants", help="tenants").add_subparsers(required=True)
     create_tenant = tenants.add_parser("create", help="create a tenant")
     create_tenant.add_argument("name")
@@ -122,6 +143,9 @@ def _parser() -> argparse.ArgumentParser:
     set_plan.add_argument("plan")
     set_plan.set_defaults(handler=_tenants_set_plan)
 
+
+def _add_key_commands(commands: Any) -> None:
+    """`keys …`."""
     api_keys = commands.add_parser("keys", help="API keys").add_subparsers(required=True)
     create_key = api_keys.add_parser("create", help="create a key (printed once)")
     create_key.add_argument("--tenant", required=True)
@@ -141,6 +165,9 @@ def _parser() -> argparse.ArgumentParser:
     revoke.add_argument("key")
     revoke.set_defaults(handler=_keys_revoke)
 
+
+def _add_admin_commands(commands: Any) -> None:
+    """`admins …`: console administrators."""
     admins = commands.add_parser("admins", help="console administrators").add_subparsers(
         required=True
     )
@@ -153,10 +180,6 @@ def _parser() -> argparse.ArgumentParser:
     create_admin.add_argument("--role", choices=["owner", "viewer"], default="viewer")
     create_admin.set_defaults(handler=_admins_create)
     admins.add_parser("list", help="list console administrators").set_defaults(handler=_admins_list)
-    billing_cli.add_commands(commands)
-    capacity_cli.add_commands(commands)
-    quota_cli.add_commands(commands)
-    return parser
 
 
 def _optional_int(text: str) -> int | None:
@@ -177,13 +200,7 @@ def _budget(text: str) -> int | None:
     """A monthly budget in currency units ('25.50'), stored in integer micro-units."""
     if text.lower() in ("none", "unlimited"):
         return None
-    try:
-        micros = Decimal(text) * 1_000_000
-    except InvalidOperation:
-        raise argparse.ArgumentTypeError(f"expected an amount like 25.50, got {text!r}") from None
-    if micros < 0 or micros != micros.to_integral_value():
-        raise argparse.ArgumentTypeError("budget must be >= 0 with at most 6 decimals")
-    return int(micros)
+    return micros(text, "25.50", "budget")
 
 
 _UNSET = object()  # a flag that was not given: keep the current value
@@ -257,26 +274,6 @@ def _anchor(text: str) -> audit.Anchor:
         raise argparse.ArgumentTypeError(str(exc)) from None
 
 
-def _actor() -> Actor:
-    """The audit log's name for whoever runs the CLI."""
-    try:
-        return Actor(f"cli:{getpass.getuser()}")
-    except (KeyError, OSError):  # no user name in this environment
-        return Actor("cli:unknown")
-
-
-def _in_session(settings: Settings, work: Callable[[AsyncSession], Awaitable[T]]) -> T:
-    async def run() -> T:
-        engine = db.create_engine(settings.database_url)
-        try:
-            async with db.session_factory(engine).begin() as session:
-                return await work(session)
-        finally:
-            await engine.dispose()
-
-    return asyncio.run(run())
-
-
 def _serve(settings: Settings, args: argparse.Namespace) -> int:
     from gateway.serve import serve
 
@@ -324,7 +321,7 @@ def _audit_verify(settings: Settings, args: argparse.Namespace) -> int:
     async def work(session: AsyncSession) -> audit.Verification:
         return await audit.verify(session, args.anchor)
 
-    result = _in_session(settings, work)
+    result = in_session(settings, work)
     print(result.describe(), file=sys.stdout if result.ok else sys.stderr)
     return 0 if result.ok else 1
 
@@ -343,7 +340,7 @@ def _audit_list(settings: Settings, args: argparse.Namespace) -> int:
         return ["\t".join(_event_columns(audit.event_view(event))) for event in events]
 
     header = "ID\tTIME\tACTOR\tACTION\tTARGET\tTENANT ID\tREQUEST ID\tIP\tDETAILS"
-    print("\n".join([header, *_in_session(settings, work)]))
+    print("\n".join([header, *in_session(settings, work)]))
     return 0
 
 
@@ -355,22 +352,22 @@ def _event_columns(view: dict[str, object]) -> list[str]:
 
 def _plans_create(settings: Settings, args: argparse.Namespace) -> int:
     async def work(session: AsyncSession) -> str:
-        service = PlanService(session, _actor())
+        service = PlanService(session, actor())
         plan = await service.create(args.name, _terms_from(args, PlanTerms()))
         return "created plan " + _describe_plan(plan)
 
-    print(_in_session(settings, work))
+    print(in_session(settings, work))
     return 0
 
 
 def _plans_update(settings: Settings, args: argparse.Namespace) -> int:
     async def work(session: AsyncSession) -> str:
-        service = PlanService(session, _actor())
-        current = PlanTerms.of(await service.get(args.name))
-        plan = await service.update(args.name, _terms_from(args, current))
+        plan = await PlanService(session, actor()).update(
+            args.name, lambda current: _terms_from(args, current)
+        )
         return "updated plan " + _describe_plan(plan)
 
-    print(_in_session(settings, work))
+    print(in_session(settings, work))
     return 0
 
 
@@ -378,42 +375,39 @@ def _plans_list(settings: Settings, args: argparse.Namespace) -> int:
     async def work(session: AsyncSession) -> list[str]:
         return [_describe_plan(plan) for plan in await PlanService(session).list()]
 
-    print("\n".join(_in_session(settings, work)) or "no plans")
+    print("\n".join(in_session(settings, work)) or "no plans")
     return 0
 
 
 def _tenants_set_plan(settings: Settings, args: argparse.Namespace) -> int:
     async def work(session: AsyncSession) -> str:
         plan = None if args.plan.lower() == "none" else args.plan
-        tenant = await TenantService(session, _actor()).set_plan(args.name, plan)
+        tenant = await TenantService(session, actor()).set_plan(args.name, plan)
         return f"tenant {tenant.name} is on plan {plan or 'none (unlimited)'}"
 
-    print(_in_session(settings, work))
+    print(in_session(settings, work))
     return 0
 
 
 def _keys_limits(settings: Settings, args: argparse.Namespace) -> int:
     async def work(session: AsyncSession) -> str:
-        service = ApiKeyService(session, _actor())
-        key = await service.get(args.key)
-        limits = _limits_from(args, LimitSet.of(key))
-        await service.set_limits(args.key, limits)
+        key = await ApiKeyService(session, actor()).set_limits(
+            args.key, lambda current: _limits_from(args, current)
+        )
+        limits = LimitSet.of(key)
         shown = ", ".join(f"{n}={getattr(limits, n)}" for n in LIMIT_NAMES)
         return f"key {key.prefix}: {shown} (None: the plan's)"
 
-    print(_in_session(settings, work))
+    print(in_session(settings, work))
     return 0
 
 
 def _tenants_create(settings: Settings, args: argparse.Namespace) -> int:
     async def work(session: AsyncSession) -> str:
-        service = TenantService(session, _actor())
-        tenant = await service.create(args.name)
-        if args.plan:
-            await service.set_plan(tenant.name, args.plan)
+        tenant = await TenantService(session, actor()).create(args.name, args.plan or None)
         return f"created tenant {tenant.name} ({tenant.id})"
 
-    print(_in_session(settings, work))
+    print(in_session(settings, work))
     return 0
 
 
@@ -421,7 +415,7 @@ def _tenants_list(settings: Settings, args: argparse.Namespace) -> int:
     async def work(session: AsyncSession) -> list[str]:
         return [f"{t.name}\t{t.id}" for t in await TenantService(session).list()]
 
-    print("\n".join(["NAME\tID", *_in_session(settings, work)]))
+    print("\n".join(["NAME\tID", *in_session(settings, work)]))
     return 0
 
 
@@ -429,10 +423,10 @@ def _keys_create(settings: Settings, args: argparse.Namespace) -> int:
     async def work(session: AsyncSession) -> str:
         tenant = await TenantService(session).get(args.tenant)
         role = KeyRole.ADMIN if args.admin else KeyRole.TENANT
-        created = await ApiKeyService(session, _actor()).create(tenant, args.name, role)
+        created = await ApiKeyService(session, actor()).create(tenant, args.name, role)
         return created.secret
 
-    secret = _in_session(settings, work)
+    secret = in_session(settings, work)
     print(secret)
     print("store this key now: it is shown only once", file=sys.stderr)
     return 0
@@ -459,21 +453,21 @@ def _keys_list(settings: Settings, args: argparse.Namespace) -> int:
         ]
 
     header = "PREFIX\tTENANT\tROLE\tSTATUS\tNAME\tCREATED\tLAST USED\tID"
-    print("\n".join([header, *_in_session(settings, work)]))
+    print("\n".join([header, *in_session(settings, work)]))
     return 0
 
 
 def _keys_revoke(settings: Settings, args: argparse.Namespace) -> int:
     async def work(session: AsyncSession) -> str:
-        key = await ApiKeyService(session, _actor()).revoke(args.key)
+        key = await ApiKeyService(session, actor()).revoke(args.key)
         return f"revoked {key.prefix} ({key.id})"
 
-    print(_in_session(settings, work))
+    print(in_session(settings, work))
     return 0
 
 
-def _admin_password() -> str:
-    if password := os.environ.get("TOLLGATE_ADMIN_PASSWORD"):
+def _admin_password(settings: Settings) -> str:
+    if password := settings.admin_password:
         return password
     if not sys.stdin.isatty():
         return sys.stdin.readline().rstrip("\n")
@@ -484,13 +478,13 @@ def _admin_password() -> str:
 
 
 def _admins_create(settings: Settings, args: argparse.Namespace) -> int:
-    password = _admin_password()
+    password = _admin_password(settings)
 
     async def work(session: AsyncSession) -> str:
-        admin = await AdminService(session, _actor()).create(args.email, args.role, password)
+        admin = await AdminService(session, actor()).create(args.email, args.role, password)
         return f"created {admin.role} {admin.email}: sign in at /admin"
 
-    print(_in_session(settings, work))
+    print(in_session(settings, work))
     return 0
 
 
@@ -503,7 +497,7 @@ def _admins_list(settings: Settings, args: argparse.Namespace) -> int:
         admins = await AdminService(session).list()
         return [f"{a.email}\t{a.role}\t{_when(a.last_login_at)}" for a in admins]
 
-    print("\n".join(["EMAIL\tROLE\tLAST SIGN-IN", *_in_session(settings, work)]))
+    print("\n".join(["EMAIL\tROLE\tLAST SIGN-IN", *in_session(settings, work)]))
     return 0
 
 

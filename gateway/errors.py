@@ -12,8 +12,11 @@ from typing import Any, ClassVar
 import msgspec
 from litestar import MediaType, Request, Response
 from litestar.exceptions import HTTPException
+from litestar.types import ExceptionHandlersMap
+from redis import exceptions as redis_errors
+from sqlalchemy.exc import DataError, InterfaceError, OperationalError
 
-from tenants.errors import ConflictError, InvalidInputError, NotFoundError
+from tenants.errors import ConflictError, DomainError, InvalidInputError, NotFoundError
 
 log = logging.getLogger(__name__)
 
@@ -146,13 +149,20 @@ def handle_api_error(_: Request[Any, Any, Any], exc: Exception) -> Response[byte
     return error_response(exc if isinstance(exc, ApiError) else InternalError("internal error"))
 
 
-def handle_domain_error(_: Request[Any, Any, Any], exc: Exception) -> Response[bytes]:
-    mapped: dict[type[Exception], type[ApiError]] = {
-        NotFoundError: NotFound,
-        ConflictError: Conflict,
-        InvalidInputError: InvalidRequest,
-    }
-    return error_response(mapped.get(type(exc), InternalError)(str(exc)))
+DOMAIN_ERRORS: dict[type[Exception], type[ApiError]] = {
+    NotFoundError: NotFound,
+    ConflictError: Conflict,
+    InvalidInputError: InvalidRequest,
+}
+
+
+def handle_domain_error(request: Request[Any, Any, Any], exc: Exception) -> Response[bytes]:
+    """The nearest mapped class in the error's MRO, so a subclass (ExportBusy is a
+    ConflictError) keeps its meaning; a domain error of no mapped kind is a defect."""
+    mapped = next((DOMAIN_ERRORS[c] for c in type(exc).__mro__ if c in DOMAIN_ERRORS), None)
+    if mapped is None:
+        return handle_unexpected(request, exc)
+    return error_response(mapped(str(exc)))
 
 
 def handle_http_exception(_: Request[Any, Any, Any], exc: Exception) -> Response[bytes]:
@@ -214,3 +224,20 @@ def handle_unexpected(request: Request[Any, Any, Any], exc: Exception) -> Respon
     # A defect: never echo internals (they may hold prompt text) to the client.
     log.error("unhandled %s on %s", type(exc).__name__, request.url.path, exc_info=exc)
     return error_response(InternalError("internal error"))
+
+
+def exception_handlers() -> ExceptionHandlersMap:
+    """How the app answers each error, by class: Litestar takes the nearest in the MRO,
+    so anything not named here (a stray ValueError included) is a logged 500."""
+    return {
+        ApiError: handle_api_error,
+        redis_errors.ConnectionError: handle_store_down,  # locks, idempotency
+        redis_errors.TimeoutError: handle_store_down,
+        DomainError: handle_domain_error,
+        HTTPException: handle_http_exception,
+        RecursionError: handle_too_deep,
+        DataError: handle_unstorable,  # SQLSTATE class 22: a value, not the statement
+        OperationalError: handle_database_down,  # connection lost or refused
+        InterfaceError: handle_database_down,
+        Exception: handle_unexpected,
+    }

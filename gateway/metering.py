@@ -25,7 +25,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from dataclasses import dataclass, field, replace
+from dataclasses import replace
 from datetime import datetime, timedelta
 from typing import Any
 
@@ -38,10 +38,11 @@ from gateway.admission.quota import Admission
 from gateway.admission.reconcile import to_us
 from gateway.tasks import Periodic, TaskSet
 from gateway.telemetry.tracing import REQUEST_ID, in_span
+from gateway.usage import Charge, RequestUsage
 from tenants.billing.prices import PriceBook
 from tenants.models import UsageCheckpoint, UsageEvent, UsageStatus, as_utc, utcnow
-from tenants.quota import QuotaError, Reservation, month_period
-from tenants.services import Principal, UsageService
+from tenants.quota import QuotaError, key_scope, month_period, tenant_scope
+from tenants.services import UsageService
 
 log = logging.getLogger(__name__)
 
@@ -50,46 +51,6 @@ FIRST_CHECKPOINT_WAIT_S = 1.0  # how long a stream's first chunk waits for its f
 STALE_AFTER_S = 15.0  # a checkpoint this old is a dead gateway's: 3x the longest interval
 ORPHAN_SWEEP_S = 5.0  # how often stale checkpoints are looked for
 ORPHAN_BATCH = 100
-
-
-@dataclass
-class Outcome:
-    """What one request consumed, filled in as it runs."""
-
-    status: UsageStatus = UsageStatus.COMPLETED
-    finish_reason: str | None = None
-    prompt_tokens: int = 0
-    cached_tokens: int = 0
-    completion_tokens: int = 0
-    queue_ms: float | None = None
-    ttft_ms: float | None = None
-    e2e_ms: float | None = None
-    last_token_ms: float | None = None  # since the start, when choice 0's last token came
-    stream_tokens: int = 0  # choice 0's tokens, for the inter-token latency
-    delivered: int = 0  # completion tokens a stream has sent to the client so far
-    error: str | None = None
-    trace_id: str | None = None
-    replica: str | None = None  # the engine that served it: "in-process" or a replica URL
-
-    @property
-    def itl_ms(self) -> float | None:
-        """Mean time between output tokens (of the first choice)."""
-        if self.ttft_ms is None or self.last_token_ms is None or self.stream_tokens < 2:
-            return None
-        return (self.last_token_ms - self.ttft_ms) / (self.stream_tokens - 1)
-
-
-@dataclass(frozen=True)
-class Charge:
-    """The identity of a request for the ledger."""
-
-    request_id: str
-    principal: Principal
-    model: str
-    endpoint: str
-    reservation: Reservation | None = None  # released by settling, after the ledger write
-    priority: int | None = None
-    started_at: datetime = field(default_factory=utcnow)  # prices in force then apply
 
 
 class UsageRecorder:
@@ -106,10 +67,10 @@ class UsageRecorder:
         self.tasks = tasks
         self.admission = admission
         self.checkpoint_s = checkpoint_s
-        self._streams: dict[str, tuple[Charge, Outcome]] = {}  # running, for checkpoints
+        self._streams: dict[str, tuple[Charge, RequestUsage]] = {}  # running, for checkpoints
         self._checkpoints: asyncio.Task[None] | None = None
 
-    def track(self, charge: Charge, outcome: Outcome) -> asyncio.Task[None]:
+    def track(self, charge: Charge, outcome: RequestUsage) -> asyncio.Task[None]:
         """A stream is under way: checkpoint its delivered tokens until it settles. Its
         first checkpoint is written at once (the task returned), so a stream can have
         its row before the client sees a byte, even if the gateway dies then."""
@@ -122,12 +83,12 @@ class UsageRecorder:
         except Exception:  # the database briefly away: the periodic checkpoint tries again
             log.warning("first checkpoint of stream %s failed", request_id, exc_info=True)
 
-    def settle(self, charge: Charge, outcome: Outcome) -> asyncio.Task[None]:
+    def settle(self, charge: Charge, outcome: RequestUsage) -> asyncio.Task[None]:
         """Write the row for this outcome as it is now (later changes do not leak in)."""
         write = self._write(charge, replace(outcome))
         return self.tasks.spawn(in_span("settle", write, **{REQUEST_ID: charge.request_id}))
 
-    async def _event(self, charge: Charge, outcome: Outcome) -> UsageEvent:
+    async def _event(self, charge: Charge, outcome: RequestUsage) -> UsageEvent:
         quote = await self.prices.quote(charge.model, charge.started_at)
         # A request refused by the engine, or that failed on our side before sending
         # anything, costs the tenant nothing.
@@ -162,7 +123,7 @@ class UsageRecorder:
             created_at=utcnow(),  # the row's time, which settling passes to the store
         )
 
-    async def _write(self, charge: Charge, outcome: Outcome) -> None:
+    async def _write(self, charge: Charge, outcome: RequestUsage) -> None:
         """Ledger first, once; then quota counters from it: spent always matches the
         ledger (a crash in between leaves a row the reconciler charges later; a store
         outage, a settle the recorder retries until the store takes it)."""
@@ -250,7 +211,7 @@ class UsageRecorder:
                 await UsageService(session).record(event)
         except IntegrityError:
             return False
-        scopes = (f"tenant:{event.tenant_id}", f"key:{event.api_key_id}")
+        scopes = (tenant_scope(event.tenant_id), key_scope(event.api_key_id))
         try:  # now rather than at the next reconcile
             await self.admission.store.charge(
                 event.request_id,
@@ -316,7 +277,7 @@ class UsageRecorder:
                 await self._checkpoints
 
 
-def _checkpoint_row(charge: Charge, outcome: Outcome, now: datetime) -> dict[str, Any]:
+def _checkpoint_row(charge: Charge, outcome: RequestUsage, now: datetime) -> dict[str, Any]:
     return {
         "request_id": charge.request_id,
         "tenant_id": charge.principal.tenant_id,

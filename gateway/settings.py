@@ -59,6 +59,8 @@ class Settings:
     max_body_bytes: int = 4 * 2**20
     # On SIGTERM: seconds in-flight requests get to finish before the process exits anyway.
     drain_s: float = 30.0
+    # `tollgate admins create`'s password, when not piped or prompted. A secret: not in repr.
+    admin_password: str | None = field(default=None, repr=False)
 
     @classmethod
     def from_env(cls, env: Mapping[str, str] | None = None) -> Settings:
@@ -101,6 +103,7 @@ class Settings:
             console_idle_s=_int(env, "TOLLGATE_CONSOLE_IDLE_S", 1800, low=60),
             trusted_proxies=_proxies(env.get("TOLLGATE_TRUSTED_PROXIES", "127.0.0.1")),
             drain_s=float(_int(env, "TOLLGATE_DRAIN_S", 30, low=0, high=3600)),
+            admin_password=env.get("TOLLGATE_ADMIN_PASSWORD") or None,
         )
 
     def with_overrides(self, **changes: object) -> Settings:

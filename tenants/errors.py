@@ -1,8 +1,17 @@
-"""Domain errors; the gateway maps each to its HTTP status."""
+"""Errors the business domain raises on purpose; the gateway maps each to its HTTP status.
+
+`TenantsError` is the layer's root. `DomainError` is the part the caller can act on
+(what was asked for does not exist, conflicts, or is invalid): the admin API, the console
+and the CLI show its message. The others are the layer's own failures (the quota store,
+Stripe), handled where they happen; one that escapes is a 500."""
 
 
-class DomainError(Exception):
-    """Base for errors the business domain raises on purpose."""
+class TenantsError(Exception):
+    """Root of every error tenants/ raises on purpose."""
+
+
+class DomainError(TenantsError):
+    """The caller's request cannot be done as asked; the message says why."""
 
 
 class NotFoundError(DomainError):

@@ -1,8 +1,10 @@
-"""Services over the tenant domain. Each takes an AsyncSession; callers own the transaction."""
+"""Services over the tenant domain, one method per use-case, each audited inside. Each takes
+an AsyncSession; callers own the transaction."""
 
 from __future__ import annotations
 
 import re
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta
 
@@ -65,7 +67,7 @@ def _changes(before: dict[str, object], after: dict[str, object]) -> dict[str, o
     return {name: [before[name], after[name]] for name in after if before[name] != after[name]}
 
 
-class _Audited:
+class Audited:
     """A service whose changes are written to the audit log, in the caller's transaction."""
 
     def __init__(self, session: AsyncSession, actor: Actor = SYSTEM) -> None:
@@ -86,8 +88,9 @@ class _Audited:
         )
 
 
-class TenantService(_Audited):
-    async def create(self, name: str) -> Tenant:
+class TenantService(Audited):
+    async def create(self, name: str, plan_name: str | None = None) -> Tenant:
+        """A new tenant, on `plan_name` when given (else unlimited)."""
         if not _TENANT_NAME.match(name):
             raise InvalidInputError(
                 "tenant name must be 1-100 characters of a-z, 0-9, '_', '.', '-', "
@@ -99,6 +102,8 @@ class TenantService(_Audited):
         self.session.add(tenant)
         await self.session.flush()
         await self._audit("tenant.create", f"tenant:{name}", tenant.id)
+        if plan_name is not None:
+            await self.set_plan(name, plan_name)
         return tenant
 
     async def find(self, name: str) -> Tenant | None:
@@ -136,7 +141,7 @@ class TenantService(_Audited):
         return tenant
 
 
-class PlanService(_Audited):
+class PlanService(Audited):
     async def create(self, name: str, terms: PlanTerms) -> Plan:
         if not _TENANT_NAME.match(name):
             raise InvalidInputError("plan name must be 1-100 characters of a-z, 0-9, '_', '.', '-'")
@@ -149,10 +154,12 @@ class PlanService(_Audited):
         await self._audit("plan.create", f"plan:{name}", None, terms=_terms_view(terms))
         return plan
 
-    async def update(self, name: str, terms: PlanTerms) -> Plan:
+    async def update(self, name: str, edit: Callable[[PlanTerms], PlanTerms]) -> Plan:
+        """Change a plan's terms to `edit(current terms)`."""
         plan = await self.get(name)
-        before = _terms_view(PlanTerms.of(plan))
-        self._apply(plan, terms)
+        current = PlanTerms.of(plan)
+        before = _terms_view(current)
+        self._apply(plan, edit(current))
         await self.session.flush()
         after = _terms_view(PlanTerms.of(plan))
         await self._audit("plan.update", f"plan:{name}", None, changes=_changes(before, after))
@@ -181,7 +188,7 @@ class PlanService(_Audited):
         return list((await self.session.execute(select(Plan).order_by(Plan.name))).scalars())
 
 
-class ApiKeyService(_Audited):
+class ApiKeyService(Audited):
     async def create(
         self, tenant: Tenant, name: str = "", role: KeyRole = KeyRole.TENANT
     ) -> CreatedKey:
@@ -215,9 +222,15 @@ class ApiKeyService(_Audited):
             raise NotFoundError(f"no API key with id or prefix {key_id_or_prefix!r}")
         return key
 
-    async def set_limits(self, key_id_or_prefix: str, limits: LimitSet) -> ApiKey:
+    async def set_limits(
+        self, key_id_or_prefix: str, limits: LimitSet | Callable[[LimitSet], LimitSet]
+    ) -> ApiKey:
+        """Override the plan's limits for one key: with `limits`, or `limits(current)`."""
         key = await self.get(key_id_or_prefix)
-        before = _limits_view(LimitSet.of(key))
+        current = LimitSet.of(key)
+        before = _limits_view(current)
+        if callable(limits):
+            limits = limits(current)
         limits.apply_to(key)
         changes = _changes(before, _limits_view(limits))
         await self._audit("key.set_limits", f"key:{key.prefix}", key.tenant_id, changes=changes)

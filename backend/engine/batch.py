@@ -3,9 +3,13 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from backend.outputs import TokenLogprobs
 from backend.sampling import SamplingParams
+
+if TYPE_CHECKING:
+    from backend.grammar import GrammarMatcher
 
 
 @dataclass(frozen=True, slots=True)
@@ -19,6 +23,7 @@ class ScheduledRequest:
     # The request's own lists, not copies: penalties and min_tokens read its history.
     prompt_token_ids: list[int]
     output_token_ids: list[int]
+    matcher: GrammarMatcher | None = None  # a constrained request's: the sampler masks its row
 
 
 @dataclass(frozen=True)

@@ -18,7 +18,13 @@ from backend.engine.model_runner import ModelRunner
 from backend.engine.request import Request, RequestStatus, fan_out
 from backend.engine.scheduler import Scheduler
 from backend.engine.step_cost import warm_up, warm_up_shapes
-from backend.errors import PromptTooLongError, RequestFailedError, RequestStepError
+from backend.errors import (
+    InvalidParameterError,
+    PromptTooLongError,
+    RequestFailedError,
+    RequestStepError,
+)
+from backend.grammar import GrammarCompiler
 from backend.loader import load_model_config
 from backend.outputs import EngineStats, RequestOutput, TokenLogprobs
 from backend.sampling import SamplingParams
@@ -57,6 +63,11 @@ class Engine:
         )
         self.max_model_len = self._fit_max_model_len(wanted)
         self.scheduler = Scheduler(config, self.block_manager)
+        self.grammars = GrammarCompiler(
+            self.model_dir / "tokenizer.json",
+            max(self.model_config.vocab_size, self.tokenizer.vocab_size),
+            self.tokenizer.eos_token_ids,
+        )
         log.info("%s", self.describe())
         self.num_steps = 0
         self.num_failed_requests = 0  # failed by a fault while stepping them
@@ -122,8 +133,10 @@ class Engine:
         tenant: str | None = None,
         weight: int = 1,
     ) -> None:
-        """Validate and queue a request. Raises ValueError (PromptTooLongError for a prompt
-        that does not fit), OverloadedError (the waiting queue is full) or
+        """Validate and queue a request. Raises InvalidParameterError for a prompt the
+        caller must change (PromptTooLongError when it does not fit, ConstraintError for a
+        constraint that cannot be compiled), ValueError for ids or weights the gateway got
+        wrong, OverloadedError (the waiting queue is full) or
         DeadlineExceededError (the first token cannot come by `deadline`) in the caller's
         thread."""
         if not isinstance(weight, int) or isinstance(weight, bool) or weight < 1:
@@ -145,6 +158,9 @@ class Engine:
             cache_salt=None if self.config.share_prefix_cache else tenant,
             arrival_time=self.scheduler.clock(),  # the clock that ages it
         )
+        if params.constraint is not None:
+            for req in reqs:  # compiled once (then cached); each completion its own matcher
+                req.matcher = self.grammars.matcher(params.constraint)
         with self._lock:
             if request_id in self._groups:
                 raise ValueError(f"request id {request_id!r} is already in the engine")
@@ -291,6 +307,8 @@ class Engine:
         old_len = len(state.text)
         if status != RequestStatus.FINISHED_STOPPED:  # a stop token's text is never shown
             state.text += state.detok.step(token)
+            if req.matcher is not None and req.matcher.advance(token):
+                status = RequestStatus.FINISHED_STOPPED  # the grammar is complete
         if status is not None:
             state.text += state.detok.flush()
         stops = req.params.stop
@@ -369,12 +387,12 @@ class Engine:
         elif isinstance(prompt, list) and all(type(t) is int for t in prompt):
             ids = list(prompt)
         else:
-            raise ValueError("prompt must be a string or a list of token ids")
+            raise InvalidParameterError("prompt must be a string or a list of token ids", "prompt")
         if not ids:
-            raise ValueError("prompt is empty")
+            raise InvalidParameterError("prompt is empty", "prompt")
         vocab = self.model_config.vocab_size
         if any(not 0 <= t < vocab for t in ids):
-            raise ValueError(f"prompt token ids must be in [0, {vocab})")
+            raise InvalidParameterError(f"prompt token ids must be in [0, {vocab})", "prompt")
         if len(ids) >= self.max_model_len:
             raise PromptTooLongError(len(ids), self.max_model_len)
         return ids

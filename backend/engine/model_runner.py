@@ -15,10 +15,12 @@ from backend.engine.batch import ModelRunnerOutput, ScheduledRequest, SchedulerO
 from backend.engine.cuda_graphs import DecodeGraphs, GraphableBackend, can_capture
 from backend.engine.step_inputs import Staging, to_device, to_host
 from backend.errors import RequestStepError
+from backend.grammar import fill_bitmasks
 from backend.layers.attention import AttentionBackend, AttentionMetadata, attention_backend
 from backend.layers.sampler import (
     SamplingTensors,
     apply_penalties_batch,
+    apply_token_bitmask,
     assemble_logprobs,
     logprob_tensors,
     sample_tokens,
@@ -118,8 +120,11 @@ class ModelRunner:
         hidden = self._forward(batch)
         if not reqs:
             return ModelRunnerOutput({})
+        _stage_grammar_masks(stage, reqs)  # host work while a GPU runs the forward pass
         staged = stage.upload()
         logits = self.model.logits(hidden[staged["last"]])
+        if "grammar_rows" in staged:  # masked before logprobs: they describe what is sampled
+            apply_token_bitmask(logits, staged["grammar_rows"], staged["grammar_masks"])
         processed = self._process_logits(logits, reqs, staged)
         sampling = SamplingTensors.of(staged, [r.params for r in reqs])
         tokens = sample_tokens(processed, generators, sampling)
@@ -308,6 +313,14 @@ def _slots(block_ids: list[int], start: int, end: int, block_size: int) -> list[
         slots += range(base + pos, base + stop)
         pos = stop
     return slots
+
+
+def _stage_grammar_masks(stage: Staging, reqs: list[ScheduledRequest]) -> None:
+    """The constrained rows and their token bitmasks; nothing when no row is constrained."""
+    constrained = [(i, r.matcher) for i, r in enumerate(reqs) if r.matcher is not None]
+    if constrained:
+        stage.add("grammar_rows", [i for i, _ in constrained])
+        stage.add("grammar_masks", fill_bitmasks([m for _, m in constrained]), torch.int32)
 
 
 def _last_rows(batch: SchedulerOutput) -> list[int]:

@@ -7,8 +7,12 @@ from __future__ import annotations
 import enum
 import time
 from dataclasses import dataclass, field, replace
+from typing import TYPE_CHECKING
 
 from backend.sampling import SamplingParams
+
+if TYPE_CHECKING:
+    from backend.grammar import GrammarMatcher
 
 
 class RequestStatus(enum.IntEnum):
@@ -70,6 +74,7 @@ class Request:
     first_token_time: float | None = None
     rejection: str | None = None  # why the policy finished it ("deadline_exceeded", ...)
     retry_after_s: float | None = None  # with "overloaded": when the queue should have room
+    matcher: GrammarMatcher | None = None  # with a constraint: its place in the grammar
 
     def __post_init__(self) -> None:
         self.external_id = self.external_id or self.request_id

@@ -716,6 +716,7 @@ class Scheduler:
                     sample=start + num_new == req.num_tokens,
                     prompt_token_ids=req.prompt_token_ids,
                     output_token_ids=req.output_token_ids,
+                    matcher=req.matcher,
                 )
             )
         finished, self._finished_ids = self._finished_ids, []

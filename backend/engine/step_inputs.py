@@ -20,8 +20,10 @@ class Staging:
         self.device = device
         self._parts: dict[torch.dtype, list[tuple[str, np.ndarray]]] = {}
 
-    def add(self, name: str, data: Sequence[object], dtype: torch.dtype = torch.int64) -> None:
-        """A list, or a list of equal-length lists (a 2-D array)."""
+    def add(
+        self, name: str, data: Sequence[object] | np.ndarray, dtype: torch.dtype = torch.int64
+    ) -> None:
+        """A list, a list of equal-length lists (a 2-D array), or an array."""
         array = np.asarray(data, dtype=_NUMPY[dtype])
         self._parts.setdefault(dtype, []).append((name, array))
 

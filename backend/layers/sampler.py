@@ -7,6 +7,7 @@ runner's read-back of the tokens (and logprobs) at the end of the step."""
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -63,6 +64,22 @@ class SamplingTensors:
         stage = Staging(device)
         cls.stage(stage, params, vocab)
         return cls.of(stage.upload(), params)
+
+
+def apply_token_bitmask(logits: torch.Tensor, rows: torch.Tensor, bitmask: torch.Tensor) -> None:
+    """Constrained rows' grammar masks, in place: logits [B, vocab] on `rows` [R];
+    bitmask [R, ceil(vocab / 32)] int32 on the logits' device, bit j of word w allowing
+    token 32 w + j. Every other token gets the lowest finite logit: probability 0, and a
+    logprob that JSON can still carry."""
+    bits = bitmask[:, :, None] >> _bit_shifts(bitmask.device) & 1
+    blocked = (bits == 0).flatten(1)[:, : logits.shape[-1]]
+    masked = logits.index_select(0, rows).masked_fill_(blocked, torch.finfo(logits.dtype).min)
+    logits.index_copy_(0, rows, masked)
+
+
+@functools.cache
+def _bit_shifts(device: torch.device) -> torch.Tensor:
+    return torch.arange(32, dtype=torch.int32, device=device)
 
 
 def sample_tokens(

@@ -8,10 +8,10 @@ from typing import Annotated, Any
 from litestar import Controller, get, post
 from litestar.di import NamedDependency, Provide
 from litestar.params import FromQuery, QueryParameter
+from sqlalchemy.ext.asyncio import AsyncSession
 
 from gateway.admin.controllers import require_admin
 from gateway.errors import InvalidRequest
-from gateway.runtime import Runtime
 from tenants import audit
 from tenants.errors import InvalidInputError
 from tenants.models import parse_utc
@@ -40,7 +40,7 @@ class AuditController(Controller):
     @get("/")
     async def list_events(
         self,
-        runtime: NamedDependency[Runtime],
+        db_session: NamedDependency[AsyncSession],
         admin: NamedDependency[Principal],
         tenant: FromQuery[str | None] = None,
         action: FromQuery[str | None] = None,
@@ -51,18 +51,17 @@ class AuditController(Controller):
         cursor: Annotated[int | None, QueryParameter(ge=1)] = None,
     ) -> dict[str, Any]:
         """Newest first. `next_cursor` (when not null) fetches the next, older page."""
-        async with runtime.sessions() as session:
-            tenant_id = None if tenant is None else (await TenantService(session).get(tenant)).id
-            events = await audit.list_events(
-                session,
-                tenant_id=tenant_id,
-                action=action,
-                actor=actor,
-                since=parse_time(since, "since"),
-                until=parse_time(until, "until"),
-                before_id=cursor,
-                limit=limit,
-            )
+        tenant_id = None if tenant is None else (await TenantService(db_session).get(tenant)).id
+        events = await audit.list_events(
+            db_session,
+            tenant_id=tenant_id,
+            action=action,
+            actor=actor,
+            since=parse_time(since, "since"),
+            until=parse_time(until, "until"),
+            before_id=cursor,
+            limit=limit,
+        )
         more = len(events) == limit
         return {
             "data": [audit.event_view(event) for event in events],
@@ -72,7 +71,7 @@ class AuditController(Controller):
     @post("/verify", status_code=200)
     async def verify(
         self,
-        runtime: NamedDependency[Runtime],
+        db_session: NamedDependency[AsyncSession],
         admin: NamedDependency[Principal],
         anchor: FromQuery[str | None] = None,
     ) -> dict[str, Any]:
@@ -82,8 +81,7 @@ class AuditController(Controller):
             kept = None if anchor is None else audit.Anchor.parse(anchor)
         except InvalidInputError as exc:
             raise InvalidRequest(str(exc), param="anchor") from None
-        async with runtime.sessions() as session:
-            result = await audit.verify(session, kept)
+        result = await audit.verify(db_session, kept)
         return {
             "ok": result.ok,
             "events": result.events,

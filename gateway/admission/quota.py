@@ -40,7 +40,9 @@ from tenants.quota import (
     SpendUnknownError,
     StoreUnavailableError,
     WindowStatus,
+    key_scope,
     month_period,
+    tenant_scope,
 )
 from tenants.services import Principal
 
@@ -85,8 +87,8 @@ class Ticket:
 
 def scopes(principal: Principal) -> tuple[Scope, ...]:
     return (
-        Scope(f"tenant:{principal.tenant_id}", _limits(principal.plan.limits)),
-        Scope(f"key:{principal.key_id}", _limits(principal.key_limits)),
+        Scope(tenant_scope(principal.tenant_id), _limits(principal.plan.limits)),
+        Scope(key_scope(principal.key_id), _limits(principal.key_limits)),
     )
 
 

@@ -30,7 +30,7 @@ from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
 from gateway.tasks import Periodic
 from tenants.idempotency import IdempotencyService
 from tenants.models import UsageEvent, as_utc, utcnow
-from tenants.quota import QuotaStore, month_period
+from tenants.quota import QuotaStore, key_scope, month_period, tenant_scope
 
 log = logging.getLogger(__name__)
 
@@ -85,8 +85,8 @@ async def ledger_bases(
     )
     async with sessions() as session:
         for tenant_id, key_id, cost in await session.execute(query):
-            bases[f"tenant:{tenant_id}"] += int(cost)
-            bases[f"key:{key_id}"] += int(cost)
+            bases[tenant_scope(tenant_id)] += int(cost)
+            bases[key_scope(key_id)] += int(cost)
     return bases
 
 
@@ -123,7 +123,7 @@ async def reconcile(
 
 
 async def _charge(store: QuotaStore, row: Any) -> bool:
-    scopes = (f"tenant:{row.tenant_id}", f"key:{row.api_key_id}")
+    scopes = (tenant_scope(row.tenant_id), key_scope(row.api_key_id))
     period = month_period(as_utc(row.created_at))
     return await store.charge(
         row.request_id, scopes, period, row.cost_micros, to_us(row.created_at)

@@ -1,7 +1,8 @@
 """Running one admitted request through the engine: streamed as SSE, or whole.
 
-Every exit path — completion, engine failure, client disconnect — aborts what is left
-in the engine and settles exactly one usage row.
+Every exit path (completion, engine failure, deadline, client disconnect) goes through
+one `Settlement`, which aborts what is left in the engine and settles exactly one usage
+row.
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ import contextlib
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
+from functools import partial
 from typing import Any
 
 from backend import EngineDeadError, RequestOutput, SamplingParams, TokenLogprobs
@@ -22,18 +24,20 @@ from gateway.errors import (
     DeadlineExceeded,
     EngineUnavailable,
     InternalError,
-    InvalidRequest,
     Overloaded,
 )
-from gateway.metering import FIRST_CHECKPOINT_WAIT_S, Charge, Outcome, UsageRecorder
+from gateway.metering import FIRST_CHECKPOINT_WAIT_S, UsageRecorder
 from gateway.telemetry import current_request
+from gateway.usage import Charge, RequestUsage
 from tenants.models import UsageStatus
 
 DONE = b"data: [DONE]\n\n"
 
 
 @dataclass
-class Job:
+class Generation:
+    """One admitted request for the engine: what to run, how to answer, by when."""
+
     charge: Charge
     format: Format
     prompt: list[int]
@@ -88,73 +92,120 @@ class Choices:
             self.logprobs.setdefault(out.index, []).extend(out.logprobs)
 
 
-def _observe(outcome: Outcome, choices: Choices, job: Job, out: RequestOutput) -> None:
-    outcome.prompt_tokens = out.prompt_tokens
-    outcome.cached_tokens = out.cached_tokens
+def _observe(usage: RequestUsage, choices: Choices, gen: Generation, out: RequestOutput) -> None:
+    usage.prompt_tokens = out.prompt_tokens
+    usage.cached_tokens = out.cached_tokens
     choices.tokens[out.index] = out.completion_tokens
-    outcome.completion_tokens = choices.completion_tokens
-    if outcome.queue_ms is None and out.first_scheduled_time is not None:
-        outcome.queue_ms = (out.first_scheduled_time - out.arrival_time) * 1000
-    if outcome.ttft_ms is None and out.completion_tokens > 0:
-        outcome.ttft_ms = (time.monotonic() - job.started) * 1000
-    if out.index == 0 and out.completion_tokens > outcome.stream_tokens:
-        outcome.stream_tokens = out.completion_tokens
-        outcome.last_token_ms = (time.monotonic() - job.started) * 1000
+    usage.completion_tokens = choices.completion_tokens
+    if usage.queue_ms is None and out.first_scheduled_time is not None:
+        usage.queue_ms = (out.first_scheduled_time - out.arrival_time) * 1000
+    if usage.ttft_ms is None and out.completion_tokens > 0:
+        usage.ttft_ms = (time.monotonic() - gen.started) * 1000
+    if out.index == 0 and out.completion_tokens > usage.stream_tokens:
+        usage.stream_tokens = out.completion_tokens
+        usage.last_token_ms = (time.monotonic() - gen.started) * 1000
     if out.finished:
         choices.finish[out.index] = out.finish_reason
-        outcome.finish_reason = choices.finish.get(0, out.finish_reason)
+        usage.finish_reason = choices.finish.get(0, out.finish_reason)
 
 
-def _usage(outcome: Outcome) -> dict[str, Any]:
+def _usage_body(usage: RequestUsage) -> dict[str, Any]:
     return {
-        "prompt_tokens": outcome.prompt_tokens,
-        "completion_tokens": outcome.completion_tokens,
-        "total_tokens": outcome.prompt_tokens + outcome.completion_tokens,
-        "prompt_tokens_details": {"cached_tokens": outcome.cached_tokens},
+        "prompt_tokens": usage.prompt_tokens,
+        "completion_tokens": usage.completion_tokens,
+        "total_tokens": usage.prompt_tokens + usage.completion_tokens,
+        "prompt_tokens_details": {"cached_tokens": usage.cached_tokens},
     }
 
 
-def _fail(outcome: Outcome, exc: BaseException, delivered: int) -> ApiError:
-    """Map an engine-side failure to its API error; bill only what reached the client."""
+def _api_error(exc: BaseException) -> ApiError:
+    """The engine clients raise API errors for what the engine refused on purpose;
+    anything else (a ValueError included) is a defect: a 500."""
     if isinstance(exc, ApiError):
-        error = exc
-    elif isinstance(exc, EngineDeadError):
-        error = EngineUnavailable("the engine stopped; retry shortly", headers={"Retry-After": "1"})
-    elif isinstance(exc, ValueError):
-        error = InvalidRequest(str(exc))
-    else:
-        error = InternalError("the engine failed this request")
-    refused = isinstance(error, Overloaded | DeadlineExceeded) and delivered == 0
-    outcome.status = UsageStatus.REJECTED if refused else UsageStatus.FAILED
-    outcome.error = error.code or error.type
-    outcome.completion_tokens = delivered
-    return error
+        return exc
+    if isinstance(exc, EngineDeadError):
+        return EngineUnavailable("the engine stopped; retry shortly", headers={"Retry-After": "1"})
+    return InternalError("the engine failed this request")
 
 
-def _cancelled(outcome: Outcome, delivered: int) -> Outcome:
-    outcome.status = UsageStatus.CANCELLED
-    outcome.completion_tokens = delivered
-    return outcome
+class Settlement:
+    """The one usage row of a generation, written exactly once however it ends.
+
+    `settle()` writes the row the first time and returns that write every time after.
+    Leaving the `async with` block with nothing settled (the client went away, the task
+    was cancelled) aborts the request in the engine and settles it as cancelled, billed
+    for the completion tokens delivered so far."""
+
+    def __init__(self, gen: Generation, engine: EngineClient, recorder: UsageRecorder) -> None:
+        self.gen = gen
+        self.engine = engine
+        self.recorder = recorder
+        self.usage = RequestUsage(prompt_tokens=len(gen.prompt))
+        self._written: asyncio.Task[None] | None = None
+
+    @property
+    def settled(self) -> bool:
+        return self._written is not None
+
+    def restart(self) -> None:
+        """The request starts over on another replica: what came before is void."""
+        self.usage = RequestUsage(prompt_tokens=len(self.gen.prompt))
+
+    def settle(self) -> asyncio.Task[None]:
+        """Write the row for the usage as it is now (idempotent: the first write counts)."""
+        if self._written is None:
+            self.usage.e2e_ms = (time.monotonic() - self.gen.started) * 1000
+            current_request().finish(self.gen, self.usage)  # once, as the row is
+            self._written = self.recorder.settle(self.gen.charge, self.usage)
+        return self._written
+
+    def fail(self, exc: BaseException) -> ApiError:
+        """Settle an engine-side failure, billing only what reached the client; returns
+        the API error to answer with."""
+        error = _api_error(exc)
+        if not self.settled:
+            refused = isinstance(error, Overloaded | DeadlineExceeded) and not self.usage.delivered
+            self.usage.status = UsageStatus.REJECTED if refused else UsageStatus.FAILED
+            self.usage.error = error.code or error.type
+            self.usage.completion_tokens = self.usage.delivered
+            self.settle()
+        return error
+
+    async def __aenter__(self) -> Settlement:
+        return self
+
+    async def __aexit__(self, *_: object) -> None:
+        self.cancel()
+
+    def cancel(self) -> None:
+        """Unless settled: abort in the engine, settle as cancelled (what was delivered)."""
+        if self.settled:
+            return
+        with current_request().span("cancel"):
+            self.engine.abort(self.gen.charge.request_id)
+        self.usage.status = UsageStatus.CANCELLED
+        self.usage.completion_tokens = self.usage.delivered
+        self.settle()
 
 
 async def _outputs(
-    job: Job, engine: EngineClient, restartable: bool = False
+    gen: Generation, engine: EngineClient, restartable: bool = False
 ) -> AsyncIterator[RequestOutput]:
-    """The engine's outputs for this job, under its server-side deadlines: the first token
-    by `first_token_within_s`, the last by `timeout_s`. Missing one closes the engine's
-    stream, which aborts the request there."""
-    started = asyncio.get_running_loop().time() - (time.monotonic() - job.started)  # loop clock
-    last_due = started + job.timeout_s
-    due = started + job.first_token_within_s
+    """The engine's outputs for this generation, under its server-side deadlines: the
+    first token by `first_token_within_s`, the last by `timeout_s`. Missing one closes the
+    engine's stream, which aborts the request there."""
+    started = asyncio.get_running_loop().time() - (time.monotonic() - gen.started)  # loop clock
+    last_due = started + gen.timeout_s
+    due = started + gen.first_token_within_s
     outputs = engine.generate(
-        job.prompt,
-        job.params,
-        job.charge.request_id,
-        priority=job.priority,
-        tenant=job.charge.principal.tenant_id,
-        weight=job.charge.principal.plan.weight,
+        gen.prompt,
+        gen.params,
+        gen.charge.request_id,
+        priority=gen.priority,
+        tenant=gen.charge.principal.tenant_id,
+        weight=gen.charge.principal.plan.weight,
         # The engine rejects what cannot start by then, before spending compute on it.
-        deadline=job.started + job.first_token_within_s,
+        deadline=gen.started + gen.first_token_within_s,
         restartable=restartable,
     )
     outputs = current_request().dispatch(outputs)  # the dispatch span; the timeline
@@ -165,48 +216,50 @@ async def _outputs(
         except StopAsyncIteration:
             return
         except TimeoutError:
-            raise DeadlineExceeded(_missed(job, first=due < last_due)) from None
+            raise DeadlineExceeded(_missed(gen, first=due < last_due)) from None
         due = last_due
         yield out
 
 
-def _missed(job: Job, first: bool) -> str:
+def _missed(gen: Generation, first: bool) -> str:
     if first:
-        return f"the first token did not come within {job.first_token_within_s * 1000:g} ms"
-    return f"the request did not finish within {job.timeout_s:g} s"
+        return f"the first token did not come within {gen.first_token_within_s * 1000:g} ms"
+    return f"the request did not finish within {gen.timeout_s:g} s"
 
 
-async def complete(job: Job, engine: EngineClient, recorder: UsageRecorder) -> dict[str, Any]:
+async def complete(
+    gen: Generation, engine: EngineClient, recorder: UsageRecorder
+) -> dict[str, Any]:
     """Run to the end and return the whole response body."""
-    outcome = Outcome(prompt_tokens=len(job.prompt))
-    choices = Choices(job.params.n)
-    try:
-        # Nothing reaches the client before the end, so a replica that dies on the way
-        # does not fail the request: it starts over on another one.
-        async for out in _outputs(job, engine, restartable=True):
-            if out.finish_reason == RESTART:
-                outcome, choices = Outcome(prompt_tokens=len(job.prompt)), Choices(job.params.n)
-                continue
-            _observe(outcome, choices, job, out)
-            choices.collect(out)
-    except Exception as exc:
-        error = _fail(outcome, exc, delivered=0)
-        recorder.settle(job.charge, _finish(outcome, job))
-        raise error from exc
-    except BaseException:  # cancelled: the client went away before the answer was sent
-        with current_request().span("cancel"):
-            engine.abort(job.charge.request_id)
-        recorder.settle(job.charge, _finish(_cancelled(outcome, 0), job))
-        raise
-    # Settled exactly once from here, whatever happens to this task; the quota store's
-    # part never fails it (see Admission.settle), so a completed request is a 200.
-    await asyncio.shield(recorder.settle(job.charge, _finish(outcome, job)))
-    want_logprobs = job.params.logprobs is not None
-    body = job.envelope(
+    choices = Choices(gen.params.n)
+    async with Settlement(gen, engine, recorder) as settlement:
+        try:
+            # Nothing reaches the client before the end, so a replica that dies on the way
+            # does not fail the request: it starts over on another one.
+            async for out in _outputs(gen, engine, restartable=True):
+                if out.finish_reason == RESTART:
+                    settlement.restart()
+                    choices = Choices(gen.params.n)
+                    continue
+                _observe(settlement.usage, choices, gen, out)
+                choices.collect(out)
+        except Exception as exc:
+            raise settlement.fail(exc) from exc
+        # Settled exactly once from here, whatever happens to this task; the quota
+        # store's part never fails it (see Admission.settle), so a completed request is a 200.
+        await asyncio.shield(settlement.settle())
+    return _whole_body(gen, engine, choices, settlement.usage)
+
+
+def _whole_body(
+    gen: Generation, engine: EngineClient, choices: Choices, usage: RequestUsage
+) -> dict[str, Any]:
+    want_logprobs = gen.params.logprobs is not None
+    body = gen.envelope(
         [
-            job.format.choice(
+            gen.format.choice(
                 index,
-                job.echo + "".join(choices.texts.get(index, [])),
+                gen.echo + "".join(choices.texts.get(index, [])),
                 choices.finish.get(index),
                 choices.logprobs.get(index, []) if want_logprobs else None,
                 engine.token_text,
@@ -215,37 +268,31 @@ async def complete(job: Job, engine: EngineClient, recorder: UsageRecorder) -> d
         ],
         chunk=False,
     )
-    body["usage"] = _usage(outcome)
+    body["usage"] = _usage_body(usage)
     return body
-
-
-def _finish(outcome: Outcome, job: Job) -> Outcome:
-    outcome.e2e_ms = (time.monotonic() - job.started) * 1000
-    current_request().finish(job, outcome)  # once per request: every path settles once
-    return outcome
 
 
 def _sse(payload: dict[str, Any]) -> bytes:
     return b"data: " + encode(payload) + b"\n\n"
 
 
-async def stream(job: Job, engine: EngineClient, recorder: UsageRecorder) -> AsyncIterator[bytes]:
+async def stream(
+    gen: Generation, engine: EngineClient, recorder: UsageRecorder
+) -> AsyncIterator[bytes]:
     """Wait for the engine's first output, then return the server-sent events. Nothing is
     sent before it, so a refusal (overloaded, deadline) is an HTTP error with its status
     and Retry-After rather than an error event after a 200."""
-    outcome = Outcome(prompt_tokens=len(job.prompt))
-    outputs = _outputs(job, engine)
-    checkpointed = recorder.track(job.charge, outcome)  # written while the engine prefills
+    settlement = Settlement(gen, engine, recorder)
+    outputs = _outputs(gen, engine)
+    checkpointed = recorder.track(gen.charge, settlement.usage)  # written while it prefills
     try:
         first = await anext(outputs, None)
-    except asyncio.CancelledError:  # the client left while queued; the engine aborted
-        recorder.settle(job.charge, _finish(_cancelled(outcome, 0), job))
-        raise
     except Exception as exc:
-        error = _fail(outcome, exc, delivered=0)
-        recorder.settle(job.charge, _finish(outcome, job))
-        raise error from exc
-    return _events(job, engine, recorder, outcome, _chain(first, outputs), checkpointed)
+        raise settlement.fail(exc) from exc
+    except BaseException:  # cancelled: the client left while the request was queued
+        settlement.cancel()
+        raise
+    return _events(settlement, _chain(first, outputs), checkpointed)
 
 
 async def _chain(
@@ -257,62 +304,54 @@ async def _chain(
         yield out
 
 
-async def _events(
-    job: Job,
+def _chunk(
+    gen: Generation,
     engine: EngineClient,
-    recorder: UsageRecorder,
-    outcome: Outcome,
+    index: int,
+    text: str,
+    finish_reason: str | None,
+    first: bool = False,
+    logprobs: list[TokenLogprobs] | None = None,
+) -> bytes:
+    choice = gen.format.delta(index, text, finish_reason, first, logprobs, engine.token_text)
+    body = gen.envelope([choice], chunk=True)
+    if gen.include_usage:
+        body["usage"] = None
+    return _sse(body)
+
+
+async def _events(
+    settlement: Settlement,
     outputs: AsyncIterator[RequestOutput],
     checkpointed: asyncio.Future[None],
 ) -> AsyncIterator[bytes]:
     """Server-sent events; the completion tokens billed are the ones written out. The
     first waits for the stream's first checkpoint: a client never holds a response that
     a gateway crash could leave without a ledger row."""
-    choices = Choices(job.params.n)
-    delivered = 0
-    settled = False
-
-    def chunk(
-        index: int,
-        text: str,
-        finish_reason: str | None,
-        first: bool = False,
-        logprobs: list[TokenLogprobs] | None = None,
-    ) -> bytes:
-        choice = job.format.delta(index, text, finish_reason, first, logprobs, engine.token_text)
-        body = job.envelope([choice], chunk=True)
-        if job.include_usage:
-            body["usage"] = None
-        return _sse(body)
-
+    gen, usage = settlement.gen, settlement.usage
+    choices = Choices(gen.params.n)
+    chunk = partial(_chunk, gen, settlement.engine)
     streaming = current_request().start_span("stream")
-    with contextlib.suppress(TimeoutError):  # a slow database delays billing, not tokens
-        await asyncio.wait_for(asyncio.shield(checkpointed), FIRST_CHECKPOINT_WAIT_S)
     try:
-        for index in range(choices.n):
-            yield chunk(index, job.echo, None, first=True)
-        async for out in outputs:
-            _observe(outcome, choices, job, out)
-            if out.text or out.logprobs:
-                yield chunk(out.index, out.text, None, logprobs=out.logprobs)
-            delivered = outcome.delivered = choices.completion_tokens  # once the chunk was sent
-            if out.finished:
-                yield chunk(out.index, "", out.finish_reason)
-        settled = True
-        await asyncio.shield(recorder.settle(job.charge, _finish(outcome, job)))
-        if job.include_usage:
-            yield _sse({**job.envelope([], chunk=True), "usage": _usage(outcome)})
-        yield DONE
-    except Exception as exc:
-        error = _fail(outcome, exc, delivered)
-        if not settled:
-            settled = True
-            recorder.settle(job.charge, _finish(outcome, job))
-        yield _sse(error.body())
+        async with settlement:  # the client disconnecting mid-stream exits here
+            with contextlib.suppress(TimeoutError):  # a slow database delays billing, not tokens
+                await asyncio.wait_for(asyncio.shield(checkpointed), FIRST_CHECKPOINT_WAIT_S)
+            try:
+                for index in range(choices.n):
+                    yield chunk(index, gen.echo, None, first=True)
+                async for out in outputs:
+                    _observe(usage, choices, gen, out)
+                    if out.text or out.logprobs:
+                        yield chunk(out.index, out.text, None, logprobs=out.logprobs)
+                    usage.delivered = choices.completion_tokens  # once the chunk was sent
+                    if out.finished:
+                        yield chunk(out.index, "", out.finish_reason)
+                await asyncio.shield(settlement.settle())
+                if gen.include_usage:
+                    yield _sse({**gen.envelope([], chunk=True), "usage": _usage_body(usage)})
+                yield DONE
+            except Exception as exc:
+                yield _sse(settlement.fail(exc).body())
     finally:
-        streaming.set_attribute("tollgate.stream.delivered_tokens", delivered)
+        streaming.set_attribute("tollgate.stream.delivered_tokens", usage.delivered)
         streaming.end()
-        if not settled:  # the client disconnected mid-stream
-            with current_request().span("cancel"):
-                engine.abort(job.charge.request_id)
-            recorder.settle(job.charge, _finish(_cancelled(outcome, delivered), job))

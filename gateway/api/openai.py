@@ -14,13 +14,13 @@ from litestar.di import NamedDependency, Provide
 from litestar.params import FromPath
 from litestar.response import Stream
 
-from backend import SamplingParams
+from backend import InvalidParameterError, SamplingParams
 from gateway.admission import idempotency, policy
 from gateway.admission.auth import authenticate, new_request_id
 from gateway.admission.idempotency import Claim, Replay
 from gateway.api import generation
 from gateway.api.formats import ChatFormat, Format, TextFormat
-from gateway.api.generation import Job
+from gateway.api.generation import Generation
 from gateway.api.schemas import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -30,9 +30,9 @@ from gateway.api.schemas import (
 )
 from gateway.dispatch.engine_client import EngineClient
 from gateway.errors import Cancelled, InvalidRequest
-from gateway.metering import Charge
 from gateway.runtime import Runtime
 from gateway.telemetry import current_request
+from gateway.usage import Charge
 from tenants.models import IdempotencyRecord
 from tenants.services import Principal
 
@@ -58,9 +58,9 @@ def _sampling(fields: SamplingFields, max_tokens: int) -> SamplingParams:
             presence_penalty=fields.presence_penalty or 0.0,
             frequency_penalty=fields.frequency_penalty or 0.0,
         )
-    except ValueError as exc:  # a combination the schema cannot check, e.g. min > max
-        field = str(exc).split(" ", 1)[0]
-        raise InvalidRequest(str(exc), param=field if hasattr(fields, field) else None) from None
+    except InvalidParameterError as exc:  # a combination the schema cannot check, e.g. min > max
+        param = exc.param if exc.param and hasattr(fields, exc.param) else None
+        raise InvalidRequest(str(exc), param=param) from None
 
 
 def _params(
@@ -89,8 +89,8 @@ class OpenAIController(Controller):
         policy.check_prompt_chars(chars, engine.max_model_len, engine.max_token_chars, "messages")
         prompt = await _tokenize(runtime, principal, chars, partial(_chat_prompt, engine, messages))
         params = _params(principal, body, prompt, engine, "messages")
-        job = _job(runtime, principal, body, ChatFormat, "chat.completions", prompt, params)
-        return await _respond(request, runtime, principal, job, stream=body.stream)
+        gen = _generation(runtime, principal, body, ChatFormat, "chat.completions", prompt, params)
+        return await _respond(request, runtime, principal, gen, stream=body.stream)
 
     @post("/completions", status_code=200)
     async def completions(
@@ -111,10 +111,10 @@ class OpenAIController(Controller):
         if not prompt:
             raise InvalidRequest("the prompt is empty", param="prompt")
         params = _params(principal, body, prompt, engine, "prompt")
-        job = _job(runtime, principal, body, TextFormat, "completions", prompt, params)
+        gen = _generation(runtime, principal, body, TextFormat, "completions", prompt, params)
         if body.echo:
-            job.echo = body.prompt if isinstance(body.prompt, str) else engine.decode(prompt)
-        return await _respond(request, runtime, principal, job, stream=body.stream)
+            gen.echo = body.prompt if isinstance(body.prompt, str) else engine.decode(prompt)
+        return await _respond(request, runtime, principal, gen, stream=body.stream)
 
     @get("/models")
     async def list_models(
@@ -139,7 +139,7 @@ class OpenAIController(Controller):
 def _chat_prompt(engine: EngineClient, messages: list[dict[str, str]]) -> list[int]:
     try:
         rendered = engine.render_chat(messages)
-    except ValueError as exc:  # the template refused these messages (e.g. role order)
+    except InvalidParameterError as exc:  # the template refused these messages (role order)
         raise InvalidRequest(str(exc), param="messages") from None
     return engine.encode(rendered)
 
@@ -168,7 +168,7 @@ def _model_card(engine: EngineClient) -> dict[str, Any]:
     }
 
 
-def _job(
+def _generation(
     runtime: Runtime,
     principal: Principal,
     body: SamplingFields,
@@ -176,9 +176,9 @@ def _job(
     endpoint: str,
     prompt: list[int],
     params: SamplingParams,
-) -> Job:
+) -> Generation:
     priority = policy.priority(principal, body.priority)
-    return Job(
+    return Generation(
         charge=Charge(new_request_id(), principal, body.model, endpoint, priority=priority),
         format=fmt,
         prompt=prompt,
@@ -194,18 +194,18 @@ async def _respond(
     request: Request[Any, Any, Any],
     runtime: Runtime,
     principal: Principal,
-    job: Job,
+    gen: Generation,
     *,
     stream: bool,
 ) -> Response[Any]:
     scope = current_request()
-    scope.describe(job, stream)
+    scope.describe(gen, stream)
     claim: Claim | None = None
     raw_key = request.headers.get(idempotency.HEADER)
     if raw_key is not None:
         with scope.span("idempotency"):
             begun = await runtime.idempotency.begin(
-                principal, raw_key, job.charge.endpoint, await request.body()
+                principal, raw_key, gen.charge.endpoint, await request.body()
             )
         if isinstance(begun, Replay):
             return _replay(begun.record)
@@ -213,34 +213,34 @@ async def _respond(
     try:
         with scope.span("admission"):
             # Reserve at the price the request will be charged (the book's version now).
-            quote = await runtime.recorder.prices.quote(job.charge.model, job.charge.started_at)
+            quote = await runtime.recorder.prices.quote(gen.charge.model, gen.charge.started_at)
             ticket = await runtime.admission.reserve(
                 principal,
-                job.charge.request_id,
-                len(job.prompt),
-                job.params.max_tokens * job.params.n,
+                gen.charge.request_id,
+                len(gen.prompt),
+                gen.params.max_tokens * gen.params.n,
                 quote.price,
             )
     except BaseException:
         if claim is not None:  # rejected, not stored: a retry with this key runs afresh
             runtime.tasks.spawn(runtime.idempotency.abandon(claim))
         raise
-    job.charge = replace(job.charge, reservation=ticket.reservation)
+    gen.charge = replace(gen.charge, reservation=ticket.reservation)
     scope.admitted = True
-    headers = {"x-request-id": job.charge.request_id, **ticket.headers}
+    headers = {"x-request-id": gen.charge.request_id, **ticket.headers}
     if stream:
         # Until the first output a refusal is still an HTTP error; after it, Litestar
         # cancels the stream when the client disconnects, and generation aborts then.
-        opening = generation.stream(job, runtime.engine, runtime.recorder)
+        opening = generation.stream(gen, runtime.engine, runtime.recorder)
         events = await _abandon_on_failure(claim, runtime, _unless_disconnected(request, opening))
         if claim is not None:
-            events = _recorded(events, claim, runtime, job.charge.request_id)
+            events = _recorded(events, claim, runtime, gen.charge.request_id)
         return Stream(events, media_type="text/event-stream", headers={**SSE_HEADERS, **headers})
-    work = generation.complete(job, runtime.engine, runtime.recorder)
+    work = generation.complete(gen, runtime.engine, runtime.recorder)
     result = await _abandon_on_failure(claim, runtime, _unless_disconnected(request, work))
     if claim is not None:
         body = encode(result)
-        await runtime.idempotency.finish(claim, job.charge.request_id, 200, MediaType.JSON, body)
+        await runtime.idempotency.finish(claim, gen.charge.request_id, 200, MediaType.JSON, body)
     return Response(result, media_type=MediaType.JSON, headers=headers)
 
 

@@ -6,17 +6,17 @@ import argparse
 import json
 import sys
 from datetime import UTC, date, datetime
-from decimal import Decimal, InvalidOperation
 from typing import Any
 
 from sqlalchemy.ext.asyncio import AsyncSession
 
+from gateway.cli_support import actor, in_session, micros
 from gateway.settings import Settings
 from tenants.billing.customers import StripeCustomerService
 from tenants.billing.export import export_once
 from tenants.billing.models import PriceVersion
 from tenants.billing.outbox import OutboxService, TooOld
-from tenants.billing.prices import PriceService, audit_created
+from tenants.billing.prices import PriceService
 from tenants.billing.reports import Period, Report, build_report, format_micros
 from tenants.billing.stripe_meters import event_identifier
 from tenants.errors import InvalidInputError
@@ -94,13 +94,7 @@ def _period(text: str) -> Period:
 
 def _per_mtok(text: str) -> int:
     """Currency units per million tokens ('0.10'), as integer micro-units."""
-    try:
-        micros = Decimal(text) * 1_000_000
-    except InvalidOperation:
-        raise argparse.ArgumentTypeError(f"expected an amount like 0.10, got {text!r}") from None
-    if micros < 0 or micros != micros.to_integral_value():
-        raise argparse.ArgumentTypeError("a price must be >= 0 with at most 6 decimals")
-    return int(micros)
+    return micros(text, "0.10", "a price")
 
 
 def _day(text: str) -> datetime:
@@ -111,13 +105,11 @@ def _day(text: str) -> datetime:
 
 
 def _billing_report(settings: Settings, args: argparse.Namespace) -> int:
-    from gateway.cli import _in_session
-
     async def work(session: AsyncSession) -> Report:
         tenant = await TenantService(session).get(args.tenant)
         return await build_report(session, tenant, args.period or Period.current())
 
-    report = _in_session(settings, work)
+    report = in_session(settings, work)
     if args.format == "json":
         print(json.dumps(report.view(), indent=2))
     elif args.format == "csv":
@@ -159,19 +151,16 @@ def _table(report: Report) -> str:
 
 
 def _billing_export(settings: Settings, args: argparse.Namespace) -> int:
-    from gateway.cli import _actor, _in_session
-
     if settings.stripe_api_key is None:
         print("tollgate: Stripe export is off: set TOLLGATE_STRIPE_API_KEY", file=sys.stderr)
         return 2
     result = export_once(settings, budget_s=600.0)
     assert result is not None  # Stripe is configured
-    actor = _actor()
 
     async def work(session: AsyncSession) -> dict[str, int]:
-        return await OutboxService(session, actor).record_export(result)
+        return await OutboxService(session, actor()).record_export(result)
 
-    counts = _in_session(settings, work)
+    counts = in_session(settings, work)
     print(", ".join(f"{name}={value}" for name, value in counts.items()))
     if result.meter_error is not None:
         print(f"tollgate: nothing exported: {result.meter_error}", file=sys.stderr)
@@ -179,12 +168,10 @@ def _billing_export(settings: Settings, args: argparse.Namespace) -> int:
 
 
 def _billing_status(settings: Settings, args: argparse.Namespace) -> int:
-    from gateway.cli import _in_session
-
     async def work(session: AsyncSession) -> dict[str, object]:
         return (await OutboxService(session).status()).view()
 
-    status = _in_session(settings, work)
+    status = in_session(settings, work)
     warnings = status.pop("warnings")
     print(
         "\n".join(
@@ -199,20 +186,14 @@ def _billing_status(settings: Settings, args: argparse.Namespace) -> int:
 
 
 def _billing_requeue(settings: Settings, args: argparse.Namespace) -> int:
-    from gateway.cli import _actor, _in_session
-
-    actor = _actor()
-
     async def work(session: AsyncSession) -> int:
-        return await OutboxService(session, actor).requeue_failed()
+        return await OutboxService(session, actor()).requeue_failed()
 
-    print(f"requeued {_in_session(settings, work)} rows")
+    print(f"requeued {in_session(settings, work)} rows")
     return 0
 
 
 def _billing_unconfirmed(settings: Settings, args: argparse.Namespace) -> int:
-    from gateway.cli import _in_session
-
     async def work(session: AsyncSession) -> list[str]:
         return [
             "\t".join(
@@ -229,52 +210,42 @@ def _billing_unconfirmed(settings: Settings, args: argparse.Namespace) -> int:
 
     print(
         "\n".join(
-            ["ROW\tTENANT ID\tIDENTIFIER\tAMOUNT (USD)\tFIRST SENT", *_in_session(settings, work)]
+            ["ROW\tTENANT ID\tIDENTIFIER\tAMOUNT (USD)\tFIRST SENT", *in_session(settings, work)]
         )
     )
     return 0
 
 
 def _billing_resolve(settings: Settings, args: argparse.Namespace) -> int:
-    from gateway.cli import _actor, _in_session
-
-    actor = _actor()
-
     async def work(session: AsyncSession) -> int:
-        service = OutboxService(session, actor)
+        service = OutboxService(session, actor())
         return await service.resolve_unconfirmed(in_stripe=args.in_stripe, rows=args.row)
 
     done = "marked exported" if args.in_stripe else "queued to send again"
-    print(f"{_in_session(settings, work)} unconfirmed rows {done}")
+    print(f"{in_session(settings, work)} unconfirmed rows {done}")
     return 0
 
 
 def _billing_too_old(settings: Settings, args: argparse.Namespace) -> int:
-    from gateway.cli import _in_session
-
     async def work(session: AsyncSession) -> list[TooOld]:
         return await OutboxService(session).too_old()
 
-    rows = _in_session(settings, work)
+    rows = in_session(settings, work)
     lines = [f"{t.tenant}\t{t.rows}\t{format_micros(t.micros)}" for t in rows]
     print("\n".join(["TENANT\tROWS\tAMOUNT (USD)", *lines]))
     return 0
 
 
 def _billing_customer(settings: Settings, args: argparse.Namespace) -> int:
-    from gateway.cli import _actor, _in_session
-
-    actor = _actor()
-
     async def work(session: AsyncSession) -> str:
         tenant = await TenantService(session).get(args.tenant)
-        service = StripeCustomerService(session, actor)
+        service = StripeCustomerService(session, actor())
         if args.link is not None:
             await service.link(tenant, args.link)
         customer_id = await service.find(tenant)
         return f"{tenant.name}\t{customer_id or 'none yet (created on the first export)'}"
 
-    print(_in_session(settings, work))
+    print(in_session(settings, work))
     return 0
 
 
@@ -292,30 +263,21 @@ def _describe(version: PriceVersion) -> str:
 
 
 def _prices_list(settings: Settings, args: argparse.Namespace) -> int:
-    from gateway.cli import _in_session
-
     async def work(session: AsyncSession) -> list[str]:
         return [_describe(v) for v in await PriceService(session).list(args.model)]
 
     header = "MODEL\tEFFECTIVE FROM\tINPUT/MTOK\tCACHED INPUT/MTOK\tOUTPUT/MTOK\tBY\tID"
-    print("\n".join([header, *_in_session(settings, work)]))
+    print("\n".join([header, *in_session(settings, work)]))
     return 0
 
 
 def _prices_set(settings: Settings, args: argparse.Namespace) -> int:
-    from gateway.cli import _actor, _in_session
-
-    actor = _actor()
     price = Price(args.input, args.cached_input, args.output)
 
     async def work(session: AsyncSession) -> str:
         effective = args.effective or datetime.now(UTC)
-        version = await PriceService(session).create(
-            args.model, price, effective, created_by=actor.name[:100]
-        )
-        await audit_created(session, actor, version)
-        return _describe(version)
+        return _describe(await PriceService(session, actor()).create(args.model, price, effective))
 
-    print("added " + _in_session(settings, work))
+    print("added " + in_session(settings, work))
     print(f"(amounts per {TOKENS_PER_UNIT:,} tokens; gateways pick it up within 30 s)")
     return 0

@@ -14,6 +14,7 @@ from litestar import Controller, Response, get, post, put
 from litestar.di import NamedDependency, Provide
 from litestar.params import FromPath, FromQuery, RawBody
 from sqlalchemy import select
+from sqlalchemy.ext.asyncio import AsyncSession
 
 from gateway.admin.controllers import admin_actor, require_admin
 from gateway.admission.auth import authenticate
@@ -33,7 +34,7 @@ from tenants.billing.customers import StripeCustomerService
 from tenants.billing.export import export_once
 from tenants.billing.export_lock import ExportBusy
 from tenants.billing.outbox import OutboxService
-from tenants.billing.prices import PriceService, audit_created
+from tenants.billing.prices import PriceService
 from tenants.billing.reports import build_report, export_csv
 from tenants.models import UsageEvent
 from tenants.pricing import Price
@@ -47,33 +48,31 @@ class UsageController(Controller):
     @get("/")
     async def usage(
         self,
-        runtime: NamedDependency[Runtime],
+        db_session: NamedDependency[AsyncSession],
         principal: NamedDependency[Principal],
         period: FromQuery[str | None] = None,
     ) -> dict[str, Any]:
         """This tenant's usage and spend for a month (YYYY-MM, UTC; default: this one)."""
-        async with runtime.sessions() as session:
-            tenant = await TenantService(session).get_by_id(principal.tenant_id)
-            report = await build_report(session, tenant, period_of(period))
+        tenant = await TenantService(db_session).get_by_id(principal.tenant_id)
+        report = await build_report(db_session, tenant, period_of(period))
         return {"object": "usage", **report.view()}
 
     @get("/requests/{request_id:str}")
     async def request_usage(
         self,
         request_id: FromPath[str],
-        runtime: NamedDependency[Runtime],
+        db_session: NamedDependency[AsyncSession],
         principal: NamedDependency[Principal],
     ) -> dict[str, Any]:
         event = None
         # Stored ids are short and printable (PostgreSQL text cannot even hold a NUL).
         if len(request_id) <= 64 and request_id.isprintable():
-            async with runtime.sessions() as session:
-                event = await session.scalar(
-                    select(UsageEvent).where(
-                        UsageEvent.request_id == request_id,
-                        UsageEvent.tenant_id == principal.tenant_id,
-                    )
+            event = await db_session.scalar(
+                select(UsageEvent).where(
+                    UsageEvent.request_id == request_id,
+                    UsageEvent.tenant_id == principal.tenant_id,
                 )
+            )
         if event is None:  # another tenant's request looks exactly like a missing one
             raise NotFound(f"no request {request_id!r}", param="request_id")
         return usage_row_view(event)
@@ -88,25 +87,23 @@ class BillingAdminController(Controller):
         self,
         tenant: FromPath[str],
         period: FromPath[str],
-        runtime: NamedDependency[Runtime],
+        db_session: NamedDependency[AsyncSession],
         admin: NamedDependency[Principal],
     ) -> dict[str, Any]:
-        async with runtime.sessions() as session:
-            found = await TenantService(session).get(tenant)
-            return (await build_report(session, found, period_of(period))).view()
+        found = await TenantService(db_session).get(tenant)
+        return (await build_report(db_session, found, period_of(period))).view()
 
     @get("/billing/reports/{tenant:str}/{period:str}/csv")
     async def report_csv(
         self,
         tenant: FromPath[str],
         period: FromPath[str],
-        runtime: NamedDependency[Runtime],
+        db_session: NamedDependency[AsyncSession],
         actor: NamedDependency[Actor],
     ) -> Response[str]:
         """The report's lines as CSV; exporting billing data is audited."""
-        async with runtime.sessions.begin() as session:
-            found = await TenantService(session).get(tenant)
-            filename, text = await export_csv(session, actor, found, period_of(period))
+        found = await TenantService(db_session).get(tenant)
+        filename, text = await export_csv(db_session, actor, found, period_of(period))
         return Response(
             text,
             media_type="text/csv; charset=utf-8",
@@ -117,12 +114,11 @@ class BillingAdminController(Controller):
     async def stripe_customer(
         self,
         tenant: FromPath[str],
-        runtime: NamedDependency[Runtime],
+        db_session: NamedDependency[AsyncSession],
         admin: NamedDependency[Principal],
     ) -> dict[str, Any]:
-        async with runtime.sessions() as session:
-            found = await TenantService(session).get(tenant)
-            customer_id = await StripeCustomerService(session).find(found)
+        found = await TenantService(db_session).get(tenant)
+        customer_id = await StripeCustomerService(db_session).find(found)
         return {"tenant": found.name, "customer_id": customer_id}
 
     @put("/billing/customers/{tenant:str}")
@@ -130,77 +126,82 @@ class BillingAdminController(Controller):
         self,
         tenant: FromPath[str],
         body: RawBody,
-        runtime: NamedDependency[Runtime],
+        db_session: NamedDependency[AsyncSession],
         actor: NamedDependency[Actor],
     ) -> dict[str, Any]:
         """Bill this tenant as an existing Stripe customer (audited)."""
         link = decode(body, CustomerBody)
-        async with runtime.sessions.begin() as session:
-            found = await TenantService(session).get(tenant)
-            await StripeCustomerService(session, actor).link(found, link.customer_id)
+        found = await TenantService(db_session).get(tenant)
+        await StripeCustomerService(db_session, actor).link(found, link.customer_id)
         return {"tenant": found.name, "customer_id": link.customer_id}
 
     @get("/prices")
     async def list_prices(
         self,
-        runtime: NamedDependency[Runtime],
+        db_session: NamedDependency[AsyncSession],
         admin: NamedDependency[Principal],
         model: FromQuery[str | None] = None,
     ) -> list[dict[str, Any]]:
-        async with runtime.sessions() as session:
-            return [price_view(v) for v in await PriceService(session).list(model)]
+        return [price_view(v) for v in await PriceService(db_session).list(model)]
 
     @post("/prices", status_code=201)
     async def create_price(
-        self, body: RawBody, runtime: NamedDependency[Runtime], actor: NamedDependency[Actor]
+        self,
+        body: RawBody,
+        runtime: NamedDependency[Runtime],
+        db_session: NamedDependency[AsyncSession],
+        actor: NamedDependency[Actor],
     ) -> dict[str, Any]:
         price = decode(body, PriceBody)
-        async with runtime.sessions.begin() as session:
-            version = await PriceService(session).create(
-                price.model,
-                Price(
-                    price.input_micros_per_mtok,
-                    price.cached_input_micros_per_mtok,
-                    price.output_micros_per_mtok,
-                ),
-                price.effective(),
-                created_by=actor.name[:100],
-            )
-            await audit_created(session, actor, version)
-            view = price_view(version)
+        version = await PriceService(db_session, actor).create(
+            price.model,
+            Price(
+                price.input_micros_per_mtok,
+                price.cached_input_micros_per_mtok,
+                price.output_micros_per_mtok,
+            ),
+            price.effective(),
+        )
+        await db_session.commit()  # before the book is re-read
         runtime.recorder.prices.invalidate()  # this process sees it at once, others soon
-        return view
+        return price_view(version)
 
     @get("/billing/export")
     async def export_status(
-        self, runtime: NamedDependency[Runtime], admin: NamedDependency[Principal]
+        self,
+        runtime: NamedDependency[Runtime],
+        db_session: NamedDependency[AsyncSession],
+        admin: NamedDependency[Principal],
     ) -> dict[str, Any]:
-        async with runtime.sessions() as session:
-            status = (await OutboxService(session).status()).view()
+        status = (await OutboxService(db_session).status()).view()
         return {"stripe": runtime.settings.stripe_api_key is not None, **status}
 
     @post("/billing/export/requeue", status_code=200)
     async def requeue(
-        self, runtime: NamedDependency[Runtime], actor: NamedDependency[Actor]
+        self, db_session: NamedDependency[AsyncSession], actor: NamedDependency[Actor]
     ) -> dict[str, Any]:
         """Put the rows Stripe rejected back in the queue (audited)."""
-        async with runtime.sessions.begin() as session:
-            return {"requeued": await OutboxService(session, actor).requeue_failed()}
+        return {"requeued": await OutboxService(db_session, actor).requeue_failed()}
 
     @post("/billing/export/resolve", status_code=200)
     async def resolve(
-        self, body: RawBody, runtime: NamedDependency[Runtime], actor: NamedDependency[Actor]
+        self,
+        body: RawBody,
+        db_session: NamedDependency[AsyncSession],
+        actor: NamedDependency[Actor],
     ) -> dict[str, Any]:
         """Settle `unconfirmed` rows once they were checked in Stripe (audited)."""
         checked = decode(body, ResolveBody)
-        async with runtime.sessions.begin() as session:
-            service = OutboxService(session, actor)
-            count = await service.resolve_unconfirmed(checked.in_stripe, checked.rows)
+        service = OutboxService(db_session, actor)
+        count = await service.resolve_unconfirmed(checked.in_stripe, checked.rows)
         return {"resolved": count, "in_stripe": checked.in_stripe}
 
     @post("/billing/export", status_code=200)
     async def export(
-        self, runtime: NamedDependency[Runtime], actor: NamedDependency[Actor]
+        self,
+        runtime: NamedDependency[Runtime],
+        db_session: NamedDependency[AsyncSession],
+        actor: NamedDependency[Actor],
     ) -> dict[str, Any]:
         """Run the Stripe relay once, now (it also runs on its schedule); 409 while
         another run holds the export lock."""
@@ -214,6 +215,5 @@ class BillingAdminController(Controller):
         except ExportBusy as exc:
             raise Conflict(str(exc), code="export_running") from None
         assert result is not None  # Stripe is configured
-        async with runtime.sessions.begin() as session:
-            counts = await OutboxService(session, actor).record_export(result)
+        counts = await OutboxService(db_session, actor).record_export(result)
         return {**counts, "meter_error": result.meter_error}

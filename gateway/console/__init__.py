@@ -14,7 +14,7 @@ from gateway.console.auth import MAX_FORM_BYTES, ConsoleForbidden, SignInRequire
 from gateway.console.capacity import CapacityController
 from gateway.console.ledger import LedgerActionsController, LedgerPagesController
 from gateway.console.pages import PagesController
-from gateway.console.render import STATIC_DIR, page
+from gateway.console.render import STATIC_DIR, GoBack, page, went_back
 from gateway.console.session import SessionController
 from tenants.errors import DomainError, NotFoundError
 
@@ -51,5 +51,6 @@ def console_router() -> Router:
             SignInRequired: _to_sign_in,
             ConsoleForbidden: _forbidden,
             DomainError: _domain_error,
+            GoBack: went_back,
         },
     )

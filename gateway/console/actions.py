@@ -12,12 +12,12 @@ from litestar import Controller, Request, Response, post
 from litestar.datastructures import FormMultiDict
 from litestar.di import NamedDependency, Provide
 from litestar.params import FromPath
+from sqlalchemy.ext.asyncio import AsyncSession
 
 from gateway.console.auth import Console, provide_console, provide_form, provide_owner_form
-from gateway.console.render import back_to, page
-from gateway.runtime import Runtime
+from gateway.console.render import back_to, or_back_to, page
 from tenants.admins import AdminService
-from tenants.errors import DomainError, InvalidInputError
+from tenants.errors import InvalidInputError
 from tenants.limits import LIMIT_NAMES, LimitSet, PlanTerms
 from tenants.models import KeyRole
 from tenants.services import ApiKeyService, PlanService, TenantService
@@ -101,19 +101,13 @@ class ActionsController(Controller):
     async def create_tenant(
         self,
         request: Request[Any, Any, Any],
-        runtime: NamedDependency[Runtime],
+        db_session: NamedDependency[AsyncSession],
         console: NamedDependency[Console],
         owner_form: NamedDependency[FormMultiDict],
     ) -> Response[Any]:
         name, plan = _field(owner_form, "name"), _field(owner_form, "plan") or None
-        try:
-            async with runtime.sessions.begin() as session:
-                service = TenantService(session, console.actor)
-                tenant = await service.create(name)
-                if plan is not None:
-                    await service.set_plan(tenant.name, plan)
-        except DomainError as error:
-            return back_to(request, "/admin/tenants", str(error), "error")
+        with or_back_to("/admin/tenants"):
+            await TenantService(db_session, console.actor).create(name, plan)
         return back_to(request, f"/admin/tenants/{quote(name)}", f"Created tenant {name}.")
 
     @post("/tenants/{name:str}/plan")
@@ -121,17 +115,14 @@ class ActionsController(Controller):
         self,
         name: FromPath[str],
         request: Request[Any, Any, Any],
-        runtime: NamedDependency[Runtime],
+        db_session: NamedDependency[AsyncSession],
         console: NamedDependency[Console],
         owner_form: NamedDependency[FormMultiDict],
     ) -> Response[Any]:
         plan = _field(owner_form, "plan") or None
         here = f"/admin/tenants/{quote(name)}"
-        try:
-            async with runtime.sessions.begin() as session:
-                await TenantService(session, console.actor).set_plan(name, plan)
-        except DomainError as error:
-            return back_to(request, here, str(error), "error")
+        with or_back_to(here):
+            await TenantService(db_session, console.actor).set_plan(name, plan)
         return back_to(request, here, f"{name} is now on plan {plan or 'none (unlimited)'}.")
 
     @post("/tenants/{name:str}/keys")
@@ -139,20 +130,17 @@ class ActionsController(Controller):
         self,
         name: FromPath[str],
         request: Request[Any, Any, Any],
-        runtime: NamedDependency[Runtime],
+        db_session: NamedDependency[AsyncSession],
         console: NamedDependency[Console],
         owner_form: NamedDependency[FormMultiDict],
     ) -> Response[Any]:
         """Renders the secret in this response, once; it is never stored or redirected."""
         role = KeyRole.ADMIN if owner_form.get("admin") == "on" else KeyRole.TENANT
-        try:
-            async with runtime.sessions.begin() as session:
-                tenant = await TenantService(session, console.actor).get(name)
-                created = await ApiKeyService(session, console.actor).create(
-                    tenant, _field(owner_form, "key_name")[:100], role
-                )
-        except DomainError as error:
-            return back_to(request, f"/admin/tenants/{quote(name)}", str(error), "error")
+        with or_back_to(f"/admin/tenants/{quote(name)}"):
+            tenant = await TenantService(db_session, console.actor).get(name)
+            created = await ApiKeyService(db_session, console.actor).create(
+                tenant, _field(owner_form, "key_name")[:100], role
+            )
         return page(
             request,
             console,
@@ -169,52 +157,43 @@ class ActionsController(Controller):
         self,
         key: FromPath[str],
         request: Request[Any, Any, Any],
-        runtime: NamedDependency[Runtime],
+        db_session: NamedDependency[AsyncSession],
         console: NamedDependency[Console],
         owner_form: NamedDependency[FormMultiDict],
     ) -> Response[Any]:
         back = _field(owner_form, "back")
         here = back if back.startswith("/admin/") else "/admin/keys"
-        try:
-            async with runtime.sessions.begin() as session:
-                revoked = await ApiKeyService(session, console.actor).revoke(key)
-        except DomainError as error:
-            return back_to(request, here, str(error), "error")
+        with or_back_to(here):
+            revoked = await ApiKeyService(db_session, console.actor).revoke(key)
         return back_to(request, here, f"Revoked key {revoked.prefix}.")
 
     @post("/admins")
     async def create_admin(
         self,
         request: Request[Any, Any, Any],
-        runtime: NamedDependency[Runtime],
+        db_session: NamedDependency[AsyncSession],
         console: NamedDependency[Console],
         owner_form: NamedDependency[FormMultiDict],
     ) -> Response[Any]:
         email = _field(owner_form, "email")
-        try:
-            async with runtime.sessions.begin() as session:
-                admin = await AdminService(session, console.actor).create(
-                    email, _field(owner_form, "role"), str(owner_form.get("password", ""))
-                )
-        except DomainError as error:
-            return back_to(request, "/admin/admins", str(error), "error")
+        with or_back_to("/admin/admins"):
+            admin = await AdminService(db_session, console.actor).create(
+                email, _field(owner_form, "role"), str(owner_form.get("password", ""))
+            )
         return back_to(request, "/admin/admins", f"Added {admin.role} {admin.email}.")
 
     @post("/plans")
     async def create_plan(
         self,
         request: Request[Any, Any, Any],
-        runtime: NamedDependency[Runtime],
+        db_session: NamedDependency[AsyncSession],
         console: NamedDependency[Console],
         owner_form: NamedDependency[FormMultiDict],
     ) -> Response[Any]:
         name = _field(owner_form, "name")
-        try:
+        with or_back_to("/admin/plans"):
             terms = terms_from(owner_form, PlanTerms())
-            async with runtime.sessions.begin() as session:
-                await PlanService(session, console.actor).create(name, terms)
-        except DomainError as error:
-            return back_to(request, "/admin/plans", str(error), "error")
+            await PlanService(db_session, console.actor).create(name, terms)
         return back_to(request, "/admin/plans", f"Created plan {name}.")
 
     @post("/plans/{name:str}")
@@ -222,15 +201,12 @@ class ActionsController(Controller):
         self,
         name: FromPath[str],
         request: Request[Any, Any, Any],
-        runtime: NamedDependency[Runtime],
+        db_session: NamedDependency[AsyncSession],
         console: NamedDependency[Console],
         owner_form: NamedDependency[FormMultiDict],
     ) -> Response[Any]:
-        try:
-            async with runtime.sessions.begin() as session:
-                service = PlanService(session, console.actor)
-                current = PlanTerms.of(await service.get(name))
-                await service.update(name, terms_from(owner_form, current))
-        except DomainError as error:
-            return back_to(request, "/admin/plans", str(error), "error")
+        with or_back_to("/admin/plans"):
+            await PlanService(db_session, console.actor).update(
+                name, lambda current: terms_from(owner_form, current)
+            )
         return back_to(request, "/admin/plans", f"Saved plan {name}.")

@@ -88,6 +88,7 @@ async def provide_console(
     token = request.cookies.get(SESSION_COOKIE)
     if not token:
         raise SignInRequired
+    # Its own transaction: the session stays alive even when the action it allows fails.
     async with runtime.sessions.begin() as session:
         signed_in = await AdminService(session).resume(token, idle_limit(runtime))
     if signed_in is None:

@@ -16,14 +16,14 @@ from sqlalchemy.ext.asyncio import AsyncSession
 from gateway.console.actions import micro_dollars
 from gateway.console.auth import Console, provide_console, provide_form, provide_owner_form
 from gateway.console.pages import parse_moment
-from gateway.console.render import back_to, csv_download, page, query_text
+from gateway.console.render import back_to, csv_download, or_back_to, page, query_text
 from gateway.runtime import Runtime
 from tenants import audit
 from tenants.billing.models import OutboxRow, OutboxStatus
 from tenants.billing.outbox import OutboxService
-from tenants.billing.prices import ANY_MODEL, PriceService, audit_created
+from tenants.billing.prices import ANY_MODEL, PriceService
 from tenants.billing.reports import Period, build_report, export_csv
-from tenants.errors import DomainError, InvalidInputError
+from tenants.errors import InvalidInputError
 from tenants.models import UsageEvent, as_utc, utcnow
 from tenants.pricing import Price
 from tenants.services import TenantService
@@ -98,11 +98,11 @@ class LedgerPagesController(Controller):
         self,
         request: Request[Any, Any, Any],
         runtime: NamedDependency[Runtime],
+        db_session: NamedDependency[AsyncSession],
         console: NamedDependency[Console],
     ) -> Response[str]:
         now = utcnow()
-        async with runtime.sessions() as session:
-            versions = await PriceService(session).list()
+        versions = await PriceService(db_session).list()
         in_force: dict[str, str] = {}
         for version in versions:  # ordered by model, then effective date
             if as_utc(version.effective_from) <= now:
@@ -123,19 +123,19 @@ class LedgerPagesController(Controller):
         self,
         request: Request[Any, Any, Any],
         runtime: NamedDependency[Runtime],
+        db_session: NamedDependency[AsyncSession],
         console: NamedDependency[Console],
     ) -> Response[str]:
         tenant_name, period = _tenant_and_period(request)
         report = status = None
         waiting: list[tuple[OutboxRow, str]] = []
-        async with runtime.sessions() as session:
-            tenants = await TenantService(session).list()
-            overall = await OutboxService(session).status()
-            if tenant_name:
-                tenant = await TenantService(session).get(tenant_name)
-                report = await build_report(session, tenant, period)
-                status = await export_status(session, tenant.id, period)
-                waiting = await unexported_rows(session, tenant.id, period)
+        tenants = await TenantService(db_session).list()
+        overall = await OutboxService(db_session).status()
+        if tenant_name:
+            tenant = await TenantService(db_session).get(tenant_name)
+            report = await build_report(db_session, tenant, period)
+            status = await export_status(db_session, tenant.id, period)
+            waiting = await unexported_rows(db_session, tenant.id, period)
         return page(
             request,
             console,
@@ -155,41 +155,39 @@ class LedgerPagesController(Controller):
     async def billing_csv(
         self,
         request: Request[Any, Any, Any],
-        runtime: NamedDependency[Runtime],
+        db_session: NamedDependency[AsyncSession],
         console: NamedDependency[Console],
     ) -> Response[str]:
         """The report's lines (day x model) as CSV; the export is audited."""
         tenant_name, period = _tenant_and_period(request)
-        async with runtime.sessions.begin() as session:
-            tenant = await TenantService(session).get(tenant_name)
-            filename, text = await export_csv(session, console.actor, tenant, period)
+        tenant = await TenantService(db_session).get(tenant_name)
+        filename, text = await export_csv(db_session, console.actor, tenant, period)
         return csv_download(text, filename)
 
     @get("/audit")
     async def audit_log(
         self,
         request: Request[Any, Any, Any],
-        runtime: NamedDependency[Runtime],
+        db_session: NamedDependency[AsyncSession],
         console: NamedDependency[Console],
     ) -> Response[str]:
         def text(name: str) -> str | None:
             return query_text(request, name) or None
 
         before = text("before")
-        async with runtime.sessions() as session:
-            tenant = text("tenant")
-            tenant_id = (await TenantService(session).get(tenant)).id if tenant else None
-            events = await audit.list_events(
-                session,
-                tenant_id=tenant_id,
-                action=text("action"),
-                actor=text("actor"),
-                since=parse_moment(text("since")),
-                until=parse_moment(text("until")),
-                before_id=int(before) if before and before.isdigit() else None,
-                limit=AUDIT_PAGE,
-            )
-            tenants = await TenantService(session).list()
+        tenant = text("tenant")
+        tenant_id = (await TenantService(db_session).get(tenant)).id if tenant else None
+        events = await audit.list_events(
+            db_session,
+            tenant_id=tenant_id,
+            action=text("action"),
+            actor=text("actor"),
+            since=parse_moment(text("since")),
+            until=parse_moment(text("until")),
+            before_id=int(before) if before and before.isdigit() else None,
+            limit=AUDIT_PAGE,
+        )
+        tenants = await TenantService(db_session).list()
         filters = {k: v for k in ("tenant", "action", "actor", "since", "until") if (v := text(k))}
         return page(
             request,
@@ -212,20 +210,16 @@ class LedgerActionsController(Controller):
         self,
         request: Request[Any, Any, Any],
         runtime: NamedDependency[Runtime],
+        db_session: NamedDependency[AsyncSession],
         console: NamedDependency[Console],
         owner_form: NamedDependency[FormMultiDict],
     ) -> Response[Any]:
         model = str(owner_form.get("model", "")).strip()
-        try:
+        with or_back_to("/admin/prices"):
             price = price_from(owner_form)
             effective = effective_from(str(owner_form.get("effective_from", "")).strip())
-            async with runtime.sessions.begin() as session:
-                version = await PriceService(session).create(
-                    model, price, effective, created_by=console.actor.name[:100]
-                )
-                await audit_created(session, console.actor, version)
-        except DomainError as error:
-            return back_to(request, "/admin/prices", str(error), "error")
+            await PriceService(db_session, console.actor).create(model, price, effective)
+        await db_session.commit()  # before the book is re-read
         runtime.recorder.prices.invalidate()  # this replica prices by it at once
         return back_to(request, "/admin/prices", f"New price for {model} from {_when(effective)}.")
 
@@ -233,13 +227,12 @@ class LedgerActionsController(Controller):
     async def requeue_failed(
         self,
         request: Request[Any, Any, Any],
-        runtime: NamedDependency[Runtime],
+        db_session: NamedDependency[AsyncSession],
         console: NamedDependency[Console],
         owner_form: NamedDependency[FormMultiDict],
     ) -> Response[Any]:
         """Rows Stripe refused go back in the queue, once their cause is fixed (audited)."""
-        async with runtime.sessions.begin() as session:
-            count = await OutboxService(session, console.actor).requeue_failed()
+        count = await OutboxService(db_session, console.actor).requeue_failed()
         back = str(owner_form.get("back", ""))
         here = back if back.startswith("/admin/billing") else "/admin/billing"
         return back_to(request, here, f"Requeued {count} refused row(s) for export.")
@@ -248,13 +241,12 @@ class LedgerActionsController(Controller):
     async def verify_chain(
         self,
         request: Request[Any, Any, Any],
-        runtime: NamedDependency[Runtime],
+        db_session: NamedDependency[AsyncSession],
         console: NamedDependency[Console],
         form: NamedDependency[FormMultiDict],
     ) -> Response[Any]:
         """Reading, not changing: viewers may verify too (the CSRF token is still checked)."""
-        async with runtime.sessions() as session:
-            result = await audit.verify(session)
+        result = await audit.verify(db_session)
         return back_to(request, "/admin/audit", result.describe(), "ok" if result.ok else "error")
 
 

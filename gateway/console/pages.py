@@ -10,6 +10,7 @@ from typing import Any
 from litestar import Controller, MediaType, Request, Response, get
 from litestar.di import NamedDependency, Provide
 from litestar.params import FromPath
+from sqlalchemy.ext.asyncio import AsyncSession
 
 from gateway.console.auth import Console, provide_console
 from gateway.console.queries import (
@@ -27,13 +28,14 @@ from gateway.console.queries import (
     traffic,
 )
 from gateway.console.render import csv_download, page, query_text
+from gateway.deps import month_usage
 from gateway.runtime import Runtime
 from gateway.telemetry.request import workload_class
 from tenants import audit
 from tenants.admins import AdminService
 from tenants.limits import LIMIT_NAMES, PlanTerms
 from tenants.models import UsageStatus, parse_utc
-from tenants.quota import month_period
+from tenants.quota import QuotaStore
 from tenants.services import ApiKeyService, PlanService, TenantService, UsageService
 
 RECENT_REQUESTS = 20
@@ -78,10 +80,10 @@ class PagesController(Controller):
         self,
         request: Request[Any, Any, Any],
         runtime: NamedDependency[Runtime],
+        db_session: NamedDependency[AsyncSession],
         console: NamedDependency[Console],
     ) -> dict[str, Any]:
-        async with runtime.sessions() as session:
-            data = await traffic(session)
+        data = await traffic(db_session)
         return {
             **data,
             "rejections": rejections(request.app.state.telemetry.metrics),
@@ -93,18 +95,17 @@ class PagesController(Controller):
     async def tenants(
         self,
         request: Request[Any, Any, Any],
-        runtime: NamedDependency[Runtime],
+        db_session: NamedDependency[AsyncSession],
         console: NamedDependency[Console],
     ) -> Response[str]:
         search = query_text(request, "q").lower()
-        async with runtime.sessions() as session:
-            plans = await PlanService(session).list()
-            names = {plan.id: plan.name for plan in plans}
-            tenants = [
-                (tenant, names.get(tenant.plan_id or ""))
-                for tenant in await TenantService(session).list()
-                if search in tenant.name
-            ]
+        plans = await PlanService(db_session).list()
+        names = {plan.id: plan.name for plan in plans}
+        tenants = [
+            (tenant, names.get(tenant.plan_id or ""))
+            for tenant in await TenantService(db_session).list()
+            if search in tenant.name
+        ]
         return page(
             request,
             console,
@@ -120,18 +121,17 @@ class PagesController(Controller):
         self,
         name: FromPath[str],
         request: Request[Any, Any, Any],
-        runtime: NamedDependency[Runtime],
+        db_session: NamedDependency[AsyncSession],
+        quota_store: NamedDependency[QuotaStore],
         console: NamedDependency[Console],
     ) -> Response[str]:
-        async with runtime.sessions() as session:
-            tenant = await TenantService(session).get(name)
-            plans = await PlanService(session).list()
-            plan = next((p for p in plans if p.id == tenant.plan_id), None)
-            keys = [key for key, _ in await ApiKeyService(session).list(tenant)]
-            recent = await UsageService(session).for_tenant(tenant.id, limit=20)
-            series = await tenant_series(session, tenant.id)
-        period = month_period()
-        usage = await runtime.admission.store.usage(f"tenant:{tenant.id}", period)
+        tenant = await TenantService(db_session).get(name)
+        plans = await PlanService(db_session).list()
+        plan = next((p for p in plans if p.id == tenant.plan_id), None)
+        keys = [key for key, _ in await ApiKeyService(db_session).list(tenant)]
+        recent = await UsageService(db_session).for_tenant(tenant.id, limit=20)
+        series = await tenant_series(db_session, tenant.id)
+        period, usage = await month_usage(quota_store, tenant.id)
         terms = PlanTerms.of(plan)
         budget = terms.limits.monthly_budget_micros
         left = None if budget is None else budget - usage.spent_micros - usage.reserved_micros
@@ -158,14 +158,13 @@ class PagesController(Controller):
     async def keys(
         self,
         request: Request[Any, Any, Any],
-        runtime: NamedDependency[Runtime],
+        db_session: NamedDependency[AsyncSession],
         console: NamedDependency[Console],
     ) -> Response[str]:
         tenant_name = query_text(request, "tenant")
-        async with runtime.sessions() as session:
-            tenant = await TenantService(session).get(tenant_name) if tenant_name else None
-            rows = await ApiKeyService(session).list(tenant)
-            tenants = await TenantService(session).list()
+        tenant = await TenantService(db_session).get(tenant_name) if tenant_name else None
+        rows = await ApiKeyService(db_session).list(tenant)
+        tenants = await TenantService(db_session).list()
         return page(
             request,
             console,
@@ -181,11 +180,10 @@ class PagesController(Controller):
     async def plans(
         self,
         request: Request[Any, Any, Any],
-        runtime: NamedDependency[Runtime],
+        db_session: NamedDependency[AsyncSession],
         console: NamedDependency[Console],
     ) -> Response[str]:
-        async with runtime.sessions() as session:
-            plans = [(plan, PlanTerms.of(plan)) for plan in await PlanService(session).list()]
+        plans = [(plan, PlanTerms.of(plan)) for plan in await PlanService(db_session).list()]
         return page(
             request, console, "plans.html", title="Plans", plans=plans, limit_names=LIMIT_NAMES
         )
@@ -194,14 +192,13 @@ class PagesController(Controller):
     async def usage(
         self,
         request: Request[Any, Any, Any],
-        runtime: NamedDependency[Runtime],
+        db_session: NamedDependency[AsyncSession],
         console: NamedDependency[Console],
     ) -> Response[str]:
         where = usage_filter(request)
-        async with runtime.sessions() as session:
-            rows = await find_usage(session, where)
-            models = await known_models(session)
-            tenants = await TenantService(session).list()
+        rows = await find_usage(db_session, where)
+        models = await known_models(db_session)
+        tenants = await TenantService(db_session).list()
         return page(
             request,
             console,
@@ -218,20 +215,19 @@ class PagesController(Controller):
     async def usage_csv(
         self,
         request: Request[Any, Any, Any],
-        runtime: NamedDependency[Runtime],
+        db_session: NamedDependency[AsyncSession],
         console: NamedDependency[Console],
     ) -> Response[str]:
         where = usage_filter(request)
-        async with runtime.sessions.begin() as session:
-            rows = await find_usage(session, where, limit=CSV_LIMIT)
-            await audit.record(  # data leaving the system is accountable
-                session,
-                actor=console.actor.name,
-                action="usage.export",
-                target="usage",
-                details={**where.as_query(), "rows": len(rows), "format": "csv"},
-                context=console.actor.context,
-            )
+        rows = await find_usage(db_session, where, limit=CSV_LIMIT)
+        await audit.record(  # data leaving the system is accountable
+            db_session,
+            actor=console.actor.name,
+            action="usage.export",
+            target="usage",
+            details={**where.as_query(), "rows": len(rows), "format": "csv"},
+            context=console.actor.context,
+        )
         out = io.StringIO()
         writer = csv.writer(out)
         writer.writerow(CSV_HEADER)
@@ -243,43 +239,41 @@ class PagesController(Controller):
     async def admins(
         self,
         request: Request[Any, Any, Any],
-        runtime: NamedDependency[Runtime],
+        db_session: NamedDependency[AsyncSession],
         console: NamedDependency[Console],
     ) -> Response[str]:
-        async with runtime.sessions() as session:
-            admins = await AdminService(session).list()
+        admins = await AdminService(db_session).list()
         return page(request, console, "admins.html", title="Administrators", admins=admins)
 
     @get("/requests")
     async def request_search(
         self,
         request: Request[Any, Any, Any],
-        runtime: NamedDependency[Runtime],
+        db_session: NamedDependency[AsyncSession],
         console: NamedDependency[Console],
     ) -> Response[str]:
         request_id = query_text(request, "id")
-        return await request_page(request, runtime, console, request_id)
+        return await request_page(request, db_session, console, request_id)
 
     @get("/requests/{request_id:str}")
     async def request_detail(
         self,
         request_id: FromPath[str],
         request: Request[Any, Any, Any],
-        runtime: NamedDependency[Runtime],
+        db_session: NamedDependency[AsyncSession],
         console: NamedDependency[Console],
     ) -> Response[str]:
-        return await request_page(request, runtime, console, request_id)
+        return await request_page(request, db_session, console, request_id)
 
 
 async def request_page(
-    request: Request[Any, Any, Any], runtime: Runtime, console: Console, request_id: str
+    request: Request[Any, Any, Any], db_session: AsyncSession, console: Console, request_id: str
 ) -> Response[str]:
     row, latest = None, []
-    async with runtime.sessions() as session:
-        if request_id:
-            row = await find_request(session, request_id)
-        else:
-            latest = await find_usage(session, UsageFilter(), limit=RECENT_REQUESTS)
+    if request_id:
+        row = await find_request(db_session, request_id)
+    else:
+        latest = await find_usage(db_session, UsageFilter(), limit=RECENT_REQUESTS)
     return page(
         request,
         console,

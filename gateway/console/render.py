@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
 from datetime import datetime
 from functools import cache
 from pathlib import Path
@@ -12,6 +14,7 @@ from litestar import MediaType, Request, Response
 from litestar.response import Redirect
 
 from gateway.console.auth import COOKIE_PATH, FLASH_COOKIE, Console, decode_flash, with_flash
+from tenants.errors import DomainError
 from tenants.models import as_utc
 
 # web/ sits next to gateway/, in the source tree and in an installed wheel alike.
@@ -110,3 +113,27 @@ def back_to(
 ) -> Response[Any]:
     """Post/redirect/get: go to `path` with a one-time notice."""
     return with_flash(request, Redirect(path, status_code=303), kind, message)
+
+
+class GoBack(Exception):
+    """A refused form post: the console answers it with `back_to(path, message)`."""
+
+    def __init__(self, path: str, message: str) -> None:
+        super().__init__(message)
+        self.path = path
+        self.message = message
+
+
+@contextmanager
+def or_back_to(path: str) -> Iterator[None]:
+    """A refused action (a DomainError) goes back to `path` with the reason. It is raised,
+    not returned, so the request's transaction rolls back on its way out."""
+    try:
+        yield
+    except DomainError as error:
+        raise GoBack(path, str(error)) from error
+
+
+def went_back(request: Request[Any, Any, Any], exc: GoBack) -> Response[Any]:
+    """The console's exception handler for GoBack."""
+    return back_to(request, exc.path, exc.message, "error")

@@ -110,23 +110,25 @@ class SessionController(Controller):
 
     @post("/login")
     async def login(
-        self, request: Request[Any, Any, Any], runtime: NamedDependency[Runtime]
+        self,
+        request: Request[Any, Any, Any],
+        runtime: NamedDependency[Runtime],
+        db_session: NamedDependency[AsyncSession],
     ) -> Response[Any]:
         form = await read_form(request)
         if not csrf_ok(request.cookies.get(LOGIN_CSRF_COOKIE, ""), form.get(CSRF_FIELD)):
             return login_page(request, "The sign-in form expired; please try again.", 403)
         email = str(form.get("email", "")).strip().lower()[:254]
         address = client_address(request.client.host if request.client else None)
-        async with runtime.sessions.begin() as session:  # counted and committed before the try
-            admitted = await THROTTLE.admit(session, email, address)
+        admitted = await THROTTLE.admit(db_session, email, address)
+        await db_session.commit()  # counted, whatever the attempt does
         if not admitted:
             return login_page(request, LOCKED_OUT, 429)
-        async with runtime.sessions.begin() as session:
-            token = await attempt(session, request, email, str(form.get("password", "")))
-            if token is not None:  # sweep sessions and counts nobody came back to, now and then
-                await THROTTLE.succeeded(session, email, address)
-                await THROTTLE.purge(session)
-                await AdminService(session).purge_idle(idle_limit(runtime))
+        token = await attempt(db_session, request, email, str(form.get("password", "")))
+        if token is not None:  # sweep sessions and counts nobody came back to, now and then
+            await THROTTLE.succeeded(db_session, email, address)
+            await THROTTLE.purge(db_session)
+            await AdminService(db_session).purge_idle(idle_limit(runtime))
         if token is None:
             return login_page(request, "Wrong email or password.", 401)
         response = Redirect(safe_next(str(form.get("next", ""))), status_code=303)
@@ -141,19 +143,18 @@ class SessionController(Controller):
     async def logout(
         self,
         request: Request[Any, Any, Any],
-        runtime: NamedDependency[Runtime],
+        db_session: NamedDependency[AsyncSession],
         console: NamedDependency[Console],
         form: NamedDependency[FormMultiDict],
     ) -> Response[Any]:
-        async with runtime.sessions.begin() as session:
-            await AdminService(session).sign_out(console.token)
-            await audit.record(
-                session,
-                actor=console.actor.name,
-                action="console.sign_out",
-                target=f"admin:{console.admin.email}",
-                context=console.actor.context,
-            )
+        await AdminService(db_session).sign_out(console.token)
+        await audit.record(
+            db_session,
+            actor=console.actor.name,
+            action="console.sign_out",
+            target=f"admin:{console.admin.email}",
+            context=console.actor.context,
+        )
         response = Redirect("/admin/login", status_code=303)
         response.delete_cookie(SESSION_COOKIE, path="/admin")
         return response

@@ -13,9 +13,14 @@ from pathlib import Path
 from typing import Protocol
 
 from backend import AsyncEngine, EngineConfig, RequestOutput, SamplingParams
-from backend.errors import DeadlineExceededError, OverloadedError, RequestFailedError
+from backend.errors import (
+    DeadlineExceededError,
+    InvalidParameterError,
+    OverloadedError,
+    RequestFailedError,
+)
 from backend.telemetry import traced
-from gateway.errors import DeadlineExceeded, InternalError, Overloaded
+from gateway.errors import DeadlineExceeded, InternalError, InvalidRequest, Overloaded
 from gateway.telemetry.request import current_request
 
 IN_PROCESS = "in-process"  # the replica name of the engine in this process
@@ -140,12 +145,15 @@ def overloaded(retry_after_s: float, message: str) -> Overloaded:
 async def policy_errors(
     outputs: AsyncGenerator[RequestOutput, None],
 ) -> AsyncGenerator[RequestOutput, None]:
-    """The engine's scheduling rejections as the gateway's typed errors. Closing this
-    closes the engine's stream at once, which aborts the request there."""
+    """The engine's refusals (invalid parameters, scheduling rejections) as the gateway's
+    typed errors. Closing this closes the engine's stream at once, which aborts the
+    request there."""
     try:
         async with contextlib.aclosing(outputs):
             async for out in outputs:
                 yield out
+    except InvalidParameterError as exc:
+        raise InvalidRequest(str(exc), param=exc.param) from exc
     except OverloadedError as exc:
         raise overloaded(exc.retry_after_s, str(exc)) from exc
     except DeadlineExceededError as exc:

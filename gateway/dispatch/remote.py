@@ -27,12 +27,23 @@ import httpx
 import msgspec
 
 from backend import RequestOutput, SamplingParams
-from backend.errors import DeadlineExceededError, OverloadedError, RequestFailedError
+from backend.errors import (
+    DeadlineExceededError,
+    EngineError,
+    OverloadedError,
+    RequestFailedError,
+)
 from backend.server import SECRET_HEADER
 from backend.tokenizer import Tokenizer
 from gateway.dispatch.engine_client import RESTART, overloaded
 from gateway.dispatch.routing import Replica, affinity_key, pick
-from gateway.errors import DeadlineExceeded, EngineUnavailable, InternalError, Overloaded
+from gateway.errors import (
+    DeadlineExceeded,
+    EngineUnavailable,
+    InternalError,
+    InvalidRequest,
+    Overloaded,
+)
 from gateway.telemetry import tracing
 from gateway.telemetry.request import current_request
 
@@ -48,11 +59,11 @@ CONNECT_TIMEOUT_S = 2.0
 MAX_REPLICA_FAILURES = 2  # one retry after a replica died under a request, no more
 
 
-class ReplicaFailed(Exception):
+class ReplicaFailed(EngineError):
     """The replica broke the stream (connection lost, engine dead, bad reply)."""
 
 
-class ReplicaRefused(Exception):
+class ReplicaRefused(EngineError):
     """The replica answered 4xx: the request itself is at fault, so no retry."""
 
 
@@ -203,7 +214,7 @@ class RemoteEngineClient:
                 headers=tracing.trace_headers(),  # the backend's spans join this trace
             ) as response:
                 if response.status_code in (400, 413, 422):
-                    raise ValueError((await response.aread()).decode(errors="replace"))
+                    raise _invalid(await response.aread())
                 if 400 <= response.status_code < 500:
                     raise ReplicaRefused(f"HTTP {response.status_code}")
                 if response.status_code != 200:
@@ -222,7 +233,7 @@ class RemoteEngineClient:
             error: dict[str, Any] = msgspec.json.decode(line)
             kind = error.get("kind")
             if kind == "invalid_request":
-                raise ValueError(error["error"])
+                raise InvalidRequest(error["error"], param=error.get("param"))
             if kind == OverloadedError.kind:
                 raise overloaded(error.get("retry_after_s") or 1.0, error["error"])
             if kind == DeadlineExceededError.kind:
@@ -300,6 +311,15 @@ async def _fetch_info(replicas: Sequence[str], secret: str) -> dict[str, Any]:
                 info: dict[str, Any] = response.json()
                 return info
     raise EngineUnavailable(f"no backend replica answered: {', '.join(replicas)}")
+
+
+def _invalid(body: bytes) -> InvalidRequest:
+    """The replica's 400 (backend.server's refusal: message and parameter) as ours."""
+    try:
+        refusal: dict[str, Any] = msgspec.json.decode(body)
+        return InvalidRequest(str(refusal["error"]), param=refusal.get("param"))
+    except (msgspec.DecodeError, KeyError, TypeError):  # not a refusal we know: pass it on
+        return InvalidRequest(body.decode(errors="replace"))
 
 
 def _write_atomically(path: Path, content: str) -> None:

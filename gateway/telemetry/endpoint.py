@@ -20,7 +20,7 @@ from gateway.admission.auth import bearer_token
 from gateway.errors import AuthenticationFailed, PermissionDenied
 from gateway.runtime import Runtime
 from gateway.telemetry.request import Telemetry
-from tenants.quota import QuotaStore, month_period
+from tenants.quota import QuotaStore, month_period, tenant_scope
 
 log = logging.getLogger(__name__)
 
@@ -52,7 +52,7 @@ async def _refresh_tenant_gauges(telemetry: Telemetry, store: QuotaStore) -> Non
     tenants = list(telemetry.metrics.labelled_tenants())
     period = month_period()
     try:
-        usages = await asyncio.gather(*(store.usage(f"tenant:{t}", period) for t in tenants))
+        usages = await asyncio.gather(*(store.usage(tenant_scope(t), period) for t in tenants))
     except Exception:  # the quota store is away: serve the rest, gauges keep their last value
         log.warning("tenant gauges not refreshed", exc_info=True)
         return

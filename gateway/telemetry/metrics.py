@@ -82,7 +82,7 @@ class TenantLabels:
 
 
 @dataclass(frozen=True)
-class RequestRecord:
+class RequestObservation:
     """What one settled request contributes to the metrics."""
 
     tenant: str
@@ -161,7 +161,7 @@ class GatewayMetrics:
     def tenant(self, tenant_id: str) -> str:
         return self.tenants.label(tenant_id)
 
-    def observe(self, record: RequestRecord) -> None:
+    def observe(self, record: RequestObservation) -> None:
         tenant = self.tenant(record.tenant)
         self._inc(self.requests, (tenant, record.model, record.status))
         for kind, count in (

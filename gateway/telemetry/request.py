@@ -27,11 +27,10 @@ from backend.telemetry import RequestTimeline
 from gateway.settings import SettingsError
 from gateway.telemetry import tracing
 from gateway.telemetry.logs import request_id_var
-from gateway.telemetry.metrics import GatewayMetrics, RequestRecord
+from gateway.telemetry.metrics import GatewayMetrics, RequestObservation
 
 if TYPE_CHECKING:
-    from gateway.api.generation import Job
-    from gateway.metering import Outcome
+    from gateway.usage import Metered, RequestUsage
     from tenants.services import Principal
 
 log = logging.getLogger("tollgate.requests")
@@ -177,7 +176,7 @@ class RequestScope:
         request_id_var.set(request_id)
         self.root.set_attribute(tracing.REQUEST_ID, request_id)
 
-    def describe(self, job: Job, stream: bool) -> None:
+    def describe(self, job: Metered, stream: bool) -> None:
         """Name the root span after the operation, with the GenAI request attributes."""
         self.request_id = job.charge.request_id
         self.model = job.charge.model
@@ -240,7 +239,7 @@ class RequestScope:
     def reject(self, reason: str) -> None:
         self.rejection = reason
 
-    def finish(self, job: Job, outcome: Outcome) -> None:
+    def finish(self, job: Metered, outcome: RequestUsage) -> None:
         """The request settles: usage on the root span, one observation in the metrics;
         the outcome learns the trace and the replica, for the ledger."""
         outcome.trace_id, outcome.replica = self.trace_id, self.replica
@@ -265,7 +264,7 @@ class RequestScope:
             if outcome.error in ENGINE_REFUSALS and outcome.completion_tokens == 0:
                 self.telemetry.metrics.reject(job.charge.principal.tenant_id, outcome.error)
         self.telemetry.metrics.observe(
-            RequestRecord(
+            RequestObservation(
                 tenant=job.charge.principal.tenant_id,
                 model=job.charge.model,
                 status=self.outcome,

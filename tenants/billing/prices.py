@@ -18,12 +18,11 @@ from datetime import datetime, timedelta
 from sqlalchemy import select
 from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
 
-from tenants import audit
-from tenants.audit import Actor
 from tenants.billing.models import PriceVersion
 from tenants.errors import ConflictError, InvalidInputError
 from tenants.models import as_utc, utcnow
 from tenants.pricing import DEFAULT_PRICE, Price
+from tenants.services import Audited
 
 ANY_MODEL = "*"  # a version for every model that has none of its own
 MAX_MICROS_PER_MTOK = 10**12  # a million currency units per million tokens: surely a typo
@@ -55,10 +54,7 @@ def quote(versions: Sequence[PriceVersion], model: str, moment: datetime) -> Quo
     return Quote(DEFAULT_PRICE, None)
 
 
-class PriceService:
-    def __init__(self, session: AsyncSession) -> None:
-        self.session = session
-
+class PriceService(Audited):
     async def list(self, model: str | None = None) -> list[PriceVersion]:
         query = select(PriceVersion).order_by(PriceVersion.model, PriceVersion.effective_from)
         if model is not None:
@@ -66,9 +62,9 @@ class PriceService:
         return list((await self.session.execute(query)).scalars())
 
     async def create(
-        self, model: str, price: Price, effective_from: datetime, created_by: str
+        self, model: str, price: Price, effective_from: datetime, created_by: str | None = None
     ) -> PriceVersion:
-        """Add a version (the caller audits it: see `audit_created`). History is never
+        """Add a version, audited, by `created_by` (default: the actor). History is never
         rewritten: it may not take effect in the past."""
         _check(model, price)
         effective_from = as_utc(effective_from)
@@ -89,29 +85,21 @@ class PriceService:
             cached_input_micros_per_mtok=price.cached_input_micros_per_mtok,
             output_micros_per_mtok=price.output_micros_per_mtok,
             effective_from=effective_from,
-            created_by=created_by,
+            created_by=created_by or self.actor.name[:100],
         )
         self.session.add(version)
         await self.session.flush()
+        await self._audit(
+            "price.create",
+            f"price:{model}",
+            None,
+            version_id=version.id,
+            effective_from=effective_from.isoformat(),
+            input_micros_per_mtok=price.input_micros_per_mtok,
+            cached_input_micros_per_mtok=price.cached_input_micros_per_mtok,
+            output_micros_per_mtok=price.output_micros_per_mtok,
+        )
         return version
-
-
-async def audit_created(session: AsyncSession, actor: Actor, version: PriceVersion) -> None:
-    """The audit event for a new price version, in the caller's transaction."""
-    await audit.record(
-        session,
-        actor=actor.name,
-        action="price.create",
-        target=f"price:{version.model}",
-        details={
-            "version_id": version.id,
-            "effective_from": as_utc(version.effective_from).isoformat(),
-            "input_micros_per_mtok": version.input_micros_per_mtok,
-            "cached_input_micros_per_mtok": version.cached_input_micros_per_mtok,
-            "output_micros_per_mtok": version.output_micros_per_mtok,
-        },
-        context=actor.context,
-    )
 
 
 def _check(model: str, price: Price) -> None:

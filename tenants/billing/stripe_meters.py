@@ -20,12 +20,14 @@ from typing import Any
 
 import stripe
 
+from tenants.errors import TenantsError
+
 log = logging.getLogger(__name__)
 
 DUPLICATE = "already exists with identifier"
 
 
-class ExportError(Exception):
+class ExportError(TenantsError):
     def __init__(self, message: str, ambiguous: bool = False) -> None:
         super().__init__(message)
         # True when an attempt may have been recorded by Stripe (a timeout, a dropped
@@ -41,7 +43,7 @@ class ExportRejected(ExportError):
     """Stripe refused the request for good (bad request): retrying cannot help."""
 
 
-class MeterUnavailable(Exception):
+class MeterUnavailable(TenantsError):
     """The meter our events feed is inactive or missing: nothing can be exported."""
 
     def __init__(self, status: str, message: str) -> None:

@@ -27,7 +27,9 @@ from tenants.quota.contract import (
     SpendUnknownError,
     StoreUnavailableError,
     WindowStatus,
+    key_scope,
     month_period,
+    tenant_scope,
     wall_us,
 )
 from tenants.quota.memory import MemoryQuotaStore
@@ -69,7 +71,9 @@ __all__ = [
     "SpendUnknownError",
     "StoreUnavailableError",
     "WindowStatus",
+    "key_scope",
     "month_period",
     "open_quota_store",
+    "tenant_scope",
     "wall_us",
 ]

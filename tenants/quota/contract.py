@@ -44,6 +44,8 @@ from datetime import UTC, datetime
 from enum import StrEnum
 from typing import Protocol, runtime_checkable
 
+from tenants.errors import TenantsError
+
 WINDOW_S = 60
 """Length of the sliding window behind rpm and tpm, in seconds. The stores take a
 window_s argument so tests can shorten it; every replica must use the same value."""
@@ -68,7 +70,7 @@ class DenyReason(StrEnum):
     BUDGET = "budget"
 
 
-class QuotaError(Exception):
+class QuotaError(TenantsError):
     """Base for errors the quota store raises on purpose."""
 
 
@@ -86,9 +88,19 @@ class StoreUnavailableError(QuotaError):
     """The store cannot be reached (connection refused, reset or timed out)."""
 
 
-class ReservationIdError(QuotaError, ValueError):
+class ReservationIdError(QuotaError):
     """A reservation id that cannot be used: already settled, or reused after its lease
     expired while its admission is still in the window. Ids must be unique per request."""
+
+
+def tenant_scope(tenant_id: str) -> str:
+    """The scope key of a tenant's limits, by its id (audit targets name it by name)."""
+    return f"tenant:{tenant_id}"
+
+
+def key_scope(key_id: str) -> str:
+    """The scope key of an API key's limits, by its id (audit targets use its prefix)."""
+    return f"key:{key_id}"
 
 
 def _check_int(name: str, value: int) -> None:
@@ -277,7 +289,8 @@ class ScopeUsage:
     tokens_in_window: int
 
 
-Outcome = Granted | Denied
+Decision = Granted | Denied
+"""What a reserve() answers."""
 
 
 @runtime_checkable
@@ -285,7 +298,7 @@ class QuotaStore(Protocol):
     """The atomic check-and-reserve engine under admission. All methods are coroutines;
     each Redis operation is one round trip (expire_leases() excepted: it is a sweep)."""
 
-    async def reserve(self, request: ReserveRequest) -> Granted | Denied:
+    async def reserve(self, request: ReserveRequest) -> Decision:
         """Check every limit of every scope and, if all pass, charge them all at once.
         Repeating a reserve whose lease is live returns Granted without charging again;
         an id that was settled, or whose expired admission is still in the window,

@@ -21,7 +21,7 @@ from tenants import db, keys
 from tenants.limits import LimitSet, PlanTerms
 from tenants.models import UsageEvent
 from tenants.pricing import DEFAULT_PRICE
-from tenants.quota import RedisQuotaStore, ScopeUsage, month_period
+from tenants.quota import RedisQuotaStore, ScopeUsage, month_period, tenant_scope
 from tenants.services import ApiKeyService, PlanService, TenantService
 from tests.conftest import POSTGRES_URL
 from tests.e2e.processes import Process, free_port, running, start
@@ -87,7 +87,7 @@ async def _tenant(sessions: Any, limits: LimitSet) -> tuple[str, str]:
 async def _usage(tenant_id: str) -> ScopeUsage:
     store = RedisQuotaStore.from_url(REDIS_URL)
     try:
-        return await store.usage(f"tenant:{tenant_id}", month_period())
+        return await store.usage(tenant_scope(tenant_id), month_period())
     finally:
         await store.aclose()
 

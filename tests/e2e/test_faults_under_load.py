@@ -49,7 +49,7 @@ from backend.server import SECRET_HEADER
 from tenants import db, keys
 from tenants.limits import LimitSet, PlanTerms
 from tenants.pricing import DEFAULT_PRICE
-from tenants.quota import RedisQuotaStore, ScopeUsage, month_period
+from tenants.quota import RedisQuotaStore, ScopeUsage, month_period, tenant_scope
 from tenants.services import ApiKeyService, PlanService, TenantService
 from tests.conftest import eventually
 from tests.e2e.processes import Process, free_port, start
@@ -513,7 +513,7 @@ async def _watching(stack: Stack, found: Watch) -> AsyncIterator[None]:
         while True:
             for tenant in stack.tenants:
                 with contextlib.suppress(Exception):  # Redis restarting: nothing to read
-                    usage = await store.usage(f"tenant:{tenant.id}", month_period())
+                    usage = await store.usage(tenant_scope(tenant.id), month_period())
                     over = usage.spent_micros + usage.reserved_micros - tenant.budget_micros
                     found.over[tenant.role] = max(found.over.get(tenant.role, over), over)
             await asyncio.sleep(0.25)  # the sampling period, not synchronisation
@@ -541,7 +541,7 @@ async def _watching(stack: Stack, found: Watch) -> AsyncIterator[None]:
 async def _usage(stack: Stack, tenant: Tenant) -> ScopeUsage:
     store = RedisQuotaStore.from_url(stack.redis.url)
     try:
-        return await store.usage(f"tenant:{tenant.id}", month_period())
+        return await store.usage(tenant_scope(tenant.id), month_period())
     finally:
         await store.aclose()
 

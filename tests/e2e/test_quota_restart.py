@@ -20,7 +20,7 @@ from tenants import db, keys
 from tenants.limits import LimitSet, PlanTerms
 from tenants.models import UsageEvent, utcnow
 from tenants.pricing import DEFAULT_PRICE
-from tenants.quota import RedisQuotaStore, month_period
+from tenants.quota import RedisQuotaStore, month_period, tenant_scope
 from tenants.services import ApiKeyService, PlanService, TenantService, UsageService
 from tests.conftest import POSTGRES_URL, eventually
 from tests.e2e.processes import free_port, running, start
@@ -116,7 +116,7 @@ async def _scenario(sessions: Any, redis: Any, urls: list[str], model: str) -> N
     async def store_equals_ledger() -> bool:
         store = RedisQuotaStore.from_url(redis.url)
         try:
-            usage = await store.usage(f"tenant:{tenant_id}", month_period())
+            usage = await store.usage(tenant_scope(tenant_id), month_period())
         finally:
             await store.aclose()
         return usage.reserved_micros == 0 and usage.spent_micros == ledger

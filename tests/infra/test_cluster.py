@@ -31,7 +31,7 @@ from sqlalchemy import func, select
 from tenants import db, keys
 from tenants.limits import LimitSet, PlanTerms
 from tenants.models import UsageEvent
-from tenants.quota import RedisQuotaStore, month_period
+from tenants.quota import RedisQuotaStore, month_period, tenant_scope
 from tenants.services import ApiKeyService, PlanService, TenantService
 from tests.conftest import POSTGRES_URL, eventually
 from tests.e2e.processes import Process, free_port
@@ -371,7 +371,7 @@ async def test_rolling_restarts_lose_nothing(cluster: Cluster, sessions: Any) ->
     assert replicas == {f"http://{h}:{cluster.backend_port}" for h in BACKEND_HOSTS}
     store = RedisQuotaStore.from_url(REDIS_URL)
     try:
-        usage = await store.usage(f"tenant:{tenant_id}", month_period())
+        usage = await store.usage(tenant_scope(tenant_id), month_period())
     finally:
         await store.aclose()
     assert usage.reserved_micros == 0 and usage.concurrent == 0

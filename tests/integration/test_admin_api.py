@@ -8,6 +8,7 @@ from litestar.testing import AsyncTestClient
 from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
 
 from gateway.dispatch.engine_client import InProcessEngineClient
+from tenants import audit
 from tenants.models import KeyRole
 from tenants.services import ApiKeyService, TenantService
 
@@ -87,3 +88,19 @@ async def test_admin_api_validates_bodies(client: AsyncTestClient[Any], sessions
         for _ in range(2)
     ]
     assert [r.status_code for r in twice] == [201, 409]
+
+
+async def test_a_refused_request_commits_nothing(
+    client: AsyncTestClient[Any], sessions: Sessions
+) -> None:
+    """The request's transaction rolls back when the handler fails half way: the tenant
+    the service already flushed is gone, and so is its audit row."""
+    admin = {"Authorization": f"Bearer {await _admin_key(sessions)}"}
+    refused = await client.post(
+        "/admin/api/tenants", json={"name": "globex", "plan": "missing"}, headers=admin
+    )
+    assert refused.status_code == 404, refused.text
+    async with sessions() as session:
+        assert await TenantService(session).find("globex") is None
+        created = await audit.list_events(session, action="tenant.create")
+    assert [event.target for event in created] == ["tenant:ops"]  # the admin key's own

@@ -12,8 +12,9 @@ from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
 
 from backend.sampling import SamplingParams
 from gateway.dispatch.engine_client import InProcessEngineClient
-from tenants.models import UsageEvent
+from tenants.models import UsageEvent, UsageStatus
 from tenants.services import ApiKeyService
+from tests.conftest import eventually
 
 Client = AsyncTestClient[Any]
 Sessions = async_sessionmaker[AsyncSession]
@@ -221,6 +222,50 @@ async def test_unbounded_numbers_get_400_and_the_engine_keeps_serving(
     normal = await client.post("/v1/chat/completions", json=_chat(model, seed=7), headers=headers)
     assert normal.status_code == 200, normal.text
     assert engine_client.is_alive() and engine_client.is_ready()
+
+
+async def test_a_prompt_the_engine_refuses_is_a_400_naming_the_prompt(
+    client: Client, tenant_key: str, sessions: Sessions, engine_client: InProcessEngineClient
+) -> None:
+    """The engine's own refusal (a token id past the vocabulary) travels as a typed error
+    with its parameter, not as a ValueError whose message is parsed."""
+    body = {"model": engine_client.model_name, "prompt": [10**6], "max_tokens": 2}
+    response = await client.post("/v1/completions", json=body, headers=_auth(tenant_key))
+    error = await _assert_error(response, 400, "prompt")
+    assert "token ids" in error["message"]
+    await _eventually_one_row(sessions, status=UsageStatus.FAILED, error="invalid_request_error")
+
+
+async def test_a_stray_value_error_in_the_engine_is_a_500_not_the_clients_400(
+    client: Client,
+    tenant_key: str,
+    sessions: Sessions,
+    engine_client: InProcessEngineClient,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Only InvalidParameterError means "your request": a ValueError from a defect is
+    ours, and its text (which may hold request data) is not sent back."""
+
+    def defect(*_: Any) -> None:
+        raise ValueError("temperature is off somewhere inside")
+
+    monkeypatch.setattr(engine_client.engine.engine, "add_request", defect)
+    response = await client.post(
+        "/v1/chat/completions", json=_chat(engine_client.model_name), headers=_auth(tenant_key)
+    )
+    error = await _assert_error(response, 500)
+    assert error["code"] == "internal_error" and "temperature" not in error["message"]
+    await _eventually_one_row(sessions, status=UsageStatus.FAILED, error="internal_error")
+
+
+async def _eventually_one_row(sessions: Sessions, **expected: Any) -> None:
+    """A failed request's row is written after its answer (by a tracked task)."""
+
+    async def one_row() -> bool:
+        rows = await _ledger(sessions)
+        return len(rows) == 1 and all(getattr(rows[0], k) == v for k, v in expected.items())
+
+    await eventually(one_row)
 
 
 async def test_the_largest_valid_seeds_are_served(

@@ -477,3 +477,19 @@ async def test_billing_page_warns_about_the_stripe_export(
     page = (await client.get("/admin/billing")).text
     assert 'id="export-warnings"' in page
     assert "Stripe meter inactive: reactivate it" in page and "too_old_for_stripe" in page
+
+
+async def test_a_refused_action_rolls_back_what_it_had_done(
+    client: Client, admins: None, sessions: async_sessionmaker[AsyncSession]
+) -> None:
+    """A tenant on a plan that does not exist: the notice comes back and neither the tenant
+    (already flushed when the plan was looked up) nor its audit row stays."""
+    csrf = await sign_in(client, OWNER)
+    response = await client.post(
+        "/admin/tenants", data={"name": "acme", "plan": "missing", "csrf_token": csrf}
+    )
+    assert (response.status_code, response.headers["location"]) == (303, "/admin/tenants")
+    assert "no plan named" in (await client.get(response.headers["location"])).text
+    assert await tenant_names(sessions) == []
+    async with sessions() as session:
+        assert await audit.list_events(session, action="tenant.create") == []

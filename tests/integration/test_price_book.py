@@ -14,8 +14,8 @@ from sqlalchemy import select
 
 from gateway import cli
 from gateway.dispatch.engine_client import InProcessEngineClient
-from gateway.metering import Charge, Outcome
 from gateway.runtime import Runtime
+from gateway.usage import Charge, RequestUsage
 from tenants import audit
 from tenants.billing.models import PriceVersion
 from tenants.billing.prices import ANY_MODEL, PriceService, quote
@@ -93,7 +93,9 @@ async def test_a_request_is_priced_by_the_version_in_force_when_it_started(
         (now + timedelta(hours=2), "req_new"),
     ):
         charge = Charge(request_id, principal, "tiny", "completions", started_at=started)
-        await runtime.recorder.settle(charge, Outcome(prompt_tokens=1000, completion_tokens=500))
+        await runtime.recorder.settle(
+            charge, RequestUsage(prompt_tokens=1000, completion_tokens=500)
+        )
 
     async with sessions() as session:
         rows = {

@@ -27,7 +27,7 @@ from gateway.settings import Settings
 from tenants.limits import LimitSet, PlanTerms
 from tenants.models import UsageEvent, utcnow
 from tenants.pricing import DEFAULT_PRICE
-from tenants.quota import RedisQuotaStore, ScopeUsage, month_period
+from tenants.quota import RedisQuotaStore, ScopeUsage, month_period, tenant_scope
 from tenants.services import ApiKeyService, PlanService, TenantService, UsageService
 from tests.conftest import eventually, serving
 from tests.support.redis_server import RedisServer, redis_server
@@ -117,7 +117,7 @@ async def _wave(stack: Stack, tenant: Tenant, count: int, model: str) -> list[ht
 
 
 async def _usage(stack: Stack, tenant: Tenant) -> ScopeUsage:
-    return await stack.runtime.admission.store.usage(f"tenant:{tenant.id}", month_period())
+    return await stack.runtime.admission.store.usage(tenant_scope(tenant.id), month_period())
 
 
 async def test_redis_restart_just_after_a_reconcile_never_admits_past_the_budget(
@@ -276,7 +276,7 @@ async def test_quota_rebuild_command(
         assert (report["period"], report["ready"], report["scopes"]) == (month_period(), True, 2)
         store = RedisQuotaStore.from_url(redis.url)
         try:
-            assert (await store.usage(f"tenant:{tenant.id}", month_period())).spent_micros == 4321
+            assert (await store.usage(tenant_scope(tenant.id), month_period())).spent_micros == 4321
             assert (await store.usage(f"key:{tenant.key_id}", month_period())).spent_micros == 4321
             assert await store.is_ready(month_period())
         finally:

@@ -21,7 +21,7 @@ from gateway.settings import Settings
 from tenants.limits import LimitSet, PlanTerms
 from tenants.models import UsageEvent
 from tenants.pricing import DEFAULT_PRICE
-from tenants.quota import month_period
+from tenants.quota import month_period, tenant_scope
 from tenants.services import ApiKeyService, PlanService, TenantService
 from tests.conftest import serving
 
@@ -81,7 +81,7 @@ async def test_budget_is_a_hard_cap_and_matches_the_ledger(
         codes = sorted(r.status_code for r in responses)
         runtime: Runtime = app.state.runtime
         await runtime.tasks.drain()
-        usage = await runtime.admission.store.usage(f"tenant:{tenant_id}", month_period())
+        usage = await runtime.admission.store.usage(tenant_scope(tenant_id), month_period())
     assert codes.count(200) >= 3  # three worst cases always fit; actual costs may fit more
     denied = [r for r in responses if r.status_code == 429]
     assert denied, codes

@@ -18,7 +18,7 @@ from gateway.admission.reconcile import (
     reconcile,
 )
 from tenants.models import UsageEvent, utcnow
-from tenants.quota import MemoryQuotaStore, QuotaStore, month_period, open_quota_store
+from tenants.quota import MemoryQuotaStore, QuotaStore, month_period, open_quota_store, tenant_scope
 from tenants.services import ApiKeyService, TenantService, UsageService
 
 Sessions = async_sessionmaker[AsyncSession]
@@ -51,7 +51,7 @@ async def test_unsettled_rows_are_charged_once(sessions: Sessions, store: QuotaS
     window = {"since": utcnow() - timedelta(minutes=5), "until": utcnow() + timedelta(minutes=5)}
     assert await reconcile(sessions, store, **window) == 2  # the zero-cost row needs nothing
     assert await reconcile(sessions, store, **window) == 0  # idempotent
-    usage = await store.usage(f"tenant:{tenant.id}", month_period())
+    usage = await store.usage(tenant_scope(tenant.id), month_period())
     assert usage.spent_micros == 1000
     assert (await store.usage(f"key:{key.id}", month_period())).spent_micros == 1000
 
@@ -81,12 +81,12 @@ async def test_a_rebuild_covers_the_whole_period(sessions: Sessions, store: Quot
     rebuilt = await rebuild(sessions, store)
     assert (rebuilt.ready, rebuilt.charged) == (True, 1)
     period = month_period()
-    assert (await store.usage(f"tenant:{old_tenant}", period)).spent_micros == 700
+    assert (await store.usage(tenant_scope(old_tenant), period)).spent_micros == 700
     assert (await store.usage(f"key:{old_key}", period)).spent_micros == 700
-    assert (await store.usage(f"tenant:{new_tenant}", period)).spent_micros == 300
+    assert (await store.usage(tenant_scope(new_tenant), period)).spent_micros == 300
     again = await rebuild(sessions, store)  # the periodic run: nothing counted twice
     assert again.charged == 0
-    assert (await store.usage(f"tenant:{new_tenant}", period)).spent_micros == 300
+    assert (await store.usage(tenant_scope(new_tenant), period)).spent_micros == 300
 
 
 async def test_only_a_store_that_lost_its_state_holds_admission(sessions: Sessions) -> None:

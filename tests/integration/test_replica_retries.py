@@ -18,7 +18,7 @@ from backend.builtin import BUILTIN_MODEL_DIR
 from backend.tokenizer import Tokenizer
 from gateway.dispatch.engine_client import RESTART
 from gateway.dispatch.remote import MAX_REPLICA_FAILURES, RemoteEngineClient
-from gateway.errors import EngineUnavailable
+from gateway.errors import EngineUnavailable, InvalidRequest
 from tests.conftest import serving
 
 pytestmark = pytest.mark.integration
@@ -109,7 +109,7 @@ async def test_a_stream_that_reached_the_client_is_not_retried() -> None:
 async def test_a_refusal_is_not_retried_and_keeps_the_replica() -> None:
     refusing, second = Behaviour("refuse"), Behaviour("refuse")
     async with client_over(refusing, second) as client:
-        with pytest.raises(ValueError, match="no such thing"):  # the gateway's 400
+        with pytest.raises(InvalidRequest, match="no such thing"):  # the gateway's 400
             await _collect(client, restartable=True)
         assert sorted(_received(refusing, second)) == [0, 1]
         assert all(r.healthy for r in client.replicas)

@@ -56,7 +56,7 @@ async def gauges(http: httpx.AsyncClient, url: str) -> dict[str, float]:
 
 async def test_chat_stream_ends_with_vllms_usage_chunk() -> None:
     async with upstream() as url:
-        stream = await sdk(url).chat.completions.create(
+        stream = await sdk(url).chat.completions.create(  # type: ignore[call-overload]
             model="vllm-like",
             messages=MESSAGES,  # type: ignore[arg-type]
             stream=True,

@@ -6,8 +6,8 @@ import uuid
 
 import pytest
 
-from gateway.metering import Outcome
 from gateway.settings import Settings, SettingsError
+from gateway.usage import RequestUsage
 from tenants.billing.reports import format_micros
 from tenants.billing.stripe_meters import Retry, event_identifier
 
@@ -35,10 +35,10 @@ def test_money_is_formatted_from_integers() -> None:
 
 
 def test_inter_token_latency_is_the_mean_gap_after_the_first_token() -> None:
-    outcome = Outcome(ttft_ms=100.0, last_token_ms=190.0, stream_tokens=10)
+    outcome = RequestUsage(ttft_ms=100.0, last_token_ms=190.0, stream_tokens=10)
     assert outcome.itl_ms == 10.0
-    assert Outcome(ttft_ms=100.0, last_token_ms=100.0, stream_tokens=1).itl_ms is None
-    assert Outcome().itl_ms is None
+    assert RequestUsage(ttft_ms=100.0, last_token_ms=100.0, stream_tokens=1).itl_ms is None
+    assert RequestUsage().itl_ms is None
 
 
 def test_billing_settings_from_the_environment() -> None:

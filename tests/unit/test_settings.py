@@ -54,3 +54,10 @@ def test_trusted_proxies_are_ips_or_cidr_blocks() -> None:
     assert Settings.from_env({"TOLLGATE_TRUSTED_PROXIES": "*"}).trusted_proxies == ("*",)
     with pytest.raises(SettingsError, match=r"TOLLGATE_TRUSTED_PROXIES: 'proxy\.internal'"):
         Settings.from_env({"TOLLGATE_TRUSTED_PROXIES": "10.0.0.1,proxy.internal"})
+
+
+def test_the_admin_password_is_a_setting_kept_out_of_repr() -> None:
+    settings = Settings.from_env({"TOLLGATE_ADMIN_PASSWORD": "hunter2 hunter2"})
+    assert settings.admin_password == "hunter2 hunter2"
+    assert "hunter2" not in repr(settings)
+    assert Settings.from_env({"TOLLGATE_ADMIN_PASSWORD": ""}).admin_password is None

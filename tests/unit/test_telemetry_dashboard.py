@@ -13,7 +13,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from backend.outputs import EngineStats, RequestOutput
 from backend.telemetry import EngineRequestMetrics, EngineStatsCollector, RequestTimeline
-from gateway.telemetry.metrics import GatewayMetrics, RequestRecord
+from gateway.telemetry.metrics import GatewayMetrics, RequestObservation
 
 INFRA = Path(__file__).resolve().parents[2] / "infra"
 METRIC = re.compile(r"\b(?:gen_ai|tollgate)_[a-z0-9_]+\b")
@@ -35,7 +35,9 @@ def _exported() -> set[str]:
     """Every sample name the gateway (embedded engine included) and a backend export."""
     gateway = GatewayMetrics()
     gateway.watch_engine(_stats)
-    gateway.observe(RequestRecord("t", "m", "completed", "chat", 0, 3, 0, 2, 0.1, 0.01, 0.05, 0.02))
+    gateway.observe(
+        RequestObservation("t", "m", "completed", "chat", 0, 3, 0, 2, 0.1, 0.01, 0.05, 0.02)
+    )
     gateway.reject("t", "rpm")
     gateway.set_tenant_gauges("t", reserved=1, concurrent=1, spent=1, limit=10)
     backend = CollectorRegistry()

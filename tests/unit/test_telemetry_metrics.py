@@ -5,7 +5,7 @@ from __future__ import annotations
 from prometheus_client.parser import text_string_to_metric_families
 
 from backend.outputs import EngineStats
-from gateway.telemetry.metrics import OTHER, GatewayMetrics, RequestRecord, TenantLabels
+from gateway.telemetry.metrics import OTHER, GatewayMetrics, RequestObservation, TenantLabels
 from gateway.telemetry.request import workload_class
 
 
@@ -37,7 +37,7 @@ def test_counts_stay_bounded_with_many_tenants() -> None:
     assert len(labels.labelled) == 3
 
 
-def _record(tenant: str, **changes: object) -> RequestRecord:
+def _record(tenant: str, **changes: object) -> RequestObservation:
     base: dict[str, object] = {
         "tenant": tenant,
         "model": "m",
@@ -53,7 +53,7 @@ def _record(tenant: str, **changes: object) -> RequestRecord:
         "time_per_output_token_s": 0.02,
     }
     base.update(changes)
-    return RequestRecord(**base)  # type: ignore[arg-type]
+    return RequestObservation(**base)  # type: ignore[arg-type]
 
 
 def _samples(metrics: GatewayMetrics) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:

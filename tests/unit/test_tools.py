@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from typing import Any
 
 import msgspec
 import pytest
@@ -16,7 +17,7 @@ from gateway.api.tools import (
 )
 from gateway.errors import InvalidRequest
 
-WEATHER = {
+WEATHER: dict[str, Any] = {
     "type": "function",
     "function": {
         "name": "get_weather",
@@ -28,10 +29,10 @@ WEATHER = {
         },
     },
 }
-TIME = {"type": "function", "function": {"name": "get_time"}}
+TIME: dict[str, Any] = {"type": "function", "function": {"name": "get_time"}}
 
 
-def tools(*defs: dict[str, object]) -> list[ToolDef]:
+def tools(*defs: dict[str, Any]) -> list[ToolDef]:
     return msgspec.convert(list(defs), list[ToolDef])
 
 
@@ -123,8 +124,9 @@ def _stream(p: object, pieces: list[str]) -> tuple[str, ToolStream]:
 
 def test_streaming_holds_back_a_hermes_call_but_sends_the_text_before_it() -> None:
     p = plan(tools(WEATHER), "auto", True, "hermes")
-    pieces = ["Sure", ", one", " moment <tool", '_call>{"name": "get_weather", ', '"arguments": {}}']
-    sent, stream = _stream(p, [*pieces, "</tool_call>"])
+    call = ['_call>{"name": "get_weather", ', '"arguments": {}}', "</tool_call>"]
+    pieces = ["Sure", ", one", " moment <tool", *call]
+    sent, stream = _stream(p, pieces)
     assert sent == "Sure, one moment "
     content, calls = stream.finish()
     assert content is None and [c.function.name for c in calls] == ["get_weather"]

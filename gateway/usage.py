@@ -1,0 +1,74 @@
+"""What one request is and what it used, as the ledger and telemetry see it.
+
+A leaf: it imports no other gateway module, so the API layer, metering and telemetry
+share these types without importing each other."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from datetime import datetime
+from typing import Protocol
+
+from backend import SamplingParams
+from tenants.models import UsageStatus, utcnow
+from tenants.quota import Reservation
+from tenants.services import Principal
+
+
+@dataclass
+class RequestUsage:
+    """What one request consumed, filled in as it runs."""
+
+    status: UsageStatus = UsageStatus.COMPLETED
+    finish_reason: str | None = None
+    prompt_tokens: int = 0
+    cached_tokens: int = 0
+    completion_tokens: int = 0
+    queue_ms: float | None = None
+    ttft_ms: float | None = None
+    e2e_ms: float | None = None
+    last_token_ms: float | None = None  # since the start, when choice 0's last token came
+    stream_tokens: int = 0  # choice 0's tokens, for the inter-token latency
+    delivered: int = 0  # completion tokens a stream has sent to the client so far
+    error: str | None = None
+    trace_id: str | None = None
+    replica: str | None = None  # the engine that served it: "in-process" or a replica URL
+
+    @property
+    def itl_ms(self) -> float | None:
+        """Mean time between output tokens (of the first choice)."""
+        if self.ttft_ms is None or self.last_token_ms is None or self.stream_tokens < 2:
+            return None
+        return (self.last_token_ms - self.ttft_ms) / (self.stream_tokens - 1)
+
+
+@dataclass(frozen=True)
+class Charge:
+    """The identity of a request for the ledger."""
+
+    request_id: str
+    principal: Principal
+    model: str
+    endpoint: str
+    reservation: Reservation | None = None  # released by settling, after the ledger write
+    priority: int | None = None
+    started_at: datetime = field(default_factory=utcnow)  # prices in force then apply
+
+
+class Metered(Protocol):
+    """A request under way as telemetry reads it (gateway.api.generation.Generation)."""
+
+    @property
+    def charge(self) -> Charge: ...
+
+    @property
+    def params(self) -> SamplingParams: ...
+
+    @property
+    def prompt(self) -> list[int]: ...
+
+    @property
+    def priority(self) -> int: ...
+
+    @property
+    def response_id(self) -> str: ...
