@@ -10,6 +10,7 @@ from sqlalchemy.ext.asyncio import AsyncEngine, AsyncSession, async_sessionmaker
 from gateway.admission.auth_failures import AuthFailureLog
 from gateway.admission.idempotency import Idempotency
 from gateway.admission.quota import Admission
+from gateway.dispatch.directory import ModelDirectory
 from gateway.dispatch.engine_client import EngineClient
 from gateway.errors import EngineUnavailable
 from gateway.metering import UsageRecorder
@@ -28,12 +29,24 @@ class Runtime:
     tasks: TaskSet
     engine_client: EngineClient | None = None
     auth_failures: AuthFailureLog | None = None  # counted, audited once per window
+    models: ModelDirectory | None = None  # every model served: the default and the registry's
 
     @property
     def engine(self) -> EngineClient:
         if self.engine_client is None or not self.engine_client.is_ready():
             raise EngineUnavailable("the model is not loaded yet", headers={"Retry-After": "1"})
         return self.engine_client
+
+    def engine_for(self, model: str) -> EngineClient:
+        """The client serving `model` (404 when none does), 503 until it is ready."""
+        if self.models is None:
+            raise EngineUnavailable("the model is not loaded yet", headers={"Retry-After": "1"})
+        client = self.models.get(model)
+        if not client.is_ready():
+            raise EngineUnavailable(
+                f"the model {model!r} is not ready yet", headers={"Retry-After": "1"}
+            )
+        return client
 
 
 def provide_runtime(state: State) -> Runtime:

@@ -111,9 +111,10 @@ async def eventually(check: Callable[[], object], timeout_s: float = 10.0) -> No
 
 
 @contextlib.asynccontextmanager
-async def serving(app: Litestar) -> AsyncIterator[str]:
-    """Serve `app` with a real uvicorn on a free loopback port, in this event loop."""
-    config = uvicorn.Config(app, host="127.0.0.1", port=0, lifespan="on", log_level="warning")
+async def serving(app: Litestar, port: int = 0) -> AsyncIterator[str]:
+    """Serve `app` with a real uvicorn on loopback, in this event loop: on a free port, or
+    on `port` (a server restarted where its clients expect it)."""
+    config = uvicorn.Config(app, host="127.0.0.1", port=port, lifespan="on", log_level="warning")
     server = uvicorn.Server(config)
     task = asyncio.create_task(server.serve())
     await eventually(lambda: server.started or task.done())

@@ -2,18 +2,13 @@
 
 from __future__ import annotations
 
-from gateway.errors import ContextLengthExceeded, InvalidRequest, NotFound, PermissionDenied
+from gateway.errors import ContextLengthExceeded, InvalidRequest, PermissionDenied
 from gateway.telemetry import current_request
 from tenants.services import Principal
 
 
-def check_model(principal: Principal, name: str, served: str) -> None:
-    if name != served:
-        raise NotFound(
-            f"the model {name!r} does not exist; GET /v1/models lists the available ones",
-            param="model",
-            code="model_not_found",
-        )
+def check_model(principal: Principal, name: str) -> None:
+    """The plan includes the model (whether it is served is the model directory's answer)."""
     if not principal.plan.allows_model(name):
         raise PermissionDenied(
             f"your plan does not include the model {name!r}",

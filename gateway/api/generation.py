@@ -18,7 +18,7 @@ from typing import Any
 from backend import EngineDeadError, RequestOutput, SamplingParams, TokenLogprobs
 from gateway.api.formats import Format
 from gateway.api.schemas import encode
-from gateway.dispatch.engine_client import RESTART, EngineClient
+from gateway.dispatch.engine_client import RESTART, ClientPrompt, EngineClient
 from gateway.errors import (
     ApiError,
     DeadlineExceeded,
@@ -47,6 +47,7 @@ class Generation:
     first_token_s: float | None = None  # the client's ttft_deadline_ms, in seconds
     priority: int = 0
     echo: str = ""  # completions: the prompt text, sent back before the answer
+    source: ClientPrompt | None = None  # the prompt as sent, for an upstream that templates
     created: int = field(default_factory=lambda: int(time.time()))
     started: float = field(default_factory=time.monotonic)
 
@@ -207,6 +208,7 @@ async def _outputs(
         # The engine rejects what cannot start by then, before spending compute on it.
         deadline=gen.started + gen.first_token_within_s,
         restartable=restartable,
+        source=gen.source,
     )
     outputs = current_request().dispatch(outputs)  # the dispatch span; the timeline
     while True:

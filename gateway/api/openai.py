@@ -28,7 +28,7 @@ from gateway.api.schemas import (
     decode,
     encode,
 )
-from gateway.dispatch.engine_client import EngineClient
+from gateway.dispatch.engine_client import INLINE_TOKENIZE_CHARS, ClientPrompt, EngineClient
 from gateway.errors import Cancelled, InvalidRequest
 from gateway.runtime import Runtime
 from gateway.telemetry import current_request
@@ -82,15 +82,18 @@ class OpenAIController(Controller):
         runtime: NamedDependency[Runtime],
     ) -> Response[Any]:
         body = decode(await request.body(), ChatCompletionRequest)
-        engine = runtime.engine
-        policy.check_model(principal, body.model, engine.model_name)
-        messages = [{"role": m.role, "content": m.text()} for m in body.messages]
+        engine = runtime.engine_for(body.model)
+        policy.check_model(principal, body.model)
+        messages: list[dict[str, Any]] = [
+            {"role": m.role, "content": m.text()} for m in body.messages
+        ]
         chars = sum(len(m["content"]) for m in messages)
         policy.check_prompt_chars(chars, engine.max_model_len, engine.max_token_chars, "messages")
-        prompt = await _tokenize(runtime, principal, chars, partial(_chat_prompt, engine, messages))
+        prompt = await _tokenize(runtime, principal, chars, partial(engine.tokenize_chat, messages))
         params = _params(principal, body, prompt, engine, "messages")
         gen = _generation(runtime, principal, body, ChatFormat, "chat.completions", prompt, params)
-        return await _respond(request, runtime, principal, gen, stream=body.stream)
+        gen.source = ClientPrompt(messages=messages)
+        return await _respond(request, runtime, principal, gen, engine, stream=body.stream)
 
     @post("/completions", status_code=200)
     async def completions(
@@ -100,21 +103,22 @@ class OpenAIController(Controller):
         runtime: NamedDependency[Runtime],
     ) -> Response[Any]:
         body = decode(await request.body(), CompletionRequest)
-        engine = runtime.engine
-        policy.check_model(principal, body.model, engine.model_name)
+        engine = runtime.engine_for(body.model)
+        policy.check_model(principal, body.model)
         if isinstance(body.prompt, str):
             chars = len(body.prompt)
             policy.check_prompt_chars(chars, engine.max_model_len, engine.max_token_chars, "prompt")
-            prompt = await _tokenize(runtime, principal, chars, partial(engine.encode, body.prompt))
+            prompt = await _tokenize(runtime, principal, chars, partial(engine.tokenize, body.prompt))
         else:
             prompt = body.prompt
         if not prompt:
             raise InvalidRequest("the prompt is empty", param="prompt")
         params = _params(principal, body, prompt, engine, "prompt")
         gen = _generation(runtime, principal, body, TextFormat, "completions", prompt, params)
+        gen.source = ClientPrompt(text=body.prompt if isinstance(body.prompt, str) else None)
         if body.echo:
             gen.echo = body.prompt if isinstance(body.prompt, str) else engine.decode(prompt)
-        return await _respond(request, runtime, principal, gen, stream=body.stream)
+        return await _respond(request, runtime, principal, gen, engine, stream=body.stream)
 
     @get("/models")
     async def list_models(
@@ -131,31 +135,18 @@ class OpenAIController(Controller):
         runtime: NamedDependency[Runtime],
         principal: NamedDependency[Principal],
     ) -> dict[str, Any]:
-        engine = runtime.engine
-        policy.check_model(principal, model_id, engine.model_name)
+        engine = runtime.engine_for(model_id)
+        policy.check_model(principal, model_id)
         return _model_card(engine)
 
 
-def _chat_prompt(engine: EngineClient, messages: list[dict[str, str]]) -> list[int]:
-    try:
-        rendered = engine.render_chat(messages)
-    except InvalidParameterError as exc:  # the template refused these messages (role order)
-        raise InvalidRequest(str(exc), param="messages") from None
-    return engine.encode(rendered)
-
-
-# Past this many characters, tokenizing takes long enough (about 2.5 ms per 10k characters
-# on a 2-core machine) to hold up every other request on the event loop: it runs in a thread.
-INLINE_TOKENIZE_CHARS = 4096
-
-
 async def _tokenize(
-    runtime: Runtime, principal: Principal, chars: int, work: Callable[[], list[int]]
+    runtime: Runtime, principal: Principal, chars: int, work: Callable[[], Awaitable[list[int]]]
 ) -> list[int]:
-    if chars <= INLINE_TOKENIZE_CHARS:
-        return work()
-    await runtime.admission.refuse_if_exhausted(principal)  # a spent key costs no tokenizing
-    return await asyncio.to_thread(work)
+    """The engine client counts the prompt (off the event loop when it is long)."""
+    if chars > INLINE_TOKENIZE_CHARS:
+        await runtime.admission.refuse_if_exhausted(principal)  # a spent key costs no tokenizing
+    return await work()
 
 
 def _model_card(engine: EngineClient) -> dict[str, Any]:
@@ -195,6 +186,7 @@ async def _respond(
     runtime: Runtime,
     principal: Principal,
     gen: Generation,
+    engine: EngineClient,
     *,
     stream: bool,
 ) -> Response[Any]:
@@ -231,12 +223,12 @@ async def _respond(
     if stream:
         # Until the first output a refusal is still an HTTP error; after it, Litestar
         # cancels the stream when the client disconnects, and generation aborts then.
-        opening = generation.stream(gen, runtime.engine, runtime.recorder)
+        opening = generation.stream(gen, engine, runtime.recorder)
         events = await _abandon_on_failure(claim, runtime, _unless_disconnected(request, opening))
         if claim is not None:
             events = _recorded(events, claim, runtime, gen.charge.request_id)
         return Stream(events, media_type="text/event-stream", headers={**SSE_HEADERS, **headers})
-    work = generation.complete(gen, runtime.engine, runtime.recorder)
+    work = generation.complete(gen, engine, runtime.recorder)
     result = await _abandon_on_failure(claim, runtime, _unless_disconnected(request, work))
     if claim is not None:
         body = encode(result)

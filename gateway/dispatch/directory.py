@@ -46,7 +46,11 @@ class ModelDirectory:
             )
         if self.default is not None and name == self.default.model_name:
             return self.default
-        raise NotFound(f"the model {name!r} does not exist", param="model", code="model_not_found")
+        raise NotFound(
+            f"the model {name!r} does not exist; GET /v1/models lists the available ones",
+            param="model",
+            code="model_not_found",
+        )
 
     def names(self) -> list[str]:
         """Every model served, the default entry first."""

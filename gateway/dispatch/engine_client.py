@@ -1,16 +1,19 @@
 """The one seam between gateway and engine.
 
-The in-process client wraps `backend.AsyncEngine`; remote replicas over HTTP plug in
-behind the same protocol.
+The in-process client wraps `backend.AsyncEngine`; Tollgate backend replicas over HTTP
+(remote.py) and OpenAI-compatible upstreams (upstream.py) plug in behind the same
+protocol. Counting a prompt is async at the seam: an upstream without a local tokenizer
+asks its server.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import AsyncGenerator, AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator, Callable
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Protocol
+from typing import Any, Protocol, TypeVar
 
 from backend import AsyncEngine, EngineConfig, RequestOutput, SamplingParams
 from backend.errors import (
@@ -20,6 +23,7 @@ from backend.errors import (
     RequestFailedError,
 )
 from backend.telemetry import traced
+from backend.tokenizer import Tokenizer
 from gateway.errors import DeadlineExceeded, InternalError, InvalidRequest, Overloaded
 from gateway.telemetry.request import current_request
 
@@ -27,6 +31,20 @@ IN_PROCESS = "in-process"  # the replica name of the engine in this process
 RESTART = "restart"
 """finish_reason of the marker output a restartable request's retry on another replica
 begins with: what came before it is void."""
+# Past this many characters, tokenizing takes long enough (about 2.5 ms per 10k characters
+# on a 2-core machine) to hold up every other request on the event loop: it runs in a thread.
+INLINE_TOKENIZE_CHARS = 4096
+T = TypeVar("T")
+
+
+@dataclass(frozen=True)
+class ClientPrompt:
+    """The prompt as the client sent it, for a target that tokenizes and templates it
+    itself (an OpenAI-compatible upstream): chat messages, or a completion's text; with
+    neither, the token ids are the prompt. Tollgate's own engines use the ids."""
+
+    messages: list[dict[str, Any]] | None = None
+    text: str | None = None
 
 
 class EngineClient(Protocol):
@@ -34,13 +52,16 @@ class EngineClient(Protocol):
     max_model_len: int
     max_token_chars: int  # the tokenizer's bound on characters per token
 
-    def encode(self, text: str) -> list[int]: ...
+    async def tokenize(self, text: str) -> list[int]: ...
+
+    async def tokenize_chat(self, messages: list[dict[str, Any]]) -> list[int]:
+        """The chat template applied, then tokenized; InvalidRequest (param `messages`)
+        when the template refuses the messages."""
+        ...
 
     def decode(self, ids: list[int]) -> str: ...
 
     def token_text(self, token_id: int) -> str: ...
-
-    def render_chat(self, messages: list[dict[str, str]]) -> str: ...
 
     def generate(
         self,
@@ -53,11 +74,13 @@ class EngineClient(Protocol):
         weight: int = 1,
         deadline: float | None = None,
         restartable: bool = False,
+        source: ClientPrompt | None = None,
     ) -> AsyncIterator[RequestOutput]:
         """`deadline`: time.monotonic() by which the first token is due. Raises Overloaded
         (503, Retry-After) or DeadlineExceeded (504) when the engine's policy rejects it.
         `restartable`: the caller sends nothing on until the end, so the request may be
-        started over elsewhere after an output with finish_reason RESTART."""
+        started over elsewhere after an output with finish_reason RESTART. `source`: the
+        prompt as the client sent it (`prompt` is the gateway's tokens of it)."""
         ...
 
     def abort(self, request_id: str) -> None: ...
@@ -73,32 +96,57 @@ class EngineClient(Protocol):
     async def close(self) -> None: ...
 
 
-class InProcessEngineClient:
+class LocalTokens:
+    """Counting with a tokenizer in this process (the engine's, a replica's, or an
+    upstream's local folder); a long text is tokenized in a thread."""
+
+    def __init__(self, tokenizer: Tokenizer) -> None:
+        self.tokenizer = tokenizer
+        self.max_token_chars = tokenizer.max_token_chars
+
+    def encode(self, text: str) -> list[int]:
+        return self.tokenizer.encode(text)
+
+    def decode(self, ids: list[int]) -> str:
+        return self.tokenizer.decode(ids)
+
+    def token_text(self, token_id: int) -> str:
+        return self.decode([token_id])
+
+    def render_chat(self, messages: list[dict[str, Any]]) -> str:
+        try:
+            return self.tokenizer.apply_chat_template(messages)
+        except InvalidParameterError as exc:  # the template refused these messages
+            raise InvalidRequest(str(exc), param="messages") from None
+
+    async def tokenize(self, text: str) -> list[int]:
+        return await _off_loop_if_long(len(text), self.encode, text)
+
+    async def tokenize_chat(self, messages: list[dict[str, Any]]) -> list[int]:
+        chars = sum(len(str(m.get("content") or "")) for m in messages)
+        return await _off_loop_if_long(chars, lambda: self.encode(self.render_chat(messages)))
+
+
+async def _off_loop_if_long(chars: int, work: Callable[..., T], *args: Any) -> T:
+    if chars <= INLINE_TOKENIZE_CHARS:
+        return work(*args)
+    return await asyncio.to_thread(work, *args)
+
+
+class InProcessEngineClient(LocalTokens):
     """The engine in this process; its step loop runs in its own thread."""
 
     def __init__(self, engine: AsyncEngine) -> None:
+        super().__init__(engine.tokenizer)
         self.engine = engine
         self.model_name = engine.model_name
         self.max_model_len = engine.max_model_len
-        self.max_token_chars = engine.tokenizer.max_token_chars
 
     @classmethod
     async def load(cls, model_path: Path, config: EngineConfig) -> InProcessEngineClient:
         # Loading reads weights from disk: keep it off the event loop.
         engine = await asyncio.to_thread(AsyncEngine.from_pretrained, model_path, config)
         return cls(engine)
-
-    def encode(self, text: str) -> list[int]:
-        return self.engine.tokenizer.encode(text)
-
-    def decode(self, ids: list[int]) -> str:
-        return self.engine.tokenizer.decode(ids)
-
-    def token_text(self, token_id: int) -> str:
-        return self.decode([token_id])
-
-    def render_chat(self, messages: list[dict[str, str]]) -> str:
-        return self.engine.tokenizer.apply_chat_template(messages)
 
     def generate(
         self,
@@ -111,6 +159,7 @@ class InProcessEngineClient:
         weight: int = 1,
         deadline: float | None = None,
         restartable: bool = False,  # one engine: nowhere else to restart
+        source: ClientPrompt | None = None,  # the engine runs the gateway's tokens
     ) -> AsyncIterator[RequestOutput]:
         outputs = self.engine.generate(
             prompt,

@@ -40,6 +40,7 @@ import msgspec
 from backend import RequestOutput, SamplingParams
 from backend.tokenizer import Tokenizer
 from gateway.dispatch import load
+from gateway.dispatch.engine_client import ClientPrompt, LocalTokens
 from gateway.dispatch.routing import Replica, affinity_key, pick
 from gateway.errors import (
     ApiError,
@@ -79,15 +80,6 @@ class UpstreamOptions:
     priority: bool = False  # the upstream schedules by priority (vLLM: lower first)
     on_disagreement: Disagreement = _ignore
     probe_every_s: float = PROBE_EVERY_S
-
-
-@dataclass(frozen=True)
-class ClientPrompt:
-    """The prompt as the client sent it, for a target that tokenizes and templates it
-    itself: chat messages, or a completion's text (neither: the token ids are sent)."""
-
-    messages: list[dict[str, Any]] | None = None
-    text: str | None = None
 
 
 class _Delta(msgspec.Struct):
@@ -151,7 +143,7 @@ class OpenAIUpstreamClient:
         self.max_model_len = spec.context_length or 0  # 0 until learnt (connect)
         self.targets = [Replica(t.url.rstrip("/"), weight=t.weight) for t in spec.targets]
         self.options = options
-        self.tokenizer = tokenizer
+        self.local = LocalTokens(tokenizer) if tokenizer is not None else None
         self.max_token_chars = tokenizer.max_token_chars if tokenizer else UNKNOWN_TOKEN_CHARS
         headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
         self._http = httpx.AsyncClient(
@@ -184,26 +176,23 @@ class OpenAIUpstreamClient:
     # -- counting ------------------------------------------------------------------------
 
     async def tokenize(self, text: str) -> list[int]:
-        if self.tokenizer is not None:
-            return self.tokenizer.encode(text)
+        if self.local is not None:
+            return await self.local.tokenize(text)
         return await self._remote_tokens({"prompt": text}, "prompt")
 
     async def tokenize_chat(self, messages: list[dict[str, Any]]) -> list[int]:
-        if self.tokenizer is not None:
-            try:
-                return self.tokenizer.encode(self.tokenizer.apply_chat_template(messages))
-            except ValueError as exc:  # the template refused these messages
-                raise InvalidRequest(str(exc), param="messages") from None
+        if self.local is not None:
+            return await self.local.tokenize_chat(messages)
         return await self._remote_tokens({"messages": messages}, "messages")
 
     def decode(self, ids: list[int]) -> str:
-        if self.tokenizer is None:
+        if self.local is None:
             raise InvalidRequest(
                 f"model {self.model_name!r} has no local tokenizer to turn token ids back "
                 "into text (echo of a token-id prompt)",
                 param="echo",
             )
-        return self.tokenizer.decode(ids)
+        return self.local.decode(ids)
 
     def token_text(self, token_id: int) -> str:
         return self.decode([token_id])

@@ -41,6 +41,7 @@ TPOT_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 
                 1, 2.5)  # fmt: skip
 DURATION_BUCKETS = (0.01, 0.02, 0.04, 0.08, 0.16, 0.32, 0.64, 1.28, 2.56, 5.12, 10.24, 20.48,
                     40.96, 81.92)  # fmt: skip
+DISAGREEMENT_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 4096)
 QUEUE_BUCKETS = (0.0005, 0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
 
 
@@ -137,6 +138,12 @@ class GatewayMetrics:
             "tollgate_queue_time_seconds", "Time waiting in the engine before first scheduled",
             by_class, registry=reg, buckets=QUEUE_BUCKETS,
         )  # fmt: skip
+        self.usage_disagreement = Histogram(
+            "tollgate_upstream_usage_disagreement_tokens",
+            "Tokens by which an upstream's usage differs from the gateway's own count (the "
+            "ledger takes the upstream's); only requests where they differ",
+            ["model", "kind", "direction"], registry=reg, buckets=DISAGREEMENT_BUCKETS,
+        )  # fmt: skip
         self.reserved_micros = Gauge(
             "tollgate_tenant_reserved_micros", "Cost held by live reservations (micro-units)",
             ["tenant"], registry=reg,
@@ -178,6 +185,12 @@ class GatewayMetrics:
             self.ttft.labels(*labels).observe(record.ttft_s)
         if record.time_per_output_token_s is not None:
             self.tpot.labels(*labels).observe(record.time_per_output_token_s)
+
+    def disagreement(self, model: str, kind: str, ours: int, theirs: int) -> None:
+        """An upstream billed `theirs` tokens of `kind` (prompt, completion) where the
+        gateway counted `ours`."""
+        direction = "upstream_higher" if theirs > ours else "upstream_lower"
+        self.usage_disagreement.labels(model, kind, direction).observe(abs(theirs - ours))
 
     def reject(self, tenant_id: str | None, reason: str) -> None:
         tenant = self.tenant(tenant_id) if tenant_id is not None else NO_TENANT
