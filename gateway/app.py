@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import logging
-import os
 from collections.abc import AsyncIterator
-from contextlib import asynccontextmanager
+from contextlib import AsyncExitStack, asynccontextmanager
 from datetime import timedelta
+from typing import Protocol, TypeVar
 
 from litestar import Litestar
 from litestar.di import Provide
+from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
 
 from backend import EngineConfig
 from backend.builtin import BUILTIN_MODEL_DIR
@@ -27,12 +28,14 @@ from gateway.billing.jobs import BillingJobs
 from gateway.console import console_router
 from gateway.deps import REQUEST_DEPENDENCIES
 from gateway.dispatch import discovery
+from gateway.dispatch.builder import client_builder
+from gateway.dispatch.directory import ModelDirectory
 from gateway.dispatch.engine_client import EngineClient, InProcessEngineClient
 from gateway.errors import exception_handlers
 from gateway.metering import UsageRecorder
 from gateway.runtime import Runtime, provide_runtime
 from gateway.settings import Settings
-from gateway.tasks import TaskSet
+from gateway.tasks import Periodic, TaskSet
 from gateway.telemetry import Telemetry
 from gateway.telemetry.endpoint import metrics
 from tenants.billing.prices import PriceBook
@@ -69,81 +72,22 @@ def create_app(
     """Build the gateway. Pass `engine_client` to share one engine (tests); otherwise the
     in-process engine loads `settings.model_path` (or the built-in model) at startup."""
     settings = settings or Settings.from_env()
-    telemetry = Telemetry.from_env(os.environ)  # /metrics access, tenant label bound
+    telemetry = Telemetry.from_settings(settings)  # /metrics access, tenant label bound
 
     @asynccontextmanager
     async def lifespan(app: Litestar) -> AsyncIterator[None]:
-        db = create_engine(settings.database_url)
-        sessions = session_factory(db)
-        redis = connect_redis(settings.redis_url) if settings.redis_url else None
-        locks: InFlightLocks = RedisLocks(redis) if redis is not None else MemoryLocks()
-        tasks = TaskSet()
-        max_life_s = settings.request_timeout_s + 30
-        admission = Admission(
-            open_quota_store(settings.redis_url, guarded=True),
-            DEFAULT_PRICE,
-            lease_s=settings.lease_s,
-            max_life_s=max_life_s,
-        )
-        rebuilder = Rebuilder(sessions, admission.store, settings.lease_s, max_life_s)
-        admission.rebuilds = rebuilder
-        admission.start()
-        rebuilder.ensure()  # every start rebuilds this period's spend from the ledger
-        upkeep = Upkeep(sessions, admission.store, settings.lease_s, rebuilder).periodic()
-        upkeep.start()
-        billing_jobs = BillingJobs(settings, sessions).periodic()
-        if BillingJobs.wanted(settings):
-            billing_jobs.start()
-        export_health = BillingJobs(settings, sessions).health(telemetry.metrics.registry)
-        export_health.start()
-        auth_failures = AuthFailureLog(sessions)
-        auth_failures.start()
-        recorder = UsageRecorder(
-            sessions, PriceBook(sessions), tasks, admission, settings.checkpoint_ms / 1000
-        )
-        recorder.start()  # checkpoints of running streams
-        orphans = recorder.periodic()
-        orphans.start()
-        runtime = Runtime(
-            settings=settings,
-            db=db,
-            sessions=sessions,
-            recorder=recorder,
-            admission=admission,
-            idempotency=Idempotency(
-                sessions,
-                locks,
-                retention=timedelta(seconds=settings.idempotency_retention_s),
-                # A request cannot outlive its timeout, so neither need its lock.
-                lock_ttl_s=settings.request_timeout_s + 30,
-            ),
-            tasks=tasks,
-            auth_failures=auth_failures,
-        )
-        app.state.runtime = runtime
-        app.state.telemetry = telemetry
-        owned = engine_client is None
-        runtime.engine_client = engine_client or await connect_engine(settings)
-        if isinstance(runtime.engine_client, InProcessEngineClient):
-            telemetry.metrics.watch_engine(runtime.engine_client.engine.stats)
-        log.info("engine ready: model %s", runtime.engine_client.model_name)
-        try:
+        # Every resource is pushed on the stack as soon as it is open: shutdown, or a
+        # failure halfway through startup, closes what was opened, in reverse order.
+        async with AsyncExitStack() as stack:
+            runtime = open_runtime(settings, telemetry, stack)
+            app.state.runtime = runtime
+            app.state.telemetry = telemetry
+            await attach_engine(runtime, telemetry, stack, engine_client)
+            await attach_models(runtime, telemetry, stack)
+            # Closed first: what requests left behind (ledger writes, lock releases)
+            # finishes while everything it needs is still open.
+            stack.push_async_callback(runtime.tasks.drain)
             yield
-        finally:
-            await tasks.drain()
-            await orphans.close()
-            await recorder.close()
-            await upkeep.close()
-            await rebuilder.close()
-            await billing_jobs.close()
-            await export_health.close()
-            await auth_failures.close()
-            await admission.close()
-            if owned:
-                await runtime.engine_client.close()
-            if redis is not None:
-                await redis.aclose()
-            await db.dispose()
 
     return Litestar(
         route_handlers=[
@@ -170,3 +114,103 @@ def create_app(
         logging_config=None,  # the process's logging (JSON lines) is set by `tollgate serve`
         debug=False,
     )
+
+
+class _Service(Protocol):
+    def start(self) -> None: ...
+    async def close(self) -> None: ...
+
+
+S = TypeVar("S", bound=_Service)
+
+
+def _started(stack: AsyncExitStack, service: S) -> S:
+    """Start `service` with its close already on the stack: a start that fails halfway
+    is closed too."""
+    stack.push_async_callback(service.close)
+    service.start()
+    return service
+
+
+def open_runtime(settings: Settings, telemetry: Telemetry, stack: AsyncExitStack) -> Runtime:
+    """The database, the stores and the background jobs, each closed by `stack`."""
+    db = create_engine(settings.database_url)
+    stack.push_async_callback(db.dispose)
+    sessions = session_factory(db)
+    redis = connect_redis(settings.redis_url) if settings.redis_url else None
+    if redis is not None:
+        stack.push_async_callback(redis.aclose)
+    locks: InFlightLocks = RedisLocks(redis) if redis is not None else MemoryLocks()
+    admission = open_admission(settings, sessions, stack)
+    billing = BillingJobs(settings, sessions)
+    _started(stack, billing.periodic() if BillingJobs.wanted(settings) else Periodic([]))
+    _started(stack, billing.health(telemetry.metrics.registry))
+    auth_failures = _started(stack, AuthFailureLog(sessions))
+    tasks = TaskSet()
+    recorder = UsageRecorder(
+        sessions, PriceBook(sessions), tasks, admission, settings.checkpoint_ms / 1000
+    )
+    _started(stack, recorder)  # checkpoints of running streams
+    _started(stack, recorder.periodic())  # the orphan sweep
+    idempotency = Idempotency(
+        sessions,
+        locks,
+        retention=timedelta(seconds=settings.idempotency_retention_s),
+        # A request cannot outlive its timeout, so neither need its lock.
+        lock_ttl_s=settings.request_timeout_s + 30,
+    )
+    return Runtime(
+        settings=settings,
+        db=db,
+        sessions=sessions,
+        recorder=recorder,
+        admission=admission,
+        idempotency=idempotency,
+        tasks=tasks,
+        auth_failures=auth_failures,
+    )
+
+
+def open_admission(
+    settings: Settings, sessions: async_sessionmaker[AsyncSession], stack: AsyncExitStack
+) -> Admission:
+    """Quotas (their store closes last), the rebuild of this period's spend from the
+    ledger (every start runs one) and the reconciler's upkeep."""
+    max_life_s = settings.request_timeout_s + 30
+    store = open_quota_store(settings.redis_url, guarded=True)
+    admission = Admission(store, DEFAULT_PRICE, lease_s=settings.lease_s, max_life_s=max_life_s)
+    _started(stack, admission)
+    rebuilder = Rebuilder(sessions, store, settings.lease_s, max_life_s)
+    stack.push_async_callback(rebuilder.close)
+    admission.rebuilds = rebuilder
+    rebuilder.ensure()
+    _started(stack, Upkeep(sessions, store, settings.lease_s, rebuilder).periodic())
+    return admission
+
+
+async def attach_engine(
+    runtime: Runtime,
+    telemetry: Telemetry,
+    stack: AsyncExitStack,
+    engine_client: EngineClient | None,
+) -> None:
+    """The engine the runtime dispatches to: `engine_client` if given (the caller's to
+    close), else one connected here and closed by `stack`."""
+    if engine_client is None:
+        engine_client = await connect_engine(runtime.settings)
+        stack.push_async_callback(engine_client.close)
+    runtime.engine_client = engine_client
+    if isinstance(engine_client, InProcessEngineClient):
+        telemetry.metrics.watch_engine(engine_client.engine.stats)
+    log.info("engine ready: model %s", engine_client.model_name)
+
+
+async def attach_models(runtime: Runtime, telemetry: Telemetry, stack: AsyncExitStack) -> None:
+    """Every model the gateway serves: the engine above as the default entry, and the
+    registry's models, re-read every few seconds (their clients closed by `stack`)."""
+    build = client_builder(runtime.settings, telemetry.metrics.disagreement)
+    models = ModelDirectory(runtime.sessions, build, runtime.engine_client)
+    stack.push_async_callback(models.close)
+    await models.refresh()
+    _started(stack, models.periodic())
+    runtime.models = models

@@ -9,7 +9,7 @@ from litestar.di import NamedDependency, Provide
 from sqlalchemy.ext.asyncio import AsyncSession
 
 from gateway.runtime import Runtime
-from tenants.quota import QuotaStore, ScopeUsage, month_period
+from tenants.quota import QuotaStore, ScopeUsage, month_period, tenant_scope
 
 
 async def provide_db_session(runtime: NamedDependency[Runtime]) -> AsyncIterator[AsyncSession]:
@@ -32,7 +32,7 @@ def provide_quota_store(runtime: NamedDependency[Runtime]) -> QuotaStore:
 async def month_usage(store: QuotaStore, tenant_id: str) -> tuple[str, ScopeUsage]:
     """A tenant's quota counters for this month, with the month's name."""
     period = month_period()
-    return period, await store.usage(f"tenant:{tenant_id}", period)
+    return period, await store.usage(tenant_scope(tenant_id), period)
 
 
 REQUEST_DEPENDENCIES = {

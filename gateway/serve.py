@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import os
 import socket
 import sys
 from collections.abc import Callable
@@ -16,13 +15,13 @@ from gateway.app import create_app, engine_config
 from gateway.bootstrap import AdminKey, ConsoleOwner, ensure_admin_key, ensure_console_owner
 from gateway.drain import PROBES, SETTLE_S, Drain, DrainGuard, DrainingServer
 from gateway.settings import Settings
-from gateway.telemetry.logs import configure_logging, log_format
+from gateway.telemetry.logs import configure_logging
 from gateway.telemetry.tracing import setup_tracing
 from tenants import db
 
 
 def serve(settings: Settings) -> int:
-    configure_logging(settings.log_level, log_format(os.environ))
+    configure_logging(settings.log_level, settings.log_format)
     setup_tracing("tollgate-gateway")
     _migrate_or_explain(settings)
     admin = asyncio.run(_bootstrap(settings))
@@ -86,7 +85,7 @@ def serve_backend(settings: Settings) -> int:
     from backend.builtin import BUILTIN_MODEL_DIR
     from backend.server import create_backend_app
 
-    configure_logging(settings.log_level, log_format(os.environ))
+    configure_logging(settings.log_level, settings.log_format)
     setup_tracing("tollgate-backend")
     if not settings.backend_secret:
         sys.exit("tollgate: set TOLLGATE_BACKEND_SECRET, the secret gateways must present")

@@ -49,6 +49,9 @@ class Settings:
     export_retry_s: int = 30  # a row Stripe deferred waits this long, doubling per try (<= 1 h)
     celery_queue: str = "tollgate"
     console_idle_s: int = 1800  # admin console sessions end after this long unused
+    log_format: str = "json"  # one JSON object per line, or "text"
+    metrics_token: str | None = None  # None: /metrics answers loopback clients only
+    metrics_top_tenants: int = 20  # tenants with a metrics label of their own
     # The in-process engine's (or `tollgate backend serve`'s) knobs: TOLLGATE_<FIELD>.
     engine: EngineConfig = field(default_factory=gateway_engine_defaults)
     # Peers whose X-Forwarded-For / X-Forwarded-Proto are believed (IPs or CIDRs; "*": all).
@@ -61,6 +64,15 @@ class Settings:
     drain_s: float = 30.0
     # `tollgate admins create`'s password, when not piped or prompted. A secret: not in repr.
     admin_password: str | None = field(default=None, repr=False)
+    # OpenAI-compatible upstreams (registry models of kind `openai`). Each tenant's requests
+    # carry cache_salt = HMAC(this secret, tenant id), so tenants never share an upstream
+    # prefix cache; every gateway replica needs the same secret for a tenant's requests to
+    # share theirs. Unset: TOLLGATE_BACKEND_SECRET, else a random one per process.
+    cache_salt_secret: str | None = field(default=None, repr=False)
+    # Models whose upstream schedules by priority (vLLM: --scheduling-policy priority, lower
+    # first, as the gateway's): they get the request's priority; others refuse it, so never.
+    upstream_priority_models: frozenset[str] = frozenset()
+    upstream_probe_s: float = 1.0  # how often each upstream's /health and /metrics are read
 
     @classmethod
     def from_env(cls, env: Mapping[str, str] | None = None) -> Settings:
@@ -79,6 +91,9 @@ class Settings:
             admin_key=env.get("TOLLGATE_ADMIN_KEY", "").strip() or None,
             engine=_engine(env),
             log_level=env.get("TOLLGATE_LOG_LEVEL", "info").lower(),
+            log_format=_log_format(env),
+            metrics_token=env.get("TOLLGATE_METRICS_TOKEN", "").strip() or None,
+            metrics_top_tenants=_int(env, "TOLLGATE_METRICS_TOP_TENANTS", 20, low=1, high=1000),
             request_timeout_s=float(_int(env, "TOLLGATE_REQUEST_TIMEOUT_S", 600, low=1)),
             idempotency_retention_s=_int(
                 env, "TOLLGATE_IDEMPOTENCY_RETENTION_S", 24 * 3600, low=60
@@ -104,6 +119,14 @@ class Settings:
             trusted_proxies=_proxies(env.get("TOLLGATE_TRUSTED_PROXIES", "127.0.0.1")),
             drain_s=float(_int(env, "TOLLGATE_DRAIN_S", 30, low=0, high=3600)),
             admin_password=env.get("TOLLGATE_ADMIN_PASSWORD") or None,
+            cache_salt_secret=env.get("TOLLGATE_CACHE_SALT_SECRET", "").strip() or None,
+            upstream_priority_models=frozenset(
+                name.strip()
+                for name in env.get("TOLLGATE_UPSTREAM_PRIORITY_MODELS", "").split(",")
+                if name.strip()
+            ),
+            upstream_probe_s=_int(env, "TOLLGATE_UPSTREAM_PROBE_MS", 1000, low=100, high=60000)
+            / 1000,
         )
 
     def with_overrides(self, **changes: object) -> Settings:
@@ -124,6 +147,13 @@ def _engine(env: Mapping[str, str]) -> EngineConfig:
         return engine_knobs.from_env(env, gateway_engine_defaults())
     except engine_knobs.KnobError as exc:
         raise SettingsError(str(exc)) from None
+
+
+def _log_format(env: Mapping[str, str]) -> str:
+    fmt = env.get("TOLLGATE_LOG_FORMAT", "").strip().lower() or "json"
+    if fmt not in ("json", "text"):
+        raise SettingsError(f"TOLLGATE_LOG_FORMAT must be json or text, got {fmt!r}")
+    return fmt
 
 
 def _proxies(raw: str) -> tuple[str, ...]:

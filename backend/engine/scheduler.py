@@ -117,8 +117,11 @@ class Scheduler:
         self.num_preemptions = 0
         self.num_priority_preemptions = 0
         self.num_slot_share_preemptions = 0
-        self.num_rejected_overloaded = 0
-        self.num_rejected_deadline = 0
+        # Rejections, counted by two threads: check_admission runs in the caller's (under
+        # the engine's lock), everything else in the step thread. A shared `+= 1` from
+        # both could lose counts, so each thread writes only its own; the totals add up.
+        self._refused_overloaded = self._refused_deadline = 0  # the caller's thread
+        self._shed_overloaded = self._expired_deadline = 0  # the step thread
         self.prefix_cache_queries = 0
         self.prefix_cache_hits = 0
 
@@ -142,12 +145,12 @@ class Scheduler:
             check_capacity(self.config, self.throughput, queued, (copies, prompt_tokens * copies))
         except OverloadedError:
             if not self._displaces(priority, now):
-                self.num_rejected_overloaded += 1
+                self._refused_overloaded += 1
                 raise
         if self.config.reject_infeasible_deadlines and not deadline_feasible(
             deadline, prompt_tokens, now, self.throughput
         ):
-            self.num_rejected_deadline += 1
+            self._refused_deadline += 1
             raise DeadlineExceededError("the first token cannot be produced by the deadline")
 
     def _displaces(self, priority: int, now: float) -> bool:
@@ -191,7 +194,17 @@ class Scheduler:
             after = retry_after(self.throughput, waiting.num_tokens)
             for req in waiting.family(victim):
                 self._reject(req, OverloadedError.kind, after)
-            self.num_rejected_overloaded += 1
+            self._shed_overloaded += 1
+
+    @property
+    def num_rejected_overloaded(self) -> int:
+        """Shed: refused at submission, or displaced by a more urgent request."""
+        return self._refused_overloaded + self._shed_overloaded
+
+    @property
+    def num_rejected_deadline(self) -> int:
+        """deadline_exceeded: at submission, or while waiting."""
+        return self._refused_deadline + self._expired_deadline
 
     def has_unfinished(self) -> bool:
         return bool(self.requests)
@@ -476,7 +489,7 @@ class Scheduler:
             req.deadline, req.num_tokens, now, self.throughput
         ):
             self._reject(req, DeadlineExceededError.kind)
-            self.num_rejected_deadline += 1
+            self._expired_deadline += 1
         elif self._fork_ready(req):
             self._admit(req, plan, now, most)
 
@@ -493,7 +506,7 @@ class Scheduler:
                 and not deadline_feasible(req.deadline, req.num_tokens, now, self.throughput)
             ):
                 self._reject(req, DeadlineExceededError.kind)
-                self.num_rejected_deadline += 1
+                self._expired_deadline += 1
                 continue
             return req
         return None

@@ -16,17 +16,18 @@ admission then starts a rebuild from the ledger and waits for it briefly, else a
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import math
 from dataclasses import dataclass, field
 from typing import Protocol
 
 from gateway.errors import QuotaStoreUnavailable, RateLimited
+from gateway.tasks import Periodic
 from gateway.telemetry import current_request
 from tenants.limits import LimitSet
 from tenants.pricing import Price
 from tenants.quota import (
+    KEY_SCOPE,
     Denied,
     DenyReason,
     Granted,
@@ -122,7 +123,12 @@ class Admission:
         self.rebuilds: Rebuilds | None = None  # set by the app: who rebuilds spend
         self._live: dict[str, tuple[Reservation, float]] = {}
         self._unsettled: dict[str, Unsettled] = {}
-        self._tasks: list[asyncio.Task[None]] = []
+        self._loops = Periodic(
+            [
+                (self._renew_round, lease_s / 3),  # three renewals per lease: two may fail
+                (self._settle_round, SETTLE_RETRY_S),
+            ]
+        )
 
     async def reserve(
         self,
@@ -189,7 +195,7 @@ class Admission:
             reason = _exhausted(scope.limits, usage)
             if reason is not None:
                 current_request().reject(reason.value)
-                who = "key" if scope.key.startswith("key:") else "tenant"
+                who = "key" if scope.key.startswith(KEY_SCOPE) else "tenant"
                 message = f"{_EXHAUSTED[reason]} for this {who}"
                 if reason is DenyReason.BUDGET:
                     raise QuotaExceeded(message)
@@ -234,29 +240,21 @@ class Admission:
         return len(self._unsettled)
 
     def start(self) -> None:
-        loop = asyncio.get_running_loop()
-        self._tasks = [
-            loop.create_task(self._renew_forever()),
-            loop.create_task(self._settle_forever()),
-        ]
+        self._loops.start()
 
-    async def _settle_forever(self) -> None:
-        while True:
-            await asyncio.sleep(SETTLE_RETRY_S)  # a retry period, not synchronisation
-            if self._unsettled:
-                await self.settle_pending()
+    async def _settle_round(self) -> None:
+        if self._unsettled:
+            await self.settle_pending()
 
-    async def _renew_forever(self) -> None:
-        while True:
-            await asyncio.sleep(self.lease_s / 3)  # a renewal period, not synchronisation
-            now = asyncio.get_running_loop().time()
-            for request_id in [r for r, (_, end) in self._live.items() if end < now]:
-                del self._live[request_id]
-            if self._live:
-                try:
-                    await self._renew_live()
-                except Exception:  # store briefly away: the next round tries again
-                    log.warning("lease renewal failed", exc_info=True)
+    async def _renew_round(self) -> None:
+        now = asyncio.get_running_loop().time()
+        for request_id in [r for r, (_, end) in self._live.items() if end < now]:
+            del self._live[request_id]
+        if self._live:
+            try:
+                await self._renew_live()
+            except Exception:  # store briefly away: the next round tries again
+                log.warning("lease renewal failed", exc_info=True)
 
     async def _renew_live(self) -> None:
         """Renew every running request's lease; give back those the store lost."""
@@ -268,11 +266,7 @@ class Admission:
             log.warning("quota store had lost %d running reservations: restored", restored)
 
     async def close(self) -> None:
-        for task in self._tasks:
-            task.cancel()
-        for task in self._tasks:
-            with contextlib.suppress(asyncio.CancelledError):
-                await task
+        await self._loops.close()
         if self._unsettled and await self.settle_pending():
             # The ledger has these rows: the reconciler charges them, and their leases
             # release the reserved budget.
@@ -314,5 +308,5 @@ def _denial(denied: Denied) -> RateLimited:
         DenyReason.TPM: "tokens per minute",
         DenyReason.CONCURRENCY: "concurrent requests",
     }[denied.reason]
-    scope = "key" if denied.scope_key.startswith("key:") else "tenant"
+    scope = "key" if denied.scope_key.startswith(KEY_SCOPE) else "tenant"
     return RateLimited(f"rate limit reached: {limit} for this {scope}", headers=headers)

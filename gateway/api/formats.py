@@ -5,7 +5,10 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from typing import Any
 
+import msgspec
+
 from backend import TokenLogprobs
+from gateway.api.tools import ToolCall
 
 TokenText = Callable[[int], str]
 
@@ -48,6 +51,28 @@ class ChatFormat:
             "finish_reason": finish_reason,
             "logprobs": _chat_logprobs(logprobs, token_text),
         }
+
+
+def with_tool_calls(
+    choice: dict[str, Any], content: str | None, calls: Sequence[ToolCall]
+) -> dict[str, Any]:
+    """A whole chat choice whose output held tool calls: they replace it in the message."""
+    if calls:
+        choice["message"]["content"] = content
+        choice["message"]["tool_calls"] = msgspec.to_builtins(list(calls))
+        choice["finish_reason"] = "tool_calls"
+    return choice
+
+
+def tool_calls_delta(index: int, calls: Sequence[ToolCall]) -> dict[str, Any]:
+    """A streamed chat choice that carries the output's tool calls, each whole."""
+    deltas = [{"index": i, **msgspec.to_builtins(call)} for i, call in enumerate(calls)]
+    return {
+        "index": index,
+        "delta": {"tool_calls": deltas},
+        "finish_reason": None,
+        "logprobs": None,
+    }
 
 
 class TextFormat:

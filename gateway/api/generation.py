@@ -16,8 +16,9 @@ from functools import partial
 from typing import Any
 
 from backend import EngineDeadError, RequestOutput, SamplingParams, TokenLogprobs
-from gateway.api.formats import Format
+from gateway.api.formats import Format, tool_calls_delta, with_tool_calls
 from gateway.api.schemas import encode
+from gateway.api.tools import ToolCall, ToolPlan, ToolStream
 from gateway.dispatch.engine_client import RESTART, ClientPrompt, EngineClient
 from gateway.errors import (
     ApiError,
@@ -47,6 +48,7 @@ class Generation:
     first_token_s: float | None = None  # the client's ttft_deadline_ms, in seconds
     priority: int = 0
     echo: str = ""  # completions: the prompt text, sent back before the answer
+    tools: ToolPlan | None = None  # chat: how the output's tool calls are found
     source: ClientPrompt | None = None  # the prompt as sent, for an upstream that templates
     created: int = field(default_factory=lambda: int(time.time()))
     started: float = field(default_factory=time.monotonic)
@@ -259,12 +261,15 @@ def _whole_body(
     want_logprobs = gen.params.logprobs is not None
     body = gen.envelope(
         [
-            gen.format.choice(
-                index,
-                gen.echo + "".join(choices.texts.get(index, [])),
-                choices.finish.get(index),
-                choices.logprobs.get(index, []) if want_logprobs else None,
-                engine.token_text,
+            _with_calls(
+                gen,
+                gen.format.choice(
+                    index,
+                    gen.echo + "".join(choices.texts.get(index, [])),
+                    choices.finish.get(index),
+                    choices.logprobs.get(index, []) if want_logprobs else None,
+                    engine.token_text,
+                ),
             )
             for index in range(choices.n)
         ],
@@ -272,6 +277,23 @@ def _whole_body(
     )
     body["usage"] = _usage_body(usage)
     return body
+
+
+def _with_calls(gen: Generation, choice: dict[str, Any]) -> dict[str, Any]:
+    if gen.tools is None or not gen.tools.active:
+        return choice
+    text = choice["message"]["content"]
+    return with_tool_calls(choice, *_calls(gen.tools, text, choice["finish_reason"]))
+
+
+def _calls(
+    plan: ToolPlan, text: str, finish_reason: str | None
+) -> tuple[str | None, list[ToolCall]]:
+    """The content and tool calls of one finished output. A forced output that max_tokens
+    cut short is not JSON: it is sent as it is, with finish_reason "length"."""
+    if finish_reason == "length" and plan.forced is not None:
+        return text, []
+    return plan.calls(text)
 
 
 def _sse(payload: dict[str, Any]) -> bytes:
@@ -316,10 +338,21 @@ def _chunk(
     logprobs: list[TokenLogprobs] | None = None,
 ) -> bytes:
     choice = gen.format.delta(index, text, finish_reason, first, logprobs, engine.token_text)
+    return _delta_event(gen, choice)
+
+
+def _delta_event(gen: Generation, choice: dict[str, Any]) -> bytes:
     body = gen.envelope([choice], chunk=True)
     if gen.include_usage:
         body["usage"] = None
     return _sse(body)
+
+
+def _tool_streams(gen: Generation) -> dict[int, ToolStream]:
+    """Per choice, what holds back tool-call text while it streams (none without tools)."""
+    if gen.tools is None or not gen.tools.active:
+        return {}
+    return {index: ToolStream(gen.tools) for index in range(gen.params.n)}
 
 
 async def _events(
@@ -333,6 +366,7 @@ async def _events(
     gen, usage = settlement.gen, settlement.usage
     choices = Choices(gen.params.n)
     chunk = partial(_chunk, gen, settlement.engine)
+    held = _tool_streams(gen)
     streaming = current_request().start_span("stream")
     try:
         async with settlement:  # the client disconnecting mid-stream exits here
@@ -343,11 +377,21 @@ async def _events(
                     yield chunk(index, gen.echo, None, first=True)
                 async for out in outputs:
                     _observe(usage, choices, gen, out)
-                    if out.text or out.logprobs:
-                        yield chunk(out.index, out.text, None, logprobs=out.logprobs)
+                    text = held[out.index].feed(out.text) if held else out.text
+                    if text or out.logprobs:
+                        yield chunk(out.index, text, None, logprobs=out.logprobs)
                     usage.delivered = choices.completion_tokens  # once the chunk was sent
                     if out.finished:
-                        yield chunk(out.index, "", out.finish_reason)
+                        reason = out.finish_reason
+                        if held:  # what was held back: content that is not a call, calls
+                            stream = held[out.index]
+                            content, calls = _calls(stream.plan, stream.pending, reason)
+                            if content:
+                                yield chunk(out.index, content, None)
+                            if calls:
+                                yield _delta_event(gen, tool_calls_delta(out.index, calls))
+                                reason = "tool_calls"
+                        yield chunk(out.index, "", reason)
                 await asyncio.shield(settlement.settle())
                 if gen.include_usage:
                     yield _sse({**gen.envelope([], chunk=True), "usage": _usage_body(usage)})

@@ -15,6 +15,7 @@ from litestar.params import FromPath
 from litestar.response import Stream
 
 from backend import InvalidParameterError, SamplingParams
+from backend.constraint import Constraint
 from gateway.admission import idempotency, policy
 from gateway.admission.auth import authenticate, new_request_id
 from gateway.admission.idempotency import Claim, Replay
@@ -41,7 +42,9 @@ T = TypeVar("T")
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 
 
-def _sampling(fields: SamplingFields, max_tokens: int) -> SamplingParams:
+def _sampling(
+    fields: SamplingFields, max_tokens: int, constraint: Constraint | None
+) -> SamplingParams:
     try:
         return SamplingParams(
             max_tokens=max_tokens,
@@ -57,6 +60,7 @@ def _sampling(fields: SamplingFields, max_tokens: int) -> SamplingParams:
             repetition_penalty=fields.repetition_penalty or 1.0,
             presence_penalty=fields.presence_penalty or 0.0,
             frequency_penalty=fields.frequency_penalty or 0.0,
+            constraint=constraint,
         )
     except InvalidParameterError as exc:  # a combination the schema cannot check, e.g. min > max
         param = exc.param if exc.param and hasattr(fields, exc.param) else None
@@ -64,10 +68,15 @@ def _sampling(fields: SamplingFields, max_tokens: int) -> SamplingParams:
 
 
 def _params(
-    principal: Principal, body: SamplingFields, prompt: list[int], engine: EngineClient, param: str
+    principal: Principal,
+    body: SamplingFields,
+    prompt: list[int],
+    engine: EngineClient,
+    param: str,
+    constraint: Constraint | None,
 ) -> SamplingParams:
     room = policy.room_for_output(len(prompt), engine.max_model_len, param)
-    return _sampling(body, policy.output_limit(principal, body.output_limit(), room))
+    return _sampling(body, policy.output_limit(principal, body.output_limit(), room), constraint)
 
 
 class OpenAIController(Controller):
@@ -84,14 +93,16 @@ class OpenAIController(Controller):
         body = decode(await request.body(), ChatCompletionRequest)
         engine = runtime.engine_for(body.model)
         policy.check_model(principal, body.model)
-        messages: list[dict[str, Any]] = [
-            {"role": m.role, "content": m.text()} for m in body.messages
-        ]
-        chars = sum(len(m["content"]) for m in messages)
+        tools = body.tool_plan(engine.tool_call_parser)
+        constraint = body.constraint(tools)
+        chars = body.prompt_chars()
         policy.check_prompt_chars(chars, engine.max_model_len, engine.max_token_chars, "messages")
-        prompt = await _tokenize(runtime, principal, chars, partial(engine.tokenize_chat, messages))
-        params = _params(principal, body, prompt, engine, "messages")
+        messages = body.template_messages()
+        count = partial(engine.tokenize_chat, messages, body.template_tools())
+        prompt = await _tokenize(runtime, principal, chars, count)
+        params = _params(principal, body, prompt, engine, "messages", constraint)
         gen = _generation(runtime, principal, body, ChatFormat, "chat.completions", prompt, params)
+        gen.tools = tools
         gen.source = ClientPrompt(messages=messages)
         return await _respond(request, runtime, principal, gen, engine, stream=body.stream)
 
@@ -108,12 +119,14 @@ class OpenAIController(Controller):
         if isinstance(body.prompt, str):
             chars = len(body.prompt)
             policy.check_prompt_chars(chars, engine.max_model_len, engine.max_token_chars, "prompt")
-            prompt = await _tokenize(runtime, principal, chars, partial(engine.tokenize, body.prompt))
+            prompt = await _tokenize(
+                runtime, principal, chars, partial(engine.tokenize, body.prompt)
+            )
         else:
             prompt = body.prompt
         if not prompt:
             raise InvalidRequest("the prompt is empty", param="prompt")
-        params = _params(principal, body, prompt, engine, "prompt")
+        params = _params(principal, body, prompt, engine, "prompt", body.constraint())
         gen = _generation(runtime, principal, body, TextFormat, "completions", prompt, params)
         gen.source = ClientPrompt(text=body.prompt if isinstance(body.prompt, str) else None)
         if body.echo:

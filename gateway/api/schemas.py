@@ -6,13 +6,16 @@ are rejected with the offending field named in `param`.
 
 from __future__ import annotations
 
+import json
 import re
 from typing import Annotated, Any, Literal, TypeVar
 
 import msgspec
 from msgspec import Meta, Struct
 
+from backend.constraint import Constraint
 from backend.sampling import MAX_COUNT, MAX_SEED
+from gateway.api.tools import ToolCall, ToolChoice, ToolDef, ToolPlan, plan, template_tools
 from gateway.errors import InvalidRequest
 from tenants.limits import LOWEST_PRIORITY
 
@@ -43,8 +46,10 @@ class TextPart(Struct):
 
 class ChatMessage(Struct):
     role: Literal["system", "developer", "user", "assistant", "tool"]
-    content: str | list[TextPart] | None = None
+    content: str | list[TextPart] | None = None  # None: an assistant turn of tool calls
     name: str | None = None
+    tool_calls: list[ToolCall] | None = None  # assistant: the calls it made
+    tool_call_id: str | None = None  # tool: the call this answers
 
     def text(self) -> str:
         if self.content is None:
@@ -52,6 +57,63 @@ class ChatMessage(Struct):
         if isinstance(self.content, str):
             return self.content
         return "".join(part.text for part in self.content)
+
+    def template(self, at: str) -> dict[str, Any]:
+        """The message as chat templates take it (Hugging Face's convention: a call's
+        arguments as a parsed object); `at` names it in errors."""
+        message: dict[str, Any] = {"role": self.role, "content": self.text()}
+        if self.name is not None:
+            message["name"] = self.name
+        if self.role == "tool":
+            if self.tool_call_id is None:
+                raise InvalidRequest(
+                    "a tool message needs tool_call_id", param=f"{at}.tool_call_id"
+                )
+            message["tool_call_id"] = self.tool_call_id
+        if self.tool_calls:
+            message["tool_calls"] = [
+                _template_call(call, f"{at}.tool_calls[{i}]")
+                for i, call in enumerate(self.tool_calls)
+            ]
+        return message
+
+    def chars(self) -> int:
+        """Characters this message puts in the prompt, near enough to bound its tokens."""
+        calls = self.tool_calls or []
+        return len(self.text()) + sum(len(c.function.arguments) for c in calls)
+
+
+def _template_call(call: ToolCall, at: str) -> dict[str, Any]:
+    try:
+        arguments = json.loads(call.function.arguments)
+    except ValueError:
+        raise InvalidRequest(
+            "a tool call's arguments must be JSON text", param=f"{at}.function.arguments"
+        ) from None
+    function = {"name": call.function.name, "arguments": arguments}
+    return {"id": call.id, "type": "function", "function": function}
+
+
+class TextResponse(Struct, tag_field="type", tag="text"):
+    pass
+
+
+class JsonObjectResponse(Struct, tag_field="type", tag="json_object"):
+    pass
+
+
+class JsonSchemaSpec(Struct, kw_only=True):
+    name: Annotated[str, Meta(pattern=r"^[A-Za-z0-9_-]{1,64}$")]
+    schema: dict[str, Any] | None = None  # None: any JSON object
+    strict: bool | None = None  # always enforced: the output is decoded under the schema
+    description: str | None = None
+
+
+class JsonSchemaResponse(Struct, tag_field="type", tag="json_schema"):
+    json_schema: JsonSchemaSpec
+
+
+ResponseFormat = TextResponse | JsonObjectResponse | JsonSchemaResponse
 
 
 class SamplingFields(Struct, kw_only=True):
@@ -75,6 +137,11 @@ class SamplingFields(Struct, kw_only=True):
     priority: Annotated[int, Meta(ge=0, le=LOWEST_PRIORITY)] | None = None  # 0: most urgent
     ttft_deadline_ms: DeadlineMs | None = None  # the first token within this, else 504
     user: str | None = None
+    # vLLM's structured-output extras
+    guided_json: dict[str, Any] | str | None = None
+    guided_regex: str | None = None
+    guided_choice: Annotated[list[str], Meta(min_length=1)] | None = None
+    guided_grammar: str | None = None
 
     def stop_strings(self) -> list[str]:
         if self.stop is None:
@@ -91,18 +158,73 @@ class SamplingFields(Struct, kw_only=True):
     def include_usage(self) -> bool:
         return self.stream_options is not None and self.stream_options.include_usage
 
+    def constraint(self, tools: ToolPlan | None = None) -> Constraint | None:
+        """What the output must match: at most one of the ways to ask for it (a forced
+        tool choice is one)."""
+        asked = self._constraints()
+        if tools is not None and tools.forced is not None:
+            asked.append(("tool_choice", _json_schema(tools.forced)))
+        if len(asked) > 1:
+            (first, _), (second, _) = asked[:2]
+            raise InvalidRequest(
+                f"{first} and {second} both constrain the output; use one", param=second
+            )
+        return asked[0][1] if asked else None
+
+    def _constraints(self) -> list[tuple[str, Constraint]]:
+        asked: list[tuple[str, Constraint]] = []
+        if self.guided_json is not None:
+            asked.append(("guided_json", _json_schema(_schema_of(self.guided_json))))
+        if self.guided_regex is not None:
+            asked.append(("guided_regex", Constraint("regex", self.guided_regex)))
+        if self.guided_choice is not None:
+            asked.append(("guided_choice", Constraint("choice", json.dumps(self.guided_choice))))
+        if self.guided_grammar is not None:
+            asked.append(("guided_grammar", Constraint("grammar", self.guided_grammar)))
+        return asked
+
 
 class ChatCompletionRequest(SamplingFields, kw_only=True):
     messages: Annotated[list[ChatMessage], Meta(min_length=1)]
     max_completion_tokens: PositiveInt | None = None
     logprobs: bool = False
     top_logprobs: TopLogprobs | None = None
+    response_format: ResponseFormat | None = None
+    tools: list[ToolDef] | None = None
+    tool_choice: ToolChoice | None = None
+    parallel_tool_calls: bool = True
 
     def engine_logprobs(self) -> int | None:
         return (self.top_logprobs or 0) if self.logprobs else None
 
     def output_limit(self) -> int | None:
         return self.max_completion_tokens or self.max_tokens
+
+    def tool_plan(self, parser: str) -> ToolPlan | None:
+        """How to honour the tools; `parser`: the model's tool-call format."""
+        return plan(self.tools, self.tool_choice, self.parallel_tool_calls, parser)
+
+    def template_messages(self) -> list[dict[str, Any]]:
+        return [m.template(f"messages[{i}]") for i, m in enumerate(self.messages)]
+
+    def template_tools(self) -> list[dict[str, Any]] | None:
+        return template_tools(self.tools) if self.tools else None
+
+    def prompt_chars(self) -> int:
+        """Characters the prompt is rendered from, near enough to bound its tokens."""
+        tools = len(encode(self.tools)) if self.tools else 0
+        return sum(m.chars() for m in self.messages) + tools
+
+    def _constraints(self) -> list[tuple[str, Constraint]]:
+        asked = super()._constraints()
+        rf = self.response_format
+        if isinstance(rf, JsonObjectResponse):
+            asked.insert(0, ("response_format", Constraint("json_object")))
+        elif isinstance(rf, JsonSchemaResponse):
+            schema = rf.json_schema.schema
+            constraint = Constraint("json_object") if schema is None else _json_schema(schema)
+            asked.insert(0, ("response_format", constraint))
+        return asked
 
 
 class CompletionRequest(SamplingFields, kw_only=True):
@@ -112,6 +234,55 @@ class CompletionRequest(SamplingFields, kw_only=True):
 
     def engine_logprobs(self) -> int | None:
         return self.logprobs
+
+
+def _schema_of(guided_json: dict[str, Any] | str) -> dict[str, Any]:
+    if isinstance(guided_json, dict):
+        return guided_json
+    try:
+        schema = json.loads(guided_json)
+    except ValueError:
+        schema = None
+    if not isinstance(schema, dict):
+        raise InvalidRequest("guided_json must be a JSON schema (an object)", param="guided_json")
+    return schema
+
+
+def _json_schema(schema: dict[str, Any]) -> Constraint:
+    return Constraint("json_schema", json.dumps(closed(schema)))
+
+
+# The keywords whose values are schemas, lists of schemas, and maps of names to schemas.
+_SUBSCHEMA = (
+    *("items", "additionalItems", "contains", "not", "if", "then", "else"),
+    *("additionalProperties", "propertyNames", "unevaluatedItems"),
+)
+_SUBSCHEMAS = ("anyOf", "oneOf", "prefixItems", "items")  # not allOf: its parts add up
+_SCHEMA_MAPS = ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas")
+
+
+def closed(schema: Any) -> Any:
+    """The schema with every object that does not say otherwise closed to properties it
+    does not name (`additionalProperties: false`), as vLLM's default grammar backend
+    (xgrammar's strict mode) and OpenAI's `strict` do: a model then cannot wander into
+    keys of its own. Every output still matches the schema as given."""
+    if not isinstance(schema, dict):
+        return schema
+    out = dict(schema)
+    for key in _SUBSCHEMA:
+        if key in out:
+            out[key] = closed(out[key])
+    for key in _SUBSCHEMAS:
+        if isinstance(out.get(key), list):
+            out[key] = [closed(s) for s in out[key]]
+    for key in _SCHEMA_MAPS:
+        if isinstance(out.get(key), dict):
+            out[key] = {name: closed(s) for name, s in out[key].items()}
+    is_object = out.get("type") == "object" or "properties" in out
+    says = ("additionalProperties", "unevaluatedProperties", "allOf")
+    if is_object and not any(key in out for key in says):
+        out["additionalProperties"] = False
+    return out
 
 
 T = TypeVar("T")

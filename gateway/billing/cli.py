@@ -10,10 +10,10 @@ from typing import Any
 
 from sqlalchemy.ext.asyncio import AsyncSession
 
+from gateway.billing.stripe import export_once
 from gateway.cli_support import actor, in_session, micros
 from gateway.settings import Settings
 from tenants.billing.customers import StripeCustomerService
-from tenants.billing.export import export_once
 from tenants.billing.models import PriceVersion
 from tenants.billing.outbox import OutboxService, TooOld
 from tenants.billing.prices import PriceService

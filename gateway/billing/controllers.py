@@ -27,11 +27,11 @@ from gateway.billing.schemas import (
     price_view,
     usage_row_view,
 )
+from gateway.billing.stripe import export_once
 from gateway.errors import Conflict, InvalidRequest, NotFound
 from gateway.runtime import Runtime
 from tenants.audit import Actor
 from tenants.billing.customers import StripeCustomerService
-from tenants.billing.export import export_once
 from tenants.billing.export_lock import ExportBusy
 from tenants.billing.outbox import OutboxService
 from tenants.billing.prices import PriceService

@@ -51,12 +51,16 @@ class EngineClient(Protocol):
     model_name: str
     max_model_len: int
     max_token_chars: int  # the tokenizer's bound on characters per token
+    tool_call_parser: str  # the model's tool-call format (gateway/api/tools.py PARSERS)
 
     async def tokenize(self, text: str) -> list[int]: ...
 
-    async def tokenize_chat(self, messages: list[dict[str, Any]]) -> list[int]:
-        """The chat template applied, then tokenized; InvalidRequest (param `messages`)
-        when the template refuses the messages."""
+    async def tokenize_chat(
+        self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None
+    ) -> list[int]:
+        """The chat template applied, then tokenized; `tools` and the messages' tool calls
+        follow Hugging Face's convention. InvalidRequest (param `messages`) when the
+        template refuses the messages."""
         ...
 
     def decode(self, ids: list[int]) -> str: ...
@@ -103,6 +107,7 @@ class LocalTokens:
     def __init__(self, tokenizer: Tokenizer) -> None:
         self.tokenizer = tokenizer
         self.max_token_chars = tokenizer.max_token_chars
+        self.tool_call_parser = tokenizer.tool_call_parser
 
     def encode(self, text: str) -> list[int]:
         return self.tokenizer.encode(text)
@@ -113,18 +118,24 @@ class LocalTokens:
     def token_text(self, token_id: int) -> str:
         return self.decode([token_id])
 
-    def render_chat(self, messages: list[dict[str, Any]]) -> str:
+    def render_chat(
+        self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None
+    ) -> str:
         try:
-            return self.tokenizer.apply_chat_template(messages)
+            return self.tokenizer.apply_chat_template(messages, tools=tools)
         except InvalidParameterError as exc:  # the template refused these messages
             raise InvalidRequest(str(exc), param="messages") from None
 
     async def tokenize(self, text: str) -> list[int]:
         return await _off_loop_if_long(len(text), self.encode, text)
 
-    async def tokenize_chat(self, messages: list[dict[str, Any]]) -> list[int]:
+    async def tokenize_chat(
+        self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None
+    ) -> list[int]:
         chars = sum(len(str(m.get("content") or "")) for m in messages)
-        return await _off_loop_if_long(chars, lambda: self.encode(self.render_chat(messages)))
+        return await _off_loop_if_long(
+            chars, lambda: self.encode(self.render_chat(messages, tools))
+        )
 
 
 async def _off_loop_if_long(chars: int, work: Callable[..., T], *args: Any) -> T:

@@ -19,7 +19,7 @@ import contextlib
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -35,7 +35,7 @@ from backend.errors import (
 )
 from backend.server import SECRET_HEADER
 from backend.tokenizer import Tokenizer
-from gateway.dispatch.engine_client import RESTART, overloaded
+from gateway.dispatch.engine_client import RESTART, ClientPrompt, LocalTokens, overloaded
 from gateway.dispatch.routing import Replica, affinity_key, pick
 from gateway.errors import (
     DeadlineExceeded,
@@ -44,6 +44,7 @@ from gateway.errors import (
     InvalidRequest,
     Overloaded,
 )
+from gateway.tasks import Periodic, TaskSet
 from gateway.telemetry import tracing
 from gateway.telemetry.request import current_request
 
@@ -51,10 +52,6 @@ log = logging.getLogger(__name__)
 
 HEALTH_INTERVAL_S = 1.0
 HEALTH_TIMEOUT_S = 1.0
-# A replica too busy to answer its stats in time is slow, not dead: only this many late
-# answers in a row take it out of routing (a refused connection or a stopped engine does
-# at once). One late poll used to, and with the other replica restarting, left none.
-MISSED_POLLS_TO_DOWN = 3
 CONNECT_TIMEOUT_S = 2.0
 MAX_REPLICA_FAILURES = 2  # one retry after a replica died under a request, no more
 
@@ -72,7 +69,7 @@ def restart_output(request_id: str) -> RequestOutput:
     return RequestOutput(request_id, "", [], False, RESTART, 0, 0)
 
 
-class RemoteEngineClient:
+class RemoteEngineClient(LocalTokens):
     def __init__(
         self,
         replicas: Sequence[str],
@@ -80,12 +77,12 @@ class RemoteEngineClient:
         tokenizer: Tokenizer,
         model_name: str,
         max_model_len: int,
+        weights: Mapping[str, int] | None = None,  # a registry pool's routing weights
     ) -> None:
-        self.replicas = [Replica(url) for url in replicas]
-        self.tokenizer = tokenizer
+        super().__init__(tokenizer)
+        self.replicas = [Replica(url, weight=(weights or {}).get(url, 1)) for url in replicas]
         self.model_name = model_name
         self.max_model_len = max_model_len
-        self.max_token_chars = tokenizer.max_token_chars
         self._http = httpx.AsyncClient(
             headers={SECRET_HEADER: secret},
             timeout=httpx.Timeout(None, connect=CONNECT_TIMEOUT_S),
@@ -93,11 +90,16 @@ class RemoteEngineClient:
         )
         self._placements: dict[str, Replica] = {}
         self._decoder = msgspec.json.Decoder(type=RequestOutput)
-        self._health: asyncio.Task[None] | None = None
+        self._health = Periodic([(self.refresh, HEALTH_INTERVAL_S)])  # started by connect
+        self._aborts = TaskSet()  # finished before the HTTP client closes
 
     @classmethod
     async def connect(
-        cls, replicas: Sequence[str], secret: str, cache_dir: Path
+        cls,
+        replicas: Sequence[str],
+        secret: str,
+        cache_dir: Path,
+        weights: Mapping[str, int] | None = None,
     ) -> RemoteEngineClient:
         """Learn the model and its tokenizer from the first replica that answers."""
         info = await _fetch_info(replicas, secret)
@@ -105,22 +107,11 @@ class RemoteEngineClient:
         folder.mkdir(parents=True, exist_ok=True)
         for name, content in info["files"].items():
             _write_atomically(folder / Path(name).name, content)
-        client = cls(replicas, secret, Tokenizer(folder), info["model"], info["max_model_len"])
+        tokenizer = Tokenizer(folder)
+        client = cls(replicas, secret, tokenizer, info["model"], info["max_model_len"], weights)
         await client.refresh()
-        client._health = asyncio.get_running_loop().create_task(client._watch())
+        client._health.start()
         return client
-
-    def encode(self, text: str) -> list[int]:
-        return self.tokenizer.encode(text)
-
-    def decode(self, ids: list[int]) -> str:
-        return self.tokenizer.decode(ids)
-
-    def token_text(self, token_id: int) -> str:
-        return self.decode([token_id])
-
-    def render_chat(self, messages: list[dict[str, str]]) -> str:
-        return self.tokenizer.apply_chat_template(messages)
 
     def is_ready(self) -> bool:
         return any(r.healthy for r in self.replicas)
@@ -139,6 +130,7 @@ class RemoteEngineClient:
         weight: int = 1,
         deadline: float | None = None,
         restartable: bool = False,
+        source: ClientPrompt | None = None,  # replicas run the gateway's tokens
     ) -> AsyncIterator[RequestOutput]:
         timeout_s = None if deadline is None else deadline - time.monotonic()
         body = msgspec.json.encode(
@@ -171,7 +163,7 @@ class RemoteEngineClient:
             replica.in_flight += 1
             self._placements[request_id] = replica
             try:
-                async for out in self._stream(replica, body):
+                async for out in self._stream(replica, body, params.n):
                     if handed_back and not started:
                         yield restart_output(request_id)
                     started = True
@@ -205,7 +197,9 @@ class RemoteEngineClient:
                 replica.in_flight -= 1
                 self._placements.pop(request_id, None)
 
-    async def _stream(self, replica: Replica, body: bytes) -> AsyncIterator[RequestOutput]:
+    async def _stream(self, replica: Replica, body: bytes, n: int) -> AsyncIterator[RequestOutput]:
+        """The outputs of one attempt, until each of the request's n completions finished."""
+        unfinished = n
         try:
             async with self._http.stream(
                 "POST",
@@ -223,7 +217,9 @@ class RemoteEngineClient:
                     out = self._decode(line)
                     yield out
                     if out.finished:
-                        return
+                        unfinished -= 1
+                        if not unfinished:
+                            return
         except httpx.TransportError as exc:
             raise ReplicaFailed(repr(exc)) from exc
         raise ReplicaFailed("the stream ended before the request finished")
@@ -250,7 +246,7 @@ class RemoteEngineClient:
         """Closing the stream already aborts on the replica; this says it explicitly."""
         replica = self._placements.get(request_id)
         if replica is not None:
-            asyncio.get_running_loop().create_task(self._abort(replica, request_id))
+            self._aborts.spawn(self._abort(replica, request_id))
 
     async def _abort(self, replica: Replica, request_id: str) -> None:
         with contextlib.suppress(httpx.HTTPError):
@@ -269,17 +265,13 @@ class RemoteEngineClient:
             )
             stats = response.json() if response.status_code == 200 else None
         except httpx.ReadTimeout:
-            replica.missed_polls += 1
-            if replica.missed_polls >= MISSED_POLLS_TO_DOWN:
-                replica.healthy = False
+            replica.missed()
             return
         except (httpx.HTTPError, ValueError):
             stats = None
-        replica.missed_polls = 0
-        if stats is None or not stats.get("running"):
-            replica.healthy = False
+        replica.answered(healthy=stats is not None and bool(stats.get("running")))
+        if stats is None or not replica.healthy:
             return
-        replica.healthy = True
         replica.waiting = int(stats.get("num_waiting", 0))
         replica.running = int(stats.get("num_running", 0))
         total = max(1, int(stats.get("kv_blocks_total", 1)))
@@ -287,16 +279,9 @@ class RemoteEngineClient:
         queries = int(stats.get("prefix_cache_queries", 0))
         replica.prefix_cache_hit_rate = int(stats.get("prefix_cache_hits", 0)) / max(1, queries)
 
-    async def _watch(self) -> None:
-        while True:
-            await asyncio.sleep(HEALTH_INTERVAL_S)  # a polling period, not synchronisation
-            await self.refresh()
-
     async def close(self) -> None:
-        if self._health is not None:
-            self._health.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._health
+        await self._health.close()
+        await self._aborts.drain()
         await self._http.aclose()
 
 

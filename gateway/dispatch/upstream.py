@@ -50,7 +50,7 @@ from gateway.errors import (
     RateLimited,
     UpstreamFailed,
 )
-from gateway.tasks import Periodic
+from gateway.tasks import Periodic, TaskSet
 from gateway.telemetry.request import current_request
 from tenants.registry import ModelSpec
 
@@ -61,6 +61,7 @@ CONNECT_TIMEOUT_S = 2.0
 # Without the upstream's vocabulary, a generous bound on characters per token for the
 # cheap "too long to tokenize" check (real vocabularies have long whitespace runs).
 UNKNOWN_TOKEN_CHARS = 128
+DEFAULT_TOOL_PARSER = "hermes"
 REFUSALS = (400, 413, 422)  # the request itself is wrong: the client hears why
 
 
@@ -127,7 +128,7 @@ class TargetFailed(Exception):
 
 def cache_salt(secret: bytes, tenant: str) -> str:
     """Opaque and stable per tenant; without the secret nobody can derive another's."""
-    return hmac.new(secret, tenant.encode(), hashlib.sha256).hexdigest()
+    return hmac.new(secret, b"cache_salt:" + tenant.encode(), hashlib.sha256).hexdigest()
 
 
 class OpenAIUpstreamClient:
@@ -145,6 +146,7 @@ class OpenAIUpstreamClient:
         self.options = options
         self.local = LocalTokens(tokenizer) if tokenizer is not None else None
         self.max_token_chars = tokenizer.max_token_chars if tokenizer else UNKNOWN_TOKEN_CHARS
+        self.tool_call_parser = DEFAULT_TOOL_PARSER  # tools are refused (tokenize_chat)
         headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
         self._http = httpx.AsyncClient(
             headers=headers,
@@ -152,7 +154,7 @@ class OpenAIUpstreamClient:
             limits=httpx.Limits(max_connections=None, max_keepalive_connections=64),
         )
         self._open: dict[str, httpx.Response] = {}  # request id -> its upstream stream
-        self._closing: set[asyncio.Task[None]] = set()
+        self._closing = TaskSet()  # connections being closed by abort()
         self._probes = Periodic([(self.refresh, options.probe_every_s)])
         self._warned_no_usage = False
 
@@ -180,7 +182,13 @@ class OpenAIUpstreamClient:
             return await self.local.tokenize(text)
         return await self._remote_tokens({"prompt": text}, "prompt")
 
-    async def tokenize_chat(self, messages: list[dict[str, Any]]) -> list[int]:
+    async def tokenize_chat(
+        self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None
+    ) -> list[int]:
+        if tools:  # the gateway parses tool calls out of its own engine's text, not yet these
+            raise InvalidRequest(
+                f"tools are not available for model {self.model_name!r} yet", param="tools"
+            )
         if self.local is not None:
             return await self.local.tokenize_chat(messages)
         return await self._remote_tokens({"messages": messages}, "messages")
@@ -278,11 +286,11 @@ class OpenAIUpstreamClient:
         tenant: str | None,
         source: ClientPrompt | None,
     ) -> dict[str, Any]:
-        if params.logprobs is not None:
-            raise InvalidRequest(
-                f"logprobs are not available for model {self.model_name!r} yet",
-                param="logprobs",
-            )
+        for param, asked in (("logprobs", params.logprobs), ("response_format", params.constraint)):
+            if asked is not None:
+                raise InvalidRequest(
+                    f"{param} is not available for model {self.model_name!r} yet", param=param
+                )
         body: dict[str, Any] = {"model": self.upstream_model}
         if source is not None and source.messages is not None:
             body["messages"] = source.messages
@@ -332,9 +340,7 @@ class OpenAIUpstreamClient:
         """Close the request's upstream connection now: vLLM aborts on disconnect."""
         response = self._open.pop(request_id, None)
         if response is not None:
-            task = asyncio.get_running_loop().create_task(response.aclose())
-            self._closing.add(task)
-            task.add_done_callback(self._closing.discard)
+            self._closing.spawn(response.aclose())
 
     def compare(self, kind: str, ours: int, theirs: int) -> None:
         """The upstream's usage against the gateway's own count: a difference is a metric
@@ -396,7 +402,7 @@ class OpenAIUpstreamClient:
         await self._probes.close()
         for response in list(self._open.values()):
             await response.aclose()
-        await asyncio.gather(*self._closing, return_exceptions=True)
+        await self._closing.drain()
         await self._http.aclose()
 
 

@@ -10,14 +10,11 @@ import json
 import logging
 import re
 import sys
-from collections.abc import Mapping
 from contextvars import ContextVar
 from datetime import UTC, datetime
 from typing import Any
 
 from opentelemetry import trace
-
-from gateway.settings import SettingsError
 
 request_id_var: ContextVar[str | None] = ContextVar("tollgate_request_id", default=None)
 
@@ -89,11 +86,5 @@ def configure_logging(level: str, fmt: str = "json") -> None:
     root = logging.getLogger()
     root.handlers[:] = [handler]
     root.setLevel(level.upper())
-
-
-def log_format(env: Mapping[str, str]) -> str:
-    """TOLLGATE_LOG_FORMAT: `json` (default, one object per line) or `text`."""
-    fmt = env.get("TOLLGATE_LOG_FORMAT", "").strip().lower() or "json"
-    if fmt not in ("json", "text"):
-        raise SettingsError(f"TOLLGATE_LOG_FORMAT must be json or text, got {fmt!r}")
-    return fmt
+    # httpx logs every request at INFO: one line per replica stats poll, every second.
+    logging.getLogger("httpx").setLevel(logging.WARNING)

@@ -4,7 +4,7 @@ observation when it settles and one log line when it ends.
 An ASGI middleware opens a `RequestScope` for every /v1 request and keeps it in a
 context variable, so admission, dispatch and generation reach it with
 `current_request()` without threading it through every signature. Outside a request
-(unit tests, background tasks) that returns an inert scope whose methods do nothing.
+(unit tests, background tasks) that returns an inert scope that keeps nothing.
 """
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import time
-from collections.abc import AsyncIterator, Iterator, Mapping
+from collections.abc import AsyncIterator, Iterator
 from contextvars import ContextVar
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -24,12 +24,12 @@ from opentelemetry.trace import INVALID_SPAN, Span, SpanKind, Status, StatusCode
 
 from backend.outputs import RequestOutput
 from backend.telemetry import RequestTimeline
-from gateway.settings import SettingsError
 from gateway.telemetry import tracing
 from gateway.telemetry.logs import request_id_var
 from gateway.telemetry.metrics import GatewayMetrics, RequestObservation
 
 if TYPE_CHECKING:
+    from gateway.settings import Settings
     from gateway.usage import Metered, RequestUsage
     from tenants.services import Principal
 
@@ -73,14 +73,11 @@ class Telemetry:
     budgets: dict[str, int | None] = field(default_factory=dict)
 
     @classmethod
-    def from_env(cls, env: Mapping[str, str]) -> Telemetry:
-        """TOLLGATE_METRICS_TOKEN guards /metrics; TOLLGATE_METRICS_TOP_TENANTS (default 20)
-        bounds the tenant label."""
-        raw = env.get("TOLLGATE_METRICS_TOP_TENANTS", "").strip() or "20"
-        if not raw.isdigit() or not 1 <= int(raw) <= 1000:
-            raise SettingsError(f"TOLLGATE_METRICS_TOP_TENANTS must be 1 to 1000, got {raw!r}")
-        token = env.get("TOLLGATE_METRICS_TOKEN", "").strip() or None
-        return cls(GatewayMetrics(top_tenants=int(raw)), metrics_token=token)
+    def from_settings(cls, settings: Settings) -> Telemetry:
+        """TOLLGATE_METRICS_TOKEN guards /metrics; TOLLGATE_METRICS_TOP_TENANTS bounds the
+        tenant label."""
+        metrics = GatewayMetrics(top_tenants=settings.metrics_top_tenants)
+        return cls(metrics, metrics_token=settings.metrics_token)
 
     def note_budget(self, tenant: str, budget_micros: int | None) -> None:
         self.budgets[tenant] = budget_micros
@@ -155,8 +152,7 @@ class RequestScope:
     def route(self, replica: str) -> None:
         """Dispatch sent the request to `replica` (again, on a retry)."""
         tracing.note_replica(replica)
-        if self.telemetry is not None:  # the inert scope is shared: it keeps nothing
-            self.replica = replica
+        self.replica = replica
 
     def identify(self, principal: Principal) -> None:
         """Who is calling (after authentication): tenant only, never the key."""
@@ -218,11 +214,13 @@ class RequestScope:
         the request goes out (routing, the backend call) and ends with the engine stream.
         Per output: one timeline update, nothing else."""
         span = self.start_span("dispatch")
+        # The inert scope's timeline is shared: it is never written, this one is dropped.
+        timeline = self.timeline if self.telemetry is not None else RequestTimeline()
         try:
             with trace.use_span(span, record_exception=False, set_status_on_exception=False):
                 out = await anext(outputs, None)
             while out is not None:
-                self.timeline.observe(out)
+                timeline.observe(out)
                 yield out
                 out = await anext(outputs, None)
         except Exception as exc:
@@ -230,7 +228,7 @@ class RequestScope:
             span.set_status(Status(StatusCode.ERROR, type(exc).__name__))
             raise
         finally:
-            span.set_attribute(tracing.OUTPUT_TOKENS, self.timeline.output_tokens)
+            span.set_attribute(tracing.OUTPUT_TOKENS, timeline.output_tokens)
             span.end()
             close = getattr(outputs, "aclose", None)
             if close is not None:  # abort in the engine now, not when collected
@@ -305,7 +303,17 @@ class RequestScope:
         self.root.end()
 
 
-_INERT = RequestScope(None, INVALID_SPAN)
+class _InertScope(RequestScope):
+    """The scope outside any request (unit tests, background tasks, routes outside /v1),
+    one object shared by all of them: every write after construction is dropped, so
+    nothing one caller notes (a tenant, a request id, a rejection) reaches another."""
+
+    def __setattr__(self, name: str, value: object) -> None:
+        if name not in self.__dict__:  # the dataclass's __init__ sets each field once
+            object.__setattr__(self, name, value)
+
+
+_INERT = _InertScope(None, INVALID_SPAN)
 _current: ContextVar[RequestScope] = ContextVar("tollgate_request_scope", default=_INERT)
 
 

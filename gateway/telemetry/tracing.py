@@ -6,6 +6,11 @@ are sampled out: non-recording, next to free, but with trace ids for the logs an
 backends. OTEL_SDK_DISABLED=true leaves OpenTelemetry's no-op API in place. Everything else
 (headers, timeouts, protocol details, sampler, resource attributes) is read by the SDK
 and the OTLP exporter from their own OTEL_* variables.
+
+Not in Settings, on purpose: every variable read here is a standard OTEL_* one that the
+SDK and the exporter read themselves too (Tollgate has no tracing variable of its own),
+and the tracer provider is process-wide, so `tollgate serve` installs it once, outside
+create_app.
 """
 
 from __future__ import annotations

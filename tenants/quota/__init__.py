@@ -10,7 +10,9 @@ from __future__ import annotations
 from tenants.quota.contract import (
     CONCURRENCY_RETRY_HINT_S,
     DEFAULT_SETTLED_TTL_S,
+    KEY_SCOPE,
     MAX_SCOPES,
+    TENANT_SCOPE,
     WINDOW_S,
     Denied,
     DenyReason,
@@ -52,7 +54,9 @@ def open_quota_store(
 __all__ = [
     "CONCURRENCY_RETRY_HINT_S",
     "DEFAULT_SETTLED_TTL_S",
+    "KEY_SCOPE",
     "MAX_SCOPES",
+    "TENANT_SCOPE",
     "WINDOW_S",
     "Denied",
     "DenyReason",

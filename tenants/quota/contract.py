@@ -6,7 +6,7 @@ operation one Lua script). The contract tests run against both.
 
 Semantics, shared by both implementations:
 
-- A reservation names 1..MAX_SCOPES scopes ("tenant:<id>", "key:<id>"). Every limit of
+- A reservation names 1..MAX_SCOPES scopes ("tenant_id:<id>", "key_id:<id>"). Every limit of
   every scope is checked and, only if all pass, every scope is charged, atomically.
 - Requests and tokens are limited over a sliding window of WINDOW_S seconds: an
   admission at time t counts while now - t < WINDOW_S. A request is admitted only if
@@ -93,14 +93,18 @@ class ReservationIdError(QuotaError):
     expired while its admission is still in the window. Ids must be unique per request."""
 
 
+TENANT_SCOPE = "tenant_id:"  # ids: audit targets use "tenant:<name>", "key:<prefix>"
+KEY_SCOPE = "key_id:"
+
+
 def tenant_scope(tenant_id: str) -> str:
     """The scope key of a tenant's limits, by its id (audit targets name it by name)."""
-    return f"tenant:{tenant_id}"
+    return f"{TENANT_SCOPE}{tenant_id}"
 
 
 def key_scope(key_id: str) -> str:
     """The scope key of an API key's limits, by its id (audit targets use its prefix)."""
-    return f"key:{key_id}"
+    return f"{KEY_SCOPE}{key_id}"
 
 
 def _check_int(name: str, value: int) -> None:
@@ -133,7 +137,7 @@ class Limits:
 
 @dataclass(frozen=True, slots=True)
 class Scope:
-    """One thing that is limited, e.g. "tenant:<id>" or "key:<id>", with its limits."""
+    """One thing that is limited, e.g. "tenant_id:<id>" or "key_id:<id>", with its limits."""
 
     key: str
     limits: Limits

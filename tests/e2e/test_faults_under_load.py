@@ -141,7 +141,7 @@ class Worker:
 
     def start(self) -> None:
         schedule = self.folder / f"beat-{next(self.runs)}"
-        command = [sys.executable, "-m", "celery", "-A", "tenants.billing.worker", "worker",
+        command = [sys.executable, "-m", "celery", "-A", "gateway.billing.worker", "worker",
                    "-B", "-s", str(schedule), "-Q", self.env["TOLLGATE_CELERY_QUEUE"],
                    "-P", "solo", "--loglevel", "WARNING", "--without-gossip",
                    "--without-mingle", "--without-heartbeat"]  # fmt: skip

@@ -147,7 +147,7 @@ def cluster(tmp_path: Path, stripe: FakeStripe) -> Iterator[Cluster]:
     try:
         for host in BACKEND_HOSTS:
             cluster.start_backend(host)
-        celery = [str(BIN / "celery"), "-A", "tenants.billing.worker"]
+        celery = [str(BIN / "celery"), "-A", "gateway.billing.worker"]
         queue = env["TOLLGATE_CELERY_QUEUE"]
         cluster.celery = [
             spawn([*celery, "worker", "-Q", queue, "--concurrency", "1", "--pool", "solo"], env),

@@ -17,7 +17,7 @@ from sqlalchemy.orm import Session
 
 from gateway import cli
 from tenants import audit, db
-from tenants.billing.export import relay_for, sync_engine
+from tenants.billing.export import sync_engine
 from tenants.billing.export_lock import ExportLock
 from tenants.billing.models import OutboxRow, OutboxStatus
 from tenants.billing.reports import CSV_FIELDS, Period, build_report, format_micros
@@ -224,7 +224,6 @@ async def test_admin_export_meets_the_lock_and_resolves_unconfirmed_rows(
             row_id = row.id
     finally:
         engine.dispose()
-        relay_for.cache_clear()
     assert busy.status_code == 409 and busy.json()["error"]["code"] == "export_running"
     resolved = await client.post(
         "/admin/api/billing/export/resolve",

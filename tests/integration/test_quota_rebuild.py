@@ -27,7 +27,7 @@ from gateway.settings import Settings
 from tenants.limits import LimitSet, PlanTerms
 from tenants.models import UsageEvent, utcnow
 from tenants.pricing import DEFAULT_PRICE
-from tenants.quota import RedisQuotaStore, ScopeUsage, month_period, tenant_scope
+from tenants.quota import RedisQuotaStore, ScopeUsage, key_scope, month_period, tenant_scope
 from tenants.services import ApiKeyService, PlanService, TenantService, UsageService
 from tests.conftest import eventually, serving
 from tests.support.redis_server import RedisServer, redis_server
@@ -277,7 +277,9 @@ async def test_quota_rebuild_command(
         store = RedisQuotaStore.from_url(redis.url)
         try:
             assert (await store.usage(tenant_scope(tenant.id), month_period())).spent_micros == 4321
-            assert (await store.usage(f"key:{tenant.key_id}", month_period())).spent_micros == 4321
+            assert (
+                await store.usage(key_scope(tenant.key_id), month_period())
+            ).spent_micros == 4321
             assert await store.is_ready(month_period())
         finally:
             await store.aclose()

@@ -18,7 +18,14 @@ from gateway.admission.reconcile import (
     reconcile,
 )
 from tenants.models import UsageEvent, utcnow
-from tenants.quota import MemoryQuotaStore, QuotaStore, month_period, open_quota_store, tenant_scope
+from tenants.quota import (
+    MemoryQuotaStore,
+    QuotaStore,
+    key_scope,
+    month_period,
+    open_quota_store,
+    tenant_scope,
+)
 from tenants.services import ApiKeyService, TenantService, UsageService
 
 Sessions = async_sessionmaker[AsyncSession]
@@ -53,7 +60,7 @@ async def test_unsettled_rows_are_charged_once(sessions: Sessions, store: QuotaS
     assert await reconcile(sessions, store, **window) == 0  # idempotent
     usage = await store.usage(tenant_scope(tenant.id), month_period())
     assert usage.spent_micros == 1000
-    assert (await store.usage(f"key:{key.id}", month_period())).spent_micros == 1000
+    assert (await store.usage(key_scope(key.id), month_period())).spent_micros == 1000
 
 
 async def _row(sessions: Sessions, cost: int, age: timedelta) -> tuple[str, str]:
@@ -82,7 +89,7 @@ async def test_a_rebuild_covers_the_whole_period(sessions: Sessions, store: Quot
     assert (rebuilt.ready, rebuilt.charged) == (True, 1)
     period = month_period()
     assert (await store.usage(tenant_scope(old_tenant), period)).spent_micros == 700
-    assert (await store.usage(f"key:{old_key}", period)).spent_micros == 700
+    assert (await store.usage(key_scope(old_key), period)).spent_micros == 700
     assert (await store.usage(tenant_scope(new_tenant), period)).spent_micros == 300
     again = await rebuild(sessions, store)  # the periodic run: nothing counted twice
     assert again.charged == 0

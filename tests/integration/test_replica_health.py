@@ -19,16 +19,19 @@ import pytest
 
 from backend.builtin import BUILTIN_MODEL_DIR, BUILTIN_MODEL_NAME
 from backend.tokenizer import Tokenizer
-from gateway.dispatch.remote import HEALTH_TIMEOUT_S, MISSED_POLLS_TO_DOWN, RemoteEngineClient
+from gateway.dispatch.remote import HEALTH_TIMEOUT_S, RemoteEngineClient
+from gateway.dispatch.routing import MISSED_POLLS_TO_DOWN
 from tests.e2e.processes import free_port
 
 
 class StatsServer:
-    """Answers GET /internal/stats after `delay_s`, saying the engine runs or not."""
+    """Answers GET /internal/stats after `delay_s`, saying the engine runs or not; notes
+    the request ids POST /internal/abort names."""
 
     def __init__(self) -> None:
         self.delay_s = 0.0
         self.running = True
+        self.aborted: list[str] = []
         self._server = ThreadingHTTPServer(("127.0.0.1", 0), self._handler())
         self._server.daemon_threads = True
 
@@ -49,6 +52,13 @@ class StatsServer:
                     self.send_header("Content-Length", str(len(body)))
                     self.end_headers()
                     self.wfile.write(body)
+
+            def do_POST(self) -> None:
+                body = self.rfile.read(int(self.headers["Content-Length"]))
+                server.aborted.append(json.loads(body)["request_id"])
+                self.send_response(200)
+                self.send_header("Content-Length", "0")
+                self.end_headers()
 
             def log_message(self, format: str, *args: Any) -> None:
                 pass
@@ -114,3 +124,12 @@ async def test_a_refused_connection_leaves_at_once() -> None:
     async with client(f"http://127.0.0.1:{free_port()}") as remote:  # nothing listens
         await remote.refresh()
         assert not remote.is_ready()
+
+
+async def test_an_abort_is_sent_before_the_client_closes(stats: StatsServer) -> None:
+    """abort() sends in the background; close() waits for it instead of closing the
+    connection pool under it."""
+    async with client(stats.url) as remote:
+        remote._placements["req-1"] = remote.replicas[0]  # where generate() sent it
+        remote.abort("req-1")
+    assert stats.aborted == ["req-1"]

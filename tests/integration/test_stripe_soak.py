@@ -56,7 +56,7 @@ def start_worker(env: dict[str, str], schedule: Path) -> subprocess.Popen[bytes]
         "-m",
         "celery",
         "-A",
-        "tenants.billing.worker",
+        "gateway.billing.worker",
         "worker",
         "-B",
         "-s",

@@ -48,10 +48,9 @@ def spans() -> Iterator[InMemorySpanExporter]:
 
 @pytest.fixture
 async def http(
-    settings: Settings, engine_client: InProcessEngineClient, monkeypatch: pytest.MonkeyPatch
+    settings: Settings, engine_client: InProcessEngineClient
 ) -> AsyncIterator[AsyncTestClient[Litestar]]:
-    monkeypatch.setenv("TOLLGATE_METRICS_TOKEN", METRICS_TOKEN)
-    app = create_app(settings, engine_client=engine_client)
+    app = create_app(replace(settings, metrics_token=METRICS_TOKEN), engine_client=engine_client)
     async with AsyncTestClient(app=app) as client:
         yield client
 

@@ -25,9 +25,9 @@ from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
 
 from backend.builtin import BUILTIN_MODEL_DIR
 from gateway.app import create_app
+from gateway.dispatch.engine_client import InProcessEngineClient
 from gateway.dispatch.routing import affinity_key, pick
 from gateway.dispatch.upstream import OpenAIUpstreamClient
-from gateway.dispatch.engine_client import InProcessEngineClient
 from gateway.settings import Settings
 from tenants import db
 from tenants.models import KeyRole, UsageEvent
@@ -41,7 +41,7 @@ from tests.support.vllm_like import create_app as vllm_like
 pytestmark = pytest.mark.integration
 
 Sessions = async_sessionmaker[AsyncSession]
-MESSAGES = [{"role": "user", "content": "Say something."}]
+MESSAGES: list[Any] = [{"role": "user", "content": "Say something."}]
 BACKEND_SECRET = "backend-secret-for-tests"
 MODEL = "llama-up"  # the registry's name; the upstream calls it "vllm-like"
 
@@ -164,7 +164,10 @@ async def test_chat_whole_and_streamed_bill_the_upstreams_usage(gateway: Gateway
         assert whole.usage.completion_tokens == 12
 
         stream = await sdk.chat.completions.create(
-            model=MODEL, messages=MESSAGES, stream=True, max_tokens=5  # type: ignore[arg-type]
+            model=MODEL,
+            messages=MESSAGES,
+            stream=True,
+            max_tokens=5,  # type: ignore[arg-type]
         )
         chunks = [chunk async for chunk in stream]
         text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
@@ -328,7 +331,11 @@ async def test_an_upstream_400_keeps_its_message_and_is_not_retried(gateway: Gat
 
 
 async def test_a_5xx_moves_to_another_target_and_alone_is_a_502(gateway: Gateway) -> None:
-    async with upstream(tokens=2) as failing, upstream(tokens=2) as healthy, httpx.AsyncClient() as http:
+    async with (
+        upstream(tokens=2) as failing,
+        upstream(tokens=2) as healthy,
+        httpx.AsyncClient() as http,
+    ):
         await gateway.register(failing, healthy)
         key, tenant = await gateway.tenant("acme")
         sdk = gateway.sdk(key)

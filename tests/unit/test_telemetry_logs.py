@@ -10,8 +10,8 @@ from collections.abc import Iterator
 import pytest
 from opentelemetry import trace
 
-from gateway.settings import SettingsError
-from gateway.telemetry.logs import JsonFormatter, configure_logging, log_format, request_id_var
+from gateway.settings import Settings, SettingsError
+from gateway.telemetry.logs import JsonFormatter, configure_logging, request_id_var
 from tests.unit.test_telemetry_tracing import capture_spans
 
 
@@ -63,17 +63,17 @@ def test_exceptions_stay_on_one_line() -> None:
 
 
 def test_log_format_setting() -> None:
-    assert log_format({}) == "json"
-    assert log_format({"TOLLGATE_LOG_FORMAT": "TEXT"}) == "text"
+    assert Settings.from_env({}).log_format == "json"
+    assert Settings.from_env({"TOLLGATE_LOG_FORMAT": "TEXT"}).log_format == "text"
     with pytest.raises(SettingsError, match="TOLLGATE_LOG_FORMAT"):
-        log_format({"TOLLGATE_LOG_FORMAT": "xml"})
+        Settings.from_env({"TOLLGATE_LOG_FORMAT": "xml"})
 
 
 @pytest.fixture
 def text_logging() -> Iterator[logging.Formatter]:
     """The formatter `tollgate serve` installs with TOLLGATE_LOG_FORMAT=text."""
-    root = logging.getLogger()
-    saved, level = root.handlers[:], root.level
+    root, httpx = logging.getLogger(), logging.getLogger("httpx")
+    saved, level, httpx_level = root.handlers[:], root.level, httpx.level
     configure_logging("info", "text")
     formatter = root.handlers[0].formatter
     assert formatter is not None
@@ -81,6 +81,13 @@ def text_logging() -> Iterator[logging.Formatter]:
         yield formatter
     finally:
         root.handlers[:], root.level = saved, level
+        httpx.setLevel(httpx_level)
+
+
+def test_httpx_request_lines_stay_out_of_info_logs(text_logging: logging.Formatter) -> None:
+    # One per replica stats poll, every second: warnings and errors still come through.
+    httpx = logging.getLogger("httpx")
+    assert not httpx.isEnabledFor(logging.INFO) and httpx.isEnabledFor(logging.WARNING)
 
 
 FORGED = "2026-12-01 09:00:00,000 INFO gateway.app admin signed in"

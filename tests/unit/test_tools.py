@@ -86,7 +86,7 @@ def test_a_forced_output_cut_short_is_a_clear_error() -> None:
 
 
 def test_bad_and_duplicate_function_names_are_refused() -> None:
-    bad = {"type": "function", "function": {"name": "no spaces"}}
+    bad: dict[str, Any] = {"type": "function", "function": {"name": "no spaces"}}
     with pytest.raises(InvalidRequest, match="letters"):
         plan(tools(bad), "auto", True, "hermes")
     with pytest.raises(InvalidRequest, match="unique"):
