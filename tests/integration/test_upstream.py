@@ -107,6 +107,10 @@ class Gateway:
         async with self.sessions() as session:
             return list((await session.execute(select(UsageEvent))).scalars())
 
+    async def settled(self, count: int) -> bool:
+        """True once `count` usage rows are written (settling finishes after the answer)."""
+        return len(await self.rows()) >= count
+
     async def row(self, request_id: str) -> UsageEvent | None:
         query = select(UsageEvent).where(UsageEvent.request_id == request_id)
         async with self.sessions() as session:
@@ -180,6 +184,7 @@ async def test_chat_whole_and_streamed_bill_the_upstreams_usage(gateway: Gateway
             assert request["body"]["messages"] == MESSAGES
             assert request["body"]["stream"] is True
             assert request["body"]["stream_options"] == {"include_usage": True}
+        await eventually(lambda: gateway.settled(2))
         rows = sorted(await gateway.rows(), key=lambda r: r.completion_tokens)
         assert [(r.model, r.status, r.completion_tokens) for r in rows] == [
             (MODEL, "completed", 5),
@@ -221,6 +226,7 @@ async def test_a_tokenizer_disagreement_is_billed_as_upstream_says_and_counted(
         prompt = "tokenizers rarely agree about this sentence"
         answer = await sdk.completions.create(model=MODEL, prompt=prompt, max_tokens=4)
         assert answer.usage is not None and answer.usage.prompt_tokens == len(prompt)
+        await eventually(lambda: gateway.settled(1))
         (row,) = await gateway.rows()
         assert row.prompt_tokens == len(prompt)
         metrics = gateway.metrics()
@@ -315,6 +321,7 @@ async def test_upstream_429_and_503_pass_through_with_their_retry_after(gateway:
             await stream
         assert overloaded.value.status_code == 503
         assert overloaded.value.response.headers["retry-after"] == "3"
+        await eventually(lambda: gateway.settled(2))
         assert [r.completion_tokens for r in await gateway.rows()] == [0, 0]
 
 
@@ -463,6 +470,7 @@ async def test_a_tollgate_backend_and_an_openai_upstream_in_one_registry(
             remote = await sdk.completions.create(model=MODEL, prompt="Return the", max_tokens=3)
             assert local.usage is not None and local.usage.completion_tokens == 4
             assert remote.choices[0].text == OUTPUT_TEXT[:3]
+            await eventually(lambda: gateway.settled(2))
             rows = {r.model: r for r in await gateway.rows()}
             assert rows["tiny"].replica == f"http://127.0.0.1:{port}"
             assert rows[MODEL].replica == url
