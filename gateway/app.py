@@ -10,6 +10,7 @@ from typing import Protocol, TypeVar
 
 from litestar import Litestar
 from litestar.di import Provide
+from sqlalchemy.exc import SQLAlchemyError
 from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
 
 from backend import EngineConfig
@@ -211,6 +212,9 @@ async def attach_models(runtime: Runtime, telemetry: Telemetry, stack: AsyncExit
     build = client_builder(runtime.settings, telemetry.metrics.disagreement)
     models = ModelDirectory(runtime.sessions, build, runtime.engine_client)
     stack.push_async_callback(models.close)
-    await models.refresh()
+    try:
+        await models.refresh()
+    except SQLAlchemyError as exc:  # the database may come up later: the refresh retries
+        log.warning("the model registry cannot be read yet (%s)", type(exc).__name__)
     _started(stack, models.periodic())
     runtime.models = models
