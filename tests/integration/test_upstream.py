@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
+import logging
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -24,16 +24,13 @@ from sqlalchemy import select
 from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
 
 from backend.builtin import BUILTIN_MODEL_DIR
-from gateway.app import create_app
-from gateway.dispatch.engine_client import InProcessEngineClient
 from gateway.dispatch.routing import affinity_key, pick
 from gateway.dispatch.upstream import OpenAIUpstreamClient
 from gateway.settings import Settings
-from tenants import db
 from tenants.models import KeyRole, UsageEvent
 from tenants.registry import ModelKind, ModelService, ModelSpec, Target
 from tenants.services import ApiKeyService, TenantService
-from tests.conftest import eventually, serving
+from tests.conftest import eventually, migrated_sqlite, read_text_events, serving
 from tests.e2e.processes import free_port, running, start
 from tests.support.vllm_like import OUTPUT_TEXT, Config, render_chat, tokenize
 from tests.support.vllm_like import create_app as vllm_like
@@ -49,9 +46,7 @@ MODEL = "llama-up"  # the registry's name; the upstream calls it "vllm-like"
 @pytest.fixture
 def database_url(tmp_path: Path) -> str:
     """SQLite only: these tests are about the upstream, not the database."""
-    url = f"sqlite:///{tmp_path / 'tollgate.db'}"
-    db.upgrade(url)
-    return url
+    return migrated_sqlite(tmp_path / "tollgate.db")
 
 
 @pytest.fixture
@@ -122,12 +117,8 @@ class Gateway:
 
 
 @pytest.fixture
-async def gateway(
-    settings: Settings, sessions: Sessions, engine_client: InProcessEngineClient
-) -> AsyncIterator[Gateway]:
-    app = create_app(settings, engine_client=engine_client)
-    async with serving(app) as url:
-        yield Gateway(app, url, sessions)
+def gateway(live_server: tuple[Litestar, str], sessions: Sessions) -> Gateway:
+    return Gateway(*live_server, sessions)
 
 
 @contextlib.asynccontextmanager
@@ -216,10 +207,11 @@ async def test_completions_forward_text_and_token_ids(gateway: Gateway) -> None:
 
 
 async def test_a_tokenizer_disagreement_is_billed_as_upstream_says_and_counted(
-    gateway: Gateway,
+    gateway: Gateway, caplog: pytest.LogCaptureFixture
 ) -> None:
     """The gateway counts with the built-in model's tokenizer, the upstream one token per
     character: the ledger takes the upstream's count, and the metric shows by how much."""
+    caplog.set_level(logging.INFO, logger="gateway.dispatch.upstream")
     async with upstream(tokens=4) as url:
         await gateway.register(url, tokenizer=str(BUILTIN_MODEL_DIR.resolve()))
         sdk = gateway.sdk(await gateway.key("acme"))
@@ -235,6 +227,10 @@ async def test_a_tokenizer_disagreement_is_billed_as_upstream_says_and_counted(
             f'kind="prompt",model="{MODEL}"}} 1.0'
         )
         assert series in metrics
+        (line,) = [r for r in caplog.records if hasattr(r, "upstream_tokens")]
+        assert (line.usage_kind, line.upstream_tokens) == ("prompt", len(prompt))  # type: ignore[attr-defined]
+        assert line.gateway_tokens < len(prompt)  # type: ignore[attr-defined]
+        assert prompt not in line.getMessage()  # counts only, never the text
 
 
 async def test_each_tenant_gets_its_own_cache_salt(gateway: Gateway) -> None:
@@ -273,7 +269,6 @@ async def test_a_disconnect_aborts_upstream_and_bills_what_was_delivered(
     async with upstream(tokens=400, delay_ms=10) as url:
         await gateway.register(url)
         key = await gateway.key("acme")
-        received = 0
         async with (
             httpx.AsyncClient(base_url=gateway.url) as http,
             http.stream(
@@ -284,11 +279,7 @@ async def test_a_disconnect_aborts_upstream_and_bills_what_was_delivered(
             ) as response,
         ):
             request_id = response.headers["x-request-id"]
-            async for line in response.aiter_lines():
-                if line.startswith("data: {") and json.loads(line[6:])["choices"][0]["text"]:
-                    received += 1
-                if received == 5:
-                    break  # leaving the block closes the connection mid-stream
+            await read_text_events(response, 5)  # then leaving the block disconnects
 
         async def aborted() -> bool:
             requests = await recorded(url)
