@@ -7,7 +7,7 @@ import asyncio
 import contextlib
 import logging
 import threading
-from collections.abc import AsyncGenerator
+from collections.abc import AsyncGenerator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -121,7 +121,7 @@ class AsyncEngine:
             if added and unfinished:
                 self.abort(request_id)
 
-    async def embed(self, prompts: list[str | list[int]]) -> list[list[float]]:
+    async def embed(self, prompts: Sequence[str | list[int]]) -> list[list[float]]:
         """Each prompt's mean-pooled final hidden states, computed on the step thread (one
         prompt between two steps, so running streams keep flowing). Raises
         InvalidParameterError or PromptTooLongError for a bad prompt, at once, and
