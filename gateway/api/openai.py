@@ -91,18 +91,7 @@ class OpenAIController(Controller):
         runtime: NamedDependency[Runtime],
     ) -> Response[Any]:
         body = decode(await request.body(), ChatCompletionRequest)
-        engine = runtime.engine
-        policy.check_model(principal, body.model, engine.model_name)
-        tools = body.tool_plan(engine.tool_call_parser)
-        constraint = body.constraint(tools)
-        chars = body.prompt_chars()
-        policy.check_prompt_chars(chars, engine.max_model_len, engine.max_token_chars, "messages")
-        render = partial(_chat_prompt, engine, body.template_messages(), body.template_tools())
-        prompt = await _tokenize(runtime, principal, chars, render)
-        params = _params(principal, body, prompt, engine, "messages", constraint)
-        gen = _generation(runtime, principal, body, ChatFormat, "chat.completions", prompt, params)
-        gen.tools = tools
-        return await _respond(request, runtime, principal, gen, stream=body.stream)
+        return await chat(request, runtime, principal, body)
 
     @post("/completions", status_code=200)
     async def completions(
@@ -117,7 +106,7 @@ class OpenAIController(Controller):
         if isinstance(body.prompt, str):
             chars = len(body.prompt)
             policy.check_prompt_chars(chars, engine.max_model_len, engine.max_token_chars, "prompt")
-            prompt = await _tokenize(runtime, principal, chars, partial(engine.encode, body.prompt))
+            prompt = await tokenize(runtime, principal, chars, partial(engine.encode, body.prompt))
         else:
             prompt = body.prompt
         if not prompt:
@@ -148,13 +137,40 @@ class OpenAIController(Controller):
         return _model_card(engine)
 
 
+async def chat(
+    request: Request[Any, Any, Any],
+    runtime: Runtime,
+    principal: Principal,
+    body: ChatCompletionRequest,
+    endpoint: str = "chat.completions",
+    reshape: Reshape | None = None,
+    param: str = "messages",  # what the messages are called in errors
+) -> Response[Any]:
+    """A chat completion, or another API's answer (`reshape`) made from one."""
+    engine = runtime.engine
+    policy.check_model(principal, body.model, engine.model_name)
+    tools = body.tool_plan(engine.tool_call_parser)
+    constraint = body.constraint(tools)
+    chars = body.prompt_chars()
+    policy.check_prompt_chars(chars, engine.max_model_len, engine.max_token_chars, param)
+    render = partial(_chat_prompt, engine, body.template_messages(), body.template_tools(), param)
+    prompt = await tokenize(runtime, principal, chars, render)
+    params = _params(principal, body, prompt, engine, param, constraint)
+    gen = _generation(runtime, principal, body, ChatFormat, endpoint, prompt, params)
+    gen.tools = tools
+    return await _respond(request, runtime, principal, gen, stream=body.stream, reshape=reshape)
+
+
 def _chat_prompt(
-    engine: EngineClient, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None
+    engine: EngineClient,
+    messages: list[dict[str, Any]],
+    tools: list[dict[str, Any]] | None,
+    param: str = "messages",
 ) -> list[int]:
     try:
         rendered = engine.render_chat(messages, tools)
     except InvalidParameterError as exc:  # the template refused these messages (role order)
-        raise InvalidRequest(str(exc), param="messages") from None
+        raise InvalidRequest(str(exc), param=param) from None
     return engine.encode(rendered)
 
 
@@ -163,9 +179,7 @@ def _chat_prompt(
 INLINE_TOKENIZE_CHARS = 4096
 
 
-async def _tokenize(
-    runtime: Runtime, principal: Principal, chars: int, work: Callable[[], list[int]]
-) -> list[int]:
+async def tokenize(runtime: Runtime, principal: Principal, chars: int, work: Callable[[], T]) -> T:
     if chars <= INLINE_TOKENIZE_CHARS:
         return work()
     await runtime.admission.refuse_if_exhausted(principal)  # a spent key costs no tokenizing
