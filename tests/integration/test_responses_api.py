@@ -227,8 +227,8 @@ async def test_a_json_schema_text_format_is_enforced(
     client: openai.AsyncOpenAI, engine_client: InProcessEngineClient
 ) -> None:
     schema = {"type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"]}
+    text = {"format": {"type": "json_schema", "name": "verdict", "schema": schema}}
     response = await client.responses.create(
-        **_args(engine_client, max_output_tokens=40),
-        text={"format": {"type": "json_schema", "name": "count", "schema": schema}},
+        **_args(engine_client, max_output_tokens=40, text=text)
     )
     assert isinstance(json.loads(response.output_text)["ok"], bool)
