@@ -172,11 +172,7 @@ class RemoteEngineClient:
         failures = 0
         handed_back = False  # outputs of an earlier attempt reached the caller
         while True:
-            replica = pick(self.replicas, key, exclude=tried)
-            if replica is None:
-                raise shed or _no_replica()
-            tried.add(replica.url)
-            current_request().route(replica.url)
+            replica = self._next_replica(key, tried, shed)
             started = False
             replica.in_flight += 1
             self._placements[request_id] = replica
@@ -214,6 +210,15 @@ class RemoteEngineClient:
             finally:
                 replica.in_flight -= 1
                 self._placements.pop(request_id, None)
+
+    def _next_replica(self, key: bytes, tried: set[str], shed: Overloaded | None) -> Replica:
+        """The next replica to try, routed to; none left: the last shedding, or 503."""
+        replica = pick(self.replicas, key, exclude=tried)
+        if replica is None:
+            raise shed or _no_replica()
+        tried.add(replica.url)
+        current_request().route(replica.url)
+        return replica
 
     async def _stream(self, replica: Replica, body: bytes, n: int) -> AsyncIterator[RequestOutput]:
         """The outputs of one attempt, until each of the request's n completions finished."""
@@ -269,11 +274,7 @@ class RemoteEngineClient:
         shed: Overloaded | None = None
         failures = 0
         while True:
-            replica = pick(self.replicas, key, exclude=tried)
-            if replica is None:
-                raise shed or _no_replica()
-            tried.add(replica.url)
-            current_request().route(replica.url)
+            replica = self._next_replica(key, tried, shed)
             try:
                 return await self._embed_on(replica, body)
             except Overloaded as exc:

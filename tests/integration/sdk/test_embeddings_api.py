@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import base64
 import struct
-from collections.abc import AsyncIterator
 from pathlib import Path
 
 import httpx
@@ -17,34 +16,13 @@ from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
 from backend import AsyncEngine, EngineConfig
 from backend.builtin import BUILTIN_MODEL_DIR
 from backend.server import create_backend_app
-from gateway.app import create_app
 from gateway.dispatch.engine_client import InProcessEngineClient
 from gateway.dispatch.remote import RemoteEngineClient
 from gateway.errors import InvalidRequest
-from gateway.settings import Settings
-from tenants import db
 from tenants.models import UsageEvent
 from tests.conftest import serving
 
 TEXTS = ["What does json.dumps do?", "Return the sum of a list.", "What does json.dumps do?"]
-
-
-@pytest.fixture
-def database_url(tmp_path: Path) -> str:
-    url = f"sqlite:///{tmp_path / 'embeddings.db'}"
-    db.upgrade(url)
-    return url
-
-
-@pytest.fixture
-async def base_url(settings: Settings, engine_client: InProcessEngineClient) -> AsyncIterator[str]:
-    async with serving(create_app(settings, engine_client=engine_client)) as url:
-        yield url + "/v1"
-
-
-@pytest.fixture
-def client(base_url: str, tenant_key: str) -> openai.AsyncOpenAI:
-    return openai.AsyncOpenAI(base_url=base_url, api_key=tenant_key, max_retries=0)
 
 
 async def test_same_text_same_vector_different_text_different_vector(

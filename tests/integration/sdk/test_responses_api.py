@@ -4,8 +4,6 @@ answer as chat, whole and streamed with its typed events, billed once; state ref
 from __future__ import annotations
 
 import json
-from collections.abc import AsyncIterator
-from pathlib import Path
 from typing import Any
 
 import httpx
@@ -14,33 +12,11 @@ import pytest
 from sqlalchemy import select
 from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
 
-from gateway.app import create_app
 from gateway.dispatch.engine_client import InProcessEngineClient
-from gateway.settings import Settings
-from tenants import db
 from tenants.models import UsageEvent
-from tests.conftest import serving
 
 INSTRUCTIONS = "Answer about Python."
 QUESTION = "What does json.dumps do?"
-
-
-@pytest.fixture
-def database_url(tmp_path: Path) -> str:
-    url = f"sqlite:///{tmp_path / 'responses.db'}"
-    db.upgrade(url)
-    return url
-
-
-@pytest.fixture
-async def base_url(settings: Settings, engine_client: InProcessEngineClient) -> AsyncIterator[str]:
-    async with serving(create_app(settings, engine_client=engine_client)) as url:
-        yield url + "/v1"
-
-
-@pytest.fixture
-def client(base_url: str, tenant_key: str) -> openai.AsyncOpenAI:
-    return openai.AsyncOpenAI(base_url=base_url, api_key=tenant_key, max_retries=0)
 
 
 def _args(engine: InProcessEngineClient, **extra: Any) -> dict[str, Any]:
