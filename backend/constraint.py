@@ -20,6 +20,7 @@ class Constraint:
 
     kind: ConstraintKind
     spec: str = ""
+    field: str = "response_format"  # the request field it came from, named when refused
 
     def __post_init__(self) -> None:
         if self.kind not in CONSTRAINT_KINDS:

@@ -105,7 +105,7 @@ class GrammarCompiler:
             tokenizer = self._llg_tokenizer()
         compiled = llguidance.LLMatcher(tokenizer, _grammar(constraint), log_level=0)
         if compiled.is_error():
-            raise ConstraintError(_message(constraint, compiled.get_error()))
+            raise ConstraintError(_message(constraint, compiled.get_error()), constraint.field)
         with self._lock:
             self._cache[key] = compiled
             while len(self._cache) > self._cache_size:
@@ -131,7 +131,9 @@ def _grammar(constraint: Constraint) -> str:
             return llguidance.LLMatcher.grammar_from_json_schema(_ANY_OBJECT, _JSON_DEFAULTS)
         if kind == "json_schema":
             if not isinstance(_json(constraint), dict):
-                raise ConstraintError(_message(constraint, "the schema must be a JSON object"))
+                raise ConstraintError(
+                    _message(constraint, "the schema must be a JSON object"), constraint.field
+                )
             return llguidance.LLMatcher.grammar_from_json_schema(spec, _JSON_DEFAULTS)
         if kind == "regex":
             return llguidance.LLMatcher.grammar_from_regex(spec)
@@ -140,20 +142,24 @@ def _grammar(constraint: Constraint) -> str:
             if not (
                 isinstance(choices, list) and choices and all(isinstance(c, str) for c in choices)
             ):
-                raise ConstraintError(_message(constraint, "must be a non-empty list of strings"))
+                raise ConstraintError(
+                    _message(constraint, "must be a non-empty list of strings"), constraint.field
+                )
             return llguidance.grammar_from("choice", spec)
         return llguidance.grammar_from("grammar", spec)
     except ConstraintError:
         raise
     except ValueError as exc:  # llguidance's own complaints about the text
-        raise ConstraintError(_message(constraint, str(exc))) from exc
+        raise ConstraintError(_message(constraint, str(exc)), constraint.field) from exc
 
 
 def _json(constraint: Constraint) -> object:
     try:
         return json.loads(constraint.spec)
     except (ValueError, RecursionError) as exc:
-        raise ConstraintError(_message(constraint, f"not valid JSON: {exc}")) from exc
+        raise ConstraintError(
+            _message(constraint, f"not valid JSON: {exc}"), constraint.field
+        ) from exc
 
 
 def _message(constraint: Constraint, problem: str) -> str:

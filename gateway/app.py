@@ -22,8 +22,10 @@ from gateway.admission.auth_failures import AuthFailureLog
 from gateway.admission.idempotency import Idempotency
 from gateway.admission.quota import Admission
 from gateway.admission.reconcile import Rebuilder, Upkeep
+from gateway.api.embeddings import EmbeddingsController
 from gateway.api.health import healthz, readyz
 from gateway.api.openai import OpenAIController
+from gateway.api.responses import ResponsesController
 from gateway.billing.controllers import BillingAdminController, UsageController
 from gateway.billing.jobs import BillingJobs
 from gateway.console import console_router
@@ -93,6 +95,8 @@ def create_app(
     return Litestar(
         route_handlers=[
             OpenAIController,
+            ResponsesController,
+            EmbeddingsController,
             AdminController,
             UsageController,
             BillingAdminController,

@@ -121,7 +121,7 @@ def _usage_body(usage: RequestUsage) -> dict[str, Any]:
     }
 
 
-def _api_error(exc: BaseException) -> ApiError:
+def api_error(exc: BaseException) -> ApiError:
     """The engine clients raise API errors for what the engine refused on purpose;
     anything else (a ValueError included) is a defect: a 500."""
     if isinstance(exc, ApiError):
@@ -165,7 +165,7 @@ class Settlement:
     def fail(self, exc: BaseException) -> ApiError:
         """Settle an engine-side failure, billing only what reached the client; returns
         the API error to answer with."""
-        error = _api_error(exc)
+        error = api_error(exc)
         if not self.settled:
             refused = isinstance(error, Overloaded | DeadlineExceeded) and not self.usage.delivered
             self.usage.status = UsageStatus.REJECTED if refused else UsageStatus.FAILED

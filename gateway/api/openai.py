@@ -5,9 +5,9 @@ from __future__ import annotations
 import asyncio
 import contextlib
 from collections.abc import AsyncIterator, Awaitable, Callable
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from functools import partial
-from typing import Any, TypeVar
+from typing import Any, Protocol, TypeVar
 
 from litestar import Controller, MediaType, Request, Response, get, post
 from litestar.di import NamedDependency, Provide
@@ -91,20 +91,7 @@ class OpenAIController(Controller):
         runtime: NamedDependency[Runtime],
     ) -> Response[Any]:
         body = decode(await request.body(), ChatCompletionRequest)
-        engine = runtime.engine_for(body.model)
-        policy.check_model(principal, body.model)
-        tools = body.tool_plan(engine.tool_call_parser)
-        constraint = body.constraint(tools)
-        chars = body.prompt_chars()
-        policy.check_prompt_chars(chars, engine.max_model_len, engine.max_token_chars, "messages")
-        messages = body.template_messages()
-        count = partial(engine.tokenize_chat, messages, body.template_tools())
-        prompt = await _tokenize(runtime, principal, chars, count)
-        params = _params(principal, body, prompt, engine, "messages", constraint)
-        gen = _generation(runtime, principal, body, ChatFormat, "chat.completions", prompt, params)
-        gen.tools = tools
-        gen.source = ClientPrompt(messages=messages)
-        return await _respond(request, runtime, principal, gen, engine, stream=body.stream)
+        return await chat(request, runtime, principal, body)
 
     @post("/completions", status_code=200)
     async def completions(
@@ -119,7 +106,7 @@ class OpenAIController(Controller):
         if isinstance(body.prompt, str):
             chars = len(body.prompt)
             policy.check_prompt_chars(chars, engine.max_model_len, engine.max_token_chars, "prompt")
-            prompt = await _tokenize(
+            prompt = await tokenize(
                 runtime, principal, chars, partial(engine.tokenize, body.prompt)
             )
         else:
@@ -153,12 +140,55 @@ class OpenAIController(Controller):
         return _model_card(engine)
 
 
-async def _tokenize(
-    runtime: Runtime, principal: Principal, chars: int, work: Callable[[], Awaitable[list[int]]]
+async def chat(
+    request: Request[Any, Any, Any],
+    runtime: Runtime,
+    principal: Principal,
+    body: ChatCompletionRequest,
+    endpoint: str = "chat.completions",
+    reshape: Reshape | None = None,
+    param: str = "messages",  # what the messages are called in errors
+) -> Response[Any]:
+    """A chat completion, or another API's answer (`reshape`) made from one."""
+    engine = runtime.engine_for(body.model)
+    policy.check_model(principal, body.model)
+    tools = body.tool_plan(engine.tool_call_parser)
+    constraint = body.constraint(tools)
+    chars = body.prompt_chars()
+    policy.check_prompt_chars(chars, engine.max_model_len, engine.max_token_chars, param)
+    messages = body.template_messages()
+    count = partial(_count_chat, engine, messages, body.template_tools(), param)
+    prompt = await tokenize(runtime, principal, chars, count)
+    params = _params(principal, body, prompt, engine, param, constraint)
+    gen = _generation(runtime, principal, body, ChatFormat, endpoint, prompt, params)
+    gen.tools = tools
+    gen.source = ClientPrompt(messages=messages)
+    return await _respond(
+        request, runtime, principal, gen, engine, stream=body.stream, reshape=reshape
+    )
+
+
+async def _count_chat(
+    engine: EngineClient,
+    messages: list[dict[str, Any]],
+    tools: list[dict[str, Any]] | None,
+    param: str,
 ) -> list[int]:
-    """The engine client counts the prompt (off the event loop when it is long)."""
+    try:
+        return await engine.tokenize_chat(messages, tools)
+    except InvalidRequest as exc:  # the template refused the messages: named as this API does
+        if exc.param != "messages":
+            raise
+        raise InvalidRequest(exc.message, param=param) from None
+
+
+async def tokenize(
+    runtime: Runtime, principal: Principal, chars: int, work: Callable[[], Awaitable[T]]
+) -> T:
+    """The engine client counts the prompt (off the event loop when it is long); a long one
+    is not counted for a key with nothing left to spend."""
     if chars > INLINE_TOKENIZE_CHARS:
-        await runtime.admission.refuse_if_exhausted(principal)  # a spent key costs no tokenizing
+        await runtime.admission.refuse_if_exhausted(principal)
     return await work()
 
 
@@ -194,6 +224,81 @@ def _generation(
     )
 
 
+class Reshape(Protocol):
+    """Another API's answer made from chat's, as it goes (the Responses API)."""
+
+    def whole(self, body: dict[str, Any]) -> dict[str, Any]: ...
+
+    def events(self, chat: AsyncIterator[bytes]) -> AsyncIterator[bytes]: ...
+
+    def is_last(self, event: bytes) -> bool:
+        """The event that ends a whole stream (stored for replays before it is sent)."""
+        ...
+
+
+@dataclass(frozen=True)
+class Admitted:
+    """A request past idempotency and admission: its charge holds the reservation."""
+
+    charge: Charge
+    claim: Claim | None  # its Idempotency-Key's, stored with the answer
+    headers: dict[str, str]
+
+
+async def admit(
+    request: Request[Any, Any, Any],
+    runtime: Runtime,
+    principal: Principal,
+    charge: Charge,
+    prompt_tokens: int,
+    output_tokens: int,
+) -> Admitted | Response[Any]:
+    """Claim the Idempotency-Key (a finished request's answer is replayed: the Response)
+    and reserve the worst case of `output_tokens` at the price in force now."""
+    scope = current_request()
+    claim: Claim | None = None
+    raw_key = request.headers.get(idempotency.HEADER)
+    if raw_key is not None:
+        with scope.span("idempotency"):
+            begun = await runtime.idempotency.begin(
+                principal, raw_key, charge.endpoint, await request.body()
+            )
+        if isinstance(begun, Replay):
+            return _replay(begun.record)
+        claim = begun
+    try:
+        with scope.span("admission"):
+            # Reserve at the price the request will be charged (the book's version now).
+            quote = await runtime.recorder.prices.quote(charge.model, charge.started_at)
+            ticket = await runtime.admission.reserve(
+                principal, charge.request_id, prompt_tokens, output_tokens, quote.price
+            )
+    except BaseException:
+        if claim is not None:  # rejected, not stored: a retry with this key runs afresh
+            runtime.tasks.spawn(runtime.idempotency.abandon(claim))
+        raise
+    scope.admitted = True
+    headers = {"x-request-id": charge.request_id, **ticket.headers}
+    return Admitted(replace(charge, reservation=ticket.reservation), claim, headers)
+
+
+async def respond_whole(
+    request: Request[Any, Any, Any],
+    runtime: Runtime,
+    admitted: Admitted,
+    work: Awaitable[dict[str, Any]],
+) -> Response[Any]:
+    """Answer with `work`'s body (stored for its Idempotency-Key), unless the client left."""
+    claim = admitted.claim
+    result = await _abandon_on_failure(claim, runtime, _unless_disconnected(request, work))
+    if claim is not None:
+        body = encode(result)
+        await runtime.idempotency.finish(
+            claim, admitted.charge.request_id, 200, MediaType.JSON, body
+        )
+    return Response(result, media_type=MediaType.JSON, headers=admitted.headers)
+
+
 async def _respond(
     request: Request[Any, Any, Any],
     runtime: Runtime,
@@ -202,51 +307,38 @@ async def _respond(
     engine: EngineClient,
     *,
     stream: bool,
+    reshape: Reshape | None = None,
 ) -> Response[Any]:
-    scope = current_request()
-    scope.describe(gen, stream)
-    claim: Claim | None = None
-    raw_key = request.headers.get(idempotency.HEADER)
-    if raw_key is not None:
-        with scope.span("idempotency"):
-            begun = await runtime.idempotency.begin(
-                principal, raw_key, gen.charge.endpoint, await request.body()
-            )
-        if isinstance(begun, Replay):
-            return _replay(begun.record)
-        claim = begun
-    try:
-        with scope.span("admission"):
-            # Reserve at the price the request will be charged (the book's version now).
-            quote = await runtime.recorder.prices.quote(gen.charge.model, gen.charge.started_at)
-            ticket = await runtime.admission.reserve(
-                principal,
-                gen.charge.request_id,
-                len(gen.prompt),
-                gen.params.max_tokens * gen.params.n,
-                quote.price,
-            )
-    except BaseException:
-        if claim is not None:  # rejected, not stored: a retry with this key runs afresh
-            runtime.tasks.spawn(runtime.idempotency.abandon(claim))
-        raise
-    gen.charge = replace(gen.charge, reservation=ticket.reservation)
-    scope.admitted = True
-    headers = {"x-request-id": gen.charge.request_id, **ticket.headers}
+    current_request().describe(gen, stream)
+    output_tokens = gen.params.max_tokens * gen.params.n
+    admitted = await admit(request, runtime, principal, gen.charge, len(gen.prompt), output_tokens)
+    if isinstance(admitted, Response):
+        return admitted
+    gen.charge, claim, headers = admitted.charge, admitted.claim, admitted.headers
     if stream:
         # Until the first output a refusal is still an HTTP error; after it, Litestar
         # cancels the stream when the client disconnects, and generation aborts then.
         opening = generation.stream(gen, engine, runtime.recorder)
         events = await _abandon_on_failure(claim, runtime, _unless_disconnected(request, opening))
+        is_last = _is_done
+        if reshape is not None:
+            events, is_last = reshape.events(events), reshape.is_last
         if claim is not None:
-            events = _recorded(events, claim, runtime, gen.charge.request_id)
+            events = _recorded(events, claim, runtime, gen.charge.request_id, is_last)
         return Stream(events, media_type="text/event-stream", headers={**SSE_HEADERS, **headers})
-    work = generation.complete(gen, engine, runtime.recorder)
-    result = await _abandon_on_failure(claim, runtime, _unless_disconnected(request, work))
-    if claim is not None:
-        body = encode(result)
-        await runtime.idempotency.finish(claim, gen.charge.request_id, 200, MediaType.JSON, body)
-    return Response(result, media_type=MediaType.JSON, headers=headers)
+    whole = _whole(gen, engine, runtime, reshape)
+    return await respond_whole(request, runtime, admitted, whole)
+
+
+async def _whole(
+    gen: Generation, engine: EngineClient, runtime: Runtime, reshape: Reshape | None
+) -> dict[str, Any]:
+    body = await generation.complete(gen, engine, runtime.recorder)
+    return body if reshape is None else reshape.whole(body)
+
+
+def _is_done(event: bytes) -> bool:
+    return event == generation.DONE
 
 
 async def _abandon_on_failure(claim: Claim | None, runtime: Runtime, work: Awaitable[T]) -> T:
@@ -271,15 +363,19 @@ def _replay(record: IdempotencyRecord) -> Response[Any]:
 
 
 async def _recorded(
-    events: AsyncIterator[bytes], claim: Claim, runtime: Runtime, request_id: str
+    events: AsyncIterator[bytes],
+    claim: Claim,
+    runtime: Runtime,
+    request_id: str,
+    is_last: Callable[[bytes], bool],
 ) -> AsyncIterator[bytes]:
     """Pass the stream through, and store it once whole, before its final event is sent,
-    so a retry after [DONE] always finds the replay."""
+    so a retry after [DONE] (or `is_last`'s event) always finds the replay."""
     sent: list[bytes] = []
     stored = False
     try:
         async for event in events:
-            if event == generation.DONE:
+            if is_last(event):
                 sent.append(event)
                 stored = True
                 body = b"".join(sent)

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import re
+from dataclasses import replace
 from typing import Annotated, Any, Literal, TypeVar
 
 import msgspec
@@ -169,7 +170,10 @@ class SamplingFields(Struct, kw_only=True):
             raise InvalidRequest(
                 f"{first} and {second} both constrain the output; use one", param=second
             )
-        return asked[0][1] if asked else None
+        if not asked:
+            return None
+        field, chosen = asked[0]
+        return replace(chosen, field=field)  # a refusal names the field the client sent
 
     def _constraints(self) -> list[tuple[str, Constraint]]:
         asked: list[tuple[str, Constraint]] = []

@@ -24,7 +24,7 @@ from backend.errors import (
 )
 from backend.telemetry import traced
 from backend.tokenizer import Tokenizer
-from gateway.errors import DeadlineExceeded, InternalError, InvalidRequest, Overloaded
+from gateway.errors import ApiError, DeadlineExceeded, InternalError, InvalidRequest, Overloaded
 from gateway.telemetry.request import current_request
 
 IN_PROCESS = "in-process"  # the replica name of the engine in this process
@@ -52,6 +52,7 @@ class EngineClient(Protocol):
     max_model_len: int
     max_token_chars: int  # the tokenizer's bound on characters per token
     tool_call_parser: str  # the model's tool-call format (gateway/api/tools.py PARSERS)
+    hidden_size: int | None  # the length of an embedding (None: a replica did not say)
 
     async def tokenize(self, text: str) -> list[int]: ...
 
@@ -85,6 +86,11 @@ class EngineClient(Protocol):
         `restartable`: the caller sends nothing on until the end, so the request may be
         started over elsewhere after an output with finish_reason RESTART. `source`: the
         prompt as the client sent it (`prompt` is the gateway's tokens of it)."""
+        ...
+
+    async def embed(self, prompts: list[list[int]]) -> list[list[float]]:
+        """Each prompt's mean-pooled final hidden states. Raises Overloaded when the
+        engine has no room for them now."""
         ...
 
     def abort(self, request_id: str) -> None: ...
@@ -152,6 +158,7 @@ class InProcessEngineClient(LocalTokens):
         self.engine = engine
         self.model_name = engine.model_name
         self.max_model_len = engine.max_model_len
+        self.hidden_size: int | None = engine.engine.model_config.hidden_size
 
     @classmethod
     async def load(cls, model_path: Path, config: EngineConfig) -> InProcessEngineClient:
@@ -184,6 +191,13 @@ class InProcessEngineClient(LocalTokens):
         current_request().route(IN_PROCESS)
         return policy_errors(traced(outputs, request_id))  # traced: engine phase spans
 
+    async def embed(self, prompts: list[list[int]]) -> list[list[float]]:
+        current_request().route(IN_PROCESS)
+        try:
+            return await self.engine.embed(prompts)
+        except ENGINE_REFUSALS as exc:
+            raise refusal(exc) from exc
+
     def abort(self, request_id: str) -> None:
         self.engine.abort(request_id)
 
@@ -202,6 +216,27 @@ def overloaded(retry_after_s: float, message: str) -> Overloaded:
     return Overloaded(message, headers={"Retry-After": retry_after})
 
 
+ENGINE_REFUSALS = (
+    InvalidParameterError,
+    OverloadedError,
+    DeadlineExceededError,
+    RequestFailedError,
+)
+
+
+def refusal(
+    exc: InvalidParameterError | OverloadedError | DeadlineExceededError | RequestFailedError,
+) -> ApiError:
+    """What the engine refused on purpose, as the gateway's typed error."""
+    if isinstance(exc, InvalidParameterError):
+        return InvalidRequest(str(exc), param=exc.param)
+    if isinstance(exc, OverloadedError):
+        return overloaded(exc.retry_after_s, str(exc))
+    if isinstance(exc, DeadlineExceededError):
+        return DeadlineExceeded(str(exc))
+    return InternalError(str(exc), code=RequestFailedError.kind)
+
+
 async def policy_errors(
     outputs: AsyncGenerator[RequestOutput, None],
 ) -> AsyncGenerator[RequestOutput, None]:
@@ -212,11 +247,5 @@ async def policy_errors(
         async with contextlib.aclosing(outputs):
             async for out in outputs:
                 yield out
-    except InvalidParameterError as exc:
-        raise InvalidRequest(str(exc), param=exc.param) from exc
-    except OverloadedError as exc:
-        raise overloaded(exc.retry_after_s, str(exc)) from exc
-    except DeadlineExceededError as exc:
-        raise DeadlineExceeded(str(exc)) from exc
-    except RequestFailedError as exc:
-        raise InternalError(str(exc), code=RequestFailedError.kind) from exc
+    except ENGINE_REFUSALS as exc:
+        raise refusal(exc) from exc

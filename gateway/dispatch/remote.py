@@ -77,10 +77,12 @@ class RemoteEngineClient(LocalTokens):
         tokenizer: Tokenizer,
         model_name: str,
         max_model_len: int,
+        hidden_size: int | None = None,
         weights: Mapping[str, int] | None = None,  # a registry pool's routing weights
     ) -> None:
         super().__init__(tokenizer)
         self.replicas = [Replica(url, weight=(weights or {}).get(url, 1)) for url in replicas]
+        self.hidden_size = hidden_size
         self.model_name = model_name
         self.max_model_len = max_model_len
         self._http = httpx.AsyncClient(
@@ -107,8 +109,15 @@ class RemoteEngineClient(LocalTokens):
         folder.mkdir(parents=True, exist_ok=True)
         for name, content in info["files"].items():
             _write_atomically(folder / Path(name).name, content)
-        tokenizer = Tokenizer(folder)
-        client = cls(replicas, secret, tokenizer, info["model"], info["max_model_len"], weights)
+        client = cls(
+            replicas,
+            secret,
+            Tokenizer(folder),
+            info["model"],
+            info["max_model_len"],
+            info.get("hidden_size"),
+            weights,
+        )
         await client.refresh()
         client._health.start()
         return client
@@ -150,15 +159,7 @@ class RemoteEngineClient(LocalTokens):
         failures = 0
         handed_back = False  # outputs of an earlier attempt reached the caller
         while True:
-            replica = pick(self.replicas, key, exclude=tried)
-            if replica is None:
-                if shed is not None:
-                    raise shed
-                raise EngineUnavailable(
-                    "no backend replica is available", headers={"Retry-After": "1"}
-                )
-            tried.add(replica.url)
-            current_request().route(replica.url)
+            replica = self._next_replica(key, tried, shed)
             started = False
             replica.in_flight += 1
             self._placements[request_id] = replica
@@ -196,6 +197,15 @@ class RemoteEngineClient(LocalTokens):
             finally:
                 replica.in_flight -= 1
                 self._placements.pop(request_id, None)
+
+    def _next_replica(self, key: bytes, tried: set[str], shed: Overloaded | None) -> Replica:
+        """The next replica to try, routed to; none left: the last shedding, or 503."""
+        replica = pick(self.replicas, key, exclude=tried)
+        if replica is None:
+            raise shed or _no_replica()
+        tried.add(replica.url)
+        current_request().route(replica.url)
+        return replica
 
     async def _stream(self, replica: Replica, body: bytes, n: int) -> AsyncIterator[RequestOutput]:
         """The outputs of one attempt, until each of the request's n completions finished."""
@@ -241,6 +251,53 @@ class RemoteEngineClient(LocalTokens):
             return self._decoder.decode(line)
         except msgspec.DecodeError as exc:
             raise ReplicaFailed(f"unreadable reply: {exc}") from exc
+
+    async def embed(self, prompts: list[list[int]]) -> list[list[float]]:
+        """Nothing reaches the client before the vectors, so a replica that sheds or fails
+        them is replaced by another (at most MAX_REPLICA_FAILURES failures)."""
+        body = msgspec.json.encode({"prompts": prompts})
+        key = affinity_key(None, prompts[0])
+        tried: set[str] = set()
+        shed: Overloaded | None = None
+        failures = 0
+        while True:
+            replica = self._next_replica(key, tried, shed)
+            try:
+                return await self._embed_on(replica, body)
+            except Overloaded as exc:
+                shed = exc
+            except ReplicaFailed as exc:
+                replica.healthy = False  # the health check brings it back when it answers
+                failures += 1
+                log.warning("replica %s failed an embedding: %s", replica.url, exc)
+                if failures >= MAX_REPLICA_FAILURES:
+                    raise EngineUnavailable(
+                        f"the embedding failed on {failures} backend replicas",
+                        code="replica_failed",
+                    ) from exc
+
+    async def _embed_on(self, replica: Replica, body: bytes) -> list[list[float]]:
+        replica.in_flight += 1
+        try:
+            response = await self._http.post(
+                f"{replica.url}/internal/embed", content=body, headers=tracing.trace_headers()
+            )
+        except httpx.TransportError as exc:
+            raise ReplicaFailed(repr(exc)) from exc
+        finally:
+            replica.in_flight -= 1
+        if response.status_code == 400:
+            raise _invalid(response.content)
+        if response.status_code != 200:
+            self._decode(response.text)  # raises the typed error the replica sent
+            raise ReplicaFailed(f"HTTP {response.status_code}")
+        try:
+            vectors: list[list[float]] = msgspec.json.decode(
+                response.content, type=dict[str, list[list[float]]]
+            )["embeddings"]
+        except (msgspec.DecodeError, KeyError) as exc:
+            raise ReplicaFailed(f"unreadable reply: {exc}") from exc
+        return vectors
 
     def abort(self, request_id: str) -> None:
         """Closing the stream already aborts on the replica; this says it explicitly."""
@@ -296,6 +353,10 @@ async def _fetch_info(replicas: Sequence[str], secret: str) -> dict[str, Any]:
                 info: dict[str, Any] = response.json()
                 return info
     raise EngineUnavailable(f"no backend replica answered: {', '.join(replicas)}")
+
+
+def _no_replica() -> EngineUnavailable:
+    return EngineUnavailable("no backend replica is available", headers={"Retry-After": "1"})
 
 
 def _invalid(body: bytes) -> InvalidRequest:

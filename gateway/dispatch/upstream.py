@@ -147,6 +147,7 @@ class OpenAIUpstreamClient:
         self.local = LocalTokens(tokenizer) if tokenizer is not None else None
         self.max_token_chars = tokenizer.max_token_chars if tokenizer else UNKNOWN_TOKEN_CHARS
         self.tool_call_parser = DEFAULT_TOOL_PARSER  # tools are refused (tokenize_chat)
+        self.hidden_size: int | None = None  # embeddings are refused (embed)
         headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
         self._http = httpx.AsyncClient(
             headers=headers,
@@ -335,6 +336,11 @@ class OpenAIUpstreamClient:
             raise TargetFailed(error, retryable=True, down=True) from exc
         failed = UpstreamFailed("the upstream's stream ended before the request finished")
         raise TargetFailed(failed, retryable=True)
+
+    async def embed(self, prompts: list[list[int]]) -> list[list[float]]:
+        raise InvalidRequest(
+            f"embeddings are not available for model {self.model_name!r} yet", param="model"
+        )
 
     def abort(self, request_id: str) -> None:
         """Close the request's upstream connection now: vLLM aborts on disconnect."""

@@ -38,7 +38,13 @@ log = logging.getLogger("tollgate.requests")
 DOCUMENT_PROMPT_TOKENS = 1024  # a prompt this long is a document, whatever the endpoint
 # Admitted, then refused by the engine's scheduling policy before any token: rejections too.
 ENGINE_REFUSALS = ("overloaded", "deadline_exceeded")
-OPERATIONS = {"chat.completions": "chat", "completions": "text_completion"}
+WORKLOAD_CLASSES = {"chat.completions": "chat", "responses": "chat", "embeddings": "embedding"}
+OPERATIONS = {
+    "chat.completions": "chat",
+    "responses": "chat",
+    "completions": "text_completion",
+    "embeddings": "embeddings",
+}
 # Why a request was turned away, when nothing more specific was noted.
 STATUS_REASONS = {
     400: "invalid_request",
@@ -57,10 +63,11 @@ STATUS_REASONS = {
 
 
 def workload_class(endpoint: str, prompt_tokens: int) -> str:
-    """`document` for long prompts (prefill-bound), else `chat` or `completion` by endpoint."""
+    """`document` for long prompts (prefill-bound), else `chat`, `embedding` or
+    `completion` by endpoint."""
     if prompt_tokens >= DOCUMENT_PROMPT_TOKENS:
         return "document"
-    return "chat" if endpoint == "chat.completions" else "completion"
+    return WORKLOAD_CLASSES.get(endpoint, "completion")
 
 
 @dataclass

@@ -188,12 +188,14 @@ async def test_refused_constraints_name_what_is_wrong(
     assert response.status_code == 400, response.text
     error = response.json()["error"]
     assert error["type"] == "invalid_request_error" and '"if"' in error["message"]
+    assert error["param"] == "response_format"
     both = await _post(client, tenant_key, _body(model, guided_regex="a+", guided_choice=["a"]))
     assert both.status_code == 400
     assert "guided_regex" in both.json()["error"]["message"]
     assert both.json()["error"]["param"] == "guided_choice"
     bad_regex = await _post(client, tenant_key, _body(model, guided_regex="(unclosed"))
     assert bad_regex.status_code == 400 and "regex" in bad_regex.json()["error"]["message"]
+    assert bad_regex.json()["error"]["param"] == "guided_regex"  # the field the client sent
 
 
 async def test_named_and_required_tool_choices_always_give_valid_calls(

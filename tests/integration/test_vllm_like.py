@@ -14,12 +14,13 @@ import httpx
 import msgspec
 import openai
 import pytest
+from openai.types.chat import ChatCompletionMessageParam
 
 from tests.conftest import eventually, serving
 from tests.e2e.processes import free_port
 from tests.support.vllm_like import OUTPUT_TEXT, Config, create_app, render_chat, tokenize
 
-MESSAGES = [{"role": "user", "content": "Say something."}]
+MESSAGES: list[ChatCompletionMessageParam] = [{"role": "user", "content": "Say something."}]
 
 
 @contextlib.asynccontextmanager
@@ -58,7 +59,7 @@ async def test_chat_stream_ends_with_vllms_usage_chunk() -> None:
     async with upstream() as url:
         stream = await sdk(url).chat.completions.create(  # type: ignore[call-overload]
             model="vllm-like",
-            messages=MESSAGES,  # type: ignore[arg-type]
+            messages=MESSAGES,
             stream=True,
             stream_options={"include_usage": True},
         )
@@ -106,7 +107,7 @@ async def test_tokenize_counts_what_generation_bills() -> None:
         chat = (await http.post(f"{url}/tokenize", json={"messages": MESSAGES})).json()
         text = (await http.post(f"{url}/tokenize", json={"model": "m", "prompt": "abc"})).json()
         bad = await http.post(f"{url}/tokenize", json={"prompt": 3})
-        done = await sdk(url).chat.completions.create(model="vllm-like", messages=MESSAGES)  # type: ignore[arg-type]
+        done = await sdk(url).chat.completions.create(model="vllm-like", messages=MESSAGES)
     assert done.usage is not None
     assert chat["count"] == done.usage.prompt_tokens == len(chat["tokens"])
     assert text == {"count": 3, "max_model_len": 512, "tokens": tokenize("abc"),
@@ -120,9 +121,9 @@ async def test_models_health_and_api_key() -> None:
         listed = await sdk(url, "sk-up").models.list()
         assert (await http.get(f"{url}/health")).status_code == 200
         with pytest.raises(openai.AuthenticationError):
-            await sdk(url, "wrong").chat.completions.create(model="m1", messages=MESSAGES)  # type: ignore[arg-type]
+            await sdk(url, "wrong").chat.completions.create(model="m1", messages=MESSAGES)
         with pytest.raises(openai.NotFoundError):
-            await sdk(url, "sk-up").chat.completions.create(model="m2", messages=MESSAGES)  # type: ignore[arg-type]
+            await sdk(url, "sk-up").chat.completions.create(model="m2", messages=MESSAGES)
     assert [m.id for m in listed.data] == ["m1"]
     assert listed.data[0].owned_by == "vllm"
 
@@ -222,7 +223,7 @@ async def test_upstream_errors_carry_retry_after() -> None:
         with pytest.raises(openai.RateLimitError) as limited:
             await sdk(url).chat.completions.create(
                 model="vllm-like",
-                messages=MESSAGES,  # type: ignore[arg-type]
+                messages=MESSAGES,
                 extra_headers={"x-test-fail": "429"},
             )
         assert limited.value.response.headers["retry-after"] == "1"

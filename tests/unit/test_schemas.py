@@ -84,10 +84,11 @@ def test_vllm_guided_fields_become_constraints_on_chat_and_completions() -> None
     completion = decode(
         b'{"model": "m", "prompt": "a", "guided_regex": "[ab]+"}', CompletionRequest
     )
-    assert completion.constraint() == Constraint("regex", "[ab]+")
+    assert completion.constraint() == Constraint("regex", "[ab]+", field="guided_regex")
     choice = _chat(guided_choice=["yes", "no"]).constraint()
-    assert choice == Constraint("choice", '["yes", "no"]')
-    assert _chat(guided_grammar='start: "x"').constraint() == Constraint("grammar", 'start: "x"')
+    assert choice == Constraint("choice", '["yes", "no"]', field="guided_choice")
+    grammar = _chat(guided_grammar='start: "x"').constraint()
+    assert grammar == Constraint("grammar", 'start: "x"', field="guided_grammar")
     as_text = _chat(guided_json=json.dumps(PERSON)).constraint()
     assert as_text == _chat(guided_json=PERSON).constraint()
     assert as_text is not None and as_text.kind == "json_schema"

@@ -1,0 +1,74 @@
+"""bench/gateway_overhead.py: its instant upstreams and lean client in process, and a
+`--dry-run` of the whole bench (processes, a real `tollgate serve`) as a smoke test."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import msgspec
+import pytest
+
+from bench.gateway_overhead import (
+    TOKENS,
+    Client,
+    chat_requests,
+    openai_routes,
+    replica_requests,
+    replica_routes,
+    serve_routes,
+)
+from tests.e2e.processes import free_port
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+async def test_instant_upstreams_answer_the_lean_client() -> None:
+    openai_port, replica_port = free_port(), free_port()
+    servers = [
+        await serve_routes(openai_routes(), openai_port),
+        await serve_routes(replica_routes(), replica_port),
+    ]
+    try:
+        chat, replica = Client(openai_port), Client(replica_port)
+        for stream in (False, True):
+            sample = await chat.send(chat_requests(None)[stream])
+            assert sample.ok
+            assert 0 < sample.ttfb_s <= sample.latency_s
+        assert len(chat.idle) == 1  # kept alive and reused
+        assert (await replica.send(replica_requests()[False])).ok
+        routes = replica_routes()
+        body = msgspec.json.encode({"request_id": "r1", "prompt": [1, 2, 3]})
+        status, _, lines = routes[(b"POST", b"/internal/generate")](body)
+        assert status == 200
+        assert isinstance(lines, list)
+        outputs = [json.loads(line) for line in lines]
+        assert len(outputs) == TOKENS
+        assert [o["finished"] for o in outputs] == [False] * (TOKENS - 1) + [True]
+        assert {o["request_id"] for o in outputs} == {"r1"}
+        chat.close()
+        replica.close()
+    finally:
+        for server in servers:
+            server.close()
+
+
+@pytest.mark.e2e
+def test_dry_run_measures_every_target(tmp_path: Path) -> None:
+    out = tmp_path / "overhead.json"
+    command = [sys.executable, "-m", "bench.gateway_overhead", "--dry-run", "--skip-stack"]
+    done = subprocess.run(
+        [*command, "--json", str(out)], cwd=ROOT, capture_output=True, text=True, timeout=120
+    )
+    assert done.returncode == 0, done.stdout + done.stderr
+    result = json.loads(out.read_text())
+    names = {row["target"] for row in result["rows"]}
+    assert names == {"direct openai mock", "direct replica", "bare proxy", "tollgate embedded"}
+    assert all(row["errors"] == 0 for row in result["rows"])
+    for gateway in ("bare proxy", "tollgate embedded"):  # /proc ticks are 10 ms: summed
+        rows = [row for row in result["rows"] if row["target"] == gateway]
+        assert sum(row["cpu_ms_per_request"] for row in rows) > 0
+    assert set(result["sustained"]) == {"bare proxy", "tollgate embedded"}
+    assert "targets (issue 19)" in done.stdout
