@@ -28,8 +28,9 @@ from gateway.billing.jobs import BillingJobs
 from gateway.console import console_router
 from gateway.deps import REQUEST_DEPENDENCIES
 from gateway.dispatch import discovery
+from gateway.dispatch.directory import ModelDirectory
 from gateway.dispatch.engine_client import EngineClient, InProcessEngineClient
-from gateway.errors import exception_handlers
+from gateway.errors import EngineUnavailable, exception_handlers
 from gateway.metering import UsageRecorder
 from gateway.runtime import Runtime, provide_runtime
 from gateway.settings import Settings
@@ -42,6 +43,7 @@ from tenants.idempotency import InFlightLocks, MemoryLocks, RedisLocks
 from tenants.pricing import DEFAULT_PRICE
 from tenants.quota import open_quota_store
 from tenants.quota.redis import connect as connect_redis
+from tenants.registry import ModelSpec
 
 log = logging.getLogger(__name__)
 
@@ -81,6 +83,7 @@ def create_app(
             app.state.runtime = runtime
             app.state.telemetry = telemetry
             await attach_engine(runtime, telemetry, stack, engine_client)
+            await open_models(runtime, stack)
             # Closed first: what requests left behind (ledger writes, lock releases)
             # finishes while everything it needs is still open.
             stack.push_async_callback(runtime.tasks.drain)
@@ -200,3 +203,19 @@ async def attach_engine(
     if isinstance(engine_client, InProcessEngineClient):
         telemetry.metrics.watch_engine(engine_client.engine.stats)
     log.info("engine ready: model %s", engine_client.model_name)
+
+
+async def build_model_client(spec: ModelSpec) -> EngineClient:
+    """The client of a registry model. Until the upstream work (issue 19, section 2) builds
+    them, a registry model is listed, priced and audited, and its requests get a 503."""
+    raise EngineUnavailable(f"no client for {spec.kind} models yet")
+
+
+async def open_models(runtime: Runtime, stack: AsyncExitStack) -> None:
+    """The model directory: the default entry (the engine above) and the registry's models,
+    re-read every 2 s so a change reaches every replica without a restart."""
+    directory = ModelDirectory(runtime.sessions, build_model_client, runtime.engine_client)
+    stack.push_async_callback(directory.close)
+    await directory.refresh()
+    _started(stack, directory.periodic())
+    runtime.directory = directory

@@ -10,6 +10,7 @@ from sqlalchemy.ext.asyncio import AsyncEngine, AsyncSession, async_sessionmaker
 from gateway.admission.auth_failures import AuthFailureLog
 from gateway.admission.idempotency import Idempotency
 from gateway.admission.quota import Admission
+from gateway.dispatch.directory import ModelDirectory
 from gateway.dispatch.engine_client import EngineClient
 from gateway.errors import EngineUnavailable
 from gateway.metering import UsageRecorder
@@ -28,12 +29,19 @@ class Runtime:
     tasks: TaskSet
     engine_client: EngineClient | None = None
     auth_failures: AuthFailureLog | None = None  # counted, audited once per window
+    directory: ModelDirectory | None = None  # the default entry and the registry's models
 
     @property
     def engine(self) -> EngineClient:
         if self.engine_client is None or not self.engine_client.is_ready():
             raise EngineUnavailable("the model is not loaded yet", headers={"Retry-After": "1"})
         return self.engine_client
+
+    @property
+    def models(self) -> ModelDirectory:
+        if self.directory is None:
+            raise EngineUnavailable("the models are not loaded yet", headers={"Retry-After": "1"})
+        return self.directory
 
 
 def provide_runtime(state: State) -> Runtime:

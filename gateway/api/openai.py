@@ -29,12 +29,14 @@ from gateway.api.schemas import (
     decode,
     encode,
 )
+from gateway.dispatch.directory import ModelDirectory
 from gateway.dispatch.engine_client import EngineClient
 from gateway.errors import Cancelled, InvalidRequest
 from gateway.runtime import Runtime
 from gateway.telemetry import current_request
 from gateway.usage import Charge
 from tenants.models import IdempotencyRecord
+from tenants.registry import ModelKind
 from tenants.services import Principal
 
 T = TypeVar("T")
@@ -132,20 +134,21 @@ class OpenAIController(Controller):
     async def list_models(
         self, runtime: NamedDependency[Runtime], principal: NamedDependency[Principal]
     ) -> dict[str, Any]:
-        engine = runtime.engine
-        names = policy.visible_models(principal, [engine.model_name])
-        return {"object": "list", "data": [_model_card(engine) for _ in names]}
+        models = runtime.models
+        names = policy.visible_models(principal, models.names())
+        return {"object": "list", "data": [_model_card(models, name) for name in names]}
 
-    @get("/models/{model_id:str}")
+    @get("/models/{model_id:path}")  # ids may hold '/' (meta-llama/Llama-3.1-8B)
     async def get_model(
         self,
         model_id: FromPath[str],
         runtime: NamedDependency[Runtime],
         principal: NamedDependency[Principal],
     ) -> dict[str, Any]:
-        engine = runtime.engine
-        policy.check_model(principal, model_id, engine.model_name)
-        return _model_card(engine)
+        models, name = runtime.models, model_id.lstrip("/")
+        served = name if name in models.names() else ""  # "": not found
+        policy.check_model(principal, name, served)
+        return _model_card(models, name)
 
 
 def _chat_prompt(
@@ -172,13 +175,20 @@ async def _tokenize(
     return await asyncio.to_thread(work)
 
 
-def _model_card(engine: EngineClient) -> dict[str, Any]:
+def _model_card(models: ModelDirectory, name: str) -> dict[str, Any]:
+    """OpenAI's model object, with vLLM's `max_model_len` and OpenRouter's
+    `context_length` (null while an upstream's is unknown). `owned_by` is "tollgate" for
+    Tollgate's own engines and "upstream" for an OpenAI-compatible server."""
+    spec, client = models.spec(name), models.built(name)
+    context = client.max_model_len if client is not None else spec and spec.context_length
+    upstream = spec is not None and spec.kind is ModelKind.OPENAI
     return {
-        "id": engine.model_name,
+        "id": name,
         "object": "model",
         "created": 0,
-        "owned_by": "tollgate",
-        "max_model_len": engine.max_model_len,
+        "owned_by": "upstream" if upstream else "tollgate",
+        "max_model_len": context,
+        "context_length": context,
     }
 
 
@@ -228,6 +238,8 @@ async def _respond(
         with scope.span("admission"):
             # Reserve at the price the request will be charged (the book's version now).
             quote = await runtime.recorder.prices.quote(gen.charge.model, gen.charge.started_at)
+            registered = runtime.models.spec(gen.charge.model) is not None
+            policy.check_priced(quote, gen.charge.model, registered)
             ticket = await runtime.admission.reserve(
                 principal,
                 gen.charge.request_id,
