@@ -127,16 +127,13 @@ def _remove(settings: Settings, args: argparse.Namespace) -> int:
     return 0
 
 
-def _targets(urls: list[str], weights: list[str] | None) -> tuple[Target, ...]:
+def _targets(given: list[str], weights: list[str] | None) -> tuple[Target, ...]:
     """`--target URL=3`, or `--target URL --weight 3` (one weight per target, in order)."""
-    if weights is not None and len(weights) != len(urls):
-        raise InvalidInputError(f"{len(weights)} --weight for {len(urls)} --target: one each")
-    targets = []
-    for i, given in enumerate(urls):
-        url, _, weight = given.rpartition("=") if "=" in given else (given, "", "1")
-        if weights is not None:
-            weight = weights[i]
-        targets.append(Target(url, _whole(weight, "a target weight")))
+    if weights is not None and len(weights) != len(given):
+        raise InvalidInputError(f"{len(weights)} --weight for {len(given)} --target: one each")
+    targets = [Target.parse(text) for text in given]
+    if weights is not None:
+        targets = [Target.parse(f"{t.url}={w}") for t, w in zip(targets, weights, strict=True)]
     return tuple(targets)
 
 
