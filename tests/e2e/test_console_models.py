@@ -66,10 +66,10 @@ async def test_owner_adds_and_removes_a_model(
     await expect(page.get_by_role("alert")).to_contain_text("must be an http(s) URL")
     await expect(page.locator('#models-table tr[data-model="bad"]')).to_have_count(0)
 
-    await page.set_viewport_size(PHONE)
+    await page.set_viewport_size({"width": PHONE["width"], "height": PHONE["height"]})
     assert await page.evaluate(TOO_WIDE) == []
     await shot(page, "models-phone")
-    await page.set_viewport_size(LAPTOP)
+    await page.set_viewport_size({"width": LAPTOP["width"], "height": LAPTOP["height"]})
 
     await row.get_by_role("button", name=f"Remove {NAME}").click()
     await expect(page.get_by_role("status")).to_contain_text(f"Removed {NAME}")
@@ -96,8 +96,15 @@ async def test_viewer_sees_models_but_no_forms(
     token = await page.locator(
         'form[action="/admin/logout"] input[name="csrf_token"]'
     ).input_value()
-    form = {"name": "x", "kind": "openai", "targets": "http://h", "csrf_token": token}
+    form: dict[str, str | float | bool] = {
+        "name": "x",
+        "kind": "openai",
+        "targets": "http://h",
+        "csrf_token": token,
+    }
     assert (await page.request.post("/admin/models", form=form)).status == 403
-    without_token = {k: v for k, v in form.items() if k != "csrf_token"}
+    without_token: dict[str, str | float | bool] = {
+        k: v for k, v in form.items() if k != "csrf_token"
+    }
     assert (await page.request.post("/admin/models", form=without_token)).status == 403
     await context.close()
