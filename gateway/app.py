@@ -10,6 +10,7 @@ from typing import Protocol, TypeVar
 
 from litestar import Litestar
 from litestar.di import Provide
+from sqlalchemy.exc import InterfaceError, OperationalError
 from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
 
 from backend import EngineConfig
@@ -28,7 +29,7 @@ from gateway.billing.jobs import BillingJobs
 from gateway.console import console_router
 from gateway.deps import REQUEST_DEPENDENCIES
 from gateway.dispatch import discovery
-from gateway.dispatch.directory import ModelDirectory
+from gateway.dispatch.directory import REFRESH_S, ModelDirectory
 from gateway.dispatch.engine_client import EngineClient, InProcessEngineClient
 from gateway.errors import EngineUnavailable, exception_handlers
 from gateway.metering import UsageRecorder
@@ -216,6 +217,9 @@ async def open_models(runtime: Runtime, stack: AsyncExitStack) -> None:
     re-read every 2 s so a change reaches every replica without a restart."""
     directory = ModelDirectory(runtime.sessions, build_model_client, runtime.engine_client)
     stack.push_async_callback(directory.close)
-    await directory.refresh()
+    try:
+        await directory.refresh()
+    except (OperationalError, InterfaceError):  # the database is down: the refresh retries
+        log.warning("model registry unreadable at start; retrying every %.0f s", REFRESH_S)
     _started(stack, directory.periodic())
     runtime.directory = directory

@@ -48,7 +48,11 @@ def spec_from(form: FormMultiDict) -> ModelSpec:
 
 class ModelsController(Controller):
     path = "/models"
-    dependencies = {"console": Provide(provide_console)}
+    dependencies = {  # the form ones are resolved only by the posts that ask for them
+        "console": Provide(provide_console),
+        "form": Provide(provide_form),
+        "owner_form": Provide(provide_owner_form),
+    }
 
     @get("/")
     async def models(
@@ -70,9 +74,7 @@ class ModelsController(Controller):
             default=runtime.engine_client.model_name if runtime.engine_client else None,
         )
 
-    @post(
-        "/", dependencies={"form": Provide(provide_form), "owner_form": Provide(provide_owner_form)}
-    )
+    @post("/")
     async def add_model(
         self,
         request: Request[Any, Any, Any],
@@ -84,10 +86,7 @@ class ModelsController(Controller):
             row = await ModelService(db_session, console.actor).add(spec_from(owner_form))
         return back_to(request, HERE, f"Added {row.name}; every gateway serves it within seconds.")
 
-    @post(
-        "/remove",
-        dependencies={"form": Provide(provide_form), "owner_form": Provide(provide_owner_form)},
-    )
+    @post("/remove")
     async def remove_model(
         self,
         request: Request[Any, Any, Any],
