@@ -10,7 +10,7 @@ from typing import Protocol, TypeVar
 
 from litestar import Litestar
 from litestar.di import Provide
-from sqlalchemy.exc import InterfaceError, OperationalError
+from sqlalchemy.exc import SQLAlchemyError
 from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
 
 from backend import EngineConfig
@@ -29,7 +29,7 @@ from gateway.billing.jobs import BillingJobs
 from gateway.console import console_router
 from gateway.deps import REQUEST_DEPENDENCIES
 from gateway.dispatch import discovery
-from gateway.dispatch.directory import REFRESH_S, ModelDirectory
+from gateway.dispatch.directory import ModelDirectory
 from gateway.dispatch.engine_client import EngineClient, InProcessEngineClient
 from gateway.errors import EngineUnavailable, exception_handlers
 from gateway.metering import UsageRecorder
@@ -84,7 +84,7 @@ def create_app(
             app.state.runtime = runtime
             app.state.telemetry = telemetry
             await attach_engine(runtime, telemetry, stack, engine_client)
-            await open_models(runtime, stack)
+            await attach_models(runtime, telemetry, stack)
             # Closed first: what requests left behind (ledger writes, lock releases)
             # finishes while everything it needs is still open.
             stack.push_async_callback(runtime.tasks.drain)
@@ -212,14 +212,15 @@ async def build_model_client(spec: ModelSpec) -> EngineClient:
     raise EngineUnavailable(f"no client for {spec.kind} models yet")
 
 
-async def open_models(runtime: Runtime, stack: AsyncExitStack) -> None:
-    """The model directory: the default entry (the engine above) and the registry's models,
-    re-read every 2 s so a change reaches every replica without a restart."""
-    directory = ModelDirectory(runtime.sessions, build_model_client, runtime.engine_client)
-    stack.push_async_callback(directory.close)
+async def attach_models(runtime: Runtime, telemetry: Telemetry, stack: AsyncExitStack) -> None:
+    """Every model the gateway serves: the engine above as the default entry, and the
+    registry's models, re-read every few seconds (their clients closed by `stack`)."""
+    build = build_model_client
+    models = ModelDirectory(runtime.sessions, build, runtime.engine_client)
+    stack.push_async_callback(models.close)
     try:
-        await directory.refresh()
-    except (OperationalError, InterfaceError):  # the database is down: the refresh retries
-        log.warning("model registry unreadable at start; retrying every %.0f s", REFRESH_S)
-    _started(stack, directory.periodic())
-    runtime.directory = directory
+        await models.refresh()
+    except SQLAlchemyError as exc:  # the database may come up later: the refresh retries
+        log.warning("the model registry cannot be read yet (%s)", type(exc).__name__)
+    _started(stack, models.periodic())
+    runtime.models = models

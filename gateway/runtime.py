@@ -29,19 +29,13 @@ class Runtime:
     tasks: TaskSet
     engine_client: EngineClient | None = None
     auth_failures: AuthFailureLog | None = None  # counted, audited once per window
-    directory: ModelDirectory | None = None  # the default entry and the registry's models
+    models: ModelDirectory | None = None  # every model served: the default and the registry's
 
     @property
     def engine(self) -> EngineClient:
         if self.engine_client is None or not self.engine_client.is_ready():
             raise EngineUnavailable("the model is not loaded yet", headers={"Retry-After": "1"})
         return self.engine_client
-
-    @property
-    def models(self) -> ModelDirectory:
-        if self.directory is None:
-            raise EngineUnavailable("the models are not loaded yet", headers={"Retry-After": "1"})
-        return self.directory
 
 
 def provide_runtime(state: State) -> Runtime:

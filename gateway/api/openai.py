@@ -31,7 +31,7 @@ from gateway.api.schemas import (
 )
 from gateway.dispatch.directory import ModelDirectory
 from gateway.dispatch.engine_client import EngineClient
-from gateway.errors import Cancelled, InvalidRequest
+from gateway.errors import Cancelled, EngineUnavailable, InvalidRequest
 from gateway.runtime import Runtime
 from gateway.telemetry import current_request
 from gateway.usage import Charge
@@ -134,7 +134,7 @@ class OpenAIController(Controller):
     async def list_models(
         self, runtime: NamedDependency[Runtime], principal: NamedDependency[Principal]
     ) -> dict[str, Any]:
-        models = runtime.models
+        models = _directory(runtime)
         names = policy.visible_models(principal, models.names())
         return {"object": "list", "data": [_model_card(models, name) for name in names]}
 
@@ -145,7 +145,7 @@ class OpenAIController(Controller):
         runtime: NamedDependency[Runtime],
         principal: NamedDependency[Principal],
     ) -> dict[str, Any]:
-        models, name = runtime.models, model_id.lstrip("/")
+        models, name = _directory(runtime), model_id.lstrip("/")
         served = name if name in models.names() else ""  # "": not found
         policy.check_model(principal, name, served)
         return _model_card(models, name)
@@ -173,6 +173,12 @@ async def _tokenize(
         return work()
     await runtime.admission.refuse_if_exhausted(principal)  # a spent key costs no tokenizing
     return await asyncio.to_thread(work)
+
+
+def _directory(runtime: Runtime) -> ModelDirectory:
+    if runtime.models is None:
+        raise EngineUnavailable("the models are not loaded yet", headers={"Retry-After": "1"})
+    return runtime.models
 
 
 def _model_card(models: ModelDirectory, name: str) -> dict[str, Any]:
@@ -238,7 +244,7 @@ async def _respond(
         with scope.span("admission"):
             # Reserve at the price the request will be charged (the book's version now).
             quote = await runtime.recorder.prices.quote(gen.charge.model, gen.charge.started_at)
-            registered = runtime.models.spec(gen.charge.model) is not None
+            registered = _directory(runtime).spec(gen.charge.model) is not None
             policy.check_priced(quote, gen.charge.model, registered)
             ticket = await runtime.admission.reserve(
                 principal,

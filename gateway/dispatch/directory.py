@@ -37,14 +37,21 @@ class ModelDirectory:
     def get(self, name: str) -> EngineClient:
         """The client for `name`; 404 when no such model is served, 503 while its client
         cannot be built (an upstream that is down when the model is added)."""
-        client = self.built(name)
+        client = self._clients.get(name)
         if client is not None:
             return client
         if name in self._specs:
             raise EngineUnavailable(
                 f"model {name!r} is not reachable yet", headers={"Retry-After": "2"}
             )
+        if self.default is not None and name == self.default.model_name:
+            return self.default
         raise NotFound(f"the model {name!r} does not exist", param="model", code="model_not_found")
+
+    def names(self) -> list[str]:
+        """Every model served, the default entry first."""
+        default = [self.default.model_name] if self.default is not None else []
+        return [*default, *sorted(n for n in self._specs if n not in default)]
 
     def spec(self, name: str) -> ModelSpec | None:
         """What the registry says of `name`; None for the default entry and unknown names."""
@@ -56,11 +63,6 @@ class ModelDirectory:
             return self._clients.get(name)
         default = self.default
         return default if default is not None and name == default.model_name else None
-
-    def names(self) -> list[str]:
-        """Every model served, the default entry first."""
-        default = [self.default.model_name] if self.default is not None else []
-        return [*default, *sorted(n for n in self._specs if n not in default)]
 
     async def refresh(self) -> None:
         async with self.sessions() as session:

@@ -53,6 +53,7 @@ async def _listed(client: AsyncTestClient[Any], secret: str) -> dict[str, dict[s
 async def _refreshed(client: AsyncTestClient[Litestar]) -> None:
     """Re-read the registry now instead of waiting for the 2 s refresh."""
     runtime: Runtime = client.app.state.runtime
+    assert runtime.models is not None
     await runtime.models.refresh()
 
 
