@@ -1,10 +1,11 @@
-"""/admin/api: plans, tenants, keys and quota usage, for administrators (admin keys)."""
+"""/admin/api: plans, tenants, keys, quota usage and the model registry, for
+administrators (admin keys)."""
 
 from __future__ import annotations
 
 from typing import Any
 
-from litestar import Controller, Request, get, patch, post
+from litestar import Controller, Request, delete, get, patch, post
 from litestar.di import NamedDependency, Provide
 from litestar.params import FromPath
 from sqlalchemy.ext.asyncio import AsyncSession
@@ -12,6 +13,8 @@ from sqlalchemy.ext.asyncio import AsyncSession
 from gateway.admin.schemas import (
     KeyBody,
     LimitsBody,
+    ModelBody,
+    ModelPatch,
     PlanBody,
     TenantBody,
     TenantPatch,
@@ -28,6 +31,7 @@ from tenants.audit import Actor
 from tenants.limits import PlanTerms
 from tenants.models import KeyRole
 from tenants.quota import QuotaStore
+from tenants.registry import ModelService, model_view
 from tenants.services import ApiKeyService, PlanService, Principal, TenantService
 
 
@@ -174,3 +178,53 @@ class AdminController(Controller):
     ) -> dict[str, Any]:
         body = decode(await request.body(), LimitsBody)
         return key_view(await ApiKeyService(db_session, actor).set_limits(key, body.merged))
+
+    # Models: every gateway replica serves a change within a few seconds (the directory's
+    # refresh), so nothing here touches this replica's clients. `path`: names may hold '/'.
+    @get("/models")
+    async def list_models(
+        self, db_session: NamedDependency[AsyncSession], admin: NamedDependency[Principal]
+    ) -> list[dict[str, Any]]:
+        return [model_view(row) for row in await ModelService(db_session).list()]
+
+    @get("/models/{name:path}")
+    async def get_model(
+        self,
+        name: FromPath[str],
+        db_session: NamedDependency[AsyncSession],
+        admin: NamedDependency[Principal],
+    ) -> dict[str, Any]:
+        return model_view(await ModelService(db_session).get(name.lstrip("/")))
+
+    @post("/models", status_code=201)
+    async def create_model(
+        self,
+        request: Request[Any, Any, Any],
+        db_session: NamedDependency[AsyncSession],
+        actor: NamedDependency[Actor],
+    ) -> dict[str, Any]:
+        body = decode(await request.body(), ModelBody)
+        return model_view(await ModelService(db_session, actor).add(body.spec()))
+
+    @patch("/models/{name:path}")
+    async def update_model(
+        self,
+        name: FromPath[str],
+        request: Request[Any, Any, Any],
+        db_session: NamedDependency[AsyncSession],
+        actor: NamedDependency[Actor],
+    ) -> dict[str, Any]:
+        changes = decode(await request.body(), ModelPatch).changes()
+        if not changes:
+            raise InvalidRequest("nothing to change: give at least one field")
+        row = await ModelService(db_session, actor).update(name.lstrip("/"), **changes)
+        return model_view(row)
+
+    @delete("/models/{name:path}", status_code=204)
+    async def remove_model(
+        self,
+        name: FromPath[str],
+        db_session: NamedDependency[AsyncSession],
+        actor: NamedDependency[Actor],
+    ) -> None:
+        await ModelService(db_session, actor).remove(name.lstrip("/"))

@@ -29,12 +29,14 @@ from gateway.api.schemas import (
     decode,
     encode,
 )
+from gateway.dispatch.directory import ModelDirectory
 from gateway.dispatch.engine_client import INLINE_TOKENIZE_CHARS, ClientPrompt, EngineClient
-from gateway.errors import Cancelled, InvalidRequest
+from gateway.errors import Cancelled, EngineUnavailable, InvalidRequest, NotFound
 from gateway.runtime import Runtime
 from gateway.telemetry import current_request
 from gateway.usage import Charge
 from tenants.models import IdempotencyRecord
+from tenants.registry import ModelKind
 from tenants.services import Principal
 
 T = TypeVar("T")
@@ -124,20 +126,24 @@ class OpenAIController(Controller):
     async def list_models(
         self, runtime: NamedDependency[Runtime], principal: NamedDependency[Principal]
     ) -> dict[str, Any]:
-        engine = runtime.engine
-        names = policy.visible_models(principal, [engine.model_name])
-        return {"object": "list", "data": [_model_card(engine) for _ in names]}
+        models = _directory(runtime)
+        names = policy.visible_models(principal, models.names())
+        return {"object": "list", "data": [_model_card(models, name) for name in names]}
 
-    @get("/models/{model_id:str}")
+    @get("/models/{model_id:path}")  # ids may hold '/' (meta-llama/Llama-3.1-8B)
     async def get_model(
         self,
         model_id: FromPath[str],
         runtime: NamedDependency[Runtime],
         principal: NamedDependency[Principal],
     ) -> dict[str, Any]:
-        engine = runtime.engine_for(model_id)
-        policy.check_model(principal, model_id)
-        return _model_card(engine)
+        models, name = _directory(runtime), model_id.lstrip("/")
+        if name not in models.names():
+            raise NotFound(
+                f"the model {name!r} does not exist", param="model", code="model_not_found"
+            )
+        policy.check_model(principal, name)
+        return _model_card(models, name)
 
 
 async def chat(
@@ -192,13 +198,26 @@ async def tokenize(
     return await work()
 
 
-def _model_card(engine: EngineClient) -> dict[str, Any]:
+def _directory(runtime: Runtime) -> ModelDirectory:
+    if runtime.models is None:
+        raise EngineUnavailable("the models are not loaded yet", headers={"Retry-After": "1"})
+    return runtime.models
+
+
+def _model_card(models: ModelDirectory, name: str) -> dict[str, Any]:
+    """OpenAI's model object, with vLLM's `max_model_len` and OpenRouter's
+    `context_length` (null while an upstream's is unknown). `owned_by` is "tollgate" for
+    Tollgate's own engines and "upstream" for an OpenAI-compatible server."""
+    spec, client = models.spec(name), models.built(name)
+    context = client.max_model_len if client is not None else spec and spec.context_length
+    upstream = spec is not None and spec.kind is ModelKind.OPENAI
     return {
-        "id": engine.model_name,
+        "id": name,
         "object": "model",
         "created": 0,
-        "owned_by": "tollgate",
-        "max_model_len": engine.max_model_len,
+        "owned_by": "upstream" if upstream else "tollgate",
+        "max_model_len": context,
+        "context_length": context,
     }
 
 
@@ -270,6 +289,8 @@ async def admit(
         with scope.span("admission"):
             # Reserve at the price the request will be charged (the book's version now).
             quote = await runtime.recorder.prices.quote(charge.model, charge.started_at)
+            registered = _directory(runtime).spec(charge.model) is not None
+            policy.check_priced(quote, charge.model, registered)
             ticket = await runtime.admission.reserve(
                 principal, charge.request_id, prompt_tokens, output_tokens, quote.price
             )
