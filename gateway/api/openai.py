@@ -31,6 +31,8 @@ from gateway.api.schemas import (
 )
 from gateway.dispatch.engine_client import EngineClient
 from gateway.errors import Cancelled, InvalidRequest
+from gateway.openapi import AUTHENTICATED, GENERATION, documented
+from gateway.openapi.shapes import ChatCompletion, Completion, Model, ModelList
 from gateway.runtime import Runtime
 from gateway.telemetry import current_request
 from gateway.usage import Charge
@@ -81,9 +83,19 @@ def _params(
 
 class OpenAIController(Controller):
     path = "/v1"
+    tags = ["OpenAI-compatible"]
     dependencies = {"principal": Provide(authenticate)}
 
-    @post("/chat/completions", status_code=200)
+    @post(
+        "/chat/completions",
+        status_code=200,
+        operation_class=documented(
+            ChatCompletion,
+            body=ChatCompletionRequest,
+            errors=GENERATION,
+            stream="ChatCompletionChunk",
+        ),
+    )
     async def chat_completions(
         self,
         request: Request[Any, Any, Any],
@@ -104,7 +116,13 @@ class OpenAIController(Controller):
         gen.tools = tools
         return await _respond(request, runtime, principal, gen, stream=body.stream)
 
-    @post("/completions", status_code=200)
+    @post(
+        "/completions",
+        status_code=200,
+        operation_class=documented(
+            Completion, body=CompletionRequest, errors=GENERATION, stream="Completion"
+        ),
+    )
     async def completions(
         self,
         request: Request[Any, Any, Any],
@@ -128,7 +146,7 @@ class OpenAIController(Controller):
             gen.echo = body.prompt if isinstance(body.prompt, str) else engine.decode(prompt)
         return await _respond(request, runtime, principal, gen, stream=body.stream)
 
-    @get("/models")
+    @get("/models", operation_class=documented(ModelList, errors=AUTHENTICATED))
     async def list_models(
         self, runtime: NamedDependency[Runtime], principal: NamedDependency[Principal]
     ) -> dict[str, Any]:
@@ -136,7 +154,10 @@ class OpenAIController(Controller):
         names = policy.visible_models(principal, [engine.model_name])
         return {"object": "list", "data": [_model_card(engine) for _ in names]}
 
-    @get("/models/{model_id:str}")
+    @get(
+        "/models/{model_id:str}",
+        operation_class=documented(Model, errors=(*AUTHENTICATED, 403, 404)),
+    )
     async def get_model(
         self,
         model_id: FromPath[str],
