@@ -71,9 +71,7 @@ class AuditController(Controller):
             "next_cursor": events[-1].id if more else None,
         }
 
-    @post(
-        "/verify", status_code=200, operation_class=documented(AuditVerification, errors=ADMIN)
-    )
+    @post("/verify", status_code=200, operation_class=documented(AuditVerification, errors=ADMIN))
     async def verify(
         self,
         db_session: NamedDependency[AsyncSession],

@@ -33,7 +33,7 @@ from gateway.openapi import ADMIN, ADMIN_WRITE, AUTHENTICATED, documented
 from gateway.openapi.shapes import (
     ExportRun,
     ExportStatus,
-    Price,
+    PriceVersion,
     Report,
     Requeued,
     Resolved,
@@ -164,7 +164,7 @@ class BillingAdminController(Controller):
         await StripeCustomerService(db_session, actor).link(found, link.customer_id)
         return {"tenant": found.name, "customer_id": link.customer_id}
 
-    @get("/prices", operation_class=documented(list[Price], errors=ADMIN))
+    @get("/prices", operation_class=documented(list[PriceVersion], errors=ADMIN))
     async def list_prices(
         self,
         db_session: NamedDependency[AsyncSession],
@@ -176,7 +176,7 @@ class BillingAdminController(Controller):
     @post(
         "/prices",
         status_code=201,
-        operation_class=documented(Price, body=PriceBody, status=201, errors=ADMIN_WRITE),
+        operation_class=documented(PriceVersion, body=PriceBody, status=201, errors=ADMIN_WRITE),
     )
     async def create_price(
         self,

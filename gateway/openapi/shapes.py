@@ -308,7 +308,7 @@ class AuditVerification(Struct):
     anchor: str | None
 
 
-class Price(Struct):
+class PriceVersion(Struct):
     id: str
     model: str
     input_micros_per_mtok: int
