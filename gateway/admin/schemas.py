@@ -7,11 +7,13 @@ from typing import Annotated, Any
 import msgspec
 from msgspec import Meta, Struct
 
-from tenants.limits import LIMIT_NAMES, LOWEST_PRIORITY, LimitSet, PlanTerms
+from tenants.limits import LIMIT_NAMES, LOWEST_PRIORITY, MAX_MICROS, MAX_WHOLE, LimitSet, PlanTerms
 from tenants.models import ApiKey, Plan, Tenant
 from tenants.registry import ModelKind, ModelSpec, Target
 
-Limit = Annotated[int, Meta(ge=0)] | None
+# Bounded as the columns they are stored in (SQLite refuses an integer past 64 bits).
+Limit = Annotated[int, Meta(ge=0, le=MAX_WHOLE)] | None
+Budget = Annotated[int, Meta(ge=0, le=MAX_MICROS)] | None
 Priority = Annotated[int, Meta(ge=0, le=LOWEST_PRIORITY)]
 UNSET: Any = msgspec.UNSET
 
@@ -22,7 +24,7 @@ class LimitsBody(Struct, kw_only=True, forbid_unknown_fields=True):
     rpm: Limit | msgspec.UnsetType = UNSET
     tpm: Limit | msgspec.UnsetType = UNSET
     max_concurrent: Limit | msgspec.UnsetType = UNSET
-    monthly_budget_micros: Limit | msgspec.UnsetType = UNSET
+    monthly_budget_micros: Budget | msgspec.UnsetType = UNSET
     max_tokens_per_request: Limit | msgspec.UnsetType = UNSET
 
     def merged(self, current: LimitSet) -> LimitSet:
@@ -35,7 +37,7 @@ class PlanBody(LimitsBody, kw_only=True, forbid_unknown_fields=True):
     allowed_models: list[str] | msgspec.UnsetType | None = UNSET
     default_priority: Priority | msgspec.UnsetType = UNSET
     max_priority: Priority | msgspec.UnsetType = UNSET
-    weight: Annotated[int, Meta(ge=1)] | msgspec.UnsetType = UNSET
+    weight: Annotated[int, Meta(ge=1, le=MAX_WHOLE)] | msgspec.UnsetType = UNSET
 
     def terms(self, current: PlanTerms) -> PlanTerms:
         models = current.allowed_models

@@ -32,6 +32,8 @@ from gateway.api.schemas import (
 from gateway.dispatch.directory import ModelDirectory
 from gateway.dispatch.engine_client import INLINE_TOKENIZE_CHARS, ClientPrompt, EngineClient
 from gateway.errors import Cancelled, EngineUnavailable, InvalidRequest, NotFound
+from gateway.openapi import AUTHENTICATED, GENERATION, documented
+from gateway.openapi.shapes import ChatCompletion, Completion, Model, ModelList
 from gateway.runtime import Runtime
 from gateway.telemetry import current_request
 from gateway.usage import Charge
@@ -83,9 +85,19 @@ def _params(
 
 class OpenAIController(Controller):
     path = "/v1"
+    tags = ["OpenAI-compatible"]
     dependencies = {"principal": Provide(authenticate)}
 
-    @post("/chat/completions", status_code=200)
+    @post(
+        "/chat/completions",
+        status_code=200,
+        operation_class=documented(
+            ChatCompletion,
+            body=ChatCompletionRequest,
+            errors=GENERATION,
+            stream="ChatCompletionChunk",
+        ),
+    )
     async def chat_completions(
         self,
         request: Request[Any, Any, Any],
@@ -95,7 +107,13 @@ class OpenAIController(Controller):
         body = decode(await request.body(), ChatCompletionRequest)
         return await chat(request, runtime, principal, body)
 
-    @post("/completions", status_code=200)
+    @post(
+        "/completions",
+        status_code=200,
+        operation_class=documented(
+            Completion, body=CompletionRequest, errors=GENERATION, stream="Completion"
+        ),
+    )
     async def completions(
         self,
         request: Request[Any, Any, Any],
@@ -122,7 +140,7 @@ class OpenAIController(Controller):
             gen.echo = body.prompt if isinstance(body.prompt, str) else engine.decode(prompt)
         return await _respond(request, runtime, principal, gen, engine, stream=body.stream)
 
-    @get("/models")
+    @get("/models", operation_class=documented(ModelList, errors=AUTHENTICATED))
     async def list_models(
         self, runtime: NamedDependency[Runtime], principal: NamedDependency[Principal]
     ) -> dict[str, Any]:
@@ -130,7 +148,10 @@ class OpenAIController(Controller):
         names = policy.visible_models(principal, models.names())
         return {"object": "list", "data": [_model_card(models, name) for name in names]}
 
-    @get("/models/{model_id:path}")  # ids may hold '/' (meta-llama/Llama-3.1-8B)
+    @get(
+        "/models/{model_id:path}",  # ids may hold '/' (meta-llama/Llama-3.1-8B)
+        operation_class=documented(Model, errors=(*AUTHENTICATED, 403, 404)),
+    )
     async def get_model(
         self,
         model_id: FromPath[str],

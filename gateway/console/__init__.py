@@ -49,6 +49,7 @@ def console_router() -> Router:
             create_static_files_router(path="/static", directories=[STATIC_DIR]),
         ],
         request_max_body_size=MAX_FORM_BYTES,  # 413 before a byte past it is read
+        include_in_schema=False,  # HTML pages and forms, not an API
         exception_handlers={
             SignInRequired: _to_sign_in,
             ConsoleForbidden: _forbidden,
