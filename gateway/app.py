@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import AsyncIterator
 from contextlib import AsyncExitStack, asynccontextmanager
 from datetime import timedelta
@@ -197,6 +198,7 @@ async def attach_engine(
         engine_client = await connect_engine(runtime.settings)
         stack.push_async_callback(engine_client.close)
     runtime.engine_client = engine_client
+    runtime.model_loaded_at = int(time.time())
     if isinstance(engine_client, InProcessEngineClient):
         telemetry.metrics.watch_engine(engine_client.engine.stats)
     log.info("engine ready: model %s", engine_client.model_name)

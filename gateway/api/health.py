@@ -11,7 +11,7 @@ from sqlalchemy import text
 from gateway.runtime import Runtime
 
 
-@get("/healthz", media_type=MediaType.JSON)
+@get(["/healthz", "/health"], media_type=MediaType.JSON)  # /health: what guidellm and vLLM probe
 async def healthz(runtime: NamedDependency[Runtime]) -> Response[dict[str, str]]:
     """The process is up and serving HTTP, and no engine it runs has died (a dead
     in-process engine would otherwise answer 503 to every tenant until restarted)."""

@@ -114,18 +114,15 @@ class OpenAIController(Controller):
         body = decode(await request.body(), CompletionRequest)
         engine = runtime.engine
         policy.check_model(principal, body.model, engine.model_name)
-        if isinstance(body.prompt, str):
-            chars = len(body.prompt)
-            policy.check_prompt_chars(chars, engine.max_model_len, engine.max_token_chars, "prompt")
-            prompt = await _tokenize(runtime, principal, chars, partial(engine.encode, body.prompt))
-        else:
-            prompt = body.prompt
-        if not prompt:
-            raise InvalidRequest("the prompt is empty", param="prompt")
-        params = _params(principal, body, prompt, engine, "prompt", body.constraint())
-        gen = _generation(runtime, principal, body, TextFormat, "completions", prompt, params)
+        given = body.prompts()
+        prompts = await _completion_prompts(runtime, principal, given)
+        longest = max(prompts, key=len)
+        params = _params(principal, body, longest, engine, "prompt", body.constraint())
+        gen = _generation(runtime, principal, body, TextFormat, "completions", prompts[0], params)
+        if len(prompts) > 1:
+            gen.batch = prompts
         if body.echo:
-            gen.echo = body.prompt if isinstance(body.prompt, str) else engine.decode(prompt)
+            gen.echo = [p if isinstance(p, str) else engine.decode(p) for p in given]
         return await _respond(request, runtime, principal, gen, stream=body.stream)
 
     @get("/models")
@@ -134,7 +131,7 @@ class OpenAIController(Controller):
     ) -> dict[str, Any]:
         engine = runtime.engine
         names = policy.visible_models(principal, [engine.model_name])
-        return {"object": "list", "data": [_model_card(engine) for _ in names]}
+        return {"object": "list", "data": [_model_card(runtime, engine) for _ in names]}
 
     @get("/models/{model_id:str}")
     async def get_model(
@@ -145,7 +142,39 @@ class OpenAIController(Controller):
     ) -> dict[str, Any]:
         engine = runtime.engine
         policy.check_model(principal, model_id, engine.model_name)
-        return _model_card(engine)
+        return _model_card(runtime, engine)
+
+
+# Characters in all the prompts of a batch together: each prompt is bounded by the context,
+# the batch by the CPU its tokenizing takes (about a quarter of a second at this size).
+MAX_BATCH_CHARS = 2**20
+
+
+async def _completion_prompts(
+    runtime: Runtime, principal: Principal, given: list[str] | list[list[int]]
+) -> list[list[int]]:
+    """The token ids of each prompt, each text bounded before it is tokenized."""
+    engine = runtime.engine
+    texts = [p for p in given if isinstance(p, str)]
+    for text in texts:
+        policy.check_prompt_chars(len(text), engine.max_model_len, engine.max_token_chars, "prompt")
+    chars = sum(len(text) for text in texts)
+    if chars > MAX_BATCH_CHARS:
+        raise InvalidRequest(
+            f"the prompts have {chars} characters together; at most {MAX_BATCH_CHARS}",
+            param="prompt",
+            code="batch_too_large",
+        )
+    prompts = [p for p in given if isinstance(p, list)]
+    if texts:
+        prompts = await _tokenize(runtime, principal, chars, partial(_encode_all, engine, texts))
+    if not all(prompts):
+        raise InvalidRequest("the prompt is empty", param="prompt")
+    return prompts  # the context check: the longest, in _params
+
+
+def _encode_all(engine: EngineClient, texts: list[str]) -> list[list[int]]:
+    return [engine.encode(text) for text in texts]
 
 
 def _chat_prompt(
@@ -163,20 +192,18 @@ def _chat_prompt(
 INLINE_TOKENIZE_CHARS = 4096
 
 
-async def _tokenize(
-    runtime: Runtime, principal: Principal, chars: int, work: Callable[[], list[int]]
-) -> list[int]:
+async def _tokenize(runtime: Runtime, principal: Principal, chars: int, work: Callable[[], T]) -> T:
     if chars <= INLINE_TOKENIZE_CHARS:
         return work()
     await runtime.admission.refuse_if_exhausted(principal)  # a spent key costs no tokenizing
     return await asyncio.to_thread(work)
 
 
-def _model_card(engine: EngineClient) -> dict[str, Any]:
+def _model_card(runtime: Runtime, engine: EngineClient) -> dict[str, Any]:
     return {
         "id": engine.model_name,
         "object": "model",
-        "created": 0,
+        "created": runtime.model_loaded_at,
         "owned_by": "tollgate",
         "max_model_len": engine.max_model_len,
     }
@@ -231,8 +258,8 @@ async def _respond(
             ticket = await runtime.admission.reserve(
                 principal,
                 gen.charge.request_id,
-                len(gen.prompt),
-                gen.params.max_tokens * gen.params.n,
+                gen.prompt_tokens,
+                gen.params.max_tokens * gen.choice_count,
                 quote.price,
             )
     except BaseException:
