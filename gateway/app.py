@@ -27,6 +27,7 @@ from gateway.api.openai import OpenAIController
 from gateway.billing.controllers import BillingAdminController, UsageController
 from gateway.billing.jobs import BillingJobs
 from gateway.console import console_router
+from gateway.cors import Cors
 from gateway.deps import REQUEST_DEPENDENCIES
 from gateway.dispatch import discovery
 from gateway.dispatch.engine_client import EngineClient, InProcessEngineClient
@@ -99,7 +100,11 @@ def create_app(
             readyz,
             metrics,
         ],
-        middleware=[telemetry.middleware],
+        # CORS outside telemetry: a preflight is answered before it counts as a request.
+        middleware=[
+            *([Cors(settings.cors_origins).middleware] if settings.cors_origins else []),
+            telemetry.middleware,
+        ],
         dependencies={
             "runtime": Provide(provide_runtime, sync_to_thread=False),
             **REQUEST_DEPENDENCIES,
