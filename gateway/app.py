@@ -88,7 +88,7 @@ def create_app(
             stack.push_async_callback(runtime.tasks.drain)
             yield
 
-    return Litestar(
+    app = Litestar(
         route_handlers=[
             OpenAIController,
             AdminController,
@@ -99,11 +99,6 @@ def create_app(
             healthz,
             readyz,
             metrics,
-        ],
-        # CORS outside telemetry: a preflight is answered before it counts as a request.
-        middleware=[
-            *([Cors(settings.cors_origins).middleware] if settings.cors_origins else []),
-            telemetry.middleware,
         ],
         dependencies={
             "runtime": Provide(provide_runtime, sync_to_thread=False),
@@ -117,6 +112,11 @@ def create_app(
         logging_config=None,  # the process's logging (JSON lines) is set by `tollgate serve`
         debug=False,
     )
+    # Around the router, not per route: a request no route takes (a 404) is observed too.
+    app.asgi_handler = telemetry.middleware(app.asgi_handler)
+    if settings.cors_origins:  # outermost: a preflight is answered, not counted as a request
+        app.asgi_handler = Cors(settings.cors_origins).middleware(app.asgi_handler)
+    return app
 
 
 class _Service(Protocol):
