@@ -13,6 +13,8 @@ from typing import Any
 import httpx
 import openai
 import pytest
+from langchain_openai import OpenAI
+from pydantic import SecretStr
 from sqlalchemy import select
 from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
 
@@ -200,3 +202,28 @@ async def test_leaving_a_batch_aborts_every_prompt(
     [row] = await _rows(sessions)
     assert row.status == "cancelled"
     assert row.completion_tokens < 1000 * len(PROMPTS)
+
+
+async def test_langchains_openai_class_sends_a_batch(
+    base_url: str,
+    tenant_key: str,
+    client: openai.AsyncOpenAI,
+    engine_client: InProcessEngineClient,
+    sessions: Sessions,
+) -> None:
+    """LangChain's plain (completions) `OpenAI` sends its prompts as one list."""
+    model = engine_client.model_name
+    llm = OpenAI(
+        base_url=base_url + "/v1",
+        api_key=SecretStr(tenant_key),
+        model=model,
+        max_tokens=6,
+        temperature=0,
+        max_retries=0,
+        extra_body={"ignore_eos": True},
+    )
+    result = await llm.agenerate(PROMPTS)
+    await eventually(lambda: _rows(sessions))
+    assert len(await _rows(sessions)) == 1  # one request for the three
+    alone = [await _alone(client, model, prompt) for prompt in PROMPTS]
+    assert [g[0].text for g in result.generations] == [text for text, _ in alone]
