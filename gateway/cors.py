@@ -52,8 +52,8 @@ MAX_AGE_S = "600"
 
 
 def allowed_headers(requested: str) -> list[str] | None:
-    """The preflight's requested headers, if every one is allowed (as the browser sent
-    them: it checks the answer by name); None if one is not."""
+    """The preflight's requested headers, if every one is allowed: the answer lists them
+    (the browser checks it by name); None if one is not."""
     names = [name.strip().lower() for name in requested.split(",") if name.strip()]
     if all(name in HEADERS or name.startswith(SDK_HEADERS) for name in names):
         return names
@@ -79,7 +79,7 @@ class Cors:
                 return
             headers = Headers.from_scope(scope)
             origin = headers.get("origin", "")
-            if not self.allows(origin):
+            if not origin or not self.allows(origin):  # not a cross-origin call we allow
                 await app(scope, receive, send)
             elif scope["method"] == "OPTIONS" and "access-control-request-method" in headers:
                 await self._preflight(origin, headers, send)

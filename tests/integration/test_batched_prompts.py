@@ -5,9 +5,7 @@ OpenAI numbers them, prompt i's completion j at index i * n + j."""
 from __future__ import annotations
 
 import json
-import uuid
 from collections.abc import AsyncIterator
-from pathlib import Path
 from typing import Any
 
 import httpx
@@ -22,21 +20,14 @@ from gateway.api.schemas import MAX_PROMPTS
 from gateway.app import create_app
 from gateway.dispatch.engine_client import InProcessEngineClient
 from gateway.settings import Settings
-from tenants import db
-from tenants.limits import LimitSet, PlanTerms
+from tenants.limits import LimitSet
 from tenants.models import UsageEvent
-from tenants.services import ApiKeyService, PlanService, TenantService
 from tests.conftest import eventually, serving
+from tests.integration.test_openai_compat import database_url  # noqa: F401 (a fixture)
+from tests.integration.test_quotas import _tenant_key
 
 Sessions = async_sessionmaker[AsyncSession]
 PROMPTS = ["Return the", "def add(a, b):", "import json"]
-
-
-@pytest.fixture
-def database_url(tmp_path: Path) -> str:
-    url = f"sqlite:///{tmp_path / 'batch.db'}"
-    db.upgrade(url)
-    return url
 
 
 @pytest.fixture
@@ -117,21 +108,12 @@ async def test_the_reservation_covers_every_prompt(
     model = engine_client.model_name
     prompt_tokens = sum(len(engine_client.encode(p)) for p in PROMPTS)
     worst = prompt_tokens + 6 * 2 * len(PROMPTS)
-    key = await _tenant_key(sessions, LimitSet(tpm=worst - 1))
+    _, key = await _tenant_key(sessions, LimitSet(tpm=worst - 1))
     client = openai.AsyncOpenAI(base_url=base_url + "/v1", api_key=key, max_retries=0)
     alone = await client.completions.create(prompt=PROMPTS[0], n=2, **_args(model))
     assert alone.choices
     with pytest.raises(openai.RateLimitError):
         await client.completions.create(prompt=PROMPTS, n=2, **_args(model))
-
-
-async def _tenant_key(sessions: Sessions, limits: LimitSet) -> str:
-    name = f"t{uuid.uuid4().hex[:12]}"
-    async with sessions.begin() as session:
-        await PlanService(session).create(name, PlanTerms(limits=limits))
-        await TenantService(session).create(name)
-        tenant = await TenantService(session).set_plan(name, name)
-        return (await ApiKeyService(session).create(tenant)).secret
 
 
 @pytest.mark.parametrize(

@@ -6,13 +6,9 @@ model's `created`."""
 from __future__ import annotations
 
 import asyncio
-import json
-import logging
 import time
-import uuid
 from collections.abc import AsyncIterator, Iterator
 from dataclasses import replace
-from pathlib import Path
 from urllib.parse import urlsplit
 
 import httpx
@@ -26,40 +22,18 @@ from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
 from gateway.app import create_app
 from gateway.dispatch.engine_client import InProcessEngineClient
 from gateway.settings import Settings
-from gateway.telemetry.logs import JsonFormatter
-from tenants import db
-from tenants.limits import LimitSet, PlanTerms
-from tenants.services import ApiKeyService, PlanService, TenantService
+from tenants.limits import LimitSet
 from tests.conftest import eventually, serving
+from tests.integration.conftest import Lines
+from tests.integration.test_openai_compat import database_url  # noqa: F401 (a fixture)
+from tests.integration.test_quotas import _tenant_key
 from tests.unit.test_telemetry_tracing import capture_spans
 
 Sessions = async_sessionmaker[AsyncSession]
 
 
-class Lines(logging.Handler):
-    def __init__(self) -> None:
-        super().__init__()
-        self.entries: list[dict[str, object]] = []
-        self.setFormatter(JsonFormatter())
-
-    def emit(self, record: logging.LogRecord) -> None:
-        self.entries.append(json.loads(self.format(record)))
-
-    def finished(self) -> list[dict[str, object]]:
-        return [e for e in self.entries if e["message"] == "request finished"]
-
-
-@pytest.fixture
-def log_lines() -> Iterator[Lines]:
-    lines, logger = Lines(), logging.getLogger("tollgate.requests")
-    logger.addHandler(lines)
-    level = logger.level
-    logger.setLevel(logging.INFO)
-    try:
-        yield lines
-    finally:
-        logger.removeHandler(lines)
-        logger.setLevel(level)
+def _finished(lines: Lines) -> list[dict[str, object]]:
+    return [e for e in lines.entries if e["message"] == "request finished"]
 
 
 @pytest.fixture
@@ -69,28 +43,12 @@ def spans() -> Iterator[InMemorySpanExporter]:
 
 
 @pytest.fixture
-def database_url(tmp_path: Path) -> str:
-    url = f"sqlite:///{tmp_path / 'surface.db'}"
-    db.upgrade(url)
-    return url
-
-
-@pytest.fixture
 async def server(
     settings: Settings, engine_client: InProcessEngineClient
 ) -> AsyncIterator[tuple[Litestar, str]]:
     app = create_app(replace(settings, max_body_bytes=2**12), engine_client=engine_client)
     async with serving(app) as url:
         yield app, url
-
-
-async def _tenant_key(sessions: Sessions, limits: LimitSet) -> str:
-    name = f"t{uuid.uuid4().hex[:12]}"
-    async with sessions.begin() as session:
-        await PlanService(session).create(name, PlanTerms(limits=limits))
-        await TenantService(session).create(name)
-        tenant = await TenantService(session).set_plan(name, name)
-        return (await ApiKeyService(session).create(tenant)).secret
 
 
 def _chat(model: str) -> dict[str, object]:
@@ -104,15 +62,15 @@ async def test_the_sdk_does_not_retry_an_exhausted_budget_but_retries_a_rate_lim
     log_lines: Lines,
 ) -> None:
     _, url = server
-    broke = await _tenant_key(sessions, LimitSet(monthly_budget_micros=1))
+    _, broke = await _tenant_key(sessions, LimitSet(monthly_budget_micros=1))
     client = openai.AsyncOpenAI(base_url=url + "/v1", api_key=broke, max_retries=2)
     with pytest.raises(openai.RateLimitError) as refused:
         await client.chat.completions.create(**_chat(engine_client.model_name))  # type: ignore[call-overload]
     assert refused.value.response.headers["x-should-retry"] == "false"
     assert refused.value.code == "insufficient_quota"
-    assert len(log_lines.finished()) == 1  # one request reached the server: no retries
+    assert len(_finished(log_lines)) == 1  # one request reached the server: no retries
     async with httpx.AsyncClient(base_url=url) as http:
-        limited_key = await _tenant_key(sessions, LimitSet(rpm=1))
+        _, limited_key = await _tenant_key(sessions, LimitSet(rpm=1))
         auth = {"Authorization": f"Bearer {limited_key}"}
         body = _chat(engine_client.model_name)
         assert (await http.post("/v1/chat/completions", json=body, headers=auth)).is_success
@@ -142,8 +100,8 @@ async def test_a_client_gone_mid_upload_is_a_499_not_an_internal_error(
     )
     writer.close()  # half the body sent: the client is gone
     await writer.wait_closed()
-    await eventually(log_lines.finished)
-    [line] = log_lines.finished()
+    await eventually(lambda: _finished(log_lines))
+    [line] = _finished(log_lines)
     assert line["http_status"] == 499
     [root] = [s for s in spans.get_finished_spans() if s.kind == SpanKind.SERVER]
     assert (root.attributes or {})["http.response.status_code"] == 499
@@ -171,7 +129,7 @@ async def test_every_refusal_has_its_id_in_its_log_line_and_span(
         ]
     assert [a.status_code for a in answers] == [400, 401, 404, 413]
     ids = [a.headers["x-request-id"] for a in answers]
-    assert [(e["http_status"], e["request_id"]) for e in log_lines.finished()] == list(
+    assert [(e["http_status"], e["request_id"]) for e in _finished(log_lines)] == list(
         zip([400, 401, 404, 413], ids, strict=True)
     )
     roots = [s for s in spans.get_finished_spans() if s.kind == SpanKind.SERVER]
@@ -201,7 +159,7 @@ async def test_a_callers_request_id_is_kept_and_a_malformed_one_replaced(
     ours = kept.headers["x-tollgate-request-id"]  # the ledger's id, beside the caller's
     assert ours.startswith("req_") and kept.json()["id"].endswith(ours.removeprefix("req_"))
     assert replaced.headers["x-request-id"].startswith("req_")
-    first = log_lines.finished()[0]
+    first = _finished(log_lines)[0]
     assert (first["client_request_id"], first["request_id"]) == (mine, ours)
     root = next(s for s in spans.get_finished_spans() if s.kind == SpanKind.SERVER)
     assert (root.attributes or {})["tollgate.client_request_id"] == mine
