@@ -126,16 +126,21 @@ async def test_every_refusal_has_its_id_in_its_log_line_and_span(
             await http.post("/v1/chat/completions", json=_chat(engine_client.model_name)),  # 401
             await http.get("/v1/nowhere", headers=auth),  # 404
             await http.post("/v1/completions", content=b"x" * 2**13, headers=auth),  # 413
+            await http.delete("/v1/completions", headers=auth),  # 405
         ]
-    assert [a.status_code for a in answers] == [400, 401, 404, 413]
+    statuses = [400, 401, 404, 413, 405]
+    assert [a.status_code for a in answers] == statuses
     ids = [a.headers["x-request-id"] for a in answers]
     assert [(e["http_status"], e["request_id"]) for e in _finished(log_lines)] == list(
-        zip([400, 401, 404, 413], ids, strict=True)
+        zip(statuses, ids, strict=True)
     )
     roots = [s for s in spans.get_finished_spans() if s.kind == SpanKind.SERVER]
     assert [(s.attributes or {}).get("tollgate.request_id") for s in roots] == ids
-    too_large = answers[3].json()["error"]
-    assert (too_large["type"], too_large["code"]) == ("invalid_request_error", "request_too_large")
+    codes = [(a.json()["error"]["type"], a.json()["error"]["code"]) for a in answers[3:]]
+    assert codes == [
+        ("invalid_request_error", "request_too_large"),
+        ("invalid_request_error", "method_not_allowed"),
+    ]
 
 
 async def test_a_callers_request_id_is_kept_and_a_malformed_one_replaced(
