@@ -7,8 +7,10 @@ import logging
 from collections.abc import Iterator
 
 import pytest
+from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
 from gateway.telemetry.logs import JsonFormatter
+from tests.unit.test_telemetry_tracing import capture_spans
 
 
 class Lines(logging.Handler):
@@ -34,3 +36,10 @@ def log_lines() -> Iterator[Lines]:
     finally:
         logger.removeHandler(lines)
         logger.setLevel(level)
+
+
+@pytest.fixture
+def spans() -> Iterator[InMemorySpanExporter]:
+    """Every span the process ends, kept in memory."""
+    with capture_spans() as exporter:
+        yield exporter

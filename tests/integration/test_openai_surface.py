@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator
 from dataclasses import replace
 from urllib.parse import urlsplit
 
@@ -27,19 +27,12 @@ from tests.conftest import eventually, serving
 from tests.integration.conftest import Lines
 from tests.integration.test_openai_compat import database_url  # noqa: F401 (a fixture)
 from tests.integration.test_quotas import _tenant_key
-from tests.unit.test_telemetry_tracing import capture_spans
 
 Sessions = async_sessionmaker[AsyncSession]
 
 
 def _finished(lines: Lines) -> list[dict[str, object]]:
     return [e for e in lines.entries if e["message"] == "request finished"]
-
-
-@pytest.fixture
-def spans() -> Iterator[InMemorySpanExporter]:
-    with capture_spans() as exporter:
-        yield exporter
 
 
 @pytest.fixture
