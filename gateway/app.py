@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import AsyncIterator
 from contextlib import AsyncExitStack, asynccontextmanager
 from datetime import timedelta
@@ -29,6 +30,7 @@ from gateway.api.responses import ResponsesController
 from gateway.billing.controllers import BillingAdminController, UsageController
 from gateway.billing.jobs import BillingJobs
 from gateway.console import console_router
+from gateway.cors import Cors
 from gateway.deps import REQUEST_DEPENDENCIES
 from gateway.dispatch import discovery
 from gateway.dispatch.builder import client_builder
@@ -93,7 +95,7 @@ def create_app(
             stack.push_async_callback(runtime.tasks.drain)
             yield
 
-    return Litestar(
+    app = Litestar(
         route_handlers=[
             OpenAIController,
             ResponsesController,
@@ -107,7 +109,6 @@ def create_app(
             readyz,
             metrics,
         ],
-        middleware=[telemetry.middleware],
         dependencies={
             "runtime": Provide(provide_runtime, sync_to_thread=False),
             **REQUEST_DEPENDENCIES,
@@ -120,6 +121,11 @@ def create_app(
         logging_config=None,  # the process's logging (JSON lines) is set by `tollgate serve`
         debug=False,
     )
+    # Around the router, not per route: a request no route takes (a 404) is observed too.
+    app.asgi_handler = telemetry.middleware(app.asgi_handler)
+    if settings.cors_origins:  # outermost: a preflight is answered, not counted as a request
+        app.asgi_handler = Cors(settings.cors_origins).middleware(app.asgi_handler)
+    return app
 
 
 class _Service(Protocol):
@@ -206,6 +212,7 @@ async def attach_engine(
         engine_client = await connect_engine(runtime.settings)
         stack.push_async_callback(engine_client.close)
     runtime.engine_client = engine_client
+    runtime.model_loaded_at = int(time.time())
     if isinstance(engine_client, InProcessEngineClient):
         telemetry.metrics.watch_engine(engine_client.engine.stats)
     log.info("engine ready: model %s", engine_client.model_name)

@@ -28,6 +28,7 @@ class Runtime:
     admission: Admission
     tasks: TaskSet
     engine_client: EngineClient | None = None
+    model_loaded_at: int = 0  # Unix time the engine (its model) was attached: /v1/models' created
     auth_failures: AuthFailureLog | None = None  # counted, audited once per window
     models: ModelDirectory | None = None  # every model served: the default and the registry's
 

@@ -57,6 +57,8 @@ class Settings:
     # Peers whose X-Forwarded-For / X-Forwarded-Proto are believed (IPs or CIDRs; "*": all).
     # The audit log, rate-limit failures and /metrics' loopback check see the client behind.
     trusted_proxies: tuple[str, ...] = ("127.0.0.1",)
+    # Browser origins that may call /v1/* (scheme://host[:port], or "*"); empty: no CORS.
+    cors_origins: tuple[str, ...] = ()
     # The largest request body: a 128k-token context is about 0.5 MB of text, or 1 MB of
     # token ids, so 4 MiB leaves room for JSON escaping and multi-byte text.
     max_body_bytes: int = 4 * 2**20
@@ -117,6 +119,11 @@ class Settings:
             celery_queue=env.get("TOLLGATE_CELERY_QUEUE", "").strip() or "tollgate",
             console_idle_s=_int(env, "TOLLGATE_CONSOLE_IDLE_S", 1800, low=60),
             trusted_proxies=_proxies(env.get("TOLLGATE_TRUSTED_PROXIES", "127.0.0.1")),
+            cors_origins=tuple(
+                o.strip().rstrip("/")
+                for o in env.get("TOLLGATE_CORS_ORIGINS", "").split(",")
+                if o.strip()
+            ),
             drain_s=float(_int(env, "TOLLGATE_DRAIN_S", 30, low=0, high=3600)),
             admin_password=env.get("TOLLGATE_ADMIN_PASSWORD") or None,
             cache_salt_secret=env.get("TOLLGATE_CACHE_SALT_SECRET", "").strip() or None,

@@ -18,7 +18,8 @@ READINESS = documented(
 )
 
 
-@get("/healthz", media_type=MediaType.JSON, tags=["Probes"], operation_class=PROBE)
+# /health: what guidellm and vLLM-style probes call
+@get(["/healthz", "/health"], media_type=MediaType.JSON, tags=["Probes"], operation_class=PROBE)
 async def healthz(runtime: NamedDependency[Runtime]) -> Response[dict[str, str]]:
     """The process is up and serving HTTP, and no engine it runs has died (a dead
     in-process engine would otherwise answer 503 to every tenant until restarted)."""

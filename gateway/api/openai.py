@@ -123,21 +123,17 @@ class OpenAIController(Controller):
         body = decode(await request.body(), CompletionRequest)
         engine = runtime.engine_for(body.model)
         policy.check_model(principal, body.model)
-        if isinstance(body.prompt, str):
-            chars = len(body.prompt)
-            policy.check_prompt_chars(chars, engine.max_model_len, engine.max_token_chars, "prompt")
-            prompt = await tokenize(
-                runtime, principal, chars, partial(engine.tokenize, body.prompt)
-            )
-        else:
-            prompt = body.prompt
-        if not prompt:
-            raise InvalidRequest("the prompt is empty", param="prompt")
-        params = _params(principal, body, prompt, engine, "prompt", body.constraint())
-        gen = _generation(runtime, principal, body, TextFormat, "completions", prompt, params)
-        gen.source = ClientPrompt(text=body.prompt if isinstance(body.prompt, str) else None)
+        given = body.prompts()
+        prompts = await _completion_prompts(runtime, principal, engine, given)
+        longest = max(prompts, key=len)
+        params = _params(principal, body, longest, engine, "prompt", body.constraint())
+        gen = _generation(runtime, principal, body, TextFormat, "completions", prompts[0], params)
+        if len(prompts) > 1:
+            gen.batch = prompts
+        elif isinstance(given[0], str):
+            gen.source = ClientPrompt(text=given[0])  # an upstream gets the text as sent
         if body.echo:
-            gen.echo = body.prompt if isinstance(body.prompt, str) else engine.decode(prompt)
+            gen.echo = [p if isinstance(p, str) else engine.decode(p) for p in given]
         return await _respond(request, runtime, principal, gen, engine, stream=body.stream)
 
     @get("/models", operation_class=documented(ModelList, errors=AUTHENTICATED))
@@ -146,7 +142,7 @@ class OpenAIController(Controller):
     ) -> dict[str, Any]:
         models = _directory(runtime)
         names = policy.visible_models(principal, models.names())
-        return {"object": "list", "data": [_model_card(models, name) for name in names]}
+        return {"object": "list", "data": [_model_card(runtime, name) for name in names]}
 
     @get(
         "/models/{model_id:path}",  # ids may hold '/' (meta-llama/Llama-3.1-8B)
@@ -164,7 +160,38 @@ class OpenAIController(Controller):
                 f"the model {name!r} does not exist", param="model", code="model_not_found"
             )
         policy.check_model(principal, name)
-        return _model_card(models, name)
+        return _model_card(runtime, name)
+
+
+# Characters in all the prompts of a batch together: each prompt is bounded by the context,
+# the batch by the CPU its tokenizing takes (about a quarter of a second at this size).
+MAX_BATCH_CHARS = 2**20
+
+
+async def _completion_prompts(
+    runtime: Runtime, principal: Principal, engine: EngineClient, given: list[str] | list[list[int]]
+) -> list[list[int]]:
+    """The token ids of each prompt, each text bounded before it is tokenized."""
+    texts = [p for p in given if isinstance(p, str)]
+    for text in texts:
+        policy.check_prompt_chars(len(text), engine.max_model_len, engine.max_token_chars, "prompt")
+    chars = sum(len(text) for text in texts)
+    if chars > MAX_BATCH_CHARS:
+        raise InvalidRequest(
+            f"the prompts have {chars} characters together; at most {MAX_BATCH_CHARS}",
+            param="prompt",
+            code="batch_too_large",
+        )
+    prompts = [p for p in given if isinstance(p, list)]
+    if texts:
+        prompts = await tokenize(runtime, principal, chars, partial(_encode_all, engine, texts))
+    if not all(prompts):
+        raise InvalidRequest("the prompt is empty", param="prompt")
+    return prompts  # the context check: the longest, in _params
+
+
+async def _encode_all(engine: EngineClient, texts: list[str]) -> list[list[int]]:
+    return [await engine.tokenize(text) for text in texts]
 
 
 async def chat(
@@ -225,17 +252,18 @@ def _directory(runtime: Runtime) -> ModelDirectory:
     return runtime.models
 
 
-def _model_card(models: ModelDirectory, name: str) -> dict[str, Any]:
+def _model_card(runtime: Runtime, name: str) -> dict[str, Any]:
     """OpenAI's model object, with vLLM's `max_model_len` and OpenRouter's
     `context_length` (null while an upstream's is unknown). `owned_by` is "tollgate" for
     Tollgate's own engines and "upstream" for an OpenAI-compatible server."""
+    models = _directory(runtime)
     spec, client = models.spec(name), models.built(name)
     context = client.max_model_len if client is not None else spec and spec.context_length
     upstream = spec is not None and spec.kind is ModelKind.OPENAI
     return {
         "id": name,
         "object": "model",
-        "created": 0,
+        "created": models.opened_at(name) or runtime.model_loaded_at,
         "owned_by": "upstream" if upstream else "tollgate",
         "max_model_len": context,
         "context_length": context,
@@ -352,8 +380,10 @@ async def _respond(
     reshape: Reshape | None = None,
 ) -> Response[Any]:
     current_request().describe(gen, stream)
-    output_tokens = gen.params.max_tokens * gen.params.n
-    admitted = await admit(request, runtime, principal, gen.charge, len(gen.prompt), output_tokens)
+    output_tokens = gen.params.max_tokens * gen.choice_count  # every prompt of a batch
+    admitted = await admit(
+        request, runtime, principal, gen.charge, gen.prompt_tokens, output_tokens
+    )
     if isinstance(admitted, Response):
         return admitted
     gen.charge, claim, headers = admitted.charge, admitted.claim, admitted.headers

@@ -6,6 +6,7 @@ effect everywhere within a few seconds, without a restart."""
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Awaitable, Callable
 
 from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
@@ -33,6 +34,7 @@ class ModelDirectory:
         self.default = default
         self._specs: dict[str, ModelSpec] = {}  # what the registry says
         self._clients: dict[str, EngineClient] = {}  # what is built of it
+        self._opened: dict[str, int] = {}  # when each client opened (unix seconds)
 
     def get(self, name: str) -> EngineClient:
         """The client for `name`; 404 when no such model is served, 503 while its client
@@ -93,9 +95,15 @@ class ModelDirectory:
         except Exception as exc:  # retried at the next refresh; requests get 503 meanwhile
             log.warning("model %s: cannot open its client (%s)", name, type(exc).__name__)
         else:
+            self._opened[name] = int(time.time())
             log.info("model %s: serving from %d target(s)", name, len(spec.targets))
 
+    def opened_at(self, name: str) -> int | None:
+        """When the registry model's client opened (OpenAI's `created`); None otherwise."""
+        return self._opened.get(name)
+
     async def _drop(self, name: str) -> None:
+        self._opened.pop(name, None)
         client = self._clients.pop(name, None)
         if client is not None:
             await client.close()
