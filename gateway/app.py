@@ -36,6 +36,7 @@ from gateway.dispatch.directory import ModelDirectory
 from gateway.dispatch.engine_client import EngineClient, InProcessEngineClient
 from gateway.errors import exception_handlers
 from gateway.metering import UsageRecorder
+from gateway.openapi import openapi_config
 from gateway.runtime import Runtime, provide_runtime
 from gateway.settings import Settings
 from gateway.tasks import Periodic, TaskSet
@@ -114,7 +115,7 @@ def create_app(
         exception_handlers=exception_handlers(),
         lifespan=[lifespan],
         before_send=[echo_request_id],
-        openapi_config=None,
+        openapi_config=openapi_config(),
         request_max_body_size=settings.max_body_bytes,
         logging_config=None,  # the process's logging (JSON lines) is set by `tollgate serve`
         debug=False,

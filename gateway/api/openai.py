@@ -29,12 +29,16 @@ from gateway.api.schemas import (
     decode,
     encode,
 )
+from gateway.dispatch.directory import ModelDirectory
 from gateway.dispatch.engine_client import INLINE_TOKENIZE_CHARS, ClientPrompt, EngineClient
-from gateway.errors import Cancelled, InvalidRequest
+from gateway.errors import Cancelled, EngineUnavailable, InvalidRequest, NotFound
+from gateway.openapi import AUTHENTICATED, GENERATION, documented
+from gateway.openapi.shapes import ChatCompletion, Completion, Model, ModelList
 from gateway.runtime import Runtime
 from gateway.telemetry import current_request
 from gateway.usage import Charge
 from tenants.models import IdempotencyRecord
+from tenants.registry import ModelKind
 from tenants.services import Principal
 
 T = TypeVar("T")
@@ -81,9 +85,19 @@ def _params(
 
 class OpenAIController(Controller):
     path = "/v1"
+    tags = ["OpenAI-compatible"]
     dependencies = {"principal": Provide(authenticate)}
 
-    @post("/chat/completions", status_code=200)
+    @post(
+        "/chat/completions",
+        status_code=200,
+        operation_class=documented(
+            ChatCompletion,
+            body=ChatCompletionRequest,
+            errors=GENERATION,
+            stream="ChatCompletionChunk",
+        ),
+    )
     async def chat_completions(
         self,
         request: Request[Any, Any, Any],
@@ -93,7 +107,13 @@ class OpenAIController(Controller):
         body = decode(await request.body(), ChatCompletionRequest)
         return await chat(request, runtime, principal, body)
 
-    @post("/completions", status_code=200)
+    @post(
+        "/completions",
+        status_code=200,
+        operation_class=documented(
+            Completion, body=CompletionRequest, errors=GENERATION, stream="Completion"
+        ),
+    )
     async def completions(
         self,
         request: Request[Any, Any, Any],
@@ -120,24 +140,31 @@ class OpenAIController(Controller):
             gen.echo = body.prompt if isinstance(body.prompt, str) else engine.decode(prompt)
         return await _respond(request, runtime, principal, gen, engine, stream=body.stream)
 
-    @get("/models")
+    @get("/models", operation_class=documented(ModelList, errors=AUTHENTICATED))
     async def list_models(
         self, runtime: NamedDependency[Runtime], principal: NamedDependency[Principal]
     ) -> dict[str, Any]:
-        engine = runtime.engine
-        names = policy.visible_models(principal, [engine.model_name])
-        return {"object": "list", "data": [_model_card(engine) for _ in names]}
+        models = _directory(runtime)
+        names = policy.visible_models(principal, models.names())
+        return {"object": "list", "data": [_model_card(models, name) for name in names]}
 
-    @get("/models/{model_id:str}")
+    @get(
+        "/models/{model_id:path}",  # ids may hold '/' (meta-llama/Llama-3.1-8B)
+        operation_class=documented(Model, errors=(*AUTHENTICATED, 403, 404)),
+    )
     async def get_model(
         self,
         model_id: FromPath[str],
         runtime: NamedDependency[Runtime],
         principal: NamedDependency[Principal],
     ) -> dict[str, Any]:
-        engine = runtime.engine_for(model_id)
-        policy.check_model(principal, model_id)
-        return _model_card(engine)
+        models, name = _directory(runtime), model_id.lstrip("/")
+        if name not in models.names():
+            raise NotFound(
+                f"the model {name!r} does not exist", param="model", code="model_not_found"
+            )
+        policy.check_model(principal, name)
+        return _model_card(models, name)
 
 
 async def chat(
@@ -192,13 +219,26 @@ async def tokenize(
     return await work()
 
 
-def _model_card(engine: EngineClient) -> dict[str, Any]:
+def _directory(runtime: Runtime) -> ModelDirectory:
+    if runtime.models is None:
+        raise EngineUnavailable("the models are not loaded yet", headers={"Retry-After": "1"})
+    return runtime.models
+
+
+def _model_card(models: ModelDirectory, name: str) -> dict[str, Any]:
+    """OpenAI's model object, with vLLM's `max_model_len` and OpenRouter's
+    `context_length` (null while an upstream's is unknown). `owned_by` is "tollgate" for
+    Tollgate's own engines and "upstream" for an OpenAI-compatible server."""
+    spec, client = models.spec(name), models.built(name)
+    context = client.max_model_len if client is not None else spec and spec.context_length
+    upstream = spec is not None and spec.kind is ModelKind.OPENAI
     return {
-        "id": engine.model_name,
+        "id": name,
         "object": "model",
         "created": 0,
-        "owned_by": "tollgate",
-        "max_model_len": engine.max_model_len,
+        "owned_by": "upstream" if upstream else "tollgate",
+        "max_model_len": context,
+        "context_length": context,
     }
 
 
@@ -270,6 +310,8 @@ async def admit(
         with scope.span("admission"):
             # Reserve at the price the request will be charged (the book's version now).
             quote = await runtime.recorder.prices.quote(charge.model, charge.started_at)
+            registered = _directory(runtime).spec(charge.model) is not None
+            policy.check_priced(quote, charge.model, registered)
             ticket = await runtime.admission.reserve(
                 principal, charge.request_id, prompt_tokens, output_tokens, quote.price
             )

@@ -57,6 +57,17 @@ class ModelDirectory:
         default = [self.default.model_name] if self.default is not None else []
         return [*default, *sorted(n for n in self._specs if n not in default)]
 
+    def spec(self, name: str) -> ModelSpec | None:
+        """What the registry says of `name`; None for the default entry and unknown names."""
+        return self._specs.get(name)
+
+    def built(self, name: str) -> EngineClient | None:
+        """The client serving `name` if one is open (the default entry's included)."""
+        if name in self._specs:  # a registry entry wins over a default of the same name
+            return self._clients.get(name)
+        default = self.default
+        return default if default is not None and name == default.model_name else None
+
     async def refresh(self) -> None:
         async with self.sessions() as session:
             rows = await ModelService(session).list()

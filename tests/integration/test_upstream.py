@@ -27,7 +27,9 @@ from backend.builtin import BUILTIN_MODEL_DIR
 from gateway.dispatch.routing import affinity_key, pick
 from gateway.dispatch.upstream import OpenAIUpstreamClient
 from gateway.settings import Settings
-from tenants.models import KeyRole, UsageEvent
+from tenants.billing.prices import PriceService
+from tenants.models import KeyRole, UsageEvent, utcnow
+from tenants.pricing import Price
 from tenants.registry import ModelKind, ModelService, ModelSpec, Target
 from tenants.services import ApiKeyService, TenantService
 from tests.conftest import eventually, migrated_sqlite, read_text_events, serving
@@ -86,7 +88,10 @@ class Gateway:
         )
         async with self.sessions.begin() as session:
             await ModelService(session).add(spec)
-        await self.app.state.runtime.models.refresh()
+            await PriceService(session).create(name, Price(1, 1, 1), utcnow(), "test")
+        runtime = self.app.state.runtime
+        runtime.recorder.prices.invalidate()  # a registry model is served only once priced
+        await runtime.models.refresh()
 
     async def key(self, tenant: str) -> str:
         return (await self.tenant(tenant))[0]
