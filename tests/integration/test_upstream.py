@@ -486,4 +486,5 @@ async def test_the_upstreams_api_key_comes_from_the_environment_and_is_never_log
         with pytest.raises(openai.InternalServerError) as unopened:  # its variable is unset
             await sdk.completions.create(model="unset", prompt="hi", max_tokens=2)
         assert unopened.value.status_code == 503
+    assert "TOLLGATE_TEST_MISSING_KEY" in caplog.text  # the operator learns why
     assert "sk-upstream-secret" not in caplog.text
