@@ -12,7 +12,7 @@ from collections.abc import Awaitable, Callable
 from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
 
 from gateway.dispatch.engine_client import EngineClient
-from gateway.errors import EngineUnavailable, NotFound
+from gateway.errors import ApiError, EngineUnavailable, NotFound
 from gateway.tasks import Periodic
 from tenants.registry import ModelService, ModelSpec, spec_of
 
@@ -93,7 +93,10 @@ class ModelDirectory:
         try:
             self._clients[name] = await self.build(spec)
         except Exception as exc:  # retried at the next refresh; requests get 503 meanwhile
-            log.warning("model %s: cannot open its client (%s)", name, type(exc).__name__)
+            # Our own errors say why (a variable's name, the targets tried), never a secret;
+            # anything else is named by type only.
+            reason = exc.message if isinstance(exc, ApiError) else type(exc).__name__
+            log.warning("model %s: cannot open its client (%s)", name, reason)
         else:
             self._opened[name] = int(time.time())
             log.info("model %s: serving from %d target(s)", name, len(spec.targets))

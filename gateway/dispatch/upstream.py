@@ -58,6 +58,7 @@ log = logging.getLogger(__name__)
 
 PROBE_EVERY_S = 1.0
 CONNECT_TIMEOUT_S = 2.0
+ASK_TIMEOUT_S = 10.0  # /tokenize and /v1/models; generation has the request's deadlines
 # Without the upstream's vocabulary, a generous bound on characters per token for the
 # cheap "too long to tokenize" check (real vocabularies have long whitespace runs).
 UNKNOWN_TOKEN_CHARS = 128
@@ -211,15 +212,18 @@ class OpenAIUpstreamClient:
         body = {"model": self.upstream_model, **payload}
         for target in self._healthy():
             try:
-                response = await self._http.post(f"{target.url}/tokenize", json=body)
+                response = await self._http.post(
+                    f"{target.url}/tokenize", json=body, timeout=ASK_TIMEOUT_S
+                )
             except httpx.TransportError:
                 target.healthy = False  # the probes bring it back
                 continue
             if response.status_code in REFUSALS:
                 raise _refusal(response).error
-            if response.status_code != 200:
+            try:
+                tokenized = msgspec.json.decode(response.content, type=_Tokenized)
+            except msgspec.DecodeError:  # an error page, or no /tokenize there: the next one
                 continue
-            tokenized = msgspec.json.decode(response.content, type=_Tokenized)
             if tokenized.max_model_len and not self.max_model_len:
                 self.max_model_len = tokenized.max_model_len
             return tokenized.tokens
@@ -248,7 +252,7 @@ class OpenAIUpstreamClient:
         path = "/v1/chat/completions" if chat else "/v1/completions"
         key = affinity_key(tenant, prompt)
         tried: set[str] = set()
-        refusal: ApiError | None = None  # the last upstream's answer, when all fail
+        refusal: ApiError | None = None  # what to answer if every target fails
         while True:
             target = pick(self.targets, key, exclude=tried)
             if target is None:
@@ -270,9 +274,10 @@ class OpenAIUpstreamClient:
                     target.healthy = False
                 if reader.started or not failed.retryable:
                     raise failed.error from failed
-                refusal = failed.error
+                if refusal is None or not failed.down:  # an upstream's own answer says more
+                    refusal = failed.error
                 log.warning(
-                    "upstream %s failed a request before its first token; trying another",
+                    "upstream %s failed a request before its first token; moving on",
                     target.url,
                     extra={"model": self.model_name, "error": failed.error.code},
                 )
@@ -391,7 +396,7 @@ class OpenAIUpstreamClient:
         """From `/v1/models` (vLLM's `max_model_len`), else from `/tokenize`."""
         for target in self._healthy():
             with contextlib.suppress(httpx.HTTPError, msgspec.DecodeError, KeyError, TypeError):
-                response = await self._http.get(f"{target.url}/v1/models")
+                response = await self._http.get(f"{target.url}/v1/models", timeout=ASK_TIMEOUT_S)
                 for card in response.json()["data"]:
                     if card.get("id") == self.upstream_model and card.get("max_model_len"):
                         return int(card["max_model_len"])

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from typing import Any
 
+import httpx
 from litestar import Litestar
 from litestar.testing import AsyncTestClient
 from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
@@ -21,7 +22,9 @@ from tenants.models import KeyRole, utcnow
 from tenants.pricing import Price
 from tenants.registry import ModelKind, ModelService, ModelSpec, Target
 from tenants.services import ApiKeyService, PlanService, TenantService
-from tests.conftest import eventually
+from tests.conftest import eventually, serving
+from tests.support.vllm_like import Config
+from tests.support.vllm_like import create_app as vllm_like
 
 Sessions = async_sessionmaker[AsyncSession]
 LLAMA = {
@@ -140,35 +143,39 @@ async def test_v1_models_lists_what_the_plan_allows_with_owner_and_context(
 
 
 async def test_a_registry_model_without_a_price_is_refused_never_served_free(
-    client: AsyncTestClient[Any], sessions: Sessions, engine_client: InProcessEngineClient
+    live_server: tuple[Litestar, str], sessions: Sessions, engine_client: InProcessEngineClient
 ) -> None:
     """The default entry is served at the built-in price with an empty price book; a
-    registry entry is not. Until the request path looks registry models up (the upstream
-    work), the registry entry here takes the default engine's name."""
-    tiny = engine_client.model_name
-    secret = await _key(sessions, "acme", KeyRole.TENANT)
-    body = {"model": tiny, "prompt": "The", "max_tokens": 2}
-    default_entry = await client.post("/v1/completions", json=body, headers=_auth(secret))
-    assert default_entry.status_code == 200, default_entry.text
+    registry entry (here a vLLM-like upstream) is not, until the book prices it. (One
+    event loop for the gateway and the upstream: `live_server`, not the test client.)"""
+    app, base = live_server
+    runtime: Runtime = app.state.runtime
+    assert runtime.models is not None
+    auth = _auth(await _key(sessions, "acme", KeyRole.TENANT))
+    body = {"model": engine_client.model_name, "prompt": "The", "max_tokens": 2}
+    async with httpx.AsyncClient(base_url=base) as http, serving(vllm_like(Config())) as url:
+        default_entry = await http.post("/v1/completions", json=body, headers=auth)
+        assert default_entry.status_code == 200, default_entry.text
 
-    async with sessions.begin() as session:
-        spec = ModelSpec(tiny, ModelKind.TOLLGATE, (Target("http://127.0.0.1:9"),))
-        await ModelService(session).add(spec)
-    await _refreshed(client)
-    for path, request in (("/v1/completions", body), ("/v1/chat/completions", _chat(tiny))):
-        refused = await client.post(path, json=request, headers=_auth(secret))
-        assert refused.status_code == 400, refused.text
-        assert refused.json()["error"]["code"] == "model_not_priced"
-        assert "prices set" in refused.json()["error"]["message"]
+        spec = ModelSpec("upstream", ModelKind.OPENAI, (Target(url),), upstream_model="vllm-like")
+        async with sessions.begin() as session:
+            await ModelService(session).add(spec)
+        await runtime.models.refresh()
+        body["model"] = "upstream"
+        for path, request in (
+            ("/v1/completions", body),
+            ("/v1/chat/completions", _chat("upstream")),
+        ):
+            refused = await http.post(path, json=request, headers=auth)
+            assert refused.status_code == 400, refused.text
+            assert refused.json()["error"]["code"] == "model_not_priced"
+            assert "prices set" in refused.json()["error"]["message"]
 
-    async with sessions.begin() as session:
-        await PriceService(session).create(ANY_MODEL, Price(1, 1, 1), utcnow(), "test")
-    runtime: Runtime = client.app.state.runtime
-    runtime.recorder.prices.invalidate()
-    # Priced by '*', admission lets it through; what answers then is the dispatch's
-    # business (today the default engine, once registry clients exist the entry's own).
-    priced = await client.post("/v1/completions", json=body, headers=_auth(secret))
-    assert priced.json().get("error", {}).get("code") != "model_not_priced", priced.text
+        async with sessions.begin() as session:
+            await PriceService(session).create(ANY_MODEL, Price(1, 1, 1), utcnow(), "test")
+        runtime.recorder.prices.invalidate()
+        priced = await http.post("/v1/completions", json=body, headers=auth)
+        assert priced.status_code == 200, priced.text  # priced by '*': served upstream
 
 
 def _chat(model: str) -> dict[str, Any]:

@@ -470,3 +470,21 @@ async def test_a_tollgate_backend_and_an_openai_upstream_in_one_registry(
             rows = {r.model: r for r in await gateway.rows()}
             assert rows["tiny"].replica == f"http://127.0.0.1:{port}"
             assert rows[MODEL].replica == url
+
+
+async def test_the_upstreams_api_key_comes_from_the_environment_and_is_never_logged(
+    gateway: Gateway, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level(logging.DEBUG)
+    async with upstream(tokens=2, api_key="sk-upstream-secret") as url:
+        await gateway.register(url, name="unset", api_key_env="TOLLGATE_TEST_MISSING_KEY")
+        monkeypatch.setenv("TOLLGATE_TEST_UPSTREAM_KEY", "sk-upstream-secret")
+        await gateway.register(url, api_key_env="TOLLGATE_TEST_UPSTREAM_KEY")
+        sdk = gateway.sdk(await gateway.key("acme"))
+        answer = await sdk.completions.create(model=MODEL, prompt="hi", max_tokens=2)
+        assert answer.choices[0].text == OUTPUT_TEXT[:2]
+        with pytest.raises(openai.InternalServerError) as unopened:  # its variable is unset
+            await sdk.completions.create(model="unset", prompt="hi", max_tokens=2)
+        assert unopened.value.status_code == 503
+    assert "TOLLGATE_TEST_MISSING_KEY" in caplog.text  # the operator learns why
+    assert "sk-upstream-secret" not in caplog.text
