@@ -27,7 +27,7 @@ from gateway.api.schemas import decode
 from gateway.deps import month_usage
 from gateway.errors import InvalidRequest, PermissionDenied
 from gateway.openapi import ADMIN, ADMIN_WRITE, documented
-from gateway.openapi.shapes import CreatedKey, Key, Plan, Tenant, TenantQuota
+from gateway.openapi.shapes import CreatedKey, Key, Plan, ServedModel, Tenant, TenantQuota
 from gateway.runtime import Runtime
 from tenants.audit import Actor
 from tenants.limits import PlanTerms
@@ -209,13 +209,13 @@ class AdminController(Controller):
 
     # Models: every gateway replica serves a change within a few seconds (the directory's
     # refresh), so nothing here touches this replica's clients. `path`: names may hold '/'.
-    @get("/models")
+    @get("/models", operation_class=documented(list[ServedModel], errors=ADMIN))
     async def list_models(
         self, db_session: NamedDependency[AsyncSession], admin: NamedDependency[Principal]
     ) -> list[dict[str, Any]]:
         return [model_view(row) for row in await ModelService(db_session).list()]
 
-    @get("/models/{name:path}")
+    @get("/models/{name:path}", operation_class=documented(ServedModel, errors=ADMIN))
     async def get_model(
         self,
         name: FromPath[str],
@@ -224,7 +224,11 @@ class AdminController(Controller):
     ) -> dict[str, Any]:
         return model_view(await ModelService(db_session).get(name.lstrip("/")))
 
-    @post("/models", status_code=201)
+    @post(
+        "/models",
+        status_code=201,
+        operation_class=documented(ServedModel, body=ModelBody, status=201, errors=ADMIN_WRITE),
+    )
     async def create_model(
         self,
         request: Request[Any, Any, Any],
@@ -234,7 +238,10 @@ class AdminController(Controller):
         body = decode(await request.body(), ModelBody)
         return model_view(await ModelService(db_session, actor).add(body.spec()))
 
-    @patch("/models/{name:path}")
+    @patch(
+        "/models/{name:path}",
+        operation_class=documented(ServedModel, body=ModelPatch, errors=ADMIN_WRITE),
+    )
     async def update_model(
         self,
         name: FromPath[str],
@@ -248,7 +255,11 @@ class AdminController(Controller):
         row = await ModelService(db_session, actor).update(name.lstrip("/"), **changes)
         return model_view(row)
 
-    @delete("/models/{name:path}", status_code=204)
+    @delete(
+        "/models/{name:path}",
+        status_code=204,
+        operation_class=documented(None, status=204, errors=ADMIN_WRITE),
+    )
     async def remove_model(
         self,
         name: FromPath[str],

@@ -27,6 +27,8 @@ from gateway.api.openai import admit, respond_whole, tokenize
 from gateway.api.schemas import PositiveInt, TokenId, decode
 from gateway.dispatch.engine_client import EngineClient
 from gateway.errors import InvalidRequest, Overloaded
+from gateway.openapi import GENERATION, documented
+from gateway.openapi.shapes import EmbeddingList
 from gateway.runtime import Runtime
 from gateway.telemetry import current_request
 from gateway.usage import Charge, RequestUsage
@@ -103,7 +105,11 @@ class EmbeddingsController(Controller):
     path = "/v1"
     dependencies = {"principal": Provide(authenticate)}
 
-    @post("/embeddings", status_code=200)
+    @post(
+        "/embeddings",
+        status_code=200,
+        operation_class=documented(EmbeddingList, body=EmbeddingRequest, errors=GENERATION),
+    )
     async def create_embeddings(
         self,
         request: Request[Any, Any, Any],

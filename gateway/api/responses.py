@@ -37,6 +37,8 @@ from gateway.api.schemas import (
     encode,
 )
 from gateway.errors import InvalidRequest
+from gateway.openapi import GENERATION, documented
+from gateway.openapi.shapes import ResponseObject
 from gateway.runtime import Runtime
 from tenants.limits import LOWEST_PRIORITY
 from tenants.services import Principal
@@ -151,7 +153,13 @@ class ResponsesController(Controller):
     path = "/v1"
     dependencies = {"principal": Provide(authenticate)}
 
-    @post("/responses", status_code=200)
+    @post(
+        "/responses",
+        status_code=200,
+        operation_class=documented(
+            ResponseObject, body=ResponsesRequest, errors=GENERATION, stream="ResponseEvent"
+        ),
+    )
     async def create_response(
         self,
         request: Request[Any, Any, Any],

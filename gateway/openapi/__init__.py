@@ -73,9 +73,10 @@ def documented(
 ) -> type[Operation]:
     """The operation class of a route answering `ok` (a type msgspec can describe) with
     `status`, refusing with `errors`; `body`: the struct its request body decodes to;
-    `stream`: the shape of each event when it can answer in server-sent events; `also`:
+    `ok` None: no body (204); `stream`: the shape of each event when it can answer in
+    server-sent events; `also`:
     other answers, by status, with their description and shape."""
-    content = {media_type: OpenAPIMediaType(schema=schema_of(ok))}
+    content = {} if ok is None else {media_type: OpenAPIMediaType(schema=schema_of(ok))}
     if stream is not None:
         each = f"Server-sent events: `data: <{stream}>` lines, then `data: [DONE]`"
         content[SSE] = OpenAPIMediaType(schema=Schema(type="string", description=each))  # type: ignore[arg-type]
@@ -135,18 +136,42 @@ def _as_spec(node: dict[str, Any]) -> Schema | Reference:
     return Schema(**spec)
 
 
-def complete(document: dict[str, Any]) -> dict[str, Any]:
-    """The document Litestar built, with the structs' schemas among its components."""
-    components = dict(document.get("components") or {})
-    components["schemas"] = {**(components.get("schemas") or {}), **_COMPONENTS}
+def complete(document: dict[str, Any], models: list[str] | None = None) -> dict[str, Any]:
+    """The document Litestar built, with the structs' schemas among its components; with
+    `models`, a request's `model` is one of the names served now (the registry's
+    changes show at the next fetch)."""
+    schemas = {**(document.get("components") or {}).get("schemas", {}), **_COMPONENTS}
+    if models:
+        schemas = {name: _served(name, schema, models) for name, schema in schemas.items()}
+    components = {**(document.get("components") or {}), "schemas": schemas}
     return {**document, "components": components}
+
+
+# The request bodies that name a model to run (not, e.g., a price's model).
+MODEL_REQUESTS = frozenset(
+    ("ChatCompletionRequest", "CompletionRequest", "ResponsesRequest", "EmbeddingRequest")
+)
+
+
+def _served(name: str, schema: dict[str, Any], models: list[str]) -> dict[str, Any]:
+    model = schema.get("properties", {}).get("model")
+    if name not in MODEL_REQUESTS or model is None or model.get("type") != "string":
+        return schema
+    properties = {**schema["properties"], "model": {**model, "enum": models}}
+    return {**schema, "properties": properties}
+
+
+def _served_models(request: Request[Any, Any, Any]) -> list[str]:
+    runtime = getattr(request.app.state, "runtime", None)
+    models = getattr(runtime, "models", None)
+    return models.names() if models is not None else []
 
 
 class SchemaDocument(JsonRenderPlugin):
     """/schema/openapi.json"""
 
     def render(self, request: Request[Any, Any, Any], openapi_schema: dict[str, Any]) -> bytes:
-        return self.render_json(request, complete(openapi_schema))
+        return self.render_json(request, complete(openapi_schema, _served_models(request)))
 
 
 class DocsPage(OpenAPIRenderPlugin):

@@ -142,13 +142,68 @@ class Model(Struct):
     id: str
     object: Literal["model"]
     created: int
-    owned_by: str
-    max_model_len: int
+    owned_by: str  # "tollgate": Tollgate's own engines; "upstream": an OpenAI-compatible one
+    max_model_len: int | None  # null while an upstream's context is not known yet
+    context_length: int | None = None
 
 
 class ModelList(Struct):
     object: Literal["list"]
     data: list[Model]
+
+
+class ResponseText(Struct):
+    type: Literal["output_text"]
+    text: str
+    annotations: list[Any]
+
+
+class ResponseMessage(Struct):
+    id: str
+    type: Literal["message"]
+    status: str
+    role: Literal["assistant"]
+    content: list[ResponseText]
+
+
+class ResponseUsage(Struct):
+    input_tokens: int
+    output_tokens: int
+    total_tokens: int
+    input_tokens_details: dict[str, int]
+    output_tokens_details: dict[str, int]
+
+
+class ResponseObject(Struct, kw_only=True):
+    """/v1/responses: one `response` (streamed: its typed events, the last of which
+    carries this object)."""
+
+    id: str
+    object: Literal["response"]
+    created_at: int
+    status: Literal["completed", "incomplete", "in_progress"]
+    model: str
+    output: list[ResponseMessage]
+    usage: ResponseUsage | None
+    incomplete_details: dict[str, str] | None = None
+
+
+class EmbeddingItem(Struct):
+    object: Literal["embedding"]
+    index: int
+    embedding: list[float] | str  # str: base64 of little-endian float32
+
+
+class EmbeddingUsage(Struct):
+    prompt_tokens: int
+    total_tokens: int
+
+
+class EmbeddingList(Struct):
+    object: Literal["list"]
+    data: list[EmbeddingItem]
+    model: str
+    usage: EmbeddingUsage
 
 
 # Usage and billing
@@ -306,6 +361,25 @@ class AuditVerification(Struct):
     first_bad_id: int | None
     reason: str | None
     anchor: str | None
+
+
+class TargetShape(Struct):
+    url: str
+    weight: int
+
+
+class ServedModel(Struct):
+    """A registry model (never an API key: only the variable that holds it)."""
+
+    name: str
+    kind: Literal["tollgate", "openai"]
+    targets: list[TargetShape]
+    tokenizer: str | None
+    upstream_model: str | None
+    api_key_env: str | None
+    context_length: int | None
+    created_at: str
+    updated_at: str
 
 
 class PriceVersion(Struct):

@@ -13,13 +13,14 @@ from pathlib import Path
 
 import httpx
 import pytest
+from sqlalchemy import select
 
 from gateway.app import create_app
 from gateway.dispatch.engine_client import InProcessEngineClient
 from gateway.settings import Settings
 from tenants import db
 from tenants.limits import LimitSet
-from tenants.models import KeyRole
+from tenants.models import KeyRole, UsageEvent, UsageStatus
 from tenants.services import ApiKeyService, TenantService
 from tests.conftest import serving
 
@@ -41,6 +42,17 @@ async def admin_key(url: str) -> str:
         await ApiKeyService(session).set_limits(created.key.id, LimitSet(max_tokens_per_request=8))
     await engine.dispose()
     return created.secret
+
+
+async def completed_endpoints(url: str) -> set[str]:
+    """The endpoints of which the fuzzer got at least one answer generated to the end."""
+    engine = db.create_engine(url)
+    async with db.session_factory(engine)() as session:
+        rows = await session.execute(
+            select(UsageEvent.endpoint).where(UsageEvent.status == UsageStatus.COMPLETED)
+        )
+    await engine.dispose()
+    return set(rows.scalars())
 
 
 @pytest.fixture
@@ -66,10 +78,16 @@ async def test_schema_is_served_with_its_shapes(
     schemas = document["components"]["schemas"]
     assert schemas["ErrorResponse"]["required"] == ["error"]
     assert "messages" in schemas["ChatCompletionRequest"]["required"]
+    served = [engine_client.model_name]  # a request names a model served now
+    for request in ("ChatCompletionRequest", "CompletionRequest", "EmbeddingRequest"):
+        assert schemas[request]["properties"]["model"]["enum"] == served
+    assert {"/v1/responses", "/v1/embeddings", "/health", "/admin/api/models"} <= set(
+        document["paths"]
+    )
     assert not [
         path
         for path in document["paths"]
-        if not path.startswith(("/v1", "/admin/api", "/healthz", "/readyz"))
+        if not path.startswith(("/v1", "/admin/api", "/health", "/readyz"))
     ]
     assert page.status_code == 200 and page.headers["content-type"].startswith("text/html")
     assert "POST <code>/v1/chat/completions</code>" in page.text
@@ -107,3 +125,5 @@ async def test_schemathesis_finds_no_server_error_and_no_undocumented_answer(
     tested = re.search(r"Selected: (\d+)/\d+\s+Tested: (\d+)", report)
     assert tested is not None and tested[1] == tested[2], report  # every operation ran
     assert re.search(r"\d+ generated, \d+ passed", report), report
+    # The served model's name is in the schema, so generation is reached, not only refused.
+    assert await completed_endpoints(database) & {"chat.completions", "completions", "responses"}
