@@ -64,6 +64,30 @@ class ReplicaRefused(EngineError):
     """The replica answered 4xx: the request itself is at fault, so no retry."""
 
 
+def _give_up_unless_retryable(
+    replica: Replica,
+    request_id: str,
+    exc: ReplicaFailed,
+    failures: int,
+    started: bool,
+    restartable: bool,
+) -> None:
+    """A replica broke a request's stream: it leaves routing (the health check brings it
+    back), and the request fails unless another replica may run it afresh."""
+    replica.healthy = False
+    log.warning("replica %s failed request %s: %s", replica.url, request_id, exc)
+    if failures >= MAX_REPLICA_FAILURES:
+        raise EngineUnavailable(
+            f"the request failed on {failures} backend replicas; it is not "
+            "retried further (it may be what made them fail)",
+            code="replica_failed",
+        ) from exc
+    if started and not restartable:
+        raise EngineUnavailable(
+            "the backend replica serving this request failed", code="replica_failed"
+        ) from exc
+
+
 def restart_output(request_id: str) -> RequestOutput:
     """The marker a restartable request's retry begins with: drop what came before."""
     return RequestOutput(request_id, "", [], False, RESTART, 0, 0)
@@ -179,20 +203,8 @@ class RemoteEngineClient(LocalTokens):
                     f"the backend replica refused this request: {exc}", code="replica_refused"
                 ) from exc
             except ReplicaFailed as exc:
-                replica.healthy = False  # the health check brings it back when it answers
                 failures += 1
-                log.warning("replica %s failed request %s: %s", replica.url, request_id, exc)
-                if failures >= MAX_REPLICA_FAILURES:
-                    raise EngineUnavailable(
-                        f"the request failed on {failures} backend replicas; it is not "
-                        "retried further (it may be what made them fail)",
-                        code="replica_failed",
-                    ) from exc
-                if started and not restartable:
-                    raise EngineUnavailable(
-                        "the backend replica serving this request failed",
-                        code="replica_failed",
-                    ) from exc
+                _give_up_unless_retryable(replica, request_id, exc, failures, started, restartable)
                 handed_back = handed_back or started
             finally:
                 replica.in_flight -= 1
