@@ -10,11 +10,12 @@ from pathlib import Path
 
 from backend.config import EngineConfig
 from gateway import engine_knobs
+from gateway.errors import ConfigError
 
 DEFAULT_DATA_DIR = Path(".tollgate")
 
 
-class SettingsError(ValueError):
+class SettingsError(ConfigError):
     """A setting has a value that cannot be used; the message names the variable."""
 
 
