@@ -57,6 +57,10 @@ class GenerateBody(msgspec.Struct):
     timeout_s: float | None = None  # first-token deadline, relative: clocks differ by host
 
 
+class EmbedBody(msgspec.Struct):
+    prompts: list[list[int]]
+
+
 class AbortBody(msgspec.Struct):
     request_id: str
 
@@ -124,6 +128,28 @@ def _refusal(exc: Exception) -> dict[str, Any]:
     return {"error": str(exc), "param": param}
 
 
+@post("/internal/embed", status_code=200)
+async def embed(request: Request[Any, Any, Any]) -> Response[Any]:
+    """Mean-pooled final hidden states, one vector per prompt: `{"embeddings": [...]}`;
+    a refusal is a typed error (`kind`) with the status the gateway maps."""
+    try:
+        body = msgspec.json.decode(await request.body(), type=EmbedBody)
+    except (msgspec.DecodeError, RecursionError) as exc:
+        return Response(_refusal(exc), status_code=400)
+    try:
+        vectors = await _engine(request).embed(body.prompts)
+    except InvalidParameterError as exc:
+        return Response(_refusal(exc), status_code=400)
+    except OverloadedError as exc:
+        line = {"error": str(exc), "kind": exc.kind, "retry_after_s": exc.retry_after_s}
+        return Response(line, status_code=503)
+    except EngineDeadError as exc:
+        return Response({"error": str(exc), "kind": "engine_dead"}, status_code=503)
+    except RequestFailedError as exc:
+        return Response({"error": str(exc), "kind": exc.kind}, status_code=500)
+    return Response({"embeddings": vectors})
+
+
 @post("/internal/abort", status_code=200)
 async def abort(request: Request[Any, Any, Any]) -> Response[dict[str, Any]]:
     try:
@@ -144,7 +170,12 @@ async def info(request: Request[Any, Any, Any]) -> dict[str, Any]:
         for name in TOKENIZER_FILES
         if (model_dir / name).is_file()
     }
-    return {"model": engine.model_name, "max_model_len": engine.max_model_len, "files": files}
+    return {
+        "model": engine.model_name,
+        "max_model_len": engine.max_model_len,
+        "hidden_size": engine.engine.model_config.hidden_size,
+        "files": files,
+    }
 
 
 @get("/internal/kv", media_type=MediaType.JSON)
@@ -238,7 +269,7 @@ def create_backend_app(engine: AsyncEngine, model_dir: Path, secret: str) -> Lit
         route_handlers=[
             Router(
                 "/",
-                route_handlers=[generate, abort, info, kv, stats, metrics],
+                route_handlers=[generate, embed, abort, info, kv, stats, metrics],
                 guards=[require_secret],
             ),
             healthz,

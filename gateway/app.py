@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import AsyncIterator
 from contextlib import AsyncExitStack, asynccontextmanager
 from datetime import timedelta
@@ -10,6 +11,7 @@ from typing import Protocol, TypeVar
 
 from litestar import Litestar
 from litestar.di import Provide
+from sqlalchemy.exc import SQLAlchemyError
 from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
 
 from backend import EngineConfig
@@ -21,16 +23,22 @@ from gateway.admission.auth_failures import AuthFailureLog
 from gateway.admission.idempotency import Idempotency
 from gateway.admission.quota import Admission
 from gateway.admission.reconcile import Rebuilder, Upkeep
+from gateway.api.embeddings import EmbeddingsController
 from gateway.api.health import healthz, readyz
 from gateway.api.openai import OpenAIController
+from gateway.api.responses import ResponsesController
 from gateway.billing.controllers import BillingAdminController, UsageController
 from gateway.billing.jobs import BillingJobs
 from gateway.console import console_router
+from gateway.cors import Cors
 from gateway.deps import REQUEST_DEPENDENCIES
 from gateway.dispatch import discovery
+from gateway.dispatch.builder import client_builder
+from gateway.dispatch.directory import ModelDirectory
 from gateway.dispatch.engine_client import EngineClient, InProcessEngineClient
 from gateway.errors import exception_handlers
 from gateway.metering import UsageRecorder
+from gateway.openapi import openapi_config
 from gateway.runtime import Runtime, provide_runtime
 from gateway.settings import Settings
 from gateway.tasks import Periodic, TaskSet
@@ -81,14 +89,17 @@ def create_app(
             app.state.runtime = runtime
             app.state.telemetry = telemetry
             await attach_engine(runtime, telemetry, stack, engine_client)
+            await attach_models(runtime, telemetry, stack)
             # Closed first: what requests left behind (ledger writes, lock releases)
             # finishes while everything it needs is still open.
             stack.push_async_callback(runtime.tasks.drain)
             yield
 
-    return Litestar(
+    app = Litestar(
         route_handlers=[
             OpenAIController,
+            ResponsesController,
+            EmbeddingsController,
             AdminController,
             UsageController,
             BillingAdminController,
@@ -98,7 +109,6 @@ def create_app(
             readyz,
             metrics,
         ],
-        middleware=[telemetry.middleware],
         dependencies={
             "runtime": Provide(provide_runtime, sync_to_thread=False),
             **REQUEST_DEPENDENCIES,
@@ -106,11 +116,16 @@ def create_app(
         exception_handlers=exception_handlers(),
         lifespan=[lifespan],
         before_send=[echo_request_id],
-        openapi_config=None,
+        openapi_config=openapi_config(),
         request_max_body_size=settings.max_body_bytes,
         logging_config=None,  # the process's logging (JSON lines) is set by `tollgate serve`
         debug=False,
     )
+    # Around the router, not per route: a request no route takes (a 404) is observed too.
+    app.asgi_handler = telemetry.middleware(app.asgi_handler)
+    if settings.cors_origins:  # outermost: a preflight is answered, not counted as a request
+        app.asgi_handler = Cors(settings.cors_origins).middleware(app.asgi_handler)
+    return app
 
 
 class _Service(Protocol):
@@ -197,6 +212,21 @@ async def attach_engine(
         engine_client = await connect_engine(runtime.settings)
         stack.push_async_callback(engine_client.close)
     runtime.engine_client = engine_client
+    runtime.model_loaded_at = int(time.time())
     if isinstance(engine_client, InProcessEngineClient):
         telemetry.metrics.watch_engine(engine_client.engine.stats)
     log.info("engine ready: model %s", engine_client.model_name)
+
+
+async def attach_models(runtime: Runtime, telemetry: Telemetry, stack: AsyncExitStack) -> None:
+    """Every model the gateway serves: the engine above as the default entry, and the
+    registry's models, re-read every few seconds (their clients closed by `stack`)."""
+    build = client_builder(runtime.settings, telemetry.metrics.disagreement)
+    models = ModelDirectory(runtime.sessions, build, runtime.engine_client)
+    stack.push_async_callback(models.close)
+    try:
+        await models.refresh()
+    except SQLAlchemyError as exc:  # the database may come up later: the refresh retries
+        log.warning("the model registry cannot be read yet (%s)", type(exc).__name__)
+    _started(stack, models.periodic())
+    runtime.models = models

@@ -15,7 +15,7 @@ from typing import Any
 
 from sqlalchemy.ext.asyncio import AsyncSession
 
-from gateway import capacity_cli, engine_knobs
+from gateway import capacity_cli, engine_knobs, models_cli
 from gateway.admission import cli as quota_cli
 from gateway.billing import cli as billing_cli
 from gateway.cli_support import actor, in_session, micros
@@ -49,6 +49,7 @@ def _parser() -> argparse.ArgumentParser:
     _add_tenant_commands(commands)
     _add_key_commands(commands)
     _add_admin_commands(commands)
+    models_cli.add_commands(commands)
     billing_cli.add_commands(commands)
     capacity_cli.add_commands(commands)
     quota_cli.add_commands(commands)

@@ -16,6 +16,7 @@ from collections.abc import Mapping
 from dataclasses import MISSING, dataclass, fields, replace
 
 from backend.config import EngineConfig
+from gateway.errors import ConfigError
 
 HELP = {
     "block_size": "tokens per KV block",
@@ -54,7 +55,7 @@ _TRUE, _FALSE = ("1", "true", "yes", "on"), ("0", "false", "no", "off")
 _DEST = "engine_knob__"
 
 
-class KnobError(ValueError):
+class KnobError(ConfigError):
     """A knob's value cannot be used; the one-line message names its flag and variable."""
 
 

@@ -21,10 +21,18 @@ from tenants.errors import ConflictError, DomainError, InvalidInputError, NotFou
 log = logging.getLogger(__name__)
 
 
+class ConfigError(ValueError):
+    """A setting, engine knob or backend address that cannot be used, found at start:
+    the message names what to change (the process exits 2 with it; never an HTTP answer)."""
+
+
 class ApiError(Exception):
     status: ClassVar[int] = 500
     type: ClassVar[str] = "server_error"
     default_code: ClassVar[str | None] = None
+    # False: retrying cannot help; sent as `x-should-retry: false`, which the openai SDKs
+    # obey over their status rules (they retry every 429 otherwise).
+    retryable: ClassVar[bool] = True
 
     def __init__(
         self,
@@ -38,7 +46,9 @@ class ApiError(Exception):
         self.message = message
         self.param = param
         self.code = code or self.default_code
-        self.headers = headers or {}
+        self.headers = dict(headers or {})
+        if not self.retryable:
+            self.headers["x-should-retry"] = "false"
 
     def body(self) -> dict[str, Any]:
         return {
@@ -127,6 +137,15 @@ class InternalError(ApiError):
     default_code = "internal_error"
 
 
+class UpstreamFailed(ApiError):
+    """An OpenAI-compatible upstream failed the request (5xx, a broken stream, refused
+    credentials): a bad gateway, as a proxy answers it."""
+
+    status = 502
+    type = "server_error"
+    default_code = "upstream_error"
+
+
 def error_response(error: ApiError) -> Response[bytes]:
     return Response(
         content=msgspec.json.encode(error.body()),
@@ -156,12 +175,22 @@ def handle_domain_error(request: Request[Any, Any, Any], exc: Exception) -> Resp
     return error_response(mapped(str(exc)))
 
 
+# What Litestar raises (as a 500) when the client leaves while its body is being read.
+CLIENT_LEFT_DETAIL = "client disconnected prematurely"
+# Litestar's own client errors that have no class here, by the code OpenAI would give.
+HTTP_CODES = {405: "method_not_allowed", 413: "request_too_large", 415: "unsupported_media_type"}
+
+
 def handle_http_exception(_: Request[Any, Any, Any], exc: Exception) -> Response[bytes]:
-    """Litestar's own errors (404 route, 405 method, 400 parse) in the OpenAI shape."""
+    """Litestar's own errors (404 route, 405 method, 413 body, 400 parse) in the OpenAI
+    shape; a client that left mid-upload is a 499, not a failure of ours."""
     status = exc.status_code if isinstance(exc, HTTPException) else 500
     detail = exc.detail if isinstance(exc, HTTPException) else "internal error"
+    if status == 500 and detail == CLIENT_LEFT_DETAIL:
+        return error_response(Cancelled("the client closed the connection"))
     kinds = {400: InvalidRequest, 401: AuthenticationFailed, 403: PermissionDenied, 404: NotFound}
-    error = kinds.get(status, InternalError)(detail)
+    kind = kinds.get(status, InvalidRequest if status < 500 else InternalError)
+    error = kind(detail, code=HTTP_CODES.get(status))
     response = error_response(error)
     response.status_code = status
     return response

@@ -11,6 +11,7 @@ from gateway.admission.auth_failures import AuthFailureLog
 from gateway.admission.idempotency import Idempotency
 from gateway.admission.key_cache import KeyCache
 from gateway.admission.quota import Admission
+from gateway.dispatch.directory import ModelDirectory
 from gateway.dispatch.engine_client import EngineClient
 from gateway.errors import EngineUnavailable
 from gateway.metering import UsageRecorder
@@ -28,14 +29,27 @@ class Runtime:
     admission: Admission
     tasks: TaskSet
     engine_client: EngineClient | None = None
+    model_loaded_at: int = 0  # Unix time the engine (its model) was attached: /v1/models' created
     auth_failures: AuthFailureLog | None = None  # counted, audited once per window
     keys: KeyCache = field(default_factory=KeyCache)  # authenticated keys, for seconds
+    models: ModelDirectory | None = None  # every model served: the default and the registry's
 
     @property
     def engine(self) -> EngineClient:
         if self.engine_client is None or not self.engine_client.is_ready():
             raise EngineUnavailable("the model is not loaded yet", headers={"Retry-After": "1"})
         return self.engine_client
+
+    def engine_for(self, model: str) -> EngineClient:
+        """The client serving `model` (404 when none does), 503 until it is ready."""
+        if self.models is None:
+            raise EngineUnavailable("the model is not loaded yet", headers={"Retry-After": "1"})
+        client = self.models.get(model)
+        if not client.is_ready():
+            raise EngineUnavailable(
+                f"the model {model!r} is not ready yet", headers={"Retry-After": "1"}
+            )
+        return client
 
 
 def provide_runtime(state: State) -> Runtime:

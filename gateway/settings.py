@@ -10,11 +10,12 @@ from pathlib import Path
 
 from backend.config import EngineConfig
 from gateway import engine_knobs
+from gateway.errors import ConfigError
 
 DEFAULT_DATA_DIR = Path(".tollgate")
 
 
-class SettingsError(ValueError):
+class SettingsError(ConfigError):
     """A setting has a value that cannot be used; the message names the variable."""
 
 
@@ -57,6 +58,8 @@ class Settings:
     # Peers whose X-Forwarded-For / X-Forwarded-Proto are believed (IPs or CIDRs; "*": all).
     # The audit log, rate-limit failures and /metrics' loopback check see the client behind.
     trusted_proxies: tuple[str, ...] = ("127.0.0.1",)
+    # Browser origins that may call /v1/* (scheme://host[:port], or "*"); empty: no CORS.
+    cors_origins: tuple[str, ...] = ()
     # The largest request body: a 128k-token context is about 0.5 MB of text, or 1 MB of
     # token ids, so 4 MiB leaves room for JSON escaping and multi-byte text.
     max_body_bytes: int = 4 * 2**20
@@ -64,6 +67,15 @@ class Settings:
     drain_s: float = 30.0
     # `tollgate admins create`'s password, when not piped or prompted. A secret: not in repr.
     admin_password: str | None = field(default=None, repr=False)
+    # OpenAI-compatible upstreams (registry models of kind `openai`). Each tenant's requests
+    # carry cache_salt = HMAC(this secret, tenant id), so tenants never share an upstream
+    # prefix cache; every gateway replica needs the same secret for a tenant's requests to
+    # share theirs. Unset: TOLLGATE_BACKEND_SECRET, else a random one per process.
+    cache_salt_secret: str | None = field(default=None, repr=False)
+    # Models whose upstream schedules by priority (vLLM: --scheduling-policy priority, lower
+    # first, as the gateway's): they get the request's priority; others refuse it, so never.
+    upstream_priority_models: frozenset[str] = frozenset()
+    upstream_probe_s: float = 1.0  # how often each upstream's /health and /metrics are read
 
     @classmethod
     def from_env(cls, env: Mapping[str, str] | None = None) -> Settings:
@@ -108,8 +120,21 @@ class Settings:
             celery_queue=env.get("TOLLGATE_CELERY_QUEUE", "").strip() or "tollgate",
             console_idle_s=_int(env, "TOLLGATE_CONSOLE_IDLE_S", 1800, low=60),
             trusted_proxies=_proxies(env.get("TOLLGATE_TRUSTED_PROXIES", "127.0.0.1")),
+            cors_origins=tuple(
+                o.strip().rstrip("/")
+                for o in env.get("TOLLGATE_CORS_ORIGINS", "").split(",")
+                if o.strip()
+            ),
             drain_s=float(_int(env, "TOLLGATE_DRAIN_S", 30, low=0, high=3600)),
             admin_password=env.get("TOLLGATE_ADMIN_PASSWORD") or None,
+            cache_salt_secret=env.get("TOLLGATE_CACHE_SALT_SECRET", "").strip() or None,
+            upstream_priority_models=frozenset(
+                name.strip()
+                for name in env.get("TOLLGATE_UPSTREAM_PRIORITY_MODELS", "").split(",")
+                if name.strip()
+            ),
+            upstream_probe_s=_int(env, "TOLLGATE_UPSTREAM_PROBE_MS", 1000, low=100, high=60000)
+            / 1000,
         )
 
     def with_overrides(self, **changes: object) -> Settings:

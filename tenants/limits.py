@@ -9,6 +9,8 @@ from tenants.models import LimitColumns, Plan
 
 LIMIT_NAMES = ("rpm", "tpm", "max_concurrent", "monthly_budget_micros", "max_tokens_per_request")
 LOWEST_PRIORITY = 9  # priorities run 0 (most urgent) to 9
+MAX_WHOLE = 2**31 - 1  # the limit columns are 32-bit integers
+MAX_MICROS = 10**15  # a billion dollars: anything above is a typo (and near BIGINT's end)
 
 
 @dataclass(frozen=True)

@@ -57,6 +57,14 @@ class Target:
     url: str
     weight: int = 1
 
+    @classmethod
+    def parse(cls, text: str) -> Target:
+        """`URL` or `URL=WEIGHT`, as the CLI and the console take a target."""
+        url, _, weight = text.rpartition("=") if "=" in text else (text, "", "1")
+        if not (weight.isascii() and weight.isdigit()):
+            raise InvalidInputError(f"a target weight must be a whole number, not {weight!r}")
+        return cls(url.strip(), int(weight))
+
 
 @dataclass(frozen=True)
 class ModelSpec:

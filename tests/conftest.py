@@ -6,11 +6,13 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import inspect
+import json
 import os
 from collections.abc import AsyncIterator, Callable, Iterator
 from dataclasses import replace
 from pathlib import Path
 
+import httpx
 import pytest
 import uvicorn
 from litestar import Litestar
@@ -50,6 +52,13 @@ def database_url(request: pytest.FixtureRequest, tmp_path: Path) -> str:
     else:
         url = POSTGRES_URL
         db.reset_schema(url)
+    db.upgrade(url)
+    return url
+
+
+def migrated_sqlite(path: Path) -> str:
+    """A migrated, empty SQLite database at `path`, for tests about something else."""
+    url = f"sqlite:///{path}"
     db.upgrade(url)
     return url
 
@@ -110,10 +119,22 @@ async def eventually(check: Callable[[], object], timeout_s: float = 10.0) -> No
         await asyncio.sleep(0.01)
 
 
+async def read_text_events(response: httpx.Response, count: int) -> None:
+    """Read a completions stream until `count` of its events carried text (the caller
+    leaving its `stream` block then closes the connection mid-stream)."""
+    received = 0
+    async for line in response.aiter_lines():
+        if line.startswith("data: {") and json.loads(line[6:])["choices"][0]["text"]:
+            received += 1
+        if received == count:
+            return
+
+
 @contextlib.asynccontextmanager
-async def serving(app: Litestar) -> AsyncIterator[str]:
-    """Serve `app` with a real uvicorn on a free loopback port, in this event loop."""
-    config = uvicorn.Config(app, host="127.0.0.1", port=0, lifespan="on", log_level="warning")
+async def serving(app: Litestar, port: int = 0) -> AsyncIterator[str]:
+    """Serve `app` with a real uvicorn on loopback, in this event loop: on a free port, or
+    on `port` (a server restarted where its clients expect it)."""
+    config = uvicorn.Config(app, host="127.0.0.1", port=port, lifespan="on", log_level="warning")
     server = uvicorn.Server(config)
     task = asyncio.create_task(server.serve())
     await eventually(lambda: server.started or task.done())

@@ -7,8 +7,8 @@ import asyncio
 import contextlib
 import logging
 import threading
-from collections.abc import AsyncGenerator
-from dataclasses import dataclass
+from collections.abc import AsyncGenerator, Sequence
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from backend.config import EngineConfig
@@ -32,11 +32,22 @@ class _Stream:
     queue: asyncio.Queue[RequestOutput | BaseException]
 
 
+@dataclass
+class _Embedding:
+    """An embed() call: its prompts, embedded one per turn of the step loop."""
+
+    prompts: list[list[int]]
+    loop: asyncio.AbstractEventLoop
+    future: asyncio.Future[list[list[float]]]
+    vectors: list[list[float]] = field(default_factory=list)
+
+
 class AsyncEngine:
     def __init__(self, engine: Engine, model_name: str | None = None) -> None:
         self.engine = engine
         self.model_name = model_name or engine.model_dir.name
         self._streams: dict[str, _Stream] = {}
+        self._embeddings: list[_Embedding] = []  # waiting for the step thread, oldest first
         self._lock = threading.Lock()
         self._wake = threading.Event()
         self._stopping = False
@@ -110,6 +121,21 @@ class AsyncEngine:
             if added and unfinished:
                 self.abort(request_id)
 
+    async def embed(self, prompts: Sequence[str | list[int]]) -> list[list[float]]:
+        """Each prompt's mean-pooled final hidden states, computed on the step thread (one
+        prompt between two steps, so running streams keep flowing). Raises
+        InvalidParameterError or PromptTooLongError for a bad prompt, at once, and
+        OverloadedError when the KV cache has no room for one."""
+        ids = [self.engine.embedding_prompt(p) for p in prompts]
+        loop = asyncio.get_running_loop()
+        job = _Embedding(ids, loop, loop.create_future())
+        with self._lock:
+            if self._dead is not None:
+                raise EngineDeadError(self._dead)
+            self._embeddings.append(job)
+        self._wake.set()
+        return await job.future  # cancelled: the step thread skips what is left of it
+
     def abort(self, request_id: str) -> None:
         """Thread-safe and idempotent; an unknown or finished id is a no-op."""
         self.engine.abort(request_id)
@@ -126,16 +152,44 @@ class AsyncEngine:
     def _run(self) -> None:
         try:
             while not self._stopping:
-                if not self.engine.has_work():
+                embedding = self._next_embedding()
+                if embedding is not None:
+                    self._embed_one(embedding)
+                elif not self.engine.has_work():
                     self._wake.wait()
                     self._wake.clear()
                     continue
-                self._dispatch(self.engine.step())
+                if self.engine.has_work():
+                    self._dispatch(self.engine.step())
         except BaseException as exc:
             log.exception("engine step loop crashed")
             self._error = exc
         reason = f"engine stopped: {self._error!r}" if self._error else "engine is shut down"
         self._fail_all(reason)
+
+    def _next_embedding(self) -> _Embedding | None:
+        with self._lock:
+            return self._embeddings[0] if self._embeddings else None
+
+    def _embed_one(self, job: _Embedding) -> None:
+        """Embed the job's next prompt; answer it once all are done or one failed."""
+        outcome: list[list[float]] | BaseException | None = None  # None: nobody waits
+        if not job.future.done():  # done already: the caller went away, drop the rest
+            try:
+                job.vectors.append(self.engine.embed(job.prompts[len(job.vectors)]))
+            except OverloadedError as exc:
+                outcome = exc
+            except Exception:  # this input's fault or the device's: the loop goes on
+                log.exception("an embedding failed")
+                outcome = RequestFailedError("the engine failed this embedding request")
+            else:
+                if len(job.vectors) < len(job.prompts):
+                    return
+                outcome = job.vectors
+        with self._lock:
+            self._embeddings.remove(job)
+        if outcome is not None:
+            _resolve(job, outcome)
 
     def _dispatch(self, outputs: list[RequestOutput]) -> None:
         with self._lock:
@@ -148,13 +202,29 @@ class AsyncEngine:
         with self._lock:
             self._dead = reason
             streams = list(self._streams.values())
+            embeddings, self._embeddings = self._embeddings, []
         for stream in streams:
             _put(stream, EngineDeadError(reason))
+        for embedding in embeddings:
+            _resolve(embedding, EngineDeadError(reason))
 
 
 def _put(stream: _Stream, item: RequestOutput | BaseException) -> None:
     with contextlib.suppress(RuntimeError):  # a closed event loop: nobody is listening
         stream.loop.call_soon_threadsafe(stream.queue.put_nowait, item)
+
+
+def _resolve(job: _Embedding, outcome: list[list[float]] | BaseException) -> None:
+    def settle() -> None:
+        if job.future.done():  # cancelled meanwhile
+            return
+        if isinstance(outcome, BaseException):
+            job.future.set_exception(outcome)
+        else:
+            job.future.set_result(outcome)
+
+    with contextlib.suppress(RuntimeError):  # a closed event loop: nobody is listening
+        job.loop.call_soon_threadsafe(settle)
 
 
 def _rejection(out: RequestOutput) -> Exception:

@@ -20,6 +20,7 @@ from backend.engine.scheduler import Scheduler
 from backend.engine.step_cost import warm_up, warm_up_shapes
 from backend.errors import (
     InvalidParameterError,
+    OverloadedError,
     PromptTooLongError,
     RequestFailedError,
     RequestStepError,
@@ -32,6 +33,7 @@ from backend.tokenizer import IncrementalDetokenizer, Tokenizer
 
 log = logging.getLogger(__name__)
 
+EMBED_ID = "\0embed"  # an embedding's block table: no request id has a NUL
 # Steps failing in a row with no request to blame: past this, the fault is the engine's
 # own (a CUDA error is sticky), so the step loop ends and the health probes fail.
 MAX_FAILED_STEPS = 3
@@ -172,6 +174,10 @@ class Engine:
             self._inbox += reqs
             self._inbox_tokens += sum(r.num_tokens for r in reqs)
 
+    def embedding_prompt(self, prompt: str | list[int]) -> list[int]:
+        """A prompt to embed, validated as add_request validates one (any thread)."""
+        return self._prompt_ids(prompt)
+
     def abort(self, request_id: str) -> None:
         """Idempotent; takes effect at the next step boundary. Unknown or finished ids are
         ignored. The abort is bound to the request live now, not to a later one reusing
@@ -254,6 +260,17 @@ class Engine:
         prefill, decode = self._total_tokens
         self._total_tokens = (prefill + batch.num_prefill_tokens, decode + batch.num_decode_tokens)
         return outputs
+
+    def embed(self, prompt: list[int]) -> list[float]:
+        """The mean-pooled final hidden states of a prompt (from embedding_prompt). On the
+        step thread, between steps: it borrows free KV blocks for the pass and gives them
+        back. Raises OverloadedError when running requests hold too many of them."""
+        if self.block_manager.allocate_slots(EMBED_ID, len(prompt)) is None:
+            raise OverloadedError("the KV cache has no room for this input now; retry", 1.0)
+        try:
+            return self.runner.embed(prompt, self.block_manager.block_ids(EMBED_ID))
+        finally:
+            self.block_manager.free(EMBED_ID)
 
     def _fail_step(self, scheduled: list[ScheduledRequest], exc: Exception) -> list[RequestOutput]:
         """A step that raised changed nothing the next step relies on (progress advances

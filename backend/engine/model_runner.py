@@ -29,6 +29,7 @@ from backend.loader import load_model, resolve_device, resolve_dtype
 from backend.models.config import ModelConfig
 from backend.sampling import SamplingParams
 
+_EMBED_PARAMS = SamplingParams(max_tokens=1)  # an embedding samples nothing
 _M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3  # mallopt parameters, from glibc's malloc.h
 
 
@@ -146,6 +147,30 @@ class ModelRunner:
             {r.request_id: t for r, t in zip(reqs, sampled, strict=True)},
             {reqs[i].request_id: lp for i, lp in zip(want, found, strict=True)},
         )
+
+    @torch.inference_mode()
+    def embed(self, token_ids: list[int], block_ids: list[int]) -> list[float]:
+        """The mean of the prompt's final hidden states (after the final norm), computed
+        in chunks of max_num_batched_tokens whose keys and values go to `block_ids` (the
+        caller's, enough for the prompt): the step loop's own pass, without sampling."""
+        total = torch.zeros(self.model.cfg.hidden_size, dtype=torch.float32, device=self.device)
+        chunk = self.config.max_num_batched_tokens
+        for start in range(0, len(token_ids), chunk):
+            piece = ScheduledRequest(
+                request_id="",
+                token_ids=token_ids[start : start + chunk],
+                start_pos=start,
+                block_ids=block_ids,
+                params=_EMBED_PARAMS,
+                sample=False,
+                prompt_token_ids=token_ids,
+                output_token_ids=[],
+            )
+            input_ids, positions, meta = self._prepare(SchedulerOutput([piece]))
+            hidden = self.model(input_ids, positions, self.kv_cache, meta)
+            total += hidden.float().sum(dim=0)
+        mean: list[float] = to_host(total / len(token_ids))[0].tolist()
+        return mean
 
     def _forward(self, batch: SchedulerOutput) -> torch.Tensor:
         """Hidden states of every scheduled token: a CUDA-graph replay for decode-only

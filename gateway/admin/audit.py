@@ -12,6 +12,8 @@ from sqlalchemy.ext.asyncio import AsyncSession
 
 from gateway.admin.controllers import require_admin
 from gateway.errors import InvalidRequest
+from gateway.openapi import ADMIN, documented
+from gateway.openapi.shapes import AuditPage, AuditVerification
 from tenants import audit
 from tenants.errors import InvalidInputError
 from tenants.models import parse_utc
@@ -35,9 +37,10 @@ def parse_time(text: str | None, param: str) -> datetime | None:
 
 class AuditController(Controller):
     path = "/admin/api/audit"
+    tags = ["Admin"]
     dependencies = {"admin": Provide(require_admin)}
 
-    @get("/")
+    @get("/", operation_class=documented(AuditPage, errors=ADMIN))
     async def list_events(
         self,
         db_session: NamedDependency[AsyncSession],
@@ -68,7 +71,7 @@ class AuditController(Controller):
             "next_cursor": events[-1].id if more else None,
         }
 
-    @post("/verify", status_code=200)
+    @post("/verify", status_code=200, operation_class=documented(AuditVerification, errors=ADMIN))
     async def verify(
         self,
         db_session: NamedDependency[AsyncSession],

@@ -7,10 +7,13 @@ from typing import Annotated, Any
 import msgspec
 from msgspec import Meta, Struct
 
-from tenants.limits import LIMIT_NAMES, LOWEST_PRIORITY, LimitSet, PlanTerms
+from tenants.limits import LIMIT_NAMES, LOWEST_PRIORITY, MAX_MICROS, MAX_WHOLE, LimitSet, PlanTerms
 from tenants.models import ApiKey, Plan, Tenant
+from tenants.registry import ModelKind, ModelSpec, Target
 
-Limit = Annotated[int, Meta(ge=0)] | None
+# Bounded as the columns they are stored in (SQLite refuses an integer past 64 bits).
+Limit = Annotated[int, Meta(ge=0, le=MAX_WHOLE)] | None
+Budget = Annotated[int, Meta(ge=0, le=MAX_MICROS)] | None
 Priority = Annotated[int, Meta(ge=0, le=LOWEST_PRIORITY)]
 UNSET: Any = msgspec.UNSET
 
@@ -21,7 +24,7 @@ class LimitsBody(Struct, kw_only=True, forbid_unknown_fields=True):
     rpm: Limit | msgspec.UnsetType = UNSET
     tpm: Limit | msgspec.UnsetType = UNSET
     max_concurrent: Limit | msgspec.UnsetType = UNSET
-    monthly_budget_micros: Limit | msgspec.UnsetType = UNSET
+    monthly_budget_micros: Budget | msgspec.UnsetType = UNSET
     max_tokens_per_request: Limit | msgspec.UnsetType = UNSET
 
     def merged(self, current: LimitSet) -> LimitSet:
@@ -34,7 +37,7 @@ class PlanBody(LimitsBody, kw_only=True, forbid_unknown_fields=True):
     allowed_models: list[str] | msgspec.UnsetType | None = UNSET
     default_priority: Priority | msgspec.UnsetType = UNSET
     max_priority: Priority | msgspec.UnsetType = UNSET
-    weight: Annotated[int, Meta(ge=1)] | msgspec.UnsetType = UNSET
+    weight: Annotated[int, Meta(ge=1, le=MAX_WHOLE)] | msgspec.UnsetType = UNSET
 
     def terms(self, current: PlanTerms) -> PlanTerms:
         models = current.allowed_models
@@ -64,6 +67,56 @@ class TenantPatch(Struct, kw_only=True, forbid_unknown_fields=True):
 class KeyBody(Struct, kw_only=True, forbid_unknown_fields=True):
     name: str = ""
     admin: bool = False
+
+
+class TargetBody(Struct, kw_only=True, forbid_unknown_fields=True):
+    url: str
+    weight: int = 1
+
+
+def _targets(bodies: list[TargetBody]) -> tuple[Target, ...]:
+    return tuple(Target(t.url, t.weight) for t in bodies)
+
+
+class ModelBody(Struct, kw_only=True, forbid_unknown_fields=True):
+    """A model to add; the registry checks the values (tenants/registry.py)."""
+
+    name: str
+    kind: ModelKind
+    targets: list[TargetBody]
+    tokenizer: str | None = None
+    upstream_model: str | None = None
+    api_key_env: str | None = None  # the variable's name, never the key
+    context_length: int | None = None
+
+    def spec(self) -> ModelSpec:
+        return ModelSpec(
+            name=self.name,
+            kind=self.kind,
+            targets=_targets(self.targets),
+            tokenizer=self.tokenizer,
+            upstream_model=self.upstream_model,
+            api_key_env=self.api_key_env,
+            context_length=self.context_length,
+        )
+
+
+class ModelPatch(Struct, kw_only=True, forbid_unknown_fields=True):
+    """Fields left out keep their value; null clears an optional one."""
+
+    kind: ModelKind | msgspec.UnsetType = UNSET
+    targets: list[TargetBody] | msgspec.UnsetType = UNSET
+    tokenizer: str | msgspec.UnsetType | None = UNSET
+    upstream_model: str | msgspec.UnsetType | None = UNSET
+    api_key_env: str | msgspec.UnsetType | None = UNSET
+    context_length: int | msgspec.UnsetType | None = UNSET
+
+    def changes(self) -> dict[str, Any]:
+        given = {f: getattr(self, f) for f in self.__struct_fields__}
+        changes = {f: v for f, v in given.items() if v is not UNSET}
+        if isinstance(self.targets, list):
+            changes["targets"] = _targets(self.targets)
+        return changes
 
 
 def _or(value: Any, default: int) -> int:

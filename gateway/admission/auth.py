@@ -8,7 +8,7 @@ import uuid
 from typing import Any
 
 from litestar import Request
-from litestar.datastructures import MutableScopeHeaders
+from litestar.datastructures import Headers, MutableScopeHeaders
 from litestar.di import NamedDependency
 from litestar.types import Message, Scope
 
@@ -16,6 +16,7 @@ from gateway.admission.key_cache import key_generation
 from gateway.errors import AuthenticationFailed
 from gateway.runtime import Runtime
 from gateway.telemetry import current_request
+from gateway.telemetry.request import client_request_id
 from tenants import keys
 from tenants.audit import AuditContext, client_address
 from tenants.services import ApiKeyService, Principal
@@ -51,7 +52,9 @@ async def echo_request_id(message: Message, scope: Scope) -> None:
     """A `before_send` hook: every answer, errors included, carries the request's one id.
     A generation request's is the one its ledger row carries (an error answer may have a
     row too); any other's, the one its audit events recorded, or a new one. The request's
-    span and its "request finished" log line take the same id."""
+    span and its "request finished" log line take the same id. A caller that sent its own
+    well-formed x-request-id gets it back (its log lines and span carry it as
+    client_request_id), with the gateway's id in x-tollgate-request-id."""
     if message["type"] != "http.response.start":
         return
     headers = MutableScopeHeaders.from_message(message)
@@ -60,7 +63,10 @@ async def echo_request_id(message: Message, scope: Scope) -> None:
     audit_id = context.request_id if isinstance(context, AuditContext) else None
     request_id = headers.get("x-request-id") or request.request_id or audit_id or new_request_id()
     request.assign_id(request_id)
-    headers["x-request-id"] = request_id
+    given = client_request_id(Headers.from_scope(scope))
+    if given is not None and given != request_id:  # the caller's id back; ours beside it
+        headers["x-tollgate-request-id"] = request_id
+    headers["x-request-id"] = given or request_id
 
 
 def bearer_token(request: Request[Any, Any, Any]) -> str | None:

@@ -2,23 +2,33 @@
 
 from __future__ import annotations
 
-from gateway.errors import ContextLengthExceeded, InvalidRequest, NotFound, PermissionDenied
+from gateway.errors import ContextLengthExceeded, InvalidRequest, PermissionDenied
 from gateway.telemetry import current_request
+from tenants.billing.prices import Quote
 from tenants.services import Principal
 
 
-def check_model(principal: Principal, name: str, served: str) -> None:
-    if name != served:
-        raise NotFound(
-            f"the model {name!r} does not exist; GET /v1/models lists the available ones",
-            param="model",
-            code="model_not_found",
-        )
+def check_model(principal: Principal, name: str) -> None:
+    """The plan includes the model (whether it is served is the model directory's answer)."""
     if not principal.plan.allows_model(name):
         raise PermissionDenied(
             f"your plan does not include the model {name!r}",
             param="model",
             code="model_not_allowed",
+        )
+
+
+def check_priced(quote: Quote, model: str, registered: bool) -> None:
+    """The built-in default price is the default entry's alone (so `make run` needs no
+    price book): a registry model without a price of its own or a '*' one is refused,
+    never served at a price nobody set."""
+    if registered and quote.version_id is None:
+        current_request().reject("model_not_priced")
+        raise InvalidRequest(
+            f"the model {model!r} has no price yet; an operator must set one "
+            "(tollgate prices set) before it can be used",
+            param="model",
+            code="model_not_priced",
         )
 
 

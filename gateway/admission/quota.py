@@ -76,6 +76,7 @@ class QuotaExceeded(RateLimited):
 
     default_code = "insufficient_quota"
     type = "insufficient_quota"
+    retryable = False
 
 
 @dataclass(frozen=True)

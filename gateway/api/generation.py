@@ -11,7 +11,7 @@ import asyncio
 import contextlib
 import time
 from collections.abc import AsyncIterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from functools import partial
 from typing import Any
 
@@ -19,7 +19,7 @@ from backend import EngineDeadError, RequestOutput, SamplingParams, TokenLogprob
 from gateway.api.formats import Format, tool_calls_delta, with_tool_calls
 from gateway.api.schemas import encode
 from gateway.api.tools import ToolCall, ToolPlan, ToolStream
-from gateway.dispatch.engine_client import RESTART, EngineClient
+from gateway.dispatch.engine_client import RESTART, ClientPrompt, EngineClient
 from gateway.errors import (
     ApiError,
     DeadlineExceeded,
@@ -47,8 +47,12 @@ class Generation:
     timeout_s: float = 600.0
     first_token_s: float | None = None  # the client's ttft_deadline_ms, in seconds
     priority: int = 0
-    echo: str = ""  # completions: the prompt text, sent back before the answer
+    echo: list[str] = field(default_factory=list)  # completions: each prompt's text, sent back
+    # Completions: every prompt of a batch, when there are several (`prompt` is the first).
+    # Each runs as its own engine request; their choices and usage add up to one response.
+    batch: list[list[int]] = field(default_factory=list)
     tools: ToolPlan | None = None  # chat: how the output's tool calls are found
+    source: ClientPrompt | None = None  # the prompt as sent, for an upstream that templates
     created: int = field(default_factory=lambda: int(time.time()))
     started: float = field(default_factory=time.monotonic)
 
@@ -58,6 +62,30 @@ class Generation:
         if self.first_token_s is None:
             return self.timeout_s
         return min(self.first_token_s, self.timeout_s)
+
+    @property
+    def prompts(self) -> list[list[int]]:
+        return self.batch or [self.prompt]
+
+    @property
+    def prompt_tokens(self) -> int:
+        return sum(len(prompt) for prompt in self.prompts)
+
+    @property
+    def choice_count(self) -> int:
+        """Prompt i's completion j is choice i * n + j, as OpenAI numbers them."""
+        return self.params.n * len(self.prompts)
+
+    @property
+    def engine_ids(self) -> list[str]:
+        """The engine request of each prompt (a lone prompt's is the request's own id)."""
+        if not self.batch:
+            return [self.charge.request_id]
+        return [f"{self.charge.request_id}-{i}" for i in range(len(self.batch))]
+
+    def echo_of(self, index: int) -> str:
+        """What choice `index` starts with: its prompt's text when echoed."""
+        return self.echo[index // self.params.n] if self.echo else ""
 
     @property
     def response_id(self) -> str:
@@ -120,7 +148,7 @@ def _usage_body(usage: RequestUsage) -> dict[str, Any]:
     }
 
 
-def _api_error(exc: BaseException) -> ApiError:
+def api_error(exc: BaseException) -> ApiError:
     """The engine clients raise API errors for what the engine refused on purpose;
     anything else (a ValueError included) is a defect: a 500."""
     if isinstance(exc, ApiError):
@@ -142,7 +170,7 @@ class Settlement:
         self.gen = gen
         self.engine = engine
         self.recorder = recorder
-        self.usage = RequestUsage(prompt_tokens=len(gen.prompt))
+        self.usage = RequestUsage(prompt_tokens=gen.prompt_tokens)
         self._written: asyncio.Task[None] | None = None
 
     @property
@@ -151,7 +179,7 @@ class Settlement:
 
     def restart(self) -> None:
         """The request starts over on another replica: what came before is void."""
-        self.usage = RequestUsage(prompt_tokens=len(self.gen.prompt))
+        self.usage = RequestUsage(prompt_tokens=self.gen.prompt_tokens)
 
     def settle(self) -> asyncio.Task[None]:
         """Write the row for the usage as it is now (idempotent: the first write counts)."""
@@ -164,7 +192,7 @@ class Settlement:
     def fail(self, exc: BaseException) -> ApiError:
         """Settle an engine-side failure, billing only what reached the client; returns
         the API error to answer with."""
-        error = _api_error(exc)
+        error = api_error(exc)
         if not self.settled:
             refused = isinstance(error, Overloaded | DeadlineExceeded) and not self.usage.delivered
             self.usage.status = UsageStatus.REJECTED if refused else UsageStatus.FAILED
@@ -184,7 +212,8 @@ class Settlement:
         if self.settled:
             return
         with current_request().span("cancel"):
-            self.engine.abort(self.gen.charge.request_id)
+            for engine_id in self.gen.engine_ids:
+                self.engine.abort(engine_id)
         self.usage.status = UsageStatus.CANCELLED
         self.usage.completion_tokens = self.usage.delivered
         self.settle()
@@ -199,18 +228,25 @@ async def _outputs(
     started = asyncio.get_running_loop().time() - (time.monotonic() - gen.started)  # loop clock
     last_due = started + gen.timeout_s
     due = started + gen.first_token_within_s
-    outputs = engine.generate(
-        gen.prompt,
-        gen.params,
-        gen.charge.request_id,
-        priority=gen.priority,
-        tenant=gen.charge.principal.tenant_id,
-        weight=gen.charge.principal.plan.weight,
-        # The engine rejects what cannot start by then, before spending compute on it.
-        deadline=gen.started + gen.first_token_within_s,
-        restartable=restartable,
-    )
-    outputs = current_request().dispatch(outputs)  # the dispatch span; the timeline
+    streams = [
+        engine.generate(
+            prompt,
+            gen.params,
+            engine_id,
+            priority=gen.priority,
+            tenant=gen.charge.principal.tenant_id,
+            weight=gen.charge.principal.plan.weight,
+            # The engine rejects what cannot start by then, before spending compute on it.
+            deadline=gen.started + gen.first_token_within_s,
+            # A batch's restart would void the other prompts' choices too: it fails instead.
+            restartable=restartable and not gen.batch,
+            # A batch's prompts go as token ids; one prompt as the client sent it.
+            source=None if gen.batch else gen.source,
+        )
+        for prompt, engine_id in zip(gen.prompts, gen.engine_ids, strict=True)
+    ]
+    merged = streams[0] if len(streams) == 1 else _merged(streams, gen)
+    outputs = current_request().dispatch(merged)  # the dispatch span; the timeline
     while True:
         try:
             async with asyncio.timeout_at(due):
@@ -223,6 +259,41 @@ async def _outputs(
         yield out
 
 
+async def _merged(
+    streams: list[AsyncIterator[RequestOutput]], gen: Generation
+) -> AsyncIterator[RequestOutput]:
+    """A batch's engine outputs as they come, each renumbered to its choice and counting
+    the prompt tokens of the whole batch. Closing it closes (aborts) every engine request."""
+    prompt_tokens = [len(prompt) for prompt in gen.prompts]
+    cached_tokens = [0] * len(streams)
+    pending = {asyncio.ensure_future(anext(stream)): i for i, stream in enumerate(streams)}
+    try:
+        while pending:
+            done, _ = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
+            for task in done:
+                i = pending.pop(task)
+                try:
+                    out = task.result()
+                except StopAsyncIteration:
+                    continue
+                pending[asyncio.ensure_future(anext(streams[i]))] = i
+                prompt_tokens[i], cached_tokens[i] = out.prompt_tokens, out.cached_tokens
+                yield replace(
+                    out,
+                    index=i * gen.params.n + out.index,
+                    prompt_tokens=sum(prompt_tokens),
+                    cached_tokens=sum(cached_tokens),
+                )
+    finally:
+        for task in pending:
+            task.cancel()
+        await asyncio.gather(*pending, return_exceptions=True)
+        for stream in streams:
+            close = getattr(stream, "aclose", None)
+            if close is not None:
+                await close()
+
+
 def _missed(gen: Generation, first: bool) -> str:
     if first:
         return f"the first token did not come within {gen.first_token_within_s * 1000:g} ms"
@@ -233,7 +304,7 @@ async def complete(
     gen: Generation, engine: EngineClient, recorder: UsageRecorder
 ) -> dict[str, Any]:
     """Run to the end and return the whole response body."""
-    choices = Choices(gen.params.n)
+    choices = Choices(gen.choice_count)
     async with Settlement(gen, engine, recorder) as settlement:
         try:
             # Nothing reaches the client before the end, so a replica that dies on the way
@@ -241,7 +312,7 @@ async def complete(
             async for out in _outputs(gen, engine, restartable=True):
                 if out.finish_reason == RESTART:
                     settlement.restart()
-                    choices = Choices(gen.params.n)
+                    choices = Choices(gen.choice_count)
                     continue
                 _observe(settlement.usage, choices, gen, out)
                 choices.collect(out)
@@ -263,7 +334,7 @@ def _whole_body(
                 gen,
                 gen.format.choice(
                     index,
-                    gen.echo + "".join(choices.texts.get(index, [])),
+                    gen.echo_of(index) + "".join(choices.texts.get(index, [])),
                     choices.finish.get(index),
                     choices.logprobs.get(index, []) if want_logprobs else None,
                     engine.token_text,
@@ -362,7 +433,7 @@ async def _events(
     first waits for the stream's first checkpoint: a client never holds a response that
     a gateway crash could leave without a ledger row."""
     gen, usage = settlement.gen, settlement.usage
-    choices = Choices(gen.params.n)
+    choices = Choices(gen.choice_count)
     chunk = partial(_chunk, gen, settlement.engine)
     held = _tool_streams(gen)
     streaming = current_request().start_span("stream")
@@ -372,7 +443,7 @@ async def _events(
                 await asyncio.wait_for(asyncio.shield(checkpointed), FIRST_CHECKPOINT_WAIT_S)
             try:
                 for index in range(choices.n):
-                    yield chunk(index, gen.echo, None, first=True)
+                    yield chunk(index, gen.echo_of(index), None, first=True)
                 async for out in outputs:
                     _observe(usage, choices, gen, out)
                     text = held[out.index].feed(out.text) if held else out.text

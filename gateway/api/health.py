@@ -8,10 +8,18 @@ from litestar import MediaType, Request, Response, get
 from litestar.di import NamedDependency
 from sqlalchemy import text
 
+from gateway.openapi import documented
+from gateway.openapi.shapes import Health, Readiness
 from gateway.runtime import Runtime
 
+PROBE = documented(Health, secured=False, also={503: ("The engine has died", Health)})
+READINESS = documented(
+    Readiness, secured=False, also={503: ("Draining, or a check failed", Readiness)}
+)
 
-@get("/healthz", media_type=MediaType.JSON)
+
+# /health: what guidellm and vLLM-style probes call
+@get(["/healthz", "/health"], media_type=MediaType.JSON, tags=["Probes"], operation_class=PROBE)
 async def healthz(runtime: NamedDependency[Runtime]) -> Response[dict[str, str]]:
     """The process is up and serving HTTP, and no engine it runs has died (a dead
     in-process engine would otherwise answer 503 to every tenant until restarted)."""
@@ -21,7 +29,7 @@ async def healthz(runtime: NamedDependency[Runtime]) -> Response[dict[str, str]]
     return Response({"status": "ok"})
 
 
-@get("/readyz", media_type=MediaType.JSON)
+@get("/readyz", media_type=MediaType.JSON, tags=["Probes"], operation_class=READINESS)
 async def readyz(
     request: Request[Any, Any, Any], runtime: NamedDependency[Runtime]
 ) -> Response[dict[str, Any]]:

@@ -5,9 +5,9 @@ from __future__ import annotations
 import asyncio
 import contextlib
 from collections.abc import AsyncIterator, Awaitable, Callable
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from functools import partial
-from typing import Any, TypeVar
+from typing import Any, Protocol, TypeVar
 
 from litestar import Controller, MediaType, Request, Response, get, post
 from litestar.di import NamedDependency, Provide
@@ -29,12 +29,16 @@ from gateway.api.schemas import (
     decode,
     encode,
 )
-from gateway.dispatch.engine_client import EngineClient
-from gateway.errors import Cancelled, InvalidRequest
+from gateway.dispatch.directory import ModelDirectory
+from gateway.dispatch.engine_client import INLINE_TOKENIZE_CHARS, ClientPrompt, EngineClient
+from gateway.errors import Cancelled, EngineUnavailable, InvalidRequest, NotFound
+from gateway.openapi import AUTHENTICATED, GENERATION, documented
+from gateway.openapi.shapes import ChatCompletion, Completion, Model, ModelList
 from gateway.runtime import Runtime
 from gateway.telemetry import current_request
 from gateway.usage import Charge
 from tenants.models import IdempotencyRecord
+from tenants.registry import ModelKind
 from tenants.services import Principal
 
 T = TypeVar("T")
@@ -81,9 +85,19 @@ def _params(
 
 class OpenAIController(Controller):
     path = "/v1"
+    tags = ["OpenAI-compatible"]
     dependencies = {"principal": Provide(authenticate)}
 
-    @post("/chat/completions", status_code=200)
+    @post(
+        "/chat/completions",
+        status_code=200,
+        operation_class=documented(
+            ChatCompletion,
+            body=ChatCompletionRequest,
+            errors=GENERATION,
+            stream="ChatCompletionChunk",
+        ),
+    )
     async def chat_completions(
         self,
         request: Request[Any, Any, Any],
@@ -91,20 +105,15 @@ class OpenAIController(Controller):
         runtime: NamedDependency[Runtime],
     ) -> Response[Any]:
         body = decode(await request.body(), ChatCompletionRequest)
-        engine = runtime.engine
-        policy.check_model(principal, body.model, engine.model_name)
-        tools = body.tool_plan(engine.tool_call_parser)
-        constraint = body.constraint(tools)
-        chars = body.prompt_chars()
-        policy.check_prompt_chars(chars, engine.max_model_len, engine.max_token_chars, "messages")
-        render = partial(_chat_prompt, engine, body.template_messages(), body.template_tools())
-        prompt = await _tokenize(runtime, principal, chars, render)
-        params = _params(principal, body, prompt, engine, "messages", constraint)
-        gen = _generation(runtime, principal, body, ChatFormat, "chat.completions", prompt, params)
-        gen.tools = tools
-        return await _respond(request, runtime, principal, gen, stream=body.stream)
+        return await chat(request, runtime, principal, body)
 
-    @post("/completions", status_code=200)
+    @post(
+        "/completions",
+        status_code=200,
+        operation_class=documented(
+            Completion, body=CompletionRequest, errors=GENERATION, stream="Completion"
+        ),
+    )
     async def completions(
         self,
         request: Request[Any, Any, Any],
@@ -112,73 +121,152 @@ class OpenAIController(Controller):
         runtime: NamedDependency[Runtime],
     ) -> Response[Any]:
         body = decode(await request.body(), CompletionRequest)
-        engine = runtime.engine
-        policy.check_model(principal, body.model, engine.model_name)
-        if isinstance(body.prompt, str):
-            chars = len(body.prompt)
-            policy.check_prompt_chars(chars, engine.max_model_len, engine.max_token_chars, "prompt")
-            prompt = await _tokenize(runtime, principal, chars, partial(engine.encode, body.prompt))
-        else:
-            prompt = body.prompt
-        if not prompt:
-            raise InvalidRequest("the prompt is empty", param="prompt")
-        params = _params(principal, body, prompt, engine, "prompt", body.constraint())
-        gen = _generation(runtime, principal, body, TextFormat, "completions", prompt, params)
+        engine = runtime.engine_for(body.model)
+        policy.check_model(principal, body.model)
+        given = body.prompts()
+        prompts = await _completion_prompts(runtime, principal, engine, given)
+        longest = max(prompts, key=len)
+        params = _params(principal, body, longest, engine, "prompt", body.constraint())
+        gen = _generation(runtime, principal, body, TextFormat, "completions", prompts[0], params)
+        if len(prompts) > 1:
+            gen.batch = prompts
+        elif isinstance(given[0], str):
+            gen.source = ClientPrompt(text=given[0])  # an upstream gets the text as sent
         if body.echo:
-            gen.echo = body.prompt if isinstance(body.prompt, str) else engine.decode(prompt)
-        return await _respond(request, runtime, principal, gen, stream=body.stream)
+            gen.echo = [p if isinstance(p, str) else engine.decode(p) for p in given]
+        return await _respond(request, runtime, principal, gen, engine, stream=body.stream)
 
-    @get("/models")
+    @get("/models", operation_class=documented(ModelList, errors=AUTHENTICATED))
     async def list_models(
         self, runtime: NamedDependency[Runtime], principal: NamedDependency[Principal]
     ) -> dict[str, Any]:
-        engine = runtime.engine
-        names = policy.visible_models(principal, [engine.model_name])
-        return {"object": "list", "data": [_model_card(engine) for _ in names]}
+        models = _directory(runtime)
+        names = policy.visible_models(principal, models.names())
+        return {"object": "list", "data": [_model_card(runtime, name) for name in names]}
 
-    @get("/models/{model_id:str}")
+    @get(
+        "/models/{model_id:path}",  # ids may hold '/' (meta-llama/Llama-3.1-8B)
+        operation_class=documented(Model, errors=(*AUTHENTICATED, 403, 404)),
+    )
     async def get_model(
         self,
         model_id: FromPath[str],
         runtime: NamedDependency[Runtime],
         principal: NamedDependency[Principal],
     ) -> dict[str, Any]:
-        engine = runtime.engine
-        policy.check_model(principal, model_id, engine.model_name)
-        return _model_card(engine)
+        models, name = _directory(runtime), model_id.lstrip("/")
+        if name not in models.names():
+            raise NotFound(
+                f"the model {name!r} does not exist", param="model", code="model_not_found"
+            )
+        policy.check_model(principal, name)
+        return _model_card(runtime, name)
 
 
-def _chat_prompt(
-    engine: EngineClient, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None
+# Characters in all the prompts of a batch together: each prompt is bounded by the context,
+# the batch by the CPU its tokenizing takes (about a quarter of a second at this size).
+MAX_BATCH_CHARS = 2**20
+
+
+async def _completion_prompts(
+    runtime: Runtime, principal: Principal, engine: EngineClient, given: list[str] | list[list[int]]
+) -> list[list[int]]:
+    """The token ids of each prompt, each text bounded before it is tokenized."""
+    texts = [p for p in given if isinstance(p, str)]
+    for text in texts:
+        policy.check_prompt_chars(len(text), engine.max_model_len, engine.max_token_chars, "prompt")
+    chars = sum(len(text) for text in texts)
+    if chars > MAX_BATCH_CHARS:
+        raise InvalidRequest(
+            f"the prompts have {chars} characters together; at most {MAX_BATCH_CHARS}",
+            param="prompt",
+            code="batch_too_large",
+        )
+    prompts = [p for p in given if isinstance(p, list)]
+    if texts:
+        prompts = await tokenize(runtime, principal, chars, partial(_encode_all, engine, texts))
+    if not all(prompts):
+        raise InvalidRequest("the prompt is empty", param="prompt")
+    return prompts  # the context check: the longest, in _params
+
+
+async def _encode_all(engine: EngineClient, texts: list[str]) -> list[list[int]]:
+    return [await engine.tokenize(text) for text in texts]
+
+
+async def chat(
+    request: Request[Any, Any, Any],
+    runtime: Runtime,
+    principal: Principal,
+    body: ChatCompletionRequest,
+    endpoint: str = "chat.completions",
+    reshape: Reshape | None = None,
+    param: str = "messages",  # what the messages are called in errors
+) -> Response[Any]:
+    """A chat completion, or another API's answer (`reshape`) made from one."""
+    engine = runtime.engine_for(body.model)
+    policy.check_model(principal, body.model)
+    tools = body.tool_plan(engine.tool_call_parser)
+    constraint = body.constraint(tools)
+    chars = body.prompt_chars()
+    policy.check_prompt_chars(chars, engine.max_model_len, engine.max_token_chars, param)
+    messages = body.template_messages()
+    count = partial(_count_chat, engine, messages, body.template_tools(), param)
+    prompt = await tokenize(runtime, principal, chars, count)
+    params = _params(principal, body, prompt, engine, param, constraint)
+    gen = _generation(runtime, principal, body, ChatFormat, endpoint, prompt, params)
+    gen.tools = tools
+    gen.source = ClientPrompt(messages=messages)
+    return await _respond(
+        request, runtime, principal, gen, engine, stream=body.stream, reshape=reshape
+    )
+
+
+async def _count_chat(
+    engine: EngineClient,
+    messages: list[dict[str, Any]],
+    tools: list[dict[str, Any]] | None,
+    param: str,
 ) -> list[int]:
     try:
-        rendered = engine.render_chat(messages, tools)
-    except InvalidParameterError as exc:  # the template refused these messages (role order)
-        raise InvalidRequest(str(exc), param="messages") from None
-    return engine.encode(rendered)
+        return await engine.tokenize_chat(messages, tools)
+    except InvalidRequest as exc:  # the template refused the messages: named as this API does
+        if exc.param != "messages":
+            raise
+        raise InvalidRequest(exc.message, param=param) from None
 
 
-# Past this many characters, tokenizing takes long enough (about 2.5 ms per 10k characters
-# on a 2-core machine) to hold up every other request on the event loop: it runs in a thread.
-INLINE_TOKENIZE_CHARS = 4096
+async def tokenize(
+    runtime: Runtime, principal: Principal, chars: int, work: Callable[[], Awaitable[T]]
+) -> T:
+    """The engine client counts the prompt (off the event loop when it is long); a long one
+    is not counted for a key with nothing left to spend."""
+    if chars > INLINE_TOKENIZE_CHARS:
+        await runtime.admission.refuse_if_exhausted(principal)
+    return await work()
 
 
-async def _tokenize(
-    runtime: Runtime, principal: Principal, chars: int, work: Callable[[], list[int]]
-) -> list[int]:
-    if chars <= INLINE_TOKENIZE_CHARS:
-        return work()
-    await runtime.admission.refuse_if_exhausted(principal)  # a spent key costs no tokenizing
-    return await asyncio.to_thread(work)
+def _directory(runtime: Runtime) -> ModelDirectory:
+    if runtime.models is None:
+        raise EngineUnavailable("the models are not loaded yet", headers={"Retry-After": "1"})
+    return runtime.models
 
 
-def _model_card(engine: EngineClient) -> dict[str, Any]:
+def _model_card(runtime: Runtime, name: str) -> dict[str, Any]:
+    """OpenAI's model object, with vLLM's `max_model_len` and OpenRouter's
+    `context_length` (null while an upstream's is unknown). `owned_by` is "tollgate" for
+    Tollgate's own engines and "upstream" for an OpenAI-compatible server."""
+    models = _directory(runtime)
+    spec, client = models.spec(name), models.built(name)
+    context = client.max_model_len if client is not None else spec and spec.context_length
+    upstream = spec is not None and spec.kind is ModelKind.OPENAI
     return {
-        "id": engine.model_name,
+        "id": name,
         "object": "model",
-        "created": 0,
-        "owned_by": "tollgate",
-        "max_model_len": engine.max_model_len,
+        "created": models.opened_at(name) or runtime.model_loaded_at,
+        "owned_by": "upstream" if upstream else "tollgate",
+        "max_model_len": context,
+        "context_length": context,
     }
 
 
@@ -204,22 +292,44 @@ def _generation(
     )
 
 
-async def _respond(
+class Reshape(Protocol):
+    """Another API's answer made from chat's, as it goes (the Responses API)."""
+
+    def whole(self, body: dict[str, Any]) -> dict[str, Any]: ...
+
+    def events(self, chat: AsyncIterator[bytes]) -> AsyncIterator[bytes]: ...
+
+    def is_last(self, event: bytes) -> bool:
+        """The event that ends a whole stream (stored for replays before it is sent)."""
+        ...
+
+
+@dataclass(frozen=True)
+class Admitted:
+    """A request past idempotency and admission: its charge holds the reservation."""
+
+    charge: Charge
+    claim: Claim | None  # its Idempotency-Key's, stored with the answer
+    headers: dict[str, str]
+
+
+async def admit(
     request: Request[Any, Any, Any],
     runtime: Runtime,
     principal: Principal,
-    gen: Generation,
-    *,
-    stream: bool,
-) -> Response[Any]:
+    charge: Charge,
+    prompt_tokens: int,
+    output_tokens: int,
+) -> Admitted | Response[Any]:
+    """Claim the Idempotency-Key (a finished request's answer is replayed: the Response)
+    and reserve the worst case of `output_tokens` at the price in force now."""
     scope = current_request()
-    scope.describe(gen, stream)
     claim: Claim | None = None
     raw_key = request.headers.get(idempotency.HEADER)
     if raw_key is not None:
         with scope.span("idempotency"):
             begun = await runtime.idempotency.begin(
-                principal, raw_key, gen.charge.endpoint, await request.body()
+                principal, raw_key, charge.endpoint, await request.body()
             )
         if isinstance(begun, Replay):
             return _replay(begun.record)
@@ -227,35 +337,80 @@ async def _respond(
     try:
         with scope.span("admission"):
             # Reserve at the price the request will be charged (the book's version now).
-            quote = await runtime.recorder.prices.quote(gen.charge.model, gen.charge.started_at)
+            quote = await runtime.recorder.prices.quote(charge.model, charge.started_at)
+            registered = _directory(runtime).spec(charge.model) is not None
+            policy.check_priced(quote, charge.model, registered)
             ticket = await runtime.admission.reserve(
-                principal,
-                gen.charge.request_id,
-                len(gen.prompt),
-                gen.params.max_tokens * gen.params.n,
-                quote.price,
+                principal, charge.request_id, prompt_tokens, output_tokens, quote.price
             )
     except BaseException:
         if claim is not None:  # rejected, not stored: a retry with this key runs afresh
             runtime.tasks.spawn(runtime.idempotency.abandon(claim))
         raise
-    gen.charge = replace(gen.charge, reservation=ticket.reservation)
     scope.admitted = True
-    headers = {"x-request-id": gen.charge.request_id, **ticket.headers}
-    if stream:
-        # Until the first output a refusal is still an HTTP error; after it, Litestar
-        # cancels the stream when the client disconnects, and generation aborts then.
-        opening = generation.stream(gen, runtime.engine, runtime.recorder)
-        events = await _abandon_on_failure(claim, runtime, _unless_disconnected(request, opening))
-        if claim is not None:
-            events = _recorded(events, claim, runtime, gen.charge.request_id)
-        return Stream(events, media_type="text/event-stream", headers={**SSE_HEADERS, **headers})
-    work = generation.complete(gen, runtime.engine, runtime.recorder)
+    headers = {"x-request-id": charge.request_id, **ticket.headers}
+    return Admitted(replace(charge, reservation=ticket.reservation), claim, headers)
+
+
+async def respond_whole(
+    request: Request[Any, Any, Any],
+    runtime: Runtime,
+    admitted: Admitted,
+    work: Awaitable[dict[str, Any]],
+) -> Response[Any]:
+    """Answer with `work`'s body (stored for its Idempotency-Key), unless the client left."""
+    claim = admitted.claim
     result = await _abandon_on_failure(claim, runtime, _unless_disconnected(request, work))
     if claim is not None:
         body = encode(result)
-        await runtime.idempotency.finish(claim, gen.charge.request_id, 200, MediaType.JSON, body)
-    return Response(result, media_type=MediaType.JSON, headers=headers)
+        await runtime.idempotency.finish(
+            claim, admitted.charge.request_id, 200, MediaType.JSON, body
+        )
+    return Response(result, media_type=MediaType.JSON, headers=admitted.headers)
+
+
+async def _respond(
+    request: Request[Any, Any, Any],
+    runtime: Runtime,
+    principal: Principal,
+    gen: Generation,
+    engine: EngineClient,
+    *,
+    stream: bool,
+    reshape: Reshape | None = None,
+) -> Response[Any]:
+    current_request().describe(gen, stream)
+    output_tokens = gen.params.max_tokens * gen.choice_count  # every prompt of a batch
+    admitted = await admit(
+        request, runtime, principal, gen.charge, gen.prompt_tokens, output_tokens
+    )
+    if isinstance(admitted, Response):
+        return admitted
+    gen.charge, claim, headers = admitted.charge, admitted.claim, admitted.headers
+    if stream:
+        # Until the first output a refusal is still an HTTP error; after it, Litestar
+        # cancels the stream when the client disconnects, and generation aborts then.
+        opening = generation.stream(gen, engine, runtime.recorder)
+        events = await _abandon_on_failure(claim, runtime, _unless_disconnected(request, opening))
+        is_last = _is_done
+        if reshape is not None:
+            events, is_last = reshape.events(events), reshape.is_last
+        if claim is not None:
+            events = _recorded(events, claim, runtime, gen.charge.request_id, is_last)
+        return Stream(events, media_type="text/event-stream", headers={**SSE_HEADERS, **headers})
+    whole = _whole(gen, engine, runtime, reshape)
+    return await respond_whole(request, runtime, admitted, whole)
+
+
+async def _whole(
+    gen: Generation, engine: EngineClient, runtime: Runtime, reshape: Reshape | None
+) -> dict[str, Any]:
+    body = await generation.complete(gen, engine, runtime.recorder)
+    return body if reshape is None else reshape.whole(body)
+
+
+def _is_done(event: bytes) -> bool:
+    return event == generation.DONE
 
 
 async def _abandon_on_failure(claim: Claim | None, runtime: Runtime, work: Awaitable[T]) -> T:
@@ -280,15 +435,19 @@ def _replay(record: IdempotencyRecord) -> Response[Any]:
 
 
 async def _recorded(
-    events: AsyncIterator[bytes], claim: Claim, runtime: Runtime, request_id: str
+    events: AsyncIterator[bytes],
+    claim: Claim,
+    runtime: Runtime,
+    request_id: str,
+    is_last: Callable[[bytes], bool],
 ) -> AsyncIterator[bytes]:
     """Pass the stream through, and store it once whole, before its final event is sent,
-    so a retry after [DONE] always finds the replay."""
+    so a retry after [DONE] (or `is_last`'s event) always finds the replay."""
     sent: list[bytes] = []
     stored = False
     try:
         async for event in events:
-            if event == generation.DONE:
+            if is_last(event):
                 sent.append(event)
                 stored = True
                 body = b"".join(sent)

@@ -231,13 +231,40 @@ class ChatCompletionRequest(SamplingFields, kw_only=True):
         return asked
 
 
+MAX_PROMPTS = 64  # prompts in one batched completions request
+
+
 class CompletionRequest(SamplingFields, kw_only=True):
-    prompt: str | Annotated[list[TokenId], Meta(min_length=1)]
+    # A string, token ids, or a batch of either (msgspec allows one list type per union).
+    prompt: str | Annotated[list[str | TokenId | list[TokenId]], Meta(min_length=1)]
     echo: bool = False
     logprobs: TopLogprobs | None = None
 
     def engine_logprobs(self) -> int | None:
         return self.logprobs
+
+    def prompts(self) -> list[str] | list[list[int]]:
+        """The prompts, one or a batch: all text or all token ids, at most MAX_PROMPTS."""
+        prompt = self.prompt
+        if isinstance(prompt, str):
+            return [prompt]
+        if all(isinstance(p, int) for p in prompt):
+            return [[p for p in prompt if isinstance(p, int)]]
+        texts = [p for p in prompt if isinstance(p, str)]
+        ids = [p for p in prompt if isinstance(p, list)]
+        if len(texts) != len(prompt) and len(ids) != len(prompt):
+            raise InvalidRequest(
+                "prompt must be a string, a list of token ids, a list of strings or a list "
+                "of token-id lists; not a mix",
+                param="prompt",
+            )
+        if len(prompt) > MAX_PROMPTS:
+            raise InvalidRequest(
+                f"prompt is a batch of {len(prompt)}; at most {MAX_PROMPTS} prompts per request",
+                param="prompt",
+                code="too_many_prompts",
+            )
+        return texts or ids
 
 
 def _schema_of(guided_json: dict[str, Any] | str) -> dict[str, Any]:

@@ -29,6 +29,18 @@ from gateway.billing.schemas import (
 )
 from gateway.billing.stripe import export_once
 from gateway.errors import Conflict, InvalidRequest, NotFound
+from gateway.openapi import ADMIN, ADMIN_WRITE, AUTHENTICATED, documented
+from gateway.openapi.shapes import (
+    ExportRun,
+    ExportStatus,
+    PriceVersion,
+    Report,
+    Requeued,
+    Resolved,
+    StripeCustomer,
+    TenantUsageReport,
+    UsageRow,
+)
 from gateway.runtime import Runtime
 from tenants.audit import Actor
 from tenants.billing.customers import StripeCustomerService
@@ -43,9 +55,10 @@ from tenants.services import Principal, TenantService
 
 class UsageController(Controller):
     path = "/v1/usage"
+    tags = ["Usage"]
     dependencies = {"principal": Provide(authenticate)}
 
-    @get("/")
+    @get("/", operation_class=documented(TenantUsageReport, errors=AUTHENTICATED))
     async def usage(
         self,
         db_session: NamedDependency[AsyncSession],
@@ -57,7 +70,10 @@ class UsageController(Controller):
         report = await build_report(db_session, tenant, period_of(period))
         return {"object": "usage", **report.view()}
 
-    @get("/requests/{request_id:str}")
+    @get(
+        "/requests/{request_id:str}",
+        operation_class=documented(UsageRow, errors=(*AUTHENTICATED, 404)),
+    )
     async def request_usage(
         self,
         request_id: FromPath[str],
@@ -80,9 +96,13 @@ class UsageController(Controller):
 
 class BillingAdminController(Controller):
     path = "/admin/api"
+    tags = ["Billing"]
     dependencies = {"admin": Provide(require_admin), "actor": Provide(admin_actor)}
 
-    @get("/billing/reports/{tenant:str}/{period:str}")
+    @get(
+        "/billing/reports/{tenant:str}/{period:str}",
+        operation_class=documented(Report, errors=ADMIN),
+    )
     async def report(
         self,
         tenant: FromPath[str],
@@ -93,7 +113,10 @@ class BillingAdminController(Controller):
         found = await TenantService(db_session).get(tenant)
         return (await build_report(db_session, found, period_of(period))).view()
 
-    @get("/billing/reports/{tenant:str}/{period:str}/csv")
+    @get(
+        "/billing/reports/{tenant:str}/{period:str}/csv",
+        operation_class=documented(str, media_type="text/csv", errors=ADMIN),
+    )
     async def report_csv(
         self,
         tenant: FromPath[str],
@@ -110,7 +133,10 @@ class BillingAdminController(Controller):
             headers={"Content-Disposition": f'attachment; filename="{filename}"'},
         )
 
-    @get("/billing/customers/{tenant:str}")
+    @get(
+        "/billing/customers/{tenant:str}",
+        operation_class=documented(StripeCustomer, errors=ADMIN),
+    )
     async def stripe_customer(
         self,
         tenant: FromPath[str],
@@ -121,7 +147,10 @@ class BillingAdminController(Controller):
         customer_id = await StripeCustomerService(db_session).find(found)
         return {"tenant": found.name, "customer_id": customer_id}
 
-    @put("/billing/customers/{tenant:str}")
+    @put(
+        "/billing/customers/{tenant:str}",
+        operation_class=documented(StripeCustomer, body=CustomerBody, errors=ADMIN_WRITE),
+    )
     async def link_stripe_customer(
         self,
         tenant: FromPath[str],
@@ -135,7 +164,7 @@ class BillingAdminController(Controller):
         await StripeCustomerService(db_session, actor).link(found, link.customer_id)
         return {"tenant": found.name, "customer_id": link.customer_id}
 
-    @get("/prices")
+    @get("/prices", operation_class=documented(list[PriceVersion], errors=ADMIN))
     async def list_prices(
         self,
         db_session: NamedDependency[AsyncSession],
@@ -144,7 +173,11 @@ class BillingAdminController(Controller):
     ) -> list[dict[str, Any]]:
         return [price_view(v) for v in await PriceService(db_session).list(model)]
 
-    @post("/prices", status_code=201)
+    @post(
+        "/prices",
+        status_code=201,
+        operation_class=documented(PriceVersion, body=PriceBody, status=201, errors=ADMIN_WRITE),
+    )
     async def create_price(
         self,
         body: RawBody,
@@ -166,7 +199,7 @@ class BillingAdminController(Controller):
         runtime.recorder.prices.invalidate()  # this process sees it at once, others soon
         return price_view(version)
 
-    @get("/billing/export")
+    @get("/billing/export", operation_class=documented(ExportStatus, errors=ADMIN))
     async def export_status(
         self,
         runtime: NamedDependency[Runtime],
@@ -176,14 +209,22 @@ class BillingAdminController(Controller):
         status = (await OutboxService(db_session).status()).view()
         return {"stripe": runtime.settings.stripe_api_key is not None, **status}
 
-    @post("/billing/export/requeue", status_code=200)
+    @post(
+        "/billing/export/requeue",
+        status_code=200,
+        operation_class=documented(Requeued, errors=ADMIN_WRITE),
+    )
     async def requeue(
         self, db_session: NamedDependency[AsyncSession], actor: NamedDependency[Actor]
     ) -> dict[str, Any]:
         """Put the rows Stripe rejected back in the queue (audited)."""
         return {"requeued": await OutboxService(db_session, actor).requeue_failed()}
 
-    @post("/billing/export/resolve", status_code=200)
+    @post(
+        "/billing/export/resolve",
+        status_code=200,
+        operation_class=documented(Resolved, body=ResolveBody, errors=ADMIN_WRITE),
+    )
     async def resolve(
         self,
         body: RawBody,
@@ -196,7 +237,11 @@ class BillingAdminController(Controller):
         count = await service.resolve_unconfirmed(checked.in_stripe, checked.rows)
         return {"resolved": count, "in_stripe": checked.in_stripe}
 
-    @post("/billing/export", status_code=200)
+    @post(
+        "/billing/export",
+        status_code=200,
+        operation_class=documented(ExportRun, errors=ADMIN_WRITE),
+    )
     async def export(
         self,
         runtime: NamedDependency[Runtime],

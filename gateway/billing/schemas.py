@@ -14,6 +14,7 @@ from tenants.errors import InvalidInputError
 from tenants.models import UsageEvent, as_utc, parse_utc, utcnow
 
 MicrosPerMtok = Annotated[int, Meta(ge=0, le=10**12)]
+RowId = Annotated[int, Meta(ge=1, le=2**63 - 1)]  # a BIGINT; SQLite refuses anything past it
 
 
 class PriceBody(Struct, kw_only=True, forbid_unknown_fields=True):
@@ -38,7 +39,7 @@ class ResolveBody(Struct, kw_only=True, forbid_unknown_fields=True):
     """Unconfirmed rows checked in Stripe: there (`in_stripe`) or not; all, or `rows`."""
 
     in_stripe: bool
-    rows: list[int] | None = None
+    rows: list[RowId] | None = None
 
 
 def parse_moment(text: str) -> datetime:

@@ -13,6 +13,7 @@ from gateway.console.actions import ActionsController
 from gateway.console.auth import MAX_FORM_BYTES, ConsoleForbidden, SignInRequired
 from gateway.console.capacity import CapacityController
 from gateway.console.ledger import LedgerActionsController, LedgerPagesController
+from gateway.console.models import ModelsController
 from gateway.console.pages import PagesController
 from gateway.console.render import STATIC_DIR, GoBack, page, went_back
 from gateway.console.session import SessionController
@@ -44,9 +45,11 @@ def console_router() -> Router:
             LedgerPagesController,
             LedgerActionsController,
             CapacityController,
+            ModelsController,
             create_static_files_router(path="/static", directories=[STATIC_DIR]),
         ],
         request_max_body_size=MAX_FORM_BYTES,  # 413 before a byte past it is read
+        include_in_schema=False,  # HTML pages and forms, not an API
         exception_handlers={
             SignInRequired: _to_sign_in,
             ConsoleForbidden: _forbidden,

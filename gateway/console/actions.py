@@ -18,13 +18,11 @@ from gateway.console.auth import Console, provide_console, provide_form, provide
 from gateway.console.render import back_to, or_back_to, page
 from tenants.admins import AdminService
 from tenants.errors import InvalidInputError
-from tenants.limits import LIMIT_NAMES, LimitSet, PlanTerms
+from tenants.limits import LIMIT_NAMES, MAX_MICROS, MAX_WHOLE, LimitSet, PlanTerms
 from tenants.models import KeyRole
 from tenants.services import ApiKeyService, PlanService, TenantService
 
 PLAN_FIELDS = ("default_priority", "max_priority", "weight")
-MAX_WHOLE = 2**31 - 1  # the limit columns are 32-bit integers
-MAX_MICROS = 10**15  # a billion dollars: anything above is a typo (and near BIGINT's end)
 
 
 def whole_number(form: FormMultiDict, name: str) -> int | None:

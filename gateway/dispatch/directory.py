@@ -6,12 +6,13 @@ effect everywhere within a few seconds, without a restart."""
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Awaitable, Callable
 
 from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
 
 from gateway.dispatch.engine_client import EngineClient
-from gateway.errors import EngineUnavailable, NotFound
+from gateway.errors import ApiError, EngineUnavailable, NotFound
 from gateway.tasks import Periodic
 from tenants.registry import ModelService, ModelSpec, spec_of
 
@@ -33,6 +34,7 @@ class ModelDirectory:
         self.default = default
         self._specs: dict[str, ModelSpec] = {}  # what the registry says
         self._clients: dict[str, EngineClient] = {}  # what is built of it
+        self._opened: dict[str, int] = {}  # when each client opened (unix seconds)
 
     def get(self, name: str) -> EngineClient:
         """The client for `name`; 404 when no such model is served, 503 while its client
@@ -46,12 +48,27 @@ class ModelDirectory:
             )
         if self.default is not None and name == self.default.model_name:
             return self.default
-        raise NotFound(f"the model {name!r} does not exist", param="model", code="model_not_found")
+        raise NotFound(
+            f"the model {name!r} does not exist; GET /v1/models lists the available ones",
+            param="model",
+            code="model_not_found",
+        )
 
     def names(self) -> list[str]:
         """Every model served, the default entry first."""
         default = [self.default.model_name] if self.default is not None else []
         return [*default, *sorted(n for n in self._specs if n not in default)]
+
+    def spec(self, name: str) -> ModelSpec | None:
+        """What the registry says of `name`; None for the default entry and unknown names."""
+        return self._specs.get(name)
+
+    def built(self, name: str) -> EngineClient | None:
+        """The client serving `name` if one is open (the default entry's included)."""
+        if name in self._specs:  # a registry entry wins over a default of the same name
+            return self._clients.get(name)
+        default = self.default
+        return default if default is not None and name == default.model_name else None
 
     async def refresh(self) -> None:
         async with self.sessions() as session:
@@ -76,11 +93,20 @@ class ModelDirectory:
         try:
             self._clients[name] = await self.build(spec)
         except Exception as exc:  # retried at the next refresh; requests get 503 meanwhile
-            log.warning("model %s: cannot open its client (%s)", name, type(exc).__name__)
+            # Our own errors say why (a variable's name, the targets tried), never a secret;
+            # anything else is named by type only.
+            reason = exc.message if isinstance(exc, ApiError) else type(exc).__name__
+            log.warning("model %s: cannot open its client (%s)", name, reason)
         else:
+            self._opened[name] = int(time.time())
             log.info("model %s: serving from %d target(s)", name, len(spec.targets))
 
+    def opened_at(self, name: str) -> int | None:
+        """When the registry model's client opened (OpenAI's `created`); None otherwise."""
+        return self._opened.get(name)
+
     async def _drop(self, name: str) -> None:
+        self._opened.pop(name, None)
         client = self._clients.pop(name, None)
         if client is not None:
             await client.close()

@@ -22,7 +22,7 @@ from urllib.parse import urlsplit
 
 from gateway.dispatch.remote import RemoteEngineClient
 from gateway.dispatch.routing import Replica
-from gateway.errors import EngineUnavailable
+from gateway.errors import ConfigError, EngineUnavailable
 
 log = logging.getLogger(__name__)
 
@@ -35,7 +35,7 @@ FIRST_REPLICA_RETRY_S = 2.0
 Resolver = Callable[[str, int], Awaitable[Sequence[str]]]
 
 
-class DiscoveryError(ValueError):
+class DiscoveryError(ConfigError):
     """A TOLLGATE_BACKENDS entry that cannot be used."""
 
 

@@ -1,16 +1,19 @@
 """The one seam between gateway and engine.
 
-The in-process client wraps `backend.AsyncEngine`; remote replicas over HTTP plug in
-behind the same protocol.
+The in-process client wraps `backend.AsyncEngine`; Tollgate backend replicas over HTTP
+(remote.py) and OpenAI-compatible upstreams (upstream.py) plug in behind the same
+protocol. Counting a prompt is async at the seam: an upstream without a local tokenizer
+asks its server.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import AsyncGenerator, AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator, Callable
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any, Protocol, TypeVar
 
 from backend import AsyncEngine, EngineConfig, RequestOutput, SamplingParams
 from backend.errors import (
@@ -20,13 +23,28 @@ from backend.errors import (
     RequestFailedError,
 )
 from backend.telemetry import traced
-from gateway.errors import DeadlineExceeded, InternalError, InvalidRequest, Overloaded
+from backend.tokenizer import Tokenizer
+from gateway.errors import ApiError, DeadlineExceeded, InternalError, InvalidRequest, Overloaded
 from gateway.telemetry.request import current_request
 
 IN_PROCESS = "in-process"  # the replica name of the engine in this process
 RESTART = "restart"
 """finish_reason of the marker output a restartable request's retry on another replica
 begins with: what came before it is void."""
+# Past this many characters, tokenizing takes long enough (about 2.5 ms per 10k characters
+# on a 2-core machine) to hold up every other request on the event loop: it runs in a thread.
+INLINE_TOKENIZE_CHARS = 4096
+T = TypeVar("T")
+
+
+@dataclass(frozen=True)
+class ClientPrompt:
+    """The prompt as the client sent it, for a target that tokenizes and templates it
+    itself (an OpenAI-compatible upstream): chat messages, or a completion's text; with
+    neither, the token ids are the prompt. Tollgate's own engines use the ids."""
+
+    messages: list[dict[str, Any]] | None = None
+    text: str | None = None
 
 
 class EngineClient(Protocol):
@@ -34,19 +52,21 @@ class EngineClient(Protocol):
     max_model_len: int
     max_token_chars: int  # the tokenizer's bound on characters per token
     tool_call_parser: str  # the model's tool-call format (gateway/api/tools.py PARSERS)
+    hidden_size: int | None  # the length of an embedding (None: a replica did not say)
 
-    def encode(self, text: str) -> list[int]: ...
+    async def tokenize(self, text: str) -> list[int]: ...
+
+    async def tokenize_chat(
+        self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None
+    ) -> list[int]:
+        """The chat template applied, then tokenized; `tools` and the messages' tool calls
+        follow Hugging Face's convention. InvalidRequest (param `messages`) when the
+        template refuses the messages."""
+        ...
 
     def decode(self, ids: list[int]) -> str: ...
 
     def token_text(self, token_id: int) -> str: ...
-
-    def render_chat(
-        self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None
-    ) -> str:
-        """The chat template's prompt; `tools` and the messages' tool calls follow Hugging
-        Face's convention. Raises ValueError when the template refuses the messages."""
-        ...
 
     def generate(
         self,
@@ -59,11 +79,18 @@ class EngineClient(Protocol):
         weight: int = 1,
         deadline: float | None = None,
         restartable: bool = False,
+        source: ClientPrompt | None = None,
     ) -> AsyncIterator[RequestOutput]:
         """`deadline`: time.monotonic() by which the first token is due. Raises Overloaded
         (503, Retry-After) or DeadlineExceeded (504) when the engine's policy rejects it.
         `restartable`: the caller sends nothing on until the end, so the request may be
-        started over elsewhere after an output with finish_reason RESTART."""
+        started over elsewhere after an output with finish_reason RESTART. `source`: the
+        prompt as the client sent it (`prompt` is the gateway's tokens of it)."""
+        ...
+
+    async def embed(self, prompts: list[list[int]]) -> list[list[float]]:
+        """Each prompt's mean-pooled final hidden states. Raises Overloaded when the
+        engine has no room for them now."""
         ...
 
     def abort(self, request_id: str) -> None: ...
@@ -79,27 +106,20 @@ class EngineClient(Protocol):
     async def close(self) -> None: ...
 
 
-class InProcessEngineClient:
-    """The engine in this process; its step loop runs in its own thread."""
+class LocalTokens:
+    """Counting with a tokenizer in this process (the engine's, a replica's, or an
+    upstream's local folder); a long text is tokenized in a thread."""
 
-    def __init__(self, engine: AsyncEngine) -> None:
-        self.engine = engine
-        self.model_name = engine.model_name
-        self.max_model_len = engine.max_model_len
-        self.max_token_chars = engine.tokenizer.max_token_chars
-        self.tool_call_parser = engine.tokenizer.tool_call_parser
-
-    @classmethod
-    async def load(cls, model_path: Path, config: EngineConfig) -> InProcessEngineClient:
-        # Loading reads weights from disk: keep it off the event loop.
-        engine = await asyncio.to_thread(AsyncEngine.from_pretrained, model_path, config)
-        return cls(engine)
+    def __init__(self, tokenizer: Tokenizer) -> None:
+        self.tokenizer = tokenizer
+        self.max_token_chars = tokenizer.max_token_chars
+        self.tool_call_parser = tokenizer.tool_call_parser
 
     def encode(self, text: str) -> list[int]:
-        return self.engine.tokenizer.encode(text)
+        return self.tokenizer.encode(text)
 
     def decode(self, ids: list[int]) -> str:
-        return self.engine.tokenizer.decode(ids)
+        return self.tokenizer.decode(ids)
 
     def token_text(self, token_id: int) -> str:
         return self.decode([token_id])
@@ -107,7 +127,44 @@ class InProcessEngineClient:
     def render_chat(
         self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None
     ) -> str:
-        return self.engine.tokenizer.apply_chat_template(messages, tools=tools)
+        try:
+            return self.tokenizer.apply_chat_template(messages, tools=tools)
+        except InvalidParameterError as exc:  # the template refused these messages
+            raise InvalidRequest(str(exc), param="messages") from None
+
+    async def tokenize(self, text: str) -> list[int]:
+        return await _off_loop_if_long(len(text), self.encode, text)
+
+    async def tokenize_chat(
+        self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None
+    ) -> list[int]:
+        chars = sum(len(str(m.get("content") or "")) for m in messages)
+        return await _off_loop_if_long(
+            chars, lambda: self.encode(self.render_chat(messages, tools))
+        )
+
+
+async def _off_loop_if_long(chars: int, work: Callable[..., T], *args: Any) -> T:
+    if chars <= INLINE_TOKENIZE_CHARS:
+        return work(*args)
+    return await asyncio.to_thread(work, *args)
+
+
+class InProcessEngineClient(LocalTokens):
+    """The engine in this process; its step loop runs in its own thread."""
+
+    def __init__(self, engine: AsyncEngine) -> None:
+        super().__init__(engine.tokenizer)
+        self.engine = engine
+        self.model_name = engine.model_name
+        self.max_model_len = engine.max_model_len
+        self.hidden_size: int | None = engine.engine.model_config.hidden_size
+
+    @classmethod
+    async def load(cls, model_path: Path, config: EngineConfig) -> InProcessEngineClient:
+        # Loading reads weights from disk: keep it off the event loop.
+        engine = await asyncio.to_thread(AsyncEngine.from_pretrained, model_path, config)
+        return cls(engine)
 
     def generate(
         self,
@@ -120,6 +177,7 @@ class InProcessEngineClient:
         weight: int = 1,
         deadline: float | None = None,
         restartable: bool = False,  # one engine: nowhere else to restart
+        source: ClientPrompt | None = None,  # the engine runs the gateway's tokens
     ) -> AsyncIterator[RequestOutput]:
         outputs = self.engine.generate(
             prompt,
@@ -132,6 +190,13 @@ class InProcessEngineClient:
         )
         current_request().route(IN_PROCESS)
         return policy_errors(traced(outputs, request_id))  # traced: engine phase spans
+
+    async def embed(self, prompts: list[list[int]]) -> list[list[float]]:
+        current_request().route(IN_PROCESS)
+        try:
+            return await self.engine.embed(prompts)
+        except ENGINE_REFUSALS as exc:
+            raise refusal(exc) from exc
 
     def abort(self, request_id: str) -> None:
         self.engine.abort(request_id)
@@ -151,6 +216,27 @@ def overloaded(retry_after_s: float, message: str) -> Overloaded:
     return Overloaded(message, headers={"Retry-After": retry_after})
 
 
+ENGINE_REFUSALS = (
+    InvalidParameterError,
+    OverloadedError,
+    DeadlineExceededError,
+    RequestFailedError,
+)
+
+
+def refusal(
+    exc: InvalidParameterError | OverloadedError | DeadlineExceededError | RequestFailedError,
+) -> ApiError:
+    """What the engine refused on purpose, as the gateway's typed error."""
+    if isinstance(exc, InvalidParameterError):
+        return InvalidRequest(str(exc), param=exc.param)
+    if isinstance(exc, OverloadedError):
+        return overloaded(exc.retry_after_s, str(exc))
+    if isinstance(exc, DeadlineExceededError):
+        return DeadlineExceeded(str(exc))
+    return InternalError(str(exc), code=RequestFailedError.kind)
+
+
 async def policy_errors(
     outputs: AsyncGenerator[RequestOutput, None],
 ) -> AsyncGenerator[RequestOutput, None]:
@@ -161,11 +247,5 @@ async def policy_errors(
         async with contextlib.aclosing(outputs):
             async for out in outputs:
                 yield out
-    except InvalidParameterError as exc:
-        raise InvalidRequest(str(exc), param=exc.param) from exc
-    except OverloadedError as exc:
-        raise overloaded(exc.retry_after_s, str(exc)) from exc
-    except DeadlineExceededError as exc:
-        raise DeadlineExceeded(str(exc)) from exc
-    except RequestFailedError as exc:
-        raise InternalError(str(exc), code=RequestFailedError.kind) from exc
+    except ENGINE_REFUSALS as exc:
+        raise refusal(exc) from exc

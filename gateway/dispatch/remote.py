@@ -19,7 +19,7 @@ import contextlib
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -35,7 +35,7 @@ from backend.errors import (
 )
 from backend.server import SECRET_HEADER
 from backend.tokenizer import Tokenizer
-from gateway.dispatch.engine_client import RESTART, overloaded
+from gateway.dispatch.engine_client import RESTART, ClientPrompt, LocalTokens, overloaded
 from gateway.dispatch.routing import Replica, affinity_key, pick
 from gateway.errors import (
     DeadlineExceeded,
@@ -52,10 +52,6 @@ log = logging.getLogger(__name__)
 
 HEALTH_INTERVAL_S = 1.0
 HEALTH_TIMEOUT_S = 1.0
-# A replica too busy to answer its stats in time is slow, not dead: only this many late
-# answers in a row take it out of routing (a refused connection or a stopped engine does
-# at once). One late poll used to, and with the other replica restarting, left none.
-MISSED_POLLS_TO_DOWN = 3
 CONNECT_TIMEOUT_S = 2.0
 MAX_REPLICA_FAILURES = 2  # one retry after a replica died under a request, no more
 
@@ -68,12 +64,36 @@ class ReplicaRefused(EngineError):
     """The replica answered 4xx: the request itself is at fault, so no retry."""
 
 
+def _give_up_unless_retryable(
+    replica: Replica,
+    request_id: str,
+    exc: ReplicaFailed,
+    failures: int,
+    started: bool,
+    restartable: bool,
+) -> None:
+    """A replica broke a request's stream: it leaves routing (the health check brings it
+    back), and the request fails unless another replica may run it afresh."""
+    replica.healthy = False
+    log.warning("replica %s failed request %s: %s", replica.url, request_id, exc)
+    if failures >= MAX_REPLICA_FAILURES:
+        raise EngineUnavailable(
+            f"the request failed on {failures} backend replicas; it is not "
+            "retried further (it may be what made them fail)",
+            code="replica_failed",
+        ) from exc
+    if started and not restartable:
+        raise EngineUnavailable(
+            "the backend replica serving this request failed", code="replica_failed"
+        ) from exc
+
+
 def restart_output(request_id: str) -> RequestOutput:
     """The marker a restartable request's retry begins with: drop what came before."""
     return RequestOutput(request_id, "", [], False, RESTART, 0, 0)
 
 
-class RemoteEngineClient:
+class RemoteEngineClient(LocalTokens):
     def __init__(
         self,
         replicas: Sequence[str],
@@ -81,13 +101,14 @@ class RemoteEngineClient:
         tokenizer: Tokenizer,
         model_name: str,
         max_model_len: int,
+        hidden_size: int | None = None,
+        weights: Mapping[str, int] | None = None,  # a registry pool's routing weights
     ) -> None:
-        self.replicas = [Replica(url) for url in replicas]
-        self.tokenizer = tokenizer
+        super().__init__(tokenizer)
+        self.replicas = [Replica(url, weight=(weights or {}).get(url, 1)) for url in replicas]
+        self.hidden_size = hidden_size
         self.model_name = model_name
         self.max_model_len = max_model_len
-        self.max_token_chars = tokenizer.max_token_chars
-        self.tool_call_parser = tokenizer.tool_call_parser
         self._http = httpx.AsyncClient(
             headers={SECRET_HEADER: secret},
             timeout=httpx.Timeout(None, connect=CONNECT_TIMEOUT_S),
@@ -100,7 +121,11 @@ class RemoteEngineClient:
 
     @classmethod
     async def connect(
-        cls, replicas: Sequence[str], secret: str, cache_dir: Path
+        cls,
+        replicas: Sequence[str],
+        secret: str,
+        cache_dir: Path,
+        weights: Mapping[str, int] | None = None,
     ) -> RemoteEngineClient:
         """Learn the model and its tokenizer from the first replica that answers."""
         info = await _fetch_info(replicas, secret)
@@ -108,24 +133,18 @@ class RemoteEngineClient:
         folder.mkdir(parents=True, exist_ok=True)
         for name, content in info["files"].items():
             _write_atomically(folder / Path(name).name, content)
-        client = cls(replicas, secret, Tokenizer(folder), info["model"], info["max_model_len"])
+        client = cls(
+            replicas,
+            secret,
+            Tokenizer(folder),
+            info["model"],
+            info["max_model_len"],
+            info.get("hidden_size"),
+            weights,
+        )
         await client.refresh()
         client._health.start()
         return client
-
-    def encode(self, text: str) -> list[int]:
-        return self.tokenizer.encode(text)
-
-    def decode(self, ids: list[int]) -> str:
-        return self.tokenizer.decode(ids)
-
-    def token_text(self, token_id: int) -> str:
-        return self.decode([token_id])
-
-    def render_chat(
-        self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None
-    ) -> str:
-        return self.tokenizer.apply_chat_template(messages, tools=tools)
 
     def is_ready(self) -> bool:
         return any(r.healthy for r in self.replicas)
@@ -144,6 +163,7 @@ class RemoteEngineClient:
         weight: int = 1,
         deadline: float | None = None,
         restartable: bool = False,
+        source: ClientPrompt | None = None,  # replicas run the gateway's tokens
     ) -> AsyncIterator[RequestOutput]:
         timeout_s = None if deadline is None else deadline - time.monotonic()
         body = msgspec.json.encode(
@@ -163,15 +183,7 @@ class RemoteEngineClient:
         failures = 0
         handed_back = False  # outputs of an earlier attempt reached the caller
         while True:
-            replica = pick(self.replicas, key, exclude=tried)
-            if replica is None:
-                if shed is not None:
-                    raise shed
-                raise EngineUnavailable(
-                    "no backend replica is available", headers={"Retry-After": "1"}
-                )
-            tried.add(replica.url)
-            current_request().route(replica.url)
+            replica = self._next_replica(key, tried, shed)
             started = False
             replica.in_flight += 1
             self._placements[request_id] = replica
@@ -191,24 +203,21 @@ class RemoteEngineClient:
                     f"the backend replica refused this request: {exc}", code="replica_refused"
                 ) from exc
             except ReplicaFailed as exc:
-                replica.healthy = False  # the health check brings it back when it answers
                 failures += 1
-                log.warning("replica %s failed request %s: %s", replica.url, request_id, exc)
-                if failures >= MAX_REPLICA_FAILURES:
-                    raise EngineUnavailable(
-                        f"the request failed on {failures} backend replicas; it is not "
-                        "retried further (it may be what made them fail)",
-                        code="replica_failed",
-                    ) from exc
-                if started and not restartable:
-                    raise EngineUnavailable(
-                        "the backend replica serving this request failed",
-                        code="replica_failed",
-                    ) from exc
+                _give_up_unless_retryable(replica, request_id, exc, failures, started, restartable)
                 handed_back = handed_back or started
             finally:
                 replica.in_flight -= 1
                 self._placements.pop(request_id, None)
+
+    def _next_replica(self, key: bytes, tried: set[str], shed: Overloaded | None) -> Replica:
+        """The next replica to try, routed to; none left: the last shedding, or 503."""
+        replica = pick(self.replicas, key, exclude=tried)
+        if replica is None:
+            raise shed or _no_replica()
+        tried.add(replica.url)
+        current_request().route(replica.url)
+        return replica
 
     async def _stream(self, replica: Replica, body: bytes, n: int) -> AsyncIterator[RequestOutput]:
         """The outputs of one attempt, until each of the request's n completions finished."""
@@ -255,6 +264,53 @@ class RemoteEngineClient:
         except msgspec.DecodeError as exc:
             raise ReplicaFailed(f"unreadable reply: {exc}") from exc
 
+    async def embed(self, prompts: list[list[int]]) -> list[list[float]]:
+        """Nothing reaches the client before the vectors, so a replica that sheds or fails
+        them is replaced by another (at most MAX_REPLICA_FAILURES failures)."""
+        body = msgspec.json.encode({"prompts": prompts})
+        key = affinity_key(None, prompts[0])
+        tried: set[str] = set()
+        shed: Overloaded | None = None
+        failures = 0
+        while True:
+            replica = self._next_replica(key, tried, shed)
+            try:
+                return await self._embed_on(replica, body)
+            except Overloaded as exc:
+                shed = exc
+            except ReplicaFailed as exc:
+                replica.healthy = False  # the health check brings it back when it answers
+                failures += 1
+                log.warning("replica %s failed an embedding: %s", replica.url, exc)
+                if failures >= MAX_REPLICA_FAILURES:
+                    raise EngineUnavailable(
+                        f"the embedding failed on {failures} backend replicas",
+                        code="replica_failed",
+                    ) from exc
+
+    async def _embed_on(self, replica: Replica, body: bytes) -> list[list[float]]:
+        replica.in_flight += 1
+        try:
+            response = await self._http.post(
+                f"{replica.url}/internal/embed", content=body, headers=tracing.trace_headers()
+            )
+        except httpx.TransportError as exc:
+            raise ReplicaFailed(repr(exc)) from exc
+        finally:
+            replica.in_flight -= 1
+        if response.status_code == 400:
+            raise _invalid(response.content)
+        if response.status_code != 200:
+            self._decode(response.text)  # raises the typed error the replica sent
+            raise ReplicaFailed(f"HTTP {response.status_code}")
+        try:
+            vectors: list[list[float]] = msgspec.json.decode(
+                response.content, type=dict[str, list[list[float]]]
+            )["embeddings"]
+        except (msgspec.DecodeError, KeyError) as exc:
+            raise ReplicaFailed(f"unreadable reply: {exc}") from exc
+        return vectors
+
     def abort(self, request_id: str) -> None:
         """Closing the stream already aborts on the replica; this says it explicitly."""
         replica = self._placements.get(request_id)
@@ -278,17 +334,13 @@ class RemoteEngineClient:
             )
             stats = response.json() if response.status_code == 200 else None
         except httpx.ReadTimeout:
-            replica.missed_polls += 1
-            if replica.missed_polls >= MISSED_POLLS_TO_DOWN:
-                replica.healthy = False
+            replica.missed()
             return
         except (httpx.HTTPError, ValueError):
             stats = None
-        replica.missed_polls = 0
-        if stats is None or not stats.get("running"):
-            replica.healthy = False
+        replica.answered(healthy=stats is not None and bool(stats.get("running")))
+        if stats is None or not replica.healthy:
             return
-        replica.healthy = True
         replica.waiting = int(stats.get("num_waiting", 0))
         replica.running = int(stats.get("num_running", 0))
         total = max(1, int(stats.get("kv_blocks_total", 1)))
@@ -313,6 +365,10 @@ async def _fetch_info(replicas: Sequence[str], secret: str) -> dict[str, Any]:
                 info: dict[str, Any] = response.json()
                 return info
     raise EngineUnavailable(f"no backend replica answered: {', '.join(replicas)}")
+
+
+def _no_replica() -> EngineUnavailable:
+    return EngineUnavailable("no backend replica is available", headers={"Retry-After": "1"})
 
 
 def _invalid(body: bytes) -> InvalidRequest:

@@ -35,7 +35,8 @@ async def metrics(
     telemetry: Telemetry = request.app.state.telemetry
     _check_access(request, telemetry.metrics_token)
     await _refresh_tenant_gauges(telemetry, runtime.admission.store)
-    return Response(telemetry.metrics.exposition(), media_type=CONTENT_TYPE)
+    # As a header: a text/* media_type would get a second charset appended by Litestar.
+    return Response(telemetry.metrics.exposition(), headers={"content-type": CONTENT_TYPE})
 
 
 def _check_access(request: Request[Any, Any, Any], token: str | None) -> None:

@@ -17,6 +17,8 @@ from typing import Any
 from opentelemetry import trace
 
 request_id_var: ContextVar[str | None] = ContextVar("tollgate_request_id", default=None)
+# The caller's own x-request-id, when it sent a well-formed one (echoed back as it is).
+client_request_id_var: ContextVar[str | None] = ContextVar("tollgate_client_id", default=None)
 
 # What every LogRecord has; anything else on a record came from `extra=` and is logged.
 _STANDARD = set(logging.makeLogRecord({}).__dict__) | {
@@ -38,6 +40,9 @@ class JsonFormatter(logging.Formatter):
         request_id = request_id_var.get()
         if request_id is not None:
             entry["request_id"] = request_id
+        client_request_id = client_request_id_var.get()
+        if client_request_id is not None:
+            entry["client_request_id"] = client_request_id
         span = trace.get_current_span().get_span_context()
         if span.is_valid:
             entry["trace_id"] = format(span.trace_id, "032x")

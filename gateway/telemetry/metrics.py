@@ -41,6 +41,7 @@ TPOT_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 
                 1, 2.5)  # fmt: skip
 DURATION_BUCKETS = (0.01, 0.02, 0.04, 0.08, 0.16, 0.32, 0.64, 1.28, 2.56, 5.12, 10.24, 20.48,
                     40.96, 81.92)  # fmt: skip
+DISAGREEMENT_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 4096)
 QUEUE_BUCKETS = (0.0005, 0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
 
 
@@ -103,6 +104,7 @@ class GatewayMetrics:
     def __init__(self, top_tenants: int = 20) -> None:
         self.registry = CollectorRegistry(auto_describe=True)
         self._series: dict[str, set[tuple[Counter | Gauge, tuple[str, ...]]]] = {}
+        self._names: dict[str, str] = {}  # tenant id -> name, the label it is shown by
         self.tenants = TenantLabels(top_tenants, on_evict=self._drop_tenant)
         reg = self.registry
         by_class = ["model", "workload_class", "priority"]
@@ -137,6 +139,12 @@ class GatewayMetrics:
             "tollgate_queue_time_seconds", "Time waiting in the engine before first scheduled",
             by_class, registry=reg, buckets=QUEUE_BUCKETS,
         )  # fmt: skip
+        self.usage_disagreement = Histogram(
+            "tollgate_upstream_usage_disagreement_tokens",
+            "Tokens by which an upstream's usage differs from the gateway's own count (the "
+            "ledger takes the upstream's); only requests where they differ",
+            ["model", "kind", "direction"], registry=reg, buckets=DISAGREEMENT_BUCKETS,
+        )  # fmt: skip
         self.reserved_micros = Gauge(
             "tollgate_tenant_reserved_micros", "Cost held by live reservations (micro-units)",
             ["tenant"], registry=reg,
@@ -158,18 +166,26 @@ class GatewayMetrics:
         """Export an in-process engine's stats too (embedded mode)."""
         self.registry.register(EngineStatsCollector(stats))
 
+    def name_tenant(self, tenant_id: str, name: str) -> None:
+        """Label `tenant_id`'s series with its name (names of the counted tenants only)."""
+        self._names[tenant_id] = name
+        if len(self._names) > 4 * self.tenants.top_n:
+            counted = self.tenants.counts.keys() | self.tenants.labelled | {tenant_id}
+            self._names = {t: n for t, n in self._names.items() if t in counted}
+
     def tenant(self, tenant_id: str) -> str:
-        return self.tenants.label(tenant_id)
+        label = self.tenants.label(tenant_id)
+        return OTHER if label == OTHER else self._names.get(tenant_id, tenant_id)
 
     def observe(self, record: RequestObservation) -> None:
         tenant = self.tenant(record.tenant)
-        self._inc(self.requests, (tenant, record.model, record.status))
+        self._inc(self.requests, record.tenant, (tenant, record.model, record.status))
         for kind, count in (
             ("input", record.input_tokens),
             ("cached_input", record.cached_tokens),
             ("output", record.output_tokens),
         ):
-            self._inc(self.tokens, (tenant, record.model, kind), count)
+            self._inc(self.tokens, record.tenant, (tenant, record.model, kind), count)
         labels = (record.model, record.workload_class, str(record.priority))
         self.duration.labels(*labels).observe(record.duration_s)
         if record.queue_s is not None:
@@ -179,9 +195,15 @@ class GatewayMetrics:
         if record.time_per_output_token_s is not None:
             self.tpot.labels(*labels).observe(record.time_per_output_token_s)
 
+    def disagreement(self, model: str, kind: str, ours: int, theirs: int) -> None:
+        """An upstream billed `theirs` tokens of `kind` (prompt, completion) where the
+        gateway counted `ours`."""
+        direction = "upstream_higher" if theirs > ours else "upstream_lower"
+        self.usage_disagreement.labels(model, kind, direction).observe(abs(theirs - ours))
+
     def reject(self, tenant_id: str | None, reason: str) -> None:
         tenant = self.tenant(tenant_id) if tenant_id is not None else NO_TENANT
-        self._inc(self.rejections, (tenant, reason))
+        self._inc(self.rejections, tenant_id, (tenant, reason))
 
     def set_tenant_gauges(
         self, tenant_id: str, reserved: int, concurrent: int, spent: int, limit: int | None
@@ -200,17 +222,21 @@ class GatewayMetrics:
     def exposition(self) -> bytes:
         return generate_latest(self.registry)
 
-    def _inc(self, metric: Counter, labels: tuple[str, ...], amount: float = 1) -> None:
+    def _inc(
+        self, metric: Counter, tenant_id: str | None, labels: tuple[str, ...], amount: float = 1
+    ) -> None:
         metric.labels(*labels).inc(amount)
-        self._remember(labels[0], metric, labels)
+        if tenant_id is not None and labels[0] != OTHER:
+            self._remember(tenant_id, metric, labels)
 
-    def _set(self, metric: Gauge, tenant: str, value: float) -> None:
-        metric.labels(tenant).set(value)
-        self._remember(tenant, metric, (tenant,))
+    def _set(self, metric: Gauge, tenant_id: str, value: float) -> None:
+        labels = (self._names.get(tenant_id, tenant_id),)
+        metric.labels(*labels).set(value)
+        self._remember(tenant_id, metric, labels)
 
-    def _remember(self, tenant: str, metric: Counter | Gauge, labels: tuple[str, ...]) -> None:
-        if tenant not in (OTHER, NO_TENANT):
-            self._series.setdefault(tenant, set()).add((metric, labels))
+    def _remember(self, tenant_id: str, metric: Counter | Gauge, labels: tuple[str, ...]) -> None:
+        """The series of a labelled tenant, by its id: dropped if it loses the label."""
+        self._series.setdefault(tenant_id, set()).add((metric, labels))
 
     def _drop_tenant(self, tenant: str) -> None:
         for metric, labels in self._series.pop(tenant, ()):

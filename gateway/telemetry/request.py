@@ -11,8 +11,9 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import re
 import time
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Iterator, Mapping
 from contextvars import ContextVar
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -25,7 +26,7 @@ from opentelemetry.trace import INVALID_SPAN, Span, SpanKind, Status, StatusCode
 from backend.outputs import RequestOutput
 from backend.telemetry import RequestTimeline
 from gateway.telemetry import tracing
-from gateway.telemetry.logs import request_id_var
+from gateway.telemetry.logs import client_request_id_var, request_id_var
 from gateway.telemetry.metrics import GatewayMetrics, RequestObservation
 
 if TYPE_CHECKING:
@@ -38,7 +39,13 @@ log = logging.getLogger("tollgate.requests")
 DOCUMENT_PROMPT_TOKENS = 1024  # a prompt this long is a document, whatever the endpoint
 # Admitted, then refused by the engine's scheduling policy before any token: rejections too.
 ENGINE_REFUSALS = ("overloaded", "deadline_exceeded")
-OPERATIONS = {"chat.completions": "chat", "completions": "text_completion"}
+WORKLOAD_CLASSES = {"chat.completions": "chat", "responses": "chat", "embeddings": "embedding"}
+OPERATIONS = {
+    "chat.completions": "chat",
+    "responses": "chat",
+    "completions": "text_completion",
+    "embeddings": "embeddings",
+}
 # Why a request was turned away, when nothing more specific was noted.
 STATUS_REASONS = {
     400: "invalid_request",
@@ -49,18 +56,30 @@ STATUS_REASONS = {
     413: "body_too_large",
     422: "idempotency_mismatch",
     429: "rate_limited",
-    499: "cancelled",
+    499: "client_closed",
     500: "internal",
     503: "unavailable",
     504: "deadline",
 }
 
 
+CLIENT_REQUEST_ID = "tollgate.client_request_id"
+_PRINTABLE = re.compile(r"[\x20-\x7e]{1,128}")
+
+
+def client_request_id(headers: Mapping[str, str]) -> str | None:
+    """The caller's x-request-id if it is well formed (at most 128 printable ASCII
+    characters): kept and echoed. Anything else is ignored, and the gateway's id sent."""
+    given = headers.get("x-request-id", "")
+    return given if _PRINTABLE.fullmatch(given) else None
+
+
 def workload_class(endpoint: str, prompt_tokens: int) -> str:
-    """`document` for long prompts (prefill-bound), else `chat` or `completion` by endpoint."""
+    """`document` for long prompts (prefill-bound), else `chat`, `embedding` or
+    `completion` by endpoint."""
     if prompt_tokens >= DOCUMENT_PROMPT_TOKENS:
         return "document"
-    return "chat" if endpoint == "chat.completions" else "completion"
+    return WORKLOAD_CLASSES.get(endpoint, "completion")
 
 
 @dataclass
@@ -106,10 +125,14 @@ class Telemetry:
             attributes={"http.request.method": method, "url.path": path},
         )
         request = RequestScope(self, span)
+        given = client_request_id(headers)
+        if given is not None:
+            span.set_attribute(CLIENT_REQUEST_ID, given)
         tokens = (
             context.attach(trace.set_span_in_context(span)),
             _current.set(request),
             request_id_var.set(None),
+            client_request_id_var.set(given),
         )
 
         async def send_status(message: Message) -> None:
@@ -124,6 +147,7 @@ class Telemetry:
             raise
         finally:
             request.close()
+            client_request_id_var.reset(tokens[3])
             request_id_var.reset(tokens[2])
             _current.reset(tokens[1])
             context.detach(tokens[0])
@@ -159,6 +183,7 @@ class RequestScope:
         self.tenant = principal.tenant_id
         self.root.set_attribute(tracing.TENANT, principal.tenant_id)
         if self.telemetry is not None:
+            self.telemetry.metrics.name_tenant(principal.tenant_id, principal.tenant_name)
             self.telemetry.note_budget(
                 principal.tenant_id, principal.plan.limits.monthly_budget_micros
             )

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import json
 from typing import Any
 
 import httpx
@@ -13,7 +12,7 @@ from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
 
 from gateway.dispatch.engine_client import InProcessEngineClient
 from tenants.models import UsageEvent
-from tests.conftest import eventually
+from tests.conftest import eventually, read_text_events
 
 Sessions = async_sessionmaker[AsyncSession]
 
@@ -57,7 +56,6 @@ async def test_stream_disconnect_aborts_and_bills_what_was_written(
     engine_client: InProcessEngineClient,
 ) -> None:
     _, base = live_server
-    read_tokens = 0
     async with (
         httpx.AsyncClient(base_url=base) as http,
         http.stream(
@@ -68,11 +66,7 @@ async def test_stream_disconnect_aborts_and_bills_what_was_written(
         ) as response,
     ):
         request_id = response.headers["x-request-id"]
-        async for line in response.aiter_lines():
-            if line.startswith("data: {") and json.loads(line[6:])["choices"][0]["text"]:
-                read_tokens += 1
-            if read_tokens == 5:
-                break  # leaving the block closes the connection mid-stream
+        await read_text_events(response, 5)  # then leaving the block disconnects
     await eventually(lambda: _row(sessions, request_id))
     row = await _row(sessions, request_id)
     assert row is not None

@@ -16,8 +16,7 @@ from openai.types.chat import ChatCompletionMessageParam
 from gateway.app import create_app
 from gateway.dispatch.engine_client import InProcessEngineClient
 from gateway.settings import Settings
-from tenants import db
-from tests.conftest import eventually, serving
+from tests.conftest import eventually, migrated_sqlite, serving
 
 MESSAGES: list[ChatCompletionMessageParam] = [
     {"role": "user", "content": "What does json.dumps do?"}
@@ -27,9 +26,7 @@ MESSAGES: list[ChatCompletionMessageParam] = [
 @pytest.fixture
 def database_url(tmp_path: Path) -> str:
     """SQLite only: these tests are about the API, the ledger is tested on both."""
-    url = f"sqlite:///{tmp_path / 'compat.db'}"
-    db.upgrade(url)
-    return url
+    return migrated_sqlite(tmp_path / "compat.db")
 
 
 @pytest.fixture

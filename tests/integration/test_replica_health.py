@@ -19,7 +19,8 @@ import pytest
 
 from backend.builtin import BUILTIN_MODEL_DIR, BUILTIN_MODEL_NAME
 from backend.tokenizer import Tokenizer
-from gateway.dispatch.remote import HEALTH_TIMEOUT_S, MISSED_POLLS_TO_DOWN, RemoteEngineClient
+from gateway.dispatch.remote import HEALTH_TIMEOUT_S, RemoteEngineClient
+from gateway.dispatch.routing import MISSED_POLLS_TO_DOWN
 from tests.e2e.processes import free_port
 
 

@@ -3,47 +3,18 @@ id of its ledger row (when it has one)."""
 
 from __future__ import annotations
 
-import json
-import logging
-from collections.abc import Iterator
 from dataclasses import replace
 
 import httpx
-import pytest
 from sqlalchemy import select
 from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
 
 from gateway.app import create_app
 from gateway.dispatch.engine_client import InProcessEngineClient
 from gateway.settings import Settings
-from gateway.telemetry.logs import JsonFormatter
 from tenants.models import UsageEvent
 from tests.conftest import eventually, serving
-
-
-class Lines(logging.Handler):
-    """The JSON lines the server would write (the request id is read as they are made)."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.entries: list[dict[str, object]] = []
-        self.setFormatter(JsonFormatter())
-
-    def emit(self, record: logging.LogRecord) -> None:
-        self.entries.append(json.loads(self.format(record)))
-
-
-@pytest.fixture
-def log_lines() -> Iterator[Lines]:
-    lines, logger = Lines(), logging.getLogger("tollgate.requests")
-    logger.addHandler(lines)
-    level = logger.level
-    logger.setLevel(logging.INFO)
-    try:
-        yield lines
-    finally:
-        logger.removeHandler(lines)
-        logger.setLevel(level)
+from tests.integration.conftest import Lines
 
 
 async def test_an_error_answer_names_its_ledger_row(

@@ -33,17 +33,10 @@ from tenants.limits import LimitSet, PlanTerms
 from tenants.services import ApiKeyService, PlanService, TenantService
 from tests.conftest import eventually, serving
 from tests.e2e.processes import free_port, running, start
-from tests.unit.test_telemetry_tracing import capture_spans
 
 pytestmark = pytest.mark.parametrize("database_url", ["sqlite"], indirect=True)
 
 METRICS_TOKEN = "metrics-" + secrets.token_hex(8)
-
-
-@pytest.fixture
-def spans() -> Iterator[InMemorySpanExporter]:
-    with capture_spans() as exporter:
-        yield exporter
 
 
 @pytest.fixture

@@ -127,3 +127,17 @@ def test_workload_class_rule() -> None:
     assert workload_class("chat.completions", 200) == "chat"
     assert workload_class("completions", 200) == "completion"
     assert workload_class("chat.completions", 1024) == "document"
+
+
+def test_tenants_are_labelled_by_name_and_dropped_by_id() -> None:
+    metrics = GatewayMetrics(top_tenants=1)
+    metrics.name_tenant("id-a", "acme")
+    metrics.name_tenant("id-b", "globex")
+    metrics.observe(_record("id-a"))
+    metrics.set_tenant_gauges("id-a", reserved=1, concurrent=1, spent=2, limit=10)
+    assert ("tollgate_tenant_budget_spent_micros", (("tenant", "acme"),)) in _samples(metrics)
+    for _ in range(2):  # globex displaces acme: acme's series go, gauges included
+        metrics.observe(_record("id-b"))
+    tenants = {dict(labels).get("tenant") for (_, labels) in _samples(metrics)}
+    assert tenants == {None, "globex", OTHER}
+    assert list(metrics.labelled_tenants()) == ["id-b"]  # the quota store's key: the id

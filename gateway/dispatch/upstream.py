@@ -1,0 +1,587 @@
+"""An OpenAI-compatible upstream (vLLM, SGLang, any server with /v1/chat/completions) as
+an EngineClient, for registry models of kind `openai`.
+
+The gateway's request path stays what it is for its own engine: it counts the prompt
+itself (a local tokenizer folder, or the upstream's `POST /tokenize`) for the worst-case
+reservation, and reads this client's outputs as it reads the engine's. The client sends
+chat requests as messages (the upstream applies its own template) and completions as the
+client's text or token ids, always streamed and always with `include_usage`, so the
+ledger takes the upstream's usage; where it disagrees with the gateway's count, that is
+a metric and a log line.
+
+Every request carries the tenant's `cache_salt` (an HMAC of the tenant id under the
+gateway's secret), so tenants never share the upstream's prefix cache. `priority` goes
+only to models configured for it: vLLM refuses a non-zero priority (400) unless it was
+started with `--scheduling-policy priority`, and its convention (lower runs first) is the
+gateway's, so the value passes as it is.
+
+Within the pool, targets are chosen by routing.pick (prefix affinity, their own load from
+/metrics, weights); a request moves to another target only before its first token and
+only after a retryable failure (refused connection, 429, 5xx), never after a 400.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hashlib
+import hmac
+import logging
+import os
+import time
+from collections.abc import AsyncGenerator, AsyncIterator, Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import httpx
+import msgspec
+
+from backend import RequestOutput, SamplingParams
+from backend.tokenizer import Tokenizer
+from gateway.dispatch import load
+from gateway.dispatch.engine_client import ClientPrompt, LocalTokens
+from gateway.dispatch.routing import Replica, affinity_key, pick
+from gateway.errors import (
+    ApiError,
+    EngineUnavailable,
+    InvalidRequest,
+    Overloaded,
+    RateLimited,
+    UpstreamFailed,
+)
+from gateway.tasks import Periodic, TaskSet
+from gateway.telemetry.request import current_request
+from tenants.registry import ModelSpec
+
+log = logging.getLogger(__name__)
+
+PROBE_EVERY_S = 1.0
+CONNECT_TIMEOUT_S = 2.0
+ASK_TIMEOUT_S = 10.0  # /tokenize and /v1/models; generation has the request's deadlines
+# Without the upstream's vocabulary, a generous bound on characters per token for the
+# cheap "too long to tokenize" check (real vocabularies have long whitespace runs).
+UNKNOWN_TOKEN_CHARS = 128
+DEFAULT_TOOL_PARSER = "hermes"
+REFUSALS = (400, 413, 422)  # the request itself is wrong: the client hears why
+
+
+# Records a disagreement: model, "prompt" or "completion", gateway's count, upstream's.
+Disagreement = Callable[[str, str, int, int], None]
+
+
+def _ignore(model: str, kind: str, ours: int, theirs: int) -> None:
+    pass
+
+
+@dataclass(frozen=True)
+class UpstreamOptions:
+    """What the gateway adds to every upstream request, from its settings."""
+
+    salt_secret: bytes
+    priority: bool = False  # the upstream schedules by priority (vLLM: lower first)
+    on_disagreement: Disagreement = _ignore
+    probe_every_s: float = PROBE_EVERY_S
+
+
+class _Delta(msgspec.Struct):
+    content: str | None = None
+
+
+class _Choice(msgspec.Struct):
+    index: int = 0
+    delta: _Delta | None = None  # chat
+    text: str | None = None  # completions
+    finish_reason: str | None = None
+
+
+class _Details(msgspec.Struct):
+    cached_tokens: int | None = None
+
+
+class _Usage(msgspec.Struct):
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    prompt_tokens_details: _Details | None = None
+
+
+class _Chunk(msgspec.Struct):
+    choices: list[_Choice] = []
+    usage: _Usage | None = None
+    error: Any = None  # a mid-stream error event
+    object: str | None = None
+
+
+class _Tokenized(msgspec.Struct):
+    tokens: list[int]
+    max_model_len: int | None = None
+
+
+class TargetFailed(Exception):
+    """One attempt on one target failed; `retryable` when another target may succeed."""
+
+    def __init__(self, error: ApiError, *, retryable: bool, down: bool = False) -> None:
+        super().__init__(error.message)
+        self.error = error
+        self.retryable = retryable
+        self.down = down  # the target itself is unreachable: out of routing until probed back
+
+
+def cache_salt(secret: bytes, tenant: str) -> str:
+    """Opaque and stable per tenant; without the secret nobody can derive another's."""
+    return hmac.new(secret, b"cache_salt:" + tenant.encode(), hashlib.sha256).hexdigest()
+
+
+class OpenAIUpstreamClient:
+    def __init__(
+        self,
+        spec: ModelSpec,
+        options: UpstreamOptions,
+        api_key: str | None = None,
+        tokenizer: Tokenizer | None = None,
+    ) -> None:
+        self.model_name = spec.name
+        self.upstream_model = spec.upstream_model or spec.name
+        self.max_model_len = spec.context_length or 0  # 0 until learnt (connect)
+        self.targets = [Replica(t.url.rstrip("/"), weight=t.weight) for t in spec.targets]
+        self.options = options
+        self.local = LocalTokens(tokenizer) if tokenizer is not None else None
+        self.max_token_chars = tokenizer.max_token_chars if tokenizer else UNKNOWN_TOKEN_CHARS
+        self.tool_call_parser = DEFAULT_TOOL_PARSER  # tools are refused (tokenize_chat)
+        self.hidden_size: int | None = None  # embeddings are refused (embed)
+        headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+        self._http = httpx.AsyncClient(
+            headers=headers,
+            timeout=httpx.Timeout(None, connect=CONNECT_TIMEOUT_S),
+            limits=httpx.Limits(max_connections=None, max_keepalive_connections=64),
+        )
+        self._open: dict[str, httpx.Response] = {}  # request id -> its upstream stream
+        self._closing = TaskSet()  # connections being closed by abort()
+        self._probes = Periodic([(self.refresh, options.probe_every_s)])
+        self._warned_no_usage = False
+
+    @classmethod
+    async def connect(cls, spec: ModelSpec, options: UpstreamOptions) -> OpenAIUpstreamClient:
+        """Probe the pool and learn what the registry left out (the context length)."""
+        tokenizer = None
+        if spec.tokenizer is not None:
+            tokenizer = await asyncio.to_thread(Tokenizer, Path(spec.tokenizer))
+        client = cls(spec, options, _api_key(spec), tokenizer)
+        try:
+            await client.refresh()
+            if not client.max_model_len:
+                client.max_model_len = await client._learn_context_length()
+        except BaseException:
+            await client.close()
+            raise
+        client._probes.start()
+        return client
+
+    # -- counting ------------------------------------------------------------------------
+
+    async def tokenize(self, text: str) -> list[int]:
+        if self.local is not None:
+            return await self.local.tokenize(text)
+        return await self._remote_tokens({"prompt": text}, "prompt")
+
+    async def tokenize_chat(
+        self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None
+    ) -> list[int]:
+        if tools:  # the gateway parses tool calls out of its own engine's text, not yet these
+            raise InvalidRequest(
+                f"tools are not available for model {self.model_name!r} yet", param="tools"
+            )
+        if self.local is not None:
+            return await self.local.tokenize_chat(messages)
+        return await self._remote_tokens({"messages": messages}, "messages")
+
+    def decode(self, ids: list[int]) -> str:
+        if self.local is None:
+            raise InvalidRequest(
+                f"model {self.model_name!r} has no local tokenizer to turn token ids back "
+                "into text (echo of a token-id prompt)",
+                param="echo",
+            )
+        return self.local.decode(ids)
+
+    def token_text(self, token_id: int) -> str:
+        return self.decode([token_id])
+
+    async def _remote_tokens(self, payload: dict[str, Any], param: str) -> list[int]:
+        """vLLM's `POST /tokenize`, on the first healthy target that answers."""
+        body = {"model": self.upstream_model, **payload}
+        for target in self._healthy():
+            try:
+                response = await self._http.post(
+                    f"{target.url}/tokenize", json=body, timeout=ASK_TIMEOUT_S
+                )
+            except httpx.TransportError:
+                target.healthy = False  # the probes bring it back
+                continue
+            if response.status_code in REFUSALS:
+                raise _refusal(response).error
+            try:
+                tokenized = msgspec.json.decode(response.content, type=_Tokenized)
+            except msgspec.DecodeError:  # an error page, or no /tokenize there: the next one
+                continue
+            if tokenized.max_model_len and not self.max_model_len:
+                self.max_model_len = tokenized.max_model_len
+            return tokenized.tokens
+        raise EngineUnavailable(
+            f"no upstream of model {self.model_name!r} could count the {param}",
+            headers={"Retry-After": "1"},
+        )
+
+    # -- generation ----------------------------------------------------------------------
+
+    async def generate(
+        self,
+        prompt: list[int],
+        params: SamplingParams,
+        request_id: str,
+        *,
+        priority: int = 0,
+        tenant: str | None = None,
+        weight: int = 1,  # the gateway's fairness weight: the upstream has no such thing
+        deadline: float | None = None,  # enforced by the caller, which closes the stream
+        restartable: bool = False,  # moves only before the first token, either way
+        source: ClientPrompt | None = None,
+    ) -> AsyncIterator[RequestOutput]:
+        chat = source is not None and source.messages is not None
+        body = msgspec.json.encode(self._body(prompt, params, priority, tenant, source))
+        path = "/v1/chat/completions" if chat else "/v1/completions"
+        key = affinity_key(tenant, prompt)
+        tried: set[str] = set()
+        refusal: ApiError | None = None  # what to answer if every target fails
+        while True:
+            target = pick(self.targets, key, exclude=tried)
+            if target is None:
+                raise refusal or EngineUnavailable(
+                    f"no upstream of model {self.model_name!r} is available",
+                    headers={"Retry-After": "1"},
+                )
+            tried.add(target.url)
+            current_request().route(target.url)
+            reader = StreamReader(self, request_id, len(prompt), params.n)
+            target.in_flight += 1
+            try:
+                async with contextlib.aclosing(self._attempt(target, path, body, reader)) as outs:
+                    async for out in outs:
+                        yield out
+                return
+            except TargetFailed as failed:
+                if failed.down:
+                    target.healthy = False
+                if reader.started or not failed.retryable:
+                    raise failed.error from failed
+                if refusal is None or not failed.down:  # an upstream's own answer says more
+                    refusal = failed.error
+                log.warning(
+                    "upstream %s failed a request before its first token; moving on",
+                    target.url,
+                    extra={"model": self.model_name, "error": failed.error.code},
+                )
+            finally:
+                target.in_flight -= 1
+
+    def _body(
+        self,
+        prompt: list[int],
+        params: SamplingParams,
+        priority: int,
+        tenant: str | None,
+        source: ClientPrompt | None,
+    ) -> dict[str, Any]:
+        for param, asked in (("logprobs", params.logprobs), ("response_format", params.constraint)):
+            if asked is not None:
+                raise InvalidRequest(
+                    f"{param} is not available for model {self.model_name!r} yet", param=param
+                )
+        body: dict[str, Any] = {"model": self.upstream_model}
+        if source is not None and source.messages is not None:
+            body["messages"] = source.messages
+        else:
+            body["prompt"] = source.text if source is not None and source.text else prompt
+        body |= sampling_fields(params)
+        body |= {"stream": True, "stream_options": {"include_usage": True}}
+        if tenant is not None:
+            body["cache_salt"] = cache_salt(self.options.salt_secret, tenant)
+        if self.options.priority and priority:
+            body["priority"] = priority
+        return body
+
+    async def _attempt(
+        self, target: Replica, path: str, body: bytes, reader: StreamReader
+    ) -> AsyncGenerator[RequestOutput, None]:
+        headers = {"Content-Type": "application/json", "X-Request-Id": reader.request_id}
+        try:
+            async with self._http.stream(
+                "POST", f"{target.url}{path}", content=body, headers=headers
+            ) as response:
+                if response.status_code != 200:
+                    await response.aread()
+                    raise _refusal(response)
+                self._open[reader.request_id] = response
+                try:
+                    async for line in response.aiter_lines():
+                        for out in reader.line(line):
+                            yield out
+                        if reader.done:
+                            return
+                finally:
+                    self._open.pop(reader.request_id, None)
+        except (httpx.TransportError, httpx.StreamError) as exc:
+            error = EngineUnavailable(
+                f"the upstream of model {self.model_name!r} could not be reached"
+                if not reader.started
+                else "the upstream serving this request failed",
+                code="upstream_unreachable",
+                headers={"Retry-After": "1"},
+            )
+            raise TargetFailed(error, retryable=True, down=True) from exc
+        failed = UpstreamFailed("the upstream's stream ended before the request finished")
+        raise TargetFailed(failed, retryable=True)
+
+    async def embed(self, prompts: list[list[int]]) -> list[list[float]]:
+        raise InvalidRequest(
+            f"embeddings are not available for model {self.model_name!r} yet", param="model"
+        )
+
+    def abort(self, request_id: str) -> None:
+        """Close the request's upstream connection now: vLLM aborts on disconnect."""
+        response = self._open.pop(request_id, None)
+        if response is not None:
+            self._closing.spawn(response.aclose())
+
+    def compare(self, kind: str, ours: int, theirs: int) -> None:
+        """The upstream's usage against the gateway's own count: a difference is a metric
+        and a log line (counts only), never silent."""
+        if ours == theirs:
+            return
+        self.options.on_disagreement(self.model_name, kind, ours, theirs)
+        log.info(
+            "upstream usage differs from the gateway's count",
+            extra={
+                "model": self.model_name,
+                "usage_kind": kind,
+                "gateway_tokens": ours,
+                "upstream_tokens": theirs,
+            },
+        )
+
+    def warn_no_usage(self) -> None:
+        if not self._warned_no_usage:
+            self._warned_no_usage = True
+            log.warning(
+                "the upstream of model %s ignored include_usage: billing the gateway's counts",
+                self.model_name,
+            )
+
+    # -- the pool ------------------------------------------------------------------------
+
+    def is_ready(self) -> bool:
+        return any(t.healthy for t in self.targets)
+
+    def is_alive(self) -> bool:
+        return True  # an upstream is its own operator's to restart
+
+    async def refresh(self) -> None:
+        """Probe every target: health, and load for routing."""
+        await asyncio.gather(*(load.probe(self._http, t) for t in self.targets))
+
+    def _healthy(self) -> list[Replica]:
+        return sorted((t for t in self.targets if t.healthy), key=Replica.load)
+
+    async def _learn_context_length(self) -> int:
+        """From `/v1/models` (vLLM's `max_model_len`), else from `/tokenize`."""
+        for target in self._healthy():
+            with contextlib.suppress(httpx.HTTPError, msgspec.DecodeError, KeyError, TypeError):
+                response = await self._http.get(f"{target.url}/v1/models", timeout=ASK_TIMEOUT_S)
+                for card in response.json()["data"]:
+                    if card.get("id") == self.upstream_model and card.get("max_model_len"):
+                        return int(card["max_model_len"])
+        with contextlib.suppress(ApiError, msgspec.DecodeError):
+            await self._remote_tokens({"prompt": ""}, "prompt")
+        if self.max_model_len:
+            return self.max_model_len
+        raise EngineUnavailable(
+            f"cannot learn the context length of model {self.model_name!r} from its "
+            "upstreams; give it in the registry"
+        )
+
+    async def close(self) -> None:
+        await self._probes.close()
+        for response in list(self._open.values()):
+            await response.aclose()
+        await self._closing.drain()
+        await self._http.aclose()
+
+
+def sampling_fields(params: SamplingParams) -> dict[str, Any]:
+    """The sampling parameters as OpenAI's API names them, and vLLM's extensions only
+    where they differ from their defaults (a strict OpenAI server refuses unknown ones)."""
+    fields: dict[str, Any] = {
+        "max_tokens": params.max_tokens,
+        "temperature": params.temperature,
+        "top_p": params.top_p,
+    }
+    optional: dict[str, Any] = {
+        "n": params.n if params.n != 1 else None,
+        "seed": params.seed,
+        "stop": params.stop or None,
+        "presence_penalty": params.presence_penalty or None,
+        "frequency_penalty": params.frequency_penalty or None,
+        "top_k": params.top_k or None,
+        "min_tokens": params.min_tokens or None,
+        "repetition_penalty": params.repetition_penalty if params.penalized else None,
+        "ignore_eos": params.ignore_eos or None,
+        "stop_token_ids": params.stop_token_ids or None,
+    }
+    if optional["repetition_penalty"] == 1:
+        optional["repetition_penalty"] = None
+    return fields | {name: value for name, value in optional.items() if value is not None}
+
+
+@dataclass
+class StreamReader:
+    """One attempt's server-sent events turned into the gateway's outputs: a text delta per
+    chunk (one token each, vLLM's rhythm), then, once the usage chunk came, each
+    completion's final output with the upstream's counts."""
+
+    client: OpenAIUpstreamClient
+    request_id: str
+    prompt_tokens: int  # the gateway's own count
+    n: int
+    started: bool = False  # an output went to the caller: no failover from here
+    done: bool = False
+    arrival: float = field(default_factory=time.monotonic)
+    counted: dict[int, int] = field(default_factory=dict)
+    finish: dict[int, str] = field(default_factory=dict)
+    usage: _Usage | None = None
+
+    def line(self, line: str) -> list[RequestOutput]:
+        if not line.startswith("data:"):
+            return []  # blank separators, comments, event names
+        data = line[5:].strip()
+        if data == "[DONE]":
+            self.done = True
+            return self._final()
+        try:
+            chunk = msgspec.json.decode(data, type=_Chunk)
+        except msgspec.DecodeError as exc:
+            unreadable = UpstreamFailed(f"unreadable upstream event: {exc}")
+            raise TargetFailed(unreadable, retryable=True) from exc
+        if chunk.error is not None or chunk.object == "error":
+            raise TargetFailed(UpstreamFailed("the upstream failed this request"), retryable=True)
+        if chunk.usage is not None and not chunk.choices:
+            self.usage = chunk.usage
+        return [out for choice in chunk.choices if (out := self._delta(choice)) is not None]
+
+    def _delta(self, choice: _Choice) -> RequestOutput | None:
+        if choice.finish_reason is not None:
+            self.finish[choice.index] = choice.finish_reason
+        text = choice.text if choice.delta is None else choice.delta.content
+        if not text:
+            return None  # the role announcement, or a chunk that only finishes
+        count = self.counted[choice.index] = self.counted.get(choice.index, 0) + 1
+        self.started = True
+        now = time.monotonic()
+        return RequestOutput(
+            self.request_id,
+            text,
+            [],
+            False,
+            None,
+            self.prompt_tokens,
+            count,
+            arrival_time=self.arrival,
+            first_token_time=now if count == 1 else None,
+            token_times=[now],
+            index=choice.index,
+        )
+
+    def _final(self) -> list[RequestOutput]:
+        """Each completion's last output. The prompt and output tokens billed are the
+        upstream's; a difference from the gateway's counts is recorded, never hidden."""
+        if len(self.finish) < self.n:
+            raise TargetFailed(
+                UpstreamFailed("the upstream ended the stream before every choice finished"),
+                retryable=True,
+            )
+        counted = [self.counted.get(index, 0) for index in range(self.n)]
+        prompt, cached = self.prompt_tokens, 0
+        if self.usage is None:
+            self.client.warn_no_usage()
+        else:
+            prompt = self.usage.prompt_tokens
+            details = self.usage.prompt_tokens_details
+            cached = (details.cached_tokens or 0) if details is not None else 0
+            self.client.compare("prompt", self.prompt_tokens, prompt)
+            self.client.compare("completion", sum(counted), self.usage.completion_tokens)
+            counted[0] = max(0, counted[0] + self.usage.completion_tokens - sum(counted))
+        self.started = True
+        return [
+            RequestOutput(
+                self.request_id,
+                "",
+                [],
+                True,
+                self.finish[index],
+                prompt,
+                counted[index],
+                cached_tokens=cached,
+                arrival_time=self.arrival,
+                index=index,
+            )
+            for index in range(self.n)
+        ]
+
+
+def _refusal(response: httpx.Response) -> TargetFailed:
+    """An upstream's error answer as the gateway's error: 429 and 503 keep their
+    Retry-After, a 400 its message and parameter, anything else is a 502."""
+    status = response.status_code
+    message, param = _error_fields(response.content)
+    retry = response.headers.get("Retry-After")
+    headers = {"Retry-After": retry} if retry else {}
+    if status in REFUSALS:
+        refused = message or f"the upstream refused the request (HTTP {status})"
+        return TargetFailed(InvalidRequest(refused, param=param), retryable=False)
+    if status == 429:
+        limited = RateLimited(message or "the upstream is rate limiting", headers=headers)
+        return TargetFailed(limited, retryable=True)
+    if status == 503:
+        overloaded = Overloaded(message or "the upstream is overloaded", headers=headers)
+        return TargetFailed(overloaded, retryable=True)
+    if status in (401, 403):
+        denied = UpstreamFailed("the upstream refused the gateway's credentials")
+        return TargetFailed(denied, retryable=False)
+    return TargetFailed(UpstreamFailed(f"the upstream answered HTTP {status}"), retryable=True)
+
+
+def _error_fields(content: bytes) -> tuple[str | None, str | None]:
+    """`message` and `param` of an OpenAI-shaped error (or vLLM's older flat one)."""
+    try:
+        body = msgspec.json.decode(content)
+    except msgspec.DecodeError:
+        return None, None
+    error = body.get("error", body) if isinstance(body, dict) else None
+    if not isinstance(error, dict):
+        return None, None
+    message, param = error.get("message"), error.get("param")
+    return (
+        str(message)[:2000] if message else None,
+        str(param) if isinstance(param, str) else None,
+    )
+
+
+def _api_key(spec: ModelSpec) -> str | None:
+    if spec.api_key_env is None:
+        return None
+    key = os.environ.get(spec.api_key_env, "").strip()
+    if not key:
+        raise EngineUnavailable(
+            f"model {spec.name!r}: the environment variable {spec.api_key_env} holding its "
+            "upstream API key is not set on this gateway"
+        )
+    return key

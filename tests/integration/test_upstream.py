@@ -1,0 +1,490 @@
+"""Tollgate in front of OpenAI-compatible upstreams: the vLLM-like server of the tests
+(tests/support/vllm_like.py) on loopback, registered as `openai` models, driven through
+the gateway's HTTP API by the real `openai` SDK.
+
+The gateways here probe their upstreams only when a test says so (`probe`), so what a
+test sees of health and load is what it arranged, not a race with a timer.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Any
+
+import httpx
+import openai
+import pytest
+from litestar import Litestar
+from sqlalchemy import select
+from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
+
+from backend.builtin import BUILTIN_MODEL_DIR
+from gateway.dispatch.routing import affinity_key, pick
+from gateway.dispatch.upstream import OpenAIUpstreamClient
+from gateway.settings import Settings
+from tenants.billing.prices import PriceService
+from tenants.models import KeyRole, UsageEvent, utcnow
+from tenants.pricing import Price
+from tenants.registry import ModelKind, ModelService, ModelSpec, Target
+from tenants.services import ApiKeyService, TenantService
+from tests.conftest import eventually, migrated_sqlite, read_text_events, serving
+from tests.e2e.processes import free_port, running, start
+from tests.support.vllm_like import OUTPUT_TEXT, Config, render_chat, tokenize
+from tests.support.vllm_like import create_app as vllm_like
+
+pytestmark = pytest.mark.integration
+
+Sessions = async_sessionmaker[AsyncSession]
+MESSAGES: list[Any] = [{"role": "user", "content": "Say something."}]
+BACKEND_SECRET = "backend-secret-for-tests"
+MODEL = "llama-up"  # the registry's name; the upstream calls it "vllm-like"
+
+
+@pytest.fixture
+def database_url(tmp_path: Path) -> str:
+    """SQLite only: these tests are about the upstream, not the database."""
+    return migrated_sqlite(tmp_path / "tollgate.db")
+
+
+@pytest.fixture
+def settings(database_url: str, tmp_path: Path) -> Settings:
+    base = Settings.from_env({})
+    return replace(
+        base,
+        database_url=database_url,
+        data_dir=tmp_path / "data",
+        upstream_probe_s=3600.0,  # the tests probe (see `probe`)
+        cache_salt_secret="test-salt-secret",
+        backend_secret=BACKEND_SECRET,
+    )
+
+
+@dataclass
+class Gateway:
+    app: Litestar
+    url: str
+    sessions: Sessions
+
+    def sdk(self, key: str) -> openai.AsyncOpenAI:
+        return openai.AsyncOpenAI(base_url=f"{self.url}/v1", api_key=key, max_retries=0)
+
+    def client(self, model: str = MODEL) -> OpenAIUpstreamClient:
+        client = self.app.state.runtime.models.get(model)
+        assert isinstance(client, OpenAIUpstreamClient)
+        return client
+
+    async def register(self, *targets: str, name: str = MODEL, **fields: Any) -> None:
+        spec = ModelSpec(
+            name,
+            ModelKind(fields.pop("kind", "openai")),
+            tuple(Target(url) for url in targets),
+            upstream_model=fields.pop("upstream_model", "vllm-like"),
+            **fields,
+        )
+        async with self.sessions.begin() as session:
+            await ModelService(session).add(spec)
+            await PriceService(session).create(name, Price(1, 1, 1), utcnow(), "test")
+        runtime = self.app.state.runtime
+        runtime.recorder.prices.invalidate()  # a registry model is served only once priced
+        await runtime.models.refresh()
+
+    async def key(self, tenant: str) -> str:
+        return (await self.tenant(tenant))[0]
+
+    async def tenant(self, name: str) -> tuple[str, str]:
+        """A new tenant's API key, and its id."""
+        async with self.sessions.begin() as session:
+            tenant = await TenantService(session).create(name)
+            key = await ApiKeyService(session).create(tenant, "test", KeyRole.TENANT)
+        return key.secret, tenant.id
+
+    async def rows(self) -> list[UsageEvent]:
+        async with self.sessions() as session:
+            return list((await session.execute(select(UsageEvent))).scalars())
+
+    async def settled(self, count: int) -> bool:
+        """True once `count` usage rows are written (settling finishes after the answer)."""
+        return len(await self.rows()) >= count
+
+    async def row(self, request_id: str) -> UsageEvent | None:
+        query = select(UsageEvent).where(UsageEvent.request_id == request_id)
+        async with self.sessions() as session:
+            return (await session.execute(query)).scalar_one_or_none()
+
+    def metrics(self) -> str:
+        exposition: bytes = self.app.state.telemetry.metrics.exposition()
+        return exposition.decode()
+
+
+@pytest.fixture
+def gateway(live_server: tuple[Litestar, str], sessions: Sessions) -> Gateway:
+    return Gateway(*live_server, sessions)
+
+
+@contextlib.asynccontextmanager
+async def upstream(port: int = 0, **options: Any) -> AsyncIterator[str]:
+    async with serving(vllm_like(Config(**options)), port=port) as url:
+        yield url
+
+
+async def recorded(url: str) -> list[dict[str, Any]]:
+    async with httpx.AsyncClient() as http:
+        requests: list[dict[str, Any]] = (await http.get(f"{url}/_test/requests")).json()[
+            "requests"
+        ]
+    return requests
+
+
+async def probe(gateway: Gateway, model: str = MODEL) -> None:
+    await gateway.client(model).refresh()
+
+
+def chat_prompt_tokens(messages: list[dict[str, str]]) -> int:
+    return len(tokenize(render_chat(messages)))
+
+
+# -- the request path ------------------------------------------------------------------
+
+
+async def test_chat_whole_and_streamed_bill_the_upstreams_usage(gateway: Gateway) -> None:
+    async with upstream(tokens=12) as url:
+        await gateway.register(url)
+        sdk = gateway.sdk(await gateway.key("acme"))
+
+        whole = await sdk.chat.completions.create(model=MODEL, messages=MESSAGES)  # type: ignore[arg-type]
+        assert whole.choices[0].message.content == OUTPUT_TEXT[:12]
+        assert whole.model == MODEL
+        assert whole.usage is not None
+        assert whole.usage.prompt_tokens == chat_prompt_tokens(MESSAGES)
+        assert whole.usage.completion_tokens == 12
+
+        stream = await sdk.chat.completions.create(
+            model=MODEL,
+            messages=MESSAGES,
+            stream=True,
+            max_tokens=5,  # type: ignore[arg-type]
+        )
+        chunks = [chunk async for chunk in stream]
+        text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+        assert text == OUTPUT_TEXT[:5]
+        assert chunks[-1].usage is None  # the client did not ask for usage...
+
+        sent = await recorded(url)
+        for request in sent:  # ...but the gateway always asks upstream, and streams
+            assert request["body"]["model"] == "vllm-like"
+            assert request["body"]["messages"] == MESSAGES
+            assert request["body"]["stream"] is True
+            assert request["body"]["stream_options"] == {"include_usage": True}
+        await eventually(lambda: gateway.settled(2))
+        rows = sorted(await gateway.rows(), key=lambda r: r.completion_tokens)
+        assert [(r.model, r.status, r.completion_tokens) for r in rows] == [
+            (MODEL, "completed", 5),
+            (MODEL, "completed", 12),
+        ]
+        assert {r.prompt_tokens for r in rows} == {chat_prompt_tokens(MESSAGES)}
+
+
+async def test_completions_forward_text_and_token_ids(gateway: Gateway) -> None:
+    async with upstream(tokens=8) as url:
+        await gateway.register(url)
+        sdk = gateway.sdk(await gateway.key("acme"))
+
+        text = await sdk.completions.create(model=MODEL, prompt="Once upon", max_tokens=6)
+        assert text.choices[0].text == OUTPUT_TEXT[:6]
+        assert text.usage is not None and text.usage.prompt_tokens == len("Once upon")
+
+        stream = await sdk.completions.create(
+            model=MODEL, prompt=[5, 6, 7], stream=True, stream_options={"include_usage": True}
+        )
+        chunks = [chunk async for chunk in stream]
+        assert "".join(c.choices[0].text for c in chunks if c.choices) == OUTPUT_TEXT[:8]
+        usage = chunks[-1].usage
+        assert usage is not None and (usage.prompt_tokens, usage.completion_tokens) == (3, 8)
+
+        bodies = [r["body"] for r in await recorded(url)]
+        assert [b["prompt"] for b in bodies] == ["Once upon", [5, 6, 7]]
+        assert all(b["stream_options"] == {"include_usage": True} for b in bodies)
+
+
+async def test_a_tokenizer_disagreement_is_billed_as_upstream_says_and_counted(
+    gateway: Gateway, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The gateway counts with the built-in model's tokenizer, the upstream one token per
+    character: the ledger takes the upstream's count, and the metric shows by how much."""
+    caplog.set_level(logging.INFO, logger="gateway.dispatch.upstream")
+    async with upstream(tokens=4) as url:
+        await gateway.register(url, tokenizer=str(BUILTIN_MODEL_DIR.resolve()))
+        sdk = gateway.sdk(await gateway.key("acme"))
+        prompt = "tokenizers rarely agree about this sentence"
+        answer = await sdk.completions.create(model=MODEL, prompt=prompt, max_tokens=4)
+        assert answer.usage is not None and answer.usage.prompt_tokens == len(prompt)
+        await eventually(lambda: gateway.settled(1))
+        (row,) = await gateway.rows()
+        assert row.prompt_tokens == len(prompt)
+        metrics = gateway.metrics()
+        series = (
+            'tollgate_upstream_usage_disagreement_tokens_count{direction="upstream_higher",'
+            f'kind="prompt",model="{MODEL}"}} 1.0'
+        )
+        assert series in metrics
+        (line,) = [r for r in caplog.records if hasattr(r, "upstream_tokens")]
+        assert (line.usage_kind, line.upstream_tokens) == ("prompt", len(prompt))  # type: ignore[attr-defined]
+        assert line.gateway_tokens < len(prompt)  # type: ignore[attr-defined]
+        assert prompt not in line.getMessage()  # counts only, never the text
+
+
+async def test_each_tenant_gets_its_own_cache_salt(gateway: Gateway) -> None:
+    async with upstream(tokens=2) as url:
+        await gateway.register(url)
+        for tenant in ("acme", "globex"):
+            sdk = gateway.sdk(await gateway.key(tenant))
+            for _ in range(2):
+                await sdk.completions.create(model=MODEL, prompt="shared prefix", max_tokens=2)
+        salts = [r["body"]["cache_salt"] for r in await recorded(url)]
+        assert salts[0] == salts[1] and salts[2] == salts[3]
+        assert salts[0] != salts[2]
+        assert all(len(salt) == 64 and "acme" not in salt for salt in salts)
+
+
+async def test_priority_is_sent_only_to_a_model_that_schedules_by_it(
+    gateway: Gateway, settings: Settings
+) -> None:
+    """vLLM refuses a non-zero priority unless started with --scheduling-policy priority:
+    an unconfigured model never gets one, so a tenant's priority cannot break it."""
+    async with upstream(tokens=2, scheduling_policy="fcfs") as url:
+        await gateway.register(url)
+        sdk = gateway.sdk(await gateway.key("acme"))
+        await sdk.completions.create(
+            model=MODEL, prompt="hi", max_tokens=2, extra_body={"priority": 5}
+        )
+        assert "priority" not in (await recorded(url))[-1]["body"]
+
+
+# -- cancellation ----------------------------------------------------------------------
+
+
+async def test_a_disconnect_aborts_upstream_and_bills_what_was_delivered(
+    gateway: Gateway,
+) -> None:
+    async with upstream(tokens=400, delay_ms=10) as url:
+        await gateway.register(url)
+        key = await gateway.key("acme")
+        async with (
+            httpx.AsyncClient(base_url=gateway.url) as http,
+            http.stream(
+                "POST",
+                "/v1/completions",
+                json={"model": MODEL, "prompt": "go", "max_tokens": 400, "stream": True},
+                headers={"Authorization": f"Bearer {key}"},
+            ) as response,
+        ):
+            request_id = response.headers["x-request-id"]
+            await read_text_events(response, 5)  # then leaving the block disconnects
+
+        async def aborted() -> bool:
+            requests = await recorded(url)
+            return bool(requests) and requests[-1]["aborted"]
+
+        await eventually(aborted)
+        await eventually(lambda: gateway.row(request_id))
+        row = await gateway.row(request_id)
+        assert row is not None and row.status == "cancelled"
+        sent = (await recorded(url))[-1]["tokens_sent"]
+        assert 5 <= row.completion_tokens <= sent < 400
+
+
+# -- upstream errors ---------------------------------------------------------------------
+
+
+async def test_upstream_429_and_503_pass_through_with_their_retry_after(gateway: Gateway) -> None:
+    async with upstream() as url, httpx.AsyncClient() as http:
+        await gateway.register(url)
+        sdk = gateway.sdk(await gateway.key("acme"))
+        await http.post(f"{url}/_test/fail", json={"status": 429, "retry_after": 7})
+        with pytest.raises(openai.RateLimitError) as limited:
+            await sdk.completions.create(model=MODEL, prompt="hi", max_tokens=2)
+        assert limited.value.response.headers["retry-after"] == "7"
+        assert limited.value.body["type"] == "rate_limit_error"  # type: ignore[index]
+
+        await http.post(f"{url}/_test/fail", json={"status": 503, "retry_after": 3})
+        stream = sdk.completions.create(model=MODEL, prompt="hi", max_tokens=2, stream=True)
+        with pytest.raises(openai.InternalServerError) as overloaded:
+            await stream
+        assert overloaded.value.status_code == 503
+        assert overloaded.value.response.headers["retry-after"] == "3"
+        await eventually(lambda: gateway.settled(2))
+        assert [r.completion_tokens for r in await gateway.rows()] == [0, 0]
+
+
+async def test_an_upstream_400_keeps_its_message_and_is_not_retried(gateway: Gateway) -> None:
+    """The registry's context is larger than the upstream's: the upstream's refusal (its
+    message) reaches the client as a 400, and no other target is tried."""
+    async with upstream(max_model_len=64) as first, upstream(max_model_len=64) as second:
+        await gateway.register(first, second, context_length=4096)
+        sdk = gateway.sdk(await gateway.key("acme"))
+        with pytest.raises(openai.BadRequestError) as refused:
+            await sdk.completions.create(model=MODEL, prompt="x" * 100, max_tokens=2)
+        assert "maximum context length is 64" in refused.value.message
+        assert len(await recorded(first)) + len(await recorded(second)) == 1
+
+
+async def test_a_5xx_moves_to_another_target_and_alone_is_a_502(gateway: Gateway) -> None:
+    async with (
+        upstream(tokens=2) as failing,
+        upstream(tokens=2) as healthy,
+        httpx.AsyncClient() as http,
+    ):
+        await gateway.register(failing, healthy)
+        key, tenant = await gateway.tenant("acme")
+        sdk = gateway.sdk(key)
+        await http.post(f"{failing}/_test/fail", json={"status": 500, "count": 1})
+        prompt = preferring(gateway.client(), tenant, failing)
+        answer = await sdk.completions.create(model=MODEL, prompt=prompt, max_tokens=2)
+        assert answer.choices[0].text == OUTPUT_TEXT[:2]
+        assert [r["status"] for r in await recorded(failing)] == [500]
+        assert len(await recorded(healthy)) == 1
+
+    async with upstream(fail_status=500) as broken:
+        await gateway.register(broken, name="broken")
+        with pytest.raises(openai.APIStatusError) as failed:
+            await sdk.completions.create(model="broken", prompt="hi", max_tokens=2)
+        assert failed.value.status_code == 502
+        assert failed.value.body["code"] == "upstream_error"  # type: ignore[index]
+
+
+# -- the pool ----------------------------------------------------------------------------
+
+
+def preferring(client: OpenAIUpstreamClient, tenant: str, url: str) -> list[int]:
+    """A token-id prompt whose affinity, for `tenant`, is the target at `url`."""
+    for first in range(1, 1000):
+        prompt = [first, 2, 3]
+        chosen = pick(client.targets, affinity_key(tenant, prompt))
+        if chosen is not None and chosen.url == url:
+            return prompt
+    raise AssertionError(f"no prompt prefers {url}")
+
+
+async def test_a_refused_connection_fails_over_to_the_next_target(gateway: Gateway) -> None:
+    port = free_port()
+    async with upstream(tokens=3) as live:
+        async with upstream(port=port, tokens=3) as dying:
+            await gateway.register(dying, live)
+        # `dying` has stopped, but no probe has seen it: routing still believes in it.
+        client = gateway.client()
+        key, tenant = await gateway.tenant("acme")
+        prompt = preferring(client, tenant, dying)
+        answer = await gateway.sdk(key).completions.create(model=MODEL, prompt=prompt)
+        assert answer.choices[0].text == OUTPUT_TEXT[:3]
+        assert [r["body"]["prompt"] for r in await recorded(live)] == [prompt]
+        assert not client.targets[0].healthy  # out until a probe finds it back
+
+
+async def test_a_target_with_a_queue_gets_no_new_requests(gateway: Gateway) -> None:
+    async with (
+        upstream(tokens=200, delay_ms=20, max_num_seqs=1) as busy,
+        upstream(tokens=2) as idle,
+        httpx.AsyncClient() as http,
+    ):
+        await gateway.register(busy, idle)
+        key = await gateway.key("acme")
+
+        async def occupy() -> None:  # straight to the upstream: the gateway never sees it
+            body = {"model": "vllm-like", "prompt": "long", "stream": True}
+            async with http.stream("POST", f"{busy}/v1/completions", json=body) as response:
+                async for _ in response.aiter_lines():
+                    pass
+
+        hogs = [asyncio.create_task(occupy()) for _ in range(8)]
+        try:
+
+            async def queued() -> bool:
+                text = (await http.get(f"{busy}/metrics")).text
+                return 'vllm:num_requests_waiting{engine="0",model_name="vllm-like"} 7.0' in text
+
+            await eventually(queued)
+            await probe(gateway)
+            assert gateway.client().targets[0].waiting == 7
+            sdk = gateway.sdk(key)
+            for first in range(20):
+                await sdk.completions.create(model=MODEL, prompt=[first + 1, 2], max_tokens=2)
+            assert len(await recorded(idle)) == 20
+            assert len(await recorded(busy)) == 8  # only the ones sent straight to it
+        finally:
+            for hog in hogs:
+                hog.cancel()
+            await asyncio.gather(*hogs, return_exceptions=True)
+
+
+async def test_a_stopped_target_is_taken_out_and_probed_back_in(gateway: Gateway) -> None:
+    port = free_port()
+    async with upstream(tokens=2) as other:
+        async with upstream(port=port, tokens=2) as flaky:
+            await gateway.register(flaky, other)
+        await probe(gateway)  # connection refused
+        client = gateway.client()
+        assert [t.healthy for t in client.targets] == [False, True]
+        key, tenant = await gateway.tenant("acme")
+        sdk = gateway.sdk(key)
+        for first in range(6):
+            await sdk.completions.create(model=MODEL, prompt=[first + 1, 9], max_tokens=2)
+        assert len(await recorded(other)) == 6
+
+        async with upstream(port=port, tokens=2) as back:
+            await probe(gateway)
+            assert [t.healthy for t in client.targets] == [True, True]
+            prompt = preferring(client, tenant, back)
+            await sdk.completions.create(model=MODEL, prompt=prompt, max_tokens=2)
+            assert [r["body"]["prompt"] for r in await recorded(back)] == [prompt]
+
+
+# -- both kinds in one registry ----------------------------------------------------------
+
+
+async def test_a_tollgate_backend_and_an_openai_upstream_in_one_registry(
+    gateway: Gateway, settings: Settings
+) -> None:
+    """`tollgate backend serve` behind the registry as a `tollgate` model, beside a
+    vLLM-like upstream, both served by the same gateway."""
+    port = free_port()
+    backend = start(
+        ["backend", "serve", "--port", str(port)],
+        {"TOLLGATE_BACKEND_SECRET": BACKEND_SECRET, "TOLLGATE_MODEL": ""},
+    )
+    with running(backend):
+        backend.wait_for("ready on")
+        async with upstream(tokens=3) as url:
+            await gateway.register(f"http://127.0.0.1:{port}", name="tiny", kind="tollgate")
+            await gateway.register(url)
+            sdk = gateway.sdk(await gateway.key("acme"))
+            local = await sdk.completions.create(model="tiny", prompt="Return the", max_tokens=4)
+            remote = await sdk.completions.create(model=MODEL, prompt="Return the", max_tokens=3)
+            assert local.usage is not None and local.usage.completion_tokens == 4
+            assert remote.choices[0].text == OUTPUT_TEXT[:3]
+            await eventually(lambda: gateway.settled(2))
+            rows = {r.model: r for r in await gateway.rows()}
+            assert rows["tiny"].replica == f"http://127.0.0.1:{port}"
+            assert rows[MODEL].replica == url
+
+
+async def test_the_upstreams_api_key_comes_from_the_environment_and_is_never_logged(
+    gateway: Gateway, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level(logging.DEBUG)
+    async with upstream(tokens=2, api_key="sk-upstream-secret") as url:
+        await gateway.register(url, name="unset", api_key_env="TOLLGATE_TEST_MISSING_KEY")
+        monkeypatch.setenv("TOLLGATE_TEST_UPSTREAM_KEY", "sk-upstream-secret")
+        await gateway.register(url, api_key_env="TOLLGATE_TEST_UPSTREAM_KEY")
+        sdk = gateway.sdk(await gateway.key("acme"))
+        answer = await sdk.completions.create(model=MODEL, prompt="hi", max_tokens=2)
+        assert answer.choices[0].text == OUTPUT_TEXT[:2]
+        with pytest.raises(openai.InternalServerError) as unopened:  # its variable is unset
+            await sdk.completions.create(model="unset", prompt="hi", max_tokens=2)
+        assert unopened.value.status_code == 503
+    assert "TOLLGATE_TEST_MISSING_KEY" in caplog.text  # the operator learns why
+    assert "sk-upstream-secret" not in caplog.text
