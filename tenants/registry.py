@@ -17,13 +17,11 @@ from typing import Any
 from urllib.parse import urlsplit
 
 from sqlalchemy import JSON, DateTime, Integer, String, Text, select
-from sqlalchemy.ext.asyncio import AsyncSession
 from sqlalchemy.orm import Mapped, mapped_column
 
-from tenants import audit
-from tenants.audit import SYSTEM, Actor
 from tenants.errors import ConflictError, InvalidInputError, NotFoundError
 from tenants.models import Base, new_id, utcnow
+from tenants.services import Audited
 
 _NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._:/@+-]{0,127}$")  # OpenAI-style model ids
 _ENV_VAR = re.compile(r"^[A-Z_][A-Z0-9_]{0,127}$")
@@ -159,12 +157,8 @@ def _check_tokenizer(folder: str) -> None:
         raise InvalidInputError(f"tokenizer folder {folder!r} has no tokenizer.json")
 
 
-class ModelService:
+class ModelService(Audited):
     """Adding, changing and removing served models, audited in the caller's transaction."""
-
-    def __init__(self, session: AsyncSession, actor: Actor = SYSTEM) -> None:
-        self.session = session
-        self.actor = actor
 
     async def list(self) -> list[ServedModel]:
         rows = await self.session.execute(select(ServedModel).order_by(ServedModel.name))
@@ -188,7 +182,7 @@ class ModelService:
         _store(row, spec)
         self.session.add(row)
         await self.session.flush()
-        await self._audit("model.add", row, model_view(row))
+        await self._audit("model.add", f"model:{row.name}", None, **model_view(row))
         return row
 
     async def update(self, name: str, **changes: Any) -> ServedModel:
@@ -203,26 +197,16 @@ class ModelService:
         row.updated_at = utcnow()
         await self.session.flush()
         after = model_view(row)
-        diff = {k: [before[k], after[k]] for k in after if before[k] != after[k]}
-        await self._audit("model.update", row, {"changes": diff})
+        changed = [k for k in after if before[k] != after[k] and k != "updated_at"]
+        diff = {k: [before[k], after[k]] for k in changed}
+        await self._audit("model.update", f"model:{row.name}", None, changes=diff)
         return row
 
     async def remove(self, name: str) -> None:
         row = await self.get(name)
         await self.session.delete(row)
         await self.session.flush()
-        await self._audit("model.remove", row, {})
-
-    async def _audit(self, action: str, row: ServedModel, details: dict[str, Any]) -> None:
-        await audit.record(
-            self.session,
-            actor=self.actor.name,
-            action=action,
-            target=f"model:{row.name}",
-            tenant_id=None,
-            details=details,
-            context=self.actor.context,
-        )
+        await self._audit("model.remove", f"model:{row.name}", None)
 
 
 def _store(row: ServedModel, spec: ModelSpec) -> None:
