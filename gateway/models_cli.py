@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import json
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 from sqlalchemy.ext.asyncio import AsyncSession
@@ -13,7 +14,7 @@ from gateway.cli_support import actor, in_session
 from gateway.settings import Settings
 from tenants.billing.prices import ANY_MODEL, PriceService
 from tenants.errors import InvalidInputError
-from tenants.registry import ModelKind, ModelService, ModelSpec, Target, model_view
+from tenants.registry import ModelKind, ModelService, ModelSpec, ServedModel, Target, model_view
 
 CLEAR = "none"  # `update --tokenizer none`: the field goes back to unset
 OPTIONAL = {  # flag dest -> the ModelSpec field it sets
@@ -70,14 +71,7 @@ def _add(settings: Settings, args: argparse.Namespace) -> int:
         **{field: _optional(args, dest) for dest, field in OPTIONAL.items()},
     )
 
-    async def work(session: AsyncSession) -> tuple[dict[str, Any], bool]:
-        view = model_view(await ModelService(session, actor()).add(spec))
-        return view, await _priced(session, spec.name)
-
-    view, priced = in_session(settings, work)
-    print(f"added {_row(view)}")
-    _note(view["name"], priced)
-    return 0
+    return _change(settings, "added", lambda service: service.add(spec))
 
 
 def _update(settings: Settings, args: argparse.Namespace) -> int:
@@ -95,12 +89,20 @@ def _update(settings: Settings, args: argparse.Namespace) -> int:
     if not changes:
         raise InvalidInputError("nothing to change: give at least one flag")
 
+    return _change(settings, "updated", lambda service: service.update(args.name, **changes))
+
+
+def _change(
+    settings: Settings, done: str, change: Callable[[ModelService], Awaitable[ServedModel]]
+) -> int:
+    """Apply one audited change as the CLI's user; print the model and whether it is priced."""
+
     async def work(session: AsyncSession) -> tuple[dict[str, Any], bool]:
-        view = model_view(await ModelService(session, actor()).update(args.name, **changes))
-        return view, await _priced(session, args.name)
+        view = model_view(await change(ModelService(session, actor())))
+        return view, await _priced(session, view["name"])
 
     view, priced = in_session(settings, work)
-    print(f"updated {_row(view)}")
+    print(f"{done} {_row(view)}")
     _note(view["name"], priced)
     return 0
 
