@@ -40,11 +40,16 @@ class Runtime:
             raise EngineUnavailable("the model is not loaded yet", headers={"Retry-After": "1"})
         return self.engine_client
 
+    @property
+    def directory(self) -> ModelDirectory:
+        """Every model served; 503 until the app's start has built it."""
+        if self.models is None:
+            raise EngineUnavailable("the models are not loaded yet", headers={"Retry-After": "1"})
+        return self.models
+
     def engine_for(self, model: str) -> EngineClient:
         """The client serving `model` (404 when none does), 503 until it is ready."""
-        if self.models is None:
-            raise EngineUnavailable("the model is not loaded yet", headers={"Retry-After": "1"})
-        client = self.models.get(model)
+        client = self.directory.get(model)
         if not client.is_ready():
             raise EngineUnavailable(
                 f"the model {model!r} is not ready yet", headers={"Retry-After": "1"}

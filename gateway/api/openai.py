@@ -29,9 +29,8 @@ from gateway.api.schemas import (
     decode,
     encode,
 )
-from gateway.dispatch.directory import ModelDirectory
 from gateway.dispatch.engine_client import INLINE_TOKENIZE_CHARS, ClientPrompt, EngineClient
-from gateway.errors import Cancelled, EngineUnavailable, InvalidRequest, NotFound
+from gateway.errors import Cancelled, InvalidRequest, NotFound
 from gateway.openapi import AUTHENTICATED, GENERATION, documented
 from gateway.openapi.shapes import ChatCompletion, Completion, Model, ModelList
 from gateway.runtime import Runtime
@@ -140,7 +139,7 @@ class OpenAIController(Controller):
     async def list_models(
         self, runtime: NamedDependency[Runtime], principal: NamedDependency[Principal]
     ) -> dict[str, Any]:
-        models = _directory(runtime)
+        models = runtime.directory
         names = policy.visible_models(principal, models.names())
         return {"object": "list", "data": [_model_card(runtime, name) for name in names]}
 
@@ -154,7 +153,7 @@ class OpenAIController(Controller):
         runtime: NamedDependency[Runtime],
         principal: NamedDependency[Principal],
     ) -> dict[str, Any]:
-        models, name = _directory(runtime), model_id.lstrip("/")
+        models, name = runtime.directory, model_id.lstrip("/")
         if name not in models.names():
             raise NotFound(
                 f"the model {name!r} does not exist", param="model", code="model_not_found"
@@ -246,17 +245,11 @@ async def tokenize(
     return await work()
 
 
-def _directory(runtime: Runtime) -> ModelDirectory:
-    if runtime.models is None:
-        raise EngineUnavailable("the models are not loaded yet", headers={"Retry-After": "1"})
-    return runtime.models
-
-
 def _model_card(runtime: Runtime, name: str) -> dict[str, Any]:
     """OpenAI's model object, with vLLM's `max_model_len` and OpenRouter's
     `context_length` (null while an upstream's is unknown). `owned_by` is "tollgate" for
     Tollgate's own engines and "upstream" for an OpenAI-compatible server."""
-    models = _directory(runtime)
+    models = runtime.directory
     spec, client = models.spec(name), models.built(name)
     context = client.max_model_len if client is not None else spec and spec.context_length
     upstream = spec is not None and spec.kind is ModelKind.OPENAI
@@ -338,7 +331,7 @@ async def admit(
         with scope.span("admission"):
             # Reserve at the price the request will be charged (the book's version now).
             quote = await runtime.recorder.prices.quote(charge.model, charge.started_at)
-            registered = _directory(runtime).spec(charge.model) is not None
+            registered = runtime.directory.spec(charge.model) is not None
             policy.check_priced(quote, charge.model, registered)
             ticket = await runtime.admission.reserve(
                 principal, charge.request_id, prompt_tokens, output_tokens, quote.price
