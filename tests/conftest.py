@@ -13,10 +13,12 @@ from dataclasses import replace
 from pathlib import Path
 
 import httpx
+import psycopg
 import pytest
 import uvicorn
 from litestar import Litestar
 from litestar.testing import AsyncTestClient
+from sqlalchemy.engine import make_url
 from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
 
 from gateway.app import create_app, engine_config
@@ -27,10 +29,38 @@ from tenants.admins import ScryptCost, scrypt_cost_for_tests
 from tenants.models import KeyRole
 from tenants.services import ApiKeyService, TenantService
 
+# Under pytest-xdist (`make test` runs one worker a core) each worker has a PostgreSQL
+# database and a Redis logical database of its own: tenant ids repeat across databases,
+# so workers sharing either would see each other's rows and quota keys.
+WORKER = os.environ.get("PYTEST_XDIST_WORKER", "")  # "gw0", "gw1", ...; "" when serial
 POSTGRES_URL = os.environ.get(
     "TOLLGATE_TEST_DATABASE_URL",
     "postgresql+psycopg://postgres:postgres@127.0.0.1:5432/tollgate_test",
-)
+) + (f"_{WORKER}" if WORKER else "")
+REDIS_URL = f"redis://127.0.0.1:6379/{int(WORKER[2:]) if WORKER else 0}"
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    if WORKER:
+        _create_database(POSTGRES_URL)
+
+
+def _create_database(url: str) -> None:
+    """Create a worker's database once (the set-up makes only the serial one). Where
+    PostgreSQL is not up, the tests that need it fail with their own error."""
+    target = make_url(url)
+    admin = target.set(drivername="postgresql", database="postgres").render_as_string(
+        hide_password=False
+    )
+    with (
+        contextlib.suppress(psycopg.OperationalError),
+        psycopg.connect(admin, autocommit=True) as connection,
+    ):
+        exists = connection.execute(
+            "SELECT 1 FROM pg_database WHERE datname = %s", (target.database,)
+        ).fetchone()
+        if exists is None:
+            connection.execute(f'CREATE DATABASE "{target.database}"')
 
 
 # The real cost (OWASP's minimum) takes ~0.3 s a hash, and the suite creates hundreds of

@@ -23,12 +23,11 @@ from tenants.models import UsageEvent
 from tenants.pricing import DEFAULT_PRICE
 from tenants.quota import RedisQuotaStore, ScopeUsage, month_period, tenant_scope
 from tenants.services import ApiKeyService, PlanService, TenantService
-from tests.conftest import POSTGRES_URL
+from tests.conftest import POSTGRES_URL, REDIS_URL
 from tests.e2e.processes import Process, free_port, running, start
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 
-REDIS_URL = "redis://127.0.0.1:6379/0"
 PROMPT = "Return the"
 LEASE_S = 6  # short, so the SIGKILL test is quick; long enough that a busy CI keeps leases
 

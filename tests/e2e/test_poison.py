@@ -22,13 +22,12 @@ from gateway.bootstrap import ensure_admin_key
 from gateway.dispatch.engine_client import InProcessEngineClient
 from gateway.settings import Settings
 from tenants import db, keys
-from tests.conftest import POSTGRES_URL, serving
+from tests.conftest import POSTGRES_URL, REDIS_URL, serving
 from tests.e2e.processes import free_port, running, start
 from tests.support.poison import table
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 
-REDIS_URL = "redis://127.0.0.1:6379/0"
 Send = Callable[[str, str, bytes], Awaitable[httpx.Response]]
 
 

@@ -33,7 +33,7 @@ from tenants.limits import LimitSet, PlanTerms
 from tenants.models import UsageEvent
 from tenants.quota import RedisQuotaStore, month_period, tenant_scope
 from tenants.services import ApiKeyService, PlanService, TenantService
-from tests.conftest import POSTGRES_URL, eventually
+from tests.conftest import POSTGRES_URL, REDIS_URL, eventually
 from tests.e2e.processes import Process, free_port
 from tests.infra.conftest import ROOT, spawn
 from tests.infra.resolving_tollgate import write_hosts
@@ -41,7 +41,6 @@ from tests.support.fake_stripe import FakeStripe
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 
-REDIS_URL = "redis://127.0.0.1:6379/0"
 SECRET = "cluster-secret"
 NAME = "tollgate-backend.cluster.test"
 BACKEND_HOSTS = ("127.0.0.2", "127.0.0.3")

@@ -20,9 +20,9 @@ from gateway.dispatch.engine_client import InProcessEngineClient
 from gateway.settings import Settings
 from tenants.idempotency import IdempotencyService
 from tenants.models import IdempotencyRecord, UsageEvent, utcnow
+from tests.conftest import REDIS_URL
 
 Sessions = async_sessionmaker[AsyncSession]
-REDIS_URL = "redis://127.0.0.1:6379/0"
 
 
 @pytest.fixture(params=["memory-locks", "redis-locks"])

@@ -32,11 +32,10 @@ from tenants.quota import (
     StoreUnavailableError,
     wall_us,
 )
-from tests.conftest import eventually
+from tests.conftest import REDIS_URL, eventually
 
 pytestmark = pytest.mark.integration
 
-REDIS_URL = "redis://127.0.0.1:6379/0"
 PERIOD = "2026-11"
 
 

@@ -23,7 +23,7 @@ from tenants.models import UsageEvent
 from tenants.pricing import DEFAULT_PRICE
 from tenants.quota import month_period, tenant_scope
 from tenants.services import ApiKeyService, PlanService, TenantService
-from tests.conftest import serving
+from tests.conftest import REDIS_URL, serving
 
 Sessions = async_sessionmaker[AsyncSession]
 
@@ -33,7 +33,7 @@ async def app(
     request: pytest.FixtureRequest, settings: Settings, engine_client: InProcessEngineClient
 ) -> AsyncIterator[Litestar]:
     """Served by uvicorn in this event loop, so tests may read the app's quota store."""
-    redis_url = "redis://127.0.0.1:6379/0" if request.param == "redis" else None
+    redis_url = REDIS_URL if request.param == "redis" else None
     app = create_app(replace(settings, redis_url=redis_url), engine_client=engine_client)
     async with serving(app) as base_url:
         app.state.base_url = base_url

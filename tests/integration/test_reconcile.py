@@ -27,13 +27,14 @@ from tenants.quota import (
     tenant_scope,
 )
 from tenants.services import ApiKeyService, TenantService, UsageService
+from tests.conftest import REDIS_URL
 
 Sessions = async_sessionmaker[AsyncSession]
 
 
 @pytest.fixture(params=["memory", "redis"])
 async def store(request: pytest.FixtureRequest) -> AsyncIterator[QuotaStore]:
-    url = "redis://127.0.0.1:6379/0" if request.param == "redis" else None
+    url = REDIS_URL if request.param == "redis" else None
     quota = open_quota_store(url, prefix=f"tg-test-{uuid.uuid4().hex[:8]}:")
     yield quota
     await quota.aclose()

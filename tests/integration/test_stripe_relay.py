@@ -27,6 +27,7 @@ from tenants.billing.relay import OUTAGE_STREAK, Relay
 from tenants.billing.stripe_meters import IdempotencyKeys, MeterEvent
 from tenants.errors import ConflictError, InvalidInputError
 from tenants.models import Tenant
+from tests.conftest import REDIS_URL
 from tests.integration.stripe_support import (
     add_usage,
     meters,
@@ -184,7 +185,7 @@ async def test_the_embedded_gateway_runs_the_same_relay(
     spent = await add_usage(sessions, tenants=2, rows=30, seed=13)
     settings = stripe_settings(database_url, fake)
     assert BillingJobs.wanted(settings)
-    assert not BillingJobs.wanted(replace(settings, redis_url="redis://127.0.0.1:6379/0"))
+    assert not BillingJobs.wanted(replace(settings, redis_url=REDIS_URL))
     await BillingJobs(settings, sessions).export()
     assert stripe_totals(engine, fake) == spent
 

@@ -53,8 +53,8 @@ from tenants.quota import (
     open_quota_store,
 )
 from tenants.quota.contract import WINDOW_US, check_lease
+from tests.conftest import REDIS_URL
 
-REDIS_URL = "redis://127.0.0.1:6379/0"
 PERIODS = ("2026-10", "2026-11")
 SCOPE_KEYS = ("tenant:t", "key:a", "key:b")
 SCOPE_SETS = (("tenant:t",), ("key:a", "tenant:t"), ("tenant:t", "key:b"), ("key:a",))
