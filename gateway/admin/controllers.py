@@ -3,11 +3,11 @@ administrators (admin keys)."""
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, TypeVar
 
 from litestar import Controller, Request, delete, get, patch, post
 from litestar.di import NamedDependency, Provide
-from litestar.params import FromPath
+from litestar.params import FromPath, RawBody
 from sqlalchemy.ext.asyncio import AsyncSession
 
 from gateway.admin.schemas import (
@@ -34,7 +34,9 @@ from tenants.limits import PlanTerms
 from tenants.models import KeyRole
 from tenants.quota import QuotaStore
 from tenants.registry import ModelService, model_view
-from tenants.services import ApiKeyService, PlanService, Principal, TenantService
+from tenants.services import ApiKeyService, Audited, PlanService, Principal, TenantService
+
+S = TypeVar("S", bound=Audited)
 
 
 async def require_admin(
@@ -52,16 +54,30 @@ async def admin_actor(request: Request[Any, Any, Any], admin: NamedDependency[Pr
     return Actor(admin.actor, audit_context(request))
 
 
+def audited(service: type[S]) -> Provide:
+    """A handler's service, in the request's transaction, auditing the calling admin."""
+
+    def provide(db_session: NamedDependency[AsyncSession], actor: NamedDependency[Actor]) -> S:
+        return service(db_session, actor)
+
+    return Provide(provide, sync_to_thread=False)
+
+
 class AdminController(Controller):
     path = "/admin/api"
     tags = ["Admin"]
-    dependencies = {"admin": Provide(require_admin), "actor": Provide(admin_actor)}
+    dependencies = {
+        "admin": Provide(require_admin),
+        "actor": Provide(admin_actor),
+        "plans": audited(PlanService),
+        "tenants": audited(TenantService),
+        "keys": audited(ApiKeyService),
+        "models": audited(ModelService),
+    }
 
     @get("/plans", operation_class=documented(list[Plan], errors=ADMIN))
-    async def list_plans(
-        self, db_session: NamedDependency[AsyncSession], admin: NamedDependency[Principal]
-    ) -> list[dict[str, Any]]:
-        return [plan_view(plan) for plan in await PlanService(db_session).list()]
+    async def list_plans(self, plans: NamedDependency[PlanService]) -> list[dict[str, Any]]:
+        return [plan_view(plan) for plan in await plans.list()]
 
     @post(
         "/plans",
@@ -69,38 +85,28 @@ class AdminController(Controller):
         operation_class=documented(Plan, body=PlanBody, status=201, errors=ADMIN_WRITE),
     )
     async def create_plan(
-        self,
-        request: Request[Any, Any, Any],
-        db_session: NamedDependency[AsyncSession],
-        actor: NamedDependency[Actor],
+        self, body: RawBody, plans: NamedDependency[PlanService]
     ) -> dict[str, Any]:
-        body = decode(await request.body(), PlanBody)
-        if not isinstance(body.name, str):
+        plan = decode(body, PlanBody)
+        if not isinstance(plan.name, str):
             raise InvalidRequest("a plan needs a name", param="name")
-        plan = await PlanService(db_session, actor).create(body.name, body.terms(PlanTerms()))
-        return plan_view(plan)
+        return plan_view(await plans.create(plan.name, plan.terms(PlanTerms())))
 
     @patch(
         "/plans/{name:str}",
         operation_class=documented(Plan, body=PlanBody, errors=ADMIN_WRITE),
     )
     async def update_plan(
-        self,
-        name: FromPath[str],
-        request: Request[Any, Any, Any],
-        db_session: NamedDependency[AsyncSession],
-        actor: NamedDependency[Actor],
+        self, name: FromPath[str], body: RawBody, plans: NamedDependency[PlanService]
     ) -> dict[str, Any]:
-        body = decode(await request.body(), PlanBody)
-        return plan_view(await PlanService(db_session, actor).update(name, body.terms))
+        return plan_view(await plans.update(name, decode(body, PlanBody).terms))
 
     @get("/tenants", operation_class=documented(list[Tenant], errors=ADMIN))
     async def list_tenants(
-        self, db_session: NamedDependency[AsyncSession], admin: NamedDependency[Principal]
+        self, plans: NamedDependency[PlanService], tenants: NamedDependency[TenantService]
     ) -> list[dict[str, Any]]:
-        plans = {plan.id: plan.name for plan in await PlanService(db_session).list()}
-        tenants = await TenantService(db_session).list()
-        return [tenant_view(t, plans.get(t.plan_id or "")) for t in tenants]
+        names = {plan.id: plan.name for plan in await plans.list()}
+        return [tenant_view(t, names.get(t.plan_id or "")) for t in await tenants.list()]
 
     @post(
         "/tenants",
@@ -108,39 +114,29 @@ class AdminController(Controller):
         operation_class=documented(Tenant, body=TenantBody, status=201, errors=ADMIN_WRITE),
     )
     async def create_tenant(
-        self,
-        request: Request[Any, Any, Any],
-        db_session: NamedDependency[AsyncSession],
-        actor: NamedDependency[Actor],
+        self, body: RawBody, tenants: NamedDependency[TenantService]
     ) -> dict[str, Any]:
-        body = decode(await request.body(), TenantBody)
-        tenant = await TenantService(db_session, actor).create(body.name, body.plan)
-        return tenant_view(tenant, body.plan)
+        new = decode(body, TenantBody)
+        return tenant_view(await tenants.create(new.name, new.plan), new.plan)
 
     @patch(
         "/tenants/{name:str}",
         operation_class=documented(Tenant, body=TenantPatch, errors=ADMIN_WRITE),
     )
     async def update_tenant(
-        self,
-        name: FromPath[str],
-        request: Request[Any, Any, Any],
-        db_session: NamedDependency[AsyncSession],
-        actor: NamedDependency[Actor],
+        self, name: FromPath[str], body: RawBody, tenants: NamedDependency[TenantService]
     ) -> dict[str, Any]:
-        body = decode(await request.body(), TenantPatch)
-        tenant = await TenantService(db_session, actor).set_plan(name, body.plan)
-        return tenant_view(tenant, body.plan)
+        plan = decode(body, TenantPatch).plan
+        return tenant_view(await tenants.set_plan(name, plan), plan)
 
     @get("/tenants/{name:str}/usage", operation_class=documented(TenantQuota, errors=ADMIN))
     async def tenant_usage(
         self,
         name: FromPath[str],
-        db_session: NamedDependency[AsyncSession],
         quota_store: NamedDependency[QuotaStore],
-        admin: NamedDependency[Principal],
+        tenants: NamedDependency[TenantService],
     ) -> dict[str, Any]:
-        tenant = await TenantService(db_session).get(name)
+        tenant = await tenants.get(name)
         period, usage = await month_usage(quota_store, tenant.id)
         return {
             "tenant": tenant.name,
@@ -156,11 +152,10 @@ class AdminController(Controller):
     async def list_keys(
         self,
         name: FromPath[str],
-        db_session: NamedDependency[AsyncSession],
-        admin: NamedDependency[Principal],
+        tenants: NamedDependency[TenantService],
+        keys: NamedDependency[ApiKeyService],
     ) -> list[dict[str, Any]]:
-        tenant = await TenantService(db_session).get(name)
-        return [key_view(key) for key, _ in await ApiKeyService(db_session).list(tenant)]
+        return [key_view(key) for key, _ in await keys.list(await tenants.get(name))]
 
     @post(
         "/tenants/{name:str}/keys",
@@ -170,14 +165,13 @@ class AdminController(Controller):
     async def create_key(
         self,
         name: FromPath[str],
-        request: Request[Any, Any, Any],
-        db_session: NamedDependency[AsyncSession],
-        actor: NamedDependency[Actor],
+        body: RawBody,
+        tenants: NamedDependency[TenantService],
+        keys: NamedDependency[ApiKeyService],
     ) -> dict[str, Any]:
-        body = decode(await request.body() or b"{}", KeyBody)
-        role = KeyRole.ADMIN if body.admin else KeyRole.TENANT
-        tenant = await TenantService(db_session).get(name)
-        created = await ApiKeyService(db_session, actor).create(tenant, body.name, role)
+        new = decode(body or b"{}", KeyBody)
+        role = KeyRole.ADMIN if new.admin else KeyRole.TENANT
+        created = await keys.create(await tenants.get(name), new.name, role)
         return {**key_view(created.key), "key": created.secret}  # shown this once
 
     @post(
@@ -186,43 +180,30 @@ class AdminController(Controller):
         operation_class=documented(Key, errors=ADMIN_WRITE),
     )
     async def revoke_key(
-        self,
-        key: FromPath[str],
-        db_session: NamedDependency[AsyncSession],
-        actor: NamedDependency[Actor],
+        self, key: FromPath[str], keys: NamedDependency[ApiKeyService]
     ) -> dict[str, Any]:
-        return key_view(await ApiKeyService(db_session, actor).revoke(key))
+        return key_view(await keys.revoke(key))
 
     @patch(
         "/keys/{key:str}/limits",
         operation_class=documented(Key, body=LimitsBody, errors=ADMIN_WRITE),
     )
     async def set_key_limits(
-        self,
-        key: FromPath[str],
-        request: Request[Any, Any, Any],
-        db_session: NamedDependency[AsyncSession],
-        actor: NamedDependency[Actor],
+        self, key: FromPath[str], body: RawBody, keys: NamedDependency[ApiKeyService]
     ) -> dict[str, Any]:
-        body = decode(await request.body(), LimitsBody)
-        return key_view(await ApiKeyService(db_session, actor).set_limits(key, body.merged))
+        return key_view(await keys.set_limits(key, decode(body, LimitsBody).merged))
 
     # Models: every gateway replica serves a change within a few seconds (the directory's
     # refresh), so nothing here touches this replica's clients. `path`: names may hold '/'.
     @get("/models", operation_class=documented(list[ServedModel], errors=ADMIN))
-    async def list_models(
-        self, db_session: NamedDependency[AsyncSession], admin: NamedDependency[Principal]
-    ) -> list[dict[str, Any]]:
-        return [model_view(row) for row in await ModelService(db_session).list()]
+    async def list_models(self, models: NamedDependency[ModelService]) -> list[dict[str, Any]]:
+        return [model_view(row) for row in await models.list()]
 
     @get("/models/{name:path}", operation_class=documented(ServedModel, errors=ADMIN))
     async def get_model(
-        self,
-        name: FromPath[str],
-        db_session: NamedDependency[AsyncSession],
-        admin: NamedDependency[Principal],
+        self, name: FromPath[str], models: NamedDependency[ModelService]
     ) -> dict[str, Any]:
-        return model_view(await ModelService(db_session).get(name.lstrip("/")))
+        return model_view(await models.get(name.lstrip("/")))
 
     @post(
         "/models",
@@ -230,30 +211,21 @@ class AdminController(Controller):
         operation_class=documented(ServedModel, body=ModelBody, status=201, errors=ADMIN_WRITE),
     )
     async def create_model(
-        self,
-        request: Request[Any, Any, Any],
-        db_session: NamedDependency[AsyncSession],
-        actor: NamedDependency[Actor],
+        self, body: RawBody, models: NamedDependency[ModelService]
     ) -> dict[str, Any]:
-        body = decode(await request.body(), ModelBody)
-        return model_view(await ModelService(db_session, actor).add(body.spec()))
+        return model_view(await models.add(decode(body, ModelBody).spec()))
 
     @patch(
         "/models/{name:path}",
         operation_class=documented(ServedModel, body=ModelPatch, errors=ADMIN_WRITE),
     )
     async def update_model(
-        self,
-        name: FromPath[str],
-        request: Request[Any, Any, Any],
-        db_session: NamedDependency[AsyncSession],
-        actor: NamedDependency[Actor],
+        self, name: FromPath[str], body: RawBody, models: NamedDependency[ModelService]
     ) -> dict[str, Any]:
-        changes = decode(await request.body(), ModelPatch).changes()
+        changes = decode(body, ModelPatch).changes()
         if not changes:
             raise InvalidRequest("nothing to change: give at least one field")
-        row = await ModelService(db_session, actor).update(name.lstrip("/"), **changes)
-        return model_view(row)
+        return model_view(await models.update(name.lstrip("/"), **changes))
 
     @delete(
         "/models/{name:path}",
@@ -261,9 +233,6 @@ class AdminController(Controller):
         operation_class=documented(None, status=204, errors=ADMIN_WRITE),
     )
     async def remove_model(
-        self,
-        name: FromPath[str],
-        db_session: NamedDependency[AsyncSession],
-        actor: NamedDependency[Actor],
+        self, name: FromPath[str], models: NamedDependency[ModelService]
     ) -> None:
-        await ModelService(db_session, actor).remove(name.lstrip("/"))
+        await models.remove(name.lstrip("/"))

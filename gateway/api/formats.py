@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import msgspec
@@ -13,28 +14,30 @@ from gateway.api.tools import ToolCall
 TokenText = Callable[[int], str]
 
 
-class ChatFormat:
-    object = "chat.completion"
-    chunk_object = "chat.completion.chunk"
-    id_prefix = "chatcmpl-"
+@dataclass(frozen=True)
+class Format:
+    """How one OpenAI endpoint writes its choices: whole (`choice`) or streamed (`delta`).
+    The two differ only in where the text goes and how logprobs are shown."""
 
-    @staticmethod
+    object: str
+    chunk_object: str
+    id_prefix: str
+    whole: Callable[[str], dict[str, Any]]  # a whole choice's text
+    part: Callable[[str, bool], dict[str, Any]]  # a streamed chunk's text; True: the first
+    logprobs: Callable[[Sequence[TokenLogprobs] | None, TokenText], dict[str, Any] | None]
+
     def choice(
+        self,
         index: int,
         text: str,
         finish_reason: str | None,
         logprobs: Sequence[TokenLogprobs] | None,
         token_text: TokenText,
     ) -> dict[str, Any]:
-        return {
-            "index": index,
-            "message": {"role": "assistant", "content": text},
-            "finish_reason": finish_reason,
-            "logprobs": _chat_logprobs(logprobs, token_text),
-        }
+        return self._choice(index, self.whole(text), finish_reason, logprobs, token_text)
 
-    @staticmethod
     def delta(
+        self,
         index: int,
         text: str,
         finish_reason: str | None,
@@ -42,15 +45,37 @@ class ChatFormat:
         logprobs: Sequence[TokenLogprobs] | None,
         token_text: TokenText,
     ) -> dict[str, Any]:
-        delta: dict[str, str] = {"role": "assistant", "content": text} if first else {}
-        if text and not first:
-            delta["content"] = text
+        return self._choice(index, self.part(text, first), finish_reason, logprobs, token_text)
+
+    def _choice(
+        self,
+        index: int,
+        content: dict[str, Any],
+        finish_reason: str | None,
+        logprobs: Sequence[TokenLogprobs] | None,
+        token_text: TokenText,
+    ) -> dict[str, Any]:
         return {
             "index": index,
-            "delta": delta,
+            **content,
             "finish_reason": finish_reason,
-            "logprobs": _chat_logprobs(logprobs, token_text),
+            "logprobs": self.logprobs(logprobs, token_text),
         }
+
+
+def _chat_message(text: str) -> dict[str, Any]:
+    return {"message": {"role": "assistant", "content": text}}
+
+
+def _chat_delta(text: str, first: bool) -> dict[str, Any]:
+    delta: dict[str, str] = {"role": "assistant", "content": text} if first else {}
+    if text and not first:
+        delta["content"] = text
+    return {"delta": delta}
+
+
+def _text(text: str) -> dict[str, Any]:
+    return {"text": text}
 
 
 def with_tool_calls(
@@ -73,41 +98,6 @@ def tool_calls_delta(index: int, calls: Sequence[ToolCall]) -> dict[str, Any]:
         "finish_reason": None,
         "logprobs": None,
     }
-
-
-class TextFormat:
-    object = "text_completion"
-    chunk_object = "text_completion"
-    id_prefix = "cmpl-"
-
-    @staticmethod
-    def choice(
-        index: int,
-        text: str,
-        finish_reason: str | None,
-        logprobs: Sequence[TokenLogprobs] | None,
-        token_text: TokenText,
-    ) -> dict[str, Any]:
-        return {
-            "index": index,
-            "text": text,
-            "finish_reason": finish_reason,
-            "logprobs": _text_logprobs(logprobs, token_text),
-        }
-
-    @staticmethod
-    def delta(
-        index: int,
-        text: str,
-        finish_reason: str | None,
-        first: bool,
-        logprobs: Sequence[TokenLogprobs] | None,
-        token_text: TokenText,
-    ) -> dict[str, Any]:
-        return TextFormat.choice(index, text, finish_reason, logprobs, token_text)
-
-
-Format = type[ChatFormat] | type[TextFormat]
 
 
 def _entry(token_id: int, logprob: float, token_text: TokenText) -> dict[str, Any]:
@@ -146,3 +136,21 @@ def _text_logprobs(
         "top_logprobs": [{token_text(i): value for i, value in lp.top} for lp in logprobs],
         "text_offset": offsets,
     }
+
+
+CHAT_FORMAT = Format(
+    object="chat.completion",
+    chunk_object="chat.completion.chunk",
+    id_prefix="chatcmpl-",
+    whole=_chat_message,
+    part=_chat_delta,
+    logprobs=_chat_logprobs,
+)
+TEXT_FORMAT = Format(
+    object="text_completion",
+    chunk_object="text_completion",
+    id_prefix="cmpl-",
+    whole=_text,
+    part=lambda text, _first: _text(text),  # a text chunk is a choice like a whole one
+    logprobs=_text_logprobs,
+)

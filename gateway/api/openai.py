@@ -20,7 +20,7 @@ from gateway.admission import idempotency, policy
 from gateway.admission.auth import authenticate, new_request_id
 from gateway.admission.idempotency import Claim, Replay
 from gateway.api import generation
-from gateway.api.formats import ChatFormat, Format, TextFormat
+from gateway.api.formats import CHAT_FORMAT, TEXT_FORMAT, Format
 from gateway.api.generation import Generation
 from gateway.api.schemas import (
     ChatCompletionRequest,
@@ -126,7 +126,7 @@ class OpenAIController(Controller):
         prompts = await _completion_prompts(runtime, principal, engine, given)
         longest = max(prompts, key=len)
         params = _params(principal, body, longest, engine, "prompt", body.constraint())
-        gen = _generation(runtime, principal, body, TextFormat, "completions", prompts[0], params)
+        gen = _generation(runtime, principal, body, TEXT_FORMAT, "completions", prompts[0], params)
         if len(prompts) > 1:
             gen.batch = prompts
         elif isinstance(given[0], str):
@@ -213,7 +213,7 @@ async def chat(
     count = partial(_count_chat, engine, messages, body.template_tools(), param)
     prompt = await tokenize(runtime, principal, chars, count)
     params = _params(principal, body, prompt, engine, param, constraint)
-    gen = _generation(runtime, principal, body, ChatFormat, endpoint, prompt, params)
+    gen = _generation(runtime, principal, body, CHAT_FORMAT, endpoint, prompt, params)
     gen.tools = tools
     gen.source = ClientPrompt(messages=messages)
     return await _respond(

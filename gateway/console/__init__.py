@@ -12,7 +12,8 @@ from litestar.static_files import create_static_files_router
 from gateway.console.actions import ActionsController
 from gateway.console.auth import MAX_FORM_BYTES, ConsoleForbidden, SignInRequired
 from gateway.console.capacity import CapacityController
-from gateway.console.ledger import LedgerActionsController, LedgerPagesController
+from gateway.console.context import CONSOLE_DEPENDENCIES
+from gateway.console.ledger import LedgerController
 from gateway.console.models import ModelsController
 from gateway.console.pages import PagesController
 from gateway.console.render import STATIC_DIR, GoBack, page, went_back
@@ -42,12 +43,12 @@ def console_router() -> Router:
             SessionController,
             PagesController,
             ActionsController,
-            LedgerPagesController,
-            LedgerActionsController,
+            LedgerController,
             CapacityController,
             ModelsController,
             create_static_files_router(path="/static", directories=[STATIC_DIR]),
         ],
+        dependencies=CONSOLE_DEPENDENCIES,
         request_max_body_size=MAX_FORM_BYTES,  # 413 before a byte past it is read
         include_in_schema=False,  # HTML pages and forms, not an API
         exception_handlers={

@@ -1,4 +1,4 @@
-"""Console form posts. Each checks the CSRF token and the owner role (`owner_form`), then
+"""Console form posts. Each checks the CSRF token and the owner role (`action`), then
 calls the same services as the admin API and the CLI, with the administrator as the audit
 actor, and redirects back with a notice (post/redirect/get)."""
 
@@ -8,14 +8,13 @@ from decimal import Decimal, InvalidOperation
 from typing import Any
 from urllib.parse import quote
 
-from litestar import Controller, Request, Response, post
+from litestar import Controller, Response, post
 from litestar.datastructures import FormMultiDict
-from litestar.di import NamedDependency, Provide
+from litestar.di import NamedDependency
 from litestar.params import FromPath
-from sqlalchemy.ext.asyncio import AsyncSession
 
-from gateway.console.auth import Console, provide_console, provide_form, provide_owner_form
-from gateway.console.render import back_to, or_back_to, page
+from gateway.console.context import ConsoleAction
+from gateway.console.render import or_back_to
 from tenants.admins import AdminService
 from tenants.errors import InvalidInputError
 from tenants.limits import LIMIT_NAMES, MAX_MICROS, MAX_WHOLE, LimitSet, PlanTerms
@@ -81,67 +80,40 @@ def _or(value: int | None, default: int) -> int:
     return default if value is None else value
 
 
-def _field(form: FormMultiDict, name: str) -> str:
-    return str(form.get(name, "")).strip()
-
-
 class ActionsController(Controller):
     """Every route here changes state: CSRF-checked, owners only, audited by the services."""
 
     path = "/"
-    dependencies = {
-        "console": Provide(provide_console),
-        "form": Provide(provide_form),
-        "owner_form": Provide(provide_owner_form),
-    }
 
     @post("/tenants")
-    async def create_tenant(
-        self,
-        request: Request[Any, Any, Any],
-        db_session: NamedDependency[AsyncSession],
-        console: NamedDependency[Console],
-        owner_form: NamedDependency[FormMultiDict],
-    ) -> Response[Any]:
-        name, plan = _field(owner_form, "name"), _field(owner_form, "plan") or None
+    async def create_tenant(self, action: NamedDependency[ConsoleAction]) -> Response[Any]:
+        name, plan = action.field("name"), action.field("plan") or None
         with or_back_to("/admin/tenants"):
-            await TenantService(db_session, console.actor).create(name, plan)
-        return back_to(request, f"/admin/tenants/{quote(name)}", f"Created tenant {name}.")
+            await TenantService(action.db, action.actor).create(name, plan)
+        return action.back(f"/admin/tenants/{quote(name)}", f"Created tenant {name}.")
 
     @post("/tenants/{name:str}/plan")
     async def set_plan(
-        self,
-        name: FromPath[str],
-        request: Request[Any, Any, Any],
-        db_session: NamedDependency[AsyncSession],
-        console: NamedDependency[Console],
-        owner_form: NamedDependency[FormMultiDict],
+        self, name: FromPath[str], action: NamedDependency[ConsoleAction]
     ) -> Response[Any]:
-        plan = _field(owner_form, "plan") or None
+        plan = action.field("plan") or None
         here = f"/admin/tenants/{quote(name)}"
         with or_back_to(here):
-            await TenantService(db_session, console.actor).set_plan(name, plan)
-        return back_to(request, here, f"{name} is now on plan {plan or 'none (unlimited)'}.")
+            await TenantService(action.db, action.actor).set_plan(name, plan)
+        return action.back(here, f"{name} is now on plan {plan or 'none (unlimited)'}.")
 
     @post("/tenants/{name:str}/keys")
     async def create_key(
-        self,
-        name: FromPath[str],
-        request: Request[Any, Any, Any],
-        db_session: NamedDependency[AsyncSession],
-        console: NamedDependency[Console],
-        owner_form: NamedDependency[FormMultiDict],
+        self, name: FromPath[str], action: NamedDependency[ConsoleAction]
     ) -> Response[Any]:
         """Renders the secret in this response, once; it is never stored or redirected."""
-        role = KeyRole.ADMIN if owner_form.get("admin") == "on" else KeyRole.TENANT
+        role = KeyRole.ADMIN if action.form.get("admin") == "on" else KeyRole.TENANT
         with or_back_to(f"/admin/tenants/{quote(name)}"):
-            tenant = await TenantService(db_session, console.actor).get(name)
-            created = await ApiKeyService(db_session, console.actor).create(
-                tenant, _field(owner_form, "key_name")[:100], role
+            tenant = await TenantService(action.db, action.actor).get(name)
+            created = await ApiKeyService(action.db, action.actor).create(
+                tenant, action.field("key_name")[:100], role
             )
-        return page(
-            request,
-            console,
+        return action.render(
             "key_created.html",
             status_code=201,
             title="Key created",
@@ -152,59 +124,37 @@ class ActionsController(Controller):
 
     @post("/keys/{key:str}/revoke")
     async def revoke_key(
-        self,
-        key: FromPath[str],
-        request: Request[Any, Any, Any],
-        db_session: NamedDependency[AsyncSession],
-        console: NamedDependency[Console],
-        owner_form: NamedDependency[FormMultiDict],
+        self, key: FromPath[str], action: NamedDependency[ConsoleAction]
     ) -> Response[Any]:
-        back = _field(owner_form, "back")
+        back = action.field("back")
         here = back if back.startswith("/admin/") else "/admin/keys"
         with or_back_to(here):
-            revoked = await ApiKeyService(db_session, console.actor).revoke(key)
-        return back_to(request, here, f"Revoked key {revoked.prefix}.")
+            revoked = await ApiKeyService(action.db, action.actor).revoke(key)
+        return action.back(here, f"Revoked key {revoked.prefix}.")
 
     @post("/admins")
-    async def create_admin(
-        self,
-        request: Request[Any, Any, Any],
-        db_session: NamedDependency[AsyncSession],
-        console: NamedDependency[Console],
-        owner_form: NamedDependency[FormMultiDict],
-    ) -> Response[Any]:
-        email = _field(owner_form, "email")
+    async def create_admin(self, action: NamedDependency[ConsoleAction]) -> Response[Any]:
+        email = action.field("email")
         with or_back_to("/admin/admins"):
-            admin = await AdminService(db_session, console.actor).create(
-                email, _field(owner_form, "role"), str(owner_form.get("password", ""))
+            admin = await AdminService(action.db, action.actor).create(
+                email, action.field("role"), str(action.form.get("password", ""))
             )
-        return back_to(request, "/admin/admins", f"Added {admin.role} {admin.email}.")
+        return action.back("/admin/admins", f"Added {admin.role} {admin.email}.")
 
     @post("/plans")
-    async def create_plan(
-        self,
-        request: Request[Any, Any, Any],
-        db_session: NamedDependency[AsyncSession],
-        console: NamedDependency[Console],
-        owner_form: NamedDependency[FormMultiDict],
-    ) -> Response[Any]:
-        name = _field(owner_form, "name")
+    async def create_plan(self, action: NamedDependency[ConsoleAction]) -> Response[Any]:
+        name = action.field("name")
         with or_back_to("/admin/plans"):
-            terms = terms_from(owner_form, PlanTerms())
-            await PlanService(db_session, console.actor).create(name, terms)
-        return back_to(request, "/admin/plans", f"Created plan {name}.")
+            terms = terms_from(action.form, PlanTerms())
+            await PlanService(action.db, action.actor).create(name, terms)
+        return action.back("/admin/plans", f"Created plan {name}.")
 
     @post("/plans/{name:str}")
     async def update_plan(
-        self,
-        name: FromPath[str],
-        request: Request[Any, Any, Any],
-        db_session: NamedDependency[AsyncSession],
-        console: NamedDependency[Console],
-        owner_form: NamedDependency[FormMultiDict],
+        self, name: FromPath[str], action: NamedDependency[ConsoleAction]
     ) -> Response[Any]:
         with or_back_to("/admin/plans"):
-            await PlanService(db_session, console.actor).update(
-                name, lambda current: terms_from(owner_form, current)
+            await PlanService(action.db, action.actor).update(
+                name, lambda current: terms_from(action.form, current)
             )
-        return back_to(request, "/admin/plans", f"Saved plan {name}.")
+        return action.back("/admin/plans", f"Saved plan {name}.")

@@ -1,8 +1,8 @@
 """Console sign-in: server-side sessions in an HttpOnly cookie, CSRF tokens, roles.
 
 Every console route depends on `console` (a live session, else a redirect to sign-in).
-Every state-changing route depends on `owner_form`, which checks the session's CSRF token
-before the role, so a forged cross-site post is refused whoever is signed in.
+Every state-changing route depends on `form`, which checks the session's CSRF token, and
+then (gateway/console/context.py) on the role.
 """
 
 from __future__ import annotations
@@ -120,14 +120,6 @@ async def provide_form(
     form = await read_form(request)
     if not csrf_ok(console.csrf_token, form.get(CSRF_FIELD)):
         raise ConsoleForbidden("the form's security token is missing or stale; reload the page")
-    return form
-
-
-async def provide_owner_form(
-    form: NamedDependency[FormMultiDict], console: NamedDependency[Console]
-) -> FormMultiDict:
-    if not console.can_write:
-        raise ConsoleForbidden("viewers cannot change anything; ask an owner")
     return form
 
 

@@ -10,18 +10,17 @@ from typing import Any
 
 import httpx
 from litestar import Controller, Request, Response, get
-from litestar.di import NamedDependency, Provide
+from litestar.di import NamedDependency
 
 from backend.capacity.errors import CapacityInputError
 from backend.capacity.model import DTYPE_BYTES
 from backend.capacity.planner import Inputs, Plan, plan, show
 from backend.capacity.presets import gpu_preset, gpu_presets, model_preset, model_presets
 from backend.server import SECRET_HEADER
-from gateway.console.auth import Console, provide_console
-from gateway.console.render import page, query_text
+from gateway.console.context import ConsolePage
+from gateway.console.render import query_text
 from gateway.dispatch.engine_client import IN_PROCESS, EngineClient, InProcessEngineClient
 from gateway.dispatch.remote import RemoteEngineClient
-from gateway.runtime import Runtime
 
 POLL_TIMEOUT_S = 1.0
 # Form fields, by the planner flag each one sets (errors name the flag).
@@ -260,26 +259,19 @@ def charts(result: Plan) -> list[Chart]:
 
 class CapacityController(Controller):
     path = "/capacity"
-    dependencies = {"console": Provide(provide_console)}
 
     @get("/")
-    async def capacity(
-        self,
-        request: Request[Any, Any, Any],
-        runtime: NamedDependency[Runtime],
-        console: NamedDependency[Console],
-    ) -> Response[str]:
+    async def capacity(self, ctx: NamedDependency[ConsolePage]) -> Response[str]:
+        runtime = ctx.runtime
         replicas = await live_replicas(runtime.engine_client, runtime.settings.backend_secret)
-        form = WhatIf.from_query(request)
+        form = WhatIf.from_query(ctx.request)
         result, error, field = None, None, None
         try:
             result = plan(form.inputs())
         except CapacityInputError as exc:
             field, label = FIELDS.get(exc.flag, ("", ""))
             error = str(exc).replace(exc.flag, label, 1) if label else str(exc)
-        return page(
-            request,
-            console,
+        return ctx.render(
             "capacity.html",
             title="Capacity",
             replicas=replicas,

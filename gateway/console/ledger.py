@@ -7,17 +7,16 @@ from __future__ import annotations
 from datetime import datetime
 from typing import Any
 
-from litestar import Controller, Request, Response, get, post
+from litestar import Controller, Response, get, post
 from litestar.datastructures import FormMultiDict
-from litestar.di import NamedDependency, Provide
+from litestar.di import NamedDependency
 from sqlalchemy import func, select
 from sqlalchemy.ext.asyncio import AsyncSession
 
 from gateway.console.actions import micro_dollars
-from gateway.console.auth import Console, provide_console, provide_form, provide_owner_form
+from gateway.console.context import ConsoleAction, ConsolePage
 from gateway.console.pages import parse_moment
-from gateway.console.render import back_to, csv_download, or_back_to, page, query_text
-from gateway.runtime import Runtime
+from gateway.console.render import csv_download, or_back_to
 from tenants import audit
 from tenants.billing.models import OutboxRow, OutboxStatus
 from tenants.billing.outbox import OutboxService
@@ -89,56 +88,40 @@ async def unexported_rows(
     return [(row, request_id) for row, request_id in rows.all()]
 
 
-class LedgerPagesController(Controller):
+class LedgerController(Controller):
     path = "/"
-    dependencies = {"console": Provide(provide_console)}
 
     @get("/prices")
-    async def prices(
-        self,
-        request: Request[Any, Any, Any],
-        runtime: NamedDependency[Runtime],
-        db_session: NamedDependency[AsyncSession],
-        console: NamedDependency[Console],
-    ) -> Response[str]:
+    async def prices(self, ctx: NamedDependency[ConsolePage]) -> Response[str]:
+        client = ctx.runtime.engine_client
         now = utcnow()
-        versions = await PriceService(db_session).list()
+        versions = await PriceService(ctx.db).list()
         in_force: dict[str, str] = {}
         for version in versions:  # ordered by model, then effective date
             if as_utc(version.effective_from) <= now:
                 in_force[version.model] = version.id
-        return page(
-            request,
-            console,
+        return ctx.render(
             "prices.html",
             title="Prices",
             versions=versions,
             in_force=set(in_force.values()),
             any_model=ANY_MODEL,
-            model=runtime.engine_client.model_name if runtime.engine_client else "",
+            model=client.model_name if client else "",
         )
 
     @get("/billing")
-    async def billing(
-        self,
-        request: Request[Any, Any, Any],
-        runtime: NamedDependency[Runtime],
-        db_session: NamedDependency[AsyncSession],
-        console: NamedDependency[Console],
-    ) -> Response[str]:
-        tenant_name, period = _tenant_and_period(request)
+    async def billing(self, ctx: NamedDependency[ConsolePage]) -> Response[str]:
+        tenant_name, period = _tenant_and_period(ctx)
         report = status = None
         waiting: list[tuple[OutboxRow, str]] = []
-        tenants = await TenantService(db_session).list()
-        overall = await OutboxService(db_session).status()
+        tenants = await TenantService(ctx.db).list()
+        overall = await OutboxService(ctx.db).status()
         if tenant_name:
-            tenant = await TenantService(db_session).get(tenant_name)
-            report = await build_report(db_session, tenant, period)
-            status = await export_status(db_session, tenant.id, period)
-            waiting = await unexported_rows(db_session, tenant.id, period)
-        return page(
-            request,
-            console,
+            tenant = await TenantService(ctx.db).get(tenant_name)
+            report = await build_report(ctx.db, tenant, period)
+            status = await export_status(ctx.db, tenant.id, period)
+            waiting = await unexported_rows(ctx.db, tenant.id, period)
+        return ctx.render(
             "billing.html",
             title="Billing",
             tenants=tenants,
@@ -148,37 +131,27 @@ class LedgerPagesController(Controller):
             export=status,
             waiting=waiting,
             overall=overall,
-            stripe_on=runtime.settings.stripe_api_key is not None,
+            stripe_on=ctx.runtime.settings.stripe_api_key is not None,
         )
 
     @get("/billing.csv")
-    async def billing_csv(
-        self,
-        request: Request[Any, Any, Any],
-        db_session: NamedDependency[AsyncSession],
-        console: NamedDependency[Console],
-    ) -> Response[str]:
+    async def billing_csv(self, ctx: NamedDependency[ConsolePage]) -> Response[str]:
         """The report's lines (day x model) as CSV; the export is audited."""
-        tenant_name, period = _tenant_and_period(request)
-        tenant = await TenantService(db_session).get(tenant_name)
-        filename, text = await export_csv(db_session, console.actor, tenant, period)
+        tenant_name, period = _tenant_and_period(ctx)
+        tenant = await TenantService(ctx.db).get(tenant_name)
+        filename, text = await export_csv(ctx.db, ctx.actor, tenant, period)
         return csv_download(text, filename)
 
     @get("/audit")
-    async def audit_log(
-        self,
-        request: Request[Any, Any, Any],
-        db_session: NamedDependency[AsyncSession],
-        console: NamedDependency[Console],
-    ) -> Response[str]:
+    async def audit_log(self, ctx: NamedDependency[ConsolePage]) -> Response[str]:
         def text(name: str) -> str | None:
-            return query_text(request, name) or None
+            return ctx.query(name) or None
 
         before = text("before")
         tenant = text("tenant")
-        tenant_id = (await TenantService(db_session).get(tenant)).id if tenant else None
+        tenant_id = (await TenantService(ctx.db).get(tenant)).id if tenant else None
         events = await audit.list_events(
-            db_session,
+            ctx.db,
             tenant_id=tenant_id,
             action=text("action"),
             actor=text("actor"),
@@ -187,11 +160,9 @@ class LedgerPagesController(Controller):
             before_id=int(before) if before and before.isdigit() else None,
             limit=AUDIT_PAGE,
         )
-        tenants = await TenantService(db_session).list()
+        tenants = await TenantService(ctx.db).list()
         filters = {k: v for k in ("tenant", "action", "actor", "since", "until") if (v := text(k))}
-        return page(
-            request,
-            console,
+        return ctx.render(
             "audit.html",
             title="Audit log",
             events=events,
@@ -200,60 +171,36 @@ class LedgerPagesController(Controller):
             older=events[-1].id if len(events) == AUDIT_PAGE else None,
         )
 
-
-class LedgerActionsController(Controller):
-    path = "/"
-    dependencies = {"console": Provide(provide_console), "form": Provide(provide_form)}
-
-    @post("/prices", dependencies={"owner_form": Provide(provide_owner_form)})
-    async def create_price(
-        self,
-        request: Request[Any, Any, Any],
-        runtime: NamedDependency[Runtime],
-        db_session: NamedDependency[AsyncSession],
-        console: NamedDependency[Console],
-        owner_form: NamedDependency[FormMultiDict],
-    ) -> Response[Any]:
-        model = str(owner_form.get("model", "")).strip()
+    @post("/prices")
+    async def create_price(self, action: NamedDependency[ConsoleAction]) -> Response[Any]:
+        model = action.field("model")
         with or_back_to("/admin/prices"):
-            price = price_from(owner_form)
-            effective = effective_from(str(owner_form.get("effective_from", "")).strip())
-            await PriceService(db_session, console.actor).create(model, price, effective)
-        await db_session.commit()  # before the book is re-read
-        runtime.recorder.prices.invalidate()  # this replica prices by it at once
-        return back_to(request, "/admin/prices", f"New price for {model} from {_when(effective)}.")
+            price = price_from(action.form)
+            effective = effective_from(action.field("effective_from"))
+            await PriceService(action.db, action.actor).create(model, price, effective)
+        await action.db.commit()  # before the book is re-read
+        action.runtime.recorder.prices.invalidate()  # this replica prices by it at once
+        return action.back("/admin/prices", f"New price for {model} from {_when(effective)}.")
 
-    @post("/billing/requeue", dependencies={"owner_form": Provide(provide_owner_form)})
-    async def requeue_failed(
-        self,
-        request: Request[Any, Any, Any],
-        db_session: NamedDependency[AsyncSession],
-        console: NamedDependency[Console],
-        owner_form: NamedDependency[FormMultiDict],
-    ) -> Response[Any]:
+    @post("/billing/requeue")
+    async def requeue_failed(self, action: NamedDependency[ConsoleAction]) -> Response[Any]:
         """Rows Stripe refused go back in the queue, once their cause is fixed (audited)."""
-        count = await OutboxService(db_session, console.actor).requeue_failed()
-        back = str(owner_form.get("back", ""))
+        count = await OutboxService(action.db, action.actor).requeue_failed()
+        back = str(action.form.get("back", ""))
         here = back if back.startswith("/admin/billing") else "/admin/billing"
-        return back_to(request, here, f"Requeued {count} refused row(s) for export.")
+        return action.back(here, f"Requeued {count} refused row(s) for export.")
 
     @post("/audit/verify")
-    async def verify_chain(
-        self,
-        request: Request[Any, Any, Any],
-        db_session: NamedDependency[AsyncSession],
-        console: NamedDependency[Console],
-        form: NamedDependency[FormMultiDict],
-    ) -> Response[Any]:
+    async def verify_chain(self, viewer_action: NamedDependency[ConsoleAction]) -> Response[Any]:
         """Reading, not changing: viewers may verify too (the CSRF token is still checked)."""
-        result = await audit.verify(db_session)
-        return back_to(request, "/admin/audit", result.describe(), "ok" if result.ok else "error")
+        result = await audit.verify(viewer_action.db)
+        return viewer_action.back("/admin/audit", result.describe(), "ok" if result.ok else "error")
 
 
-def _tenant_and_period(request: Request[Any, Any, Any]) -> tuple[str, Period]:
+def _tenant_and_period(ctx: ConsolePage) -> tuple[str, Period]:
     """The billing pages' tenant and period (this month unless given)."""
-    period = query_text(request, "period")
-    return query_text(request, "tenant"), Period.parse(period) if period else Period.current()
+    period = ctx.query("period")
+    return ctx.query("tenant"), Period.parse(period) if period else Period.current()
 
 
 def _when(moment: datetime) -> str:

@@ -6,14 +6,12 @@ from __future__ import annotations
 
 from typing import Any
 
-from litestar import Controller, Request, Response, get, post
+from litestar import Controller, Response, get, post
 from litestar.datastructures import FormMultiDict
-from litestar.di import NamedDependency, Provide
-from sqlalchemy.ext.asyncio import AsyncSession
+from litestar.di import NamedDependency
 
-from gateway.console.auth import Console, provide_console, provide_form, provide_owner_form
-from gateway.console.render import back_to, or_back_to, page
-from gateway.runtime import Runtime
+from gateway.console.context import ConsoleAction, ConsolePage
+from gateway.console.render import or_back_to
 from tenants.billing.prices import ANY_MODEL, PriceService
 from tenants.errors import InvalidInputError
 from tenants.registry import ModelKind, ModelService, ModelSpec, Target
@@ -48,53 +46,29 @@ def spec_from(form: FormMultiDict) -> ModelSpec:
 
 class ModelsController(Controller):
     path = "/models"
-    dependencies = {  # the form ones are resolved only by the posts that ask for them
-        "console": Provide(provide_console),
-        "form": Provide(provide_form),
-        "owner_form": Provide(provide_owner_form),
-    }
 
     @get("/")
-    async def models(
-        self,
-        request: Request[Any, Any, Any],
-        runtime: NamedDependency[Runtime],
-        db_session: NamedDependency[AsyncSession],
-        console: NamedDependency[Console],
-    ) -> Response[str]:
-        priced = {version.model for version in await PriceService(db_session).list()}
-        return page(
-            request,
-            console,
+    async def models(self, ctx: NamedDependency[ConsolePage]) -> Response[str]:
+        client = ctx.runtime.engine_client
+        priced = {version.model for version in await PriceService(ctx.db).list()}
+        return ctx.render(
             "models.html",
             title="Models",
-            models=await ModelService(db_session).list(),
+            models=await ModelService(ctx.db).list(),
             priced=priced,
             any_priced=ANY_MODEL in priced,
-            default=runtime.engine_client.model_name if runtime.engine_client else None,
+            default=client.model_name if client else None,
         )
 
     @post("/")
-    async def add_model(
-        self,
-        request: Request[Any, Any, Any],
-        db_session: NamedDependency[AsyncSession],
-        console: NamedDependency[Console],
-        owner_form: NamedDependency[FormMultiDict],
-    ) -> Response[Any]:
+    async def add_model(self, action: NamedDependency[ConsoleAction]) -> Response[Any]:
         with or_back_to(HERE):
-            row = await ModelService(db_session, console.actor).add(spec_from(owner_form))
-        return back_to(request, HERE, f"Added {row.name}; every gateway serves it within seconds.")
+            row = await ModelService(action.db, action.actor).add(spec_from(action.form))
+        return action.back(HERE, f"Added {row.name}; every gateway serves it within seconds.")
 
     @post("/remove")
-    async def remove_model(
-        self,
-        request: Request[Any, Any, Any],
-        db_session: NamedDependency[AsyncSession],
-        console: NamedDependency[Console],
-        owner_form: NamedDependency[FormMultiDict],
-    ) -> Response[Any]:
-        name = _text(owner_form, "name") or ""
+    async def remove_model(self, action: NamedDependency[ConsoleAction]) -> Response[Any]:
+        name = action.field("name")
         with or_back_to(HERE):
-            await ModelService(db_session, console.actor).remove(name)
-        return back_to(request, HERE, f"Removed {name}.")
+            await ModelService(action.db, action.actor).remove(name)
+        return action.back(HERE, f"Removed {name}.")

@@ -7,12 +7,11 @@ import io
 from datetime import UTC, datetime
 from typing import Any
 
-from litestar import Controller, MediaType, Request, Response, get
-from litestar.di import NamedDependency, Provide
+from litestar import Controller, MediaType, Response, get
+from litestar.di import NamedDependency
 from litestar.params import FromPath
-from sqlalchemy.ext.asyncio import AsyncSession
 
-from gateway.console.auth import Console, provide_console
+from gateway.console.context import ConsolePage
 from gateway.console.queries import (
     CSV_HEADER,
     CSV_LIMIT,
@@ -27,9 +26,8 @@ from gateway.console.queries import (
     tenant_series,
     traffic,
 )
-from gateway.console.render import csv_download, page, query_text
+from gateway.console.render import csv_download
 from gateway.deps import month_usage
-from gateway.runtime import Runtime
 from gateway.telemetry.request import workload_class
 from tenants import audit
 from tenants.admins import AdminService
@@ -51,9 +49,9 @@ def parse_moment(text: str | None) -> datetime | None:
         return None
 
 
-def usage_filter(request: Request[Any, Any, Any]) -> UsageFilter:
+def usage_filter(ctx: ConsolePage) -> UsageFilter:
     def text(name: str) -> str | None:
-        return query_text(request, name) or None
+        return ctx.query(name) or None
 
     return UsageFilter(
         tenant=text("tenant"),
@@ -67,77 +65,51 @@ def usage_filter(request: Request[Any, Any, Any]) -> UsageFilter:
 
 class PagesController(Controller):
     path = "/"
-    dependencies = {"console": Provide(provide_console)}
 
     @get("/")
-    async def overview(
-        self, request: Request[Any, Any, Any], console: NamedDependency[Console]
-    ) -> Response[str]:
-        return page(request, console, "overview.html", title="Overview")
+    async def overview(self, ctx: NamedDependency[ConsolePage]) -> Response[str]:
+        return ctx.render("overview.html", title="Overview")
 
     @get("/overview.json", media_type=MediaType.JSON)
-    async def overview_data(
-        self,
-        request: Request[Any, Any, Any],
-        runtime: NamedDependency[Runtime],
-        db_session: NamedDependency[AsyncSession],
-        console: NamedDependency[Console],
-    ) -> dict[str, Any]:
-        data = await traffic(db_session)
+    async def overview_data(self, ctx: NamedDependency[ConsolePage]) -> dict[str, Any]:
+        data = await traffic(ctx.db)
         return {
             **data,
-            "rejections": rejections(request.app.state.telemetry.metrics),
-            "replicas": replicas(runtime.engine_client),
+            "rejections": rejections(ctx.request.app.state.telemetry.metrics),
+            "replicas": replicas(ctx.runtime.engine_client),
             "now": datetime.now(UTC).timestamp(),
         }
 
     @get("/tenants")
-    async def tenants(
-        self,
-        request: Request[Any, Any, Any],
-        db_session: NamedDependency[AsyncSession],
-        console: NamedDependency[Console],
-    ) -> Response[str]:
-        search = query_text(request, "q").lower()
-        plans = await PlanService(db_session).list()
+    async def tenants(self, ctx: NamedDependency[ConsolePage]) -> Response[str]:
+        search = ctx.query("q").lower()
+        plans = await PlanService(ctx.db).list()
         names = {plan.id: plan.name for plan in plans}
         tenants = [
             (tenant, names.get(tenant.plan_id or ""))
-            for tenant in await TenantService(db_session).list()
+            for tenant in await TenantService(ctx.db).list()
             if search in tenant.name
         ]
-        return page(
-            request,
-            console,
-            "tenants.html",
-            title="Tenants",
-            tenants=tenants,
-            plans=plans,
-            q=search,
-        )
+        return ctx.render("tenants.html", title="Tenants", tenants=tenants, plans=plans, q=search)
 
     @get("/tenants/{name:str}")
     async def tenant(
         self,
         name: FromPath[str],
-        request: Request[Any, Any, Any],
-        db_session: NamedDependency[AsyncSession],
         quota_store: NamedDependency[QuotaStore],
-        console: NamedDependency[Console],
+        ctx: NamedDependency[ConsolePage],
     ) -> Response[str]:
-        tenant = await TenantService(db_session).get(name)
-        plans = await PlanService(db_session).list()
+        tenant = await TenantService(ctx.db).get(name)
+        plans = await PlanService(ctx.db).list()
         plan = next((p for p in plans if p.id == tenant.plan_id), None)
-        keys = [key for key, _ in await ApiKeyService(db_session).list(tenant)]
-        recent = await UsageService(db_session).for_tenant(tenant.id, limit=20)
-        series = await tenant_series(db_session, tenant.id)
+        keys = [key for key, _ in await ApiKeyService(ctx.db).list(tenant)]
+        recent = await UsageService(ctx.db).for_tenant(tenant.id, limit=20)
+        series = await tenant_series(ctx.db, tenant.id)
         period, usage = await month_usage(quota_store, tenant.id)
         terms = PlanTerms.of(plan)
         budget = terms.limits.monthly_budget_micros
         left = None if budget is None else budget - usage.spent_micros - usage.reserved_micros
-        return page(
-            request,
-            console,
+        return ctx.render(
             "tenant.html",
             title=f"Tenant {tenant.name}",
             tenant=tenant,
@@ -155,78 +127,48 @@ class PagesController(Controller):
         )
 
     @get("/keys")
-    async def keys(
-        self,
-        request: Request[Any, Any, Any],
-        db_session: NamedDependency[AsyncSession],
-        console: NamedDependency[Console],
-    ) -> Response[str]:
-        tenant_name = query_text(request, "tenant")
-        tenant = await TenantService(db_session).get(tenant_name) if tenant_name else None
-        rows = await ApiKeyService(db_session).list(tenant)
-        tenants = await TenantService(db_session).list()
-        return page(
-            request,
-            console,
+    async def keys(self, ctx: NamedDependency[ConsolePage]) -> Response[str]:
+        tenant_name = ctx.query("tenant")
+        tenant = await TenantService(ctx.db).get(tenant_name) if tenant_name else None
+        rows = await ApiKeyService(ctx.db).list(tenant)
+        return ctx.render(
             "keys.html",
             title="API keys",
             keys=[key for key, _ in rows],
             key_tenants={key.id: name for key, name in rows},
-            tenants=tenants,
+            tenants=await TenantService(ctx.db).list(),
             tenant_name=tenant_name,
         )
 
     @get("/plans")
-    async def plans(
-        self,
-        request: Request[Any, Any, Any],
-        db_session: NamedDependency[AsyncSession],
-        console: NamedDependency[Console],
-    ) -> Response[str]:
-        plans = [(plan, PlanTerms.of(plan)) for plan in await PlanService(db_session).list()]
-        return page(
-            request, console, "plans.html", title="Plans", plans=plans, limit_names=LIMIT_NAMES
-        )
+    async def plans(self, ctx: NamedDependency[ConsolePage]) -> Response[str]:
+        plans = [(plan, PlanTerms.of(plan)) for plan in await PlanService(ctx.db).list()]
+        return ctx.render("plans.html", title="Plans", plans=plans, limit_names=LIMIT_NAMES)
 
     @get("/usage")
-    async def usage(
-        self,
-        request: Request[Any, Any, Any],
-        db_session: NamedDependency[AsyncSession],
-        console: NamedDependency[Console],
-    ) -> Response[str]:
-        where = usage_filter(request)
-        rows = await find_usage(db_session, where)
-        models = await known_models(db_session)
-        tenants = await TenantService(db_session).list()
-        return page(
-            request,
-            console,
+    async def usage(self, ctx: NamedDependency[ConsolePage]) -> Response[str]:
+        where = usage_filter(ctx)
+        return ctx.render(
             "usage.html",
             title="Usage",
-            rows=rows,
+            rows=await find_usage(ctx.db, where),
             where=where,
-            models=models,
-            tenants=tenants,
+            models=await known_models(ctx.db),
+            tenants=await TenantService(ctx.db).list(),
             statuses=[status.value for status in UsageStatus],
         )
 
     @get("/usage.csv")
-    async def usage_csv(
-        self,
-        request: Request[Any, Any, Any],
-        db_session: NamedDependency[AsyncSession],
-        console: NamedDependency[Console],
-    ) -> Response[str]:
-        where = usage_filter(request)
-        rows = await find_usage(db_session, where, limit=CSV_LIMIT)
+    async def usage_csv(self, ctx: NamedDependency[ConsolePage]) -> Response[str]:
+        where = usage_filter(ctx)
+        rows = await find_usage(ctx.db, where, limit=CSV_LIMIT)
         await audit.record(  # data leaving the system is accountable
-            db_session,
-            actor=console.actor.name,
+            ctx.db,
+            actor=ctx.actor.name,
             action="usage.export",
             target="usage",
             details={**where.as_query(), "rows": len(rows), "format": "csv"},
-            context=console.actor.context,
+            context=ctx.actor.context,
         )
         out = io.StringIO()
         writer = csv.writer(out)
@@ -236,47 +178,28 @@ class PagesController(Controller):
         return csv_download(out.getvalue(), f"usage-{stamp}.csv")
 
     @get("/admins")
-    async def admins(
-        self,
-        request: Request[Any, Any, Any],
-        db_session: NamedDependency[AsyncSession],
-        console: NamedDependency[Console],
-    ) -> Response[str]:
-        admins = await AdminService(db_session).list()
-        return page(request, console, "admins.html", title="Administrators", admins=admins)
+    async def admins(self, ctx: NamedDependency[ConsolePage]) -> Response[str]:
+        admins = await AdminService(ctx.db).list()
+        return ctx.render("admins.html", title="Administrators", admins=admins)
 
     @get("/requests")
-    async def request_search(
-        self,
-        request: Request[Any, Any, Any],
-        db_session: NamedDependency[AsyncSession],
-        console: NamedDependency[Console],
-    ) -> Response[str]:
-        request_id = query_text(request, "id")
-        return await request_page(request, db_session, console, request_id)
+    async def request_search(self, ctx: NamedDependency[ConsolePage]) -> Response[str]:
+        return await request_page(ctx, ctx.query("id"))
 
     @get("/requests/{request_id:str}")
     async def request_detail(
-        self,
-        request_id: FromPath[str],
-        request: Request[Any, Any, Any],
-        db_session: NamedDependency[AsyncSession],
-        console: NamedDependency[Console],
+        self, request_id: FromPath[str], ctx: NamedDependency[ConsolePage]
     ) -> Response[str]:
-        return await request_page(request, db_session, console, request_id)
+        return await request_page(ctx, request_id)
 
 
-async def request_page(
-    request: Request[Any, Any, Any], db_session: AsyncSession, console: Console, request_id: str
-) -> Response[str]:
+async def request_page(ctx: ConsolePage, request_id: str) -> Response[str]:
     row, latest = None, []
     if request_id:
-        row = await find_request(db_session, request_id)
+        row = await find_request(ctx.db, request_id)
     else:
-        latest = await find_usage(db_session, UsageFilter(), limit=RECENT_REQUESTS)
-    return page(
-        request,
-        console,
+        latest = await find_usage(ctx.db, UsageFilter(), limit=RECENT_REQUESTS)
+    return ctx.render(
         "request.html",
         title=f"Request {request_id}" if request_id else "Request detail",
         request_id=request_id,

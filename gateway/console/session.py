@@ -7,8 +7,7 @@ from datetime import timedelta
 from typing import Any
 
 from litestar import Controller, Request, Response, get, post
-from litestar.datastructures import FormMultiDict
-from litestar.di import NamedDependency, Provide
+from litestar.di import NamedDependency
 from litestar.response import Redirect
 from sqlalchemy.ext.asyncio import AsyncSession
 
@@ -17,15 +16,13 @@ from gateway.console.auth import (
     CSRF_FIELD,
     LOGIN_CSRF_COOKIE,
     SESSION_COOKIE,
-    Console,
     cookie,
     csrf_ok,
     idle_limit,
     new_login_csrf,
-    provide_console,
-    provide_form,
     read_form,
 )
+from gateway.console.context import ConsoleAction
 from gateway.console.render import page
 from gateway.runtime import Runtime
 from tenants import audit
@@ -136,20 +133,12 @@ class SessionController(Controller):
         response.delete_cookie(LOGIN_CSRF_COOKIE, path="/admin")
         return response
 
-    @post(
-        "/logout",
-        dependencies={"console": Provide(provide_console), "form": Provide(provide_form)},
-    )
-    async def logout(
-        self,
-        request: Request[Any, Any, Any],
-        db_session: NamedDependency[AsyncSession],
-        console: NamedDependency[Console],
-        form: NamedDependency[FormMultiDict],
-    ) -> Response[Any]:
-        await AdminService(db_session).sign_out(console.token)
+    @post("/logout")
+    async def logout(self, viewer_action: NamedDependency[ConsoleAction]) -> Response[Any]:
+        console = viewer_action.console
+        await AdminService(viewer_action.db).sign_out(console.token)
         await audit.record(
-            db_session,
+            viewer_action.db,
             actor=console.actor.name,
             action="console.sign_out",
             target=f"admin:{console.admin.email}",

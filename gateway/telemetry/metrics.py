@@ -7,7 +7,7 @@ Every request is observed once, when it settles — never per token.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
@@ -107,7 +107,15 @@ class GatewayMetrics:
         self._names: dict[str, str] = {}  # tenant id -> name, the label it is shown by
         self.tenants = TenantLabels(top_tenants, on_evict=self._drop_tenant)
         reg = self.registry
-        by_class = ["model", "workload_class", "priority"]
+
+        def per_class(name: str, documentation: str, buckets: Sequence[float]) -> Histogram:
+            """A latency histogram by model, workload class and priority."""
+            labels = ["model", "workload_class", "priority"]
+            return Histogram(name, documentation, labels, registry=reg, buckets=buckets)
+
+        def per_tenant(name: str, documentation: str) -> Gauge:
+            return Gauge(name, documentation, ["tenant"], registry=reg)
+
         self.requests = Counter(
             "tollgate_requests", "Requests admitted, by outcome",
             ["tenant", "model", "status"], registry=reg,
@@ -120,47 +128,44 @@ class GatewayMetrics:
             "tollgate_rejections", "Requests turned away, by reason",
             ["tenant", "reason"], registry=reg,
         )  # fmt: skip
-        self.ttft = Histogram(
+        self.ttft = per_class(
             "gen_ai_server_time_to_first_token_seconds",
             "Time from the request's arrival at the gateway to its first token",
-            by_class, registry=reg, buckets=TTFT_BUCKETS,
-        )  # fmt: skip
-        self.tpot = Histogram(
+            TTFT_BUCKETS,
+        )
+        self.tpot = per_class(
             "gen_ai_server_time_per_output_token_seconds",
             "Mean time between output tokens after the first (one observation per request)",
-            by_class, registry=reg, buckets=TPOT_BUCKETS,
-        )  # fmt: skip
-        self.duration = Histogram(
+            TPOT_BUCKETS,
+        )
+        self.duration = per_class(
             "gen_ai_server_request_duration_seconds",
             "End-to-end time of an admitted request at the gateway",
-            by_class, registry=reg, buckets=DURATION_BUCKETS,
-        )  # fmt: skip
-        self.queue = Histogram(
-            "tollgate_queue_time_seconds", "Time waiting in the engine before first scheduled",
-            by_class, registry=reg, buckets=QUEUE_BUCKETS,
-        )  # fmt: skip
+            DURATION_BUCKETS,
+        )
+        self.queue = per_class(
+            "tollgate_queue_time_seconds",
+            "Time waiting in the engine before first scheduled",
+            QUEUE_BUCKETS,
+        )
         self.usage_disagreement = Histogram(
             "tollgate_upstream_usage_disagreement_tokens",
             "Tokens by which an upstream's usage differs from the gateway's own count (the "
             "ledger takes the upstream's); only requests where they differ",
             ["model", "kind", "direction"], registry=reg, buckets=DISAGREEMENT_BUCKETS,
         )  # fmt: skip
-        self.reserved_micros = Gauge(
-            "tollgate_tenant_reserved_micros", "Cost held by live reservations (micro-units)",
-            ["tenant"], registry=reg,
-        )  # fmt: skip
-        self.concurrent = Gauge(
-            "tollgate_tenant_concurrent_requests", "Live reservations of the tenant",
-            ["tenant"], registry=reg,
-        )  # fmt: skip
-        self.budget_spent = Gauge(
-            "tollgate_tenant_budget_spent_micros", "Spent this budget period (micro-units)",
-            ["tenant"], registry=reg,
-        )  # fmt: skip
-        self.budget_limit = Gauge(
-            "tollgate_tenant_budget_limit_micros", "Monthly budget of the tenant's plan",
-            ["tenant"], registry=reg,
-        )  # fmt: skip
+        self.reserved_micros = per_tenant(
+            "tollgate_tenant_reserved_micros", "Cost held by live reservations (micro-units)"
+        )
+        self.concurrent = per_tenant(
+            "tollgate_tenant_concurrent_requests", "Live reservations of the tenant"
+        )
+        self.budget_spent = per_tenant(
+            "tollgate_tenant_budget_spent_micros", "Spent this budget period (micro-units)"
+        )
+        self.budget_limit = per_tenant(
+            "tollgate_tenant_budget_limit_micros", "Monthly budget of the tenant's plan"
+        )
 
     def watch_engine(self, stats: Callable[[], EngineStats | None]) -> None:
         """Export an in-process engine's stats too (embedded mode)."""

@@ -11,7 +11,7 @@ from litestar.testing import AsyncTestClient
 from sqlalchemy import select
 
 from backend import SamplingParams
-from gateway.api.formats import ChatFormat
+from gateway.api.formats import CHAT_FORMAT
 from gateway.api.generation import Generation, Settlement
 from gateway.dispatch.engine_client import InProcessEngineClient
 from gateway.errors import Overloaded
@@ -30,7 +30,7 @@ async def _settlement(
         principal = await ApiKeyService(session).authenticate(acme.secret)
     assert principal is not None
     charge = Charge("req_settlement", principal, engine.model_name, "chat.completions")
-    gen = Generation(charge, ChatFormat, [1, 2, 3], SamplingParams(max_tokens=8))
+    gen = Generation(charge, CHAT_FORMAT, [1, 2, 3], SamplingParams(max_tokens=8))
     runtime: Runtime = client.app.state.runtime
     return Settlement(gen, engine, runtime.recorder)
 

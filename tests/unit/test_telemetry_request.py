@@ -6,7 +6,7 @@ import contextvars
 from collections.abc import AsyncIterator
 
 from backend import RequestOutput, SamplingParams
-from gateway.api.formats import ChatFormat
+from gateway.api.formats import CHAT_FORMAT
 from gateway.api.generation import Generation
 from gateway.telemetry import RequestScope, current_request
 from gateway.usage import Charge
@@ -36,7 +36,7 @@ async def test_no_value_leaks_through_the_scope_outside_requests() -> None:
     a replica) never reaches the next caller outside a request."""
     principal = Principal("t-1", "acme", "k-1", KeyRole.TENANT)
     charge = Charge("req-leak", principal, "tiny", "chat.completions")
-    job = Generation(charge, ChatFormat, [1, 2, 3], SamplingParams(max_tokens=4))
+    job = Generation(charge, CHAT_FORMAT, [1, 2, 3], SamplingParams(max_tokens=4))
     first = current_request()  # no scope was set: the inert one
     untouched = _noted(first)
     first.identify(principal)

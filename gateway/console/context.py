@@ -1,0 +1,96 @@
+"""What a console handler works with, as one Litestar dependency: the request, its
+database transaction and the signed-in administrator (`ConsolePage`), plus the posted
+form for a state-changing route (`ConsoleAction`). Handlers ask for `ctx` (pages),
+`action` (owners only, CSRF-checked) or `viewer_action` (any signed-in administrator,
+CSRF-checked: signing out, verifying the audit chain)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from litestar import Request, Response
+from litestar.datastructures import FormMultiDict
+from litestar.di import NamedDependency, Provide
+from sqlalchemy.ext.asyncio import AsyncSession
+
+from gateway.console.auth import (
+    Console,
+    ConsoleForbidden,
+    provide_console,
+    provide_form,
+)
+from gateway.console.render import back_to, page, query_text
+from gateway.runtime import Runtime
+from tenants.audit import Actor
+
+
+@dataclass(frozen=True)
+class ConsolePage:
+    """One console request: who is signed in, and the request's database session."""
+
+    request: Request[Any, Any, Any]
+    runtime: Runtime
+    db: AsyncSession
+    console: Console
+
+    @property
+    def actor(self) -> Actor:
+        """The administrator, as the audit log names them."""
+        return self.console.actor
+
+    def query(self, name: str) -> str:
+        """A query parameter, stripped; "" when absent."""
+        return query_text(self.request, name)
+
+    def render(self, template: str, *, status_code: int = 200, **context: Any) -> Response[str]:
+        return page(self.request, self.console, template, status_code=status_code, **context)
+
+
+@dataclass(frozen=True)
+class ConsoleAction(ConsolePage):
+    """A form post whose CSRF token matched the session's."""
+
+    form: FormMultiDict
+
+    def field(self, name: str) -> str:
+        """A form field, stripped; "" when absent."""
+        return str(self.form.get(name, "")).strip()
+
+    def back(self, path: str, message: str, kind: str = "ok") -> Response[Any]:
+        """Post/redirect/get: go to `path` with a one-time notice."""
+        return back_to(self.request, path, message, kind)
+
+
+def provide_page(
+    request: Request[Any, Any, Any],
+    runtime: NamedDependency[Runtime],
+    db_session: NamedDependency[AsyncSession],
+    console: NamedDependency[Console],
+) -> ConsolePage:
+    return ConsolePage(request, runtime, db_session, console)
+
+
+def provide_action(
+    ctx: NamedDependency[ConsolePage], form: NamedDependency[FormMultiDict]
+) -> ConsoleAction:
+    return ConsoleAction(ctx.request, ctx.runtime, ctx.db, ctx.console, form)
+
+
+def provide_owner_action(viewer_action: NamedDependency[ConsoleAction]) -> ConsoleAction:
+    """The CSRF token is checked first (by `form`), then the role: a forged cross-site
+    post is refused whoever is signed in."""
+    if not viewer_action.console.can_write:
+        raise ConsoleForbidden("viewers cannot change anything; ask an owner")
+    return viewer_action
+
+
+# The console router's; each is resolved only by the handlers that ask for it (the
+# sign-in form needs no session, a page never reads a form).
+CONSOLE_DEPENDENCIES = {
+    "console": Provide(provide_console),
+    "form": Provide(provide_form),
+    "ctx": Provide(provide_page, sync_to_thread=False),
+    "viewer_action": Provide(provide_action, sync_to_thread=False),
+    "action": Provide(provide_owner_action, sync_to_thread=False),
+}
