@@ -48,7 +48,7 @@ browser:  # Debian's chromium, driven by Playwright in the console's browser tes
 	@bash infra/scripts/ensure-browser.sh
 
 test: setup lint services browser
-	$(BIN)/pytest
+	$(BIN)/pytest -n auto --maxprocesses 4 --dist worksteal
 
 clean:
 	rm -rf $(VENV) .tollgate .pytest_cache .mypy_cache .ruff_cache

@@ -24,6 +24,7 @@ from litestar.openapi.spec import (
     Discriminator,
     OpenAPIMediaType,
     OpenAPIResponse,
+    OpenAPIType,
     Operation,
     Reference,
     RequestBody,
@@ -78,8 +79,7 @@ def documented(
     other answers, by status, with their description and shape."""
     content = {} if ok is None else {media_type: OpenAPIMediaType(schema=schema_of(ok))}
     if stream is not None:
-        each = f"Server-sent events: `data: <{stream}>` lines, then `data: [DONE]`"
-        content[SSE] = OpenAPIMediaType(schema=Schema(type="string", description=each))  # type: ignore[arg-type]
+        content[SSE] = OpenAPIMediaType(schema=_event_schema(stream))
     responses = {str(status): OpenAPIResponse(description="Success", content=content)}
     for code in errors:
         shape = {"application/json": OpenAPIMediaType(schema=schema_of(ErrorResponse))}
@@ -100,6 +100,20 @@ def documented(
             self.security = [{"bearer": []}] if secured else None
 
     return Documented
+
+
+def _event_schema(stream: str) -> Schema:
+    """One server-sent event, as OpenAPI 3.1 tools parse a `text/event-stream` (the
+    schema describes each event, not the whole body): its `data` carries a `stream` as
+    JSON (or `[DONE]`, the last event of a chat or completions stream); the Responses
+    stream names each event too."""
+    data = Schema(type=OpenAPIType.STRING, description=f"<{stream}> as JSON, or [DONE]")
+    return Schema(
+        type=OpenAPIType.OBJECT,
+        properties={"data": data, "event": Schema(type=OpenAPIType.STRING)},
+        required=["data"],
+        description=f"Server-sent events: `data: <{stream}>` lines",
+    )
 
 
 def schema_of(kind: Any) -> Schema | Reference:
