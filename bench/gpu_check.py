@@ -11,7 +11,12 @@ are built on the GPU (into /dev/shm), then, each section bounded in time:
   ((weight bytes + KV bytes read) x steps/s / 4.8 TB/s), CUDA graphs on and off;
 - ttft_1b: time to first token of 1k, 8k and 32k-token prompts;
 - throughput_1b: output tokens/s at 64 and 256 concurrent requests of a long-tailed
-  workload, against transformers generate() on length-sorted static batches.
+  workload, against transformers generate() on length-sorted static batches;
+- serving_mix_8b: issue 15's serving mix (bench/serving_mix.py's phases) on the 8B shape,
+  default engine settings, in process (an AsyncEngine; the device image has no web
+  stack, so no HTTP server): chat TTFT and inter-token gaps alone and beside a tenant
+  keeping 8 documents of 8k tokens in flight, the documents' prefill throughput, then
+  the documents again with the static budget (adaptive_step_budget off).
 
 It writes one JSON (after every section, so a run cut short keeps what it measured) and
 prints a table. `--dry-run` runs every section on the CPU with tiny shapes.
@@ -23,6 +28,7 @@ prints a table. `--dry-run` runs every section on the CPU with tiny shapes.
 from __future__ import annotations
 
 import argparse
+import asyncio
 import gc
 import importlib
 import json
@@ -37,16 +43,18 @@ import time
 import traceback
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass, field, fields, replace
+from dataclasses import asdict, dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any
 
 import torch
 
 from backend.config import EngineConfig
+from backend.engine.async_engine import AsyncEngine
 from backend.engine.engine import Engine
 from backend.outputs import RequestOutput
 from backend.sampling import SamplingParams
+from bench import serving_mix
 from bench._common import (
     Workload,
     generate_static,
@@ -54,6 +62,7 @@ from bench._common import (
     static_batches,
     write_word_tokenizer,
 )
+from bench.serving_mix import Mix
 
 HBM_BYTES_PER_S = 4.8e12  # H200, the vendor's figure
 NEAR_TIE_NATS = 0.1
@@ -100,19 +109,26 @@ class Plan:
     prompt_median: int = 256
     output_median: int = 96
     static_batch_size: int = 64
-    static_budget_s: float = 45.0  # per workload; the rate is over the batches completed
+    static_budget_s: float = 30.0  # per workload; the rate is over the batches completed
     max_num_batched_tokens: int = 8192
-    total_s: float = 470.0
+    # serving_mix_8b: two 16 GB engines (adaptive, static budget), ~35 s of traffic
+    mix: Mix = field(
+        default_factory=lambda: Mix(
+            seconds=8.0, chat_rate=4.0, doc_prompt=8000, settle=3.0, burst=0
+        )
+    )
+    total_s: float = 470.0  # the budgets sum to 465; Python's start-up comes on top
     budgets: dict[str, float] = field(
         default_factory=lambda: {
-            "build_1b": 40,
+            "build_1b": 25,
             "kernels": 60,  # Triton compiles each kernel configuration on first use
-            "greedy_1b": 50,
-            "build_8b": 70,
+            "greedy_1b": 40,
+            "build_8b": 45,
             "decode_8b": 60,
-            "decode_1b": 30,
-            "ttft_1b": 40,
-            "throughput_1b": 130,
+            "decode_1b": 25,
+            "ttft_1b": 25,
+            "throughput_1b": 100,  # the engine, then 2 static workloads of 30 s
+            "serving_mix_8b": 85,
         }
     )
 
@@ -132,6 +148,7 @@ DRY = Plan(
     static_batch_size=8,
     static_budget_s=20.0,
     max_num_batched_tokens=256,
+    mix=Mix(seconds=1.0, chat_rate=5.0, chat_output=(8, 16), doc_prompt=1000, settle=0.3, burst=0),
     total_s=240.0,
     budgets=dict.fromkeys(Plan().budgets, 60.0),
 )
@@ -609,6 +626,54 @@ def _static_rate(model: Any, work: Workload, plan: Plan, device: torch.device) -
     }
 
 
+IN_PROCESS = "in-process AsyncEngine (no HTTP server: the device image has no web stack)"
+
+
+def section_serving_mix(run: Run) -> dict[str, Any]:
+    """Issue 15's serving mix on the 8B shape, default engine settings: chat alone and
+    beside the document flood with the adaptive step budget, then the flood again with
+    the static one (its chat ratios are against the adaptive engine's chat alone)."""
+    mix = replace(run.plan.mix, vocab=run.shapes["8b"].vocab)
+    model_dir = checkpoint(run, "8b")
+    result: dict[str, Any] = {"api": IN_PROCESS, "mix": asdict(mix)}
+    phases: dict[str, dict[str, serving_mix.Phase]] = {}
+    for label, adaptive, wanted in (
+        ("adaptive", True, ("alone", "docs")),
+        ("static", False, ("docs",)),
+    ):
+        engine = make_engine(run, model_dir, adaptive_step_budget=adaptive)
+        result[f"{label}_engine"] = engine_facts(engine)
+        ran = asyncio.run(_mix_in_process(AsyncEngine(engine), mix, wanted))
+        del engine
+        release()  # the next engine sizes its KV pool from the memory left
+        phases[label] = {p.name: p for p in ran}
+        result[label] = {name: p.summary() for name, p in phases[label].items()}
+    alone = phases["adaptive"]["alone"]
+    adaptive_docs, static_docs = phases["adaptive"]["docs"], phases["static"]["docs"]
+    ratios: dict[str, Any] = {
+        "adaptive": serving_mix.latency_ratios(alone, adaptive_docs),
+        "static": serving_mix.latency_ratios(alone, static_docs),
+        "doc_share": serving_mix.doc_share(adaptive_docs, static_docs),
+    }
+    targets = serving_mix.TARGETS
+    result["ratios"] = ratios
+    result["targets_met"] = {
+        "ttft_p90": ratios["adaptive"]["ttft_p90"] <= targets["ttft_p90"],
+        "itl_p95": ratios["adaptive"]["itl_p95"] <= targets["itl_p95"],
+        "doc_share": ratios["doc_share"] >= targets["doc_share"],
+    }
+    return result
+
+
+async def _mix_in_process(
+    engine: AsyncEngine, mix: Mix, phases: tuple[str, ...]
+) -> list[serving_mix.Phase]:
+    try:
+        return await serving_mix.run_phases(serving_mix.EngineTarget(engine), mix, phases)
+    finally:
+        await engine.shutdown()  # also when the section's time runs out
+
+
 SECTIONS: list[tuple[str, Callable[[Run], dict[str, Any]]]] = [
     ("build_1b", section_build("1b")),
     ("kernels", section_kernels),
@@ -618,6 +683,7 @@ SECTIONS: list[tuple[str, Callable[[Run], dict[str, Any]]]] = [
     ("decode_1b", section_decode("1b")),
     ("ttft_1b", section_ttft),
     ("throughput_1b", section_throughput),
+    ("serving_mix_8b", section_serving_mix),
 ]
 
 
@@ -661,6 +727,25 @@ def _figures(name: str, e: dict[str, Any]) -> Iterator[tuple[str, str]]:
                 n = key[6:]
                 ours, theirs = e[f"engine_{n}"]["tokens_per_s"], e[f"static_{n}"]["tokens_per_s"]
                 yield f"{n} concurrent: engine / static tok/s", f"{ours} / {theirs} = {e[key]}x"
+    elif name == "serving_mix_8b":
+        yield from _mix_figures(e)
+
+
+def _mix_figures(e: dict[str, Any]) -> Iterator[tuple[str, str]]:
+    """Chat alone vs beside the documents (adaptive, then static), and the documents'
+    throughput; the ratio's target in brackets."""
+    alone, targets, ratios = e["adaptive"]["alone"], serving_mix.TARGETS, e["ratios"]
+    for label in ("adaptive", "static"):
+        docs = e[label]["docs"]
+        for key, q, figure in (("ttft_ms", "p90", "ttft_p90"), ("itl_ms", "p95", "itl_p95")):
+            name = f"8B mix {label}: chat {key[:-3].upper()} {q} alone/docs"
+            value = f"{alone[key][q]:.0f}/{docs[key][q]:.0f} ms={ratios[label][figure]}x"
+            yield name, value + (f" (<={targets[figure]:g})" if label == "adaptive" else "")
+    tok_s = [e[label]["docs"]["doc_prefill_tokens_per_s"] for label in ("adaptive", "static")]
+    share = (
+        f"{tok_s[0]:.0f}/{tok_s[1]:.0f}={ratios['doc_share']:.0%} (>={targets['doc_share']:.0%})"
+    )
+    yield "8B mix: document prefill tok/s adaptive/static", share
 
 
 @contextmanager

@@ -16,6 +16,10 @@ streamed lines), the document tenant's prefill throughput (prompt tokens/s, from
 engine's counters), the burst's makespan, and the ratios the issue 15 targets are about.
 Benchmark figures, not tests: on a shared machine they move from run to run.
 
+The phases run against a `Target`: the HTTP API (`HttpTarget`, this script) or an
+AsyncEngine in the caller's process (`EngineTarget`: bench/gpu_check.py's serving_mix_8b,
+whose device image has no web stack). The traffic's sizes and durations are a `Mix`.
+
     .venv/bin/python -m bench.serving_mix [--quick] [--only adaptive|static]
 """
 
@@ -31,17 +35,43 @@ import socket
 import subprocess
 import sys
 import time
-from dataclasses import dataclass, field
+from collections.abc import AsyncGenerator, Collection, Iterator
+from contextlib import aclosing
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any, Protocol
 
-import httpx
-import msgspec
-
+from backend.sampling import SamplingParams
 from bench._common import CACHE, build_random_llama, percentile
+
+if TYPE_CHECKING:  # the HTTP client and the engine are imported where they are used
+    import httpx
+
+    from backend.engine.async_engine import AsyncEngine
 
 SECRET_HEADER = "x-tollgate-secret"
 VOCAB = 32000
+PHASES = ("alone", "docs", "burst")
+# Issue 15's targets: loaded / alone at most (TTFT p90, ITL p95, late makespan), and the
+# adaptive budget's document throughput at least this share of the static budget's.
+TARGETS = {"ttft_p90": 3.0, "itl_p95": 3.0, "makespan": 2.5, "doc_share": 0.8}
+
+
+@dataclass(frozen=True)
+class Mix:
+    """The traffic of the phases: sizes, rates and durations."""
+
+    seconds: float = 20.0  # each chat phase
+    chat_rate: float = 1.0  # chats per second, Poisson
+    chat_prompt: tuple[int, int] = (50, 150)
+    chat_output: tuple[int, int] = (32, 64)
+    docs_in_flight: int = 8
+    doc_prompt: int = 1800
+    doc_output: int = 16
+    settle: float = 5.0  # seconds of document flood before the chats start
+    burst: int = 16  # the late tenant's requests; the loud tenant fires 10x
+    vocab: int = VOCAB
+    seed: int = 0
 
 
 @dataclass
@@ -59,12 +89,112 @@ class Phase:
     chats: list[Timing]
     doc_tokens_per_s: float | None = None
     makespan_s: float | None = None
+    fit: dict[str, Any] | None = None  # the engine's step-cost fit at the phase's end
 
     def ttft(self) -> list[float]:
         return [t.first - t.sent for t in self.chats if t.first is not None]
 
     def itl(self) -> list[float]:
         return [b - a for t in self.chats for a, b in zip(t.tokens, t.tokens[1:], strict=False)]
+
+    def summary(self) -> dict[str, Any]:
+        """The phase's figures, in milliseconds, for a JSON report."""
+        ttft, itl = self.ttft(), self.itl()
+        figures: dict[str, Any] = {
+            "chats": len(self.chats),
+            "ttft_ms": {f"p{q}": _ms(percentile(ttft, q)) for q in (50, 90, 95, 99)},
+            "itl_ms": {f"p{q}": _ms(percentile(itl, q)) for q in (50, 95, 99)},
+        }
+        if self.doc_tokens_per_s is not None:
+            figures["doc_prefill_tokens_per_s"] = round(self.doc_tokens_per_s, 1)
+        if self.makespan_s is not None:
+            figures["makespan_s"] = round(self.makespan_s, 3)
+        if self.fit is not None:
+            figures["step_cost_fit"] = self.fit
+        return figures
+
+
+def _ms(seconds: float) -> float:
+    return round(seconds * 1000, 1)
+
+
+def latency_ratios(alone: Phase, loaded: Phase) -> dict[str, float]:
+    """Chat TTFT p90 and inter-token p95 under load, as multiples of the same alone."""
+    return {
+        "ttft_p90": round(percentile(loaded.ttft(), 90) / percentile(alone.ttft(), 90), 2),
+        "itl_p95": round(percentile(loaded.itl(), 95) / percentile(alone.itl(), 95), 2),
+    }
+
+
+def doc_share(adaptive: Phase, static: Phase) -> float:
+    """The adaptive budget's document throughput as a share of the static budget's."""
+    return round((adaptive.doc_tokens_per_s or 0) / (static.doc_tokens_per_s or 1), 3)
+
+
+# -- where the requests go -------------------------------------------------------------
+
+
+class Target(Protocol):
+    def stream(
+        self, request_id: str, tenant: str, prompt: list[int], max_tokens: int
+    ) -> AsyncGenerator[int, None]:
+        """Generates greedily, EOS ignored; yields the number of tokens of each delta."""
+        ...
+
+    async def stats(self) -> dict[str, Any]:
+        """The engine's EngineStats, as a dict."""
+        ...
+
+
+class HttpTarget:
+    """A backend server's HTTP API: POST /internal/generate, streamed NDJSON lines."""
+
+    def __init__(self, http: httpx.AsyncClient) -> None:
+        self.http = http
+
+    async def stream(
+        self, request_id: str, tenant: str, prompt: list[int], max_tokens: int
+    ) -> AsyncGenerator[int, None]:
+        import msgspec
+
+        body = {
+            "request_id": request_id,
+            "prompt": prompt,
+            "params": {"max_tokens": max_tokens, "temperature": 0, "ignore_eos": True},
+            "tenant": tenant,
+        }
+        async with self.http.stream("POST", "/internal/generate", json=body) as response:
+            async for line in response.aiter_lines():
+                if not line:
+                    continue
+                out = msgspec.json.decode(line)
+                if "error" in out and "token_ids" not in out:
+                    raise RuntimeError(f"{tenant}: {out['error']}")
+                yield len(out.get("token_ids", ()))
+
+    async def stats(self) -> dict[str, Any]:
+        stats: dict[str, Any] = (await self.http.get("/internal/stats")).json()
+        return stats
+
+
+class EngineTarget:
+    """An AsyncEngine in this process: no HTTP server, no serialisation, the same
+    requests (priority 0, the tenant named)."""
+
+    def __init__(self, engine: AsyncEngine) -> None:
+        self.engine = engine
+
+    async def stream(
+        self, request_id: str, tenant: str, prompt: list[int], max_tokens: int
+    ) -> AsyncGenerator[int, None]:
+        params = SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True)
+        outputs = self.engine.generate(prompt, params, request_id, tenant=tenant)
+        async with aclosing(outputs):  # leaving early aborts the request
+            async for out in outputs:
+                yield len(out.token_ids)
+
+    async def stats(self) -> dict[str, Any]:
+        return asdict(self.engine.stats())
 
 
 # -- the server ------------------------------------------------------------------------
@@ -92,7 +222,7 @@ def free_port() -> int:
 
 
 @contextlib.contextmanager
-def server(model_dir: Path, adaptive: bool) -> Any:
+def server(model_dir: Path, adaptive: bool) -> Iterator[tuple[str, str]]:
     port, secret = free_port(), secrets.token_hex(16)
     env = {**os.environ, "TOLLGATE_BACKEND_SECRET": secret}
     cmd = [sys.executable, "-m", "bench.serving_mix", "--serve", str(model_dir), str(port)]
@@ -111,6 +241,8 @@ def server(model_dir: Path, adaptive: bool) -> Any:
 
 
 async def wait_ready(client: httpx.AsyncClient) -> None:
+    import httpx
+
     deadline = time.monotonic() + 300
     while time.monotonic() < deadline:
         with contextlib.suppress(httpx.TransportError):
@@ -124,61 +256,51 @@ async def wait_ready(client: httpx.AsyncClient) -> None:
 
 
 class Client:
-    def __init__(self, http: httpx.AsyncClient, seed: int) -> None:
-        self.http = http
-        self.rng = random.Random(seed)
+    def __init__(self, target: Target, mix: Mix) -> None:
+        self.target = target
+        self.mix = mix
+        self.rng = random.Random(mix.seed)
         self.count = 0
 
     def prompt(self, low: int, high: int) -> list[int]:
-        return [self.rng.randrange(2, VOCAB) for _ in range(self.rng.randint(low, high))]
+        vocab = self.mix.vocab
+        return [self.rng.randrange(2, vocab) for _ in range(self.rng.randint(low, high))]
 
-    async def generate(
-        self, tenant: str, prompt: list[int], max_tokens: int, timing: Timing | None = None
-    ) -> Timing:
+    async def generate(self, tenant: str, prompt: list[int], max_tokens: int) -> Timing:
         self.count += 1
-        body = {
-            "request_id": f"{tenant}-{self.count}",
-            "prompt": prompt,
-            "params": {"max_tokens": max_tokens, "temperature": 0, "ignore_eos": True},
-            "tenant": tenant,
-        }
         timing = Timing(time.monotonic(), len(prompt))
-        async with self.http.stream("POST", "/internal/generate", json=body) as response:
-            async for line in response.aiter_lines():
-                if not line:
-                    continue
-                out = msgspec.json.decode(line)
-                if "error" in out and "token_ids" not in out:
-                    raise RuntimeError(f"{tenant}: {out['error']}")
+        deltas = self.target.stream(f"{tenant}-{self.count}", tenant, prompt, max_tokens)
+        async with aclosing(deltas):  # a cancelled request is closed, hence aborted
+            async for tokens in deltas:
                 now = time.monotonic()
-                for _ in out.get("token_ids", ()):
-                    timing.first = timing.first or now
-                    timing.tokens.append(now)
+                timing.first = timing.first or (now if tokens else None)
+                timing.tokens.extend([now] * tokens)
         timing.done = time.monotonic()
         return timing
 
-    async def chat_stream(self, seconds: float, rate: float) -> list[Timing]:
-        """Poisson chat arrivals for `seconds`; waits for every chat to finish."""
-        tasks = []
-        end = time.monotonic() + seconds
+    async def chat_stream(self) -> list[Timing]:
+        """Poisson chat arrivals for the mix's seconds; waits for every chat to finish."""
+        mix, tasks = self.mix, []
+        end = time.monotonic() + mix.seconds
         while True:
-            await asyncio.sleep(self.rng.expovariate(rate))
+            await asyncio.sleep(self.rng.expovariate(mix.chat_rate))
             if time.monotonic() >= end:
                 break
-            prompt = self.prompt(50, 150)
-            tasks.append(
-                asyncio.create_task(self.generate("chat", prompt, self.rng.randint(32, 64)))
-            )
+            prompt = self.prompt(*mix.chat_prompt)
+            out = self.rng.randint(*mix.chat_output)
+            tasks.append(asyncio.create_task(self.generate("chat", prompt, out)))
         return list(await asyncio.gather(*tasks))
 
-    async def documents(self, in_flight: int, stop: asyncio.Event) -> None:
-        """Keep `in_flight` 1,800-token documents running until `stop`."""
+    async def documents(self, stop: asyncio.Event) -> None:
+        """Keep the mix's documents in flight until `stop`."""
+        mix = self.mix
 
         async def worker() -> None:
             while not stop.is_set():
-                await self.generate("docs", self.prompt(1800, 1800), 16)
+                prompt = self.prompt(mix.doc_prompt, mix.doc_prompt)
+                await self.generate("docs", prompt, mix.doc_output)
 
-        workers = [asyncio.create_task(worker()) for _ in range(in_flight)]
+        workers = [asyncio.create_task(worker()) for _ in range(mix.docs_in_flight)]
         await stop.wait()
         for w in workers:
             w.cancel()  # closing the stream aborts the request in the engine
@@ -191,12 +313,57 @@ class Client:
         ]
         return list(await asyncio.gather(*jobs))
 
-    async def stats(self) -> dict[str, Any]:
-        stats: dict[str, Any] = (await self.http.get("/internal/stats")).json()
-        return stats
+
+async def beside_documents(client: Client) -> Phase:
+    """The chats again, while the document tenant keeps its flood in flight."""
+    stop = asyncio.Event()
+    flood = asyncio.create_task(client.documents(stop))
+    await asyncio.sleep(client.mix.settle)  # the flood is established
+    before, started = await client.target.stats(), time.monotonic()
+    chats = await client.chat_stream()
+    after, elapsed = await client.target.stats(), time.monotonic() - started
+    stop.set()
+    await flood
+    # The documents' share of the prompt tokens the engine computed meanwhile (the
+    # prompts are random: no prefix-cache hits to subtract).
+    prefill = after["total_prefill_tokens"] - before["total_prefill_tokens"]
+    doc_prefill = prefill - sum(t.prompt_tokens for t in chats)
+    fit = {k: after[k] for k in ("step_time_error_ratio", "step_cost_s", "step_prefill_budget")}
+    return Phase("docs", chats, doc_tokens_per_s=doc_prefill / elapsed, fit=fit)
 
 
-async def run_phases(base: str, secret: str, args: argparse.Namespace) -> list[Phase]:
+async def bursts(client: Client) -> list[Phase]:
+    """The chat tenant's burst alone, then 0.3 s after a tenant that fired 10x as many."""
+    count = client.mix.burst
+    started = time.monotonic()
+    alone = await client.burst("chat", count)
+    phases = [Phase("burst alone", alone, makespan_s=time.monotonic() - started)]
+    loud = asyncio.create_task(client.burst("flood", 10 * count))
+    await asyncio.sleep(0.3)
+    started = time.monotonic()
+    late = await client.burst("chat", count)
+    phases.append(Phase("burst + 10x", late, makespan_s=time.monotonic() - started))
+    await loud
+    return phases
+
+
+async def run_phases(target: Target, mix: Mix, phases: Collection[str] = PHASES) -> list[Phase]:
+    """The named phases (of PHASES), in that order, after a warm-up burst."""
+    client = Client(target, mix)
+    await client.burst("warm", 4)  # first requests pay one-time costs
+    done = []
+    if "alone" in phases:
+        done.append(Phase("alone", await client.chat_stream()))
+    if "docs" in phases:
+        done.append(await beside_documents(client))
+    if "burst" in phases:
+        done.extend(await bursts(client))
+    return done
+
+
+async def over_http(base: str, secret: str, mix: Mix) -> list[Phase]:
+    import httpx
+
     timeout = httpx.Timeout(600.0, connect=10.0)
     limits = httpx.Limits(max_connections=400, max_keepalive_connections=400)
     headers = {SECRET_HEADER: secret}
@@ -204,34 +371,7 @@ async def run_phases(base: str, secret: str, args: argparse.Namespace) -> list[P
         base_url=base, headers=headers, timeout=timeout, limits=limits
     ) as http:
         await wait_ready(http)
-        client = Client(http, args.seed)
-        await client.burst("warm", 4)  # first requests pay one-time costs
-        phases = [Phase("alone", await client.chat_stream(args.seconds, args.chat_rate))]
-
-        stop = asyncio.Event()
-        flood = asyncio.create_task(client.documents(8, stop))
-        await asyncio.sleep(args.settle)  # the flood is established
-        before, started = await client.stats(), time.monotonic()
-        chats = await client.chat_stream(args.seconds, args.chat_rate)
-        after, elapsed = await client.stats(), time.monotonic() - started
-        stop.set()
-        await flood
-        # The documents' share of the prompt tokens the engine computed meanwhile (the
-        # prompts are random: no prefix-cache hits to subtract).
-        prefill = after["total_prefill_tokens"] - before["total_prefill_tokens"]
-        doc_prefill = prefill - sum(t.prompt_tokens for t in chats)
-        phases.append(Phase("docs", chats, doc_tokens_per_s=doc_prefill / elapsed))
-
-        started = time.monotonic()
-        alone = await client.burst("chat", args.burst)
-        phases.append(Phase("burst alone", alone, makespan_s=time.monotonic() - started))
-        loud = asyncio.create_task(client.burst("flood", 10 * args.burst))
-        await asyncio.sleep(0.3)
-        started = time.monotonic()
-        late = await client.burst("chat", args.burst)
-        phases.append(Phase("burst + 10x", late, makespan_s=time.monotonic() - started))
-        await loud
-        return phases
+        return await run_phases(HttpTarget(http), mix)
 
 
 def report(label: str, phases: list[Phase]) -> None:
@@ -248,14 +388,13 @@ def report(label: str, phases: list[Phase]) -> None:
             other = f"makespan {p.makespan_s:.2f} s"
         print(f"{p.name:<13}{len(p.chats):>4}  {t:<28}{i:<21}{other}")
     by = {p.name: p for p in phases}
-    alone, docs = by["alone"], by["docs"]
-    ttft_ratio = percentile(docs.ttft(), 90) / percentile(alone.ttft(), 90)
-    itl_ratio = percentile(docs.itl(), 95) / percentile(alone.itl(), 95)
+    ratios = latency_ratios(by["alone"], by["docs"])
     make = (by["burst + 10x"].makespan_s or 0) / (by["burst alone"].makespan_s or 1)
     print(
-        f"ratios: chat TTFT p90 docs/alone {ttft_ratio:.2f}x (target <= 3), "
-        f"ITL p95 {itl_ratio:.2f}x "
-        f"(target <= 3), late tenant makespan {make:.2f}x (target <= 2.5)"
+        f"ratios: chat TTFT p90 docs/alone {ratios['ttft_p90']:.2f}x "
+        f"(target <= {TARGETS['ttft_p90']:g}), ITL p95 {ratios['itl_p95']:.2f}x "
+        f"(target <= {TARGETS['itl_p95']:g}), late tenant makespan {make:.2f}x "
+        f"(target <= {TARGETS['makespan']:g})"
     )
 
 
@@ -274,6 +413,13 @@ def main() -> None:
     args = parser.parse_args()
     if args.quick:
         args.seconds, args.burst, args.settle = 10.0, 8, 3.0
+    mix = Mix(
+        seconds=args.seconds,
+        chat_rate=args.chat_rate,
+        burst=args.burst,
+        settle=args.settle,
+        seed=args.seed,
+    )
     model_dir = build_random_llama(CACHE / "llama-8x512")
     results = {}
     for adaptive in (True, False):
@@ -281,12 +427,13 @@ def main() -> None:
         if args.only not in (None, label):
             continue
         with server(model_dir, adaptive) as (base, secret):
-            results[label] = asyncio.run(run_phases(base, secret, args))
+            results[label] = asyncio.run(over_http(base, secret, mix))
         report(f"{label} step budget", results[label])
     if len(results) == 2:
         docs = {k: next(p for p in v if p.name == "docs") for k, v in results.items()}
-        share = (docs["adaptive"].doc_tokens_per_s or 0) / (docs["static"].doc_tokens_per_s or 1)
-        print(f"\ndocument throughput, adaptive / static: {share:.0%} (target >= 80%)")
+        share = doc_share(docs["adaptive"], docs["static"])
+        target = TARGETS["doc_share"]
+        print(f"\ndocument throughput, adaptive / static: {share:.0%} (target >= {target:.0%})")
 
 
 if __name__ == "__main__":

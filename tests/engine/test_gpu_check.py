@@ -11,12 +11,19 @@ import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
+# The device image has torch, transformers and friends but no web stack: the check runs
+# with these unimportable (None in sys.modules), as it would there.
+WITHOUT_WEB_STACK = """
+import runpy, sys
+sys.modules.update(dict.fromkeys(("litestar", "msgspec", "uvicorn")))
+runpy.run_module("bench.gpu_check", run_name="__main__", alter_sys=True)
+"""
 
 
 def test_the_dry_run_runs_every_section(tmp_path: Path) -> None:
     out = tmp_path / "gpu_check.json"
     done = subprocess.run(
-        [sys.executable, "-m", "bench.gpu_check", "--dry-run", "--out", str(out)],
+        [sys.executable, "-c", WITHOUT_WEB_STACK, "--dry-run", "--out", str(out)],
         cwd=ROOT,
         # The interpreter flag before anything imports triton: kernels on CPU tensors.
         env={**os.environ, "PYTHONPATH": str(ROOT), "TRITON_INTERPRET": "1"},
@@ -39,6 +46,7 @@ def test_the_dry_run_runs_every_section(tmp_path: Path) -> None:
         "decode_1b",
         "ttft_1b",
         "throughput_1b",
+        "serving_mix_8b",
     ]
     if has_kernels:
         assert sections["kernels"]["failed"] == [], sections["kernels"]
@@ -53,4 +61,32 @@ def test_the_dry_run_runs_every_section(tmp_path: Path) -> None:
     for n in (8, 16):
         assert throughput[f"engine_{n}"]["output_tokens"] > 0
         assert throughput[f"ratio_{n}"] > 0
+    mix = sections["serving_mix_8b"]
+    assert mix["api"].startswith("in-process")
+    assert mix["mix"]["docs_in_flight"] == 8 and mix["mix"]["vocab"] == 512  # the tiny 8B
+    assert mix["adaptive_engine"]["kv_blocks"] > 0 and mix["static_engine"]["kv_blocks"] > 0
+    phases = [("adaptive", "alone"), ("adaptive", "docs"), ("static", "docs")]
+    assert sorted(mix["adaptive"]) == ["alone", "docs"] and list(mix["static"]) == ["docs"]
+    for budget, phase in phases:
+        figures = mix[budget][phase]
+        assert figures["chats"] > 0, (budget, phase)
+        assert list(figures["ttft_ms"]) == ["p50", "p90", "p95", "p99"]
+        assert list(figures["itl_ms"]) == ["p50", "p95", "p99"]
+        assert 0 < figures["ttft_ms"]["p50"] <= figures["ttft_ms"]["p99"]
+        assert 0 < figures["itl_ms"]["p50"] <= figures["itl_ms"]["p99"]
+    for budget in ("adaptive", "static"):
+        docs = mix[budget]["docs"]
+        assert docs["doc_prefill_tokens_per_s"] > 0
+        assert set(docs["step_cost_fit"]) == {
+            "step_time_error_ratio",
+            "step_cost_s",
+            "step_prefill_budget",
+        }
+        assert set(mix["ratios"][budget]) == {"ttft_p90", "itl_p95"}
+        assert all(r > 0 for r in mix["ratios"][budget].values())
+    assert mix["ratios"]["doc_share"] > 0
+    assert set(mix["targets_met"]) == {"ttft_p90", "itl_p95", "doc_share"}
+    assert all(isinstance(met, bool) for met in mix["targets_met"].values())
     assert "greedy == transformers" in done.stdout and "16 concurrent" in done.stdout
+    assert "8B mix adaptive: chat TTFT p90" in done.stdout
+    assert "8B mix: document prefill tok/s" in done.stdout
