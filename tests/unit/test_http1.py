@@ -11,6 +11,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
 
 import pytest
+import uvloop
 
 from gateway.dispatch.http1 import Http1Pool, TransportError, split_url
 
@@ -69,6 +70,15 @@ def answer(body: bytes, status: str = "200 OK", extra: bytes = b"") -> bytes:
 
 
 async def test_a_kept_alive_connection_serves_the_next_request() -> None:
+    await _keep_alive()
+
+
+def test_the_pool_runs_on_uvloop_as_tollgate_serve_does() -> None:
+    with asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner:
+        runner.run(_keep_alive())
+
+
+async def _keep_alive() -> None:
     async def handler(request: bytes, _: asyncio.StreamReader, out: asyncio.StreamWriter) -> bool:
         out.write(answer(request.rsplit(b"\r\n\r\n", 1)[1]))
         return True
