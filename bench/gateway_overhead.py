@@ -916,15 +916,25 @@ async def profile(processes: Processes, args: argparse.Namespace, plan: Plan) ->
     summarize_profile(session_file, top=args.top)
 
 
-# The process's own frames around every request (and its imports): not the request path.
+# The process's own frames around every request: not the request path.
 _ENTRY_POINTS = frozenset(
     {"main (gateway/cli.py)", "_serve (gateway/cli.py)", "serve (gateway/serve.py)"}
+)
+# Starting and stopping (imports, the app, migrations, the engine's connection): left out.
+_START_UP = frozenset(
+    {
+        "<module> (gateway/cli.py)",
+        "<module> (gateway/serve.py)",
+        "create_app (gateway/app.py)",
+        "_migrate_or_explain (gateway/serve.py)",
+        "lifespan (gateway/app.py)",
+    }
 )
 
 
 def summarize_profile(path: Path, top: int) -> None:
-    """Three views of the main thread's busy time: self time by library, inclusive time
-    of Tollgate's own functions, and the call tree."""
+    """Three views of the main thread's time serving (start-up left out): self time by
+    library, inclusive time of Tollgate's own functions, and the call tree."""
     from pyinstrument.renderers import ConsoleRenderer
     from pyinstrument.session import Session
 
@@ -934,21 +944,23 @@ def summarize_profile(path: Path, top: int) -> None:
         raise SystemExit("the profile is empty")
     by_library: dict[str, float] = {}
     inclusive: dict[str, float] = {}
+    startup = 0.0
     stack: list[tuple[Any, frozenset[str]]] = [(root, frozenset())]
     while stack:
         frame, above = stack.pop()
+        label = f"{frame.function} ({_short(frame.file_path)})"
+        if label in _START_UP:
+            startup += frame.time
+            continue
         library = _library(frame.file_path, frame.function)
         by_library[library] = by_library.get(library, 0.0) + frame.total_self_time
-        label = f"{frame.function} ({_short(frame.file_path)})"
         if library in ("gateway", "tenants") and label not in above | _ENTRY_POINTS:
             inclusive[label] = inclusive.get(label, 0.0) + frame.time
         children = [c for c in frame.children if not c.is_synthetic]  # counted in the parent
         stack.extend((child, above | {label}) for child in children)
     idle = by_library.pop("idle (epoll)", 0.0)
-    startup = inclusive.get("<module> (gateway/serve.py)", 0.0)
-    inclusive = {k: v for k, v in inclusive.items() if not k.startswith("<module>")}
-    busy = max(root.time - idle - startup, 1e-9)
-    print(f"\nmain thread: {busy:.1f} s busy serving ({idle:.1f} s idle, {startup:.1f} s imports)")
+    busy = max(sum(by_library.values()), 1e-9)
+    print(f"\nmain thread: {busy:.1f} s busy serving ({idle:.1f} s idle, {startup:.1f} s start-up)")
     print("self time by library, % of busy:")
     for library, seconds in sorted(by_library.items(), key=lambda kv: -kv[1])[:12]:
         print(f"  {100 * seconds / busy:5.1f}%  {library}")
