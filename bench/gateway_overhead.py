@@ -8,12 +8,14 @@ PostgreSQL + Redis. Each gateway runs pinned to core 0; the bench, its upstreams
 Redis run on the other cores.
 
     python -m bench.gateway_overhead [--quick] [--skip-stack] [--dry-run]
+        [--tollgate-upstream openai|replica]
     python -m bench.gateway_overhead --profile [--quick]     # pyinstrument on Tollgate
 
-Tollgate cannot front an OpenAI-compatible upstream yet, so it fronts an instant
-*Tollgate backend replica* (the internal NDJSON protocol of backend/server.py), and its
-added latency is measured against that replica called directly; `--tollgate-upstream
-openai` is the one switch for when the model registry lands. Reported: latency p50/p99
+By default (`--tollgate-upstream openai`) Tollgate fronts the same instant OpenAI mock as
+the bare proxy, as a registry model of kind openai (priced, the one model the tenant's
+plan allows, counted with a local tokenizer), so both gateways' added latency is counted
+against the same upstream; `--tollgate-upstream replica` fronts an instant Tollgate
+backend replica (backend/server.py's NDJSON protocol) instead. Reported: latency p50/p99
 and what each gateway adds to its upstream's, at concurrency 1 and 16, streaming and
 not; time to first byte; CPU ms per request of the gateway process (/proc); the highest
 Poisson rate each sustains with p99 <= 500 ms and < 1% errors; and the issue's targets
@@ -47,6 +49,7 @@ from litestar.response import Stream
 from bench._common import percentile
 
 MODEL = "bench-instant"
+OPENAI_MODEL = "bench-openai"  # the mock's model in Tollgate's registry
 TOKENS = 16  # per answer: the issue's mock
 TOKEN_ID, TOKEN_TEXT = 300, " tok"
 MESSAGES = [{"role": "user", "content": "Say sixteen words."}]
@@ -138,9 +141,12 @@ def openai_routes() -> dict[tuple[bytes, bytes], Handler]:
         )
 
     models = {"object": "list", "data": [{"id": MODEL, "object": "model", "owned_by": "bench"}]}
+    metrics = b"vllm:num_requests_waiting 0\nvllm:num_requests_running 0\n"  # what routing reads
     return {
         (b"POST", b"/v1/chat/completions"): chat,
         (b"GET", b"/v1/models"): lambda _: _json(models),
+        (b"GET", b"/health"): lambda _: (200, b"text/plain", b""),
+        (b"GET", b"/metrics"): lambda _: (200, b"text/plain", metrics),
     }
 
 
@@ -458,12 +464,12 @@ class Target:
         self.client = Client(self.port)
 
 
-def chat_requests(key: str | None) -> dict[bool, bytes]:
+def chat_requests(key: str | None, model: str = MODEL) -> dict[bool, bytes]:
     headers = {"authorization": f"Bearer {key}"} if key else {}
     return {
         stream: raw_request(
             "/v1/chat/completions",
-            {"model": MODEL, "messages": MESSAGES, "max_tokens": TOKENS, "stream": stream},
+            {"model": model, "messages": MESSAGES, "max_tokens": TOKENS, "stream": stream},
             headers,
         )
         for stream in (False, True)
@@ -481,17 +487,15 @@ async def start_tollgate(
     processes: Processes,
     name: str,
     upstream: str,
-    upstream_url: str,
+    upstreams: Upstreams,
     stack: dict[str, str],
     profile_to: Path | None = None,
 ) -> Target:
     """`tollgate serve` pinned to the gateway core, a plan with every limit on (high), a
-    tenant on it and its key."""
-    if upstream != "replica":
-        raise SystemExit(
-            "Tollgate cannot front an OpenAI-compatible upstream yet (issue 19, sections 1-2); "
-            "use --tollgate-upstream replica"
-        )
+    tenant on it and its key. `upstream` "openai": a registry model of kind openai on the
+    instant OpenAI mock (priced, the only model the plan allows), so Tollgate's added
+    latency is counted against the same upstream as the bare proxy's; "replica": the
+    default entry, the instant Tollgate-protocol replica."""
     from tenants import keys
 
     admin, _ = keys.generate_key()
@@ -503,7 +507,8 @@ async def start_tollgate(
         "TOLLGATE_REDIS_URL": "",
         **stack,
         "TOLLGATE_ADMIN_KEY": admin,
-        "TOLLGATE_BACKENDS": upstream_url,
+        # The default entry (a replica) either way: without one the gateway loads its own engine.
+        "TOLLGATE_BACKENDS": upstreams.replica_url,
         "TOLLGATE_BACKEND_SECRET": BACKEND_SECRET,
         "TOLLGATE_PORT": str(port),
         "TOLLGATE_DRAIN_S": "1",
@@ -525,22 +530,60 @@ async def start_tollgate(
     process = processes.start(tollgate, env, gateway=True)
     base = f"http://127.0.0.1:{port}"
     await processes.ready(process, answers(f"{base}/readyz"), f"tollgate serve ({name})")
-    key = await _tenant_key(base, admin)
-    return Target(name, port, chat_requests(key), baseline="direct replica", pid=process.pid)
+    if upstream == "openai":
+        key = await _tenant_key(base, admin, OPENAI_MODEL, upstreams.openai_url)
+        requests, baseline = chat_requests(key, OPENAI_MODEL), "direct openai mock"
+    else:
+        key = await _tenant_key(base, admin)
+        requests, baseline = chat_requests(key), "direct replica"
+    await processes.ready(process, _serves(port, requests[False]), f"{name}'s model")
+    return Target(name, port, requests, baseline=baseline, pid=process.pid)
 
 
-async def _tenant_key(base: str, admin: str) -> str:
+async def _tenant_key(
+    base: str, admin: str, model: str | None = None, upstream_url: str | None = None
+) -> str:
+    """A plan, a tenant on it and its key; with `model`, first that model in the registry
+    (kind openai, on `upstream_url`), its price, and the plan allowing it alone."""
+    from backend.builtin import BUILTIN_MODEL_DIR
+
     auth = {"Authorization": f"Bearer {admin}"}
-    plan = {"name": "bench", "rpm": 10**9, "tpm": 10**9, "max_concurrent": 10**5,
-            "monthly_budget_micros": 10**12, "max_tokens_per_request": 4096}  # fmt: skip
-    steps = [("/admin/api/plans", plan), ("/admin/api/tenants", {"name": "bench", "plan": "bench"}),
-             ("/admin/api/tenants/bench/keys", {})]  # fmt: skip
+    plan: dict[str, Any] = {"name": "bench", "rpm": 10**9, "tpm": 10**9,
+            "max_concurrent": 10**5, "monthly_budget_micros": 10**12,
+            "max_tokens_per_request": 4096}  # fmt: skip
+    steps: list[tuple[str, dict[str, Any]]] = []
+    if model is not None:
+        registered = {"name": model, "kind": "openai", "targets": [{"url": upstream_url}],
+                      "tokenizer": str(BUILTIN_MODEL_DIR), "upstream_model": MODEL,
+                      "context_length": 2048}  # fmt: skip
+        price = {"model": model, "input_micros_per_mtok": 100_000,
+                 "cached_input_micros_per_mtok": 50_000,
+                 "output_micros_per_mtok": 400_000}  # fmt: skip
+        steps += [("/admin/api/models", registered), ("/admin/api/prices", price)]
+        plan["allowed_models"] = [model]
+    tenant = {"name": "bench", "plan": "bench"}
+    steps += [("/admin/api/plans", plan), ("/admin/api/tenants", tenant),
+              ("/admin/api/tenants/bench/keys", {})]  # fmt: skip
     async with httpx.AsyncClient(base_url=base, headers=auth, timeout=30) as http:
         for path, body in steps:
             response = await http.post(path, json=body)
             if response.status_code >= 300:
                 raise RuntimeError(f"{path}: {response.status_code} {response.text}")
     return str(response.json()["key"])
+
+
+def _serves(port: int, request: bytes) -> Callable[[], Awaitable[bool]]:
+    """The gateway answers the bench's request (a registry model is served a few seconds
+    after it is added: the directory's refresh)."""
+
+    async def check() -> bool:
+        client = Client(port)
+        try:
+            return (await client.send(request)).ok
+        finally:
+            client.close()
+
+    return check
 
 
 def prepare_postgres() -> str:
@@ -597,36 +640,46 @@ async def start_redis(processes: Processes) -> str:
 BENCH = [sys.executable, "-m", "bench.gateway_overhead"]
 
 
-async def start_upstreams(processes: Processes) -> tuple[int, int]:
-    """Both instant upstreams in one process off the gateway core: (OpenAI, replica) ports."""
-    openai_port, replica_port = free_port(), free_port()
-    upstreams = processes.start([*BENCH, "--serve-upstreams", str(openai_port), str(replica_port)])
-    await processes.ready(
-        upstreams, answers(f"http://127.0.0.1:{replica_port}/healthz"), "upstreams"
+@dataclass(frozen=True)
+class Upstreams:
+    openai_port: int
+    replica_port: int
+
+    @property
+    def openai_url(self) -> str:
+        return f"http://127.0.0.1:{self.openai_port}"
+
+    @property
+    def replica_url(self) -> str:
+        return f"http://127.0.0.1:{self.replica_port}"
+
+
+async def start_upstreams(processes: Processes) -> Upstreams:
+    """Both instant upstreams in one process off the gateway core."""
+    upstreams = Upstreams(free_port(), free_port())
+    process = processes.start(
+        [*BENCH, "--serve-upstreams", str(upstreams.openai_port), str(upstreams.replica_port)]
     )
-    return openai_port, replica_port
+    await processes.ready(process, answers(f"{upstreams.replica_url}/healthz"), "upstreams")
+    return upstreams
 
 
 async def start_targets(processes: Processes, args: argparse.Namespace) -> list[Target]:
-    openai_port, replica_port = await start_upstreams(processes)
+    upstreams = await start_upstreams(processes)
     proxy_port = free_port()
     proxy_key = "bench-" + secrets.token_hex(8)
-    openai_url = f"http://127.0.0.1:{openai_port}"
     proxy = processes.start(
-        [*BENCH, "--serve-proxy", str(proxy_port), openai_url, proxy_key], gateway=True
+        [*BENCH, "--serve-proxy", str(proxy_port), upstreams.openai_url, proxy_key], gateway=True
     )
-    targets = [
-        Target("direct openai mock", openai_port, chat_requests(None)),
-        Target("direct replica", replica_port, replica_requests()),
-        Target("bare proxy", proxy_port, chat_requests(proxy_key), "direct openai mock", proxy.pid),
-    ]
-    await processes.ready(proxy, _proxy_answers(proxy_port), "the bare proxy")
-    replica_url = f"http://127.0.0.1:{replica_port}"
-    upstream_url = replica_url if args.tollgate_upstream == "replica" else openai_url
+    targets = [Target("direct openai mock", upstreams.openai_port, chat_requests(None))]
+    if args.tollgate_upstream == "replica":
+        targets.append(Target("direct replica", upstreams.replica_port, replica_requests()))
     targets.append(
-        await start_tollgate(
-            processes, "tollgate embedded", args.tollgate_upstream, upstream_url, {}
-        )
+        Target("bare proxy", proxy_port, chat_requests(proxy_key), "direct openai mock", proxy.pid)
+    )
+    await processes.ready(proxy, _proxy_answers(proxy_port), "the bare proxy")
+    targets.append(
+        await start_tollgate(processes, "tollgate embedded", args.tollgate_upstream, upstreams, {})
     )
     if not args.skip_stack:
         stack = {
@@ -635,7 +688,7 @@ async def start_targets(processes: Processes, args: argparse.Namespace) -> list[
         }
         targets.append(
             await start_tollgate(
-                processes, "tollgate pg+redis", args.tollgate_upstream, upstream_url, stack
+                processes, "tollgate pg+redis", args.tollgate_upstream, upstreams, stack
             )
         )
     return targets
@@ -840,14 +893,14 @@ def report(result: dict[str, Any], header: str) -> None:
 async def profile(processes: Processes, args: argparse.Namespace, plan: Plan) -> None:
     """Tollgate (embedded) under pyinstrument through a closed-loop load phase; prints
     the functions with the most self time and the request path's call tree."""
-    _, replica_port = await start_upstreams(processes)
+    upstreams = await start_upstreams(processes)
     session_file = Path(args.profile_out)
     session_file.parent.mkdir(parents=True, exist_ok=True)
     target = await start_tollgate(
         processes,
         "tollgate embedded",
-        "replica",
-        f"http://127.0.0.1:{replica_port}",
+        args.tollgate_upstream,
+        upstreams,
         {},
         profile_to=session_file,
     )
@@ -863,15 +916,25 @@ async def profile(processes: Processes, args: argparse.Namespace, plan: Plan) ->
     summarize_profile(session_file, top=args.top)
 
 
-# The process's own frames around every request (and its imports): not the request path.
+# The process's own frames around every request: not the request path.
 _ENTRY_POINTS = frozenset(
     {"main (gateway/cli.py)", "_serve (gateway/cli.py)", "serve (gateway/serve.py)"}
+)
+# Starting and stopping (imports, the app, migrations, the engine's connection): left out.
+_START_UP = frozenset(
+    {
+        "<module> (gateway/cli.py)",
+        "<module> (gateway/serve.py)",
+        "create_app (gateway/app.py)",
+        "_migrate_or_explain (gateway/serve.py)",
+        "lifespan (gateway/app.py)",
+    }
 )
 
 
 def summarize_profile(path: Path, top: int) -> None:
-    """Three views of the main thread's busy time: self time by library, inclusive time
-    of Tollgate's own functions, and the call tree."""
+    """Three views of the main thread's time serving (start-up left out): self time by
+    library, inclusive time of Tollgate's own functions, and the call tree."""
     from pyinstrument.renderers import ConsoleRenderer
     from pyinstrument.session import Session
 
@@ -881,21 +944,23 @@ def summarize_profile(path: Path, top: int) -> None:
         raise SystemExit("the profile is empty")
     by_library: dict[str, float] = {}
     inclusive: dict[str, float] = {}
+    startup = 0.0
     stack: list[tuple[Any, frozenset[str]]] = [(root, frozenset())]
     while stack:
         frame, above = stack.pop()
+        label = f"{frame.function} ({_short(frame.file_path)})"
+        if label in _START_UP:
+            startup += frame.time
+            continue
         library = _library(frame.file_path, frame.function)
         by_library[library] = by_library.get(library, 0.0) + frame.total_self_time
-        label = f"{frame.function} ({_short(frame.file_path)})"
         if library in ("gateway", "tenants") and label not in above | _ENTRY_POINTS:
             inclusive[label] = inclusive.get(label, 0.0) + frame.time
         children = [c for c in frame.children if not c.is_synthetic]  # counted in the parent
         stack.extend((child, above | {label}) for child in children)
     idle = by_library.pop("idle (epoll)", 0.0)
-    startup = inclusive.get("<module> (gateway/serve.py)", 0.0)
-    inclusive = {k: v for k, v in inclusive.items() if not k.startswith("<module>")}
-    busy = max(root.time - idle - startup, 1e-9)
-    print(f"\nmain thread: {busy:.1f} s busy serving ({idle:.1f} s idle, {startup:.1f} s imports)")
+    busy = max(sum(by_library.values()), 1e-9)
+    print(f"\nmain thread: {busy:.1f} s busy serving ({idle:.1f} s idle, {startup:.1f} s start-up)")
     print("self time by library, % of busy:")
     for library, seconds in sorted(by_library.items(), key=lambda kv: -kv[1])[:12]:
         print(f"  {100 * seconds / busy:5.1f}%  {library}")
@@ -957,10 +1022,16 @@ async def run(args: argparse.Namespace) -> dict[str, Any] | None:
         started = time.perf_counter()
         result = await measure(targets, plan)
         load = os.getloadavg()
+        fronts = (
+            "the same instant OpenAI-compatible mock as the bare proxy (a registry model of "
+            "kind openai)"
+            if args.tollgate_upstream == "openai"
+            else "an instant Tollgate-protocol replica; the bare proxy an instant "
+            "OpenAI-compatible mock"
+        )
         header = (
-            f"gateway overhead: Tollgate fronts an instant Tollgate-protocol replica "
-            f"(--tollgate-upstream {args.tollgate_upstream}); the bare proxy fronts an instant "
-            f"OpenAI-compatible mock; {TOKENS} tokens per answer; gateways pinned to core "
+            f"gateway overhead (--tollgate-upstream {args.tollgate_upstream}): Tollgate fronts "
+            f"{fronts}; {TOKENS} tokens per answer; gateways pinned to core "
             f"{GATEWAY_CORE}; {os.cpu_count()} CPUs, load average {load[0]:.1f}; "
             f"{time.perf_counter() - started:.0f} s"
         )
@@ -975,7 +1046,13 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="fewer requests, short rate steps")
     parser.add_argument("--dry-run", action="store_true", help="a few requests of everything")
     parser.add_argument("--skip-stack", action="store_true", help="no PostgreSQL + Redis Tollgate")
-    parser.add_argument("--tollgate-upstream", choices=["replica", "openai"], default="replica")
+    parser.add_argument(
+        "--tollgate-upstream",
+        choices=["openai", "replica"],
+        default="openai",
+        help="what Tollgate fronts: the bare proxy's OpenAI mock (a registry model), or an "
+        "instant Tollgate-protocol replica (the default entry)",
+    )
     parser.add_argument("--profile", action="store_true", help="pyinstrument on Tollgate's path")
     parser.add_argument(
         "--profile-out",

@@ -41,6 +41,7 @@ from backend import RequestOutput, SamplingParams
 from backend.tokenizer import Tokenizer
 from gateway.dispatch import load
 from gateway.dispatch.engine_client import ClientPrompt, LocalTokens
+from gateway.dispatch.http1 import Http1Pool, Response, TransportError
 from gateway.dispatch.routing import Replica, affinity_key, pick
 from gateway.errors import (
     ApiError,
@@ -50,7 +51,7 @@ from gateway.errors import (
     RateLimited,
     UpstreamFailed,
 )
-from gateway.tasks import Periodic, TaskSet
+from gateway.tasks import Periodic
 from gateway.telemetry.request import current_request
 from tenants.registry import ModelSpec
 
@@ -150,13 +151,15 @@ class OpenAIUpstreamClient:
         self.tool_call_parser = DEFAULT_TOOL_PARSER  # tools are refused (tokenize_chat)
         self.hidden_size: int | None = None  # embeddings are refused (embed)
         headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+        # The request path's calls (generation, /tokenize) on lean keep-alive connections;
+        # the once-a-second probes and the one /v1/models on httpx.
+        self._pool = Http1Pool(headers, connect_timeout_s=CONNECT_TIMEOUT_S)
         self._http = httpx.AsyncClient(
             headers=headers,
             timeout=httpx.Timeout(None, connect=CONNECT_TIMEOUT_S),
-            limits=httpx.Limits(max_connections=None, max_keepalive_connections=64),
+            limits=httpx.Limits(max_connections=None, max_keepalive_connections=8),
         )
-        self._open: dict[str, httpx.Response] = {}  # request id -> its upstream stream
-        self._closing = TaskSet()  # connections being closed by abort()
+        self._open: dict[str, Response] = {}  # request id -> its upstream stream
         self._probes = Periodic([(self.refresh, options.probe_every_s)])
         self._warned_no_usage = False
 
@@ -209,19 +212,18 @@ class OpenAIUpstreamClient:
 
     async def _remote_tokens(self, payload: dict[str, Any], param: str) -> list[int]:
         """vLLM's `POST /tokenize`, on the first healthy target that answers."""
-        body = {"model": self.upstream_model, **payload}
+        body = msgspec.json.encode({"model": self.upstream_model, **payload})
         for target in self._healthy():
             try:
-                response = await self._http.post(
-                    f"{target.url}/tokenize", json=body, timeout=ASK_TIMEOUT_S
-                )
-            except httpx.TransportError:
+                async with asyncio.timeout(ASK_TIMEOUT_S):
+                    status, headers, content = await self._post(f"{target.url}/tokenize", body)
+            except (TransportError, TimeoutError):
                 target.healthy = False  # the probes bring it back
                 continue
-            if response.status_code in REFUSALS:
-                raise _refusal(response).error
+            if status in REFUSALS:
+                raise _refusal(status, headers, content).error
             try:
-                tokenized = msgspec.json.decode(response.content, type=_Tokenized)
+                tokenized = msgspec.json.decode(content, type=_Tokenized)
             except msgspec.DecodeError:  # an error page, or no /tokenize there: the next one
                 continue
             if tokenized.max_model_len and not self.max_model_len:
@@ -231,6 +233,11 @@ class OpenAIUpstreamClient:
             f"no upstream of model {self.model_name!r} could count the {param}",
             headers={"Retry-After": "1"},
         )
+
+    async def _post(self, url: str, body: bytes) -> tuple[int, dict[str, str], bytes]:
+        headers = {"Content-Type": "application/json"}
+        async with await self._pool.request("POST", url, body, headers=headers) as response:
+            return response.status_code, response.headers, await response.read()
 
     # -- generation ----------------------------------------------------------------------
 
@@ -315,22 +322,23 @@ class OpenAIUpstreamClient:
     ) -> AsyncGenerator[RequestOutput, None]:
         headers = {"Content-Type": "application/json", "X-Request-Id": reader.request_id}
         try:
-            async with self._http.stream(
-                "POST", f"{target.url}{path}", content=body, headers=headers
-            ) as response:
+            response = await self._pool.request(
+                "POST", f"{target.url}{path}", body, headers=headers
+            )
+            async with response:
                 if response.status_code != 200:
-                    await response.aread()
-                    raise _refusal(response)
+                    content = await response.read()
+                    raise _refusal(response.status_code, response.headers, content)
                 self._open[reader.request_id] = response
                 try:
-                    async for line in response.aiter_lines():
-                        for out in reader.line(line):
+                    async for line in response.lines():
+                        for out in reader.line(line.decode(errors="replace")):
                             yield out
                         if reader.done:
                             return
                 finally:
                     self._open.pop(reader.request_id, None)
-        except (httpx.TransportError, httpx.StreamError) as exc:
+        except TransportError as exc:
             error = EngineUnavailable(
                 f"the upstream of model {self.model_name!r} could not be reached"
                 if not reader.started
@@ -351,7 +359,7 @@ class OpenAIUpstreamClient:
         """Close the request's upstream connection now: vLLM aborts on disconnect."""
         response = self._open.pop(request_id, None)
         if response is not None:
-            self._closing.spawn(response.aclose())
+            response.close()
 
     def compare(self, kind: str, ours: int, theirs: int) -> None:
         """The upstream's usage against the gateway's own count: a difference is a metric
@@ -412,8 +420,8 @@ class OpenAIUpstreamClient:
     async def close(self) -> None:
         await self._probes.close()
         for response in list(self._open.values()):
-            await response.aclose()
-        await self._closing.drain()
+            response.close()
+        await self._pool.close()
         await self._http.aclose()
 
 
@@ -537,21 +545,21 @@ class StreamReader:
         ]
 
 
-def _refusal(response: httpx.Response) -> TargetFailed:
+def _refusal(status: int, headers: dict[str, str], content: bytes) -> TargetFailed:
     """An upstream's error answer as the gateway's error: 429 and 503 keep their
-    Retry-After, a 400 its message and parameter, anything else is a 502."""
-    status = response.status_code
-    message, param = _error_fields(response.content)
-    retry = response.headers.get("Retry-After")
-    headers = {"Retry-After": retry} if retry else {}
+    Retry-After, a 400 its message and parameter, anything else is a 502. `headers`: the
+    lean client's, names in lower case."""
+    message, param = _error_fields(content)
+    retry = headers.get("retry-after")
+    passed = {"Retry-After": retry} if retry else {}
     if status in REFUSALS:
         refused = message or f"the upstream refused the request (HTTP {status})"
         return TargetFailed(InvalidRequest(refused, param=param), retryable=False)
     if status == 429:
-        limited = RateLimited(message or "the upstream is rate limiting", headers=headers)
+        limited = RateLimited(message or "the upstream is rate limiting", headers=passed)
         return TargetFailed(limited, retryable=True)
     if status == 503:
-        overloaded = Overloaded(message or "the upstream is overloaded", headers=headers)
+        overloaded = Overloaded(message or "the upstream is overloaded", headers=passed)
         return TargetFailed(overloaded, retryable=True)
     if status in (401, 403):
         denied = UpstreamFailed("the upstream refused the gateway's credentials")

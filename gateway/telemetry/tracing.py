@@ -15,6 +15,7 @@ create_app.
 
 from __future__ import annotations
 
+import functools
 import os
 from collections.abc import Awaitable, Mapping
 from typing import TypeVar
@@ -55,7 +56,12 @@ PROVIDER_NAME = "tollgate"
 TRACE_ENDPOINTS = ("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT", "OTEL_EXPORTER_OTLP_ENDPOINT")
 
 
+@functools.cache
 def tracer() -> trace.Tracer:
+    """The gateway's tracer, made once: the SDK's get_tracer costs more than the spans it
+    makes (a warnings filter is set up on every call), and requests ask for it several
+    times each. Made before a provider is installed, it is the API's proxy tracer, which
+    uses the provider from then on."""
     return trace.get_tracer(TRACER_NAME)
 
 

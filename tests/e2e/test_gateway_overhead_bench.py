@@ -56,16 +56,24 @@ async def test_instant_upstreams_answer_the_lean_client() -> None:
 
 
 @pytest.mark.e2e
-def test_dry_run_measures_every_target(tmp_path: Path) -> None:
+@pytest.mark.parametrize(
+    ("upstream", "direct"),
+    [
+        ("replica", {"direct openai mock", "direct replica"}),
+        ("openai", {"direct openai mock"}),  # Tollgate fronts the bare proxy's upstream
+    ],
+)
+def test_dry_run_measures_every_target(tmp_path: Path, upstream: str, direct: set[str]) -> None:
     out = tmp_path / "overhead.json"
     command = [sys.executable, "-m", "bench.gateway_overhead", "--dry-run", "--skip-stack"]
+    command += ["--tollgate-upstream", upstream]
     done = subprocess.run(
         [*command, "--json", str(out)], cwd=ROOT, capture_output=True, text=True, timeout=120
     )
     assert done.returncode == 0, done.stdout + done.stderr
     result = json.loads(out.read_text())
     names = {row["target"] for row in result["rows"]}
-    assert names == {"direct openai mock", "direct replica", "bare proxy", "tollgate embedded"}
+    assert names == {*direct, "bare proxy", "tollgate embedded"}
     assert all(row["errors"] == 0 for row in result["rows"])
     for gateway in ("bare proxy", "tollgate embedded"):  # /proc ticks are 10 ms: summed
         rows = [row for row in result["rows"] if row["target"] == gateway]
