@@ -38,6 +38,8 @@ from typing import Any
 import httpx
 import msgspec
 
+from backend.sampling import SamplingParams
+from backend.wire import LINES, ErrorLine, GenerateBody
 from bench._common import CACHE, build_random_llama, percentile
 
 SECRET_HEADER = "x-tollgate-secret"
@@ -136,22 +138,19 @@ class Client:
         self, tenant: str, prompt: list[int], max_tokens: int, timing: Timing | None = None
     ) -> Timing:
         self.count += 1
-        body = {
-            "request_id": f"{tenant}-{self.count}",
-            "prompt": prompt,
-            "params": {"max_tokens": max_tokens, "temperature": 0, "ignore_eos": True},
-            "tenant": tenant,
-        }
+        params = SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True)
+        body = GenerateBody(f"{tenant}-{self.count}", prompt, params, tenant=tenant)
         timing = Timing(time.monotonic(), len(prompt))
-        async with self.http.stream("POST", "/internal/generate", json=body) as response:
+        content = msgspec.json.encode(body)
+        async with self.http.stream("POST", "/internal/generate", content=content) as response:
             async for line in response.aiter_lines():
                 if not line:
                     continue
-                out = msgspec.json.decode(line)
-                if "error" in out and "token_ids" not in out:
-                    raise RuntimeError(f"{tenant}: {out['error']}")
+                out = LINES.decode(line)
+                if isinstance(out, ErrorLine):
+                    raise RuntimeError(f"{tenant}: {out.message}")
                 now = time.monotonic()
-                for _ in out.get("token_ids", ()):
+                for _ in out.output.token_ids:
                     timing.first = timing.first or now
                     timing.tokens.append(now)
         timing.done = time.monotonic()

@@ -16,7 +16,8 @@ from litestar.response import Stream
 from backend import RequestOutput, SamplingParams
 from backend.builtin import BUILTIN_MODEL_DIR
 from backend.tokenizer import Tokenizer
-from gateway.dispatch.engine_client import RESTART
+from backend.wire import OutputLine
+from gateway.dispatch.engine_client import RESTART, GenerateRequest
 from gateway.dispatch.remote import MAX_REPLICA_FAILURES, RemoteEngineClient
 from gateway.errors import EngineUnavailable, InvalidRequest
 from tests.conftest import serving
@@ -38,7 +39,7 @@ def _output(request_id: str, i: int, finished: bool) -> bytes:
     out = RequestOutput(
         request_id, f"w{i}", [i], finished, "length" if finished else None, 3, i + 1
     )
-    return msgspec.json.encode(out) + b"\n"
+    return msgspec.json.encode(OutputLine(out)) + b"\n"
 
 
 def replica(behaviour: Behaviour) -> Litestar:
@@ -76,7 +77,10 @@ async def client_over(*behaviours: Behaviour) -> AsyncIterator[RemoteEngineClien
 async def _collect(client: RemoteEngineClient, restartable: bool) -> list[RequestOutput]:
     params = SamplingParams(max_tokens=4)
     return [
-        out async for out in client.generate([1, 2, 3], params, "req_1", restartable=restartable)
+        out
+        async for out in client.generate(
+            GenerateRequest([1, 2, 3], params, "req_1", restartable=restartable)
+        )
     ]
 
 
