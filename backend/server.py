@@ -1,8 +1,8 @@
 """The engine behind an internal HTTP API, for remote mode (`tollgate backend serve`).
 
 Every route but /healthz and /readyz needs the shared secret in `x-tollgate-secret`. Generation
-streams newline-delimited JSON, one RequestOutput per line; a client that disconnects
-aborts its request, so the engine never works for nobody.
+streams newline-delimited JSON, one typed line per output (backend/wire.py: the protocol);
+a client that disconnects aborts its request, so the engine never works for nobody.
 """
 
 from __future__ import annotations
@@ -23,19 +23,25 @@ from litestar.handlers.base import BaseRouteHandler
 from litestar.response import Stream
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 
-from backend.errors import (
-    DeadlineExceededError,
-    EngineDeadError,
-    InvalidParameterError,
-    OverloadedError,
-    RequestFailedError,
-)
-from backend.sampling import SamplingParams
+from backend.outputs import RequestOutput
 from backend.telemetry import (
     EngineRequestMetrics,
     EngineStatsCollector,
     ModelServerCollector,
     served,
+)
+from backend.wire import (
+    REFUSALS,
+    SECRET_HEADER,
+    AbortBody,
+    EmbedBody,
+    EmbedReply,
+    ErrorKind,
+    ErrorLine,
+    GenerateBody,
+    OutputLine,
+    invalid_body,
+    stats_reply,
 )
 
 if TYPE_CHECKING:
@@ -43,26 +49,7 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-SECRET_HEADER = "x-tollgate-secret"  # noqa: S105 (a header name, not a secret)
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "generation_config.json")
-
-
-class GenerateBody(msgspec.Struct):
-    request_id: str
-    prompt: list[int]
-    params: SamplingParams
-    priority: int = 0
-    tenant: str | None = None
-    weight: int = 1  # the tenant's share of the token budget under contention
-    timeout_s: float | None = None  # first-token deadline, relative: clocks differ by host
-
-
-class EmbedBody(msgspec.Struct):
-    prompts: list[list[int]]
-
-
-class AbortBody(msgspec.Struct):
-    request_id: str
 
 
 def _engine(request: Request[Any, Any, Any]) -> AsyncEngine:
@@ -70,15 +57,20 @@ def _engine(request: Request[Any, Any, Any]) -> AsyncEngine:
     return engine
 
 
+_bodies = msgspec.json.Decoder(GenerateBody)
+_embeds = msgspec.json.Decoder(EmbedBody)
+_aborts = msgspec.json.Decoder(AbortBody)
+
+
 @post("/internal/generate", status_code=200)
 async def generate(request: Request[Any, Any, Any]) -> Response[Any]:
     try:
-        body = msgspec.json.decode(await request.body(), type=GenerateBody)
+        body = _bodies.decode(await request.body())
     except (msgspec.DecodeError, ValueError, RecursionError) as exc:  # RecursionError: too deep
-        return Response(_refusal(exc), status_code=400)
+        return Response(invalid_body(exc), status_code=400)
     engine = _engine(request)
     if not engine.is_running():
-        return Response({"error": "engine is not running"}, status_code=503)
+        return Response(ErrorLine("engine_dead", "engine is not running"), status_code=503)
     deadline = None if body.timeout_s is None else time.monotonic() + body.timeout_s
     outputs = engine.generate(
         body.prompt,
@@ -94,68 +86,56 @@ async def generate(request: Request[Any, Any, Any]) -> Response[Any]:
     return Stream(_ndjson(outputs), media_type="application/x-ndjson")
 
 
-async def _ndjson(outputs: AsyncIterator[Any]) -> AsyncIterator[bytes]:
+async def _ndjson(outputs: AsyncIterator[RequestOutput]) -> AsyncIterator[bytes]:
+    """One line per output; a refusal ends the stream with its typed line: the scheduling
+    policy's (overloaded, deadline_exceeded), the caller's input (invalid_request, before
+    the request started), a step that failed this request (request_failed: the engine
+    goes on, and the gateway must not retry it where it could fail the same way)."""
     encoder = msgspec.json.Encoder()
     try:
         async for out in outputs:
-            yield encoder.encode(out) + b"\n"
-    except (OverloadedError, DeadlineExceededError) as exc:
-        # Rejected by the scheduling policy: a typed line the gateway maps to 503 / 504.
-        retry_after = exc.retry_after_s if isinstance(exc, OverloadedError) else None
-        line = {"error": str(exc), "kind": exc.kind, "retry_after_s": retry_after}
-        yield encoder.encode(line) + b"\n"
-    except RequestFailedError as exc:
-        # A step failed this request (the engine goes on): the gateway must not retry it
-        # on another replica, where it could fail the same way.
-        yield encoder.encode({"error": str(exc), "kind": exc.kind}) + b"\n"
-    except InvalidParameterError as exc:  # the request never started: the caller's input
-        yield encoder.encode({**_refusal(exc), "kind": "invalid_request"}) + b"\n"
-    except EngineDeadError as exc:
-        yield encoder.encode({"error": str(exc), "kind": "engine_dead"}) + b"\n"
+            yield encoder.encode(OutputLine(out)) + b"\n"
+    except REFUSALS as exc:
+        yield encoder.encode(ErrorLine.of(exc)) + b"\n"
     except ValueError:
         # A defect of ours, not the caller's input: the gateway answers 500 and keeps
         # this replica in routing (a broken stream would take it out).
         log.exception("a request failed in the engine")
-        line = {"error": "the engine failed this request", "kind": RequestFailedError.kind}
+        line = ErrorLine("request_failed", "the engine failed this request")
         yield encoder.encode(line) + b"\n"
 
 
-def _refusal(exc: Exception) -> dict[str, Any]:
-    """A refused request on the wire: the message and the parameter at fault, if named
-    (msgspec wraps a SamplingParams refusal in its ValidationError; the cause keeps it)."""
-    cause = exc if isinstance(exc, InvalidParameterError) else exc.__cause__
-    param = cause.param if isinstance(cause, InvalidParameterError) else None
-    return {"error": str(exc), "param": param}
-
-
 @post("/internal/embed", status_code=200)
-async def embed(request: Request[Any, Any, Any]) -> Response[Any]:
-    """Mean-pooled final hidden states, one vector per prompt: `{"embeddings": [...]}`;
-    a refusal is a typed error (`kind`) with the status the gateway maps."""
+async def embed(request: Request[Any, Any, Any]) -> Response[EmbedReply | ErrorLine]:
+    """Mean-pooled final hidden states, one vector per prompt; a refusal is an ErrorLine
+    with the status the gateway maps (400 invalid, 503 overloaded or dead, 500 failed)."""
     try:
-        body = msgspec.json.decode(await request.body(), type=EmbedBody)
+        body = _embeds.decode(await request.body())
     except (msgspec.DecodeError, RecursionError) as exc:
-        return Response(_refusal(exc), status_code=400)
+        return Response(invalid_body(exc), status_code=400)
     try:
         vectors = await _engine(request).embed(body.prompts)
-    except InvalidParameterError as exc:
-        return Response(_refusal(exc), status_code=400)
-    except OverloadedError as exc:
-        line = {"error": str(exc), "kind": exc.kind, "retry_after_s": exc.retry_after_s}
-        return Response(line, status_code=503)
-    except EngineDeadError as exc:
-        return Response({"error": str(exc), "kind": "engine_dead"}, status_code=503)
-    except RequestFailedError as exc:
-        return Response({"error": str(exc), "kind": exc.kind}, status_code=500)
-    return Response({"embeddings": vectors})
+    except REFUSALS as exc:
+        line = ErrorLine.of(exc)
+        return Response(line, status_code=EMBED_STATUS[line.kind])
+    return Response(EmbedReply(vectors))
+
+
+EMBED_STATUS: dict[ErrorKind, int] = {
+    "invalid_request": 400,
+    "overloaded": 503,
+    "engine_dead": 503,
+    "deadline_exceeded": 500,
+    "request_failed": 500,
+}
 
 
 @post("/internal/abort", status_code=200)
-async def abort(request: Request[Any, Any, Any]) -> Response[dict[str, Any]]:
+async def abort(request: Request[Any, Any, Any]) -> Response[dict[str, bool] | ErrorLine]:
     try:
-        body = msgspec.json.decode(await request.body(), type=AbortBody)
+        body = _aborts.decode(await request.body())
     except (msgspec.DecodeError, RecursionError) as exc:  # ValidationError is a DecodeError
-        return Response({"error": str(exc)}, status_code=400)
+        return Response(invalid_body(exc), status_code=400)
     _engine(request).abort(body.request_id)
     return Response({"ok": True})
 
@@ -202,11 +182,10 @@ async def kv(request: Request[Any, Any, Any]) -> dict[str, Any]:
 
 
 @get("/internal/stats", media_type=MediaType.JSON)
-async def stats(request: Request[Any, Any, Any]) -> dict[str, Any]:
+async def stats(request: Request[Any, Any, Any]) -> dict[str, object]:
     """Load for routing; `running` is false while draining, so gateways route elsewhere."""
     engine = _engine(request)
-    stats: dict[str, Any] = msgspec.to_builtins(engine.stats())
-    return {"running": engine.is_running() and not _draining(request), **stats}
+    return stats_reply(engine.is_running() and not _draining(request), engine.stats())
 
 
 @get("/metrics")

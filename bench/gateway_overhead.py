@@ -156,10 +156,12 @@ class _GenerateBody(msgspec.Struct):
 
 
 def replica_routes() -> dict[tuple[bytes, bytes], Handler]:
-    """A Tollgate backend replica (backend/server.py's wire protocol) that answers at once:
-    16 RequestOutput lines of one token each."""
+    """A Tollgate backend replica (backend/wire.py's protocol) that answers at once: 16
+    output lines of one token each."""
     from backend.builtin import BUILTIN_MODEL_DIR
+    from backend.outputs import RequestOutput
     from backend.server import TOKENIZER_FILES
+    from backend.wire import OutputLine
 
     files = {
         name: (BUILTIN_MODEL_DIR / name).read_text(encoding="utf-8")
@@ -185,24 +187,20 @@ def replica_routes() -> dict[tuple[bytes, bytes], Handler]:
         lines = []
         for i in range(1, TOKENS + 1):
             last = i == TOKENS
-            lines.append(
-                encode(
-                    {
-                        "request_id": request.request_id,
-                        "text": TOKEN_TEXT,
-                        "token_ids": [TOKEN_ID],
-                        "finished": last,
-                        "finish_reason": "length" if last else None,
-                        "prompt_tokens": len(request.prompt),
-                        "completion_tokens": i,
-                        "arrival_time": now,
-                        "first_scheduled_time": now,
-                        "first_token_time": now,
-                        "token_times": [now],
-                    }
-                )
-                + b"\n"
+            out = RequestOutput(
+                request.request_id,
+                TOKEN_TEXT,
+                [TOKEN_ID],
+                last,
+                "length" if last else None,
+                len(request.prompt),
+                i,
+                arrival_time=now,
+                first_scheduled_time=now,
+                first_token_time=now,
+                token_times=[now],
             )
+            lines.append(encode(OutputLine(out)) + b"\n")
         return 200, b"application/x-ndjson", lines
 
     ok = {"status": "ready"}

@@ -155,22 +155,20 @@ class HttpTarget:
     async def stream(
         self, request_id: str, tenant: str, prompt: list[int], max_tokens: int
     ) -> AsyncGenerator[int, None]:
-        import msgspec
+        import msgspec  # not on the device image: bench/gpu_check.py drives an EngineTarget
 
-        body = {
-            "request_id": request_id,
-            "prompt": prompt,
-            "params": {"max_tokens": max_tokens, "temperature": 0, "ignore_eos": True},
-            "tenant": tenant,
-        }
-        async with self.http.stream("POST", "/internal/generate", json=body) as response:
+        from backend.wire import LINES, ErrorLine, GenerateBody
+
+        params = SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True)
+        body = msgspec.json.encode(GenerateBody(request_id, prompt, params, tenant=tenant))
+        async with self.http.stream("POST", "/internal/generate", content=body) as response:
             async for line in response.aiter_lines():
                 if not line:
                     continue
-                out = msgspec.json.decode(line)
-                if "error" in out and "token_ids" not in out:
-                    raise RuntimeError(f"{tenant}: {out['error']}")
-                yield len(out.get("token_ids", ()))
+                out = LINES.decode(line)
+                if isinstance(out, ErrorLine):
+                    raise RuntimeError(f"{tenant}: {out.message}")
+                yield len(out.output.token_ids)
 
     async def stats(self) -> dict[str, Any]:
         stats: dict[str, Any] = (await self.http.get("/internal/stats")).json()

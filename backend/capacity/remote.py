@@ -37,11 +37,10 @@ from backend.capacity.model import TORCH_NAMES, Architecture, Hardware
 from backend.models.config import ModelConfig
 from backend.outputs import RequestOutput
 from backend.sampling import SamplingParams
-from backend.server import SECRET_HEADER
+from backend.wire import LINES, SECRET_HEADER, ErrorLine, GenerateBody
 
 TIMEOUT_S = 60.0
 DECODE_TOKENS = (16, 64, 256)  # output lengths tried until a batch overlaps long enough
-_decoder = msgspec.json.Decoder(type=RequestOutput)
 
 
 def _facts(kv: dict[str, Any]) -> tuple[EngineFacts, Architecture]:
@@ -70,20 +69,18 @@ async def _generate(
     http: httpx.AsyncClient, url: str, prompt: list[int], max_tokens: int
 ) -> list[RequestOutput]:
     params = SamplingParams(max_tokens=max_tokens, ignore_eos=True, temperature=0.0)
-    body = {
-        "request_id": f"capacity-check-{uuid.uuid4().hex[:12]}",
-        "prompt": prompt,
-        "params": msgspec.to_builtins(params),
-    }
+    body = GenerateBody(f"capacity-check-{uuid.uuid4().hex[:12]}", prompt, params)
     outputs = []
-    async with http.stream("POST", f"{url}/internal/generate", json=body) as response:
+    content = msgspec.json.encode(body)
+    async with http.stream("POST", f"{url}/internal/generate", content=content) as response:
         if response.status_code != 200:
             raise CapacityInputError("--url", f"--url: generate answered {response.status_code}")
         async for line in response.aiter_lines():
             if line.strip():
-                if '"error"' in line[:12]:
+                decoded = LINES.decode(line)
+                if isinstance(decoded, ErrorLine):
                     raise CapacityInputError("--url", f"--url: the backend refused: {line}")
-                outputs.append(_decoder.decode(line))
+                outputs.append(decoded.output)
     return outputs
 
 

@@ -19,7 +19,7 @@ from backend import EngineDeadError, RequestOutput, SamplingParams, TokenLogprob
 from gateway.api.formats import Format, tool_calls_delta, with_tool_calls
 from gateway.api.schemas import encode
 from gateway.api.tools import ToolCall, ToolPlan, ToolStream
-from gateway.dispatch.engine_client import RESTART, ClientPrompt, EngineClient
+from gateway.dispatch.engine_client import RESTART, ClientPrompt, EngineClient, GenerateRequest
 from gateway.errors import (
     ApiError,
     DeadlineExceeded,
@@ -230,18 +230,20 @@ async def _outputs(
     due = started + gen.first_token_within_s
     streams = [
         engine.generate(
-            prompt,
-            gen.params,
-            engine_id,
-            priority=gen.priority,
-            tenant=gen.charge.principal.tenant_id,
-            weight=gen.charge.principal.plan.weight,
-            # The engine rejects what cannot start by then, before spending compute on it.
-            deadline=gen.started + gen.first_token_within_s,
-            # A batch's restart would void the other prompts' choices too: it fails instead.
-            restartable=restartable and not gen.batch,
-            # A batch's prompts go as token ids; one prompt as the client sent it.
-            source=None if gen.batch else gen.source,
+            GenerateRequest(
+                prompt,
+                gen.params,
+                engine_id,
+                priority=gen.priority,
+                tenant=gen.charge.principal.tenant_id,
+                weight=gen.charge.principal.plan.weight,
+                # The engine rejects what cannot start by then, before spending compute on it.
+                deadline=gen.started + gen.first_token_within_s,
+                # A batch's restart would void the other prompts' choices too: it fails instead.
+                restartable=restartable and not gen.batch,
+                # A batch's prompts go as token ids; one prompt as the client sent it.
+                source=None if gen.batch else gen.source,
+            )
         )
         for prompt, engine_id in zip(gen.prompts, gen.engine_ids, strict=True)
     ]

@@ -16,7 +16,7 @@ from backend.capacity.errors import CapacityInputError
 from backend.capacity.model import DTYPE_BYTES
 from backend.capacity.planner import Inputs, Plan, plan, show
 from backend.capacity.presets import gpu_preset, gpu_presets, model_preset, model_presets
-from backend.server import SECRET_HEADER
+from backend.wire import SECRET_HEADER
 from gateway.console.context import ConsolePage
 from gateway.console.render import query_text
 from gateway.dispatch.engine_client import IN_PROCESS, EngineClient, InProcessEngineClient

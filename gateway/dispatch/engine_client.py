@@ -47,6 +47,27 @@ class ClientPrompt:
     text: str | None = None
 
 
+@dataclass(frozen=True)
+class GenerateRequest:
+    """One generation request at the dispatch seam, whatever serves it.
+
+    `prompt` is the gateway's tokens of the prompt; `source` the prompt as the client sent
+    it (for a target that tokenizes it itself). `deadline`: time.monotonic() by which the
+    first token is due. `weight`: the tenant's fairness share. `restartable`: the caller
+    sends nothing on until the end, so the request may be started over elsewhere after an
+    output with finish_reason RESTART."""
+
+    prompt: list[int]
+    params: SamplingParams
+    request_id: str
+    priority: int = 0
+    tenant: str | None = None
+    weight: int = 1
+    deadline: float | None = None
+    restartable: bool = False
+    source: ClientPrompt | None = None
+
+
 class EngineClient(Protocol):
     model_name: str
     max_model_len: int
@@ -68,24 +89,9 @@ class EngineClient(Protocol):
 
     def token_text(self, token_id: int) -> str: ...
 
-    def generate(
-        self,
-        prompt: list[int],
-        params: SamplingParams,
-        request_id: str,
-        *,
-        priority: int = 0,
-        tenant: str | None = None,
-        weight: int = 1,
-        deadline: float | None = None,
-        restartable: bool = False,
-        source: ClientPrompt | None = None,
-    ) -> AsyncIterator[RequestOutput]:
-        """`deadline`: time.monotonic() by which the first token is due. Raises Overloaded
-        (503, Retry-After) or DeadlineExceeded (504) when the engine's policy rejects it.
-        `restartable`: the caller sends nothing on until the end, so the request may be
-        started over elsewhere after an output with finish_reason RESTART. `source`: the
-        prompt as the client sent it (`prompt` is the gateway's tokens of it)."""
+    def generate(self, request: GenerateRequest) -> AsyncIterator[RequestOutput]:
+        """Raises Overloaded (503, Retry-After) or DeadlineExceeded (504) when the
+        engine's policy rejects the request."""
         ...
 
     async def embed(self, prompts: list[list[int]]) -> list[list[float]]:
@@ -166,30 +172,19 @@ class InProcessEngineClient(LocalTokens):
         engine = await asyncio.to_thread(AsyncEngine.from_pretrained, model_path, config)
         return cls(engine)
 
-    def generate(
-        self,
-        prompt: list[int],
-        params: SamplingParams,
-        request_id: str,
-        *,
-        priority: int = 0,
-        tenant: str | None = None,
-        weight: int = 1,
-        deadline: float | None = None,
-        restartable: bool = False,  # one engine: nowhere else to restart
-        source: ClientPrompt | None = None,  # the engine runs the gateway's tokens
-    ) -> AsyncIterator[RequestOutput]:
+    def generate(self, request: GenerateRequest) -> AsyncIterator[RequestOutput]:
+        """One engine: nowhere to restart; it runs the gateway's tokens, not `source`."""
         outputs = self.engine.generate(
-            prompt,
-            params,
-            request_id=request_id,
-            priority=priority,
-            deadline=deadline,
-            tenant=tenant,
-            weight=weight,
+            request.prompt,
+            request.params,
+            request_id=request.request_id,
+            priority=request.priority,
+            deadline=request.deadline,
+            tenant=request.tenant,
+            weight=request.weight,
         )
         current_request().route(IN_PROCESS)
-        return policy_errors(traced(outputs, request_id))  # traced: engine phase spans
+        return policy_errors(traced(outputs, request.request_id))  # traced: engine phase spans
 
     async def embed(self, prompts: list[list[int]]) -> list[list[float]]:
         current_request().route(IN_PROCESS)

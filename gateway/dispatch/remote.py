@@ -26,24 +26,30 @@ from typing import Any
 import httpx
 import msgspec
 
-from backend import RequestOutput, SamplingParams
-from backend.errors import (
-    DeadlineExceededError,
-    EngineError,
-    OverloadedError,
-    RequestFailedError,
-)
-from backend.server import SECRET_HEADER
+from backend import RequestOutput
+from backend.errors import EngineError
 from backend.tokenizer import Tokenizer
-from gateway.dispatch.engine_client import RESTART, ClientPrompt, LocalTokens, overloaded
-from gateway.dispatch.routing import Replica, affinity_key, pick
-from gateway.errors import (
-    DeadlineExceeded,
-    EngineUnavailable,
-    InternalError,
-    InvalidRequest,
-    Overloaded,
+from backend.wire import (
+    ERRORS,
+    LINES,
+    SECRET_HEADER,
+    AbortBody,
+    EmbedBody,
+    EmbedReply,
+    ErrorLine,
+    GenerateBody,
+    OutputLine,
+    StatsReply,
 )
+from gateway.dispatch.engine_client import (
+    ENGINE_REFUSALS,
+    RESTART,
+    GenerateRequest,
+    LocalTokens,
+    refusal,
+)
+from gateway.dispatch.routing import Replica, affinity_key, pick
+from gateway.errors import EngineUnavailable, InvalidRequest, Overloaded
 from gateway.tasks import Periodic, TaskSet
 from gateway.telemetry import tracing
 from gateway.telemetry.request import current_request
@@ -54,6 +60,8 @@ HEALTH_INTERVAL_S = 1.0
 HEALTH_TIMEOUT_S = 1.0
 CONNECT_TIMEOUT_S = 2.0
 MAX_REPLICA_FAILURES = 2  # one retry after a replica died under a request, no more
+EMBEDDINGS = msgspec.json.Decoder(EmbedReply)
+STATS = msgspec.json.Decoder(StatsReply)
 
 
 class ReplicaFailed(EngineError):
@@ -115,7 +123,6 @@ class RemoteEngineClient(LocalTokens):
             limits=httpx.Limits(max_connections=None, max_keepalive_connections=64),
         )
         self._placements: dict[str, Replica] = {}
-        self._decoder = msgspec.json.Decoder(type=RequestOutput)
         self._health = Periodic([(self.refresh, HEALTH_INTERVAL_S)])  # started by connect
         self._aborts = TaskSet()  # finished before the HTTP client closes
 
@@ -152,32 +159,11 @@ class RemoteEngineClient(LocalTokens):
     def is_alive(self) -> bool:
         return True  # a dead replica is its own supervisor's to restart
 
-    async def generate(
-        self,
-        prompt: list[int],
-        params: SamplingParams,
-        request_id: str,
-        *,
-        priority: int = 0,
-        tenant: str | None = None,
-        weight: int = 1,
-        deadline: float | None = None,
-        restartable: bool = False,
-        source: ClientPrompt | None = None,  # replicas run the gateway's tokens
-    ) -> AsyncIterator[RequestOutput]:
-        timeout_s = None if deadline is None else deadline - time.monotonic()
-        body = msgspec.json.encode(
-            {
-                "request_id": request_id,
-                "prompt": prompt,
-                "params": params,
-                "priority": priority,
-                "tenant": tenant,
-                "weight": weight,
-                "timeout_s": timeout_s,
-            }
-        )
-        key = affinity_key(tenant, prompt)
+    async def generate(self, request: GenerateRequest) -> AsyncIterator[RequestOutput]:
+        """Replicas run the gateway's tokens, not `source`."""
+        request_id = request.request_id
+        body = msgspec.json.encode(_body(request))
+        key = affinity_key(request.tenant, request.prompt)
         tried: set[str] = set()
         shed: Overloaded | None = None  # every replica tried so far was overloaded
         failures = 0
@@ -188,7 +174,7 @@ class RemoteEngineClient(LocalTokens):
             replica.in_flight += 1
             self._placements[request_id] = replica
             try:
-                async for out in self._stream(replica, body, params.n):
+                async for out in self._stream(replica, body, request.params.n):
                     if handed_back and not started:
                         yield restart_output(request_id)
                     started = True
@@ -204,7 +190,9 @@ class RemoteEngineClient(LocalTokens):
                 ) from exc
             except ReplicaFailed as exc:
                 failures += 1
-                _give_up_unless_retryable(replica, request_id, exc, failures, started, restartable)
+                _give_up_unless_retryable(
+                    replica, request_id, exc, failures, started, request.restartable
+                )
                 handed_back = handed_back or started
             finally:
                 replica.in_flight -= 1
@@ -246,28 +234,21 @@ class RemoteEngineClient(LocalTokens):
             raise ReplicaFailed(repr(exc)) from exc
         raise ReplicaFailed("the stream ended before the request finished")
 
-    def _decode(self, line: str) -> RequestOutput:
-        if line.startswith('{"error"'):
-            error: dict[str, Any] = msgspec.json.decode(line)
-            kind = error.get("kind")
-            if kind == "invalid_request":
-                raise InvalidRequest(error["error"], param=error.get("param"))
-            if kind == OverloadedError.kind:
-                raise overloaded(error.get("retry_after_s") or 1.0, error["error"])
-            if kind == DeadlineExceededError.kind:
-                raise DeadlineExceeded(error["error"])
-            if kind == RequestFailedError.kind:  # the replica is fine; retrying could repeat it
-                raise InternalError(error["error"], code=RequestFailedError.kind)
-            raise ReplicaFailed(error.get("error", "engine error"))
+    @staticmethod
+    def _decode(line: str) -> RequestOutput:
+        """One line of a generate stream: the output, or the replica's error raised."""
         try:
-            return self._decoder.decode(line)
+            decoded = LINES.decode(line)
         except msgspec.DecodeError as exc:
             raise ReplicaFailed(f"unreadable reply: {exc}") from exc
+        if isinstance(decoded, OutputLine):
+            return decoded.output
+        raise _replica_error(decoded)
 
     async def embed(self, prompts: list[list[int]]) -> list[list[float]]:
         """Nothing reaches the client before the vectors, so a replica that sheds or fails
         them is replaced by another (at most MAX_REPLICA_FAILURES failures)."""
-        body = msgspec.json.encode({"prompts": prompts})
+        body = msgspec.json.encode(EmbedBody(prompts))
         key = affinity_key(None, prompts[0])
         tried: set[str] = set()
         shed: Overloaded | None = None
@@ -301,15 +282,15 @@ class RemoteEngineClient(LocalTokens):
         if response.status_code == 400:
             raise _invalid(response.content)
         if response.status_code != 200:
-            self._decode(response.text)  # raises the typed error the replica sent
-            raise ReplicaFailed(f"HTTP {response.status_code}")
+            try:
+                error = ERRORS.decode(response.content)
+            except msgspec.DecodeError:
+                raise ReplicaFailed(f"HTTP {response.status_code}") from None
+            raise _replica_error(error)
         try:
-            vectors: list[list[float]] = msgspec.json.decode(
-                response.content, type=dict[str, list[list[float]]]
-            )["embeddings"]
-        except (msgspec.DecodeError, KeyError) as exc:
+            return EMBEDDINGS.decode(response.content).embeddings
+        except msgspec.DecodeError as exc:
             raise ReplicaFailed(f"unreadable reply: {exc}") from exc
-        return vectors
 
     def abort(self, request_id: str) -> None:
         """Closing the stream already aborts on the replica; this says it explicitly."""
@@ -320,7 +301,9 @@ class RemoteEngineClient(LocalTokens):
     async def _abort(self, replica: Replica, request_id: str) -> None:
         with contextlib.suppress(httpx.HTTPError):
             await self._http.post(
-                f"{replica.url}/internal/abort", json={"request_id": request_id}, timeout=2.0
+                f"{replica.url}/internal/abort",
+                content=msgspec.json.encode(AbortBody(request_id)),
+                timeout=2.0,
             )
 
     async def refresh(self) -> None:
@@ -332,21 +315,20 @@ class RemoteEngineClient(LocalTokens):
             response = await self._http.get(
                 f"{replica.url}/internal/stats", timeout=HEALTH_TIMEOUT_S
             )
-            stats = response.json() if response.status_code == 200 else None
+            stats = STATS.decode(response.content) if response.status_code == 200 else None
         except httpx.ReadTimeout:
             replica.missed()
             return
-        except (httpx.HTTPError, ValueError):
+        except (httpx.HTTPError, msgspec.DecodeError):
             stats = None
-        replica.answered(healthy=stats is not None and bool(stats.get("running")))
+        replica.answered(healthy=stats is not None and stats.running)
         if stats is None or not replica.healthy:
             return
-        replica.waiting = int(stats.get("num_waiting", 0))
-        replica.running = int(stats.get("num_running", 0))
-        total = max(1, int(stats.get("kv_blocks_total", 1)))
-        replica.kv_used_fraction = int(stats.get("kv_blocks_used", 0)) / total
-        queries = int(stats.get("prefix_cache_queries", 0))
-        replica.prefix_cache_hit_rate = int(stats.get("prefix_cache_hits", 0)) / max(1, queries)
+        replica.waiting = stats.num_waiting
+        replica.running = stats.num_running
+        replica.kv_used_fraction = stats.kv_blocks_used / max(1, stats.kv_blocks_total)
+        queries = max(1, stats.prefix_cache_queries)
+        replica.prefix_cache_hit_rate = stats.prefix_cache_hits / queries
 
     async def close(self) -> None:
         await self._health.close()
@@ -371,13 +353,37 @@ def _no_replica() -> EngineUnavailable:
     return EngineUnavailable("no backend replica is available", headers={"Retry-After": "1"})
 
 
+def _body(request: GenerateRequest) -> GenerateBody:
+    """The request on the wire: its deadline relative, since clocks differ by host."""
+    deadline = request.deadline
+    return GenerateBody(
+        request.request_id,
+        request.prompt,
+        request.params,
+        priority=request.priority,
+        tenant=request.tenant,
+        weight=request.weight,
+        timeout_s=None if deadline is None else deadline - time.monotonic(),
+    )
+
+
+def _replica_error(line: ErrorLine) -> Exception:
+    """The error a replica sent, as the gateway's; a dead engine's is a replica failure
+    (another replica may serve the request), a failed request's is not (the replica is
+    fine, and retrying could repeat it)."""
+    exc = line.exception()
+    if isinstance(exc, ENGINE_REFUSALS):
+        return refusal(exc)
+    return ReplicaFailed(line.message)
+
+
 def _invalid(body: bytes) -> InvalidRequest:
-    """The replica's 400 (backend.server's refusal: message and parameter) as ours."""
+    """The replica's 400 (an invalid_request ErrorLine: message and parameter) as ours."""
     try:
-        refusal: dict[str, Any] = msgspec.json.decode(body)
-        return InvalidRequest(str(refusal["error"]), param=refusal.get("param"))
-    except (msgspec.DecodeError, KeyError, TypeError):  # not a refusal we know: pass it on
+        error = ERRORS.decode(body)
+    except msgspec.DecodeError:  # not a refusal we know: pass it on
         return InvalidRequest(body.decode(errors="replace"))
+    return InvalidRequest(error.message, param=error.param)
 
 
 def _write_atomically(path: Path, content: str) -> None:

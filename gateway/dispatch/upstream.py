@@ -40,7 +40,7 @@ import msgspec
 from backend import RequestOutput, SamplingParams
 from backend.tokenizer import Tokenizer
 from gateway.dispatch import load
-from gateway.dispatch.engine_client import ClientPrompt, LocalTokens
+from gateway.dispatch.engine_client import GenerateRequest, LocalTokens
 from gateway.dispatch.http1 import Http1Pool, Response, TransportError
 from gateway.dispatch.routing import Replica, affinity_key, pick
 from gateway.errors import (
@@ -241,23 +241,15 @@ class OpenAIUpstreamClient:
 
     # -- generation ----------------------------------------------------------------------
 
-    async def generate(
-        self,
-        prompt: list[int],
-        params: SamplingParams,
-        request_id: str,
-        *,
-        priority: int = 0,
-        tenant: str | None = None,
-        weight: int = 1,  # the gateway's fairness weight: the upstream has no such thing
-        deadline: float | None = None,  # enforced by the caller, which closes the stream
-        restartable: bool = False,  # moves only before the first token, either way
-        source: ClientPrompt | None = None,
-    ) -> AsyncIterator[RequestOutput]:
+    async def generate(self, request: GenerateRequest) -> AsyncIterator[RequestOutput]:
+        """The upstream has no fairness `weight`; the caller enforces the `deadline` (it
+        closes the stream); the request moves only before its first token, restartable
+        or not."""
+        source = request.source
         chat = source is not None and source.messages is not None
-        body = msgspec.json.encode(self._body(prompt, params, priority, tenant, source))
+        body = msgspec.json.encode(self._body(request))
         path = "/v1/chat/completions" if chat else "/v1/completions"
-        key = affinity_key(tenant, prompt)
+        key = affinity_key(request.tenant, request.prompt)
         tried: set[str] = set()
         refusal: ApiError | None = None  # what to answer if every target fails
         while True:
@@ -269,7 +261,7 @@ class OpenAIUpstreamClient:
                 )
             tried.add(target.url)
             current_request().route(target.url)
-            reader = StreamReader(self, request_id, len(prompt), params.n)
+            reader = StreamReader(self, request.request_id, len(request.prompt), request.params.n)
             target.in_flight += 1
             try:
                 async with contextlib.aclosing(self._attempt(target, path, body, reader)) as outs:
@@ -291,14 +283,8 @@ class OpenAIUpstreamClient:
             finally:
                 target.in_flight -= 1
 
-    def _body(
-        self,
-        prompt: list[int],
-        params: SamplingParams,
-        priority: int,
-        tenant: str | None,
-        source: ClientPrompt | None,
-    ) -> dict[str, Any]:
+    def _body(self, request: GenerateRequest) -> dict[str, Any]:
+        params, source, tenant = request.params, request.source, request.tenant
         for param, asked in (("logprobs", params.logprobs), ("response_format", params.constraint)):
             if asked is not None:
                 raise InvalidRequest(
@@ -308,13 +294,13 @@ class OpenAIUpstreamClient:
         if source is not None and source.messages is not None:
             body["messages"] = source.messages
         else:
-            body["prompt"] = source.text if source is not None and source.text else prompt
+            body["prompt"] = source.text if source is not None and source.text else request.prompt
         body |= sampling_fields(params)
         body |= {"stream": True, "stream_options": {"include_usage": True}}
         if tenant is not None:
             body["cache_salt"] = cache_salt(self.options.salt_secret, tenant)
-        if self.options.priority and priority:
-            body["priority"] = priority
+        if self.options.priority and request.priority:
+            body["priority"] = request.priority
         return body
 
     async def _attempt(

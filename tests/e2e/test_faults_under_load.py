@@ -45,7 +45,7 @@ import httpx
 import pytest
 from sqlalchemy import Engine, create_engine, inspect, text
 
-from backend.server import SECRET_HEADER
+from backend.wire import SECRET_HEADER
 from tenants import db, keys
 from tenants.limits import LimitSet, PlanTerms
 from tenants.pricing import DEFAULT_PRICE

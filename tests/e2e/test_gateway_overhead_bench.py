@@ -46,8 +46,9 @@ async def test_instant_upstreams_answer_the_lean_client() -> None:
         assert isinstance(lines, list)
         outputs = [json.loads(line) for line in lines]
         assert len(outputs) == TOKENS
-        assert [o["finished"] for o in outputs] == [False] * (TOKENS - 1) + [True]
-        assert {o["request_id"] for o in outputs} == {"r1"}
+        assert {o["type"] for o in outputs} == {"output"}
+        assert [o["output"]["finished"] for o in outputs] == [False] * (TOKENS - 1) + [True]
+        assert {o["output"]["request_id"] for o in outputs} == {"r1"}
         chat.close()
         replica.close()
     finally:

@@ -16,7 +16,7 @@ from typing import Any
 import httpx
 import pytest
 
-from backend.server import SECRET_HEADER
+from backend.wire import SECRET_HEADER
 from gateway.app import create_app
 from gateway.bootstrap import ensure_admin_key
 from gateway.dispatch.engine_client import InProcessEngineClient

@@ -14,7 +14,7 @@ import pytest
 from openai.types import Completion
 from sqlalchemy import create_engine, text
 
-from backend.server import SECRET_HEADER
+from backend.wire import SECRET_HEADER
 from tests.e2e.processes import Process, free_port, running, start
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]

@@ -24,8 +24,10 @@ from backend.errors import ConstraintError, RequestFailedError
 from backend.grammar import GrammarCompiler
 from backend.layers.sampler import apply_token_bitmask
 from backend.sampling import SamplingParams
-from backend.server import GenerateBody, create_backend_app
+from backend.server import create_backend_app
 from backend.tokenizer import Tokenizer
+from backend.wire import GenerateBody
+from gateway.dispatch.engine_client import GenerateRequest
 from gateway.dispatch.remote import RemoteEngineClient
 from gateway.errors import InvalidRequest
 from tests.conftest import serving
@@ -227,11 +229,11 @@ async def test_a_replica_enforces_the_constraint_and_names_a_bad_one() -> None:
         try:
             prompt = client.encode("Digits:")
             params = SamplingParams(max_tokens=16, constraint=Constraint("regex", "[0-9]{4}"))
-            outs = [out async for out in client.generate(prompt, params, "ok")]
+            outs = [out async for out in client.generate(GenerateRequest(prompt, params, "ok"))]
             assert re.fullmatch("[0-9]{4}", text_of(outs)) and outs[-1].finish_reason == "stop"
             bad = SamplingParams(constraint=Constraint("regex", "(unclosed"))
             with pytest.raises(InvalidRequest, match=r"regex constraint: .*unclosed group") as e:
-                async for _ in client.generate(prompt, bad, "bad"):
+                async for _ in client.generate(GenerateRequest(prompt, bad, "bad")):
                     pass
             assert e.value.param == "response_format"
         finally:

@@ -20,6 +20,7 @@ from backend.server import create_backend_app
 from gateway.app import connect_engine
 from gateway.dispatch import discovery
 from gateway.dispatch.discovery import BackendDiscovery, DiscoveryError, apply, replica_url
+from gateway.dispatch.engine_client import GenerateRequest
 from gateway.dispatch.remote import RemoteEngineClient
 from gateway.dispatch.routing import Replica
 from gateway.settings import Settings
@@ -75,7 +76,7 @@ def _urls(client: RemoteEngineClient) -> list[str]:
 
 async def _generate(client: RemoteEngineClient, request_id: str) -> None:
     params = SamplingParams(max_tokens=2, temperature=0)
-    async for out in client.generate(list(range(3, 20)), params, request_id):
+    async for out in client.generate(GenerateRequest(list(range(3, 20)), params, request_id)):
         if out.finished:
             return
 

@@ -19,6 +19,8 @@ import pytest
 from sqlalchemy import create_engine, text
 
 from backend.sampling import SamplingParams
+from backend.wire import LINES, GenerateBody, OutputLine
+from gateway.dispatch.engine_client import GenerateRequest
 from gateway.dispatch.remote import RemoteEngineClient
 from tests.conftest import eventually
 from tests.e2e.processes import Process, free_port, running, start
@@ -182,8 +184,7 @@ def backends() -> Iterator[list[tuple[Process, str]]]:
 
 def _generate_body(request_id: str, max_tokens: int) -> bytes:
     params = SamplingParams(max_tokens=max_tokens, ignore_eos=True, temperature=0)
-    body = {"request_id": request_id, "prompt": list(range(3, 40)), "params": params}
-    return msgspec.json.encode(body)
+    return msgspec.json.encode(GenerateBody(request_id, list(range(3, 40)), params))
 
 
 async def _finished_requests(client: httpx.AsyncClient, url: str) -> float:
@@ -230,8 +231,10 @@ async def test_backend_drains_and_gateways_route_around_it(
                     await _finished_requests(client, b_url),
                 )
                 assert after == (before[0], before[1] + 3)  # all three went to B
-                outputs = [json.loads(line) async for line in lines if line]
-            assert outputs[-1]["finished"] and outputs[-1]["completion_tokens"] == LONG_TOKENS
+                outputs = [LINES.decode(line) async for line in lines if line]
+            last = outputs[-1]
+            assert isinstance(last, OutputLine)
+            assert last.output.finished and last.output.completion_tokens == LONG_TOKENS
         finally:
             await remote.close()
     assert _exit_code(draining) == 0
@@ -239,6 +242,6 @@ async def test_backend_drains_and_gateways_route_around_it(
 
 async def _run(remote: RemoteEngineClient, request_id: str) -> None:
     params = SamplingParams(max_tokens=4, temperature=0)
-    async for out in remote.generate(list(range(5, 30)), params, request_id):
+    async for out in remote.generate(GenerateRequest(list(range(5, 30)), params, request_id)):
         if out.finished:
             return

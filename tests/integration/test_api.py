@@ -11,7 +11,7 @@ from sqlalchemy import func, select
 from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
 
 from backend.sampling import SamplingParams
-from gateway.dispatch.engine_client import InProcessEngineClient
+from gateway.dispatch.engine_client import GenerateRequest, InProcessEngineClient
 from tenants.models import UsageEvent, UsageStatus
 from tenants.services import ApiKeyService
 from tests.conftest import eventually
@@ -337,7 +337,7 @@ async def test_a_dead_engine_fails_the_liveness_probe(
             params = SamplingParams(max_tokens=2)
             for i in range(MAX_FAILED_STEPS):
                 with pytest.raises(Exception, match="engine"):
-                    async for _ in engine_client.generate([5, 6], params, f"r{i}"):
+                    async for _ in engine_client.generate(GenerateRequest([5, 6], params, f"r{i}")):
                         pass
             health = await app.get("/healthz")
             assert health.status_code == 503 and health.json() == {"status": "engine_dead"}

@@ -12,6 +12,7 @@ import pytest
 from backend import AsyncEngine, EngineConfig, SamplingParams
 from backend.builtin import BUILTIN_MODEL_DIR
 from backend.server import create_backend_app
+from gateway.dispatch.engine_client import GenerateRequest
 from gateway.dispatch.remote import RemoteEngineClient
 from gateway.errors import InternalError, InvalidRequest
 from tests.conftest import serving
@@ -33,7 +34,7 @@ async def replica(tmp_path: Path) -> AsyncIterator[tuple[AsyncEngine, RemoteEngi
 
 
 async def _drain(remote: RemoteEngineClient, prompt: list[int], request_id: str) -> None:
-    async for _ in remote.generate(prompt, PARAMS, request_id):
+    async for _ in remote.generate(GenerateRequest(prompt, PARAMS, request_id)):
         pass
 
 

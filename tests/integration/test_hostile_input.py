@@ -15,7 +15,8 @@ from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
 
 from backend import AsyncEngine, EngineConfig
 from backend.builtin import BUILTIN_MODEL_DIR
-from backend.server import SECRET_HEADER, create_backend_app
+from backend.server import create_backend_app
+from backend.wire import SECRET_HEADER
 from tenants import audit
 from tenants.admins import AdminService
 from tenants.models import KeyRole

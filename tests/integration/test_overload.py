@@ -22,7 +22,7 @@ from backend.builtin import BUILTIN_MODEL_DIR
 from backend.errors import RequestStepError
 from backend.server import create_backend_app
 from gateway.app import create_app
-from gateway.dispatch.engine_client import InProcessEngineClient
+from gateway.dispatch.engine_client import GenerateRequest, InProcessEngineClient
 from gateway.dispatch.remote import RemoteEngineClient
 from gateway.errors import InternalError, Overloaded
 from gateway.settings import Settings
@@ -174,7 +174,7 @@ async def test_a_remote_backend_sheds_with_a_typed_error(tmp_path: Path) -> None
         remote = await RemoteEngineClient.connect([url], "s3cret", tmp_path)
 
         async def drain(request_id: str) -> None:
-            async for _ in remote.generate([1, 2, 3], LONG, request_id):
+            async for _ in remote.generate(GenerateRequest([1, 2, 3], LONG, request_id)):
                 pass
 
         tasks = [asyncio.create_task(drain("first"))]
@@ -201,7 +201,9 @@ async def test_remote_replica_load_snapshot_follows_its_stats(tmp_path: Path) ->
         try:
             short = SamplingParams(max_tokens=2, temperature=0)
             for request_id in ("a", "b"):  # the same 40-token prompt: b hits the cache
-                async for _ in remote.generate(list(range(3, 43)), short, request_id):
+                async for _ in remote.generate(
+                    GenerateRequest(list(range(3, 43)), short, request_id)
+                ):
                     pass
             await remote.refresh()
             [replica] = remote.replicas
@@ -235,11 +237,12 @@ async def test_a_request_a_replica_failed_is_not_retried_elsewhere(
         remote = await RemoteEngineClient.connect([first, second], "s3cret", tmp_path)
         try:
             with pytest.raises(InternalError) as caught:
-                async for _ in remote.generate([1, 2, 3], params, "poison"):
+                async for _ in remote.generate(GenerateRequest([1, 2, 3], params, "poison")):
                     pass
             assert caught.value.code == "request_failed"
             assert sorted(e.engine.num_failed_requests for e in engines) == [0, 1]
             assert all(replica.healthy for replica in remote.replicas)
-            assert [o async for o in remote.generate([1, 2, 3], params, "after")][-1].finished
+            after = GenerateRequest([1, 2, 3], params, "after")
+            assert [o async for o in remote.generate(after)][-1].finished
         finally:
             await remote.close()

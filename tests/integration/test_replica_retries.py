@@ -16,7 +16,8 @@ from litestar.response import Stream
 from backend import RequestOutput, SamplingParams
 from backend.builtin import BUILTIN_MODEL_DIR
 from backend.tokenizer import Tokenizer
-from gateway.dispatch.engine_client import RESTART
+from backend.wire import ErrorLine, OutputLine
+from gateway.dispatch.engine_client import RESTART, GenerateRequest
 from gateway.dispatch.remote import MAX_REPLICA_FAILURES, RemoteEngineClient
 from gateway.errors import EngineUnavailable, InvalidRequest
 from tests.conftest import serving
@@ -27,7 +28,7 @@ pytestmark = pytest.mark.integration
 @dataclass
 class Behaviour:
     """'ok': 4 outputs then finished; 'die': `before_death` outputs, then the connection
-    breaks mid-stream; 'refuse': 422."""
+    breaks mid-stream; 'dead': the engine_dead error line; 'refuse': 422."""
 
     kind: str
     before_death: int = 0
@@ -38,7 +39,7 @@ def _output(request_id: str, i: int, finished: bool) -> bytes:
     out = RequestOutput(
         request_id, f"w{i}", [i], finished, "length" if finished else None, 3, i + 1
     )
-    return msgspec.json.encode(out) + b"\n"
+    return msgspec.json.encode(OutputLine(out)) + b"\n"
 
 
 def replica(behaviour: Behaviour) -> Litestar:
@@ -50,6 +51,9 @@ def replica(behaviour: Behaviour) -> Litestar:
             return Response({"error": "no such thing"}, status_code=422)
 
         async def lines() -> AsyncIterator[bytes]:
+            if behaviour.kind == "dead":
+                yield msgspec.json.encode(ErrorLine("engine_dead", "stopped")) + b"\n"
+                return
             if behaviour.kind == "die":
                 for i in range(behaviour.before_death):
                     yield _output(request_id, i, False)
@@ -76,7 +80,10 @@ async def client_over(*behaviours: Behaviour) -> AsyncIterator[RemoteEngineClien
 async def _collect(client: RemoteEngineClient, restartable: bool) -> list[RequestOutput]:
     params = SamplingParams(max_tokens=4)
     return [
-        out async for out in client.generate([1, 2, 3], params, "req_1", restartable=restartable)
+        out
+        async for out in client.generate(
+            GenerateRequest([1, 2, 3], params, "req_1", restartable=restartable)
+        )
     ]
 
 
@@ -123,3 +130,13 @@ async def test_a_request_that_kills_replicas_is_capped() -> None:
     assert failed.value.code == "replica_failed"
     assert "not retried further" in failed.value.message
     assert sum(_received(*killers)) == MAX_REPLICA_FAILURES
+
+
+async def test_a_dead_engines_error_line_moves_the_request_on() -> None:
+    dead, healthy = Behaviour("dead"), Behaviour("ok")
+    async with client_over(dead, healthy) as client:
+        client.replicas[1].in_flight = 100  # so routing tries the dead one first
+        outputs = await _collect(client, restartable=False)
+        assert [out.text for out in outputs] == ["w0", "w1", "w2", "w3"]
+        assert _received(dead, healthy) == [1, 1]
+        assert [r.healthy for r in client.replicas] == [False, True]
