@@ -106,16 +106,11 @@ class GatewayMetrics:
         self._series: dict[str, set[tuple[Counter | Gauge, tuple[str, ...]]]] = {}
         self._names: dict[str, str] = {}  # tenant id -> name, the label it is shown by
         self.tenants = TenantLabels(top_tenants, on_evict=self._drop_tenant)
-        reg = self.registry
+        self._add_counters(self.registry)
+        self._add_latencies(self.registry)
+        self._add_tenant_gauges(self.registry)
 
-        def per_class(name: str, documentation: str, buckets: Sequence[float]) -> Histogram:
-            """A latency histogram by model, workload class and priority."""
-            labels = ["model", "workload_class", "priority"]
-            return Histogram(name, documentation, labels, registry=reg, buckets=buckets)
-
-        def per_tenant(name: str, documentation: str) -> Gauge:
-            return Gauge(name, documentation, ["tenant"], registry=reg)
-
+    def _add_counters(self, reg: CollectorRegistry) -> None:
         self.requests = Counter(
             "tollgate_requests", "Requests admitted, by outcome",
             ["tenant", "model", "status"], registry=reg,
@@ -128,6 +123,19 @@ class GatewayMetrics:
             "tollgate_rejections", "Requests turned away, by reason",
             ["tenant", "reason"], registry=reg,
         )  # fmt: skip
+        self.usage_disagreement = Histogram(
+            "tollgate_upstream_usage_disagreement_tokens",
+            "Tokens by which an upstream's usage differs from the gateway's own count (the "
+            "ledger takes the upstream's); only requests where they differ",
+            ["model", "kind", "direction"], registry=reg, buckets=DISAGREEMENT_BUCKETS,
+        )  # fmt: skip
+
+    def _add_latencies(self, reg: CollectorRegistry) -> None:
+        def per_class(name: str, documentation: str, buckets: Sequence[float]) -> Histogram:
+            """A latency histogram by model, workload class and priority."""
+            labels = ["model", "workload_class", "priority"]
+            return Histogram(name, documentation, labels, registry=reg, buckets=buckets)
+
         self.ttft = per_class(
             "gen_ai_server_time_to_first_token_seconds",
             "Time from the request's arrival at the gateway to its first token",
@@ -148,12 +156,11 @@ class GatewayMetrics:
             "Time waiting in the engine before first scheduled",
             QUEUE_BUCKETS,
         )
-        self.usage_disagreement = Histogram(
-            "tollgate_upstream_usage_disagreement_tokens",
-            "Tokens by which an upstream's usage differs from the gateway's own count (the "
-            "ledger takes the upstream's); only requests where they differ",
-            ["model", "kind", "direction"], registry=reg, buckets=DISAGREEMENT_BUCKETS,
-        )  # fmt: skip
+
+    def _add_tenant_gauges(self, reg: CollectorRegistry) -> None:
+        def per_tenant(name: str, documentation: str) -> Gauge:
+            return Gauge(name, documentation, ["tenant"], registry=reg)
+
         self.reserved_micros = per_tenant(
             "tollgate_tenant_reserved_micros", "Cost held by live reservations (micro-units)"
         )
