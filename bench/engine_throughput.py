@@ -11,7 +11,8 @@ which is what continuous batching avoids. The HTTP figure comes from a real
 `tollgate backend serve` on loopback that this script starts, with every request
 streamed at once by an httpx client in this process (on the same cores).
 
-    .venv/bin/python -m bench.engine_throughput [--workloads 32,128] [--profile]
+    .venv/bin/python -m bench.engine_throughput [--workloads 32,128] [--priorities 0,5]
+        [--profile]
 """
 
 from __future__ import annotations
@@ -75,11 +76,12 @@ class Rate:
         return self.tokens / self.seconds
 
 
-def run_engine(engine: Engine, work: Workload, tag: str) -> Rate:
+def run_engine(engine: Engine, work: Workload, tag: str, priority: int = 0) -> Rate:
     steps, cpu = engine.num_steps, time.process_time()
     start = time.perf_counter()
     for i, (prompt, out_len) in enumerate(work):
-        engine.add_request(f"{tag}-{i}", prompt, greedy(out_len))
+        # The tag as tenant salts the prefix cache: no run reuses another's prompts.
+        engine.add_request(f"{tag}-{i}", prompt, greedy(out_len), priority=priority, tenant=tag)
     tokens = 0
     while engine.has_work():
         tokens += sum(len(o.token_ids) for o in engine.step())
@@ -144,9 +146,11 @@ def _wait_until_healthy(url: str, process: subprocess.Popen[bytes]) -> None:
 
 
 async def _stream_one(
-    client: httpx.AsyncClient, url: str, rid: str, prompt: list[int], n: int
+    client: httpx.AsyncClient, url: str, rid: str, prompt: list[int], n: int, priority: int = 0
 ) -> int:
-    body = {"request_id": rid, "prompt": prompt, "params": msgspec.to_builtins(greedy(n))}
+    params = msgspec.to_builtins(greedy(n))
+    body = {"request_id": rid, "prompt": prompt, "params": params, "priority": priority}
+    body["tenant"] = rid.rsplit("-", 1)[0]  # the run's tag: salts the prefix cache
     tokens = 0
     headers = {"x-tollgate-secret": SECRET}
     async with client.stream("POST", f"{url}/internal/generate", json=body, headers=headers) as r:
@@ -160,19 +164,22 @@ async def _stream_one(
     return tokens
 
 
-async def _stream_all(url: str, work: Workload, tag: str) -> Rate:
+async def _stream_all(url: str, work: Workload, tag: str, priority: int) -> Rate:
     limits = httpx.Limits(max_connections=len(work) + 4)
     async with httpx.AsyncClient(timeout=None, limits=limits) as client:
         await _stream_one(client, url, f"{tag}-warm", WARM_UP, 4)
         start = time.perf_counter()
         counts = await asyncio.gather(
-            *(_stream_one(client, url, f"{tag}-{i}", p, n) for i, (p, n) in enumerate(work))
+            *(
+                _stream_one(client, url, f"{tag}-{i}", p, n, priority)
+                for i, (p, n) in enumerate(work)
+            )
         )
     return Rate(sum(counts), time.perf_counter() - start, "all requests streamed at once")
 
 
-def run_http(url: str, work: Workload, tag: str) -> Rate:
-    return asyncio.run(_stream_all(url, work, tag))
+def run_http(url: str, work: Workload, tag: str, priority: int = 0) -> Rate:
+    return asyncio.run(_stream_all(url, work, tag, priority))
 
 
 # -- the static baseline ---------------------------------------------------------------
@@ -212,7 +219,7 @@ def run_static(
 def line(label: str, rate: Rate, best: float | None = None) -> str:
     ratio = f"  {rate.per_s / best:5.2f}x best static" if best else ""
     figures = f"{rate.per_s:8.1f} tok/s ({rate.tokens} in {rate.seconds:6.1f} s; {rate.note})"
-    return f"  {label:<34} {figures}{ratio}"
+    return f"  {label:<40} {figures}{ratio}"
 
 
 def profile_engine(model_dir: Path, config: EngineConfig, work: Workload) -> None:
@@ -242,6 +249,12 @@ def main() -> None:
     parser.add_argument("--max-num-batched-tokens", type=int, default=1024)
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument(
+        "--priorities",
+        default="0",
+        help="request priorities to run the engine at, comma-separated (0: the interactive "
+        "class, with its latency targets; 5: the batch class, none by default)",
+    )
     parser.add_argument("--skip-static", action="store_true")
     parser.add_argument("--skip-http", action="store_true")
     parser.add_argument("--profile", action="store_true", help="profile the engine and stop")
@@ -271,11 +284,16 @@ def main() -> None:
     engine = Engine(model_dir, config)
     warm(engine)
     results: dict[int, dict[str, Rate]] = {n: {} for n in sizes}
+    priorities = [int(p) for p in args.priorities.split(",")]
     with backend_server(model_dir, config) if not args.skip_http else _nothing() as url:
         for n in sizes:
-            results[n]["engine in process"] = run_engine(engine, works[n], f"in{n}")
-            if url:
-                results[n]["engine through the HTTP API"] = run_http(url, works[n], f"http{n}")
+            for p in priorities:
+                tail = "" if p == 0 else f", priority {p}"
+                tag = f"w{n}p{p}"
+                results[n][f"engine in process{tail}"] = run_engine(engine, works[n], tag, p)
+                if url:
+                    rate = run_http(url, works[n], f"http{tag}", p)
+                    results[n][f"engine through the HTTP API{tail}"] = rate
     del engine
     if not args.skip_static:
         static_model = load_static_model(model_dir)
