@@ -290,10 +290,12 @@ def main() -> None:
             for p in priorities:
                 tail = "" if p == 0 else f", priority {p}"
                 tag = f"w{n}p{p}"
-                results[n][f"engine in process{tail}"] = run_engine(engine, works[n], tag, p)
+                rates = {f"engine in process{tail}": run_engine(engine, works[n], tag, p)}
                 if url:
-                    rate = run_http(url, works[n], f"http{tag}", p)
-                    results[n][f"engine through the HTTP API{tail}"] = rate
+                    rates[f"engine through the HTTP API{tail}"] = run_http(url, works[n], tag, p)
+                for label, rate in rates.items():  # as they come: a run cut short keeps them
+                    print(f"  ({n} requests) {line(label, rate)}", flush=True)
+                results[n].update(rates)
     del engine
     if not args.skip_static:
         static_model = load_static_model(model_dir)
