@@ -192,11 +192,17 @@ class AsyncEngine:
             _resolve(job, outcome)
 
     def _dispatch(self, outputs: list[RequestOutput]) -> None:
+        """A step's outputs, handed to each event loop in one call: a wake-up of the loop
+        per step, not per token (call_soon_threadsafe writes to the loop's self-pipe)."""
+        by_loop: dict[asyncio.AbstractEventLoop, list[tuple[_Stream, RequestOutput]]] = {}
         with self._lock:
-            targets = [(self._streams.get(o.request_id), o) for o in outputs]
-        for stream, out in targets:
-            if stream is not None:  # the consumer may have gone; its abort is on the way
-                _put(stream, out)
+            for out in outputs:
+                stream = self._streams.get(out.request_id)
+                if stream is not None:  # the consumer may have gone; its abort is on the way
+                    by_loop.setdefault(stream.loop, []).append((stream, out))
+        for loop, items in by_loop.items():
+            with contextlib.suppress(RuntimeError):  # a closed event loop: nobody listens
+                loop.call_soon_threadsafe(_deliver, items)
 
     def _fail_all(self, reason: str) -> None:
         with self._lock:
@@ -207,6 +213,11 @@ class AsyncEngine:
             _put(stream, EngineDeadError(reason))
         for embedding in embeddings:
             _resolve(embedding, EngineDeadError(reason))
+
+
+def _deliver(items: list[tuple[_Stream, RequestOutput]]) -> None:
+    for stream, out in items:
+        stream.queue.put_nowait(out)
 
 
 def _put(stream: _Stream, item: RequestOutput | BaseException) -> None:
