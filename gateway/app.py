@@ -45,7 +45,7 @@ from gateway.tasks import Periodic, TaskSet
 from gateway.telemetry import Telemetry
 from gateway.telemetry.endpoint import metrics
 from tenants.billing.prices import PriceBook
-from tenants.db import create_engine, session_factory
+from tenants.db import create_engine, create_read_engine, session_factory
 from tenants.idempotency import InFlightLocks, MemoryLocks, RedisLocks
 from tenants.pricing import DEFAULT_PRICE
 from tenants.quota import open_quota_store
@@ -148,6 +148,8 @@ def open_runtime(settings: Settings, telemetry: Telemetry, stack: AsyncExitStack
     """The database, the stores and the background jobs, each closed by `stack`."""
     db = create_engine(settings.database_url)
     stack.push_async_callback(db.dispose)
+    reads = create_read_engine(settings.database_url)
+    stack.push_async_callback(reads.dispose)
     sessions = session_factory(db)
     redis = connect_redis(settings.redis_url) if settings.redis_url else None
     if redis is not None:
@@ -174,6 +176,7 @@ def open_runtime(settings: Settings, telemetry: Telemetry, stack: AsyncExitStack
     return Runtime(
         settings=settings,
         db=db,
+        reads=reads,
         sessions=sessions,
         recorder=recorder,
         admission=admission,

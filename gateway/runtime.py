@@ -23,6 +23,7 @@ from gateway.tasks import TaskSet
 class Runtime:
     settings: Settings
     db: AsyncEngine
+    reads: AsyncEngine  # the key generation's reads: one round trip each (tenants.db)
     sessions: async_sessionmaker[AsyncSession]
     recorder: UsageRecorder
     idempotency: Idempotency

@@ -30,7 +30,7 @@ def serve(settings: Settings) -> int:
     app = create_app(settings)
     drain = Drain(settings.drain_s)
     app.state.drain = drain  # /readyz reads it
-    config = _uvicorn_config(DrainGuard(app, drain), settings, **proxy_options(settings))
+    config = gateway_config(DrainGuard(app, drain), settings)
 
     def on_started() -> None:
         _banner(settings, admin, app.state.runtime.engine.model_name)
@@ -39,6 +39,13 @@ def serve(settings: Settings) -> int:
     server = _Server(config, drain, on_started)
     server.run()
     return 0 if server.started else 1
+
+
+def gateway_config(app: Any, settings: Settings) -> uvicorn.Config:
+    """uvicorn's settings for the gateway. The gateway logs every request itself (one
+    "request finished" line: method, path, status, duration, client address), so
+    uvicorn's access line, which would only repeat it, is off."""
+    return _uvicorn_config(app, settings, access_log=False, **proxy_options(settings))
 
 
 def proxy_options(settings: Settings) -> dict[str, Any]:

@@ -63,6 +63,19 @@ def create_engine(url: str) -> AsyncEngine:
     return create_async_engine(parsed, pool_size=10, max_overflow=20, pool_pre_ping=True)
 
 
+def create_read_engine(url: str) -> AsyncEngine:
+    """A small pool for the one read on every request's path (the key generation): each
+    connection in autocommit, so a read is one round trip (no BEGIN, no ROLLBACK on its
+    return), and no ping before use (another round trip): a connection found dead is
+    replaced by the caller's one retry (see gateway.admission.key_cache)."""
+    parsed = async_url(url)
+    if parsed.get_backend_name() == "sqlite":
+        return create_async_engine(
+            parsed, connect_args={"timeout": 30}, isolation_level="AUTOCOMMIT"
+        )
+    return create_async_engine(parsed, pool_size=4, max_overflow=16, isolation_level="AUTOCOMMIT")
+
+
 def _sqlite_pragmas(dbapi_connection: object, _record: object) -> None:
     cursor = dbapi_connection.cursor()  # type: ignore[attr-defined]
     cursor.execute("PRAGMA journal_mode=WAL")

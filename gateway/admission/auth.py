@@ -12,7 +12,7 @@ from litestar.datastructures import Headers, MutableScopeHeaders
 from litestar.di import NamedDependency
 from litestar.types import Message, Scope
 
-from gateway.admission.key_cache import key_generation
+from gateway.admission.key_cache import read_key_generation
 from gateway.errors import AuthenticationFailed
 from gateway.runtime import Runtime
 from gateway.telemetry import current_request
@@ -102,8 +102,7 @@ async def _principal(
 ) -> Principal | None:
     """The caller remembered under the current key generation (gateway/admission/key_cache),
     else the key's lookup."""
-    async with runtime.db.connect() as connection:
-        generation = await key_generation(connection)
+    generation = await read_key_generation(runtime.reads)
     principal = runtime.keys.get(token, generation)
     if principal is not None:
         return principal

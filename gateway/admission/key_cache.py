@@ -3,8 +3,9 @@
 Every change to a key's standing (revocation, its limits, its tenant's plan) bumps the
 key generation, one row, in the change's own transaction (tenants.services.keys_changed),
 whichever process makes it: a gateway replica, the console, the CLI. Each request reads
-that row, one primary-key read, cheaper than the key lookup, and uses a remembered key
-only if the generation is the one it was looked up under. So a revocation committed
+that row, one primary-key read in one round trip (autocommit, on a pool of its own with no
+ping: tenants.db.create_read_engine), cheaper than the key lookup, and uses a remembered
+key only if the generation is the one it was looked up under. So a revocation committed
 anywhere refuses the very next request on every replica; the few seconds bound only how
 long an unchanged key goes without its lookup (its last_used_at, a revoked key's audit).
 """
@@ -15,7 +16,8 @@ import time
 from collections import OrderedDict
 
 from sqlalchemy import select
-from sqlalchemy.ext.asyncio import AsyncConnection
+from sqlalchemy.exc import DBAPIError
+from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
 
 from tenants import keys
 from tenants.models import KeyGeneration
@@ -30,6 +32,21 @@ _GENERATION = select(KeyGeneration.value).where(KeyGeneration.id == 1)
 async def key_generation(connection: AsyncConnection) -> int | None:
     """The current generation; None where the row is missing (nothing is remembered)."""
     return await connection.scalar(_GENERATION)
+
+
+async def read_key_generation(reads: AsyncEngine) -> int | None:
+    """The current generation through `reads` (tenants.db.create_read_engine). Its
+    connections are not pinged before use, so a dead one (the database restarted) fails
+    its read: the pool then drops it and its peers, and the read is tried once more on a
+    new connection (a read, safe to repeat)."""
+    try:
+        async with reads.connect() as connection:
+            return await key_generation(connection)
+    except DBAPIError as exc:
+        if not exc.connection_invalidated:
+            raise
+    async with reads.connect() as connection:
+        return await key_generation(connection)
 
 
 class KeyCache:

@@ -6,8 +6,12 @@ from __future__ import annotations
 import contextlib
 from collections.abc import AsyncIterator
 
+import psycopg
+import pytest
 from litestar import Litestar
 from litestar.testing import AsyncTestClient
+from psycopg.pq import TransactionStatus
+from sqlalchemy import text
 from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
 
 from gateway.admission.key_cache import KeyCache, key_generation
@@ -111,3 +115,26 @@ def test_a_remembered_key_is_forgotten_when_the_generation_moves_or_time_is_up()
     for name in ("a", "b", "c"):
         bounded.put(name, caller, generation=1)
     assert [bounded.get(name, 1) for name in ("a", "b", "c")] == [None, caller, caller]
+
+
+@pytest.mark.parametrize("database_url", ["postgresql"], indirect=True)
+async def test_the_generation_read_outlives_a_dead_connection_and_opens_no_transaction(
+    settings: Settings, engine_client: InProcessEngineClient, tenant_key: str, sessions: Sessions
+) -> None:
+    """The generation's pool pings nothing before use, so a connection the database
+    dropped (a restart) fails its read: the read is tried once more on a new one, and a
+    revocation is still seen at once. Each read is autocommit: one round trip."""
+    async with _gateways(settings, engine_client) as (one, _):
+        assert await _models(one, tenant_key) == 200
+        reads = _runtime(one).reads
+        async with reads.connect() as connection:
+            pid = await connection.scalar(text("SELECT pg_backend_pid()"))
+            driver = (await connection.get_raw_connection()).driver_connection
+            assert isinstance(driver, psycopg.AsyncConnection)
+            assert driver.info.transaction_status is TransactionStatus.IDLE  # no BEGIN sent
+        async with sessions() as session:  # the pooled connection dies, as in a restart
+            assert await session.scalar(text("SELECT pg_terminate_backend(:pid)"), {"pid": pid})
+        assert await _models(one, tenant_key) == 200
+        async with sessions.begin() as session:
+            await ApiKeyService(session).revoke(tenant_key.split("_")[0])
+        assert await _models(one, tenant_key) == 401
