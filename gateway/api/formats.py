@@ -89,9 +89,14 @@ def with_tool_calls(
     return choice
 
 
-def tool_calls_delta(index: int, calls: Sequence[ToolCall]) -> dict[str, Any]:
-    """A streamed chat choice that carries the output's tool calls, each whole."""
-    deltas = [{"index": i, **msgspec.to_builtins(call)} for i, call in enumerate(calls)]
+def call_deltas(calls: Sequence[ToolCall]) -> list[dict[str, Any]]:
+    """Whole tool calls as `delta.tool_calls` entries, one each."""
+    return [{"index": i, **msgspec.to_builtins(call)} for i, call in enumerate(calls)]
+
+
+def tool_calls_delta(index: int, deltas: list[dict[str, Any]]) -> dict[str, Any]:
+    """A streamed chat choice that carries tool-call deltas (`call_deltas`, or an
+    upstream's own)."""
     return {
         "index": index,
         "delta": {"tool_calls": deltas},

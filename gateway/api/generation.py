@@ -16,9 +16,9 @@ from functools import partial
 from typing import Any
 
 from backend import EngineDeadError, RequestOutput, SamplingParams, TokenLogprobs
-from gateway.api.formats import Format, tool_calls_delta, with_tool_calls
+from gateway.api.formats import Format, call_deltas, tool_calls_delta, with_tool_calls
 from gateway.api.schemas import encode
-from gateway.api.tools import ToolCall, ToolPlan, ToolStream
+from gateway.api.tools import ToolCall, ToolPlan, ToolStream, assembled
 from gateway.dispatch.engine_client import RESTART, ClientPrompt, EngineClient, GenerateRequest
 from gateway.errors import (
     ApiError,
@@ -110,6 +110,7 @@ class Choices:
     finish: dict[int, str | None] = field(default_factory=dict)
     texts: dict[int, list[str]] = field(default_factory=dict)
     logprobs: dict[int, list[TokenLogprobs]] = field(default_factory=dict)
+    calls: dict[int, list[dict[str, Any]]] = field(default_factory=dict)  # an upstream's
 
     @property
     def completion_tokens(self) -> int:
@@ -120,6 +121,8 @@ class Choices:
         self.texts.setdefault(out.index, []).append(out.text)
         if out.logprobs is not None:
             self.logprobs.setdefault(out.index, []).extend(out.logprobs)
+        if out.tool_calls:
+            self.calls.setdefault(out.index, []).extend(out.tool_calls)
 
 
 def _observe(usage: RequestUsage, choices: Choices, gen: Generation, out: RequestOutput) -> None:
@@ -334,6 +337,7 @@ def _whole_body(
         [
             _with_calls(
                 gen,
+                choices.calls.get(index),
                 gen.format.choice(
                     index,
                     gen.echo_of(index) + "".join(choices.texts.get(index, [])),
@@ -350,7 +354,13 @@ def _whole_body(
     return body
 
 
-def _with_calls(gen: Generation, choice: dict[str, Any]) -> dict[str, Any]:
+def _with_calls(
+    gen: Generation, relayed: list[dict[str, Any]] | None, choice: dict[str, Any]
+) -> dict[str, Any]:
+    """A whole choice with its tool calls: an upstream's (`relayed`, its streamed deltas),
+    or those parsed out of the engine's text."""
+    if relayed:
+        return with_tool_calls(choice, choice["message"]["content"] or None, assembled(relayed))
     if gen.tools is None or not gen.tools.active:
         return choice
     text = choice["message"]["content"]
@@ -451,6 +461,8 @@ async def _events(
                     text = held[out.index].feed(out.text) if held else out.text
                     if text or out.logprobs:
                         yield chunk(out.index, text, None, logprobs=out.logprobs)
+                    if out.tool_calls:  # an upstream's, relayed as they come
+                        yield _delta_event(gen, tool_calls_delta(out.index, out.tool_calls))
                     usage.delivered = choices.completion_tokens  # once the chunk was sent
                     if out.finished:
                         reason = out.finish_reason
@@ -460,7 +472,8 @@ async def _events(
                             if content:
                                 yield chunk(out.index, content, None)
                             if calls:
-                                yield _delta_event(gen, tool_calls_delta(out.index, calls))
+                                delta = tool_calls_delta(out.index, call_deltas(calls))
+                                yield _delta_event(gen, delta)
                                 reason = "tool_calls"
                         yield chunk(out.index, "", reason)
                 await asyncio.shield(settlement.settle())
