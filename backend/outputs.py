@@ -42,6 +42,9 @@ class RequestOutput:
     # An OpenAI-compatible upstream's tool-call deltas, in OpenAI's streamed shape
     # (`delta.tool_calls`). Tollgate's engine leaves it None: the gateway parses its text.
     tool_calls: list[dict[str, Any]] | None = None
+    # And its logprobs of this delta, in OpenAI's shape for the endpoint (chat's
+    # {"content": [...]}, completions' {"tokens", "token_logprobs", ...}).
+    relayed_logprobs: dict[str, Any] | None = None
     # Set on the final output of a request the policy rejected after queueing it
     # (finish_reason "rejected"): "deadline_exceeded", or "overloaded" when a more urgent
     # request took its place in a full queue. AsyncEngine raises it instead.

@@ -111,6 +111,7 @@ class Choices:
     texts: dict[int, list[str]] = field(default_factory=dict)
     logprobs: dict[int, list[TokenLogprobs]] = field(default_factory=dict)
     calls: dict[int, list[dict[str, Any]]] = field(default_factory=dict)  # an upstream's
+    relayed_logprobs: dict[int, list[dict[str, Any]]] = field(default_factory=dict)  # its too
 
     @property
     def completion_tokens(self) -> int:
@@ -123,6 +124,8 @@ class Choices:
             self.logprobs.setdefault(out.index, []).extend(out.logprobs)
         if out.tool_calls:
             self.calls.setdefault(out.index, []).extend(out.tool_calls)
+        if out.relayed_logprobs is not None:
+            self.relayed_logprobs.setdefault(out.index, []).append(out.relayed_logprobs)
 
 
 def _observe(usage: RequestUsage, choices: Choices, gen: Generation, out: RequestOutput) -> None:
@@ -332,26 +335,28 @@ async def complete(
 def _whole_body(
     gen: Generation, engine: EngineClient, choices: Choices, usage: RequestUsage
 ) -> dict[str, Any]:
-    want_logprobs = gen.params.logprobs is not None
     body = gen.envelope(
-        [
-            _with_calls(
-                gen,
-                choices.calls.get(index),
-                gen.format.choice(
-                    index,
-                    gen.echo_of(index) + "".join(choices.texts.get(index, [])),
-                    choices.finish.get(index),
-                    choices.logprobs.get(index, []) if want_logprobs else None,
-                    engine.token_text,
-                ),
-            )
-            for index in range(choices.n)
-        ],
-        chunk=False,
+        [_whole_choice(gen, engine, choices, index) for index in range(choices.n)], chunk=False
     )
     body["usage"] = _usage_body(usage)
     return body
+
+
+def _whole_choice(
+    gen: Generation, engine: EngineClient, choices: Choices, index: int
+) -> dict[str, Any]:
+    want_logprobs = gen.params.logprobs is not None
+    choice = gen.format.choice(
+        index,
+        gen.echo_of(index) + "".join(choices.texts.get(index, [])),
+        choices.finish.get(index),
+        choices.logprobs.get(index, []) if want_logprobs else None,
+        engine.token_text,
+    )
+    relayed = choices.relayed_logprobs.get(index)
+    if relayed:  # an upstream's, in the endpoint's shape already
+        choice["logprobs"] = gen.format.joined(relayed)
+    return _with_calls(gen, choices.calls.get(index), choice)
 
 
 def _with_calls(
@@ -417,8 +422,11 @@ def _chunk(
     finish_reason: str | None,
     first: bool = False,
     logprobs: list[TokenLogprobs] | None = None,
+    relayed: dict[str, Any] | None = None,  # an upstream's logprobs, in this shape already
 ) -> bytes:
     choice = gen.format.delta(index, text, finish_reason, first, logprobs, engine.token_text)
+    if relayed is not None:
+        choice["logprobs"] = relayed
     return _delta_event(gen, choice)
 
 
@@ -459,8 +467,9 @@ async def _events(
                 async for out in outputs:
                     _observe(usage, choices, gen, out)
                     text = held[out.index].feed(out.text) if held else out.text
-                    if text or out.logprobs:
-                        yield chunk(out.index, text, None, logprobs=out.logprobs)
+                    if text or out.logprobs or out.relayed_logprobs:
+                        relayed = out.relayed_logprobs
+                        yield chunk(out.index, text, None, logprobs=out.logprobs, relayed=relayed)
                     if out.tool_calls:  # an upstream's, relayed as they come
                         yield _delta_event(gen, tool_calls_delta(out.index, out.tool_calls))
                     usage.delivered = choices.completion_tokens  # once the chunk was sent

@@ -109,6 +109,7 @@ class _Choice(msgspec.Struct):
     delta: _Delta | None = None  # chat
     text: str | None = None  # completions
     finish_reason: str | None = None
+    logprobs: dict[str, Any] | None = None  # in the endpoint's own shape
 
 
 class _Details(msgspec.Struct):
@@ -305,13 +306,16 @@ class OpenAIUpstreamClient:
         constraint = params.constraint  # from a forwarded field: the upstream enforces it
         if constraint is not None and constraint.field not in forwarded:
             refuse(self.model_name, constraint.field)  # vLLM's guided_* extras
-        if params.logprobs is not None:
-            refuse(self.model_name, "logprobs")
         body: dict[str, Any] = {"model": self.upstream_model}
+        top = params.logprobs  # the alternatives asked for per token; None: no logprobs
         if source is not None and source.messages is not None:
             body["messages"] = as_sent(source.messages)
+            if top is not None:
+                body |= {"logprobs": True, "top_logprobs": top}
         else:
             body["prompt"] = source.text if source is not None and source.text else request.prompt
+            if top is not None:
+                body["logprobs"] = top
         body |= sampling_fields(params) | forwarded
         body |= {"stream": True, "stream_options": {"include_usage": True}}
         if tenant is not None:
@@ -514,7 +518,7 @@ class StreamReader:
             self.finish[choice.index] = choice.finish_reason
         text = choice.text if choice.delta is None else choice.delta.content
         calls = None if choice.delta is None else choice.delta.tool_calls
-        if not text and not calls:
+        if not text and not calls and choice.logprobs is None:
             return None  # the role announcement, or a chunk that only finishes
         count = self.counted[choice.index] = self.counted.get(choice.index, 0) + 1
         self.started = True
@@ -532,6 +536,7 @@ class StreamReader:
             token_times=[now],
             index=choice.index,
             tool_calls=msgspec.to_builtins(calls) if calls else None,
+            relayed_logprobs=choice.logprobs,
         )
 
     def _final(self) -> list[RequestOutput]:

@@ -40,6 +40,7 @@ from tests.support.vllm_like import (
     JSON_OUTPUT,
     OUTPUT_TEXT,
     Config,
+    logprob_of,
     render_chat,
     tokenize,
 )
@@ -460,6 +461,57 @@ async def test_tools_are_counted_with_a_local_template_that_knows_them(gateway: 
         with_tools = await client.tokenize_chat(MESSAGES, [WEATHER])
         assert len(with_tools) > len(plain)
         assert [r for r in await recorded(url) if r["path"] == "/tokenize"] == []
+
+
+async def test_the_upstreams_logprobs_are_relayed(gateway: Gateway) -> None:
+    """Chat's and completions' logprobs, streamed and whole, are the upstream's (its
+    token texts: no local tokenizer is needed), asked for in each endpoint's terms."""
+    async with upstream(tokens=4) as url:
+        await gateway.register(url)
+        sdk = gateway.sdk(await gateway.key("acme"))
+        expected = [logprob_of(i) for i in range(4)]
+
+        whole = await sdk.chat.completions.create(
+            model=MODEL, messages=MESSAGES, logprobs=True, top_logprobs=2
+        )
+        chat_logprobs = whole.choices[0].logprobs
+        assert chat_logprobs is not None and chat_logprobs.content is not None
+        content = chat_logprobs.content
+        assert "".join(e.token for e in content) == OUTPUT_TEXT[:4]
+        assert [e.logprob for e in content] == expected
+        assert [t.token for t in content[0].top_logprobs] == [OUTPUT_TEXT[0], "~"]
+
+        stream = await sdk.chat.completions.create(
+            model=MODEL, messages=MESSAGES, logprobs=True, stream=True
+        )
+        streamed = [
+            entry
+            for chunk in [c async for c in stream]
+            for choice in chunk.choices
+            for entry in (choice.logprobs.content or [] if choice.logprobs else [])
+        ]
+        assert [(e.token, e.logprob) for e in streamed] == list(
+            zip(OUTPUT_TEXT[:4], expected, strict=True)
+        )
+        assert all(e.top_logprobs == [] for e in streamed)
+
+        text = await sdk.completions.create(model=MODEL, prompt="Once", logprobs=1)
+        logprobs = text.choices[0].logprobs
+        assert logprobs is not None
+        assert logprobs.tokens == list(OUTPUT_TEXT[:4])
+        assert logprobs.token_logprobs == expected
+        assert logprobs.text_offset == [0, 1, 2, 3]
+        pairs = zip(OUTPUT_TEXT[:4], expected, strict=True)
+        assert logprobs.top_logprobs == [{token: value} for token, value in pairs]
+
+        bodies = [r["body"] for r in await recorded(url)]
+        assert [(b.get("logprobs"), b.get("top_logprobs")) for b in bodies] == [
+            (True, 2),
+            (True, 0),
+            (1, None),
+        ]
+        await eventually(lambda: gateway.settled(3))
+        assert [r.completion_tokens for r in await gateway.rows()] == [4, 4, 4]
 
 
 # -- cancellation ----------------------------------------------------------------------

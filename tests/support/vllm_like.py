@@ -8,7 +8,8 @@ with `--delay-ms` before each token so a test can disconnect mid-stream. Asked f
 (and a `tool_choice` other than "none") it calls the first tool, or the named one, with
 CALL_ARGUMENTS, streamed as vLLM's tool parsers stream: a `delta.tool_calls` entry with
 the call's id, type and name, then one with each token of its arguments, and
-finish_reason "tool_calls" (whole: `message.tool_calls`, content null).
+finish_reason "tool_calls" (whole: `message.tool_calls`, content null). Asked for
+`logprobs`, each token's is `logprob_of` its position, in vLLM's shape for the endpoint.
 
 What it copies from vLLM (the parts a gateway depends on):
 - `/v1/chat/completions` and `/v1/completions`, streaming (SSE, `data: [DONE]`) or not;
@@ -204,6 +205,49 @@ def _called(body: dict[str, Any]) -> str | None:
     return str(_tools(tools)[0]["function"]["name"])
 
 
+def _top_logprobs(body: dict[str, Any]) -> int | None:
+    """Chat's `logprobs: true` with `top_logprobs`, or completions' `logprobs: N`."""
+    asked = body.get("logprobs")
+    if asked is None or asked is False:
+        return None
+    top = body.get("top_logprobs") or 0 if asked is True else asked
+    if type(top) is not int or not 0 <= top <= 20:
+        raise UpstreamError(400, "top_logprobs must be an integer from 0 to 20")
+    return top
+
+
+def logprob_of(position: int) -> float:
+    """The fake's log-probability of its output token at `position` (from 0)."""
+    return -0.01 * (position + 1)
+
+
+def _logprobs(generation: Generation, chat: bool, start: int, tokens: list[str]) -> Any:
+    """vLLM's logprobs of `tokens`, the output's from `start`: each token's, and its
+    alternatives (the token itself, then "~" one nat less likely), `top` of them."""
+    top = generation.top
+    if top is None:
+        return None
+    values = [logprob_of(start + i) for i in range(len(tokens))]
+    if chat:
+
+        def entry(token: str, value: float) -> dict[str, Any]:
+            return {"token": token, "logprob": value, "bytes": list(token.encode())}
+
+        content = [
+            {**entry(t, v), "top_logprobs": [entry(t, v), entry("~", v - 1)][:top]}
+            for t, v in zip(tokens, values, strict=True)
+        ]
+        return {"content": content}
+    return {
+        "tokens": tokens,
+        "token_logprobs": values,
+        "top_logprobs": [
+            dict([(t, v), ("~", v - 1)][:top]) for t, v in zip(tokens, values, strict=True)
+        ],
+        "text_offset": [start + i for i in range(len(tokens))],
+    }
+
+
 def _json_wanted(body: dict[str, Any]) -> bool:
     response_format = body.get("response_format")
     if response_format is None:
@@ -249,6 +293,7 @@ class Generation:
         self.state, self.record, self.priority = state, record, priority
         self.prompt_tokens = len(prompt)
         self.call = _called(body)  # the tool it calls: its first token is the name
+        self.top = _top_logprobs(body)  # alternatives per token; None: no logprobs
         self.call_id = f"chatcmpl-tool-{uuid.uuid4().hex}"
         if self.call is not None:
             pieces = [self.call, *CALL_ARGUMENTS]
@@ -407,12 +452,14 @@ def _delta(generation: Generation, chat: bool, token: str, sent: int) -> dict[st
             call["function"] = {"name": token}
         delta = {"tool_calls": [call]}
         return {"index": 0, "delta": delta, "logprobs": None, "finish_reason": reason}
+    logprobs = _logprobs(generation, chat, sent - 1, [token])
     if chat:
-        return {"index": 0, "delta": {"content": token}, "logprobs": None, "finish_reason": reason}
+        content = {"content": token}
+        return {"index": 0, "delta": content, "logprobs": logprobs, "finish_reason": reason}
     return {
         "index": 0,
         "text": token,
-        "logprobs": None,
+        "logprobs": logprobs,
         "finish_reason": reason,
         "stop_reason": None,
     }
@@ -429,7 +476,7 @@ def _whole(generation: Generation, head: dict[str, Any], chat: bool, text: str) 
         choice = {
             "index": 0,
             "message": message,
-            "logprobs": None,
+            "logprobs": None if generation.call else _logprobs(generation, chat, 0, list(text)),
             "finish_reason": reason,
             "stop_reason": None,
         }
@@ -438,7 +485,7 @@ def _whole(generation: Generation, head: dict[str, Any], chat: bool, text: str) 
         choice = {
             "index": 0,
             "text": text,
-            "logprobs": None,
+            "logprobs": _logprobs(generation, chat, 0, list(text)),
             "finish_reason": reason,
             "stop_reason": None,
             "prompt_logprobs": None,
