@@ -333,14 +333,18 @@ async def test_response_format_goes_upstream_as_sent(gateway: Gateway) -> None:
             JSON_OUTPUT
         )
 
+        response = await sdk.responses.create(
+            model=MODEL, input="Say something.", text={"format": {"type": "json_object"}}
+        )
+        assert response.output_text == JSON_OUTPUT  # the Responses API: chat underneath
+
         sent = [r["body"]["response_format"] for r in await recorded(url)]
-        assert sent == [{"type": "json_object"}, schema_format]
-        await eventually(lambda: gateway.settled(2))
+        assert sent == [{"type": "json_object"}, schema_format, {"type": "json_object"}]
+        await eventually(lambda: gateway.settled(3))
         rows = await gateway.rows()
         assert [(r.status, r.completion_tokens) for r in rows] == [
             ("completed", len(JSON_OUTPUT)),
-            ("completed", len(JSON_OUTPUT)),
-        ]
+        ] * 3
         assert {r.prompt_tokens for r in rows} == {chat_prompt_tokens(MESSAGES)}
 
 
