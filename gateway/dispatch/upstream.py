@@ -9,6 +9,12 @@ client's text or token ids, always streamed and always with `include_usage`, so 
 ledger takes the upstream's usage; where it disagrees with the gateway's count, that is
 a metric and a log line.
 
+What the upstream answers itself goes to it as the client sent it (ClientPrompt.fields:
+`response_format`, `tools`, `tool_choice`, `parallel_tool_calls`; and `logprobs`), and
+its answer comes back as it sent it: `delta.tool_calls` and `logprobs` ride on the
+outputs (RequestOutput.tool_calls, .relayed_logprobs). vLLM's older `guided_*` extras
+are refused.
+
 Every request carries the tenant's `cache_salt` (an HMAC of the tenant id under the
 gateway's secret), so tenants never share the upstream's prefix cache. `priority` goes
 only to models configured for it: vLLM refuses a non-zero priority (400) unless it was
@@ -32,7 +38,7 @@ import time
 from collections.abc import AsyncGenerator, AsyncIterator, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 import httpx
 import msgspec
@@ -432,7 +438,7 @@ class OpenAIUpstreamClient:
         await self._http.aclose()
 
 
-def refuse(model: str, param: str) -> None:
+def refuse(model: str, param: str) -> NoReturn:
     raise InvalidRequest(f"{param} is not available for model {model!r} yet", param=param)
 
 
@@ -520,7 +526,8 @@ class StreamReader:
         calls = None if choice.delta is None else choice.delta.tool_calls
         if not text and not calls and choice.logprobs is None:
             return None  # the role announcement, or a chunk that only finishes
-        count = self.counted[choice.index] = self.counted.get(choice.index, 0) + 1
+        count = self.counted.get(choice.index, 0) + bool(text or calls)
+        self.counted[choice.index] = count
         self.started = True
         now = time.monotonic()
         return RequestOutput(
