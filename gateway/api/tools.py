@@ -15,7 +15,7 @@ import json
 import re
 import secrets
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from msgspec import Struct
@@ -123,22 +123,28 @@ def plan(
 
 def assembled(deltas: list[dict[str, Any]]) -> list[ToolCall]:
     """Streamed `delta.tool_calls` entries put together, call by call (by `index`): the
-    first of a call names it, the rest add to its arguments."""
-    calls: dict[int, tuple[str, str, list[str]]] = {}  # index -> id, name, arguments
+    first of a call has its id and name, the rest add to its arguments."""
+    calls: dict[int, _Assembling] = {}
     for delta in deltas:
         function = delta.get("function") or {}
-        at = delta.get("index", 0)
-        call_id, name, arguments = calls.setdefault(at, ("", "", []))
-        calls[at] = (
-            delta.get("id") or call_id or new_call_id(),
-            name + (function.get("name") or ""),
-            arguments,
-        )
-        arguments.append(function.get("arguments") or "")
+        call = calls.setdefault(delta.get("index", 0), _Assembling())
+        call.id = call.id or delta.get("id")
+        call.name += function.get("name") or ""
+        call.arguments.append(function.get("arguments") or "")
     return [
-        ToolCall(id=call_id, function=CalledFunction(name=name, arguments="".join(arguments)))
-        for call_id, name, arguments in (calls[at] for at in sorted(calls))
+        ToolCall(
+            id=call.id or new_call_id(),
+            function=CalledFunction(name=call.name, arguments="".join(call.arguments)),
+        )
+        for _, call in sorted(calls.items())
     ]
+
+
+@dataclass
+class _Assembling:
+    id: str | None = None
+    name: str = ""
+    arguments: list[str] = field(default_factory=list)
 
 
 def template_tools(tools: list[ToolDef]) -> list[dict[str, Any]]:
