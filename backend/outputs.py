@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 
 @dataclass(frozen=True)
@@ -38,6 +39,12 @@ class RequestOutput:
     index: int = 0  # which of the n completions
     prefill_chunks: int = 0  # steps so far that computed part of its prompt
     logprobs: list[TokenLogprobs] | None = None  # one per id in token_ids, if requested
+    # An OpenAI-compatible upstream's tool-call deltas, in OpenAI's streamed shape
+    # (`delta.tool_calls`). Tollgate's engine leaves it None: the gateway parses its text.
+    tool_calls: list[dict[str, Any]] | None = None
+    # And its logprobs of this delta, in OpenAI's shape for the endpoint (chat's
+    # {"content": [...]}, completions' {"tokens", "token_logprobs", ...}).
+    relayed_logprobs: dict[str, Any] | None = None
     # Set on the final output of a request the policy rejected after queueing it
     # (finish_reason "rejected"): "deadline_exceeded", or "overloaded" when a more urgent
     # request took its place in a full queue. AsyncEngine raises it instead.

@@ -50,6 +50,11 @@ class Tokenizer:
         return self._max_token_chars
 
     @property
+    def knows_tools(self) -> bool:
+        """The chat template renders `tools` (else it would leave them out of the count)."""
+        return self.chat_template is not None and "tools" in self.chat_template
+
+    @property
     def vocab_size(self) -> int:
         return self._tok.get_vocab_size(with_added_tokens=True)  # type: ignore[no-any-return]
 

@@ -25,6 +25,7 @@ class Format:
     whole: Callable[[str], dict[str, Any]]  # a whole choice's text
     part: Callable[[str, bool], dict[str, Any]]  # a streamed chunk's text; True: the first
     logprobs: Callable[[Sequence[TokenLogprobs] | None, TokenText], dict[str, Any] | None]
+    joined: Callable[[list[dict[str, Any]]], dict[str, Any]]  # an upstream's, put together
 
     def choice(
         self,
@@ -89,9 +90,14 @@ def with_tool_calls(
     return choice
 
 
-def tool_calls_delta(index: int, calls: Sequence[ToolCall]) -> dict[str, Any]:
-    """A streamed chat choice that carries the output's tool calls, each whole."""
-    deltas = [{"index": i, **msgspec.to_builtins(call)} for i, call in enumerate(calls)]
+def call_deltas(calls: Sequence[ToolCall]) -> list[dict[str, Any]]:
+    """Whole tool calls as `delta.tool_calls` entries, one each."""
+    return [{"index": i, **msgspec.to_builtins(call)} for i, call in enumerate(calls)]
+
+
+def tool_calls_delta(index: int, deltas: list[dict[str, Any]]) -> dict[str, Any]:
+    """A streamed chat choice that carries tool-call deltas (`call_deltas`, or an
+    upstream's own)."""
     return {
         "index": index,
         "delta": {"tool_calls": deltas},
@@ -138,6 +144,23 @@ def _text_logprobs(
     }
 
 
+def _joined_chat(parts: list[dict[str, Any]]) -> dict[str, Any]:
+    return {"content": [entry for part in parts for entry in part.get("content") or []]}
+
+
+def _joined_text(parts: list[dict[str, Any]]) -> dict[str, Any]:
+    """The streamed parts' lists end to end; offsets counted again from the start."""
+    joined: dict[str, list[Any]] = {"tokens": [], "token_logprobs": [], "top_logprobs": []}
+    for part in parts:
+        for key, values in joined.items():
+            values.extend(part.get(key) or [])
+    offsets, position = [], 0
+    for text in joined["tokens"]:
+        offsets.append(position)
+        position += len(text)
+    return {**joined, "text_offset": offsets}
+
+
 CHAT_FORMAT = Format(
     object="chat.completion",
     chunk_object="chat.completion.chunk",
@@ -145,6 +168,7 @@ CHAT_FORMAT = Format(
     whole=_chat_message,
     part=_chat_delta,
     logprobs=_chat_logprobs,
+    joined=_joined_chat,
 )
 TEXT_FORMAT = Format(
     object="text_completion",
@@ -153,4 +177,5 @@ TEXT_FORMAT = Format(
     whole=_text,
     part=lambda text, _first: _text(text),  # a text chunk is a choice like a whole one
     logprobs=_text_logprobs,
+    joined=_joined_text,
 )

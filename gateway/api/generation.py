@@ -16,9 +16,9 @@ from functools import partial
 from typing import Any
 
 from backend import EngineDeadError, RequestOutput, SamplingParams, TokenLogprobs
-from gateway.api.formats import Format, tool_calls_delta, with_tool_calls
+from gateway.api.formats import Format, call_deltas, tool_calls_delta, with_tool_calls
 from gateway.api.schemas import encode
-from gateway.api.tools import ToolCall, ToolPlan, ToolStream
+from gateway.api.tools import ToolCall, ToolPlan, ToolStream, assembled
 from gateway.dispatch.engine_client import RESTART, ClientPrompt, EngineClient, GenerateRequest
 from gateway.errors import (
     ApiError,
@@ -110,6 +110,8 @@ class Choices:
     finish: dict[int, str | None] = field(default_factory=dict)
     texts: dict[int, list[str]] = field(default_factory=dict)
     logprobs: dict[int, list[TokenLogprobs]] = field(default_factory=dict)
+    calls: dict[int, list[dict[str, Any]]] = field(default_factory=dict)  # an upstream's
+    relayed_logprobs: dict[int, list[dict[str, Any]]] = field(default_factory=dict)  # its too
 
     @property
     def completion_tokens(self) -> int:
@@ -120,6 +122,10 @@ class Choices:
         self.texts.setdefault(out.index, []).append(out.text)
         if out.logprobs is not None:
             self.logprobs.setdefault(out.index, []).extend(out.logprobs)
+        if out.tool_calls:
+            self.calls.setdefault(out.index, []).extend(out.tool_calls)
+        if out.relayed_logprobs is not None:
+            self.relayed_logprobs.setdefault(out.index, []).append(out.relayed_logprobs)
 
 
 def _observe(usage: RequestUsage, choices: Choices, gen: Generation, out: RequestOutput) -> None:
@@ -329,28 +335,37 @@ async def complete(
 def _whole_body(
     gen: Generation, engine: EngineClient, choices: Choices, usage: RequestUsage
 ) -> dict[str, Any]:
-    want_logprobs = gen.params.logprobs is not None
     body = gen.envelope(
-        [
-            _with_calls(
-                gen,
-                gen.format.choice(
-                    index,
-                    gen.echo_of(index) + "".join(choices.texts.get(index, [])),
-                    choices.finish.get(index),
-                    choices.logprobs.get(index, []) if want_logprobs else None,
-                    engine.token_text,
-                ),
-            )
-            for index in range(choices.n)
-        ],
-        chunk=False,
+        [_whole_choice(gen, engine, choices, index) for index in range(choices.n)], chunk=False
     )
     body["usage"] = _usage_body(usage)
     return body
 
 
-def _with_calls(gen: Generation, choice: dict[str, Any]) -> dict[str, Any]:
+def _whole_choice(
+    gen: Generation, engine: EngineClient, choices: Choices, index: int
+) -> dict[str, Any]:
+    want_logprobs = gen.params.logprobs is not None
+    choice = gen.format.choice(
+        index,
+        gen.echo_of(index) + "".join(choices.texts.get(index, [])),
+        choices.finish.get(index),
+        choices.logprobs.get(index, []) if want_logprobs else None,
+        engine.token_text,
+    )
+    relayed = choices.relayed_logprobs.get(index)
+    if relayed:  # an upstream's, in the endpoint's shape already
+        choice["logprobs"] = gen.format.joined(relayed)
+    return _with_calls(gen, choices.calls.get(index), choice)
+
+
+def _with_calls(
+    gen: Generation, relayed: list[dict[str, Any]] | None, choice: dict[str, Any]
+) -> dict[str, Any]:
+    """A whole choice with its tool calls: an upstream's (`relayed`, its streamed deltas),
+    or those parsed out of the engine's text."""
+    if relayed:
+        return with_tool_calls(choice, choice["message"]["content"] or None, assembled(relayed))
     if gen.tools is None or not gen.tools.active:
         return choice
     text = choice["message"]["content"]
@@ -407,8 +422,11 @@ def _chunk(
     finish_reason: str | None,
     first: bool = False,
     logprobs: list[TokenLogprobs] | None = None,
+    relayed: dict[str, Any] | None = None,  # an upstream's logprobs, in this shape already
 ) -> bytes:
     choice = gen.format.delta(index, text, finish_reason, first, logprobs, engine.token_text)
+    if relayed is not None:
+        choice["logprobs"] = relayed
     return _delta_event(gen, choice)
 
 
@@ -449,8 +467,11 @@ async def _events(
                 async for out in outputs:
                     _observe(usage, choices, gen, out)
                     text = held[out.index].feed(out.text) if held else out.text
-                    if text or out.logprobs:
-                        yield chunk(out.index, text, None, logprobs=out.logprobs)
+                    if text or out.logprobs or out.relayed_logprobs:
+                        relayed = out.relayed_logprobs
+                        yield chunk(out.index, text, None, logprobs=out.logprobs, relayed=relayed)
+                    if out.tool_calls:  # an upstream's, relayed as they come
+                        yield _delta_event(gen, tool_calls_delta(out.index, out.tool_calls))
                     usage.delivered = choices.completion_tokens  # once the chunk was sent
                     if out.finished:
                         reason = out.finish_reason
@@ -460,7 +481,8 @@ async def _events(
                             if content:
                                 yield chunk(out.index, content, None)
                             if calls:
-                                yield _delta_event(gen, tool_calls_delta(out.index, calls))
+                                delta = tool_calls_delta(out.index, call_deltas(calls))
+                                yield _delta_event(gen, delta)
                                 reason = "tool_calls"
                         yield chunk(out.index, "", reason)
                 await asyncio.shield(settlement.settle())

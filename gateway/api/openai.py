@@ -215,7 +215,7 @@ async def chat(
     params = _params(principal, body, prompt, engine, param, constraint)
     gen = _generation(runtime, principal, body, CHAT_FORMAT, endpoint, prompt, params)
     gen.tools = tools
-    gen.source = ClientPrompt(messages=messages)
+    gen.source = ClientPrompt(messages=messages, fields=body.forwarded())
     return await _respond(
         request, runtime, principal, gen, engine, stream=body.stream, reshape=reshape
     )

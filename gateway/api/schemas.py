@@ -103,7 +103,7 @@ class JsonObjectResponse(Struct, tag_field="type", tag="json_object"):
     pass
 
 
-class JsonSchemaSpec(Struct, kw_only=True):
+class JsonSchemaSpec(Struct, kw_only=True, omit_defaults=True):
     name: Annotated[str, Meta(pattern=r"^[A-Za-z0-9_-]{1,64}$")]
     schema: dict[str, Any] | None = None  # None: any JSON object
     strict: bool | None = None  # always enforced: the output is decoded under the schema
@@ -213,6 +213,17 @@ class ChatCompletionRequest(SamplingFields, kw_only=True):
 
     def template_tools(self) -> list[dict[str, Any]] | None:
         return template_tools(self.tools) if self.tools else None
+
+    def forwarded(self) -> dict[str, Any]:
+        """The fields an OpenAI-compatible upstream answers itself, in OpenAI's JSON, as
+        sent (ClientPrompt.fields); `parallel_tool_calls` only where it is not the default."""
+        fields = {
+            "response_format": self.response_format,
+            "tools": self.tools,
+            "tool_choice": self.tool_choice,
+            "parallel_tool_calls": None if self.parallel_tool_calls else False,
+        }
+        return {name: msgspec.to_builtins(v) for name, v in fields.items() if v is not None}
 
     def prompt_chars(self) -> int:
         """Characters the prompt is rendered from, near enough to bound its tokens."""

@@ -4,7 +4,9 @@ and the parsers that turn a model's output into OpenAI `tool_calls`.
 `tool_choice` "required" and a named function are enforced by constrained decoding (the
 output is then plain JSON: the arguments of the named function, or a list of calls);
 "auto" lets the model answer freely and parses the output in the model's own tool-call
-format (Hermes `<tool_call>` blocks or Llama 3.1 JSON).
+format (Hermes `<tool_call>` blocks or Llama 3.1 JSON). A target that parses its own
+output (TARGET_PARSES: an OpenAI-compatible upstream) gets the tools and tool_choice as
+the client sent them and sends the calls itself: its plan is checked, then inactive.
 """
 
 from __future__ import annotations
@@ -13,15 +15,16 @@ import json
 import re
 import secrets
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from msgspec import Struct
 
+from gateway.dispatch.engine_client import TARGET_PARSES
 from gateway.errors import InvalidRequest
 
 
-class FunctionDef(Struct, kw_only=True):
+class FunctionDef(Struct, kw_only=True, omit_defaults=True):
     name: str
     description: str | None = None
     parameters: dict[str, Any] | None = None
@@ -100,20 +103,48 @@ def plan(
             raise InvalidRequest("tool_choice needs tools", param="tool_choice")
         return None
     _check_names(tools)
+    chosen = None
+    if isinstance(choice, NamedToolChoice):
+        chosen = next((t for t in tools if t.function.name == choice.function.name), None)
+        if chosen is None:
+            raise InvalidRequest(
+                f"tool_choice names {choice.function.name!r}, which is not among the tools",
+                param="tool_choice",
+            )
+    if parser == TARGET_PARSES or choice == "none":  # the target's own, or no calls
+        return ToolPlan(tools)
     if choice is None or choice == "auto":
         return ToolPlan(tools, parser=parser)
-    if choice == "none":
-        return ToolPlan(tools)
     if choice == "required":
         return ToolPlan(tools, forced=_calls_schema(tools, parallel))
-    assert isinstance(choice, NamedToolChoice)
-    chosen = next((t for t in tools if t.function.name == choice.function.name), None)
-    if chosen is None:
-        raise InvalidRequest(
-            f"tool_choice names {choice.function.name!r}, which is not among the tools",
-            param="tool_choice",
-        )
+    assert chosen is not None
     return ToolPlan(tools, forced=chosen.function.schema(), named=chosen.function.name)
+
+
+def assembled(deltas: list[dict[str, Any]]) -> list[ToolCall]:
+    """Streamed `delta.tool_calls` entries put together, call by call (by `index`): the
+    first of a call has its id and name, the rest add to its arguments."""
+    calls: dict[int, _Assembling] = {}
+    for delta in deltas:
+        function = delta.get("function") or {}
+        call = calls.setdefault(delta.get("index", 0), _Assembling())
+        call.id = call.id or delta.get("id")
+        call.name += function.get("name") or ""
+        call.arguments.append(function.get("arguments") or "")
+    return [
+        ToolCall(
+            id=call.id or new_call_id(),
+            function=CalledFunction(name=call.name, arguments="".join(call.arguments)),
+        )
+        for _, call in sorted(calls.items())
+    ]
+
+
+@dataclass
+class _Assembling:
+    id: str | None = None
+    name: str = ""
+    arguments: list[str] = field(default_factory=list)
 
 
 def template_tools(tools: list[ToolDef]) -> list[dict[str, Any]]:

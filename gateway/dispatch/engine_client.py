@@ -11,7 +11,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 from collections.abc import AsyncGenerator, AsyncIterator, Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol, TypeVar
 
@@ -31,6 +31,9 @@ IN_PROCESS = "in-process"  # the replica name of the engine in this process
 RESTART = "restart"
 """finish_reason of the marker output a restartable request's retry on another replica
 begins with: what came before it is void."""
+TARGET_PARSES = "target"
+"""tool_call_parser of a target that finds the tool calls in its output itself (an
+OpenAI-compatible upstream): the gateway forwards the tools and relays the calls."""
 # Past this many characters, tokenizing takes long enough (about 2.5 ms per 10k characters
 # on a 2-core machine) to hold up every other request on the event loop: it runs in a thread.
 INLINE_TOKENIZE_CHARS = 4096
@@ -41,10 +44,15 @@ T = TypeVar("T")
 class ClientPrompt:
     """The prompt as the client sent it, for a target that tokenizes and templates it
     itself (an OpenAI-compatible upstream): chat messages, or a completion's text; with
-    neither, the token ids are the prompt. Tollgate's own engines use the ids."""
+    neither, the token ids are the prompt. Tollgate's own engines use the ids.
+
+    `fields`: the client's request fields such a target answers itself (`response_format`,
+    `tools`, `tool_choice`, `parallel_tool_calls`), in OpenAI's JSON, forwarded as sent.
+    Tollgate's own engines get their meaning from SamplingParams and the tool plan."""
 
     messages: list[dict[str, Any]] | None = None
     text: str | None = None
+    fields: dict[str, Any] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -72,7 +80,9 @@ class EngineClient(Protocol):
     model_name: str
     max_model_len: int
     max_token_chars: int  # the tokenizer's bound on characters per token
-    tool_call_parser: str  # the model's tool-call format (gateway/api/tools.py PARSERS)
+    # The model's tool-call format (gateway/api/tools.py PARSERS), or TARGET_PARSES: the
+    # target parses its output's tool calls itself and sends them as OpenAI's `tool_calls`.
+    tool_call_parser: str
     hidden_size: int | None  # the length of an embedding (None: a replica did not say)
 
     async def tokenize(self, text: str) -> list[int]: ...

@@ -9,6 +9,12 @@ client's text or token ids, always streamed and always with `include_usage`, so 
 ledger takes the upstream's usage; where it disagrees with the gateway's count, that is
 a metric and a log line.
 
+What the upstream answers itself goes to it as the client sent it (ClientPrompt.fields:
+`response_format`, `tools`, `tool_choice`, `parallel_tool_calls`; and `logprobs`), and
+its answer comes back as it sent it: `delta.tool_calls` and `logprobs` ride on the
+outputs (RequestOutput.tool_calls, .relayed_logprobs). vLLM's older `guided_*` extras
+are refused.
+
 Every request carries the tenant's `cache_salt` (an HMAC of the tenant id under the
 gateway's secret), so tenants never share the upstream's prefix cache. `priority` goes
 only to models configured for it: vLLM refuses a non-zero priority (400) unless it was
@@ -32,7 +38,7 @@ import time
 from collections.abc import AsyncGenerator, AsyncIterator, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 import httpx
 import msgspec
@@ -40,7 +46,7 @@ import msgspec
 from backend import RequestOutput, SamplingParams
 from backend.tokenizer import Tokenizer
 from gateway.dispatch import load
-from gateway.dispatch.engine_client import GenerateRequest, LocalTokens
+from gateway.dispatch.engine_client import TARGET_PARSES, GenerateRequest, LocalTokens
 from gateway.dispatch.http1 import Http1Pool, Response, TransportError
 from gateway.dispatch.routing import Replica, affinity_key, pick
 from gateway.errors import (
@@ -63,7 +69,6 @@ ASK_TIMEOUT_S = 10.0  # /tokenize and /v1/models; generation has the request's d
 # Without the upstream's vocabulary, a generous bound on characters per token for the
 # cheap "too long to tokenize" check (real vocabularies have long whitespace runs).
 UNKNOWN_TOKEN_CHARS = 128
-DEFAULT_TOOL_PARSER = "hermes"
 REFUSALS = (400, 413, 422)  # the request itself is wrong: the client hears why
 
 
@@ -85,8 +90,24 @@ class UpstreamOptions:
     probe_every_s: float = PROBE_EVERY_S
 
 
+class _FunctionDelta(msgspec.Struct, omit_defaults=True):
+    name: str | None = None
+    arguments: str | None = None
+
+
+class _ToolCallDelta(msgspec.Struct, omit_defaults=True):
+    """One entry of `delta.tool_calls`: the first of a call has its id and name, the
+    rest add to its arguments (vLLM and SGLang always send `index`)."""
+
+    index: int
+    id: str | None = None
+    type: str | None = None
+    function: _FunctionDelta | None = None
+
+
 class _Delta(msgspec.Struct):
     content: str | None = None
+    tool_calls: list[_ToolCallDelta] | None = None
 
 
 class _Choice(msgspec.Struct):
@@ -94,6 +115,7 @@ class _Choice(msgspec.Struct):
     delta: _Delta | None = None  # chat
     text: str | None = None  # completions
     finish_reason: str | None = None
+    logprobs: dict[str, Any] | None = None  # in the endpoint's own shape
 
 
 class _Details(msgspec.Struct):
@@ -148,7 +170,7 @@ class OpenAIUpstreamClient:
         self.options = options
         self.local = LocalTokens(tokenizer) if tokenizer is not None else None
         self.max_token_chars = tokenizer.max_token_chars if tokenizer else UNKNOWN_TOKEN_CHARS
-        self.tool_call_parser = DEFAULT_TOOL_PARSER  # tools are refused (tokenize_chat)
+        self.tool_call_parser = TARGET_PARSES  # tools and tool_choice go upstream as sent
         self.hidden_size: int | None = None  # embeddings are refused (embed)
         headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
         # The request path's calls (generation, /tokenize) on lean keep-alive connections;
@@ -190,13 +212,14 @@ class OpenAIUpstreamClient:
     async def tokenize_chat(
         self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None
     ) -> list[int]:
-        if tools:  # the gateway parses tool calls out of its own engine's text, not yet these
-            raise InvalidRequest(
-                f"tools are not available for model {self.model_name!r} yet", param="tools"
-            )
-        if self.local is not None:
-            return await self.local.tokenize_chat(messages)
-        return await self._remote_tokens({"messages": messages}, "messages")
+        """With the local tokenizer where its chat template knows tools (or none are
+        given), else the upstream's `/tokenize`, which takes the tools as vLLM's does."""
+        if self.local is not None and (not tools or self.local.tokenizer.knows_tools):
+            return await self.local.tokenize_chat(messages, tools)
+        payload: dict[str, Any] = {"messages": as_sent(messages)}
+        if tools:
+            payload["tools"] = tools
+        return await self._remote_tokens(payload, "messages")
 
     def decode(self, ids: list[int]) -> str:
         if self.local is None:
@@ -285,17 +308,21 @@ class OpenAIUpstreamClient:
 
     def _body(self, request: GenerateRequest) -> dict[str, Any]:
         params, source, tenant = request.params, request.source, request.tenant
-        for param, asked in (("logprobs", params.logprobs), ("response_format", params.constraint)):
-            if asked is not None:
-                raise InvalidRequest(
-                    f"{param} is not available for model {self.model_name!r} yet", param=param
-                )
+        forwarded = source.fields if source is not None else {}
+        constraint = params.constraint  # from a forwarded field: the upstream enforces it
+        if constraint is not None and constraint.field not in forwarded:
+            refuse(self.model_name, constraint.field)  # vLLM's guided_* extras
         body: dict[str, Any] = {"model": self.upstream_model}
+        top = params.logprobs  # the alternatives asked for per token; None: no logprobs
         if source is not None and source.messages is not None:
-            body["messages"] = source.messages
+            body["messages"] = as_sent(source.messages)
+            if top is not None:
+                body |= {"logprobs": True, "top_logprobs": top}
         else:
             body["prompt"] = source.text if source is not None and source.text else request.prompt
-        body |= sampling_fields(params)
+            if top is not None:
+                body["logprobs"] = top
+        body |= sampling_fields(params) | forwarded
         body |= {"stream": True, "stream_options": {"include_usage": True}}
         if tenant is not None:
             body["cache_salt"] = cache_salt(self.options.salt_secret, tenant)
@@ -411,6 +438,27 @@ class OpenAIUpstreamClient:
         await self._http.aclose()
 
 
+def refuse(model: str, param: str) -> NoReturn:
+    raise InvalidRequest(f"{param} is not available for model {model!r} yet", param=param)
+
+
+def as_sent(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Chat messages in OpenAI's shape: the gateway's are in chat templates' (Hugging
+    Face's convention), where a tool call's arguments are an object, not JSON text."""
+    return [
+        {**m, "tool_calls": [_call_as_sent(c) for c in m["tool_calls"]]} if "tool_calls" in m else m
+        for m in messages
+    ]
+
+
+def _call_as_sent(call: dict[str, Any]) -> dict[str, Any]:
+    function = call["function"]
+    arguments = function["arguments"]
+    if not isinstance(arguments, str):
+        arguments = msgspec.json.encode(arguments).decode()
+    return {**call, "function": {**function, "arguments": arguments}}
+
+
 def sampling_fields(params: SamplingParams) -> dict[str, Any]:
     """The sampling parameters as OpenAI's API names them, and vLLM's extensions only
     where they differ from their defaults (a strict OpenAI server refuses unknown ones)."""
@@ -438,9 +486,9 @@ def sampling_fields(params: SamplingParams) -> dict[str, Any]:
 
 @dataclass
 class StreamReader:
-    """One attempt's server-sent events turned into the gateway's outputs: a text delta per
-    chunk (one token each, vLLM's rhythm), then, once the usage chunk came, each
-    completion's final output with the upstream's counts."""
+    """One attempt's server-sent events turned into the gateway's outputs: a text delta
+    (or tool-call deltas) per chunk (one token each, vLLM's rhythm), then, once the usage
+    chunk came, each completion's final output with the upstream's counts."""
 
     client: OpenAIUpstreamClient
     request_id: str
@@ -475,14 +523,16 @@ class StreamReader:
         if choice.finish_reason is not None:
             self.finish[choice.index] = choice.finish_reason
         text = choice.text if choice.delta is None else choice.delta.content
-        if not text:
+        calls = None if choice.delta is None else choice.delta.tool_calls
+        if not text and not calls and choice.logprobs is None:
             return None  # the role announcement, or a chunk that only finishes
-        count = self.counted[choice.index] = self.counted.get(choice.index, 0) + 1
+        count = self.counted.get(choice.index, 0) + bool(text or calls)
+        self.counted[choice.index] = count
         self.started = True
         now = time.monotonic()
         return RequestOutput(
             self.request_id,
-            text,
+            text or "",
             [],
             False,
             None,
@@ -492,6 +542,8 @@ class StreamReader:
             first_token_time=now if count == 1 else None,
             token_times=[now],
             index=choice.index,
+            tool_calls=msgspec.to_builtins(calls) if calls else None,
+            relayed_logprobs=choice.logprobs,
         )
 
     def _final(self) -> list[RequestOutput]:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import logging
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, replace
@@ -34,7 +35,15 @@ from tenants.registry import ModelKind, ModelService, ModelSpec, Target
 from tenants.services import ApiKeyService, TenantService
 from tests.conftest import eventually, migrated_sqlite, read_text_events, serving
 from tests.e2e.processes import free_port, running, start
-from tests.support.vllm_like import OUTPUT_TEXT, Config, render_chat, tokenize
+from tests.support.vllm_like import (
+    CALL_ARGUMENTS,
+    JSON_OUTPUT,
+    OUTPUT_TEXT,
+    Config,
+    logprob_of,
+    render_chat,
+    tokenize,
+)
 from tests.support.vllm_like import create_app as vllm_like
 
 pytestmark = pytest.mark.integration
@@ -144,8 +153,8 @@ async def probe(gateway: Gateway, model: str = MODEL) -> None:
     await gateway.client(model).refresh()
 
 
-def chat_prompt_tokens(messages: list[dict[str, str]]) -> int:
-    return len(tokenize(render_chat(messages)))
+def chat_prompt_tokens(messages: list[Any], tools: list[dict[str, Any]] | None = None) -> int:
+    return len(tokenize(render_chat(messages, tools)))
 
 
 # -- the request path ------------------------------------------------------------------
@@ -263,6 +272,250 @@ async def test_priority_is_sent_only_to_a_model_that_schedules_by_it(
             model=MODEL, prompt="hi", max_tokens=2, extra_body={"priority": 5}
         )
         assert "priority" not in (await recorded(url))[-1]["body"]
+
+
+# -- structured outputs and tools: the upstream's own, forwarded as sent ------------------
+
+WEATHER: Any = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "description": "The weather in a city.",
+        "parameters": {
+            "type": "object",
+            "properties": {"city": {"type": "string"}},
+            "required": ["city"],
+        },
+    },
+}
+# Whole definitions: the gateway counts tools as chat templates take them (a missing
+# description or parameters filled in), the upstream as sent; these read the same.
+TIME: Any = {
+    "type": "function",
+    "function": {
+        "name": "get_time",
+        "description": "The time now.",
+        "parameters": {"type": "object", "properties": {}},
+    },
+}
+
+
+async def test_response_format_goes_upstream_as_sent(gateway: Gateway) -> None:
+    """The upstream enforces the format (the gateway neither constrains nor checks its
+    output), and the ledger is what it is for any request."""
+    schema_format: Any = {
+        "type": "json_schema",
+        "json_schema": {
+            "name": "animal",
+            "schema": {"type": "object", "properties": {"animal": {"type": "string"}}},
+            "strict": True,
+        },
+    }
+    async with upstream() as url:
+        await gateway.register(url)
+        sdk = gateway.sdk(await gateway.key("acme"))
+
+        whole = await sdk.chat.completions.create(
+            model=MODEL, messages=MESSAGES, response_format={"type": "json_object"}
+        )
+        assert whole.choices[0].message.content == JSON_OUTPUT
+        assert whole.choices[0].finish_reason == "stop"
+        assert whole.usage is not None and whole.usage.completion_tokens == len(JSON_OUTPUT)
+
+        stream = await sdk.chat.completions.create(
+            model=MODEL,
+            messages=MESSAGES,
+            response_format=schema_format,
+            stream=True,
+        )
+        chunks = [chunk async for chunk in stream]
+        assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == (
+            JSON_OUTPUT
+        )
+
+        response = await sdk.responses.create(
+            model=MODEL, input="Say something.", text={"format": {"type": "json_object"}}
+        )
+        assert response.output_text == JSON_OUTPUT  # the Responses API: chat underneath
+
+        sent = [r["body"]["response_format"] for r in await recorded(url)]
+        assert sent == [{"type": "json_object"}, schema_format, {"type": "json_object"}]
+        await eventually(lambda: gateway.settled(3))
+        rows = await gateway.rows()
+        assert [(r.status, r.completion_tokens) for r in rows] == [
+            ("completed", len(JSON_OUTPUT)),
+        ] * 3
+        assert {r.prompt_tokens for r in rows} == {chat_prompt_tokens(MESSAGES)}
+
+
+async def test_vllms_guided_extras_are_still_refused_upstream(gateway: Gateway) -> None:
+    async with upstream() as url:
+        await gateway.register(url)
+        sdk = gateway.sdk(await gateway.key("acme"))
+        with pytest.raises(openai.BadRequestError) as refused:
+            await sdk.chat.completions.create(
+                model=MODEL, messages=MESSAGES, extra_body={"guided_regex": "[a-z]+"}
+            )
+        assert refused.value.body["param"] == "guided_regex"  # type: ignore[index]
+        assert await recorded(url) == []
+
+
+async def test_streamed_tool_calls_are_relayed_and_billed(gateway: Gateway) -> None:
+    """The upstream parses its own output: its `delta.tool_calls` reach the client in
+    OpenAI's shape, with finish_reason tool_calls; the reservation counted the prompt with
+    the tools (the upstream's /tokenize), and the ledger has the upstream's usage."""
+    tools: Any = [WEATHER, TIME]
+    async with upstream() as url:
+        await gateway.register(url)
+        sdk = gateway.sdk(await gateway.key("acme"))
+        stream = await sdk.chat.completions.create(
+            model=MODEL,
+            messages=MESSAGES,
+            tools=tools,  # type: ignore[arg-type]
+            stream=True,
+            stream_options={"include_usage": True},
+        )
+        chunks = [chunk async for chunk in stream]
+        deltas = [
+            call
+            for chunk in chunks
+            for choice in chunk.choices
+            for call in choice.delta.tool_calls or []
+        ]
+        assert deltas[0].id is not None and deltas[0].type == "function"
+        assert deltas[0].function is not None and deltas[0].function.name == "get_weather"
+        arguments = "".join((d.function.arguments or "") for d in deltas if d.function)
+        assert arguments == CALL_ARGUMENTS
+        assert {d.index for d in deltas} == {0}
+        reasons = [c.choices[0].finish_reason for c in chunks if c.choices]
+        assert reasons[-1] == "tool_calls"
+        assert not any(c.choices[0].delta.content for c in chunks if c.choices)
+        usage = chunks[-1].usage
+        with_tools = chat_prompt_tokens(MESSAGES, tools)
+        assert usage is not None
+        assert (usage.prompt_tokens, usage.completion_tokens) == (
+            with_tools,
+            1 + len(CALL_ARGUMENTS),
+        )
+
+        (tokenized,) = [r for r in await recorded(url) if r["path"] == "/v1/chat/completions"]
+        assert tokenized["body"]["tools"] == tools
+        assert "tool_choice" not in tokenized["body"]  # the client sent none
+        await eventually(lambda: gateway.settled(1))
+        (row,) = await gateway.rows()
+        assert (row.status, row.prompt_tokens, row.completion_tokens) == (
+            "completed",
+            with_tools,
+            1 + len(CALL_ARGUMENTS),
+        )
+        assert "tollgate_upstream_usage_disagreement_tokens_count{" not in gateway.metrics()
+
+
+async def test_a_whole_answers_tool_calls_are_put_together(gateway: Gateway) -> None:
+    """The gateway always streams from the upstream: a client's whole answer has the
+    call assembled from its deltas; tool_choice and parallel_tool_calls go as sent, and
+    the next turn's assistant call and tool result go in OpenAI's shape."""
+    async with upstream() as url:
+        await gateway.register(url)
+        sdk = gateway.sdk(await gateway.key("acme"))
+        named: Any = {"type": "function", "function": {"name": "get_time"}}
+        whole = await sdk.chat.completions.create(
+            model=MODEL,
+            messages=MESSAGES,
+            tools=[WEATHER, TIME],  # type: ignore[list-item]
+            tool_choice=named,  # type: ignore[arg-type]
+            parallel_tool_calls=False,
+        )
+        choice = whole.choices[0]
+        assert choice.finish_reason == "tool_calls"
+        assert choice.message.content is None
+        (call,) = choice.message.tool_calls or []
+        assert call.id.startswith("chatcmpl-tool-")
+        assert (call.function.name, call.function.arguments) == ("get_time", CALL_ARGUMENTS)  # type: ignore[union-attr]
+
+        turn: list[Any] = [
+            *MESSAGES,
+            {"role": "assistant", "content": None, "tool_calls": [call.model_dump()]},
+            {"role": "tool", "tool_call_id": call.id, "content": "12:00"},
+        ]
+        answer = await sdk.chat.completions.create(
+            model=MODEL, messages=turn, tools=[WEATHER], tool_choice="none", max_tokens=3
+        )
+        assert answer.choices[0].message.content == OUTPUT_TEXT[:3]
+        assert answer.choices[0].message.tool_calls is None
+
+        first, second = [r["body"] for r in await recorded(url)]
+        assert (first["tool_choice"], first["parallel_tool_calls"]) == (named, False)
+        assert second["tool_choice"] == "none"
+        function = second["messages"][1]["tool_calls"][0]["function"]
+        assert function["name"] == "get_time"
+        # JSON text, as OpenAI's API has it (re-encoded: vLLM parses it for its template)
+        assert json.loads(function["arguments"]) == json.loads(CALL_ARGUMENTS)
+        assert second["messages"][2]["tool_call_id"] == call.id
+
+
+async def test_tools_are_counted_with_a_local_template_that_knows_them(gateway: Gateway) -> None:
+    """The built-in model's template renders tools: the gateway counts them locally (the
+    upstream's /tokenize is not asked), so its count with tools exceeds the one without."""
+    async with upstream(tokens=2) as url:
+        await gateway.register(url, tokenizer=str(BUILTIN_MODEL_DIR.resolve()))
+        client = gateway.client()
+        assert client.local is not None and client.local.tokenizer.knows_tools
+        plain = await client.tokenize_chat(MESSAGES)
+        with_tools = await client.tokenize_chat(MESSAGES, [WEATHER])
+        assert len(with_tools) > len(plain)
+        assert [r for r in await recorded(url) if r["path"] == "/tokenize"] == []
+
+
+async def test_the_upstreams_logprobs_are_relayed(gateway: Gateway) -> None:
+    """Chat's and completions' logprobs, streamed and whole, are the upstream's (its
+    token texts: no local tokenizer is needed), asked for in each endpoint's terms."""
+    async with upstream(tokens=4) as url:
+        await gateway.register(url)
+        sdk = gateway.sdk(await gateway.key("acme"))
+        expected = [logprob_of(i) for i in range(4)]
+
+        whole = await sdk.chat.completions.create(
+            model=MODEL, messages=MESSAGES, logprobs=True, top_logprobs=2
+        )
+        chat_logprobs = whole.choices[0].logprobs
+        assert chat_logprobs is not None and chat_logprobs.content is not None
+        content = chat_logprobs.content
+        assert "".join(e.token for e in content) == OUTPUT_TEXT[:4]
+        assert [e.logprob for e in content] == expected
+        assert [t.token for t in content[0].top_logprobs] == [OUTPUT_TEXT[0], "~"]
+
+        stream = await sdk.chat.completions.create(
+            model=MODEL, messages=MESSAGES, logprobs=True, stream=True
+        )
+        streamed = [
+            entry
+            for chunk in [c async for c in stream]
+            for choice in chunk.choices
+            for entry in (choice.logprobs.content or [] if choice.logprobs else [])
+        ]
+        assert [(e.token, e.logprob) for e in streamed] == list(
+            zip(OUTPUT_TEXT[:4], expected, strict=True)
+        )
+        assert all(e.top_logprobs == [] for e in streamed)
+
+        text = await sdk.completions.create(model=MODEL, prompt="Once", logprobs=1)
+        logprobs = text.choices[0].logprobs
+        assert logprobs is not None
+        assert logprobs.tokens == list(OUTPUT_TEXT[:4])
+        assert logprobs.token_logprobs == expected
+        assert logprobs.text_offset == [0, 1, 2, 3]
+        pairs = zip(OUTPUT_TEXT[:4], expected, strict=True)
+        assert logprobs.top_logprobs == [{token: value} for token, value in pairs]
+
+        bodies = [r["body"] for r in await recorded(url)]
+        assert [(b.get("logprobs"), b.get("top_logprobs")) for b in bodies] == [
+            (True, 2),
+            (True, 0),
+            (1, None),
+        ]
+        await eventually(lambda: gateway.settled(3))
+        assert [r.completion_tokens for r in await gateway.rows()] == [4, 4, 4]
 
 
 # -- cancellation ----------------------------------------------------------------------

@@ -3,13 +3,19 @@
 Not a mock object: a real HTTP server (Litestar on uvicorn) that tests start on loopback.
 Its "model" is deterministic: one token per character (the token id is the code point),
 and the output is a fixed text, `--tokens` characters long unless `max_tokens` is smaller,
-with `--delay-ms` before each token so a test can disconnect mid-stream.
+with `--delay-ms` before each token so a test can disconnect mid-stream. Asked for JSON
+(`response_format` json_object or json_schema) it answers JSON_OUTPUT; given `tools`
+(and a `tool_choice` other than "none") it calls the first tool, or the named one, with
+CALL_ARGUMENTS, streamed as vLLM's tool parsers stream: a `delta.tool_calls` entry with
+the call's id, type and name, then one with each token of its arguments, and
+finish_reason "tool_calls" (whole: `message.tool_calls`, content null). Asked for
+`logprobs`, each token's is `logprob_of` its position, in vLLM's shape for the endpoint.
 
 What it copies from vLLM (the parts a gateway depends on):
 - `/v1/chat/completions` and `/v1/completions`, streaming (SSE, `data: [DONE]`) or not;
   with `stream_options.include_usage` a last chunk with `choices: []` and the usage, and
   no `usage` key on the others; token-id prompts (`"prompt": [1, 2, 3]`) on completions.
-- `POST /tokenize` (`{"model", "prompt"}` or `{"model", "messages"}` → `count`,
+- `POST /tokenize` (`{"model", "prompt"}` or `{"model", "messages", "tools"}` → `count`,
   `max_model_len`, `tokens`), `GET /v1/models`, `GET /health`, and `GET /metrics` with
   `vllm:num_requests_running`, `vllm:num_requests_waiting` and `vllm:kv_cache_usage_perc`
   (labels `engine`, `model_name`), read from the real current load: at most
@@ -48,6 +54,9 @@ from litestar.response import Stream
 T = TypeVar("T")
 
 OUTPUT_TEXT = "The quick brown fox jumps over the lazy dog. "
+JSON_OUTPUT = '{"animal": "fox", "quick": true}'
+CALL_ARGUMENTS = '{"city": "Paris"}'
+RESPONSE_FORMATS = ("text", "json_object", "json_schema")
 PRIORITY_POLICY = "priority"
 
 
@@ -151,11 +160,13 @@ def tokenize(text: str) -> list[int]:
     return [ord(char) for char in text]
 
 
-def render_chat(messages: Any) -> str:
-    """The fake's chat template: `<|role|>content` lines, then the assistant's turn."""
+def render_chat(messages: Any, tools: Any = None) -> str:
+    """The fake's chat template: a `<|tools|>` line with the tools' JSON (when given),
+    `<|role|>content` lines, then the assistant's turn. As vLLM's request validation, a
+    tool call's arguments must be JSON text."""
     if not isinstance(messages, list) or not messages:
         raise UpstreamError(400, "messages must be a non-empty list")
-    lines = []
+    lines = [f"<|tools|>{msgspec.json.encode(_tools(tools)).decode()}\n"] if tools else []
     for message in messages:
         if not isinstance(message, dict) or not isinstance(message.get("role"), str):
             raise UpstreamError(400, "each message needs a role")
@@ -164,8 +175,89 @@ def render_chat(messages: Any) -> str:
             content = "".join(p.get("text", "") for p in content if isinstance(p, dict))
         if not isinstance(content, str):
             raise UpstreamError(400, "message content must be a string or a list of parts")
+        for call in message.get("tool_calls") or []:
+            if not isinstance(call.get("function", {}).get("arguments"), str):
+                raise UpstreamError(400, "a tool call's function.arguments must be a string")
+            content += msgspec.json.encode(call["function"]).decode()
         lines.append(f"<|{message['role']}|>{content}\n")
     return "".join(lines) + "<|assistant|>"
+
+
+def _tools(tools: Any) -> list[dict[str, Any]]:
+    if not isinstance(tools, list) or not all(
+        isinstance(t, dict) and t.get("type") == "function" and "name" in t.get("function", {})
+        for t in tools
+    ):
+        raise UpstreamError(400, "tools must be a list of {type: function, function: {name}}")
+    return tools
+
+
+def _called(body: dict[str, Any]) -> str | None:
+    """The name of the tool this request calls, if it calls one."""
+    tools, choice = body.get("tools"), body.get("tool_choice", "auto")
+    if not tools or choice == "none":
+        return None
+    if isinstance(choice, dict):
+        name = choice.get("function", {}).get("name")
+        if name not in [t["function"]["name"] for t in _tools(tools)]:
+            raise UpstreamError(400, f"tool_choice names {name!r}, which is not among the tools")
+        return str(name)
+    return str(_tools(tools)[0]["function"]["name"])
+
+
+def _top_logprobs(body: dict[str, Any]) -> int | None:
+    """Chat's `logprobs: true` with `top_logprobs`, or completions' `logprobs: N`."""
+    asked = body.get("logprobs")
+    if asked is None or asked is False:
+        return None
+    top = body.get("top_logprobs") or 0 if asked is True else asked
+    if type(top) is not int or not 0 <= top <= 20:
+        raise UpstreamError(400, "top_logprobs must be an integer from 0 to 20")
+    return top
+
+
+def logprob_of(position: int) -> float:
+    """The fake's log-probability of its output token at `position` (from 0)."""
+    return -0.01 * (position + 1)
+
+
+def _logprobs(generation: Generation, chat: bool, start: int, tokens: list[str]) -> Any:
+    """vLLM's logprobs of `tokens`, the output's from `start`: each token's, and its
+    alternatives (the token itself, then "~" one nat less likely), `top` of them."""
+    top = generation.top
+    if top is None:
+        return None
+    values = [logprob_of(start + i) for i in range(len(tokens))]
+    if chat:
+
+        def entry(token: str, value: float) -> dict[str, Any]:
+            return {"token": token, "logprob": value, "bytes": list(token.encode())}
+
+        content = [
+            {**entry(t, v), "top_logprobs": [entry(t, v), entry("~", v - 1)][:top]}
+            for t, v in zip(tokens, values, strict=True)
+        ]
+        return {"content": content}
+    return {
+        "tokens": tokens,
+        "token_logprobs": values,
+        "top_logprobs": [
+            dict([(t, v), ("~", v - 1)][:top]) for t, v in zip(tokens, values, strict=True)
+        ],
+        "text_offset": [start + i for i in range(len(tokens))],
+    }
+
+
+def _json_wanted(body: dict[str, Any]) -> bool:
+    response_format = body.get("response_format")
+    if response_format is None:
+        return False
+    kind = response_format.get("type") if isinstance(response_format, dict) else None
+    if kind not in RESPONSE_FORMATS:
+        raise UpstreamError(400, f"response_format.type must be one of {RESPONSE_FORMATS}")
+    if kind == "json_schema" and "name" not in (response_format.get("json_schema") or {}):
+        raise UpstreamError(400, "response_format.json_schema needs a name")
+    return bool(kind != "text")
 
 
 def prompt_ids(prompt: Any) -> list[int]:
@@ -200,8 +292,19 @@ class Generation:
             raise UpstreamError(400, "cache_salt must be a string")
         self.state, self.record, self.priority = state, record, priority
         self.prompt_tokens = len(prompt)
-        self.length = min(config.tokens, max_tokens or config.tokens)
-        self.finish_reason = "length" if self.length == max_tokens else "stop"
+        self.call = _called(body)  # the tool it calls: its first token is the name
+        self.top = _top_logprobs(body)  # alternatives per token; None: no logprobs
+        self.call_id = f"chatcmpl-tool-{uuid.uuid4().hex}"
+        if self.call is not None:
+            pieces = [self.call, *CALL_ARGUMENTS]
+        elif _json_wanted(body):
+            pieces = list(JSON_OUTPUT)
+        else:
+            pieces = [OUTPUT_TEXT[i % len(OUTPUT_TEXT)] for i in range(config.tokens)]
+        self.pieces = pieces[: max_tokens or len(pieces)]
+        self.length = len(self.pieces)
+        finished = "stop" if self.call is None else "tool_calls"
+        self.finish_reason = "length" if self.length == max_tokens else finished
 
     async def tokens(self) -> AsyncGenerator[str, None]:
         state, record = self.state, self.record
@@ -221,7 +324,7 @@ class Generation:
                 reserved += 1
                 state.generation_tokens_total += 1
                 record.tokens_sent += 1
-                yield OUTPUT_TEXT[i % len(OUTPUT_TEXT)]
+                yield self.pieces[i]
             record.finished = True
         finally:
             record.aborted = not record.finished
@@ -290,7 +393,7 @@ async def _generate(request: Request[Any, Any, Any], chat: bool) -> Response[Any
     try:
         state, record, body = await _admit(request)
         if chat:
-            prompt = tokenize(render_chat(body.get("messages")))
+            prompt = tokenize(render_chat(body.get("messages"), body.get("tools")))
         else:
             prompt = prompt_ids(body.get("prompt"))
         generation = Generation(state, record, body, prompt)
@@ -342,12 +445,21 @@ async def _stream_events(
 
 def _delta(generation: Generation, chat: bool, token: str, sent: int) -> dict[str, Any]:
     reason = generation.finish_reason if sent == generation.length else None
+    if chat and generation.call is not None:
+        call: dict[str, Any] = {"index": 0, "function": {"arguments": token}}
+        if sent == 1:  # the name, with the call's id
+            call = {"index": 0, "id": generation.call_id, "type": "function"}
+            call["function"] = {"name": token}
+        delta = {"tool_calls": [call]}
+        return {"index": 0, "delta": delta, "logprobs": None, "finish_reason": reason}
+    logprobs = _logprobs(generation, chat, sent - 1, [token])
     if chat:
-        return {"index": 0, "delta": {"content": token}, "logprobs": None, "finish_reason": reason}
+        content = {"content": token}
+        return {"index": 0, "delta": content, "logprobs": logprobs, "finish_reason": reason}
     return {
         "index": 0,
         "text": token,
-        "logprobs": None,
+        "logprobs": logprobs,
         "finish_reason": reason,
         "stop_reason": None,
     }
@@ -356,11 +468,15 @@ def _delta(generation: Generation, chat: bool, token: str, sent: int) -> dict[st
 def _whole(generation: Generation, head: dict[str, Any], chat: bool, text: str) -> bytes:
     reason = generation.finish_reason
     if chat:
-        message = {"role": "assistant", "content": text, "tool_calls": []}
+        message: dict[str, Any] = {"role": "assistant", "content": text, "tool_calls": []}
+        if generation.call is not None:
+            function = {"name": generation.call, "arguments": text[len(generation.call) :]}
+            call = {"id": generation.call_id, "type": "function", "function": function}
+            message |= {"content": None, "tool_calls": [call]}
         choice = {
             "index": 0,
             "message": message,
-            "logprobs": None,
+            "logprobs": None if generation.call else _logprobs(generation, chat, 0, list(text)),
             "finish_reason": reason,
             "stop_reason": None,
         }
@@ -369,7 +485,7 @@ def _whole(generation: Generation, head: dict[str, Any], chat: bool, text: str) 
         choice = {
             "index": 0,
             "text": text,
-            "logprobs": None,
+            "logprobs": _logprobs(generation, chat, 0, list(text)),
             "finish_reason": reason,
             "stop_reason": None,
             "prompt_logprobs": None,
@@ -415,7 +531,7 @@ async def tokenize_route(request: Request[Any, Any, Any]) -> Response[Any]:
         if not isinstance(body, dict):
             raise UpstreamError(400, "the body must be a JSON object")
         if "messages" in body:
-            ids = tokenize(render_chat(body["messages"]))
+            ids = tokenize(render_chat(body["messages"], body.get("tools")))
         else:
             ids = prompt_ids(body.get("prompt"))
     except UpstreamError as exc:

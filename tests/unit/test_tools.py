@@ -13,8 +13,10 @@ from gateway.api.tools import (
     NamedToolChoice,
     ToolDef,
     ToolStream,
+    assembled,
     plan,
 )
+from gateway.dispatch.engine_client import TARGET_PARSES
 from gateway.errors import InvalidRequest
 
 WEATHER: dict[str, Any] = {
@@ -63,6 +65,33 @@ def test_named_choice_forces_the_functions_schema_and_yields_one_call() -> None:
 def test_an_unknown_named_function_is_refused() -> None:
     with pytest.raises(InvalidRequest, match="not among the tools"):
         plan(tools(WEATHER), named("launch"), True, "hermes")
+
+
+def test_a_target_that_parses_its_own_output_gets_a_checked_but_inactive_plan() -> None:
+    """An upstream honours tool_choice itself: nothing is forced or parsed here, but a
+    choice that names no tool is still refused before anything is sent."""
+    for choice in (None, "auto", "required", "none", named("get_time")):
+        p = plan(tools(WEATHER, TIME), choice, True, TARGET_PARSES)
+        assert p is not None and not p.active and p.forced is None
+    with pytest.raises(InvalidRequest, match="not among the tools"):
+        plan(tools(WEATHER), named("launch"), True, TARGET_PARSES)
+
+
+def test_streamed_tool_call_deltas_are_assembled_call_by_call() -> None:
+    deltas: list[dict[str, Any]] = [
+        {"index": 0, "id": "call_a", "type": "function", "function": {"name": "get_weather"}},
+        {"index": 0, "function": {"arguments": '{"city": '}},
+        {"index": 1, "id": "call_b", "type": "function", "function": {"name": "get_time"}},
+        {"index": 0, "function": {"arguments": '"Oslo"}'}},
+        {"index": 1, "function": {"arguments": "{}"}},
+    ]
+    calls = assembled(deltas)
+    assert [(c.id, c.function.name, c.function.arguments) for c in calls] == [
+        ("call_a", "get_weather", '{"city": "Oslo"}'),
+        ("call_b", "get_time", "{}"),
+    ]
+    (unnamed,) = assembled([{"index": 0, "function": {"name": "f", "arguments": "{}"}}])
+    assert unnamed.id.startswith("call_")  # an upstream that sent no id gets one
 
 
 def test_required_forces_a_list_of_calls_and_parallel_false_allows_one() -> None:
