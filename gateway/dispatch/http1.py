@@ -336,6 +336,12 @@ class Http1Pool:
     def forget(self, connection: _Connection) -> None:
         self._busy.discard(connection)
 
+    async def __aenter__(self) -> Http1Pool:
+        return self
+
+    async def __aexit__(self, *_: object) -> None:
+        await self.close()
+
     async def close(self) -> None:
         """Close every connection, idle or in use."""
         self._closed = True

@@ -83,16 +83,12 @@ async def _keep_alive() -> None:
         out.write(answer(request.rsplit(b"\r\n\r\n", 1)[1]))
         return True
 
-    async with serving(handler) as server:
-        pool = Http1Pool({"Authorization": "Bearer k"})
-        try:
-            for body in (b'{"a":1}', b'{"b":2}'):
-                async with await pool.request("POST", f"{server.url}/x?q=1", body) as response:
-                    assert response.status_code == 200
-                    assert response.headers["content-type"] == "application/json"
-                    assert await response.read() == body
-        finally:
-            await pool.close()
+    async with serving(handler) as server, Http1Pool({"Authorization": "Bearer k"}) as pool:
+        for body in (b'{"a":1}', b'{"b":2}'):
+            async with await pool.request("POST", f"{server.url}/x?q=1", body) as response:
+                assert response.status_code == 200
+                assert response.headers["content-type"] == "application/json"
+                assert await response.read() == body
     assert server.connections == 1
     first = server.requests[0]
     assert first.startswith(b"POST /x?q=1 HTTP/1.1\r\n")
@@ -113,19 +109,15 @@ async def test_streamed_lines_come_as_they_are_sent() -> None:
         out.write(b"0\r\n\r\n")
         return True
 
-    async with serving(handler) as server:
-        pool = Http1Pool()
-        try:
-            lines = []
-            async with await pool.request("POST", server.url + "/s", b"{}") as response:
-                async for line in response.lines():
-                    lines.append(line)
-                    more.set()
-            assert lines == [b"data: one", b"", b"data: two", b"", b"data: [DONE]", b""]
-            async with await pool.request("POST", server.url + "/s", b"{}") as response:
-                assert (await response.read()).endswith(b"data: [DONE]\n\n")
-        finally:
-            await pool.close()
+    async with serving(handler) as server, Http1Pool() as pool:
+        lines = []
+        async with await pool.request("POST", server.url + "/s", b"{}") as response:
+            async for line in response.lines():
+                lines.append(line)
+                more.set()
+        assert lines == [b"data: one", b"", b"data: two", b"", b"data: [DONE]", b""]
+        async with await pool.request("POST", server.url + "/s", b"{}") as response:
+            assert (await response.read()).endswith(b"data: [DONE]\n\n")
     assert server.connections == 1  # the chunked answer was read to its end: reused
 
 
@@ -136,15 +128,11 @@ async def test_closing_a_response_before_its_end_closes_the_connection() -> None
         await reader.read()  # until the client closes: what vLLM takes as an abort
         return False
 
-    async with serving(handler) as server:
-        pool = Http1Pool()
-        try:
-            response = await pool.request("POST", server.url, b"{}")
-            assert await anext(response.chunks()) == b"first"
-            response.close()
-            await asyncio.wait_for(server.closed.wait(), 5)
-        finally:
-            await pool.close()
+    async with serving(handler) as server, Http1Pool() as pool:
+        response = await pool.request("POST", server.url, b"{}")
+        assert await anext(response.chunks()) == b"first"
+        response.close()
+        await asyncio.wait_for(server.closed.wait(), 5)
 
 
 async def test_a_body_without_length_ends_with_the_connection() -> None:
@@ -152,14 +140,13 @@ async def test_a_body_without_length_ends_with_the_connection() -> None:
         out.write(b"HTTP/1.1 502 Bad Gateway\r\nconnection: close\r\n\r\nno upstream")
         return False
 
-    async with serving(handler) as server:
-        pool = Http1Pool()
-        try:
-            async with await pool.request("POST", server.url, b"") as response:
-                assert response.status_code == 502
-                assert await response.read() == b"no upstream"
-        finally:
-            await pool.close()
+    async with (
+        serving(handler) as server,
+        Http1Pool() as pool,
+        await pool.request("POST", server.url, b"") as response,
+    ):
+        assert response.status_code == 502
+        assert await response.read() == b"no upstream"
 
 
 async def test_a_connection_the_server_closed_while_idle_is_replaced() -> None:
@@ -168,16 +155,12 @@ async def test_a_connection_the_server_closed_while_idle_is_replaced() -> None:
         await out.drain()
         return False
 
-    async with serving(handler) as server:
-        pool = Http1Pool()
-        try:
-            for _ in range(2):
-                async with await pool.request("POST", server.url, b"") as response:
-                    assert await response.read() == b"ok"
-                await asyncio.wait_for(server.closed.wait(), 5)
-                server.closed.clear()
-        finally:
-            await pool.close()
+    async with serving(handler) as server, Http1Pool() as pool:
+        for _ in range(2):
+            async with await pool.request("POST", server.url, b"") as response:
+                assert await response.read() == b"ok"
+            await asyncio.wait_for(server.closed.wait(), 5)
+            server.closed.clear()
     assert server.connections == 2
     assert len(server.requests) == 2  # each request sent once
 
@@ -187,27 +170,20 @@ async def test_a_dropped_answer_is_a_transport_error_and_never_sent_twice() -> N
         out.write(b"HTTP/1.1 200 OK\r\ncontent-length: 100\r\n\r\npartial")
         return False  # closes mid-body
 
-    async with serving(handler) as server:
-        pool = Http1Pool()
-        try:
-            response = await pool.request("POST", server.url, b"")
-            with pytest.raises(TransportError):
-                await response.read()
-            response.close()
-        finally:
-            await pool.close()
+    async with serving(handler) as server, Http1Pool() as pool:
+        response = await pool.request("POST", server.url, b"")
+        with pytest.raises(TransportError):
+            await response.read()
+        response.close()
     assert len(server.requests) == 1
 
 
 async def test_a_refused_connection_is_a_transport_error() -> None:
     async with serving(lambda *_: asyncio.sleep(0, False)) as server:
         url = server.url
-    pool = Http1Pool(connect_timeout_s=2.0)
-    try:
+    async with Http1Pool(connect_timeout_s=2.0) as pool:
         with pytest.raises(TransportError):
             await pool.request("POST", url, b"")
-    finally:
-        await pool.close()
 
 
 def test_urls_split_into_origin_and_target() -> None:
@@ -228,13 +204,9 @@ async def test_a_request_dropped_unanswered_on_a_kept_alive_connection_goes_anew
         out.write(answer(b"ok"))
         return True
 
-    async with serving(handler) as server:
-        pool = Http1Pool()
-        try:
-            for _ in range(2):
-                async with await pool.request("POST", server.url, b"") as response:
-                    assert await response.read() == b"ok"
-        finally:
-            await pool.close()
+    async with serving(handler) as server, Http1Pool() as pool:
+        for _ in range(2):
+            async with await pool.request("POST", server.url, b"") as response:
+                assert await response.read() == b"ok"
     assert server.connections == 2
     assert len(server.requests) == 3
