@@ -14,7 +14,7 @@ from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import Tokenizer as HFTokenizer
 
 from backend.errors import CheckpointError, InvalidParameterError
-from backend.loader import read_json
+from backend.models.config import read_json
 
 
 class Tokenizer:

@@ -10,7 +10,7 @@ from pathlib import Path
 from backend.capacity.errors import CapacityInputError
 from backend.capacity.model import GIB, Architecture, Hardware
 from backend.errors import CheckpointError
-from backend.loader import load_model_config
+from backend.models.config import load_model_config
 
 PRESETS_DIR = Path(__file__).resolve().parent / "data"
 MODELS_DIR = PRESETS_DIR / "models"

@@ -26,7 +26,7 @@ from backend.errors import (
     RequestStepError,
 )
 from backend.grammar import GrammarCompiler
-from backend.loader import load_model_config
+from backend.models.config import load_model_config
 from backend.outputs import EngineStats, RequestOutput, TokenLogprobs
 from backend.sampling import SamplingParams
 from backend.tokenizer import IncrementalDetokenizer, Tokenizer

@@ -8,8 +8,6 @@ from typing import Any
 import torch
 from torch import nn
 
-SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
-
 
 def inverse_frequencies(
     head_dim: int, theta: float, scaling: dict[str, Any] | None

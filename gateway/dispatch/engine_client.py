@@ -13,9 +13,9 @@ import contextlib
 from collections.abc import AsyncGenerator, AsyncIterator, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Protocol, TypeVar
+from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 
-from backend import AsyncEngine, EngineConfig, RequestOutput, SamplingParams
+from backend import EngineConfig, RequestOutput, SamplingParams
 from backend.errors import (
     DeadlineExceededError,
     InvalidParameterError,
@@ -26,6 +26,9 @@ from backend.telemetry import traced
 from backend.tokenizer import Tokenizer
 from gateway.errors import ApiError, DeadlineExceeded, InternalError, InvalidRequest, Overloaded
 from gateway.telemetry.request import current_request
+
+if TYPE_CHECKING:  # torch comes with it: a gateway fronting replicas never loads it
+    from backend import AsyncEngine
 
 IN_PROCESS = "in-process"  # the replica name of the engine in this process
 RESTART = "restart"
@@ -178,6 +181,8 @@ class InProcessEngineClient(LocalTokens):
 
     @classmethod
     async def load(cls, model_path: Path, config: EngineConfig) -> InProcessEngineClient:
+        from backend import AsyncEngine  # torch, only for a gateway running an engine
+
         # Loading reads weights from disk: keep it off the event loop.
         engine = await asyncio.to_thread(AsyncEngine.from_pretrained, model_path, config)
         return cls(engine)

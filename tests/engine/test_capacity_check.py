@@ -24,7 +24,7 @@ from backend.capacity.remote import check_remote_async
 from backend.config import EngineConfig
 from backend.engine.async_engine import AsyncEngine
 from backend.engine.model_runner import kv_bytes_per_block
-from backend.loader import load_model_config
+from backend.models.config import load_model_config
 from backend.server import create_backend_app
 from backend.sim.cost import CostModel, GpuSpec, ModelSpec
 from gateway.cli import main

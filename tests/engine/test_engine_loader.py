@@ -12,7 +12,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from backend.errors import CheckpointError
-from backend.loader import load_model_config
+from backend.models.config import load_model_config
 from tests.engine.engine_support import make_engine
 
 

@@ -17,7 +17,7 @@ from backend.engine.engine import Engine
 from backend.engine.model_runner import ModelRunner
 from backend.engine.step_inputs import Staging
 from backend.layers.attention import AttentionMetadata, TorchPagedAttention
-from backend.loader import load_model_config
+from backend.models.config import load_model_config
 from backend.models.llama import LlamaAttention
 from backend.sampling import SamplingParams
 from tests.engine.engine_support import make_engine, run_to_completion, tokens_of

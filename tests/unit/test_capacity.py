@@ -17,7 +17,7 @@ from backend.capacity.presets import MODELS_DIR, gpu_preset, model_preset, model
 from backend.config import EngineConfig
 from backend.engine.model_runner import kv_bytes_per_block
 from backend.layers.attention import TorchPagedAttention
-from backend.loader import load_model_config
+from backend.models.config import load_model_config
 from backend.models.llama import LlamaForCausalLM
 from backend.sim.cost import CostModel
 from backend.sim.simulator import Simulator

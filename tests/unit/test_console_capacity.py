@@ -12,7 +12,7 @@ from backend.builtin import BUILTIN_MODEL_DIR
 from backend.config import EngineConfig
 from backend.engine.async_engine import AsyncEngine
 from backend.engine.model_runner import kv_bytes_per_block
-from backend.loader import load_model_config
+from backend.models.config import load_model_config
 from backend.server import create_backend_app
 from gateway.console.capacity import live_replicas
 from gateway.dispatch.remote import RemoteEngineClient

@@ -81,3 +81,17 @@ def test_importing_backend_does_no_work() -> None:
         "assert backend.AsyncEngine.__name__ == 'AsyncEngine'"
     )
     subprocess.run([sys.executable, "-c", code], check=True, timeout=60)
+
+
+def test_a_gateway_loads_torch_only_to_run_an_engine() -> None:
+    """A gateway that fronts replicas or upstreams starts without torch (seconds of CPU
+    per start, hundreds of MB resident); the in-process engine brings it in."""
+    code = (
+        "import sys, gateway.app, gateway.cli, backend.tokenizer, backend.capacity.presets; "
+        "assert 'torch' not in sys.modules, 'torch imported'; "
+        "from backend.models.config import load_model_config; "
+        "from backend.builtin import BUILTIN_MODEL_DIR; "
+        "assert load_model_config(BUILTIN_MODEL_DIR).num_layers > 0; "
+        "assert 'torch' not in sys.modules, 'torch imported by the config reader'"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=60)
