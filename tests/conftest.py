@@ -54,12 +54,9 @@ def _create_database(url: str) -> None:
     """Create a worker's database once (the set-up makes only the serial one). Where
     PostgreSQL is not up, the tests that need it fail with their own error."""
     target = make_url(url)
-    admin = target.set(drivername="postgresql", database="postgres").render_as_string(
-        hide_password=False
-    )
     with (
         contextlib.suppress(psycopg.OperationalError),
-        psycopg.connect(admin, autocommit=True) as connection,
+        psycopg.connect(_admin_url(url), autocommit=True) as connection,
     ):
         exists = connection.execute(
             "SELECT 1 FROM pg_database WHERE datname = %s", (target.database,)
@@ -84,9 +81,7 @@ def database_url(request: pytest.FixtureRequest, tmp_path: Path) -> str:
     """A migrated, empty database of each kind."""
     if request.param == "sqlite":
         return migrated_sqlite(tmp_path / "tollgate.db")
-    db.reset_schema(POSTGRES_URL)
-    db.upgrade(POSTGRES_URL)
-    return POSTGRES_URL
+    return migrated_postgres()
 
 
 def migrated_sqlite(path: Path) -> str:
@@ -107,6 +102,37 @@ def _migrated_sqlite_template() -> Path:
     path = folder / "migrated.db"
     db.upgrade(f"sqlite:///{path}")
     return path
+
+
+def migrated_postgres() -> str:
+    """POSTGRES_URL, migrated and empty: the worker's database dropped (its connections
+    closed) and made again from a template the migrations built at the first call, ~0.15 s
+    where running them again costs ~0.5 s."""
+    name = make_url(POSTGRES_URL).database
+    template = _migrated_postgres_template()
+    with psycopg.connect(_admin_url(POSTGRES_URL), autocommit=True) as connection:
+        connection.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
+        connection.execute(f'CREATE DATABASE "{name}" TEMPLATE "{template}"')
+    return POSTGRES_URL
+
+
+@functools.cache
+def _migrated_postgres_template() -> str:
+    """A database beside the worker's, built by the migrations of this checkout (made
+    again in every test session, so a changed migration is never skipped)."""
+    target = make_url(POSTGRES_URL)
+    template = f"{target.database}_template"
+    with psycopg.connect(_admin_url(POSTGRES_URL), autocommit=True) as connection:
+        connection.execute(f'DROP DATABASE IF EXISTS "{template}" WITH (FORCE)')
+        connection.execute(f'CREATE DATABASE "{template}"')
+    db.upgrade(target.set(database=template).render_as_string(hide_password=False))
+    return template
+
+
+def _admin_url(url: str) -> str:
+    """The server's maintenance database, as psycopg takes it."""
+    target = make_url(url).set(drivername="postgresql", database="postgres")
+    return target.render_as_string(hide_password=False)
 
 
 @pytest.fixture

@@ -23,7 +23,7 @@ from tenants.models import UsageEvent
 from tenants.pricing import DEFAULT_PRICE
 from tenants.quota import RedisQuotaStore, ScopeUsage, month_period, tenant_scope
 from tenants.services import ApiKeyService, PlanService, TenantService
-from tests.conftest import POSTGRES_URL, REDIS_URL
+from tests.conftest import POSTGRES_URL, REDIS_URL, migrated_postgres
 from tests.e2e.processes import Process, free_port, running, start
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
@@ -42,8 +42,7 @@ class Cluster:
 
 @pytest.fixture(scope="module")
 def cluster() -> Iterator[Cluster]:
-    db.reset_schema(POSTGRES_URL)
-    db.upgrade(POSTGRES_URL)
+    migrated_postgres()
     admin_key, _ = keys.generate_key()
     env = {
         "TOLLGATE_DATABASE_URL": POSTGRES_URL,

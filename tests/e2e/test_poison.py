@@ -22,7 +22,7 @@ from gateway.bootstrap import ensure_admin_key
 from gateway.dispatch.engine_client import InProcessEngineClient
 from gateway.settings import Settings
 from tenants import db, keys
-from tests.conftest import POSTGRES_URL, REDIS_URL, serving
+from tests.conftest import POSTGRES_URL, REDIS_URL, migrated_postgres, serving
 from tests.e2e.processes import free_port, running, start
 from tests.support.poison import table
 
@@ -81,8 +81,7 @@ async def embedded(
 
 @pytest.fixture(scope="module")
 def stack() -> Iterator[Target]:
-    db.reset_schema(POSTGRES_URL)
-    db.upgrade(POSTGRES_URL)
+    migrated_postgres()
     secret, (admin, _) = secrets.token_hex(16), keys.generate_key()
     common = {
         "TOLLGATE_BACKEND_SECRET": secret,

@@ -22,7 +22,7 @@ from tenants.models import UsageEvent, utcnow
 from tenants.pricing import DEFAULT_PRICE
 from tenants.quota import RedisQuotaStore, month_period, tenant_scope
 from tenants.services import ApiKeyService, PlanService, TenantService, UsageService
-from tests.conftest import POSTGRES_URL, eventually
+from tests.conftest import POSTGRES_URL, eventually, migrated_postgres
 from tests.e2e.processes import free_port, running, start
 from tests.support.redis_server import redis_server
 
@@ -34,8 +34,7 @@ LEASE_S = 4  # admission resumes LEASE_S / 2 after the store lost its state
 
 
 async def test_redis_restart_under_two_gateways_never_overspends() -> None:
-    db.reset_schema(POSTGRES_URL)
-    db.upgrade(POSTGRES_URL)
+    migrated_postgres()
     engine = db.create_engine(POSTGRES_URL)
     sessions = db.session_factory(engine)
     try:

@@ -33,7 +33,7 @@ from tenants.limits import LimitSet, PlanTerms
 from tenants.models import UsageEvent
 from tenants.quota import RedisQuotaStore, month_period, tenant_scope
 from tenants.services import ApiKeyService, PlanService, TenantService
-from tests.conftest import POSTGRES_URL, REDIS_URL, eventually
+from tests.conftest import POSTGRES_URL, REDIS_URL, eventually, migrated_postgres
 from tests.e2e.processes import Process, free_port
 from tests.infra.conftest import ROOT, spawn
 from tests.infra.resolving_tollgate import write_hosts
@@ -118,8 +118,7 @@ def stripe() -> Iterator[FakeStripe]:
 
 @pytest.fixture
 def cluster(tmp_path: Path, stripe: FakeStripe) -> Iterator[Cluster]:
-    db.reset_schema(POSTGRES_URL)
-    db.upgrade(POSTGRES_URL)
+    migrated_postgres()
     env = {
         **os.environ,
         "TOLLGATE_DATABASE_URL": POSTGRES_URL,

@@ -26,7 +26,7 @@ from tenants.audit import Actor, AuditContext, AuditEvent
 from tenants.errors import InvalidInputError
 from tenants.models import KeyRole
 from tenants.services import ApiKeyService, TenantService
-from tests.conftest import POSTGRES_URL
+from tests.conftest import migrated_postgres
 
 Sessions = async_sessionmaker[AsyncSession]
 
@@ -227,9 +227,7 @@ async def test_concurrent_appends_never_fork_the_chain(sessions: Sessions) -> No
 
 @pytest.fixture
 def postgres_url() -> str:
-    db.reset_schema(POSTGRES_URL)
-    db.upgrade(POSTGRES_URL)
-    return POSTGRES_URL
+    return migrated_postgres()
 
 
 @pytest.fixture

@@ -33,7 +33,7 @@ from gateway.settings import Settings
 from tenants import db
 from tenants.models import KeyRole
 from tenants.services import ApiKeyService, TenantService
-from tests.conftest import POSTGRES_URL
+from tests.conftest import migrated_postgres, migrated_sqlite
 
 pytestmark = pytest.mark.slow
 FUZZ = settings(
@@ -164,11 +164,9 @@ def server(
     engine_client: InProcessEngineClient,
 ) -> Iterator[Server]:
     folder = tmp_path_factory.mktemp("fuzz")
-    url = f"sqlite:///{folder / 'tollgate.db'}"
+    url = migrated_sqlite(folder / "tollgate.db")
     if request.param == "postgresql":  # NUL characters and long strings meet real columns
-        url = POSTGRES_URL
-        db.reset_schema(url)
-    db.upgrade(url)
+        url = migrated_postgres()
 
     async def make_keys() -> dict[str, str]:
         engine = db.create_engine(url)

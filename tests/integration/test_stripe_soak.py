@@ -25,7 +25,7 @@ from tenants.audit import Actor
 from tenants.billing.export import sync_engine
 from tenants.billing.models import OutboxRow, OutboxStatus, StripeCustomerRequest
 from tenants.billing.outbox import OutboxService
-from tests.conftest import POSTGRES_URL, eventually
+from tests.conftest import POSTGRES_URL, eventually, migrated_postgres
 from tests.integration.stripe_support import (
     add_usage,
     identifier_of,
@@ -129,8 +129,7 @@ async def kill_mid_batch(
 async def test_celery_soak_counts_every_row_once_through_kills_faults_and_both_windows(
     tmp_path: Path, fake: FakeStripe
 ) -> None:
-    db.reset_schema(POSTGRES_URL)
-    db.upgrade(POSTGRES_URL)
+    migrated_postgres()
     async_engine = db.create_engine(POSTGRES_URL)
     sessions = db.session_factory(async_engine)
     ledger = sync_engine(POSTGRES_URL)
