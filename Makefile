@@ -9,6 +9,9 @@ CPU_TORCH := torch==2.13.0
 PIP := $(BIN)/python -m pip --disable-pip-version-check --quiet
 # Some machines list local package folders that do not exist; pip warns for each.
 PIP_NOISE := is ignored: it is neither
+# Two test workers a core (at most 8): many tests wait on servers they start, so a second
+# worker per core fills those waits.
+TEST_WORKERS ?= $(shell $(PYTHON) -c 'import os; print(min(8, 2 * len(os.sched_getaffinity(0))))')
 
 .PHONY: setup run test lint format services browser clean
 
@@ -48,7 +51,7 @@ browser:  # Debian's chromium, driven by Playwright in the console's browser tes
 	@bash infra/scripts/ensure-browser.sh
 
 test: setup lint services browser
-	$(BIN)/pytest -n auto --maxprocesses 4 --dist worksteal
+	$(BIN)/pytest -n $(TEST_WORKERS) --dist worksteal
 
 clean:
 	rm -rf $(VENV) .tollgate .pytest_cache .mypy_cache .ruff_cache

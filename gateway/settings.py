@@ -7,10 +7,14 @@ import os
 from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 from pathlib import Path
+from typing import Literal
 
 from backend.config import EngineConfig
 from gateway import engine_knobs
 from gateway.errors import ConfigError
+
+PriorityOrder = Literal["lower-first", "higher-first"]
+PRIORITY_ORDERS: tuple[PriorityOrder, ...] = ("lower-first", "higher-first")
 
 DEFAULT_DATA_DIR = Path(".tollgate")
 
@@ -72,9 +76,13 @@ class Settings:
     # prefix cache; every gateway replica needs the same secret for a tenant's requests to
     # share theirs. Unset: TOLLGATE_BACKEND_SECRET, else a random one per process.
     cache_salt_secret: str | None = field(default=None, repr=False)
-    # Models whose upstream schedules by priority (vLLM: --scheduling-policy priority, lower
-    # first, as the gateway's): they get the request's priority; others refuse it, so never.
-    upstream_priority_models: frozenset[str] = frozenset()
+    # Models whose upstream schedules by priority, and its convention: "lower-first" (vLLM
+    # with --scheduling-policy priority, as the gateway's) or "higher-first" (SGLang's
+    # default): they get the request's priority in that convention; others, never (vLLM
+    # refuses a non-zero priority unless so started).
+    upstream_priority_models: Mapping[str, PriorityOrder] = field(default_factory=dict)
+    # Models whose tenants share the upstream's prefix cache: no cache_salt is sent.
+    upstream_shared_cache_models: frozenset[str] = frozenset()
     upstream_probe_s: float = 1.0  # how often each upstream's /health and /metrics are read
 
     @classmethod
@@ -128,10 +136,11 @@ class Settings:
             drain_s=float(_int(env, "TOLLGATE_DRAIN_S", 30, low=0, high=3600)),
             admin_password=env.get("TOLLGATE_ADMIN_PASSWORD") or None,
             cache_salt_secret=env.get("TOLLGATE_CACHE_SALT_SECRET", "").strip() or None,
-            upstream_priority_models=frozenset(
-                name.strip()
-                for name in env.get("TOLLGATE_UPSTREAM_PRIORITY_MODELS", "").split(",")
-                if name.strip()
+            upstream_priority_models=_priority_models(
+                env.get("TOLLGATE_UPSTREAM_PRIORITY_MODELS", "")
+            ),
+            upstream_shared_cache_models=frozenset(
+                _names(env.get("TOLLGATE_UPSTREAM_SHARED_CACHE_MODELS", ""))
             ),
             upstream_probe_s=_int(env, "TOLLGATE_UPSTREAM_PROBE_MS", 1000, low=100, high=60000)
             / 1000,
@@ -181,6 +190,25 @@ def _proxy(entry: str) -> str:
         raise SettingsError(
             f"TOLLGATE_TRUSTED_PROXIES: {entry!r} is not an IP address or CIDR block"
         ) from None
+
+
+def _names(raw: str) -> list[str]:
+    return [name.strip() for name in raw.split(",") if name.strip()]
+
+
+def _priority_models(raw: str) -> dict[str, PriorityOrder]:
+    """`name[:lower-first|higher-first]`, comma-separated; the order defaults to vLLM's."""
+    models: dict[str, PriorityOrder] = {}
+    for entry in _names(raw):
+        name, _, order = (part.strip() for part in entry.partition(":"))
+        order = order or "lower-first"
+        if order not in PRIORITY_ORDERS:
+            raise SettingsError(
+                f"TOLLGATE_UPSTREAM_PRIORITY_MODELS: {entry!r}: the order after ':' must be "
+                f"one of {', '.join(PRIORITY_ORDERS)}"
+            )
+        models[name] = order  # type: ignore[assignment]  # checked against PRIORITY_ORDERS
+    return models
 
 
 def _int(env: Mapping[str, str], name: str, default: int, low: int, high: int | None = None) -> int:

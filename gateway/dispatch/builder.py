@@ -22,7 +22,8 @@ def client_builder(settings: Settings, on_disagreement: Disagreement) -> Builder
         if spec.kind is ModelKind.OPENAI:
             options = UpstreamOptions(
                 salt_secret=salt_secret.encode(),
-                priority=spec.name in settings.upstream_priority_models,
+                priority=settings.upstream_priority_models.get(spec.name),
+                salted=spec.name not in settings.upstream_shared_cache_models,
                 on_disagreement=on_disagreement,
                 probe_every_s=settings.upstream_probe_s,
             )

@@ -16,10 +16,11 @@ outputs (RequestOutput.tool_calls, .relayed_logprobs). vLLM's older `guided_*` e
 are refused.
 
 Every request carries the tenant's `cache_salt` (an HMAC of the tenant id under the
-gateway's secret), so tenants never share the upstream's prefix cache. `priority` goes
-only to models configured for it: vLLM refuses a non-zero priority (400) unless it was
-started with `--scheduling-policy priority`, and its convention (lower runs first) is the
-gateway's, so the value passes as it is.
+gateway's secret), so tenants never share the upstream's prefix cache, unless the model
+is configured to share it. `priority` goes only to models configured for it, in their
+convention: vLLM refuses a non-zero priority (400) unless it was started with
+`--scheduling-policy priority`, and orders lower first, as the gateway does, so the value
+passes as it is; SGLang runs higher values first by default, so it gets the negation.
 
 Within the pool, targets are chosen by routing.pick (prefix affinity, their own load from
 /metrics, weights); a request moves to another target only before its first token and
@@ -57,6 +58,7 @@ from gateway.errors import (
     RateLimited,
     UpstreamFailed,
 )
+from gateway.settings import PriorityOrder
 from gateway.tasks import Periodic
 from gateway.telemetry.request import current_request
 from tenants.registry import ModelSpec
@@ -85,7 +87,8 @@ class UpstreamOptions:
     """What the gateway adds to every upstream request, from its settings."""
 
     salt_secret: bytes
-    priority: bool = False  # the upstream schedules by priority (vLLM: lower first)
+    priority: PriorityOrder | None = None  # how the upstream orders by priority; None: not
+    salted: bool = True  # send cache_salt: tenants do not share the upstream's prefix cache
     on_disagreement: Disagreement = _ignore
     probe_every_s: float = PROBE_EVERY_S
 
@@ -324,10 +327,11 @@ class OpenAIUpstreamClient:
                 body["logprobs"] = top
         body |= sampling_fields(params) | forwarded
         body |= {"stream": True, "stream_options": {"include_usage": True}}
-        if tenant is not None:
+        if tenant is not None and self.options.salted:
             body["cache_salt"] = cache_salt(self.options.salt_secret, tenant)
-        if self.options.priority and request.priority:
-            body["priority"] = request.priority
+        if self.options.priority is not None and request.priority:
+            lower_first = self.options.priority == "lower-first"  # the gateway's convention
+            body["priority"] = request.priority if lower_first else -request.priority
         return body
 
     async def _attempt(

@@ -52,6 +52,8 @@ Sessions = async_sessionmaker[AsyncSession]
 MESSAGES: list[Any] = [{"role": "user", "content": "Say something."}]
 BACKEND_SECRET = "backend-secret-for-tests"
 MODEL = "llama-up"  # the registry's name; the upstream calls it "vllm-like"
+VLLM, SGLANG = "llama-vllm", "llama-sglang"  # models configured to schedule by priority
+SHARED = "llama-shared"  # a model whose tenants share the upstream's prefix cache
 
 
 @pytest.fixture
@@ -70,6 +72,8 @@ def settings(database_url: str, tmp_path: Path) -> Settings:
         upstream_probe_s=3600.0,  # the tests probe (see `probe`)
         cache_salt_secret="test-salt-secret",
         backend_secret=BACKEND_SECRET,
+        upstream_priority_models={VLLM: "lower-first", SGLANG: "higher-first"},
+        upstream_shared_cache_models=frozenset({SHARED}),
     )
 
 
@@ -272,6 +276,34 @@ async def test_priority_is_sent_only_to_a_model_that_schedules_by_it(
             model=MODEL, prompt="hi", max_tokens=2, extra_body={"priority": 5}
         )
         assert "priority" not in (await recorded(url))[-1]["body"]
+
+
+async def test_priority_goes_in_each_upstreams_convention(gateway: Gateway) -> None:
+    """The gateway runs lower values first, as vLLM does; SGLang runs higher ones first,
+    so it gets the negation. An interactive request (priority 0) sends none."""
+    async with upstream(tokens=2) as url:
+        key = await gateway.key("acme")
+        for name in (VLLM, SGLANG):
+            await gateway.register(url, name=name)
+            for priority in (0, 3):
+                await gateway.sdk(key).completions.create(
+                    model=name, prompt="hi", max_tokens=2, extra_body={"priority": priority}
+                )
+        sent = [r["body"].get("priority") for r in await recorded(url)]
+        assert sent == [None, 3, None, -3]
+
+
+async def test_a_model_configured_to_share_its_prefix_cache_gets_no_salt(
+    gateway: Gateway,
+) -> None:
+    async with upstream(tokens=2) as url:
+        await gateway.register(url, name=SHARED)
+        await gateway.register(url)
+        for model in (SHARED, MODEL):
+            sdk = gateway.sdk(await gateway.key(f"tenant-{model}"))
+            await sdk.completions.create(model=model, prompt="shared prefix", max_tokens=2)
+        bodies = [r["body"] for r in await recorded(url)]
+        assert "cache_salt" not in bodies[0] and len(bodies[1]["cache_salt"]) == 64
 
 
 # -- structured outputs and tools: the upstream's own, forwarded as sent ------------------

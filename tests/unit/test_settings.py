@@ -61,3 +61,13 @@ def test_the_admin_password_is_a_setting_kept_out_of_repr() -> None:
     assert settings.admin_password == "hunter2 hunter2"
     assert "hunter2" not in repr(settings)
     assert Settings.from_env({"TOLLGATE_ADMIN_PASSWORD": ""}).admin_password is None
+
+
+def test_upstream_priority_models_name_their_convention() -> None:
+    given = {"TOLLGATE_UPSTREAM_PRIORITY_MODELS": "a, b:higher-first ,c:lower-first"}
+    orders = Settings.from_env(given).upstream_priority_models
+    assert orders == {"a": "lower-first", "b": "higher-first", "c": "lower-first"}
+    shared = {"TOLLGATE_UPSTREAM_SHARED_CACHE_MODELS": "a,,b "}
+    assert Settings.from_env(shared).upstream_shared_cache_models == {"a", "b"}
+    with pytest.raises(SettingsError, match=r"TOLLGATE_UPSTREAM_PRIORITY_MODELS: 'b:first'"):
+        Settings.from_env({"TOLLGATE_UPSTREAM_PRIORITY_MODELS": "a,b:first"})
