@@ -7,6 +7,9 @@ STAMP := $(VENV)/.installed
 # Development machines carry the CPU build of this torch locally; GPU machines use their own.
 CPU_TORCH := torch==2.13.0
 PIP := $(BIN)/python -m pip --disable-pip-version-check --quiet
+# uv installs the rest (torch is already there, and a range it satisfies keeps it): a
+# fresh venv's ~70 packages take ~20 s with uv, ~2.5 min with pip.
+UV := uv>=0.9,<1
 # Some machines list local package folders that do not exist; pip warns for each.
 PIP_NOISE := is ignored: it is neither
 # Two test workers a core (at most 8): many tests wait on servers they start, so a second
@@ -27,8 +30,9 @@ $(STAMP): pyproject.toml Makefile
 		echo "no CUDA: installing the CPU build ($(CPU_TORCH))"; \
 		set -o pipefail; $(PIP) install "$(CPU_TORCH)" 2>&1 | { grep -v "$(PIP_NOISE)" || true; }; \
 	fi
+	@set -o pipefail; $(PIP) install "$(UV)" 2>&1 | { grep -v "$(PIP_NOISE)" || true; }
 	@echo "installing tollgate and its dev tools into $(VENV)"
-	@set -o pipefail; $(PIP) install -e '.[dev]' 2>&1 | { grep -v "$(PIP_NOISE)" || true; }
+	@$(BIN)/uv pip install --quiet --python $(BIN)/python -e '.[dev]'
 	@touch $(STAMP)
 
 run: setup
