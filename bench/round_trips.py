@@ -87,7 +87,7 @@ def traced(runtime: Runtime, counts: Counts, trace_dir: Path) -> Iterator[list[P
     def on_execute(_conn: Any, _cursor: Any, statement: str, *_args: Any) -> None:
         counts.note("statement " + statement.split()[0].upper())
 
-    for engine, name in ((runtime.db.sync_engine, "db"), (runtime.reads.sync_engine, "reads")):
+    for engine, name in ((runtime.db.sync_engine, "db"), (runtime.direct.sync_engine, "direct")):
         event.listen(engine.pool, "connect", on_connect)
         event.listen(engine.pool, "checkout", lambda *_, n=name: counts.note(f"{n}: checkout"))
         event.listen(engine, "before_cursor_execute", on_execute)
@@ -154,7 +154,7 @@ async def main(args: argparse.Namespace) -> None:
                 response = await client.post("/v1/chat/completions", json=body, headers=headers)
                 assert response.status_code == 200, response.text
             await runtime.db.dispose()  # the connections made from here on are traced
-            await runtime.reads.dispose()
+            await runtime.direct.dispose()
             with traced(runtime, counts, data) as files:
                 commands.clear()
                 counts.on = True

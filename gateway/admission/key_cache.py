@@ -4,7 +4,7 @@ Every change to a key's standing (revocation, its limits, its tenant's plan) bum
 key generation, one row, in the change's own transaction (tenants.services.keys_changed),
 whichever process makes it: a gateway replica, the console, the CLI. Each request reads
 that row, one primary-key read in one round trip (autocommit, on a pool of its own with no
-ping: tenants.db.create_read_engine), cheaper than the key lookup, and uses a remembered
+ping: tenants.db.create_direct_engine), cheaper than the key lookup, and uses a remembered
 key only if the generation is the one it was looked up under. So a revocation committed
 anywhere refuses the very next request on every replica; the few seconds bound only how
 long an unchanged key goes without its lookup (its last_used_at, a revoked key's audit).
@@ -35,7 +35,7 @@ async def key_generation(connection: AsyncConnection) -> int | None:
 
 
 async def read_key_generation(reads: AsyncEngine) -> int | None:
-    """The current generation through `reads` (tenants.db.create_read_engine). Its
+    """The current generation through `reads` (tenants.db.create_direct_engine). Its
     connections are not pinged before use, so a dead one (the database restarted) fails
     its read: the pool then drops it and its peers, and the read is tried once more on a
     new connection (a read, safe to repeat)."""

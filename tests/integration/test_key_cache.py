@@ -123,10 +123,14 @@ async def test_the_generation_read_outlives_a_dead_connection_and_opens_no_trans
 ) -> None:
     """The generation's pool pings nothing before use, so a connection the database
     dropped (a restart) fails its read: the read is tried once more on a new one, and a
-    revocation is still seen at once. Each read is autocommit: one round trip."""
+    revocation is still seen at once. Each read is autocommit: one round trip. (The
+    generation is read per request while the PostgreSQL listener is blind: closed here.)"""
     async with _gateways(settings, engine_client) as (one, _):
+        listener = _runtime(one).generations
+        assert listener is not None
+        await listener.close()
         assert await _models(one, tenant_key) == 200
-        reads = _runtime(one).reads
+        reads = _runtime(one).direct
         async with reads.connect() as connection:
             pid = await connection.scalar(text("SELECT pg_backend_pid()"))
             driver = (await connection.get_raw_connection()).driver_connection
