@@ -25,7 +25,10 @@ waits for the commit holding its rows, so a settled request's row is durable bef
 answer goes out, as before. On SQLite this also means the recorder's writes never contend
 with each other for the one write lock: a writer that finds it taken sleeps in SQLite's
 busy handler, 100 ms at a time once it has waited 0.2 s, and under load lost the lock again
-and again (up to ~2 s: issue 19's embedded p99).
+and again (up to ~2 s: issue 19's embedded p99). On PostgreSQL a group is one pipeline on
+an autocommit connection that is not pinged: one implicit transaction, one round trip; a
+group whose connection was lost is tried once more on the pool that pings, unless the
+lost try had committed (its rows are found under their own ids).
 """
 
 from __future__ import annotations
@@ -179,6 +182,8 @@ class UsageRecorder:
             for request_id in asked
             if request_id in self._streams  # settled meanwhile: its ledger row is the record
         ]
+        if not checkpoints and not settled:
+            return  # the streams asked about have settled meanwhile
         if self.direct is None:
             async with self.sessions.begin() as session:
                 await _write_rows(session, "sqlite", checkpoints, settled)
