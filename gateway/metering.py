@@ -184,9 +184,10 @@ class UsageRecorder:
         ]
         if not checkpoints and not settled:
             return  # the streams asked about have settled meanwhile
-        if self.direct is None:
+        if self.direct is None:  # SQLite (or a recorder given no direct pool)
             async with self.sessions.begin() as session:
-                await _write_rows(session, "sqlite", checkpoints, settled)
+                dialect = (await session.connection()).dialect.name
+                await _write_rows(session, dialect, checkpoints, settled)
             return
         try:
             await self._pipelined(checkpoints, settled)
