@@ -9,7 +9,7 @@ Redis run on the other cores.
 
     python -m bench.gateway_overhead [--quick] [--skip-stack] [--dry-run]
         [--tollgate-upstream openai|replica]
-    python -m bench.gateway_overhead --profile [--quick]     # pyinstrument on Tollgate
+    python -m bench.gateway_overhead --profile [--profile-stack] [--quick]  # pyinstrument
 
 By default (`--tollgate-upstream openai`) Tollgate fronts the same instant OpenAI mock as
 the bare proxy, as a registry model of kind openai (priced, the one model the tenant's
@@ -680,16 +680,21 @@ async def start_targets(processes: Processes, args: argparse.Namespace) -> list[
         await start_tollgate(processes, "tollgate embedded", args.tollgate_upstream, upstreams, {})
     )
     if not args.skip_stack:
-        stack = {
-            "TOLLGATE_DATABASE_URL": prepare_postgres(),
-            "TOLLGATE_REDIS_URL": await start_redis(processes),
-        }
+        stack = await start_stack(processes)
         targets.append(
             await start_tollgate(
                 processes, "tollgate pg+redis", args.tollgate_upstream, upstreams, stack
             )
         )
     return targets
+
+
+async def start_stack(processes: Processes) -> dict[str, str]:
+    """The environment of a Tollgate on PostgreSQL (a fresh database) and Redis."""
+    return {
+        "TOLLGATE_DATABASE_URL": prepare_postgres(),
+        "TOLLGATE_REDIS_URL": await start_redis(processes),
+    }
 
 
 def _proxy_answers(port: int) -> Callable[[], Awaitable[bool]]:
@@ -889,17 +894,19 @@ def report(result: dict[str, Any], header: str) -> None:
 
 
 async def profile(processes: Processes, args: argparse.Namespace, plan: Plan) -> None:
-    """Tollgate (embedded) under pyinstrument through a closed-loop load phase; prints
-    the functions with the most self time and the request path's call tree."""
+    """Tollgate (embedded, or on PostgreSQL + Redis with --profile-stack) under
+    pyinstrument through a closed-loop load phase; prints the functions with the most self
+    time and the request path's call tree."""
     upstreams = await start_upstreams(processes)
     session_file = Path(args.profile_out)
     session_file.parent.mkdir(parents=True, exist_ok=True)
+    stack = await start_stack(processes) if args.profile_stack else {}
     target = await start_tollgate(
         processes,
-        "tollgate embedded",
+        "tollgate pg+redis" if stack else "tollgate embedded",
         args.tollgate_upstream,
         upstreams,
-        {},
+        stack,
         profile_to=session_file,
     )
     requests = plan.requests[16] * plan.rounds
@@ -1052,6 +1059,9 @@ def main() -> None:
         "instant Tollgate-protocol replica (the default entry)",
     )
     parser.add_argument("--profile", action="store_true", help="pyinstrument on Tollgate's path")
+    parser.add_argument(
+        "--profile-stack", action="store_true", help="--profile Tollgate on PostgreSQL + Redis"
+    )
     parser.add_argument(
         "--profile-out",
         default=str(ROOT / ".bench_cache" / "gateway_overhead.pyisession"),

@@ -12,7 +12,8 @@ Redis (a throwaway database number), sends a few warm-up requests, then counts w
 
     python -m bench.round_trips [--requests 20] [--redis-db 14] [--stream]
 
-It asserts nothing; it prints the counts.
+Then it times how long a key generation change takes from its commit to a listener
+(gateway.admission.key_generation). It asserts nothing; it prints the counts.
 """
 
 from __future__ import annotations
@@ -20,8 +21,10 @@ from __future__ import annotations
 import argparse
 import asyncio
 import collections
+import functools
 import os
 import tempfile
+import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import replace
@@ -34,13 +37,14 @@ from redis.asyncio import Redis
 from sqlalchemy import event
 
 from backend.builtin import BUILTIN_MODEL_DIR
+from gateway.admission.key_generation import GenerationListener
 from gateway.app import create_app
 from gateway.dispatch.engine_client import InProcessEngineClient
 from gateway.runtime import Runtime
 from gateway.settings import Settings
 from tenants import db
 from tenants.models import KeyRole
-from tenants.services import ApiKeyService, TenantService
+from tenants.services import ApiKeyService, TenantService, keys_changed
 
 PG_SERVER = "postgresql+psycopg://postgres:postgres@127.0.0.1:5432/postgres"
 PG_URL = "postgresql+psycopg://postgres:postgres@127.0.0.1:5432/tollgate_bench_round_trips"
@@ -87,7 +91,7 @@ def traced(runtime: Runtime, counts: Counts, trace_dir: Path) -> Iterator[list[P
     def on_execute(_conn: Any, _cursor: Any, statement: str, *_args: Any) -> None:
         counts.note("statement " + statement.split()[0].upper())
 
-    for engine, name in ((runtime.db.sync_engine, "db"), (runtime.reads.sync_engine, "reads")):
+    for engine, name in ((runtime.db.sync_engine, "db"), (runtime.direct.sync_engine, "direct")):
         event.listen(engine.pool, "connect", on_connect)
         event.listen(engine.pool, "checkout", lambda *_, n=name: counts.note(f"{n}: checkout"))
         event.listen(engine, "before_cursor_execute", on_execute)
@@ -154,7 +158,7 @@ async def main(args: argparse.Namespace) -> None:
                 response = await client.post("/v1/chat/completions", json=body, headers=headers)
                 assert response.status_code == 200, response.text
             await runtime.db.dispose()  # the connections made from here on are traced
-            await runtime.reads.dispose()
+            await runtime.direct.dispose()
             with traced(runtime, counts, data) as files:
                 commands.clear()
                 counts.on = True
@@ -179,6 +183,39 @@ async def main(args: argparse.Namespace) -> None:
     print(f"  Redis commands: {sum(redis.values()) / n:.2f}")
     for what, count in redis.most_common():
         print(f"    {count / n:5.2f}  {what}")
+    delays = sorted(await notification_delays(settings.database_url, n))
+    print(
+        f"key generation change, commit returned -> listener has it, over {n} changes:"
+        f" p50 {delays[n // 2]:.2f} ms, max {delays[-1]:.2f} ms"
+    )
+
+
+def _beyond(before: int, now: int | None) -> bool:
+    return now is not None and now > before
+
+
+async def notification_delays(url: str, changes: int) -> list[float]:
+    """Milliseconds from each key generation bump's commit returning to a listener (in
+    this process, its own connection) holding the new value."""
+    listener = GenerationListener(db.libpq_url(url))
+    engine = db.create_engine(url)
+    sessions = db.session_factory(engine)
+    listener.start()
+    delays = []
+    try:
+        await listener.until(lambda generation: generation is not None)
+        for _ in range(changes):
+            before = listener.current()
+            assert before is not None
+            async with sessions.begin() as session:
+                await keys_changed(session)
+            committed = time.perf_counter()
+            await listener.until(functools.partial(_beyond, before))
+            delays.append((time.perf_counter() - committed) * 1000)
+    finally:
+        await listener.close()
+        await engine.dispose()
+    return delays
 
 
 if __name__ == "__main__":

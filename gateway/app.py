@@ -21,6 +21,7 @@ from gateway.admin.controllers import AdminController
 from gateway.admission.auth import echo_request_id
 from gateway.admission.auth_failures import AuthFailureLog
 from gateway.admission.idempotency import Idempotency
+from gateway.admission.key_generation import GenerationListener
 from gateway.admission.quota import Admission
 from gateway.admission.reconcile import Rebuilder, Upkeep
 from gateway.api.embeddings import EmbeddingsController
@@ -45,7 +46,13 @@ from gateway.tasks import Periodic, TaskSet
 from gateway.telemetry import Telemetry
 from gateway.telemetry.endpoint import metrics
 from tenants.billing.prices import PriceBook
-from tenants.db import create_engine, create_read_engine, session_factory
+from tenants.db import (
+    create_direct_engine,
+    create_engine,
+    is_postgres,
+    libpq_url,
+    session_factory,
+)
 from tenants.idempotency import InFlightLocks, MemoryLocks, RedisLocks
 from tenants.pricing import DEFAULT_PRICE
 from tenants.quota import open_quota_store
@@ -148,8 +155,12 @@ def open_runtime(settings: Settings, telemetry: Telemetry, stack: AsyncExitStack
     """The database, the stores and the background jobs, each closed by `stack`."""
     db = create_engine(settings.database_url)
     stack.push_async_callback(db.dispose)
-    reads = create_read_engine(settings.database_url)
-    stack.push_async_callback(reads.dispose)
+    direct = create_direct_engine(settings.database_url)
+    stack.push_async_callback(direct.dispose)
+    postgres = is_postgres(settings.database_url)
+    generations = GenerationListener(libpq_url(settings.database_url)) if postgres else None
+    if generations is not None:
+        _started(stack, generations)
     sessions = session_factory(db)
     redis = connect_redis(settings.redis_url) if settings.redis_url else None
     if redis is not None:
@@ -162,7 +173,12 @@ def open_runtime(settings: Settings, telemetry: Telemetry, stack: AsyncExitStack
     auth_failures = _started(stack, AuthFailureLog(sessions))
     tasks = TaskSet()
     recorder = UsageRecorder(
-        sessions, PriceBook(sessions), tasks, admission, settings.checkpoint_ms / 1000
+        sessions,
+        PriceBook(sessions),
+        tasks,
+        admission,
+        settings.checkpoint_ms / 1000,
+        direct=direct if postgres else None,
     )
     _started(stack, recorder)  # checkpoints of running streams
     _started(stack, recorder.periodic())  # the orphan sweep
@@ -176,7 +192,8 @@ def open_runtime(settings: Settings, telemetry: Telemetry, stack: AsyncExitStack
     return Runtime(
         settings=settings,
         db=db,
-        reads=reads,
+        direct=direct,
+        generations=generations,
         sessions=sessions,
         recorder=recorder,
         admission=admission,

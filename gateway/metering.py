@@ -25,7 +25,10 @@ waits for the commit holding its rows, so a settled request's row is durable bef
 answer goes out, as before. On SQLite this also means the recorder's writes never contend
 with each other for the one write lock: a writer that finds it taken sleeps in SQLite's
 busy handler, 100 ms at a time once it has waited 0.2 s, and under load lost the lock again
-and again (up to ~2 s: issue 19's embedded p99).
+and again (up to ~2 s: issue 19's embedded p99). On PostgreSQL a group is one pipeline on
+an autocommit connection that is not pinged: one implicit transaction, one round trip; a
+group whose connection was lost is tried once more on the pool that pings, unless the
+lost try had committed (its rows are found under their own ids).
 """
 
 from __future__ import annotations
@@ -38,16 +41,18 @@ from dataclasses import dataclass, replace
 from datetime import datetime, timedelta
 from typing import Any
 
+import psycopg
 from sqlalchemy import delete, select
 from sqlalchemy.dialects import postgresql, sqlite
-from sqlalchemy.exc import IntegrityError
-from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
+from sqlalchemy.exc import IntegrityError, OperationalError
+from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine, AsyncSession, async_sessionmaker
 
 from gateway.admission.quota import Admission
 from gateway.admission.reconcile import to_us
 from gateway.tasks import Periodic, TaskSet
 from gateway.telemetry.tracing import REQUEST_ID, in_span
 from gateway.usage import Charge, RequestUsage
+from tenants.billing import ledger
 from tenants.billing.prices import PriceBook
 from tenants.models import UsageCheckpoint, UsageEvent, UsageStatus, as_utc, utcnow
 from tenants.quota import QuotaError, key_scope, month_period, tenant_scope
@@ -70,8 +75,10 @@ class UsageRecorder:
         tasks: TaskSet,
         admission: Admission,
         checkpoint_s: float = CHECKPOINT_S,
+        direct: AsyncEngine | None = None,
     ) -> None:
         self.sessions = sessions
+        self.direct = direct  # PostgreSQL's autocommit pool (tenants.db): pipelined commits
         self.prices = prices
         self.tasks = tasks
         self.admission = admission
@@ -175,17 +182,53 @@ class UsageRecorder:
             for request_id in asked
             if request_id in self._streams  # settled meanwhile: its ledger row is the record
         ]
-        async with self.sessions.begin() as session:
-            if checkpoints:
+        if not checkpoints and not settled:
+            return  # the streams asked about have settled meanwhile
+        if self.direct is None:  # SQLite (or a recorder given no direct pool)
+            async with self.sessions.begin() as session:
                 dialect = (await session.connection()).dialect.name
-                await session.execute(_CHECKPOINT_UPSERTS[dialect], checkpoints)
-            if settled:
-                await UsageService(session).record_all([write.event for write in settled])
-            streams = [write.event.request_id for write in settled if write.streamed]
-            if streams:
-                await session.execute(
-                    delete(UsageCheckpoint).where(UsageCheckpoint.request_id.in_(streams))
+                await _write_rows(session, dialect, checkpoints, settled)
+            return
+        try:
+            await self._pipelined(checkpoints, settled)
+        except (psycopg.OperationalError, OperationalError) as exc:
+            log.warning("ledger commit lost its connection (%s): trying again", exc)
+            await self._again(checkpoints, settled)
+
+    async def _pipelined(self, checkpoints: list[dict[str, Any]], settled: list[Settled]) -> None:
+        """PostgreSQL: the group's statements in one pipeline on an autocommit connection,
+        so one implicit transaction that commits at the pipeline's Sync: one round trip.
+        The connection is not pinged first: one found dead, or lost on the way, fails the
+        group with an OperationalError, and is dropped from the pool."""
+        assert self.direct is not None
+        async with self.direct.connect() as connection:
+            driver = (await connection.get_raw_connection()).driver_connection
+            assert isinstance(driver, psycopg.AsyncConnection)
+            try:
+                async with driver.pipeline():
+                    await _write_rows(connection, "postgresql", checkpoints, settled)
+            except (psycopg.OperationalError, OperationalError):
+                if not connection.invalidated:
+                    await connection.invalidate()
+                raise
+
+    async def _again(self, checkpoints: list[dict[str, Any]], settled: list[Settled]) -> None:
+        """After a lost connection, on the pool that pings, in one transaction: the group
+        again, unless the first try committed it (the connection may have died after its
+        Sync went out). Each ledger row carries the id its event was given before the
+        first try: a row of the same request under another id is not this commit's, and
+        the unique request id refuses the write as it would have."""
+        ids = {write.event.request_id: write.event.id for write in settled}
+        async with self.sessions.begin() as session:
+            if ids:
+                found = await session.execute(
+                    select(UsageEvent.request_id, UsageEvent.id).where(
+                        UsageEvent.request_id.in_(ids)
+                    )
                 )
+                if sum(1 for request_id, row_id in found if ids[request_id] == row_id):
+                    return  # all of it, then: one transaction
+            await _write_rows(session, "postgresql", checkpoints, settled)
 
     async def bill_orphans(self) -> int:
         """Write the ledger rows of streams whose gateway died; returns how many."""
@@ -401,3 +444,22 @@ def _checkpoint_row(charge: Charge, outcome: RequestUsage, now: datetime) -> dic
         "started_at": charge.started_at,
         "updated_at": now,
     }
+
+
+async def _write_rows(
+    executor: AsyncSession | AsyncConnection,
+    dialect: str,
+    checkpoints: list[dict[str, Any]],
+    settled: list[Settled],
+) -> None:
+    """A group's statements: the checkpoint upsert, the ledger rows, the settled streams'
+    checkpoints deleted."""
+    if checkpoints:
+        await executor.execute(_CHECKPOINT_UPSERTS[dialect], checkpoints)
+    if settled:
+        await ledger.record_all(executor, [write.event for write in settled])
+    streams = [write.event.request_id for write in settled if write.streamed]
+    if streams:
+        await executor.execute(
+            delete(UsageCheckpoint).where(UsageCheckpoint.request_id.in_(streams))
+        )

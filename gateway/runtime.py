@@ -10,6 +10,7 @@ from sqlalchemy.ext.asyncio import AsyncEngine, AsyncSession, async_sessionmaker
 from gateway.admission.auth_failures import AuthFailureLog
 from gateway.admission.idempotency import Idempotency
 from gateway.admission.key_cache import KeyCache
+from gateway.admission.key_generation import GenerationListener
 from gateway.admission.quota import Admission
 from gateway.dispatch.directory import ModelDirectory
 from gateway.dispatch.engine_client import EngineClient
@@ -23,7 +24,7 @@ from gateway.tasks import TaskSet
 class Runtime:
     settings: Settings
     db: AsyncEngine
-    reads: AsyncEngine  # the key generation's reads: one round trip each (tenants.db)
+    direct: AsyncEngine  # autocommit, no ping: one round trip a read or a pipeline (tenants.db)
     sessions: async_sessionmaker[AsyncSession]
     recorder: UsageRecorder
     idempotency: Idempotency
@@ -33,6 +34,7 @@ class Runtime:
     model_loaded_at: int = 0  # Unix time the engine (its model) was attached: /v1/models' created
     auth_failures: AuthFailureLog | None = None  # counted, audited once per window
     keys: KeyCache = field(default_factory=KeyCache)  # authenticated keys, for seconds
+    generations: GenerationListener | None = None  # the key generation, notified (PostgreSQL)
     models: ModelDirectory | None = None  # every model served: the default and the registry's
 
     @property

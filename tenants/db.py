@@ -22,6 +22,7 @@ MIGRATIONS_DIR = Path(__file__).resolve().parent.parent / "migrations"
 
 _ASYNC_DRIVERS = {"sqlite": "sqlite+aiosqlite", "postgresql": "postgresql+psycopg"}
 _SYNC_DRIVERS = {"sqlite": "sqlite", "postgresql": "postgresql+psycopg"}
+DIRECT_APPLICATION_NAME = "tollgate-direct"  # the direct pool's connections, in pg_stat_activity
 
 
 def _with_driver(url: str, drivers: dict[str, str]) -> URL:
@@ -63,17 +64,35 @@ def create_engine(url: str) -> AsyncEngine:
     return create_async_engine(parsed, pool_size=10, max_overflow=20, pool_pre_ping=True)
 
 
-def create_read_engine(url: str) -> AsyncEngine:
-    """A small pool for the one read on every request's path (the key generation): each
-    connection in autocommit, so a read is one round trip (no BEGIN, no ROLLBACK on its
-    return), and no ping before use (another round trip): a connection found dead is
-    replaced by the caller's one retry (see gateway.admission.key_cache)."""
+def create_direct_engine(url: str) -> AsyncEngine:
+    """A small pool for what is on every request's path and fits one round trip: each
+    connection in autocommit (no BEGIN, no ROLLBACK on its return) and not pinged before
+    use (another round trip). A read found dead is replaced by its caller's one retry
+    (gateway.admission.key_cache); the ledger's commit is one pipeline, an implicit
+    transaction, retried after a lost connection only for what it had not written
+    (gateway.metering)."""
     parsed = async_url(url)
     if parsed.get_backend_name() == "sqlite":
         return create_async_engine(
             parsed, connect_args={"timeout": 30}, isolation_level="AUTOCOMMIT"
         )
-    return create_async_engine(parsed, pool_size=4, max_overflow=16, isolation_level="AUTOCOMMIT")
+    return create_async_engine(
+        parsed,
+        pool_size=4,
+        max_overflow=16,
+        isolation_level="AUTOCOMMIT",
+        connect_args={"application_name": DIRECT_APPLICATION_NAME},
+    )
+
+
+def is_postgres(url: str) -> bool:
+    return make_url(url).get_backend_name() == "postgresql"
+
+
+def libpq_url(url: str) -> str:
+    """A PostgreSQL URL as libpq (psycopg's own connect) takes it."""
+    parsed = make_url(url).set(drivername="postgresql")
+    return parsed.render_as_string(hide_password=False)
 
 
 def _sqlite_pragmas(dbapi_connection: object, _record: object) -> None:

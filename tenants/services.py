@@ -4,11 +4,11 @@ an AsyncSession; callers own the transaction."""
 from __future__ import annotations
 
 import re
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta
 
-from sqlalchemy import func, select, update
+from sqlalchemy import Text, cast, func, select, update
 from sqlalchemy.ext.asyncio import AsyncSession
 
 from tenants import audit, keys
@@ -77,11 +77,23 @@ def _changes(before: dict[str, object], after: dict[str, object]) -> dict[str, o
     return {name: [before[name], after[name]] for name in after if before[name] != after[name]}
 
 
+KEY_GENERATION_CHANNEL = "tollgate_key_generation"  # PostgreSQL's NOTIFY of a new generation
+
+_BUMP = update(KeyGeneration).values(value=KeyGeneration.value + 1)
+_BUMPED = _BUMP.returning(KeyGeneration.value).cte("bumped")
+_BUMP_AND_NOTIFY = select(func.pg_notify(KEY_GENERATION_CHANNEL, cast(_BUMPED.c.value, Text)))
+
+
 async def keys_changed(session: AsyncSession) -> None:
     """A key's standing changed (revoked, re-limited, its plan changed): bump the key
     generation in the caller's transaction, so every gateway forgets the keys it
-    remembered the moment the change commits."""
-    await session.execute(update(KeyGeneration).values(value=KeyGeneration.value + 1))
+    remembered the moment the change commits. On PostgreSQL the same statement notifies
+    the new value, which PostgreSQL delivers to the gateways' listeners on commit only
+    (gateway.admission.key_generation)."""
+    if session.get_bind().dialect.name == "postgresql":
+        await session.execute(_BUMP_AND_NOTIFY)
+    else:
+        await session.execute(_BUMP)
 
 
 class Audited:
@@ -328,10 +340,6 @@ class UsageService:
     async def record(self, event: UsageEvent) -> None:
         """The ledger row and, when it costs something, its Stripe outbox row."""
         await ledger.record(self.session, event)
-
-    async def record_all(self, events: Sequence[UsageEvent]) -> None:
-        """Several requests' ledger and outbox rows, written together."""
-        await ledger.record_all(self.session, events)
 
     async def for_tenant(self, tenant_id: str, limit: int = 100) -> list[UsageEvent]:
         result = await self.session.execute(

@@ -101,8 +101,12 @@ async def _principal(
     request: Request[Any, Any, Any], runtime: Runtime, token: str
 ) -> Principal | None:
     """The caller remembered under the current key generation (gateway/admission/key_cache),
-    else the key's lookup."""
-    generation = await read_key_generation(runtime.reads)
+    else the key's lookup. The generation is the listener's while it is live (PostgreSQL),
+    else read."""
+    listener = runtime.generations
+    generation = listener.current() if listener is not None else None
+    if generation is None:
+        generation = await read_key_generation(runtime.direct)
     principal = runtime.keys.get(token, generation)
     if principal is not None:
         return principal

@@ -2,12 +2,21 @@
 
 Every change to a key's standing (revocation, its limits, its tenant's plan) bumps the
 key generation, one row, in the change's own transaction (tenants.services.keys_changed),
-whichever process makes it: a gateway replica, the console, the CLI. Each request reads
-that row, one primary-key read in one round trip (autocommit, on a pool of its own with no
-ping: tenants.db.create_read_engine), cheaper than the key lookup, and uses a remembered
-key only if the generation is the one it was looked up under. So a revocation committed
-anywhere refuses the very next request on every replica; the few seconds bound only how
-long an unchanged key goes without its lookup (its last_used_at, a revoked key's audit).
+whichever process makes it: a gateway replica, the console, the CLI. A remembered key is
+used only under the generation it was looked up under, so the change takes effect on
+every replica as soon as that replica knows the new generation:
+- on PostgreSQL, from LISTEN/NOTIFY (gateway.admission.key_generation): the bump notifies
+  its value on commit, each gateway's listener keeps it in memory, and no request reads
+  it. A change refuses the next request once its notification is in (delivery on
+  loopback is well under a millisecond; see bench/README.md); while the listener is blind
+  (its connection lost, not yet re-listened and re-read) every request reads the
+  generation as below;
+- on SQLite, and on PostgreSQL while the listener is blind, each request reads the row:
+  one primary-key read in one round trip (autocommit, on a pool with no ping:
+  tenants.db.create_direct_engine), in READ COMMITTED, so a change committed anywhere
+  refuses the very next request.
+The few seconds bound only how long an unchanged key goes without its lookup (its
+last_used_at, a revoked key's audit).
 """
 
 from __future__ import annotations
@@ -35,7 +44,7 @@ async def key_generation(connection: AsyncConnection) -> int | None:
 
 
 async def read_key_generation(reads: AsyncEngine) -> int | None:
-    """The current generation through `reads` (tenants.db.create_read_engine). Its
+    """The current generation through `reads` (tenants.db.create_direct_engine). Its
     connections are not pinged before use, so a dead one (the database restarted) fails
     its read: the pool then drops it and its peers, and the read is tried once more on a
     new connection (a read, safe to repeat)."""

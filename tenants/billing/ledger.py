@@ -7,7 +7,7 @@ from collections.abc import Sequence
 from typing import Any, cast
 
 from sqlalchemy import Table, insert, inspect
-from sqlalchemy.ext.asyncio import AsyncSession
+from sqlalchemy.ext.asyncio import AsyncConnection, AsyncSession
 
 from tenants.billing.models import OutboxRow
 from tenants.models import UsageEvent, new_id, utcnow
@@ -17,7 +17,7 @@ async def record(session: AsyncSession, event: UsageEvent) -> None:
     await record_all(session, [event])
 
 
-async def record_all(session: AsyncSession, events: Sequence[UsageEvent]) -> None:
+async def record_all(session: AsyncSession | AsyncConnection, events: Sequence[UsageEvent]) -> None:
     """Several requests' rows, one INSERT per table (a gateway commits settles in groups).
     Core inserts, not the ORM's unit of work (nor its bulk path): that flush was most of
     a settle's CPU, and the rows are not read back here. The events stay transient."""
@@ -29,7 +29,7 @@ async def record_all(session: AsyncSession, events: Sequence[UsageEvent]) -> Non
         values = _values(event)
         by_columns.setdefault(frozenset(values), []).append(values)
     for rows in by_columns.values():
-        await session.execute(insert(_USAGE_TABLE), rows)
+        await session.execute(_INSERT_USAGE, rows)
     billed = [  # nothing to bill, nothing to export; after the usage rows they refer to
         {
             "usage_event_id": event.id,
@@ -41,7 +41,7 @@ async def record_all(session: AsyncSession, events: Sequence[UsageEvent]) -> Non
         if event.cost_micros > 0
     ]
     if billed:
-        await session.execute(insert(_OUTBOX_TABLE), billed)
+        await session.execute(_INSERT_OUTBOX, billed)
 
 
 def _values(event: UsageEvent) -> dict[str, Any]:
@@ -57,3 +57,7 @@ _USAGE_COLUMNS = tuple(
 )
 _USAGE_TABLE = cast(Table, UsageEvent.__table__)
 _OUTBOX_TABLE = cast(Table, OutboxRow.__table__)
+# inline: nothing read back (no RETURNING of generated keys), so on PostgreSQL the rows can
+# go in a pipeline that waits for no answer before its Sync (gateway.metering)
+_INSERT_USAGE = insert(_USAGE_TABLE).inline()
+_INSERT_OUTBOX = insert(_OUTBOX_TABLE).inline()

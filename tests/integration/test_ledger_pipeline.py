@@ -1,0 +1,149 @@
+"""On PostgreSQL the recorder commits a group in one pipeline (one implicit transaction, one
+round trip) on connections it does not ping: a bad write still fails alone, a dead
+connection costs no row, and a commit whose outcome was lost is not written twice."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import uuid
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+import psycopg
+import pytest
+from litestar.testing import AsyncTestClient
+from sqlalchemy import func, select, text
+from sqlalchemy.exc import IntegrityError
+
+from gateway.dispatch.engine_client import InProcessEngineClient
+from gateway.metering import Settled, UsageRecorder, Write
+from gateway.runtime import Runtime
+from tenants.billing.models import OutboxRow
+from tenants.db import DIRECT_APPLICATION_NAME
+from tenants.models import UsageEvent, UsageStatus
+from tests.integration.billing_support import Owner, Sessions, owner
+
+pytestmark = pytest.mark.parametrize("database_url", ["postgresql"], indirect=True)
+
+REFUSED = (IntegrityError, psycopg.errors.IntegrityError)  # through SQLAlchemy, or the pipeline
+
+
+def _recorder(client: AsyncTestClient[Any]) -> UsageRecorder:
+    runtime: Runtime = client.app.state.runtime
+    assert runtime.recorder.direct is not None  # pipelined on PostgreSQL
+    return runtime.recorder
+
+
+def _event(who: Owner, request_id: str, tenant_id: str | None = None) -> UsageEvent:
+    return UsageEvent(
+        request_id=request_id,
+        tenant_id=tenant_id or who.tenant_id,
+        api_key_id=who.key_id,
+        model="tiny",
+        endpoint="chat.completions",
+        status=UsageStatus.COMPLETED,
+        prompt_tokens=3,
+        completion_tokens=4,
+        cost_micros=70,
+    )
+
+
+async def _written(sessions: Sessions) -> list[tuple[str, int]]:
+    """(request id, outbox rows) of every ledger row."""
+    async with sessions() as session:
+        rows = await session.execute(
+            select(UsageEvent.request_id, func.count(OutboxRow.id))
+            .outerjoin(OutboxRow, OutboxRow.usage_event_id == UsageEvent.id)
+            .group_by(UsageEvent.request_id)
+            .order_by(UsageEvent.request_id)
+        )
+        return [(request_id, outbox) for request_id, outbox in rows]
+
+
+async def _kill_direct_connections(sessions: Sessions) -> int:
+    """As a database restart does to them (tenants.db.create_direct_engine's pool)."""
+    async with sessions() as session:
+        killed = await session.scalar(
+            text(
+                "SELECT count(pg_terminate_backend(pid)) FROM pg_stat_activity"
+                " WHERE datname = current_database() AND application_name = :name"
+            ),
+            {"name": DIRECT_APPLICATION_NAME},
+        )
+    return int(killed or 0)
+
+
+async def test_a_bad_write_in_a_pipelined_group_fails_only_its_submitter(
+    client: AsyncTestClient[Any], sessions: Sessions
+) -> None:
+    acme = await owner(sessions, "acme")
+    recorder = _recorder(client)
+    groups: list[int] = []
+    commit: Callable[[list[Write]], Awaitable[None]] = recorder._writes.commit
+
+    async def counted(writes: list[Write]) -> None:
+        groups.append(len(writes))
+        await commit(writes)
+
+    recorder._writes.commit = counted
+    events = [
+        _event(acme, "req_good"),
+        _event(acme, "req_bad", tenant_id="no-such-tenant"),  # its foreign key refuses it
+        _event(acme, "req_fine"),
+    ]
+    results = await asyncio.gather(
+        *(recorder._writes.submit(Settled(event, False)) for event in events),
+        return_exceptions=True,
+    )
+    assert groups == [3, 1, 1, 1]  # together first (all rolled back), then one by one
+    assert results[0] is None and results[2] is None
+    assert isinstance(results[1], REFUSED)
+    assert await _written(sessions) == [("req_fine", 1), ("req_good", 1)]
+
+
+async def test_requests_are_billed_after_the_direct_pools_connections_die(
+    client: AsyncTestClient[Any],
+    sessions: Sessions,
+    engine_client: InProcessEngineClient,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    acme = await owner(sessions, "acme")
+    body = {"model": engine_client.model_name, "prompt": "The", "max_tokens": 2}
+    ids, killed = [], []
+    with caplog.at_level(logging.WARNING, logger="gateway.metering"):
+        for stream in (False, True, False, False):
+            killed.append(await _kill_direct_connections(sessions))  # those pooled now
+            response = await client.post(
+                "/v1/completions", json={**body, "stream": stream}, headers=acme.headers
+            )
+            assert response.status_code == 200, response.text
+            ids.append(response.headers["x-request-id"])
+    async with sessions() as session:
+        written = list(await session.scalars(select(UsageEvent.request_id)))
+        checkpoints = await session.scalar(text("SELECT count(*) FROM usage_checkpoints"))
+    assert sorted(written) == sorted(ids)
+    assert checkpoints == 0  # the stream's went with its ledger row
+    lost = [r for r in caplog.records if "lost its connection" in r.getMessage()]
+    assert sum(killed) >= 2 and len(lost) == sum(killed)  # each dead one found by a write
+
+
+async def test_a_commit_whose_outcome_was_lost_is_not_written_twice(
+    client: AsyncTestClient[Any], sessions: Sessions
+) -> None:
+    """The rows went in, then the connection died before the answer came back: the try
+    again finds them under the ids they were given, and writes nothing; a row of the same
+    request under another id is not this commit's, and is refused as before."""
+    acme = await owner(sessions, "acme")
+    recorder = _recorder(client)
+    mine = [_event(acme, f"req_{uuid.uuid4().hex}") for _ in range(2)]
+    group: list[Write] = [Settled(event, False) for event in mine]
+    await recorder._commit(group)
+    assert await _kill_direct_connections(sessions) == 1  # the pooled connection is dead now
+    await recorder._commit(group)  # as after a lost answer: the same rows, the same ids
+    assert await _written(sessions) == sorted((event.request_id, 1) for event in mine)
+    await recorder._commit([Settled(_event(acme, "req_another"), False)])
+    assert await _kill_direct_connections(sessions) == 1
+    someone_elses = _event(acme, mine[0].request_id)
+    with pytest.raises(REFUSED):
+        await recorder._commit([Settled(someone_elses, False)])
