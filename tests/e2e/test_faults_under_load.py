@@ -300,6 +300,7 @@ class Result:
     response_id: str | None = None  # the one the client read: ties it to its ledger row
     completion_tokens: int | None = None  # from the answer's usage, when whole
     chunks: int = 0  # streamed chunks with text
+    tokens_read: int = 0  # the tokens those chunks carried (one chunk may carry several)
     detail: str = ""
     hang_up: bool = False  # set: the client closes the stream at its next chunk
 
@@ -366,6 +367,8 @@ class Load:
             )
         else:
             path, body = "/v1/completions", body | {"prompt": prompt}
+        if body.get("stream"):  # a chunk's logprobs list its tokens: the client counts them
+            body |= {"logprobs": True} if chat else {"logprobs": 0}
         result = Result(tenant.role, bool(body.get("stream")), time.monotonic(), probe)
         self.results.append(result)
         task = asyncio.create_task(self._send(result, tenant, path, body, gateway, on_chunk))
@@ -465,7 +468,9 @@ async def _read(
         result.response_id = result.response_id or event.get("id")
         if event.get("usage"):
             result.completion_tokens = event["usage"]["completion_tokens"]
-        if any(_text(choice) for choice in event.get("choices") or []):
+        choices = event.get("choices") or []
+        result.tokens_read += sum(_tokens(choice) for choice in choices)
+        if any(_text(choice) for choice in choices):
             result.chunks += 1
             if on_chunk is not None:
                 on_chunk(result)
@@ -478,6 +483,13 @@ async def _read(
 
 def _text(choice: dict[str, Any]) -> str:
     return str(choice.get("text") or (choice.get("delta") or {}).get("content") or "")
+
+
+def _tokens(choice: dict[str, Any]) -> int:
+    """How many tokens a streamed choice carries, from its logprobs (chat: `content`,
+    completions: `tokens`)."""
+    logprobs = choice.get("logprobs") or {}
+    return len(logprobs.get("content") or logprobs.get("tokens") or [])
 
 
 def _error_code(body: str) -> str:
@@ -933,7 +945,7 @@ def _rows_per_response(
     wrong = [r for r in received if r.request_id in rows and not _agrees(r, rows[r.request_id])]
     seen = {r.request_id for r in received}
     unseen_billed = [rid for rid, row in rows.items() if row.cost and rid not in seen]
-    lost = [f"{r.chunks} read, {rows[r.request_id].tokens} billed" for r in received
+    lost = [f"{r.tokens_read} read, {rows[r.request_id].tokens} billed" for r in received
             if r.request_id in rows and rows[r.request_id].error == GATEWAY_LOST]  # fmt: skip
     return {
         "responses without a ledger row": (f"{len(missing)} after {waited_s:.1f} s", not missing),
@@ -945,13 +957,14 @@ def _rows_per_response(
 
 def _agrees(result: Result, row: LedgerRow) -> bool:
     """A whole answer is a completed row with its tokens; anything less is a row that is
-    not completed and bills at least the chunks the client read, but for a stream of a
-    gateway that died, billed from its last checkpoint (so up to an interval less)."""
+    not completed and bills at least the tokens the client read, but for a stream of a
+    gateway that died, billed from its last checkpoint: at most what the client read (up to
+    an interval less)."""
     if result.outcome == "completed":
         return row.status == "completed" and row.tokens == result.completion_tokens
     if row.error == GATEWAY_LOST:
-        return row.status != "completed" and row.tokens <= result.chunks
-    return row.status != "completed" and row.tokens >= result.chunks
+        return row.status != "completed" and row.tokens <= result.tokens_read
+    return row.status != "completed" and row.tokens >= result.tokens_read
 
 
 async def _converge(
