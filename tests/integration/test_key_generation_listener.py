@@ -9,7 +9,7 @@ import contextlib
 from collections.abc import Iterator
 
 import pytest
-from sqlalchemy import event, text
+from sqlalchemy import event
 from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
 
 from gateway import cli
@@ -18,7 +18,7 @@ from gateway.dispatch.engine_client import InProcessEngineClient
 from gateway.settings import Settings
 from tenants.models import KeyRole
 from tenants.services import ApiKeyService, TenantService
-from tests.support.gateways import Gateway, gateway, until
+from tests.support.gateways import Gateway, gateway, terminate_connections, until
 
 pytestmark = pytest.mark.parametrize("database_url", ["postgresql"], indirect=True)
 
@@ -60,15 +60,7 @@ async def _another_key(sessions: Sessions) -> str:
 
 
 async def _kill_listener_connection(sessions: Sessions) -> None:
-    async with sessions() as session:
-        killed = await session.scalar(
-            text(
-                "SELECT count(pg_terminate_backend(pid)) FROM pg_stat_activity"
-                " WHERE datname = current_database() AND application_name = :name"
-            ),
-            {"name": APPLICATION_NAME},
-        )
-    assert killed == 1
+    assert await terminate_connections(sessions, APPLICATION_NAME) == 1
 
 
 async def test_a_revocation_by_the_cli_refuses_the_next_request_once_notified_with_no_reads(

@@ -23,6 +23,7 @@ from tenants.billing.models import OutboxRow
 from tenants.db import DIRECT_APPLICATION_NAME
 from tenants.models import UsageEvent, UsageStatus
 from tests.integration.billing_support import Owner, Sessions, owner
+from tests.support.gateways import terminate_connections
 
 pytestmark = pytest.mark.parametrize("database_url", ["postgresql"], indirect=True)
 
@@ -63,15 +64,7 @@ async def _written(sessions: Sessions) -> list[tuple[str, int]]:
 
 async def _kill_direct_connections(sessions: Sessions) -> int:
     """As a database restart does to them (tenants.db.create_direct_engine's pool)."""
-    async with sessions() as session:
-        killed = await session.scalar(
-            text(
-                "SELECT count(pg_terminate_backend(pid)) FROM pg_stat_activity"
-                " WHERE datname = current_database() AND application_name = :name"
-            ),
-            {"name": DIRECT_APPLICATION_NAME},
-        )
-    return int(killed or 0)
+    return await terminate_connections(sessions, DIRECT_APPLICATION_NAME)
 
 
 async def test_a_bad_write_in_a_pipelined_group_fails_only_its_submitter(

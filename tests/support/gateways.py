@@ -7,9 +7,11 @@ import asyncio
 import contextlib
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
+from typing import Any
 
 import httpx
 from litestar import Litestar
+from sqlalchemy import text
 
 from gateway.admission.key_generation import GenerationListener
 from gateway.app import create_app
@@ -59,3 +61,17 @@ async def notified(served: Gateway, before: int | None) -> None:
     listener = served.runtime.generations
     if listener is not None and before is not None:
         await until(listener, lambda now: now is None or now > before)
+
+
+async def terminate_connections(sessions: Any, application_name: str) -> int:
+    """Close every connection of one pool to this database, as a database restart does
+    (`application_name` tells the pool's connections apart); returns how many."""
+    async with sessions() as session:
+        killed = await session.scalar(
+            text(
+                "SELECT count(pg_terminate_backend(pid)) FROM pg_stat_activity"
+                " WHERE datname = current_database() AND application_name = :name"
+            ),
+            {"name": application_name},
+        )
+    return int(killed or 0)
