@@ -16,6 +16,7 @@ from backend.errors import (
     PromptTooLongError,
 )
 from backend.outputs import EngineStats, RequestOutput, TokenLogprobs
+from backend.requests import EngineRequest
 from backend.sampling import SamplingParams
 
 if TYPE_CHECKING:
@@ -27,6 +28,7 @@ __all__ = [
     "EngineConfig",
     "EngineDeadError",
     "EngineError",
+    "EngineRequest",
     "EngineStats",
     "InvalidParameterError",
     "PromptTooLongError",

@@ -72,15 +72,7 @@ async def generate(request: Request[Any, Any, Any]) -> Response[Any]:
     if not engine.is_running():
         return Response(ErrorLine("engine_dead", "engine is not running"), status_code=503)
     deadline = None if body.timeout_s is None else time.monotonic() + body.timeout_s
-    outputs = engine.generate(
-        body.prompt,
-        body.params,
-        request_id=body.request_id,
-        priority=body.priority,
-        deadline=deadline,
-        tenant=body.tenant,
-        weight=body.weight,
-    )
+    outputs = engine.generate(body, deadline=deadline)
     metrics = request.app.state.engine_metrics
     outputs = served(outputs, request.headers, body.request_id, body.priority, metrics)
     return Stream(_ndjson(outputs), media_type="application/x-ndjson")

@@ -24,7 +24,7 @@ from backend.errors import (
     RequestFailedError,
 )
 from backend.outputs import EngineStats, RequestOutput
-from backend.sampling import SamplingParams
+from backend.requests import EngineRequest
 
 SECRET_HEADER = "x-tollgate-secret"  # noqa: S105 (a header name, not a secret)
 
@@ -33,14 +33,12 @@ ErrorKind = Literal[
 ]
 
 
-class GenerateBody(msgspec.Struct, frozen=True):
-    request_id: str
+class GenerateBody(EngineRequest, frozen=True):
+    """The request, and its first-token deadline relative: clocks differ by host. A
+    replica takes token ids only (the gateway counted them for the reservation)."""
+
     prompt: list[int]
-    params: SamplingParams
-    priority: int = 0
-    tenant: str | None = None
-    weight: int = 1  # the tenant's share of the token budget under contention
-    timeout_s: float | None = None  # first-token deadline, relative: clocks differ by host
+    timeout_s: float | None = None
 
 
 class EmbedBody(msgspec.Struct, frozen=True):

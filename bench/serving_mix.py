@@ -41,6 +41,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
+from backend.requests import EngineRequest
 from backend.sampling import SamplingParams
 from bench._common import CACHE, build_random_llama, percentile
 
@@ -160,7 +161,7 @@ class HttpTarget:
         from backend.wire import LINES, ErrorLine, GenerateBody
 
         params = SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True)
-        body = msgspec.json.encode(GenerateBody(request_id, prompt, params, tenant=tenant))
+        body = msgspec.json.encode(GenerateBody(prompt, params, request_id, tenant=tenant))
         async with self.http.stream("POST", "/internal/generate", content=body) as response:
             async for line in response.aiter_lines():
                 if not line:
@@ -186,7 +187,7 @@ class EngineTarget:
         self, request_id: str, tenant: str, prompt: list[int], max_tokens: int
     ) -> AsyncGenerator[int, None]:
         params = SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True)
-        outputs = self.engine.generate(prompt, params, request_id, tenant=tenant)
+        outputs = self.engine.generate(EngineRequest(prompt, params, request_id, tenant=tenant))
         async with aclosing(outputs):  # leaving early aborts the request
             async for out in outputs:
                 yield len(out.token_ids)

@@ -69,7 +69,7 @@ async def _generate(
     http: httpx.AsyncClient, url: str, prompt: list[int], max_tokens: int
 ) -> list[RequestOutput]:
     params = SamplingParams(max_tokens=max_tokens, ignore_eos=True, temperature=0.0)
-    body = GenerateBody(f"capacity-check-{uuid.uuid4().hex[:12]}", prompt, params)
+    body = GenerateBody(prompt, params, f"capacity-check-{uuid.uuid4().hex[:12]}")
     outputs = []
     content = msgspec.json.encode(body)
     async with http.stream("POST", f"{url}/internal/generate", content=content) as response:

@@ -20,7 +20,7 @@ from backend.errors import (
     RequestFailedError,
 )
 from backend.outputs import EngineStats, RequestOutput
-from backend.sampling import SamplingParams
+from backend.requests import EngineRequest
 from backend.tokenizer import Tokenizer
 
 log = logging.getLogger(__name__)
@@ -81,19 +81,14 @@ class AsyncEngine:
         return self._thread.is_alive() and not self._stopping and self._dead is None
 
     async def generate(
-        self,
-        prompt: str | list[int],
-        params: SamplingParams,
-        request_id: str,
-        priority: int = 0,
-        deadline: float | None = None,
-        tenant: str | None = None,
-        weight: int = 1,
+        self, request: EngineRequest, deadline: float | None = None
     ) -> AsyncGenerator[RequestOutput, None]:
         """Yields deltas until every one of the params.n completions has yielded one with
-        finished=True. Leaving early (break, aclose, task cancellation) aborts the request
-        in the engine. Raises OverloadedError or DeadlineExceededError (before the first
-        output) when the scheduling policy rejects the request."""
+        finished=True. `deadline`: time.monotonic() by which the first token is due.
+        Leaving early (break, aclose, task cancellation) aborts the request in the engine.
+        Raises OverloadedError or DeadlineExceededError (before the first output) when the
+        scheduling policy rejects the request."""
+        request_id, params = request.request_id, request.params
         stream = _Stream(asyncio.get_running_loop(), asyncio.Queue())
         with self._lock:  # the same lock _fail_all takes, so no stream is left unanswered
             if self._dead is not None:
@@ -104,7 +99,15 @@ class AsyncEngine:
         added = False
         unfinished = params.n
         try:
-            self.engine.add_request(request_id, prompt, params, priority, deadline, tenant, weight)
+            self.engine.add_request(
+                request_id,
+                request.prompt,
+                params,
+                request.priority,
+                deadline,
+                request.tenant,
+                request.weight,
+            )
             added = True
             self._wake.set()
             while unfinished:

@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 
-from backend import EngineConfig, RequestOutput, SamplingParams
+from backend import EngineConfig, EngineRequest, RequestOutput
 from backend.errors import (
     DeadlineExceededError,
     InvalidParameterError,
@@ -58,22 +58,17 @@ class ClientPrompt:
     fields: dict[str, Any] = field(default_factory=dict)
 
 
-@dataclass(frozen=True)
-class GenerateRequest:
-    """One generation request at the dispatch seam, whatever serves it.
+class GenerateRequest(EngineRequest, frozen=True):
+    """One generation request at the dispatch seam, whatever serves it: the engine's
+    request (backend.EngineRequest: what reaches an engine, in process or over the wire)
+    and what only the gateway's side uses.
 
     `prompt` is the gateway's tokens of the prompt; `source` the prompt as the client sent
     it (for a target that tokenizes it itself). `deadline`: time.monotonic() by which the
-    first token is due. `weight`: the tenant's fairness share. `restartable`: the caller
-    sends nothing on until the end, so the request may be started over elsewhere after an
-    output with finish_reason RESTART."""
+    first token is due. `restartable`: the caller sends nothing on until the end, so the
+    request may be started over elsewhere after an output with finish_reason RESTART."""
 
     prompt: list[int]
-    params: SamplingParams
-    request_id: str
-    priority: int = 0
-    tenant: str | None = None
-    weight: int = 1
     deadline: float | None = None
     restartable: bool = False
     source: ClientPrompt | None = None
@@ -189,15 +184,7 @@ class InProcessEngineClient(LocalTokens):
 
     def generate(self, request: GenerateRequest) -> AsyncIterator[RequestOutput]:
         """One engine: nowhere to restart; it runs the gateway's tokens, not `source`."""
-        outputs = self.engine.generate(
-            request.prompt,
-            request.params,
-            request_id=request.request_id,
-            priority=request.priority,
-            deadline=request.deadline,
-            tenant=request.tenant,
-            weight=request.weight,
-        )
+        outputs = self.engine.generate(request, deadline=request.deadline)
         current_request().route(IN_PROCESS)
         return policy_errors(traced(outputs, request.request_id))  # traced: engine phase spans
 

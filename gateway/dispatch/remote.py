@@ -26,7 +26,7 @@ from typing import Any
 import httpx
 import msgspec
 
-from backend import RequestOutput
+from backend import EngineRequest, RequestOutput
 from backend.errors import EngineError
 from backend.tokenizer import Tokenizer
 from backend.wire import (
@@ -356,15 +356,8 @@ def _no_replica() -> EngineUnavailable:
 def _body(request: GenerateRequest) -> GenerateBody:
     """The request on the wire: its deadline relative, since clocks differ by host."""
     deadline = request.deadline
-    return GenerateBody(
-        request.request_id,
-        request.prompt,
-        request.params,
-        priority=request.priority,
-        tenant=request.tenant,
-        weight=request.weight,
-        timeout_s=None if deadline is None else deadline - time.monotonic(),
-    )
+    timeout_s = None if deadline is None else deadline - time.monotonic()
+    return GenerateBody(**EngineRequest.fields_of(request), timeout_s=timeout_s)
 
 
 def _replica_error(line: ErrorLine) -> Exception:

@@ -12,6 +12,7 @@ import torch
 
 from backend import AsyncEngine, SamplingParams
 from backend.errors import OverloadedError, PromptTooLongError
+from backend.requests import EngineRequest
 from tests.engine.engine_support import check_blocks, make_engine, run_to_completion, tokens_of
 
 TEXTS = ["Paged attention stores keys and values in fixed-size blocks.", "The quick fox."]
@@ -74,7 +75,9 @@ async def test_embeddings_run_between_steps_without_changing_generations(
 
         async def generate() -> list[int]:
             return [
-                t async for out in engine.generate(TEXTS[1], params, "r") for t in out.token_ids
+                t
+                async for out in engine.generate(EngineRequest(TEXTS[1], params, "r"))
+                for t in out.token_ids
             ]
 
         tokens, vectors = await asyncio.gather(generate(), engine.embed([*TEXTS, TEXTS[0]]))

@@ -11,6 +11,7 @@ import pytest
 
 from backend import AsyncEngine, EngineDeadError, PromptTooLongError, RequestOutput
 from backend.engine.engine import Engine
+from backend.requests import EngineRequest
 from backend.sampling import SamplingParams
 from tests.engine.engine_support import SMALL, make_engine, run_to_completion, text_of, tokens_of
 
@@ -28,7 +29,7 @@ async def engine(llama_dir: Path) -> AsyncIterator[AsyncEngine]:
 async def collect(
     engine: AsyncEngine, prompt: str, params: SamplingParams, rid: str
 ) -> list[RequestOutput]:
-    return [out async for out in engine.generate(prompt, params, rid)]
+    return [out async for out in engine.generate(EngineRequest(prompt, params, rid))]
 
 
 async def assert_idle(engine: AsyncEngine) -> None:
@@ -78,7 +79,7 @@ async def test_concurrent_requests(engine: AsyncEngine, llama_dir: Path) -> None
 
 
 async def test_aclose_aborts(engine: AsyncEngine) -> None:
-    async with aclosing(engine.generate("The quick", LONG, "leaver")) as stream:
+    async with aclosing(engine.generate(EngineRequest("The quick", LONG, "leaver"))) as stream:
         async for out in stream:
             assert not out.finished
             break
@@ -86,7 +87,7 @@ async def test_aclose_aborts(engine: AsyncEngine) -> None:
 
 
 async def test_plain_break_aborts(engine: AsyncEngine) -> None:
-    async for _ in engine.generate("The quick", LONG, "breaker"):
+    async for _ in engine.generate(EngineRequest("The quick", LONG, "breaker")):
         break  # the generator is finalised (and aborts) once dropped
     await assert_idle(engine)
 
@@ -95,7 +96,7 @@ async def test_cancelling_the_consumer_aborts(engine: AsyncEngine) -> None:
     started = asyncio.Event()
 
     async def consume() -> None:
-        async for _ in engine.generate("The quick", LONG, "cancelled"):
+        async for _ in engine.generate(EngineRequest("The quick", LONG, "cancelled")):
             started.set()
 
     task = asyncio.create_task(consume())
@@ -108,7 +109,7 @@ async def test_cancelling_the_consumer_aborts(engine: AsyncEngine) -> None:
 
 async def test_engine_abort_ends_the_stream(engine: AsyncEngine) -> None:
     outs: list[RequestOutput] = []
-    async for out in engine.generate("The quick", LONG, "victim"):
+    async for out in engine.generate(EngineRequest("The quick", LONG, "victim")):
         outs.append(out)
         if len(outs) == 2:
             engine.abort("victim")
@@ -123,7 +124,7 @@ async def test_invalid_request_raises_and_frees_the_id(engine: AsyncEngine) -> N
     with pytest.raises(PromptTooLongError):
         await collect(engine, "x" * 500, GREEDY, "bad")
     assert len(await collect(engine, "ok", GREEDY, "bad")) == 12
-    async with aclosing(engine.generate("a", LONG, "twice")) as first:
+    async with aclosing(engine.generate(EngineRequest("a", LONG, "twice"))) as first:
         await anext(first)
         with pytest.raises(ValueError, match="already"):
             await collect(engine, "b", GREEDY, "twice")
@@ -150,7 +151,7 @@ async def test_shutdown_fails_open_streams(llama_dir: Path) -> None:
     seen: list[RequestOutput] = []
 
     async def consume() -> None:
-        async for out in engine.generate("The quick", LONG, "open"):
+        async for out in engine.generate(EngineRequest("The quick", LONG, "open")):
             seen.append(out)
             if len(seen) == 1:
                 await engine.shutdown()
@@ -175,7 +176,9 @@ async def test_n_completions_stream_until_every_one_finishes(engine: AsyncEngine
 
 async def test_leaving_an_n_request_aborts_every_completion(engine: AsyncEngine) -> None:
     params = SamplingParams(max_tokens=80, temperature=0, ignore_eos=True, n=2)
-    async with aclosing(engine.generate("The quick", params, "multi-leaver")) as stream:
+    async with aclosing(
+        engine.generate(EngineRequest("The quick", params, "multi-leaver"))
+    ) as stream:
         async for _ in stream:
             break
     await assert_idle(engine)

@@ -13,6 +13,7 @@ from backend import AsyncEngine, EngineDeadError
 from backend.engine.batch import ModelRunnerOutput, SchedulerOutput
 from backend.engine.engine import MAX_FAILED_STEPS, Engine
 from backend.errors import RequestFailedError
+from backend.requests import EngineRequest
 from backend.sampling import MAX_SEED, SamplingParams
 from tests.engine.engine_support import check_blocks, make_engine, run_to_completion, tokens_of
 
@@ -92,9 +93,9 @@ async def test_a_poison_request_leaves_the_async_engine_serving(
     async_engine: AsyncEngine,
 ) -> None:
     with pytest.raises(RequestFailedError):
-        async for _ in async_engine.generate("x", unvalidated_seed(2**64), "poison"):
+        async for _ in async_engine.generate(EngineRequest("x", unvalidated_seed(2**64), "poison")):
             pass
-    outs = [o async for o in async_engine.generate("hello", GREEDY, "next")]
+    outs = [o async for o in async_engine.generate(EngineRequest("hello", GREEDY, "next"))]
     assert len(tokens_of(outs)) == GREEDY.max_tokens
     assert async_engine.is_running() and not async_engine.has_crashed()
 
@@ -106,9 +107,9 @@ async def test_repeated_step_failures_end_the_engine_visibly(
     monkeypatch.setattr(engine.runner, "execute", failing_steps(engine, MAX_FAILED_STEPS))
     for i in range(MAX_FAILED_STEPS):
         with pytest.raises((RequestFailedError, EngineDeadError)):
-            async for _ in async_engine.generate("hello", GREEDY, f"r{i}"):
+            async for _ in async_engine.generate(EngineRequest("hello", GREEDY, f"r{i}")):
                 pass
     assert async_engine.has_crashed() and not async_engine.is_running()
     with pytest.raises(EngineDeadError):
-        async for _ in async_engine.generate("hello", GREEDY, "late"):
+        async for _ in async_engine.generate(EngineRequest("hello", GREEDY, "late")):
             pass

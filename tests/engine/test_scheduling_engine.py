@@ -17,6 +17,7 @@ from backend.engine.engine import Engine
 from backend.engine.step_cost import StepCostModel
 from backend.errors import DeadlineExceededError, OverloadedError
 from backend.outputs import RequestOutput
+from backend.requests import EngineRequest
 from backend.sampling import SamplingParams
 from backend.sim.scenarios import CPU_LIKE
 from tests.conftest import eventually
@@ -190,9 +191,13 @@ async def test_the_async_engine_raises_the_typed_errors(llama_dir: Path) -> None
     engine = AsyncEngine(make_engine(llama_dir, max_num_seqs=1))
     try:
         with pytest.raises(DeadlineExceededError):
-            async for _ in engine.generate([2, 3], SHORT, "late", deadline=time.monotonic() - 1):
+            async for _ in engine.generate(
+                EngineRequest([2, 3], SHORT, "late"), deadline=time.monotonic() - 1
+            ):
                 pass
-        outs = [o async for o in engine.generate([2, 3], SHORT, "fine", deadline=None)]
+        outs = [
+            o async for o in engine.generate(EngineRequest([2, 3], SHORT, "fine"), deadline=None)
+        ]
         assert outs[-1].finished and outs[-1].error is None
     finally:
         await engine.shutdown()
@@ -207,14 +212,16 @@ async def test_the_async_engine_raises_overloaded_for_a_displaced_request(
     )
     engine = AsyncEngine(small)
     busy = SamplingParams(max_tokens=1000, temperature=0, ignore_eos=True)
-    running = engine.generate([2, 3, 4], busy, "running")
+    running = engine.generate(EngineRequest([2, 3, 4], busy, "running"))
     try:
         await anext(running)
         displaced = asyncio.create_task(
-            _collect(engine.generate([5, 6], SHORT, "batch", priority=5))
+            _collect(engine.generate(EngineRequest([5, 6], SHORT, "batch", priority=5)))
         )
         await eventually(lambda: engine.stats().waiting_tokens > 0)  # in the queue
-        urgent = asyncio.create_task(_collect(engine.generate([7, 8], SHORT, "urgent")))
+        urgent = asyncio.create_task(
+            _collect(engine.generate(EngineRequest([7, 8], SHORT, "urgent")))
+        )
         with pytest.raises(OverloadedError) as caught:
             await displaced
         assert caught.value.retry_after_s >= 1

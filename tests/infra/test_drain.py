@@ -184,7 +184,7 @@ def backends() -> Iterator[list[tuple[Process, str]]]:
 
 def _generate_body(request_id: str, max_tokens: int) -> bytes:
     params = SamplingParams(max_tokens=max_tokens, ignore_eos=True, temperature=0)
-    return msgspec.json.encode(GenerateBody(request_id, list(range(3, 40)), params))
+    return msgspec.json.encode(GenerateBody(list(range(3, 40)), params, request_id))
 
 
 async def _finished_requests(client: httpx.AsyncClient, url: str) -> float:

@@ -16,6 +16,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from backend import AsyncEngine, EngineConfig, SamplingParams
 from backend.builtin import BUILTIN_MODEL_DIR
+from backend.requests import EngineRequest
 from backend.server import create_backend_app
 from tests.conftest import eventually, serving
 from tests.infra.test_helm_chart import FULLNAME, _docs, _one
@@ -44,7 +45,7 @@ async def _scrape(url: str) -> dict[tuple[str, tuple[tuple[str, str], ...]], flo
 
 
 async def _consume(engine: AsyncEngine, request_id: str) -> None:
-    async for _ in engine.generate(list(range(3, 40)), LONG, request_id=request_id):
+    async for _ in engine.generate(EngineRequest(list(range(3, 40)), LONG, request_id)):
         pass
 
 
