@@ -11,6 +11,7 @@ side maps it by kind alone: ErrorLine.of(exc) on the replica, .exception() on th
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Literal
 
 import msgspec
@@ -33,7 +34,8 @@ ErrorKind = Literal[
 ]
 
 
-class GenerateBody(EngineRequest, frozen=True):
+@dataclass(frozen=True)
+class GenerateBody(EngineRequest):
     """The request, and its first-token deadline relative: clocks differ by host. A
     replica takes token ids only (the gateway counted them for the reservation)."""
 

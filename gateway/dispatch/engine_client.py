@@ -58,7 +58,8 @@ class ClientPrompt:
     fields: dict[str, Any] = field(default_factory=dict)
 
 
-class GenerateRequest(EngineRequest, frozen=True):
+@dataclass(frozen=True)
+class GenerateRequest(EngineRequest):
     """One generation request at the dispatch seam, whatever serves it: the engine's
     request (backend.EngineRequest: what reaches an engine, in process or over the wire)
     and what only the gateway's side uses.
