@@ -39,6 +39,7 @@ import torch
 from backend.config import EngineConfig
 from backend.engine.engine import Engine
 from backend.sampling import SamplingParams
+from backend.wire import LINES, SECRET_HEADER, ErrorLine, GenerateBody
 from bench._common import (
     CACHE,
     Workload,
@@ -122,8 +123,19 @@ def server_flags(config: EngineConfig) -> list[str]:
     ]
 
 
+@dataclass(frozen=True)
+class Server:
+    url: str
+    pid: int
+
+    def num_steps(self) -> int:
+        reply = httpx.get(f"{self.url}/internal/stats", headers={SECRET_HEADER: SECRET})
+        steps: int = reply.raise_for_status().json()["num_steps"]
+        return steps
+
+
 @contextmanager
-def backend_server(model_dir: Path, config: EngineConfig) -> Iterator[str]:
+def backend_server(model_dir: Path, config: EngineConfig) -> Iterator[Server]:
     """`tollgate backend serve` on a free loopback port, until the block ends."""
     port = free_port()
     env = {**os.environ, "TOLLGATE_BACKEND_SECRET": SECRET, "TOLLGATE_LOG_LEVEL": "warning"}
@@ -136,7 +148,7 @@ def backend_server(model_dir: Path, config: EngineConfig) -> Iterator[str]:
     url = f"http://127.0.0.1:{port}"
     try:
         _wait_until_healthy(url, process)
-        yield url
+        yield Server(url, process.pid)
     finally:
         process.terminate()
         process.wait(timeout=60)
@@ -159,26 +171,30 @@ def _wait_until_healthy(url: str, process: subprocess.Popen[bytes]) -> None:
 async def _stream_one(
     client: httpx.AsyncClient, url: str, rid: str, prompt: list[int], n: int, priority: int = 0
 ) -> int:
-    params = msgspec.to_builtins(greedy(n))
-    body = {"request_id": rid, "prompt": prompt, "params": params, "priority": priority}
-    body["tenant"] = rid.rsplit("-", 1)[0]  # the run's tag: salts the prefix cache
+    tenant = rid.rsplit("-", 1)[0]  # the run's tag: salts the prefix cache
+    body = msgspec.json.encode(GenerateBody(rid, prompt, greedy(n), priority, tenant))
     tokens = 0
-    headers = {"x-tollgate-secret": SECRET}
-    async with client.stream("POST", f"{url}/internal/generate", json=body, headers=headers) as r:
-        r.raise_for_status()
-        async for line in r.aiter_lines():
+    headers = {SECRET_HEADER: SECRET}
+    async with client.stream(
+        "POST", f"{url}/internal/generate", content=body, headers=headers
+    ) as response:
+        response.raise_for_status()
+        async for line in response.aiter_lines():
             if line:
-                out: dict[str, Any] = msgspec.json.decode(line)
-                if "error" in out and "token_ids" not in out:
-                    raise RuntimeError(f"{rid}: {out['error']}")
-                tokens += len(out["token_ids"])
+                out = LINES.decode(line)
+                if isinstance(out, ErrorLine):
+                    raise RuntimeError(f"{rid}: {out.message}")
+                tokens += len(out.output.token_ids)
     return tokens
 
 
-async def _stream_all(url: str, work: Workload, tag: str, priority: int) -> Rate:
+async def _stream_all(server: Server, work: Workload, tag: str, priority: int) -> Rate:
     limits = httpx.Limits(max_connections=len(work) + 4)
+    url = server.url
     async with httpx.AsyncClient(timeout=None, limits=limits) as client:
         await _stream_one(client, url, f"{tag}-warm", WARM_UP, 4)
+        steps = server.num_steps()
+        server_cpu, client_cpu = process_cpu_s(server.pid), time.process_time()
         start = time.perf_counter()
         counts = await asyncio.gather(
             *(
@@ -186,11 +202,22 @@ async def _stream_all(url: str, work: Workload, tag: str, priority: int) -> Rate
                 for i, (p, n) in enumerate(work)
             )
         )
-    return Rate(sum(counts), time.perf_counter() - start, "all requests streamed at once")
+        elapsed = time.perf_counter() - start
+    server_cpu = process_cpu_s(server.pid) - server_cpu
+    client_cpu = time.process_time() - client_cpu
+    steps = server.num_steps() - steps
+    note = f"{steps} steps, server {server_cpu:.1f} s CPU, this client {client_cpu:.1f} s CPU"
+    return Rate(sum(counts), elapsed, note)
 
 
-def run_http(url: str, work: Workload, tag: str, priority: int = 0) -> Rate:
-    return asyncio.run(_stream_all(url, work, tag, priority))
+def process_cpu_s(pid: int) -> float:
+    """User + system CPU seconds of a process (Linux /proc): the server's own cost."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def run_http(server: Server, work: Workload, tag: str, priority: int = 0) -> Rate:
+    return asyncio.run(_stream_all(server, work, tag, priority))
 
 
 # -- the static baseline ---------------------------------------------------------------
@@ -296,15 +323,15 @@ def main() -> None:
     warm(engine)
     results: dict[int, dict[str, Rate]] = {n: {} for n in sizes}
     priorities = [int(p) for p in args.priorities.split(",")]
-    with backend_server(model_dir, config) if not args.skip_http else _nothing() as url:
+    with backend_server(model_dir, config) if not args.skip_http else _nothing() as server:
         for n in sizes:
             for p in priorities:
                 tail = "" if p == 0 else f", priority {p}"
                 tag = f"w{n}p{p}"
                 rate = off_main_thread(run_engine, engine, works[n], tag, p)
                 rates = {f"engine in process{tail}": rate}
-                if url:
-                    rates[f"engine through the HTTP API{tail}"] = run_http(url, works[n], tag, p)
+                if server:
+                    rates[f"engine through the HTTP API{tail}"] = run_http(server, works[n], tag, p)
                 for label, rate in rates.items():  # as they come: a run cut short keeps them
                     print(f"  ({n} requests) {line(label, rate)}", flush=True)
                 results[n].update(rates)
@@ -318,8 +345,8 @@ def main() -> None:
 
 
 @contextmanager
-def _nothing() -> Iterator[str]:
-    yield ""
+def _nothing() -> Iterator[None]:
+    yield None
 
 
 def run_statics(model: Any, work: Workload, args: Any) -> dict[str, Rate]:
