@@ -28,7 +28,7 @@ import time
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -48,6 +48,7 @@ from bench._common import (
     long_tailed,
     static_batches,
 )
+from gateway.settings import gateway_engine_defaults
 from tests.e2e.processes import free_port
 
 T = TypeVar("T")
@@ -108,6 +109,16 @@ def warm(engine: Engine) -> None:
     engine.add_request("warm-up", WARM_UP, greedy(4))
     while engine.has_work():
         engine.step()
+
+
+ENGINE_KNOBS = ("kv_cache_bytes", "max_num_seqs", "max_num_batched_tokens")
+
+
+def engine_config(args: argparse.Namespace) -> EngineConfig:
+    """What `tollgate backend serve` runs with by default (a user's settings), on the CPU
+    with the issue's thread count; a knob given on this command line overrides its own."""
+    given = {k: getattr(args, k) for k in ENGINE_KNOBS if getattr(args, k) is not None}
+    return replace(gateway_engine_defaults(), device="cpu", cpu_threads=args.threads, **given)
 
 
 # -- through the HTTP API --------------------------------------------------------------
@@ -239,7 +250,7 @@ def run_static(
     batches = static_batches(work, batch_size, by_length)
     random.Random(batch_size).shuffle(batches)
     generate_static(model, [(WARM_UP, 2)], torch.device("cpu"))  # warm-up
-    start, tokens, padded, done = time.perf_counter(), 0, 0, 0
+    start, cpu, tokens, padded, done = time.perf_counter(), time.process_time(), 0, 0, 0
     for batch in batches:
         if time.perf_counter() - start > budget_s:
             break
@@ -248,6 +259,7 @@ def run_static(
         done += 1
     useful = sum(len(p) + n for b in batches[:done] for p, n in b)
     note = f"{done}/{len(batches)} batches, {padded} padded slots for {useful} useful"
+    note += f", {time.process_time() - cpu:.1f} s CPU"
     return Rate(tokens, time.perf_counter() - start, note)
 
 
@@ -283,8 +295,10 @@ def main() -> None:
         default=float("inf"),
         help="time per static configuration (rate over the batches done)",
     )
-    parser.add_argument("--max-num-seqs", type=int, default=64)
-    parser.add_argument("--max-num-batched-tokens", type=int, default=1024)
+    for knob in ENGINE_KNOBS:
+        parser.add_argument(
+            f"--{knob.replace('_', '-')}", type=int, help="default: `tollgate backend serve`'s"
+        )
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument(
@@ -305,13 +319,8 @@ def main() -> None:
     model_dir = build_random_llama(CACHE / "llama-8x512")
     sizes = [int(n) for n in args.workloads.split(",")]
     works = {n: make_workload(n, 1536, 256, args.seed + n, 32000) for n in sizes}
-    config = EngineConfig(
-        kv_cache_bytes=2 * 2**30,
-        max_num_seqs=args.max_num_seqs,
-        max_num_batched_tokens=args.max_num_batched_tokens,
-        cpu_threads=args.threads,
-        device="cpu",
-    )
+    config = engine_config(args)
+    print(f"engine: {', '.join(f'{k}={getattr(config, k)}' for k in ENGINE_KNOBS)}", flush=True)
     if args.profile:
         profiled = args.model or model_dir
         vocab = json.loads((profiled / "config.json").read_text())["vocab_size"]
