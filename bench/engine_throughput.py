@@ -9,10 +9,13 @@ Only the tokens each request asked for count as output; static batching also com
 padding and keeps generating for a batch's shorter requests until its longest is done,
 which is what continuous batching avoids. The HTTP figure comes from a real
 `tollgate backend serve` on loopback that this script starts, with every request
-streamed at once by an httpx client in this process (on the same cores).
+streamed at once by an httpx client in this process (on the same cores). The engine runs
+with `tollgate backend serve`'s defaults (a user's settings) at --threads; each HTTP row
+notes the server's steps and CPU seconds and this client's CPU seconds, so the cost of
+the HTTP path can be read against the in-process engine's.
 
     .venv/bin/python -m bench.engine_throughput [--workloads 32,128] [--priorities 0,5]
-        [--profile]
+        [--max-num-seqs N] [--max-num-batched-tokens N] [--kv-cache-bytes N] [--profile]
 """
 
 from __future__ import annotations
