@@ -9,10 +9,13 @@ Only the tokens each request asked for count as output; static batching also com
 padding and keeps generating for a batch's shorter requests until its longest is done,
 which is what continuous batching avoids. The HTTP figure comes from a real
 `tollgate backend serve` on loopback that this script starts, with every request
-streamed at once by an httpx client in this process (on the same cores).
+streamed at once by an httpx client in this process (on the same cores). The engine runs
+with `tollgate backend serve`'s defaults (a user's settings) at --threads; each HTTP row
+notes the server's steps and CPU seconds and this client's CPU seconds, so the cost of
+the HTTP path can be read against the in-process engine's.
 
     .venv/bin/python -m bench.engine_throughput [--workloads 32,128] [--priorities 0,5]
-        [--profile]
+        [--max-num-seqs N] [--max-num-batched-tokens N] [--kv-cache-bytes N] [--profile]
 """
 
 from __future__ import annotations
@@ -28,7 +31,7 @@ import time
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -39,6 +42,7 @@ import torch
 from backend.config import EngineConfig
 from backend.engine.engine import Engine
 from backend.sampling import SamplingParams
+from backend.wire import LINES, SECRET_HEADER, ErrorLine, GenerateBody
 from bench._common import (
     CACHE,
     Workload,
@@ -47,6 +51,7 @@ from bench._common import (
     long_tailed,
     static_batches,
 )
+from gateway.settings import gateway_engine_defaults
 from tests.e2e.processes import free_port
 
 T = TypeVar("T")
@@ -109,6 +114,16 @@ def warm(engine: Engine) -> None:
         engine.step()
 
 
+ENGINE_KNOBS = ("kv_cache_bytes", "max_num_seqs", "max_num_batched_tokens")
+
+
+def engine_config(args: argparse.Namespace) -> EngineConfig:
+    """What `tollgate backend serve` runs with by default (a user's settings), on the CPU
+    with the issue's thread count; a knob given on this command line overrides its own."""
+    given = {k: getattr(args, k) for k in ENGINE_KNOBS if getattr(args, k) is not None}
+    return replace(gateway_engine_defaults(), device="cpu", cpu_threads=args.threads, **given)
+
+
 # -- through the HTTP API --------------------------------------------------------------
 
 
@@ -122,8 +137,19 @@ def server_flags(config: EngineConfig) -> list[str]:
     ]
 
 
+@dataclass(frozen=True)
+class Server:
+    url: str
+    pid: int
+
+    def num_steps(self) -> int:
+        reply = httpx.get(f"{self.url}/internal/stats", headers={SECRET_HEADER: SECRET})
+        steps: int = reply.raise_for_status().json()["num_steps"]
+        return steps
+
+
 @contextmanager
-def backend_server(model_dir: Path, config: EngineConfig) -> Iterator[str]:
+def backend_server(model_dir: Path, config: EngineConfig) -> Iterator[Server]:
     """`tollgate backend serve` on a free loopback port, until the block ends."""
     port = free_port()
     env = {**os.environ, "TOLLGATE_BACKEND_SECRET": SECRET, "TOLLGATE_LOG_LEVEL": "warning"}
@@ -136,7 +162,7 @@ def backend_server(model_dir: Path, config: EngineConfig) -> Iterator[str]:
     url = f"http://127.0.0.1:{port}"
     try:
         _wait_until_healthy(url, process)
-        yield url
+        yield Server(url, process.pid)
     finally:
         process.terminate()
         process.wait(timeout=60)
@@ -159,26 +185,30 @@ def _wait_until_healthy(url: str, process: subprocess.Popen[bytes]) -> None:
 async def _stream_one(
     client: httpx.AsyncClient, url: str, rid: str, prompt: list[int], n: int, priority: int = 0
 ) -> int:
-    params = msgspec.to_builtins(greedy(n))
-    body = {"request_id": rid, "prompt": prompt, "params": params, "priority": priority}
-    body["tenant"] = rid.rsplit("-", 1)[0]  # the run's tag: salts the prefix cache
+    tenant = rid.rsplit("-", 1)[0]  # the run's tag: salts the prefix cache
+    body = msgspec.json.encode(GenerateBody(rid, prompt, greedy(n), priority, tenant))
     tokens = 0
-    headers = {"x-tollgate-secret": SECRET}
-    async with client.stream("POST", f"{url}/internal/generate", json=body, headers=headers) as r:
-        r.raise_for_status()
-        async for line in r.aiter_lines():
+    headers = {SECRET_HEADER: SECRET}
+    async with client.stream(
+        "POST", f"{url}/internal/generate", content=body, headers=headers
+    ) as response:
+        response.raise_for_status()
+        async for line in response.aiter_lines():
             if line:
-                out: dict[str, Any] = msgspec.json.decode(line)
-                if "error" in out and "token_ids" not in out:
-                    raise RuntimeError(f"{rid}: {out['error']}")
-                tokens += len(out["token_ids"])
+                out = LINES.decode(line)
+                if isinstance(out, ErrorLine):
+                    raise RuntimeError(f"{rid}: {out.message}")
+                tokens += len(out.output.token_ids)
     return tokens
 
 
-async def _stream_all(url: str, work: Workload, tag: str, priority: int) -> Rate:
+async def _stream_all(server: Server, work: Workload, tag: str, priority: int) -> Rate:
     limits = httpx.Limits(max_connections=len(work) + 4)
+    url = server.url
     async with httpx.AsyncClient(timeout=None, limits=limits) as client:
         await _stream_one(client, url, f"{tag}-warm", WARM_UP, 4)
+        steps = server.num_steps()
+        server_cpu, client_cpu = process_cpu_s(server.pid), time.process_time()
         start = time.perf_counter()
         counts = await asyncio.gather(
             *(
@@ -186,11 +216,22 @@ async def _stream_all(url: str, work: Workload, tag: str, priority: int) -> Rate
                 for i, (p, n) in enumerate(work)
             )
         )
-    return Rate(sum(counts), time.perf_counter() - start, "all requests streamed at once")
+        elapsed = time.perf_counter() - start
+    server_cpu = process_cpu_s(server.pid) - server_cpu
+    client_cpu = time.process_time() - client_cpu
+    steps = server.num_steps() - steps
+    note = f"{steps} steps, server {server_cpu:.1f} s CPU, this client {client_cpu:.1f} s CPU"
+    return Rate(sum(counts), elapsed, note)
 
 
-def run_http(url: str, work: Workload, tag: str, priority: int = 0) -> Rate:
-    return asyncio.run(_stream_all(url, work, tag, priority))
+def process_cpu_s(pid: int) -> float:
+    """User + system CPU seconds of a process (Linux /proc): the server's own cost."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def run_http(server: Server, work: Workload, tag: str, priority: int = 0) -> Rate:
+    return asyncio.run(_stream_all(server, work, tag, priority))
 
 
 # -- the static baseline ---------------------------------------------------------------
@@ -212,7 +253,7 @@ def run_static(
     batches = static_batches(work, batch_size, by_length)
     random.Random(batch_size).shuffle(batches)
     generate_static(model, [(WARM_UP, 2)], torch.device("cpu"))  # warm-up
-    start, tokens, padded, done = time.perf_counter(), 0, 0, 0
+    start, cpu, tokens, padded, done = time.perf_counter(), time.process_time(), 0, 0, 0
     for batch in batches:
         if time.perf_counter() - start > budget_s:
             break
@@ -221,6 +262,7 @@ def run_static(
         done += 1
     useful = sum(len(p) + n for b in batches[:done] for p, n in b)
     note = f"{done}/{len(batches)} batches, {padded} padded slots for {useful} useful"
+    note += f", {time.process_time() - cpu:.1f} s CPU"
     return Rate(tokens, time.perf_counter() - start, note)
 
 
@@ -256,8 +298,10 @@ def main() -> None:
         default=float("inf"),
         help="time per static configuration (rate over the batches done)",
     )
-    parser.add_argument("--max-num-seqs", type=int, default=64)
-    parser.add_argument("--max-num-batched-tokens", type=int, default=1024)
+    for knob in ENGINE_KNOBS:
+        parser.add_argument(
+            f"--{knob.replace('_', '-')}", type=int, help="default: `tollgate backend serve`'s"
+        )
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument(
@@ -278,13 +322,8 @@ def main() -> None:
     model_dir = build_random_llama(CACHE / "llama-8x512")
     sizes = [int(n) for n in args.workloads.split(",")]
     works = {n: make_workload(n, 1536, 256, args.seed + n, 32000) for n in sizes}
-    config = EngineConfig(
-        kv_cache_bytes=2 * 2**30,
-        max_num_seqs=args.max_num_seqs,
-        max_num_batched_tokens=args.max_num_batched_tokens,
-        cpu_threads=args.threads,
-        device="cpu",
-    )
+    config = engine_config(args)
+    print(f"engine: {', '.join(f'{k}={getattr(config, k)}' for k in ENGINE_KNOBS)}", flush=True)
     if args.profile:
         profiled = args.model or model_dir
         vocab = json.loads((profiled / "config.json").read_text())["vocab_size"]
@@ -296,15 +335,15 @@ def main() -> None:
     warm(engine)
     results: dict[int, dict[str, Rate]] = {n: {} for n in sizes}
     priorities = [int(p) for p in args.priorities.split(",")]
-    with backend_server(model_dir, config) if not args.skip_http else _nothing() as url:
+    with backend_server(model_dir, config) if not args.skip_http else _nothing() as server:
         for n in sizes:
             for p in priorities:
                 tail = "" if p == 0 else f", priority {p}"
                 tag = f"w{n}p{p}"
                 rate = off_main_thread(run_engine, engine, works[n], tag, p)
                 rates = {f"engine in process{tail}": rate}
-                if url:
-                    rates[f"engine through the HTTP API{tail}"] = run_http(url, works[n], tag, p)
+                if server:
+                    rates[f"engine through the HTTP API{tail}"] = run_http(server, works[n], tag, p)
                 for label, rate in rates.items():  # as they come: a run cut short keeps them
                     print(f"  ({n} requests) {line(label, rate)}", flush=True)
                 results[n].update(rates)
@@ -318,8 +357,8 @@ def main() -> None:
 
 
 @contextmanager
-def _nothing() -> Iterator[str]:
-    yield ""
+def _nothing() -> Iterator[None]:
+    yield None
 
 
 def run_statics(model: Any, work: Workload, args: Any) -> dict[str, Rate]:

@@ -1,0 +1,39 @@
+"""bench/engine_throughput.py against a real `tollgate backend serve` (the built-in
+model): its HTTP client reads the replica's typed stream and counts every token, and the
+server it starts runs at the product's defaults."""
+
+from __future__ import annotations
+
+import argparse
+
+import httpx
+import pytest
+
+from backend.builtin import BUILTIN_MODEL_DIR
+from backend.wire import SECRET_HEADER
+from bench.engine_throughput import SECRET, backend_server, engine_config, run_http
+from gateway.settings import gateway_engine_defaults
+
+
+def _defaults(threads: int) -> argparse.Namespace:
+    """The bench's command line with no engine knob given."""
+    return argparse.Namespace(
+        threads=threads, kv_cache_bytes=None, max_num_seqs=None, max_num_batched_tokens=None
+    )
+
+
+@pytest.mark.e2e
+def test_the_bench_streams_every_token_from_a_backend_at_the_product_defaults() -> None:
+    config = engine_config(_defaults(threads=1))
+    work = [(list(range(2, 40)), 5), (list(range(70, 90)), 3), (list(range(100, 300)), 7)]
+    with backend_server(BUILTIN_MODEL_DIR, config) as server:
+        kv = httpx.get(f"{server.url}/internal/kv", headers={SECRET_HEADER: SECRET}).json()
+        rate = run_http(server, work, "bench-test", priority=5)
+    assert rate.tokens == 5 + 3 + 7  # EOS ignored: exactly what each asked for
+    defaults = gateway_engine_defaults()
+    assert (kv["kv_cache_bytes"], kv["max_num_batched_tokens"]) == (
+        defaults.kv_cache_bytes,
+        defaults.max_num_batched_tokens,
+    )
+    steps = int(rate.note.split()[0])  # "<steps> steps, server ... CPU, ..."
+    assert steps >= 7  # the longest request alone needs one step per token
