@@ -186,7 +186,7 @@ async def _stream_one(
     client: httpx.AsyncClient, url: str, rid: str, prompt: list[int], n: int, priority: int = 0
 ) -> int:
     tenant = rid.rsplit("-", 1)[0]  # the run's tag: salts the prefix cache
-    body = msgspec.json.encode(GenerateBody(rid, prompt, greedy(n), priority, tenant))
+    body = msgspec.json.encode(GenerateBody(prompt, greedy(n), rid, priority, tenant))
     tokens = 0
     headers = {SECRET_HEADER: SECRET}
     async with client.stream(
