@@ -226,7 +226,7 @@ class UsageRecorder:
                         UsageEvent.request_id.in_(ids)
                     )
                 )
-                if sum(1 for request_id, row_id in found if ids[request_id] == row_id):
+                if any(ids[request_id] == row_id for request_id, row_id in found):
                     return  # all of it, then: one transaction
             await _write_rows(session, "postgresql", checkpoints, settled)
 

@@ -89,9 +89,12 @@ def is_postgres(url: str) -> bool:
     return make_url(url).get_backend_name() == "postgresql"
 
 
-def libpq_url(url: str) -> str:
-    """A PostgreSQL URL as libpq (psycopg's own connect) takes it."""
+def libpq_url(url: str, database: str | None = None) -> str:
+    """A PostgreSQL URL as libpq (psycopg's own connect) takes it; `database`: another
+    database on the same server."""
     parsed = make_url(url).set(drivername="postgresql")
+    if database is not None:
+        parsed = parsed.set(database=database)
     return parsed.render_as_string(hide_password=False)
 
 

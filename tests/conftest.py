@@ -56,7 +56,7 @@ def _create_database(url: str) -> None:
     target = make_url(url)
     with (
         contextlib.suppress(psycopg.OperationalError),
-        psycopg.connect(_admin_url(url), autocommit=True) as connection,
+        psycopg.connect(db.libpq_url(url, database="postgres"), autocommit=True) as connection,
     ):
         exists = connection.execute(
             "SELECT 1 FROM pg_database WHERE datname = %s", (target.database,)
@@ -110,7 +110,9 @@ def migrated_postgres() -> str:
     where running them again costs ~0.5 s."""
     name = make_url(POSTGRES_URL).database
     template = _migrated_postgres_template()
-    with psycopg.connect(_admin_url(POSTGRES_URL), autocommit=True) as connection:
+    with psycopg.connect(
+        db.libpq_url(POSTGRES_URL, database="postgres"), autocommit=True
+    ) as connection:
         connection.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
         connection.execute(f'CREATE DATABASE "{name}" TEMPLATE "{template}"')
     return POSTGRES_URL
@@ -122,17 +124,13 @@ def _migrated_postgres_template() -> str:
     again in every test session, so a changed migration is never skipped)."""
     target = make_url(POSTGRES_URL)
     template = f"{target.database}_template"
-    with psycopg.connect(_admin_url(POSTGRES_URL), autocommit=True) as connection:
+    with psycopg.connect(
+        db.libpq_url(POSTGRES_URL, database="postgres"), autocommit=True
+    ) as connection:
         connection.execute(f'DROP DATABASE IF EXISTS "{template}" WITH (FORCE)')
         connection.execute(f'CREATE DATABASE "{template}"')
     db.upgrade(target.set(database=template).render_as_string(hide_password=False))
     return template
-
-
-def _admin_url(url: str) -> str:
-    """The server's maintenance database, as psycopg takes it."""
-    target = make_url(url).set(drivername="postgresql", database="postgres")
-    return target.render_as_string(hide_password=False)
 
 
 @pytest.fixture

@@ -31,10 +31,6 @@ from tests.conftest import migrated_postgres
 Sessions = async_sessionmaker[AsyncSession]
 
 
-def _is_postgres(url: str) -> bool:
-    return db.sync_url(url).get_backend_name() == "postgresql"
-
-
 async def _record_many(sessions: Sessions, count: int) -> None:
     for number in range(count):
         async with sessions.begin() as session:
@@ -58,7 +54,7 @@ def _as_superuser(url: str, *statements: str) -> None:
     engine = create_engine(db.sync_url(url))
     try:
         with engine.begin() as connection:
-            if _is_postgres(url):
+            if db.is_postgres(url):
                 connection.execute(text("SET LOCAL session_replication_role = replica"))
             else:
                 for trigger in ("audit_events_no_update", "audit_events_no_delete"):
@@ -200,7 +196,7 @@ async def test_triggers_reject_update_delete_and_truncate(
 ) -> None:
     await _record_many(sessions, 2)
     statements = ["UPDATE audit_events SET actor = 'x'", "DELETE FROM audit_events"]
-    if _is_postgres(database_url):
+    if db.is_postgres(database_url):
         statements.append("TRUNCATE audit_events")
     engine = create_engine(db.sync_url(database_url))
     try:
@@ -291,7 +287,7 @@ async def test_the_app_role_can_append_but_not_alter(
 
 def test_grant_app_role_needs_postgres_and_an_existing_role(database_url: str) -> None:
     missing = f"nobody_{uuid.uuid4().hex[:8]}"
-    expected = "no role" if _is_postgres(database_url) else "need PostgreSQL"
+    expected = "no role" if db.is_postgres(database_url) else "need PostgreSQL"
     with pytest.raises(InvalidInputError, match=expected):
         audit.grant_app_role(database_url, missing)
 
