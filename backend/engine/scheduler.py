@@ -317,7 +317,7 @@ class Scheduler:
         decode rows) is long: as many tokens as that takes, so a target too tight for the
         machine never leaves less than half of a step to prefill."""
         terms = self.step_cost.coefficients
-        per_token = terms["prefill_token"] + terms["context_token"] * start
+        per_token = terms["prefill_token"] + terms["prefill_pair"] * start
         fixed = self.step_cost.predict(decode)
         even = int(fixed / per_token) if per_token > 0 else 0
         return max(self.config.min_prefill_tokens_per_step, even)
@@ -621,7 +621,7 @@ class Scheduler:
 
         def recompute_s(victim: Request) -> float:
             n = victim.num_computed_tokens
-            return cost.predict(StepShape(n, 0, n * (n + 1) // 2)) - cost.predict(StepShape())
+            return cost.predict(StepShape().plus_prefill(0, n)) - cost.predict(StepShape())
 
         return slot_share_victim(
             self.running, req, now, self.ranking, self.config, recompute_s, soonest * step_s

@@ -1,15 +1,21 @@
 """How long a step takes, learnt from the steps the engine runs: an online least-squares
 fit of
 
-    step seconds = overhead + a x prefill tokens + b x decode rows + c x context
+    step seconds = overhead + a x prefill tokens + b x decode rows
+                   + c x decode context + d x prefill pairs
 
-where `context` counts the query-key pairs a step attends over (a chunk of n tokens at
-position s attends n x s + n (n + 1) / 2 of them: a decode row's KV read, a prefill's
-quadratic attention). Every step adds one observation; older ones fade (a half-life in
-steps), so the fit follows the machine (a busy CPU, a GPU that warms up). Before the
-first step, a few warm-up steps of varied shapes (`warm_up_batches`) make sure the
-scheduler never sizes a step blind. The scheduler inverts the fit: the most prefill
-tokens a step may take and still end within a time target (backend/SCHEDULING.md)."""
+where `decode context` counts the cached tokens the decode rows read (a row at position s
+reads s + 1 keys) and `prefill pairs` the query-key pairs the prefill chunks attend (a
+chunk of n tokens at position s: n x s + n (n + 1) / 2). The two attention terms are
+apart because they cost differently: a decode row's keys are read from memory once per
+query (memory-bound), a chunk's are reused by all of its queries (compute-bound, on this
+project's CPU about 20x cheaper per pair); one shared term let a document's chunks over
+their cached prefixes leak into the overhead and decode-row terms. Every step adds one
+observation; older ones fade (a half-life in steps), so the fit follows the machine (a
+busy CPU, a GPU that warms up). Before the first step, a few warm-up steps of varied
+shapes (`warm_up_batches`) make sure the scheduler never sizes a step blind. The
+scheduler inverts the fit: the most prefill tokens a step may take and still end within a
+time target (backend/SCHEDULING.md)."""
 
 from __future__ import annotations
 
@@ -23,14 +29,17 @@ from backend.engine.block_manager import BlockManager
 from backend.sampling import SamplingParams
 
 # Features are scaled to similar magnitudes (seconds per ~1,000 tokens, per ~100 rows,
-# per ~1M attended pairs), so the normal equations stay well conditioned.
-_SCALES = (1.0, 1e-3, 1e-2, 1e-6)
+# per ~100k keys read, per ~1M attended pairs), so the normal equations stay well
+# conditioned.
+_SCALES = (1.0, 1e-3, 1e-2, 1e-5, 1e-6)
 # The ridge pulls each term toward the last fit, relative to what the steps say about it
 # (and a little in absolute terms, for directions no recent step explored), not to 0.
 _RIDGE_RELATIVE = 1e-4
 _RIDGE_ABSOLUTE = 1e-9
 _OUTLIER = 4.0  # an observation counts as at most this multiple of its prediction
-_TERMS = ("overhead", "prefill_token", "decode_row", "context_token")
+_TERMS = ("overhead", "prefill_token", "decode_row", "decode_context_token", "prefill_pair")
+_N = len(_TERMS)
+Theta = tuple[float, ...]
 
 
 @dataclass(frozen=True)
@@ -39,31 +48,43 @@ class StepShape:
 
     prefill_tokens: int = 0
     decode_rows: int = 0
-    context_tokens: int = 0  # query-key pairs attended
+    decode_context: int = 0  # keys the decode rows read
+    prefill_pairs: int = 0  # query-key pairs the prefill chunks attend
 
     @classmethod
     def of_chunks(cls, chunks: Iterable[tuple[int, int]]) -> StepShape:
         """From (start, num_tokens) chunks; a one-token chunk counts as a decode row."""
-        prefill = decode = context = 0
+        prefill = decode = context = pairs = 0
         for start, n in chunks:
             if n == 1:
                 decode += 1
+                context += start + 1
             else:
                 prefill += n
-            context += n * start + n * (n + 1) // 2
-        return cls(prefill, decode, context)
+                pairs += chunk_pairs(start, n)
+        return cls(prefill, decode, context, pairs)
 
     @classmethod
     def of(cls, out: SchedulerOutput) -> StepShape:
-        context = sum(
-            len(r.token_ids) * r.start_pos + len(r.token_ids) * (len(r.token_ids) + 1) // 2
-            for r in out.requests
-        )
-        return cls(out.num_prefill_tokens, out.num_decode_tokens, context)
+        return cls.of_chunks((r.start_pos, len(r.token_ids)) for r in out.requests)
 
-    def features(self) -> tuple[float, float, float, float]:
-        raw = (1.0, self.prefill_tokens, self.decode_rows, self.context_tokens)
-        return (raw[0], raw[1] * _SCALES[1], raw[2] * _SCALES[2], raw[3] * _SCALES[3])
+    def plus_prefill(self, start: int, n: int) -> StepShape:
+        """This step with one more prefill chunk of n tokens at position `start`."""
+        return StepShape(
+            self.prefill_tokens + n,
+            self.decode_rows,
+            self.decode_context,
+            self.prefill_pairs + chunk_pairs(start, n),
+        )
+
+    def features(self) -> Theta:
+        raw = (1, self.prefill_tokens, self.decode_rows, self.decode_context, self.prefill_pairs)
+        return tuple(x * scale for x, scale in zip(raw, _SCALES, strict=True))
+
+
+def chunk_pairs(start: int, n: int) -> int:
+    """Query-key pairs of a causal chunk of n tokens at position `start`."""
+    return n * start + n * (n + 1) // 2
 
 
 class StepCostModel:
@@ -72,9 +93,9 @@ class StepCostModel:
 
     def __init__(self, half_life_steps: float = 256.0) -> None:
         self._decay = 0.5 ** (1.0 / half_life_steps)
-        self._xtx = [[0.0] * 4 for _ in range(4)]
-        self._xty = [0.0] * 4
-        self._theta = (0.0, 0.0, 0.0, 0.0)  # in scaled units
+        self._xtx = [[0.0] * _N for _ in range(_N)]
+        self._xty = [0.0] * _N
+        self._theta: Theta = (0.0,) * _N  # in scaled units
         self.num_observations = 0
         self.last_predicted_s = 0.0  # of the last observed step, before it ran
         self.last_actual_s = 0.0
@@ -86,7 +107,7 @@ class StepCostModel:
         e.g. a real engine's EngineStats.step_cost_s): the simulator's cost calibrated
         from an engine."""
         model = cls()
-        model._theta = tuple(  # type: ignore[assignment]
+        model._theta = tuple(
             coefficients.get(term, 0.0) / scale for term, scale in zip(_TERMS, _SCALES, strict=True)
         )
         model.num_observations = 4  # as good as warmed up
@@ -122,10 +143,10 @@ class StepCostModel:
             seconds = min(seconds, _OUTLIER * predicted) if predicted > 0 else seconds
         x = shape.features()
         d = self._decay
-        for i in range(4):
+        for i in range(_N):
             self._xty[i] = d * self._xty[i] + x[i] * seconds
             row = self._xtx[i]
-            for j in range(4):
+            for j in range(_N):
                 row[j] = d * row[j] + x[i] * x[j]
         self.num_observations += 1
         self._theta = self._solve()
@@ -140,9 +161,7 @@ class StepCostModel:
             return high  # blind (never after warm-up), or nothing to choose
 
         def fits(n: int) -> bool:
-            pairs = n * prefill_start + n * (n + 1) // 2
-            shape = StepShape(n, decode.decode_rows, decode.context_tokens + pairs)
-            return self.predict(shape) <= limit_s
+            return self.predict(decode.plus_prefill(prefill_start, n)) <= limit_s
 
         if fits(high):
             return high
@@ -155,22 +174,22 @@ class StepCostModel:
                 hi = mid
         return lo
 
-    def _solve(self) -> tuple[float, float, float, float]:
+    def _solve(self) -> Theta:
         """Ridge least squares with non-negative coefficients: a term that fits negative
         (collinear features, noise) is dropped and the rest refitted."""
-        active = [True] * 4
+        active = [True] * _N
         while True:
-            idx = [i for i in range(4) if active[i]]
-            ridge = [_RIDGE_RELATIVE * self._xtx[i][i] + _RIDGE_ABSOLUTE for i in range(4)]
+            idx = [i for i in range(_N) if active[i]]
+            ridge = [_RIDGE_RELATIVE * self._xtx[i][i] + _RIDGE_ABSOLUTE for i in range(_N)]
             a = [[self._xtx[i][j] + (ridge[i] if i == j else 0.0) for j in idx] for i in idx]
             b = [self._xty[i] + ridge[i] * self._theta[i] for i in idx]
             solved = _gauss(a, b)
-            theta = [0.0] * 4
+            theta = [0.0] * _N
             for k, i in enumerate(idx):
                 theta[i] = solved[k]
             negative = [i for i in idx if theta[i] < 0]
             if not negative:
-                return (theta[0], theta[1], theta[2], theta[3])
+                return tuple(theta)
             active[min(negative, key=lambda i: theta[i])] = False
 
 
@@ -200,14 +219,17 @@ WARMUP_ID = "\0warm-up"  # never a caller's id: those contain no NUL
 
 
 def warm_up_shapes(max_batched_tokens: int, capacity: int) -> list[list[tuple[int, int]]]:
-    """Chunks (start, num_tokens) of the warm-up steps: prefills of several sizes, decode
-    batches of several widths and contexts, and a mix, all within `capacity` KV slots
-    and the step budget, so every term of the fit is seen before the first real step."""
+    """Chunks (start, num_tokens) of the warm-up steps: whole prefills of several sizes, a
+    chunk over a cached prefix, decode batches of several widths and contexts, and a
+    mix, all within `capacity` KV slots and the step budget, so every term of the fit is
+    seen before the first real step."""
     cap = max(1, min(max_batched_tokens, capacity))
     shapes: list[list[tuple[int, int]]] = []
     for n in (16, 64, 256, 512):
         shapes.append([(0, min(n, cap))])
-    for rows, context in ((1, 512), (8, 128), (32, 32)):
+    chunk = min(128, cap)
+    shapes.append([(max(0, min(512, capacity - chunk)), chunk)])
+    for rows, context in ((1, 512), (8, 128), (32, 32), (8, 1024)):
         rows = max(1, min(rows, capacity // (context + 1), max_batched_tokens))
         context = max(0, min(context, capacity // rows - 1))
         shapes.append([(context, 1)] * rows)

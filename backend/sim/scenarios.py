@@ -80,7 +80,13 @@ def inversion() -> tuple[EngineConfig, list[Stream]]:
 
 # A CPU-like machine, the shape a fit on the 8-layer, 512-wide random Llama gives here:
 # 15 ms per step, 1.1 ms per prompt token, 1 ms per decode row (attention small).
-CPU_LIKE = {"overhead": 0.015, "prefill_token": 0.0011, "decode_row": 0.001, "context_token": 1e-9}
+CPU_LIKE = {
+    "overhead": 0.015,
+    "prefill_token": 0.0011,
+    "decode_row": 0.001,
+    "decode_context_token": 1e-9,
+    "prefill_pair": 1e-9,
+}
 
 
 def cpu_document_flood(

@@ -9,18 +9,20 @@ import pytest
 
 from backend.engine.step_cost import StepCostModel, StepShape, warm_up_shapes
 
-# A machine: 3 ms per step, 0.5 ms per prefill token, 1 ms per decode row, and
-# 2 us per thousand attended pairs.
-TRUE = (3e-3, 5e-4, 1e-3, 2e-9)
+# A machine: 3 ms per step, 0.5 ms per prefill token, 1 ms per decode row, 2 ms per
+# thousand keys a decode row reads and 0.1 ms per thousand pairs a prefill attends (a
+# decode row's keys cost 20x a chunk's pairs, as on this project's CPU).
+TRUE = (3e-3, 5e-4, 1e-3, 2e-6, 1e-7)
 
 
 def true_time(shape: StepShape, scale: float = 1.0) -> float:
-    overhead, per_token, per_row, per_pair = TRUE
+    overhead, per_token, per_row, per_key, per_pair = TRUE
     return scale * (
         overhead
         + per_token * shape.prefill_tokens
         + per_row * shape.decode_rows
-        + per_pair * shape.context_tokens
+        + per_key * shape.decode_context
+        + per_pair * shape.prefill_pairs
     )
 
 
@@ -53,7 +55,7 @@ def test_the_fit_follows_a_machine_that_slows_down() -> None:
         model.observe(shape, true_time(shape))
     for shape in shapes[300:]:
         model.observe(shape, true_time(shape, scale=2.0))  # other work took half the CPU
-    probe = StepShape(512, 8, 400_000)
+    probe = StepShape(512, 8, 8_000, 400_000)
     assert model.predict(probe) == pytest.approx(true_time(probe, scale=2.0), rel=0.05)
     assert model.relative_error < 0.1  # it caught up: recent predictions are close
 
@@ -65,9 +67,9 @@ def test_terms_stay_non_negative_and_one_hiccup_moves_little() -> None:
     # Decode rows never vary here: the fit must not trade them for a negative term.
     flat = StepCostModel()
     for n in range(2, 400, 7):
-        flat.observe(StepShape(n, 4, n * n), 0.002 + 0.001 * n)
+        flat.observe(StepShape(n, 4, 400, n * n), 0.002 + 0.001 * n)
     assert all(v >= 0 for v in flat.coefficients.values())
-    probe = StepShape(256, 4, 50_000)
+    probe = StepShape(256, 4, 400, 50_000)
     before = model.predict(probe)
     model.observe(probe, 100 * before)  # a step stalled by something else
     assert model.predict(probe) < 1.5 * before
@@ -83,11 +85,10 @@ def test_the_inversion_gives_the_most_tokens_within_the_limit() -> None:
     n = model.max_prefill_tokens(limit, decode, 0, 32, 2048)
 
     def predicted(tokens: int) -> float:
-        pairs = decode.context_tokens + tokens * (tokens + 1) // 2
-        return model.predict(StepShape(tokens, decode.decode_rows, pairs))
+        return model.predict(StepShape.of_chunks([(100, 1)] * 10 + [(0, tokens)]))
 
     assert predicted(n) <= limit < predicted(n + 1)
-    assert 100 < n < 200  # about (80 - 3 - 10) ms / 0.5 ms per token
+    assert 100 < n < 200  # about (80 - 3 - 10 - 2) ms / 0.5 ms per token
     assert model.max_prefill_tokens(0.001, decode, 0, 32, 2048) == 32  # the floor
     assert model.max_prefill_tokens(10.0, decode, 0, 32, 2048) == 2048  # all of it
     # Deeper into a long prompt, each token attends to more: fewer fit.
@@ -109,4 +110,25 @@ def test_warm_up_shapes_fit_any_pool_and_budget_and_show_every_term() -> None:
     seen = [StepShape.of_chunks(c) for c in warm_up_shapes(2048, 10**6)]
     assert {s.prefill_tokens > 0 for s in seen} == {True, False}
     assert len({s.decode_rows for s in seen}) >= 3
-    assert len({s.context_tokens for s in seen}) == len(seen)
+    assert len({s.decode_context for s in seen if s.decode_rows}) >= 4
+    assert any(s.prefill_pairs > s.prefill_tokens**2 for s in seen)  # a chunk past a prefix
+    assert len({s.features() for s in seen}) == len(seen)
+
+
+def test_decode_reads_and_chunk_attention_are_told_apart() -> None:
+    """A document's chunks over long cached prefixes next to a few decode rows, steps that
+    all look alike: with one shared attention term the fit would put the chunks' cheap
+    pairs and the rows' expensive keys on one price and mispredict both kinds of step."""
+    model = StepCostModel()
+    for chunks in warm_up_shapes(2048, 10**6):
+        shape = StepShape.of_chunks(chunks)
+        model.observe(shape, true_time(shape))
+    rng = random.Random(5)
+    for _ in range(300):  # the flood: chunks of 100-200 tokens past 0-1,800 cached ones
+        chunks = [(rng.randrange(0, 1800), rng.randrange(100, 200)), *[(1800, 1)] * 2]
+        shape = StepShape.of_chunks(chunks)
+        model.observe(shape, true_time(shape))
+    long_decodes = StepShape.of_chunks([(1800, 1)] * 8)
+    big_chunk = StepShape.of_chunks([(0, 1024)])
+    for probe in (long_decodes, big_chunk):
+        assert model.predict(probe) == pytest.approx(true_time(probe), rel=0.05)
