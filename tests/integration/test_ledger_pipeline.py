@@ -19,8 +19,9 @@ from sqlalchemy.exc import IntegrityError
 from gateway.dispatch.engine_client import InProcessEngineClient
 from gateway.metering import Settled, UsageRecorder, Write
 from gateway.runtime import Runtime
+from tenants.billing import ledger
 from tenants.billing.models import OutboxRow
-from tenants.db import DIRECT_APPLICATION_NAME
+from tenants.db import DIRECT_APPLICATION_NAME, create_direct_engine
 from tenants.models import UsageEvent, UsageStatus
 from tests.integration.billing_support import Owner, Sessions, owner
 from tests.support.gateways import terminate_connections
@@ -140,3 +141,61 @@ async def test_a_commit_whose_outcome_was_lost_is_not_written_twice(
     someone_elses = _event(acme, mine[0].request_id)
     with pytest.raises(REFUSED):
         await recorder._commit([Settled(someone_elses, False)])
+
+
+def _row(model: Any) -> dict[str, Any]:
+    return {c.key: getattr(model, c.key) for c in model.__mapper__.column_attrs}
+
+
+async def test_the_direct_ledger_insert_writes_what_sqlalchemys_does(sessions: Sessions) -> None:
+    """record_all_direct (psycopg, the pipeline's) against record_all (SQLAlchemy Core): the
+    same columns, defaults filled in alike, whether a row gives few columns or all of them."""
+    acme = await owner(sessions, "acme")
+    given = {"queue_ms": 1.5, "ttft_ms": 2.5, "e2e_ms": 3.5, "itl_ms": 0.5, "priority": 2,
+             "finish_reason": "length", "trace_id": "ab" * 16, "replica": "http://r",
+             "error": None, "price_version_id": None}  # fmt: skip
+    shapes: dict[str, dict[str, Any]] = {"few": {}, "all": given, "free": {"cost_micros": 0}}
+    engine = create_direct_engine(
+        sessions.kw["bind"].url.render_as_string(hide_password=False)
+    )
+    try:
+        for shape, extra in shapes.items():
+            alike = []
+            for way in ("core", "direct"):
+                event = _event(acme, f"req_{shape}_{way}")
+                for name, value in extra.items():
+                    setattr(event, name, value)
+                if way == "core":
+                    async with sessions.begin() as session:
+                        await ledger.record_all(session, [event])
+                else:
+                    async with engine.connect() as connection:
+                        driver = (await connection.get_raw_connection()).driver_connection
+                        assert isinstance(driver, psycopg.AsyncConnection)
+                        async with driver.pipeline():
+                            await ledger.record_all_direct(driver, [event])
+                async with sessions() as session:
+                    row = await session.scalar(
+                        select(UsageEvent).where(UsageEvent.request_id == event.request_id)
+                    )
+                    assert row is not None
+                    outbox = await session.scalar(
+                        select(OutboxRow).where(OutboxRow.usage_event_id == row.id)
+                    )
+                alike.append((row, outbox))
+            (core, core_outbox), (direct, direct_outbox) = alike
+            varying = {"id", "request_id", "created_at"}
+            assert {k: v for k, v in _row(core).items() if k not in varying} == {
+                k: v for k, v in _row(direct).items() if k not in varying
+            }, shape
+            assert direct.created_at is not None and direct.id
+            assert (core_outbox is None) == (direct_outbox is None) == (shape == "free")
+            if core_outbox is not None and direct_outbox is not None:
+                varying = {"id", "usage_event_id", "created_at", "occurred_at"}
+                assert {k: v for k, v in _row(core_outbox).items() if k not in varying} == {
+                    k: v for k, v in _row(direct_outbox).items() if k not in varying
+                }
+                assert direct_outbox.created_at is not None
+                assert direct_outbox.occurred_at == direct.created_at
+    finally:
+        await engine.dispose()
