@@ -189,3 +189,49 @@ async def test_a_spent_key_costs_no_tokenizing(
     assert tokenized == []
     expected = "rate_limit_exceeded" if limit == "rpm" else "insufficient_quota"
     assert refused.json()["error"]["code"] == expected
+
+
+async def test_a_whole_answer_goes_before_its_quota_settle_which_still_happens(
+    app: Litestar,
+    sessions: Sessions,
+    engine_client: InProcessEngineClient,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A non-streamed answer waits for its ledger row, not for the store's settle: with
+    the settle held, the answer comes, its row is in the ledger and its reservation is
+    still held; let go, the settle happens, and after a burst the spend equals the
+    ledger with nothing left reserved."""
+    tenant_id, key = await _tenant_key(sessions, LimitSet(monthly_budget_micros=10**9))
+    headers = {"Authorization": f"Bearer {key}"}
+    body = _body(engine_client.model_name)
+    runtime: Runtime = app.state.runtime
+    store = runtime.admission.store
+    settle, release = store.settle, asyncio.Event()
+
+    async def held(*args: Any, **kwargs: Any) -> Any:
+        await release.wait()
+        return await settle(*args, **kwargs)
+
+    monkeypatch.setattr(store, "settle", held)
+    scope, period = tenant_scope(tenant_id), month_period()
+    async with _client(app) as client:
+        try:
+            answer = await asyncio.wait_for(
+                client.post("/v1/completions", json=body, headers=headers), timeout=10
+            )
+            during = await store.usage(scope, period)
+            ledger_during = await _ledger_cost(sessions, tenant_id)
+        finally:
+            release.set()  # else shutdown would wait for the held settle forever
+        assert answer.status_code == 200, answer.text
+        burst = await asyncio.gather(
+            *(client.post("/v1/completions", json=body, headers=headers) for _ in range(16))
+        )
+        await runtime.tasks.drain()
+        after = await store.usage(scope, period)
+    assert ledger_during > 0  # the row was committed before the answer
+    assert during.concurrent == 1 and during.reserved_micros > 0 and during.spent_micros == 0
+    assert [r.status_code for r in burst] == [200] * 16
+    assert after.concurrent == 0 and after.reserved_micros == 0
+    assert after.spent_micros == await _ledger_cost(sessions, tenant_id) > ledger_during
+    assert runtime.admission.unsettled == 0
