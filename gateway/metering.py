@@ -143,12 +143,7 @@ class UsageRecorder:
     async def _write(self, charge: Charge, outcome: RequestUsage) -> None:
         """Ledger first, once; then quota counters from it: spent always matches the
         ledger (a crash in between leaves a row the reconciler charges later; a store
-        outage, a settle the recorder retries until the store takes it).
-
-        A whole (non-streamed) answer waits for its ledger row only: the quota settle,
-        which charges the row and releases the rest of the reservation, runs after it
-        as a tracked task (shutdown waits for it). It is started before the answer is
-        written out, so its command normally reaches the store first."""
+        outage, a settle the recorder retries until the store takes it)."""
         cost = tokens = 0
         at_us: int | None = None
         request_id = charge.request_id
@@ -166,11 +161,7 @@ class UsageRecorder:
             raise
         finally:
             if charge.reservation is not None:
-                quota = self.admission.settle(charge.reservation, tokens, cost, at_us)
-                if streamed:
-                    await quota
-                else:
-                    self.tasks.spawn(quota)
+                await self.admission.settle(charge.reservation, tokens, cost, at_us)
 
     async def checkpoint(self, only: set[str] | None = None) -> int:
         """Record every running stream's delivered tokens, or those of the streams in
