@@ -9,7 +9,7 @@ Redis run on the other cores.
 
     python -m bench.gateway_overhead [--quick] [--skip-stack] [--dry-run]
         [--tollgate-upstream openai|replica]
-    python -m bench.gateway_overhead --profile [--profile-stack] [--quick]  # pyinstrument
+    python -m bench.gateway_overhead --profile [--profile-stack] [--profile-c1] [--quick]
 
 By default (`--tollgate-upstream openai`) Tollgate fronts the same instant OpenAI mock as
 the bare proxy, as a registry model of kind openai (priced, the one model the tenant's
@@ -909,12 +909,15 @@ async def profile(processes: Processes, args: argparse.Namespace, plan: Plan) ->
         stack,
         profile_to=session_file,
     )
+    # --profile-c1: the target's own cell (non-streamed, one at a time), where the
+    # request path's CPU is the latency; else c=16, half streamed.
+    concurrency, streams = (1, (False,)) if args.profile_c1 else (16, (False, True))
     requests = plan.requests[16] * plan.rounds
     started = time.perf_counter()
-    for stream in (False, True):
-        await closed_loop(target, 16, stream, requests, Cell())
+    for stream in streams:
+        await closed_loop(target, concurrency, stream, requests, Cell())
     elapsed = time.perf_counter() - started
-    print(f"profiled {2 * requests} requests at c=16 in {elapsed:.1f} s")
+    print(f"profiled {len(streams) * requests} requests at c={concurrency} in {elapsed:.1f} s")
     gateway = processes.started[-1]
     gateway.terminate()
     gateway.wait(timeout=60)
@@ -1061,6 +1064,11 @@ def main() -> None:
     parser.add_argument("--profile", action="store_true", help="pyinstrument on Tollgate's path")
     parser.add_argument(
         "--profile-stack", action="store_true", help="--profile Tollgate on PostgreSQL + Redis"
+    )
+    parser.add_argument(
+        "--profile-c1",
+        action="store_true",
+        help="--profile non-streamed requests one at a time (the c=1 target's cell)",
     )
     parser.add_argument(
         "--profile-out",

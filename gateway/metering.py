@@ -206,7 +206,7 @@ class UsageRecorder:
             assert isinstance(driver, psycopg.AsyncConnection)
             try:
                 async with driver.pipeline():
-                    await _write_rows(connection, "postgresql", checkpoints, settled)
+                    await _write_rows(connection, "postgresql", checkpoints, settled, driver)
             except (psycopg.OperationalError, OperationalError):
                 if not connection.invalidated:
                     await connection.invalidate()
@@ -451,13 +451,18 @@ async def _write_rows(
     dialect: str,
     checkpoints: list[dict[str, Any]],
     settled: list[Settled],
+    direct: psycopg.AsyncConnection[Any] | None = None,
 ) -> None:
-    """A group's statements: the checkpoint upsert, the ledger rows, the settled streams'
+    """A group's statements: the checkpoint upsert, the ledger rows (straight through
+    psycopg on `direct`, the executor's own connection, when given), the settled streams'
     checkpoints deleted."""
     if checkpoints:
         await executor.execute(_CHECKPOINT_UPSERTS[dialect], checkpoints)
-    if settled:
-        await ledger.record_all(executor, [write.event for write in settled])
+    events = [write.event for write in settled]
+    if events and direct is not None:
+        await ledger.record_all_direct(direct, events)
+    elif events:
+        await ledger.record_all(executor, events)
     streams = [write.event.request_id for write in settled if write.streamed]
     if streams:
         await executor.execute(

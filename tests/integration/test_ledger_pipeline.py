@@ -15,12 +15,14 @@ import pytest
 from litestar.testing import AsyncTestClient
 from sqlalchemy import func, select, text
 from sqlalchemy.exc import IntegrityError
+from sqlalchemy.ext.asyncio import AsyncEngine
 
 from gateway.dispatch.engine_client import InProcessEngineClient
 from gateway.metering import Settled, UsageRecorder, Write
 from gateway.runtime import Runtime
+from tenants.billing import ledger
 from tenants.billing.models import OutboxRow
-from tenants.db import DIRECT_APPLICATION_NAME
+from tenants.db import DIRECT_APPLICATION_NAME, create_direct_engine
 from tenants.models import UsageEvent, UsageStatus
 from tests.integration.billing_support import Owner, Sessions, owner
 from tests.support.gateways import terminate_connections
@@ -140,3 +142,59 @@ async def test_a_commit_whose_outcome_was_lost_is_not_written_twice(
     someone_elses = _event(acme, mine[0].request_id)
     with pytest.raises(REFUSED):
         await recorder._commit([Settled(someone_elses, False)])
+
+
+def _row(model: Any, varying: set[str]) -> dict[str, Any]:
+    """A model's column values, but for those that differ between any two rows."""
+    names = [c.key for c in model.__mapper__.column_attrs if c.key not in varying]
+    return {name: getattr(model, name) for name in names}
+
+
+async def _write_direct(engine: AsyncEngine, event: UsageEvent) -> None:
+    """As gateway.metering's pipeline writes it."""
+    async with engine.connect() as connection:
+        driver = (await connection.get_raw_connection()).driver_connection
+        assert isinstance(driver, psycopg.AsyncConnection)
+        async with driver.pipeline():
+            await ledger.record_all_direct(driver, [event])
+
+
+async def _read_back(sessions: Sessions, request_id: str) -> tuple[UsageEvent, OutboxRow | None]:
+    async with sessions() as session:
+        row = await session.scalar(select(UsageEvent).where(UsageEvent.request_id == request_id))
+        assert row is not None
+        outbox = await session.scalar(select(OutboxRow).where(OutboxRow.usage_event_id == row.id))
+    return row, outbox
+
+
+async def test_the_direct_ledger_insert_writes_what_sqlalchemys_does(sessions: Sessions) -> None:
+    """record_all_direct (psycopg, the pipeline's) against record_all (SQLAlchemy Core): the
+    same columns, defaults filled in alike, whether a row gives few columns or all of them."""
+    acme = await owner(sessions, "acme")
+    given = {"queue_ms": 1.5, "ttft_ms": 2.5, "e2e_ms": 3.5, "itl_ms": 0.5, "priority": 2,
+             "finish_reason": "length", "trace_id": "ab" * 16, "replica": "http://r",
+             "error": None, "price_version_id": None}  # fmt: skip
+    shapes: dict[str, dict[str, Any]] = {"few": {}, "all": given, "free": {"cost_micros": 0}}
+    engine = create_direct_engine(sessions.kw["bind"].url.render_as_string(hide_password=False))
+    try:
+        for shape, extra in shapes.items():
+            core, direct = (_event(acme, f"req_{shape}_{way}") for way in ("core", "direct"))
+            for event in (core, direct):
+                for name, value in extra.items():
+                    setattr(event, name, value)
+            async with sessions.begin() as session:
+                await ledger.record_all(session, [core])
+            await _write_direct(engine, direct)
+            (core_row, core_outbox), (row, outbox) = [
+                await _read_back(sessions, e.request_id) for e in (core, direct)
+            ]
+            varying = {"id", "request_id", "created_at"}
+            assert _row(core_row, varying) == _row(row, varying), shape
+            assert row.created_at is not None and row.id
+            assert (core_outbox is None) == (outbox is None) == (shape == "free")
+            if core_outbox is not None and outbox is not None:
+                varying = {"id", "usage_event_id", "created_at", "occurred_at"}
+                assert _row(core_outbox, varying) == _row(outbox, varying)
+                assert outbox.created_at is not None and outbox.occurred_at == row.created_at
+    finally:
+        await engine.dispose()
