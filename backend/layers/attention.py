@@ -183,7 +183,8 @@ def _attend_decodes(
     k = kv_cache[0].index_select(0, d.blocks).view(num, length, kv_heads, dim).transpose(1, 2)
     v = kv_cache[1].index_select(0, d.blocks).view(num, length, kv_heads, dim).transpose(1, 2)
     qg = q.view(num, kv_heads, heads // kv_heads, dim)
-    o = functional.scaled_dot_product_attention(qg, k, v, attn_mask=d.bias, scale=scale)
+    bias = d.bias.to(q.dtype)  # as SDPA's CUDA kernels want it; free in float32
+    o = functional.scaled_dot_product_attention(qg, k, v, attn_mask=bias, scale=scale)
     return o.reshape(num, heads, dim)
 
 
