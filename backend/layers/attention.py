@@ -60,12 +60,15 @@ class AttentionMetadata:
         layer: sorted by length and cut where a group's padded keys would pass
         DECODE_GROUP_TOKENS, so little is padded and each group's K/V stays small enough
         to be reused from the CPU caches by SDPA (one big gather of every row is slower
-        than one call per sequence)."""
+        than one call per sequence). A decode-only batch that fits one group is that
+        group in batch order (`DecodeGroup.rows` None: no gather of q, no scatter back)."""
         groups: list[list[int]] = []
         for i in sorted(self.decode_seqs, key=self.seq_lens.__getitem__):
             if not groups or (len(groups[-1]) + 1) * self.seq_lens[i] > DECODE_GROUP_TOKENS:
                 groups.append([])
             groups[-1].append(i)
+        if len(groups) == 1 and not self.prefill_seqs:
+            return [DecodeGroup.build(self, self.decode_seqs, whole_batch=True)]
         return [DecodeGroup.build(self, seqs) for seqs in groups]
 
 
@@ -77,22 +80,28 @@ class DecodeGroup:
     """Decode rows (one query each) attended in one SDPA call: which query rows they are,
     their KV blocks in one flat index (padded to the longest), which keys each row sees."""
 
-    rows: torch.Tensor  # [D] the rows of q
+    rows: torch.Tensor | None  # [D] the rows of q; None: every row, in order
     blocks: torch.Tensor  # [D * width] block ids, row by row
-    visible: torch.Tensor  # [D, 1, 1, width * block_size] bool: key position < seq_len
+    # [D, 1, 1, width * block_size]: 0 where key position < seq_len, else -inf (an
+    # additive mask: SDPA would turn a boolean one into this in every layer)
+    bias: torch.Tensor
 
     @staticmethod
-    def build(meta: AttentionMetadata, seqs: list[int]) -> DecodeGroup:
+    def build(meta: AttentionMetadata, seqs: list[int], whole_batch: bool = False) -> DecodeGroup:
         lens = [meta.seq_lens[i] for i in seqs]
-        width = -(-lens[-1] // meta.block_size)  # sorted: the last is the longest
+        width = -(-max(lens) // meta.block_size)
         device = meta.block_tables.device
-        table = meta.block_tables.index_select(0, torch.tensor(seqs, device=device))
+        table = meta.block_tables
+        if not whole_batch:
+            table = table.index_select(0, torch.tensor(seqs, device=device))
         positions = torch.arange(width * meta.block_size, device=device)
-        visible = positions < torch.tensor(lens, device=device)[:, None]
+        hidden = positions >= torch.tensor(lens, device=device)[:, None]
+        bias = torch.zeros(hidden.shape, device=device).masked_fill_(hidden, float("-inf"))
+        rows = None if whole_batch else [meta.query_start_loc[i] for i in seqs]
         return DecodeGroup(
-            rows=torch.tensor([meta.query_start_loc[i] for i in seqs], device=device),
+            rows=None if rows is None else torch.tensor(rows, device=device),
             blocks=table[:, :width].flatten(),
-            visible=visible[:, None, None, :],
+            bias=bias[:, None, None, :],
         )
 
 
@@ -148,27 +157,35 @@ class TorchPagedAttention:
     def attend(
         self, q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata, scale: float
     ) -> torch.Tensor:
+        groups = meta.decode_groups
+        if len(groups) == 1 and groups[0].rows is None:  # decode only, in one group
+            return _attend_decodes(q, kv_cache, groups[0], scale)
         out = torch.empty_like(q)
-        for group in meta.decode_groups:
-            _attend_decodes(q, kv_cache, group, scale, out)
+        for group in groups:
+            assert group.rows is not None  # a whole-batch group is the only group
+            rows = q.index_select(0, group.rows)
+            out.index_copy_(0, group.rows, _attend_decodes(rows, kv_cache, group, scale))
         for i in meta.prefill_seqs:
             _attend_one(q, kv_cache, meta, scale, i, out)
         return out
 
 
 def _attend_decodes(
-    q: torch.Tensor, kv_cache: torch.Tensor, d: DecodeGroup, scale: float, out: torch.Tensor
-) -> None:
-    """A group of decode rows at once: [D, kv_heads, group, dim] queries (the query heads
-    sharing a KV head are its `group` queries, so K/V are never repeated per head)
-    against [D, kv_heads, L, dim] keys, keys past each row's length masked."""
-    num, heads, dim = d.rows.shape[0], q.shape[1], q.shape[2]
-    kv_heads, length = kv_cache.shape[-2], d.visible.shape[-1]
+    q: torch.Tensor, kv_cache: torch.Tensor, d: DecodeGroup, scale: float
+) -> torch.Tensor:
+    """A group's decode rows q [D, heads, dim] at once: [D, kv_heads, group, dim]
+    queries (the query heads sharing a KV head are its `group` queries, so K/V are never
+    repeated per head) against [D, kv_heads, L, dim] keys, keys past each row's length
+    masked."""
+    num, heads, dim = q.shape
+    kv_heads, length = kv_cache.shape[-2], d.bias.shape[-1]
+    # Two gathers along dim 0: torch parallelises those, not one along dim 1 of both.
     k = kv_cache[0].index_select(0, d.blocks).view(num, length, kv_heads, dim).transpose(1, 2)
     v = kv_cache[1].index_select(0, d.blocks).view(num, length, kv_heads, dim).transpose(1, 2)
-    qg = q.index_select(0, d.rows).view(num, kv_heads, heads // kv_heads, dim)
-    o = functional.scaled_dot_product_attention(qg, k, v, attn_mask=d.visible, scale=scale)
-    out.index_copy_(0, d.rows, o.reshape(num, heads, dim))
+    qg = q.view(num, kv_heads, heads // kv_heads, dim)
+    bias = d.bias.to(q.dtype)  # as SDPA's CUDA kernels want it; free in float32
+    o = functional.scaled_dot_product_attention(qg, k, v, attn_mask=bias, scale=scale)
+    return o.reshape(num, heads, dim)
 
 
 def _attend_one(

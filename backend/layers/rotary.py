@@ -51,13 +51,14 @@ class RotaryEmbedding(nn.Module):
         self._last: tuple[torch.Tensor, torch.dtype, torch.Tensor, torch.Tensor] | None = None
 
     def _cache(self, device: torch.device) -> torch.Tensor:
-        """[max_positions, 2 * head_dim] float32: cos then sin, each already repeated to
-        the full head width (the rotate-half layout pairs dimension i with i + d/2)."""
+        """[max_positions, 2 * head_dim] float32: cos, then sin with its first half
+        negated, each repeated to the full head width (the rotate-half layout pairs
+        dimension i with i + d/2): rotate_half(x) * sin is then roll(x) * signed sin."""
         if self._cos_sin is None or self._cos_sin.device != device:
             inv_freq = inverse_frequencies(self.head_dim, self.theta, self.scaling)
             freqs = torch.outer(torch.arange(self.max_positions, dtype=torch.float32), inv_freq)
             cos, sin = freqs.cos(), freqs.sin()
-            self._cos_sin = torch.cat([cos, cos, sin, sin], dim=-1).to(device)
+            self._cos_sin = torch.cat([cos, cos, -sin, sin], dim=-1).to(device)
         return self._cos_sin
 
     def _rows(
@@ -70,14 +71,9 @@ class RotaryEmbedding(nn.Module):
         self._last = (positions, dtype, cos, sin)
         return cos, sin
 
-    def forward(
-        self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """q: [T, heads, head_dim], k: [T, kv_heads, head_dim], positions: [T]."""
-        cos, sin = self._rows(positions, q.dtype)
-        return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
-
-
-def _rotate_half(x: torch.Tensor) -> torch.Tensor:
-    x1, x2 = x.chunk(2, dim=-1)
-    return torch.cat([-x2, x1], dim=-1)
+    def forward(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        """x: [T, heads, head_dim] (the query and key heads side by side: one pass for
+        both), positions: [T]. Four element-wise ops; the same roundings as Hugging
+        Face's x * cos + rotate_half(x) * sin, since negating is exact."""
+        cos, sin = self._rows(positions, x.dtype)
+        return x * cos + x.roll(self.head_dim // 2, dims=-1) * sin

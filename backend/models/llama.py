@@ -33,11 +33,13 @@ class LlamaAttention(nn.Module):
         meta: AttentionMetadata,
     ) -> torch.Tensor:
         cfg = self.cfg
-        q, k, v = self.qkv_proj(x).split([cfg.q_size, cfg.kv_size, cfg.kv_size], dim=-1)
-        q = q.view(-1, cfg.num_heads, cfg.head_dim)
-        k = k.view(-1, cfg.num_kv_heads, cfg.head_dim)
-        v = v.view(-1, cfg.num_kv_heads, cfg.head_dim)
-        q, k = rotary(positions, q, k)
+        qkv = self.qkv_proj(x)
+        # The query and key heads are adjacent in qkv: rotated together, as one tensor.
+        qk = qkv[:, : cfg.q_size + cfg.kv_size].view(
+            -1, cfg.num_heads + cfg.num_kv_heads, cfg.head_dim
+        )
+        q, k = rotary(positions, qk).split([cfg.num_heads, cfg.num_kv_heads], dim=1)
+        v = qkv[:, cfg.q_size + cfg.kv_size :].view(-1, cfg.num_kv_heads, cfg.head_dim)
         self.backend.write_kv(k, v, kv_cache, meta)
         out = self.backend.attend(q, kv_cache, meta, self.scale)
         return self.o_proj(out.flatten(1))  # type: ignore[no-any-return]

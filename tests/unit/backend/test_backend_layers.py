@@ -143,3 +143,23 @@ def test_a_seeded_row_ignores_its_neighbours() -> None:
         return sample(logits[:batch], [p] * batch, gens)[0]
 
     assert draw(1) == draw(3)
+
+
+@pytest.mark.parametrize("temperature", [1.0, 0.5])
+def test_draws_follow_the_distribution_and_never_pick_a_masked_token(
+    temperature: float,
+) -> None:
+    # Zero-probability tokens first, in between and last (where a draw rounding up to
+    # the total would land): -inf as top-k/top-p leave them, finfo.min as a grammar does.
+    probs = torch.tensor([0.0, 0.5, 0.0, 0.3, 0.2, 0.0])
+    logits = probs.log()
+    logits[2] = torch.finfo(torch.float32).min
+    draws = 20_000
+    torch.manual_seed(0)
+    params = [SamplingParams(temperature=temperature)] * draws
+    tokens = torch.tensor(sample(logits.repeat(draws, 1), params, [None] * draws))
+    frequencies = torch.bincount(tokens, minlength=6).float() / draws
+    expected = probs ** (1 / temperature) / (probs ** (1 / temperature)).sum()
+    assert frequencies[probs == 0].sum() == 0
+    # A frequency's standard deviation here is at most 0.0036: 0.015 is four of them.
+    torch.testing.assert_close(frequencies, expected, atol=0.015, rtol=0)
