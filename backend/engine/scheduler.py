@@ -299,14 +299,11 @@ class Scheduler:
             start = max((req.num_computed_tokens for _, req in prefills), default=0)
             floor = min(self._floor(decode_shape, start), plan.budget)
             hard = plan.budget
-            # Aim below the limit by the fit's recent error: a step predicted exactly at
-            # the limit overruns it half the time, and each overrun is a late token.
-            aim = limit / (1 + self.step_cost.relative_error)
-            plan.budget = self.step_cost.max_prefill_tokens(aim, decode_shape, start, floor, hard)
+            plan.budget = self.step_cost.max_prefill_tokens(limit, decode_shape, start, floor, hard)
             self._express_budget = plan.budget
             if self._may_stretch(prefills, express):
                 self._express_budget = self.step_cost.max_prefill_tokens(
-                    EXPRESS_STRETCH * aim, decode_shape, 0, floor, hard
+                    EXPRESS_STRETCH * limit, decode_shape, 0, floor, hard
                 )
             # At most the express lane's stretch: past it the targets are out of reach
             # anyway, and the streams beside them would pay for nothing.

@@ -427,7 +427,6 @@ def fitted(s: Scheduler) -> Scheduler:
     for prefill, rows in ((0, 1), (10, 0), (100, 4), (50, 16), (200, 0), (0, 32)):
         shape = StepShape(prefill, rows, 0)
         s.step_cost.observe(shape, 0.001 * (1 + prefill + rows))
-    s.step_cost.relative_error = 0.0  # the machine is exactly linear: no margin to keep
     return s
 
 
@@ -602,16 +601,3 @@ def test_a_target_too_tight_for_the_machine_still_leaves_half_a_step_to_prefill(
     s.add_request(request("doc", 4000))
     out = s.schedule()
     assert out.num_decode_tokens == 40 and out.num_prefill_tokens in (40, 41)
-
-
-def test_the_budget_aims_below_the_limit_by_the_fits_recent_error() -> None:
-    """A fit that has been off by half of each step on average sizes steps to end within
-    the target even when the next one is off as much: 20.5 ms / 1.5 leaves 11 tokens."""
-    clock = Clock()
-    s = fitted(make(clock, interactive_itl_target_ms=20.5, min_prefill_tokens_per_step=4))
-    s.step_cost.relative_error = 0.5
-    s.add_request(request("chat", 4, max_tokens=100))
-    advance(s, s.schedule())
-    s.add_request(request("doc", 4000))
-    out = s.schedule()
-    assert [(r.request_id, len(r.token_ids)) for r in out.requests] == [("chat", 1), ("doc", 11)]
