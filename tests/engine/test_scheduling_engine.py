@@ -246,7 +246,7 @@ def test_warm_up_fits_the_step_cost_and_leaves_no_trace(llama_dir: Path) -> None
     stats = engine.stats()
     assert (stats.num_steps, stats.total_prefill_tokens, stats.kv_blocks_used) == (0, 0, 0)
     assert stats.kv_blocks_cached == 0 and not engine.has_work()
-    assert stats.step_cost_s["prefill_token"] > 0 or stats.step_cost_s["context_token"] > 0
+    assert stats.step_cost_s["prefill_token"] > 0 or stats.step_cost_s["prefill_pair"] > 0
     engine.add_request("a", list(range(2, 60)), LONG)
     engine.add_request("b", [5, 6, 7], LONG)
     run_to_completion(engine)
