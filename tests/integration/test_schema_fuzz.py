@@ -55,6 +55,24 @@ async def completed_endpoints(url: str) -> set[str]:
     return set(rows.scalars())
 
 
+def only_missed_deadlines(report: str) -> bool:
+    """Whether every failure schemathesis reports is a 504 deadline_exceeded: the
+    documented answer to a `ttft_deadline_ms` the server could not meet (a generated 2 ms
+    deadline is met on a fast machine and missed on a slow one), which its server-error
+    check counts like any other 5xx."""
+    failures = report.split("FAILURES", 1)[-1].split("WARNINGS", 1)[0]
+    kinds = set(re.findall(r"^\s*- (ST\d+ .+)$", failures, re.MULTILINE))
+    statuses = re.findall(r"^\s*\[(\d{3})\]", failures, re.MULTILINE)
+    bodies = re.findall(r"`(\{.*\})`", failures)
+    return (
+        kinds == {"ST101 Server error"}
+        and bool(statuses)
+        and set(statuses) == {"504"}
+        and len(bodies) == len(statuses)
+        and all('"code":"deadline_exceeded"' in body for body in bodies)
+    )
+
+
 @pytest.fixture
 def database(tmp_path: Path) -> str:
     url = f"sqlite:///{tmp_path / 'tollgate.db'}"
@@ -121,9 +139,9 @@ async def test_schemathesis_finds_no_server_error_and_no_undocumented_answer(
         )
         output, _ = await process.communicate()
     report = output.decode()
-    assert process.returncode == 0, report
+    assert process.returncode == 0 or only_missed_deadlines(report), report
     tested = re.search(r"Selected: (\d+)/\d+\s+Tested: (\d+)", report)
     assert tested is not None and tested[1] == tested[2], report  # every operation ran
-    assert re.search(r"\d+ generated, \d+ passed", report), report
+    assert re.search(r"\d+ generated, \d+ (passed|found)", report), report
     # The served model's name is in the schema, so generation is reached, not only refused.
     assert await completed_endpoints(database) & {"chat.completions", "completions", "responses"}
