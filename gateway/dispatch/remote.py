@@ -9,7 +9,9 @@ clean error event.
 
 A replica's refusal (4xx: the request is invalid) is never retried elsewhere, and a
 request on which replicas failed MAX_REPLICA_FAILURES times (it may be what kills them)
-is not sent to another one: it fails with `replica_failed`.
+is not sent to another one: it fails with `replica_failed`. A replica that refuses the
+connection never saw the request, so that is no failure of the request: it leaves
+routing and the next one is tried; with none left the answer is 503 with Retry-After.
 """
 
 from __future__ import annotations
@@ -62,14 +64,25 @@ CONNECT_TIMEOUT_S = 2.0
 MAX_REPLICA_FAILURES = 2  # one retry after a replica died under a request, no more
 EMBEDDINGS = msgspec.json.Decoder(EmbedReply)
 STATS = msgspec.json.Decoder(StatsReply)
+UNREACHABLE = (httpx.ConnectError, httpx.ConnectTimeout)  # the request was never sent
 
 
 class ReplicaFailed(EngineError):
     """The replica broke the stream (connection lost, engine dead, bad reply)."""
 
 
+class ReplicaDown(ReplicaFailed):
+    """The replica could not be reached: the request never got there."""
+
+
 class ReplicaRefused(EngineError):
     """The replica answered 4xx: the request itself is at fault, so no retry."""
+
+
+def _leave_routing(replica: Replica, exc: ReplicaDown) -> None:
+    """Until the health check brings it back."""
+    replica.healthy = False
+    log.warning("replica %s is unreachable: %s", replica.url, exc)
 
 
 def _give_up_unless_retryable(
@@ -188,6 +201,8 @@ class RemoteEngineClient(LocalTokens):
                 raise EngineUnavailable(
                     f"the backend replica refused this request: {exc}", code="replica_refused"
                 ) from exc
+            except ReplicaDown as exc:
+                _leave_routing(replica, exc)
             except ReplicaFailed as exc:
                 failures += 1
                 _give_up_unless_retryable(
@@ -230,6 +245,8 @@ class RemoteEngineClient(LocalTokens):
                         unfinished -= 1
                         if not unfinished:
                             return
+        except UNREACHABLE as exc:
+            raise ReplicaDown(repr(exc)) from exc
         except httpx.TransportError as exc:
             raise ReplicaFailed(repr(exc)) from exc
         raise ReplicaFailed("the stream ended before the request finished")
@@ -259,6 +276,8 @@ class RemoteEngineClient(LocalTokens):
                 return await self._embed_on(replica, body)
             except Overloaded as exc:
                 shed = exc
+            except ReplicaDown as exc:
+                _leave_routing(replica, exc)
             except ReplicaFailed as exc:
                 replica.healthy = False  # the health check brings it back when it answers
                 failures += 1
@@ -275,6 +294,8 @@ class RemoteEngineClient(LocalTokens):
             response = await self._http.post(
                 f"{replica.url}/internal/embed", content=body, headers=tracing.trace_headers()
             )
+        except UNREACHABLE as exc:
+            raise ReplicaDown(repr(exc)) from exc
         except httpx.TransportError as exc:
             raise ReplicaFailed(repr(exc)) from exc
         finally:

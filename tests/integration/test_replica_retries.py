@@ -21,6 +21,7 @@ from gateway.dispatch.engine_client import RESTART, GenerateRequest
 from gateway.dispatch.remote import MAX_REPLICA_FAILURES, RemoteEngineClient
 from gateway.errors import EngineUnavailable, InvalidRequest
 from tests.conftest import serving
+from tests.e2e.processes import free_port
 
 pytestmark = pytest.mark.integration
 
@@ -67,9 +68,13 @@ def replica(behaviour: Behaviour) -> Litestar:
 
 
 @contextlib.asynccontextmanager
-async def client_over(*behaviours: Behaviour) -> AsyncIterator[RemoteEngineClient]:
+async def client_over(
+    *behaviours: Behaviour, unreachable: int = 0
+) -> AsyncIterator[RemoteEngineClient]:
+    """A client over a replica per behaviour, after `unreachable` URLs nothing listens on."""
     async with contextlib.AsyncExitStack() as stack:
-        urls = [await stack.enter_async_context(serving(replica(b))) for b in behaviours]
+        urls = [f"http://127.0.0.1:{free_port()}" for _ in range(unreachable)]
+        urls += [await stack.enter_async_context(serving(replica(b))) for b in behaviours]
         client = RemoteEngineClient(urls, "secret", Tokenizer(BUILTIN_MODEL_DIR), "m", 64)
         try:
             yield client
@@ -140,3 +145,22 @@ async def test_a_dead_engines_error_line_moves_the_request_on() -> None:
         assert [out.text for out in outputs] == ["w0", "w1", "w2", "w3"]
         assert _received(dead, healthy) == [1, 1]
         assert [r.healthy for r in client.replicas] == [False, True]
+
+
+async def test_unreachable_replicas_are_skipped_without_counting_as_failures() -> None:
+    """A refused connection never reached the replica, so more of them than
+    MAX_REPLICA_FAILURES still leave the request to the one that answers."""
+    healthy = Behaviour("ok")
+    async with client_over(healthy, unreachable=MAX_REPLICA_FAILURES + 1) as client:
+        client.replicas[-1].in_flight = 100  # so routing tries the unreachable ones first
+        outputs = await _collect(client, restartable=False)
+        assert [out.text for out in outputs] == ["w0", "w1", "w2", "w3"]
+        assert [r.healthy for r in client.replicas] == [False] * (MAX_REPLICA_FAILURES + 1) + [True]
+
+
+async def test_with_every_replica_unreachable_the_answer_says_retry() -> None:
+    async with client_over(unreachable=MAX_REPLICA_FAILURES + 1) as client:
+        with pytest.raises(EngineUnavailable) as failed:
+            await _collect(client, restartable=False)
+    assert failed.value.code == "engine_unavailable"
+    assert failed.value.headers["Retry-After"] == "1"
