@@ -56,7 +56,8 @@ from tests.e2e.processes import Process, free_port, start
 from tests.support.fake_stripe import FakeStripe
 from tests.support.servers import OwnPostgres, OwnRedis
 
-pytestmark = [pytest.mark.e2e, pytest.mark.slow, pytest.mark.timeout(480)]
+TEST_BOUND_S = 420  # the test's own bound, under pytest-timeout's: it says where it waited
+pytestmark = [pytest.mark.e2e, pytest.mark.slow, pytest.mark.timeout(TEST_BOUND_S + 60)]
 
 ROOT = Path(__file__).resolve().parents[2]
 LEASE_S = 3  # short: a killed gateway's reservations come back quickly
@@ -797,7 +798,24 @@ class Row:
     detail: str
 
 
+@asynccontextmanager
+async def _bounded(seconds: float) -> AsyncIterator[None]:
+    """Fail after `seconds` with every task's stack printed: what the test waited on."""
+    try:
+        async with asyncio.timeout(seconds):
+            yield
+    except TimeoutError:
+        for task in asyncio.all_tasks():
+            task.print_stack(limit=6, file=sys.stderr)
+        raise
+
+
 async def test_faults_under_load(stack: Stack) -> None:
+    async with _bounded(TEST_BOUND_S):
+        await _run_the_faults(stack)
+
+
+async def _run_the_faults(stack: Stack) -> None:
     await _learn_model(stack)
     prompt_tokens = 8  # the longest prompt above, with room for the chat template
     worst_micros = DEFAULT_PRICE.cost_micros(prompt_tokens * 3, 0, MAX_TOKENS)
@@ -809,12 +827,14 @@ async def test_faults_under_load(stack: Stack) -> None:
         runner = asyncio.create_task(load.run())
         try:
             for name, fault in FAULTS:
+                print(f"{time.strftime('%X')} phase: {name}", file=sys.stderr)
                 phases.append(await _run_phase(stack, load, name, fault))
         finally:
             await load.finish()
             await runner
     if phases:
         phases[-1].ended = time.monotonic()  # the last phase has the requests still running
+    print(f"{time.strftime('%X')} the load has ended: invariants", file=sys.stderr)
     invariants = await _invariants(stack, load.results, watch.over)
     rows = _phase_rows(phases, load.results, set(_ledger_rows(stack)), watch)
     _print(rows, phases, invariants, load.results)
