@@ -28,7 +28,7 @@ class Batch:
 
 # (context length, new tokens): decode rows, whole prefills, chunks over a cached prefix.
 MIXED = [(37, 1), (23, 23), (150, 40), (300, 1), (5, 1), (70, 70), (33, 2)]
-DECODE = [(700, 1), (33, 1), (1, 1), (257, 1)]
+DECODE = [(330, 1), (33, 1), (1, 1), (129, 1)]  # 330: 21 blocks of 16, split 8 ways
 
 
 def make_batch(
