@@ -13,6 +13,7 @@ from litestar import Litestar
 from litestar.di import Provide
 from sqlalchemy.exc import SQLAlchemyError
 from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
+from sqlalchemy.orm import Session
 
 from backend import EngineConfig
 from backend.builtin import BUILTIN_MODEL_DIR
@@ -158,10 +159,12 @@ def open_runtime(settings: Settings, telemetry: Telemetry, stack: AsyncExitStack
     direct = create_direct_engine(settings.database_url)
     stack.push_async_callback(direct.dispose)
     postgres = is_postgres(settings.database_url)
+    session_class = type("RuntimeSession", (Session,), {})  # this runtime's sessions alone
+    sessions = session_factory(db, session_class)
     generations = GenerationListener(libpq_url(settings.database_url)) if postgres else None
     if generations is not None:
+        generations.learns_commits_of(session_class)
         _started(stack, generations)
-    sessions = session_factory(db)
     redis = connect_redis(settings.redis_url) if settings.redis_url else None
     if redis is not None:
         stack.push_async_callback(redis.aclose)

@@ -17,6 +17,7 @@ from sqlalchemy.ext.asyncio import (
     async_sessionmaker,
     create_async_engine,
 )
+from sqlalchemy.orm import Session
 
 MIGRATIONS_DIR = Path(__file__).resolve().parent.parent / "migrations"
 
@@ -106,8 +107,12 @@ def _sqlite_pragmas(dbapi_connection: object, _record: object) -> None:
     cursor.close()
 
 
-def session_factory(engine: AsyncEngine) -> async_sessionmaker[AsyncSession]:
-    return async_sessionmaker(engine, expire_on_commit=False)
+def session_factory(
+    engine: AsyncEngine, sync_session_class: type[Session] = Session
+) -> async_sessionmaker[AsyncSession]:
+    """`sync_session_class`: a Session subclass of the caller's, to hear only its own
+    sessions' events."""
+    return async_sessionmaker(engine, expire_on_commit=False, sync_session_class=sync_session_class)
 
 
 def alembic_config(url: str) -> Config:

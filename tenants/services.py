@@ -81,7 +81,10 @@ KEY_GENERATION_CHANNEL = "tollgate_key_generation"  # PostgreSQL's NOTIFY of a n
 
 _BUMP = update(KeyGeneration).values(value=KeyGeneration.value + 1)
 _BUMPED = _BUMP.returning(KeyGeneration.value).cte("bumped")
-_BUMP_AND_NOTIFY = select(func.pg_notify(KEY_GENERATION_CHANNEL, cast(_BUMPED.c.value, Text)))
+_BUMP_AND_NOTIFY = select(
+    _BUMPED.c.value, func.pg_notify(KEY_GENERATION_CHANNEL, cast(_BUMPED.c.value, Text))
+)
+KEY_GENERATION_BUMPED = "key_generation_bumped"  # session.info: the value the commit makes
 
 
 async def keys_changed(session: AsyncSession) -> None:
@@ -89,9 +92,12 @@ async def keys_changed(session: AsyncSession) -> None:
     generation in the caller's transaction, so every gateway forgets the keys it
     remembered the moment the change commits. On PostgreSQL the same statement notifies
     the new value, which PostgreSQL delivers to the gateways' listeners on commit only
-    (gateway.admission.key_generation)."""
+    (gateway.admission.key_generation). The new value is left in `session.info` under
+    KEY_GENERATION_BUMPED, so the process that commits it can learn it at once."""
     if session.get_bind().dialect.name == "postgresql":
-        await session.execute(_BUMP_AND_NOTIFY)
+        value = (await session.execute(_BUMP_AND_NOTIFY)).scalar()
+        if value is not None:
+            session.info[KEY_GENERATION_BUMPED] = int(value)
     else:
         await session.execute(_BUMP)
 

@@ -8,9 +8,10 @@ every replica as soon as that replica knows the new generation:
 - on PostgreSQL, from LISTEN/NOTIFY (gateway.admission.key_generation): the bump notifies
   its value on commit, each gateway's listener keeps it in memory, and no request reads
   it. A change refuses the next request once its notification is in (delivery on
-  loopback is well under a millisecond; see bench/README.md); while the listener is blind
-  (its connection lost, not yet re-listened and re-read) every request reads the
-  generation as below;
+  loopback is well under a millisecond; see bench/README.md), and on the replica that
+  committed it, the very next request (it learns its own bump on commit); while the
+  listener is blind (its connection lost, not yet re-listened and re-read) every request
+  reads the generation as below;
 - on SQLite, and on PostgreSQL while the listener is blind, each request reads the row:
   one primary-key read in one round trip (autocommit, on a pool with no ping:
   tenants.db.create_direct_engine), in READ COMMITTED, so a change committed anywhere

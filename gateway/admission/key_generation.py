@@ -11,7 +11,9 @@ generation again on that connection, which proves the connection alive; a value 
 confirmed for two heartbeats is not trusted (a connection that hangs without closing).
 While it has no live connection (dropped, not yet made) it is blind: `current()` is None,
 and the caller reads the generation itself as before, until the listener has listened and
-read again.
+read again. A bump this process commits itself is learnt at once (`learns_commits_of`),
+not when its notification comes back: a key revoked on a replica is refused by its very
+next request there.
 """
 
 from __future__ import annotations
@@ -24,8 +26,10 @@ from collections.abc import Callable
 
 import psycopg
 from psycopg import sql
+from sqlalchemy import event
+from sqlalchemy.orm import Session
 
-from tenants.services import KEY_GENERATION_CHANNEL
+from tenants.services import KEY_GENERATION_BUMPED, KEY_GENERATION_CHANNEL
 
 log = logging.getLogger(__name__)
 
@@ -59,6 +63,28 @@ class GenerationListener:
         """Wait until `check(current())` holds (it is tried at every change)."""
         while not check(self.current()):
             await self._moved.wait()
+
+    def learn(self, committed: int) -> None:
+        """A generation this process has committed: the database holds it or a later one,
+        so the live value may move up to it (never past what is committed)."""
+        if self._value is not None and committed > self._value:
+            self._value = committed
+            self._moved.set()
+            self._moved = asyncio.Event()
+
+    def learns_commits_of(self, session_class: type[Session]) -> None:
+        """Learn each bump committed through sessions of `session_class`."""
+
+        def committed(session: Session) -> None:
+            value = session.info.pop(KEY_GENERATION_BUMPED, None)
+            if value is not None:
+                self.learn(value)
+
+        def rolled_back(session: Session) -> None:
+            session.info.pop(KEY_GENERATION_BUMPED, None)
+
+        event.listen(session_class, "after_commit", committed)
+        event.listen(session_class, "after_rollback", rolled_back)
 
     def start(self) -> None:
         self._task = asyncio.get_running_loop().create_task(self._listen_forever())

@@ -126,3 +126,30 @@ async def test_the_listener_listens_again_after_its_connection_is_killed(
             await _beyond(listener, before)
             assert await served.status(other) == 401
         assert reads == []
+
+
+async def test_a_revocation_committed_by_this_gateway_is_known_the_moment_it_commits(
+    settings: Settings, engine_client: InProcessEngineClient, tenant_key: str
+) -> None:
+    """A replica's own changes do not wait for their notification: the listener holds the
+    new generation as the commit returns (read here inside the commit, where no
+    notification can have been taken yet), so that replica's next request is refused;
+    a bump rolled back is never learnt."""
+    async with gateway(settings, engine_client) as served:
+        listener = _listener(served)
+        sessions = served.runtime.sessions
+        assert await served.status(tenant_key) == 200
+        before = listener.current()
+        assert before is not None
+        async with sessions() as session:
+            await ApiKeyService(session).revoke(tenant_key.split("_")[0])
+            await session.rollback()
+        assert listener.current() == before
+        seen_at_commit: list[int | None] = []
+        async with sessions.begin() as session:
+            event.listen(session.sync_session, "after_commit", lambda _: seen_at_commit.append(
+                listener.current()
+            ))  # fmt: skip
+            await ApiKeyService(session).revoke(tenant_key.split("_")[0])
+        assert seen_at_commit == [before + 1]
+        assert await served.status(tenant_key) == 401
