@@ -22,7 +22,9 @@ released by its lease.
 The recorder's writes (ledger rows, checkpoints) go through one group commit: what is
 submitted while a transaction is under way goes together in the next one, and each caller
 waits for the commit holding its rows, so a settled request's row is durable before its
-answer goes out, as before. On SQLite this also means the recorder's writes never contend
+answer goes out, as before (never an answer without its row; the other side of that
+choice: a gateway killed between the commit and the send bills an answer its client
+lost with the connection). On SQLite this also means the recorder's writes never contend
 with each other for the one write lock: a writer that finds it taken sleeps in SQLite's
 busy handler, 100 ms at a time once it has waited 0.2 s, and under load lost the lock again
 and again (up to ~2 s: issue 19's embedded p99). On PostgreSQL a group is one pipeline on

@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import re
 import sys
+from collections import Counter
 from dataclasses import replace
 from pathlib import Path
 
@@ -44,15 +45,21 @@ async def admin_key(url: str) -> str:
     return created.secret
 
 
-async def completed_endpoints(url: str) -> set[str]:
-    """The endpoints of which the fuzzer got at least one answer generated to the end."""
+async def ledger_outcomes(url: str) -> Counter[tuple[str, str, str | None]]:
+    """(endpoint, status, error) of every ledger row the fuzzer's requests left."""
     engine = db.create_engine(url)
     async with db.session_factory(engine)() as session:
         rows = await session.execute(
-            select(UsageEvent.endpoint).where(UsageEvent.status == UsageStatus.COMPLETED)
+            select(UsageEvent.endpoint, UsageEvent.status, UsageEvent.error)
         )
     await engine.dispose()
-    return set(rows.scalars())
+    return Counter((endpoint, UsageStatus(status).value, error) for endpoint, status, error in rows)
+
+
+async def completed_endpoints(url: str) -> set[str]:
+    """The endpoints of which the fuzzer got at least one answer generated to the end."""
+    outcomes = await ledger_outcomes(url)
+    return {endpoint for endpoint, status, _ in outcomes if status == UsageStatus.COMPLETED.value}
 
 
 def only_missed_deadlines(report: str) -> bool:
@@ -144,4 +151,8 @@ async def test_schemathesis_finds_no_server_error_and_no_undocumented_answer(
     assert tested is not None and tested[1] == tested[2], report  # every operation ran
     assert re.search(r"\d+ generated, \d+ (passed|found)", report), report
     # The served model's name is in the schema, so generation is reached, not only refused.
-    assert await completed_endpoints(database) & {"chat.completions", "completions", "responses"}
+    completed = await completed_endpoints(database)
+    assert completed & {"chat.completions", "completions", "responses"}, (
+        await ledger_outcomes(database),
+        report[-3000:],
+    )
