@@ -525,8 +525,10 @@ async def _watching(stack: Stack, found: Watch) -> AsyncIterator[None]:
     store = RedisQuotaStore.from_url(stack.redis.url)
     http = httpx.AsyncClient(timeout=10.0, headers={SECRET_HEADER: stack.secret})
 
+    stopped = asyncio.Event()  # ends the loops even where a client swallowed a cancel
+
     async def budgets() -> None:
-        while True:
+        while not stopped.is_set():
             for tenant in stack.tenants:
                 with contextlib.suppress(Exception):  # Redis restarting: nothing to read
                     usage = await store.usage(tenant_scope(tenant.id), month_period())
@@ -535,7 +537,7 @@ async def _watching(stack: Stack, found: Watch) -> AsyncIterator[None]:
             await asyncio.sleep(0.25)  # the sampling period, not synchronisation
 
     async def stats() -> None:
-        while True:
+        while not stopped.is_set():
             for node in stack.backends:
                 began = time.monotonic()
                 with contextlib.suppress(httpx.HTTPError):  # a killed replica: no sample
@@ -547,9 +549,13 @@ async def _watching(stack: Stack, found: Watch) -> AsyncIterator[None]:
     try:
         yield
     finally:
+        # A cancel that lands as a client's own timeout expires can come out as its
+        # TimeoutError, which the client retries (Python 3.11's asyncio.timeout): the
+        # flag, not the cancel alone, is what ends the loops.
+        stopped.set()
         for task in tasks:
             task.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
+        await asyncio.wait(tasks, timeout=15)
         await store.aclose()
         await http.aclose()
 
