@@ -73,9 +73,12 @@ def static_batches(work: Workload, batch_size: int, by_length: bool) -> list[Wor
     return [items[i : i + batch_size] for i in range(0, len(items), batch_size)]
 
 
-def generate_static(model: Any, batch: Workload, device: torch.device) -> int:
+def generate_static(
+    model: Any, batch: Workload, device: torch.device, temperature: float = 0.0
+) -> int:
     """One generate() call on a left-padded batch, every row generating until the
-    batch's longest output is done (EOS ignored, greedy). Returns the padded token slots."""
+    batch's longest output is done (EOS ignored; greedy, or sampled at `temperature` with
+    no top-k/top-p filter, as the engine samples). Returns the padded token slots."""
     width = max(len(p) for p, _ in batch)
     longest = max(n for _, n in batch)
     ids = torch.zeros(len(batch), width, dtype=torch.long)
@@ -87,13 +90,21 @@ def generate_static(model: Any, batch: Workload, device: torch.device) -> int:
         input_ids=ids.to(device),
         attention_mask=mask.to(device),
         max_new_tokens=longest,
-        do_sample=False,
+        **sampled(temperature),
         eos_token_id=None,
         pad_token_id=0,
     )
     if out.shape[1] != width + longest:  # stopped early: that would flatter it
         raise RuntimeError(f"generate() made {out.shape[1] - width} of {longest} tokens")
     return len(batch) * (width + longest)
+
+
+def sampled(temperature: float) -> dict[str, Any]:
+    """generate()'s sampling arguments: greedy at 0, else plain temperature sampling (the
+    checkpoint's generation config could otherwise add a top-k of 50)."""
+    if temperature == 0:
+        return {"do_sample": False}
+    return {"do_sample": True, "temperature": temperature, "top_k": 0, "top_p": 1.0}
 
 
 def long_tailed(rng: Any, low: int, high: int, median: float, sigma: float) -> int:

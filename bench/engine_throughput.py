@@ -2,7 +2,8 @@
 and through its HTTP API, against the strongest static baseline: transformers'
 generate() on length-sorted and on arrival-order batches of 8, 16 and 32, the best of
 the six reported. Same random 8-layer, 512-wide Llama, same long-tailed workload
-(prompts of 32 to 1,536 tokens, outputs of 16 to 256, EOS ignored, greedy), 32 and 128
+(prompts of 32 to 1,536 tokens, outputs of 16 to 256, EOS ignored, greedy, or both sides
+sampling at `--temperature` with no top-k/top-p filter), 32 and 128
 requests, each workload drawn with its own seed so that no prompt is in a prefix cache.
 
 Only the tokens each request asked for count as output; static batching also computes
@@ -68,8 +69,9 @@ def make_workload(num: int, max_prompt: int, max_output: int, seed: int, vocab: 
     return work
 
 
-def greedy(max_tokens: int) -> SamplingParams:
-    return SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True)
+def sampling(max_tokens: int, temperature: float = 0.0) -> SamplingParams:
+    """A request's sampling: greedy at 0 (the default), else plain temperature sampling."""
+    return SamplingParams(max_tokens=max_tokens, temperature=temperature, ignore_eos=True)
 
 
 @dataclass(frozen=True)
@@ -92,12 +94,15 @@ def off_main_thread(fn: Callable[..., T], *args: Any) -> T:
         return pool.submit(fn, *args).result()
 
 
-def run_engine(engine: Engine, work: Workload, tag: str, priority: int = 0) -> Rate:
+def run_engine(
+    engine: Engine, work: Workload, tag: str, priority: int = 0, temperature: float = 0.0
+) -> Rate:
     steps, cpu = engine.num_steps, time.process_time()
     start = time.perf_counter()
     for i, (prompt, out_len) in enumerate(work):
         # The tag as tenant salts the prefix cache: no run reuses another's prompts.
-        engine.add_request(f"{tag}-{i}", prompt, greedy(out_len), priority=priority, tenant=tag)
+        params = sampling(out_len, temperature)
+        engine.add_request(f"{tag}-{i}", prompt, params, priority=priority, tenant=tag)
     tokens = 0
     while engine.has_work():
         tokens += sum(len(o.token_ids) for o in engine.step())
@@ -109,7 +114,7 @@ WARM_UP = list(range(2, 66))  # a prompt no workload shares a prefix with
 
 
 def warm(engine: Engine) -> None:
-    engine.add_request("warm-up", WARM_UP, greedy(4))
+    engine.add_request("warm-up", WARM_UP, sampling(4))
     while engine.has_work():
         engine.step()
 
@@ -183,10 +188,17 @@ def _wait_until_healthy(url: str, process: subprocess.Popen[bytes]) -> None:
 
 
 async def _stream_one(
-    client: httpx.AsyncClient, url: str, rid: str, prompt: list[int], n: int, priority: int = 0
+    client: httpx.AsyncClient,
+    url: str,
+    rid: str,
+    prompt: list[int],
+    n: int,
+    priority: int = 0,
+    temperature: float = 0.0,
 ) -> int:
     tenant = rid.rsplit("-", 1)[0]  # the run's tag: salts the prefix cache
-    body = msgspec.json.encode(GenerateBody(prompt, greedy(n), rid, priority, tenant))
+    params = sampling(n, temperature)
+    body = msgspec.json.encode(GenerateBody(prompt, params, rid, priority, tenant))
     tokens = 0
     headers = {SECRET_HEADER: SECRET}
     async with client.stream(
@@ -202,7 +214,9 @@ async def _stream_one(
     return tokens
 
 
-async def _stream_all(server: Server, work: Workload, tag: str, priority: int) -> Rate:
+async def _stream_all(
+    server: Server, work: Workload, tag: str, priority: int, temperature: float
+) -> Rate:
     limits = httpx.Limits(max_connections=len(work) + 4)
     url = server.url
     async with httpx.AsyncClient(timeout=None, limits=limits) as client:
@@ -212,7 +226,7 @@ async def _stream_all(server: Server, work: Workload, tag: str, priority: int) -
         start = time.perf_counter()
         counts = await asyncio.gather(
             *(
-                _stream_one(client, url, f"{tag}-{i}", p, n, priority)
+                _stream_one(client, url, f"{tag}-{i}", p, n, priority, temperature)
                 for i, (p, n) in enumerate(work)
             )
         )
@@ -230,8 +244,10 @@ def process_cpu_s(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
-def run_http(server: Server, work: Workload, tag: str, priority: int = 0) -> Rate:
-    return asyncio.run(_stream_all(server, work, tag, priority))
+def run_http(
+    server: Server, work: Workload, tag: str, priority: int = 0, temperature: float = 0.0
+) -> Rate:
+    return asyncio.run(_stream_all(server, work, tag, priority, temperature))
 
 
 # -- the static baseline ---------------------------------------------------------------
@@ -246,7 +262,12 @@ def load_static_model(model_dir: Path) -> Any:
 
 @torch.inference_mode()
 def run_static(
-    model: Any, work: Workload, batch_size: int, by_length: bool, budget_s: float
+    model: Any,
+    work: Workload,
+    batch_size: int,
+    by_length: bool,
+    budget_s: float,
+    temperature: float = 0.0,
 ) -> Rate:
     """generate() on fixed batches. With a budget, the batches run in a shuffled order
     until it is spent, and the rate is over those done (a fair sample of all of them)."""
@@ -257,7 +278,7 @@ def run_static(
     for batch in batches:
         if time.perf_counter() - start > budget_s:
             break
-        padded += generate_static(model, batch, torch.device("cpu"))
+        padded += generate_static(model, batch, torch.device("cpu"), temperature)
         tokens += sum(n for _, n in batch)
         done += 1
     useful = sum(len(p) + n for b in batches[:done] for p, n in b)
@@ -310,6 +331,12 @@ def main() -> None:
         help="request priorities to run the engine at, comma-separated (0: the interactive "
         "class, with its latency targets; 5: the batch class, none by default)",
     )
+    parser.add_argument(
+        "--temperature",
+        type=float,
+        default=0.0,
+        help="sample every request (both sides) at this temperature; 0: greedy (default)",
+    )
     parser.add_argument("--skip-static", action="store_true")
     parser.add_argument("--skip-http", action="store_true")
     parser.add_argument("--profile", action="store_true", help="profile the engine and stop")
@@ -340,10 +367,12 @@ def main() -> None:
             for p in priorities:
                 tail = "" if p == 0 else f", priority {p}"
                 tag = f"w{n}p{p}"
-                rate = off_main_thread(run_engine, engine, works[n], tag, p)
+                t = args.temperature
+                rate = off_main_thread(run_engine, engine, works[n], tag, p, t)
                 rates = {f"engine in process{tail}": rate}
                 if server:
-                    rates[f"engine through the HTTP API{tail}"] = run_http(server, works[n], tag, p)
+                    http = run_http(server, works[n], tag, p, t)
+                    rates[f"engine through the HTTP API{tail}"] = http
                 for label, rate in rates.items():  # as they come: a run cut short keeps them
                     print(f"  ({n} requests) {line(label, rate)}", flush=True)
                 results[n].update(rates)
@@ -367,7 +396,9 @@ def run_statics(model: Any, work: Workload, args: Any) -> dict[str, Rate]:
         for by_length in (True, False):
             label = f"static {'sorted' if by_length else 'arrival'} batches of {size}"
             budget = args.static_budget_s
-            statics[label] = off_main_thread(run_static, model, work, size, by_length, budget)
+            statics[label] = off_main_thread(
+                run_static, model, work, size, by_length, budget, args.temperature
+            )
             print(f"  ({len(work)} requests) {line(label, statics[label])}", flush=True)
     return statics
 

@@ -11,7 +11,14 @@ import pytest
 
 from backend.builtin import BUILTIN_MODEL_DIR
 from backend.wire import SECRET_HEADER
-from bench.engine_throughput import SECRET, backend_server, engine_config, run_http
+from bench.engine_throughput import (
+    SECRET,
+    backend_server,
+    engine_config,
+    load_static_model,
+    run_http,
+    run_static,
+)
 from gateway.settings import gateway_engine_defaults
 
 
@@ -37,3 +44,17 @@ def test_the_bench_streams_every_token_from_a_backend_at_the_product_defaults() 
     )
     steps = int(rate.note.split()[0])  # "<steps> steps, server ... CPU, ..."
     assert steps >= 7  # the longest request alone needs one step per token
+
+
+@pytest.mark.e2e
+def test_both_sides_sample_at_the_temperature_given_and_make_every_token() -> None:
+    """--temperature: the engine's requests sample and generate() samples with no top-k
+    (a sampled row that stopped early would flatter either side)."""
+    work = [(list(range(2, 40)), 6), (list(range(70, 90)), 4)]
+    with backend_server(BUILTIN_MODEL_DIR, engine_config(_defaults(threads=1))) as server:
+        sampled = run_http(server, work, "bench-sampled", temperature=0.8)
+    assert sampled.tokens == 6 + 4
+    model = load_static_model(BUILTIN_MODEL_DIR)
+    rate = run_static(model, work, 2, True, float("inf"), temperature=0.8)
+    assert rate.tokens == 6 + 4
+    assert rate.note.startswith("1/1 batches")
