@@ -29,8 +29,10 @@ with each other for the one write lock: a writer that finds it taken sleeps in S
 busy handler, 100 ms at a time once it has waited 0.2 s, and under load lost the lock again
 and again (up to ~2 s: issue 19's embedded p99). On PostgreSQL a group is one pipeline on
 an autocommit connection that is not pinged: one implicit transaction, one round trip; a
-group whose connection was lost is tried once more on the pool that pings, unless the
-lost try had committed (its rows are found under their own ids).
+group whose connection was lost is tried again on the pool that pings, unless the
+lost try had committed (its rows are found under their own ids), for up to
+LEDGER_RETRY_S while the database refuses connections (a restart): only then are its
+rows given up, each logged by request id.
 """
 
 from __future__ import annotations
@@ -67,6 +69,10 @@ FIRST_CHECKPOINT_WAIT_S = 1.0  # how long a stream's first chunk waits for its f
 STALE_AFTER_S = 15.0  # a checkpoint this old is a dead gateway's: 3x the longest interval
 ORPHAN_SWEEP_S = 5.0  # how often stale checkpoints are looked for
 ORPHAN_BATCH = 100
+# How long a group whose connection was lost keeps trying while the database comes back
+# (a restart, a failover) before its rows are given up, logged by request id.
+LEDGER_RETRY_S = 10.0
+LEDGER_RETRY_MAX_PAUSE_S = 1.0
 
 
 class UsageRecorder:
@@ -195,7 +201,26 @@ class UsageRecorder:
             await self._pipelined(checkpoints, settled)
         except (psycopg.OperationalError, OperationalError) as exc:
             log.warning("ledger commit lost its connection (%s): trying again", exc)
-            await self._again(checkpoints, settled)
+            await self._again_while_back(checkpoints, settled)
+
+    async def _again_while_back(
+        self, checkpoints: list[dict[str, Any]], settled: list[Settled]
+    ) -> None:
+        """`_again` until it gets through or LEDGER_RETRY_S is spent: a database that is
+        restarting refuses connections for a moment, and the rows (a stream's tokens
+        already delivered) must not be lost to it. The writers wait meanwhile."""
+        deadline = asyncio.get_running_loop().time() + LEDGER_RETRY_S
+        pause = 0.05
+        while True:
+            try:
+                await self._again(checkpoints, settled)
+                return
+            except OperationalError as exc:
+                if asyncio.get_running_loop().time() + pause > deadline:
+                    raise
+                log.warning("ledger commit: the database is unavailable (%s): retrying", exc)
+            await asyncio.sleep(pause)  # a back-off while the database comes back
+            pause = min(2 * pause, LEDGER_RETRY_MAX_PAUSE_S)
 
     async def _pipelined(self, checkpoints: list[dict[str, Any]], settled: list[Settled]) -> None:
         """PostgreSQL: the group's statements in one pipeline on an autocommit connection,

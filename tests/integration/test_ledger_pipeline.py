@@ -14,9 +14,10 @@ import psycopg
 import pytest
 from litestar.testing import AsyncTestClient
 from sqlalchemy import func, select, text
-from sqlalchemy.exc import IntegrityError
+from sqlalchemy.exc import IntegrityError, OperationalError
 from sqlalchemy.ext.asyncio import AsyncEngine
 
+from gateway import metering
 from gateway.dispatch.engine_client import InProcessEngineClient
 from gateway.metering import Settled, UsageRecorder, Write
 from gateway.runtime import Runtime
@@ -198,3 +199,56 @@ async def test_the_direct_ledger_insert_writes_what_sqlalchemys_does(sessions: S
                 assert outbox.created_at is not None and outbox.occurred_at == row.created_at
     finally:
         await engine.dispose()
+
+
+class Restarting:
+    """The recorder's pinging pool while the database restarts: its first `refusals`
+    transactions fail to connect, as a server not yet accepting connections does."""
+
+    def __init__(self, sessions: Sessions, refusals: int) -> None:
+        self.sessions = sessions
+        self.refusals = refusals
+        self.refused = 0
+
+    def __call__(self) -> Any:
+        return self.sessions()
+
+    def begin(self) -> Any:
+        if self.refused < self.refusals:
+            self.refused += 1
+            refused = psycopg.OperationalError("connection refused")
+            raise OperationalError("connect", {}, refused)
+        return self.sessions.begin()
+
+
+async def test_a_group_waits_for_a_restarting_database_instead_of_losing_its_rows(
+    client: AsyncTestClient[Any], sessions: Sessions, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The pipelined try finds its connection dead and the database then refuses two
+    connections: the rows still go in once it answers; refused for longer than
+    LEDGER_RETRY_S, the submitter gets the error (and the row is logged as lost)."""
+    acme = await owner(sessions, "acme")
+    recorder = _recorder(client)
+    real = recorder.sessions
+    assert await _kill_direct_connections(sessions) == 0  # none pooled yet: make one
+    await recorder._commit([Settled(_event(acme, "req_before"), False)])
+    assert await _kill_direct_connections(sessions) == 1
+    restarting = Restarting(real, refusals=2)
+    recorder.sessions = restarting  # type: ignore[assignment]
+    await recorder._writes.submit(Settled(_event(acme, "req_during"), False))
+    assert restarting.refused == 2
+    assert await _written(sessions) == [("req_before", 1), ("req_during", 1)]
+
+    monkeypatch.setattr(metering, "LEDGER_RETRY_S", 0.3)
+    recorder.sessions = real
+    await recorder._commit([Settled(_event(acme, "req_after"), False)])  # pools one again
+    assert await _kill_direct_connections(sessions) == 1
+    recorder.sessions = Restarting(real, refusals=10**6)  # type: ignore[assignment]
+    with pytest.raises(OperationalError):
+        await recorder._writes.submit(Settled(_event(acme, "req_lost"), False))
+    recorder.sessions = real
+    assert [request_id for request_id, _ in await _written(sessions)] == [
+        "req_after",
+        "req_before",
+        "req_during",
+    ]
