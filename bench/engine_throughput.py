@@ -367,11 +367,11 @@ def main() -> None:
             for p in priorities:
                 tail = "" if p == 0 else f", priority {p}"
                 tag = f"w{n}p{p}"
-                t = args.temperature
-                rate = off_main_thread(run_engine, engine, works[n], tag, p, t)
+                sampled_at = args.temperature
+                rate = off_main_thread(run_engine, engine, works[n], tag, p, sampled_at)
                 rates = {f"engine in process{tail}": rate}
                 if server:
-                    http = run_http(server, works[n], tag, p, t)
+                    http = run_http(server, works[n], tag, p, sampled_at)
                     rates[f"engine through the HTTP API{tail}"] = http
                 for label, rate in rates.items():  # as they come: a run cut short keeps them
                     print(f"  ({n} requests) {line(label, rate)}", flush=True)

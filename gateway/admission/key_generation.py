@@ -69,8 +69,7 @@ class GenerationListener:
         so the live value may move up to it (never past what is committed)."""
         if self._value is not None and committed > self._value:
             self._value = committed
-            self._moved.set()
-            self._moved = asyncio.Event()
+            self._wake_waiters()
 
     def learns_commits_of(self, session_class: type[Session]) -> None:
         """Learn each bump committed through sessions of `session_class`."""
@@ -122,5 +121,9 @@ class GenerationListener:
     def _set(self, value: int | None) -> None:
         self._value = value
         self._trusted_until = time.monotonic() + 2 * self.heartbeat_s
+        self._wake_waiters()
+
+    def _wake_waiters(self) -> None:
+        """current() changed: every `until` tries its check again."""
         self._moved.set()
         self._moved = asyncio.Event()
