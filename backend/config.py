@@ -33,7 +33,7 @@ class EngineConfig:
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 2048
     max_model_len: int | None = None
-    dtype: str = "auto"  # "auto": float32 on CPU, bfloat16 on CUDA (float16 if unsupported)
+    dtype: str = "auto"  # "auto": see backend.loader.resolve_dtype
     device: str = "auto"  # "auto": CUDA when torch sees a GPU, else the CPU
     # CPU threads for torch ops (process-wide). None keeps torch's default; on a small
     # machine one thread fewer than the cores leaves the event loop room to stream.

@@ -42,6 +42,8 @@ import torch
 
 from backend.config import EngineConfig
 from backend.engine.engine import Engine
+from backend.loader import resolve_dtype
+from backend.models.config import load_model_config
 from backend.sampling import SamplingParams
 from backend.wire import LINES, SECRET_HEADER, ErrorLine, GenerateBody
 from bench._common import (
@@ -126,7 +128,8 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
     """What `tollgate backend serve` runs with by default (a user's settings), on the CPU
     with the issue's thread count; a knob given on this command line overrides its own."""
     given = {k: getattr(args, k) for k in ENGINE_KNOBS if getattr(args, k) is not None}
-    return replace(gateway_engine_defaults(), device="cpu", cpu_threads=args.threads, **given)
+    defaults = gateway_engine_defaults()
+    return replace(defaults, device="cpu", cpu_threads=args.threads, dtype=args.dtype, **given)
 
 
 # -- through the HTTP API --------------------------------------------------------------
@@ -138,6 +141,7 @@ def server_flags(config: EngineConfig) -> list[str]:
         f"--max-num-seqs={config.max_num_seqs}",
         f"--max-num-batched-tokens={config.max_num_batched_tokens}",
         f"--cpu-threads={config.cpu_threads}",
+        f"--dtype={config.dtype}",
         "--device=cpu",
     ]
 
@@ -253,10 +257,10 @@ def run_http(
 # -- the static baseline ---------------------------------------------------------------
 
 
-def load_static_model(model_dir: Path) -> Any:
+def load_static_model(model_dir: Path, dtype: torch.dtype) -> Any:
     from transformers import AutoModelForCausalLM
 
-    model: Any = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    model: Any = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype)
     return model.eval()
 
 
@@ -323,6 +327,19 @@ def main() -> None:
         parser.add_argument(
             f"--{knob.replace('_', '-')}", type=int, help="default: `tollgate backend serve`'s"
         )
+    parser.add_argument(
+        "--dtype",
+        default="auto",
+        choices=["auto", "float32", "bfloat16"],
+        help="the engine's (default: `tollgate backend serve`'s auto: bfloat16 on a CPU "
+        "with AVX512-BF16 or AMX, else float32)",
+    )
+    parser.add_argument(
+        "--static-dtypes",
+        default="engine,float32",
+        help="generate()'s dtypes, comma-separated, the best row of all counts "
+        "(engine: the engine's dtype)",
+    )
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument(
@@ -378,9 +395,11 @@ def main() -> None:
                 results[n].update(rates)
     del engine
     if not args.skip_static:
-        static_model = load_static_model(model_dir)
-        for n in sizes:
-            results[n].update(run_statics(static_model, works[n], args))
+        for dtype in static_dtypes(args.static_dtypes, engine_dtype(model_dir, config)):
+            static_model = load_static_model(model_dir, dtype)
+            for n in sizes:
+                results[n].update(run_statics(static_model, works[n], args, dtype))
+            del static_model
     for n in sizes:
         report(n, works[n], results[n], args.threads)
 
@@ -390,11 +409,23 @@ def _nothing() -> Iterator[None]:
     yield None
 
 
-def run_statics(model: Any, work: Workload, args: Any) -> dict[str, Rate]:
+def engine_dtype(model_dir: Path, config: EngineConfig) -> torch.dtype:
+    return resolve_dtype(config.dtype, torch.device("cpu"), load_model_config(model_dir))
+
+
+def static_dtypes(names: str, engine: torch.dtype) -> list[torch.dtype]:
+    """The baseline's dtypes, each once: "engine" is the engine's own."""
+    dtypes = [engine if name == "engine" else getattr(torch, name) for name in names.split(",")]
+    return list(dict.fromkeys(dtypes))
+
+
+def run_statics(model: Any, work: Workload, args: Any, dtype: torch.dtype) -> dict[str, Rate]:
     statics = {}
+    short = str(dtype).removeprefix("torch.")
     for size in (int(s) for s in args.static_batch_sizes.split(",")):
         for by_length in (True, False):
-            label = f"static {'sorted' if by_length else 'arrival'} batches of {size}"
+            order = "sorted" if by_length else "arrival"
+            label = f"static {short} {order} batches of {size}"
             budget = args.static_budget_s
             statics[label] = off_main_thread(
                 run_static, model, work, size, by_length, budget, args.temperature

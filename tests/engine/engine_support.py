@@ -119,7 +119,10 @@ def _randomise_biases(model: Any) -> None:
                 param.normal_(0, 0.2)
 
 
-SMALL = EngineConfig(block_size=4, num_kv_blocks=128, max_model_len=96, max_num_batched_tokens=256)
+# float32: the oracle is transformers in float32 ("auto" is bfloat16 on a CPU with AVX512-BF16)
+SMALL = EngineConfig(
+    block_size=4, num_kv_blocks=128, max_model_len=96, max_num_batched_tokens=256, dtype="float32"
+)
 
 
 def make_engine(path: Path, **overrides: object) -> Engine:

@@ -20,10 +20,12 @@ from backend.capacity.check import (
     check_config,
     fit,
 )
+from backend.capacity.model import TORCH_NAMES
 from backend.capacity.remote import check_remote_async
 from backend.config import EngineConfig
 from backend.engine.async_engine import AsyncEngine
 from backend.engine.model_runner import kv_bytes_per_block
+from backend.loader import resolve_dtype
 from backend.models.config import load_model_config
 from backend.server import create_backend_app
 from backend.sim.cost import CostModel, GpuSpec, ModelSpec
@@ -37,7 +39,9 @@ def test_check_reads_the_real_pool_times_steps_and_saves_a_calibration(
     saved = tmp_path / "calibration.json"
     assert main(["capacity", "check", "--save", str(saved)]) == 0
     out = capsys.readouterr().out
-    per_block = kv_bytes_per_block(load_model_config(BUILTIN_MODEL_DIR), 16, torch.float32)
+    model_config = load_model_config(BUILTIN_MODEL_DIR)
+    dtype = resolve_dtype("auto", torch.device("cpu"), model_config)  # what the check runs
+    per_block = kv_bytes_per_block(model_config, 16, dtype)
     blocks = EngineConfig().kv_cache_bytes // per_block
     # The engine's block bytes and pool, each beside the planner's own arithmetic.
     assert f"KV block: 16 tokens, {per_block:,} B (planner: {per_block:,} B)" in out
@@ -46,7 +50,8 @@ def test_check_reads_the_real_pool_times_steps_and_saves_a_calibration(
         f"(planner: {blocks:,} blocks" in out
     )
     assert "predicted ms" in out and "measured ms" in out
-    assert "calibrated on cpu: a 1024x1024 fp32 matmul" in out
+    name = TORCH_NAMES[str(dtype).removeprefix("torch.")]
+    assert f"calibrated on cpu: a 1024x1024 {name} matmul" in out
 
     cal = Calibration.load(saved)
     shapes = [(p.kind, p.batch if p.kind == "decode" else p.tokens) for p in cal.points]
@@ -108,7 +113,9 @@ async def test_check_against_a_running_backend(
         monkeypatch.setenv("TOLLGATE_BACKEND_SECRET", "wrong")
         code = await asyncio.to_thread(main, ["capacity", "check", "--url", url])
     stats = engine.stats()
-    per_block = kv_bytes_per_block(load_model_config(BUILTIN_MODEL_DIR), 16, torch.float32)
+    model_config = load_model_config(BUILTIN_MODEL_DIR)
+    dtype = resolve_dtype("auto", torch.device("cpu"), model_config)  # what the check runs
+    per_block = kv_bytes_per_block(model_config, 16, dtype)
     assert facts.bytes_per_block == facts.planner_bytes_per_block == per_block
     assert facts.num_blocks == stats.kv_blocks_total == facts.planner_num_blocks
     assert facts.kv_tensor_bytes == stats.kv_blocks_total * per_block

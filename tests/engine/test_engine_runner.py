@@ -17,6 +17,7 @@ from backend.engine.engine import Engine
 from backend.engine.model_runner import ModelRunner
 from backend.engine.step_inputs import Staging
 from backend.layers.attention import AttentionMetadata, TorchPagedAttention
+from backend.loader import resolve_dtype
 from backend.models.config import load_model_config
 from backend.models.llama import LlamaAttention
 from backend.sampling import SamplingParams
@@ -45,6 +46,27 @@ def test_start_line_names_device_dtype_kv_and_graphs(
     ):
         assert part in lines[0], (part, lines[0])
     assert engine.runner.device == torch.device("cpu")  # 'auto' without a GPU
+
+
+@pytest.mark.parametrize(
+    ("avx512_bf16", "amx", "expected"),
+    [(True, False, torch.bfloat16), (False, True, torch.bfloat16), (False, False, torch.float32)],
+)
+def test_auto_dtype_on_the_cpu_is_bfloat16_only_where_the_processor_has_it(
+    llama_dir: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    avx512_bf16: bool,
+    amx: bool,
+    expected: torch.dtype,
+) -> None:
+    monkeypatch.setattr(torch.cpu, "_is_avx512_bf16_supported", lambda: avx512_bf16)
+    monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: amx)
+    cfg = load_model_config(llama_dir)
+    assert resolve_dtype("auto", torch.device("cpu"), cfg) == expected
+    assert resolve_dtype("float32", torch.device("cpu"), cfg) == torch.float32  # asked: kept
+    monkeypatch.delattr(torch.cpu, "_is_avx512_bf16_supported")  # a torch without the probe
+    monkeypatch.delattr(torch.cpu, "_is_amx_tile_supported")
+    assert resolve_dtype("auto", torch.device("cpu"), cfg) == torch.float32
 
 
 def test_kv_budget_on_a_gpu_is_the_utilization_less_what_is_in_use(
