@@ -4,11 +4,15 @@ from __future__ import annotations
 
 import math
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 DTYPES = ("auto", "float32", "float16", "bfloat16")
 ATTENTION_BACKENDS = ("auto", "torch", "triton")  # auto: triton on CUDA, torch on the CPU
 _DEVICE = re.compile(r"^(auto|cpu|cuda(:\d+)?)$")
+# max_num_seqs=None by device: a GPU's batch grows nearly free up to its compute knee (vLLM
+# also runs 256); on a CPU each running row costs step time, and 64 at the 256 MiB KV
+# default ran out of blocks and recomputed (bench/README.md, issue 14).
+MAX_NUM_SEQS_BY_DEVICE = {"cuda": 256, "cpu": 32}
 
 
 @dataclass(frozen=True)
@@ -30,7 +34,7 @@ class EngineConfig:
     block_size: int = 16
     num_kv_blocks: int | None = None
     kv_cache_bytes: int = 256 * 2**20
-    max_num_seqs: int = 64
+    max_num_seqs: int | None = None  # None: by device, MAX_NUM_SEQS_BY_DEVICE
     max_num_batched_tokens: int = 2048
     max_model_len: int | None = None
     dtype: str = "auto"  # "auto": see backend.loader.resolve_dtype
@@ -66,9 +70,9 @@ class EngineConfig:
     latency_window_s: float = 5.0  # a class counts as present this long after it was seen
 
     def __post_init__(self) -> None:
-        for name in ("block_size", "kv_cache_bytes", "max_num_seqs", "max_num_batched_tokens"):
+        for name in ("block_size", "kv_cache_bytes", "max_num_batched_tokens"):
             _positive(name, getattr(self, name))
-        for name in ("num_kv_blocks", "max_model_len", "cpu_threads"):
+        for name in ("num_kv_blocks", "max_model_len", "cpu_threads", "max_num_seqs"):
             if getattr(self, name) is not None:
                 _positive(name, getattr(self, name))
         if self.dtype not in DTYPES:
@@ -96,6 +100,20 @@ class EngineConfig:
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}")
         self._check_policy()
+
+    def on_device(self, device_type: str) -> EngineConfig:
+        """This config with its device-dependent defaults taken for a "cuda" or "cpu"
+        device: what an engine (or a simulated one) actually runs with."""
+        if self.max_num_seqs is not None:
+            return self
+        return replace(self, max_num_seqs=MAX_NUM_SEQS_BY_DEVICE[device_type])
+
+    @property
+    def seqs_limit(self) -> int:
+        """max_num_seqs once resolved by on_device (an unresolved config is a bug)."""
+        if self.max_num_seqs is None:
+            raise ValueError("max_num_seqs is unresolved: take config.on_device(...) first")
+        return self.max_num_seqs
 
     def _check_policy(self) -> None:
         aging = self.aging_interval_s

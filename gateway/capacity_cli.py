@@ -297,7 +297,7 @@ def _workload(args: argparse.Namespace) -> tuple[list[Any], dict[str, Any]]:
 def _plan(settings: object, args: argparse.Namespace) -> int:
     from backend.capacity.cluster import size_cluster
     from backend.capacity.planner import Efficiency, plan
-    from backend.config import EngineConfig
+    from backend.config import MAX_NUM_SEQS_BY_DEVICE, EngineConfig
     from backend.sim.cost import CostModel
 
     sim = CostModel()
@@ -315,7 +315,7 @@ def _plan(settings: object, args: argparse.Namespace) -> int:
             raise CapacityInputError("--params", "plan needs the model's shape, not --params alone")
         trace, slos = _workload(args)
         config = EngineConfig(
-            max_num_seqs=args.max_num_seqs or EngineConfig.max_num_seqs,
+            max_num_seqs=args.max_num_seqs or MAX_NUM_SEQS_BY_DEVICE["cuda"],
             max_num_batched_tokens=args.max_num_batched_tokens
             or EngineConfig.max_num_batched_tokens,
         )
@@ -350,7 +350,7 @@ def _sizing_notes(sized: Any) -> list[str]:
         "max(FLOPs / (peak x mfu), bytes / (bandwidth x mbu))",
         f"efficiency: {sized.inputs.efficiency.source}",
         "arrivals dealt to replicas round-robin; each replica is one engine "
-        "(EngineConfig defaults unless --max-num-seqs/--max-num-batched-tokens)",
+        "(EngineConfig's GPU defaults unless --max-num-seqs/--max-num-batched-tokens)",
     ]
 
 

@@ -22,10 +22,11 @@ HELP = {
     "block_size": "tokens per KV block",
     "num_kv_blocks": "KV blocks to allocate; 'none': as many as the byte budget holds",
     "kv_cache_bytes": "KV cache budget on the CPU (bytes, or a size such as 4GiB)",
-    "max_num_seqs": "most requests running at once",
+    "max_num_seqs": "most requests running at once; 'none': 256 on CUDA, 32 on the CPU",
     "max_num_batched_tokens": "most tokens in one step; longer prompts are chunked",
     "max_model_len": "context limit per request; 'none': the model's, capped by the KV pool",
-    "dtype": "auto, float32, float16 or bfloat16 (auto: bfloat16 on CUDA, float32 on CPU)",
+    "dtype": "auto, float32, float16 or bfloat16 (auto: bfloat16 on CUDA, and on a CPU with "
+    "AVX512-BF16 or AMX; else float32)",
     "device": "auto, cpu, cuda or cuda:N (auto: CUDA when torch sees a GPU)",
     "cpu_threads": "torch threads on the CPU; 'none': torch's default",
     "enable_prefix_caching": "reuse the KV of identical prompt prefixes",

@@ -24,9 +24,9 @@ class SettingsError(ConfigError):
 
 
 def gateway_engine_defaults() -> EngineConfig:
-    """The engine's defaults when the gateway starts it: fewer running requests than the
-    library default, and one CPU thread fewer than the cores, so the event loop can stream."""
-    return EngineConfig(max_num_seqs=32, cpu_threads=max(1, (os.cpu_count() or 2) - 1))
+    """The engine's defaults when the gateway starts it: one CPU thread fewer than the
+    cores, so the event loop can stream."""
+    return EngineConfig(cpu_threads=max(1, (os.cpu_count() or 2) - 1))
 
 
 @dataclass(frozen=True)

@@ -26,6 +26,7 @@ from backend.errors import (
     RequestStepError,
 )
 from backend.grammar import GrammarCompiler
+from backend.loader import resolve_device
 from backend.models.config import load_model_config
 from backend.outputs import EngineStats, RequestOutput, TokenLogprobs
 from backend.sampling import SamplingParams
@@ -51,7 +52,8 @@ class _Seq:
 
 class Engine:
     def __init__(self, model_dir: Path | str, config: EngineConfig | None = None) -> None:
-        self.config = config = config or EngineConfig()
+        config = config or EngineConfig()
+        self.config = config = config.on_device(resolve_device(config.device).type)
         self.model_dir = Path(model_dir)
         self.model_config = load_model_config(self.model_dir)
         self.tokenizer = Tokenizer(self.model_dir)

@@ -88,7 +88,7 @@ class ModelRunner:
         graphs = DecodeGraphs(
             lambda ids, positions, meta: self.model(ids, positions, self.kv_cache, meta),
             cast(GraphableBackend, self.attention),
-            max_num_seqs=self.config.max_num_seqs,
+            max_num_seqs=self.config.seqs_limit,
             max_blocks=-(-max_model_len // bs),
             block_size=bs,
             device=self.device,

@@ -108,7 +108,7 @@ class Scheduler:
         self._least_urgent: Request | None = None  # whom a full queue would shed first
         self._finished_ids: list[str] = []
         self._max_running = min(
-            config.max_num_seqs, config.max_num_batched_tokens - config.prefill_reserve_tokens
+            config.seqs_limit, config.max_num_batched_tokens - config.prefill_reserve_tokens
         )
         self._seen_at: dict[bool, float] = {}  # when each class (batch or not) was last seen
         self.step_limit_s: float | None = None  # the last step's time target, if any

@@ -32,7 +32,7 @@ def starvation_bound(config: EngineConfig, priority: int, result: SimResult) -> 
     """backend/SCHEDULING.md: wait <= (p + 1) * I + (ceil(Q / S) + 1) * R with the
     adaptive budget's express lane (p * I + ... without it), R measured in the same run."""
     assert config.aging_interval_s is not None
-    turns = math.ceil(config.max_waiting_requests / config.max_num_seqs) + 1
+    turns = math.ceil(config.max_waiting_requests / config.seqs_limit) + 1
     classes = priority + 1 if config.adaptive_step_budget else priority
     return classes * config.aging_interval_s + turns * residency(result)
 

@@ -67,8 +67,8 @@ class Simulator:
         self, config: EngineConfig, cost: StepTimer | None = None, num_kv_blocks: int | None = None
     ) -> None:
         """`num_kv_blocks` defaults to what the roofline's GPU holds (the CostModel given,
-        or the default one)."""
-        self.config = config
+        or the default one); the config's device defaults are a GPU's."""
+        self.config = config = config.on_device("cuda")
         self.cost: StepTimer = cost or CostModel()
         roofline = self.cost if isinstance(self.cost, CostModel) else CostModel()
         blocks = num_kv_blocks or config.num_kv_blocks or roofline.kv_blocks(config.block_size)

@@ -46,6 +46,7 @@ def test_start_line_names_device_dtype_kv_and_graphs(
     ):
         assert part in lines[0], (part, lines[0])
     assert engine.runner.device == torch.device("cpu")  # 'auto' without a GPU
+    assert engine.config.max_num_seqs == 32  # None: the CPU's running limit
 
 
 @pytest.mark.parametrize(

@@ -30,6 +30,7 @@ class Clock:
 
 
 def make(clock: Clock, num_blocks: int = 256, **knobs: object) -> Scheduler:
+    knobs = {"max_num_seqs": 64, **knobs}  # the library default these were written for
     cfg = EngineConfig(block_size=4, num_kv_blocks=num_blocks, **knobs)  # type: ignore[arg-type]
     return Scheduler(cfg, BlockManager(num_blocks, 4), clock=clock)
 

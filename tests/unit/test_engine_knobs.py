@@ -117,7 +117,13 @@ def test_flag_beats_variable_beats_default(
 ) -> None:
     assert cli.main(["serve"]) == 0
     engine = started.pop().engine
-    assert (engine.max_num_seqs, engine.device, engine.enable_prefix_caching) == (32, "auto", True)
+    assert (engine.max_num_seqs, engine.device, engine.enable_prefix_caching) == (
+        None,
+        "auto",
+        True,
+    )
+    assert engine.on_device("cpu").max_num_seqs == 32  # None: by the device the engine takes
+    assert engine.on_device("cuda").max_num_seqs == 256
     monkeypatch.setenv("TOLLGATE_MAX_NUM_SEQS", "8")
     monkeypatch.setenv("TOLLGATE_ENABLE_PREFIX_CACHING", "on")
     assert cli.main(["backend", "serve"]) == 0

@@ -32,7 +32,10 @@ class SchedulerMachine(RuleBasedStateMachine):
 
     def _make(self, caching: bool) -> Scheduler:
         cfg = EngineConfig(
-            block_size=BLOCK_SIZE, num_kv_blocks=NUM_BLOCKS, max_num_batched_tokens=10
+            block_size=BLOCK_SIZE,
+            num_kv_blocks=NUM_BLOCKS,
+            max_num_batched_tokens=10,
+            max_num_seqs=64,
         )
         return Scheduler(cfg, BlockManager(NUM_BLOCKS, BLOCK_SIZE, enable_caching=caching))
 

@@ -16,7 +16,12 @@ from tests.unit.backend.accounting import check_accounting
 
 def make(num_blocks: int = 64, caching: bool = True, **config: int) -> Scheduler:
     # The mechanism alone: prefill protection (tests/engine/test_scheduler_policy.py) off.
-    config = {"prefill_reserve_share": 0, "long_prefill_token_threshold": 0, **config}
+    config = {
+        "prefill_reserve_share": 0,
+        "long_prefill_token_threshold": 0,
+        "max_num_seqs": 64,
+        **config,
+    }
     cfg = EngineConfig(block_size=4, num_kv_blocks=num_blocks, **config)  # type: ignore[arg-type]
     return Scheduler(cfg, BlockManager(num_blocks, 4, enable_caching=caching))
 
