@@ -34,7 +34,8 @@ class _Stream:
 
 @dataclass
 class _Embedding:
-    """An embed() call: its prompts, embedded one per turn of the step loop."""
+    """An embed() call: its prompts, embedded a step's token budget per turn of the step
+    loop."""
 
     prompts: list[list[int]]
     loop: asyncio.AbstractEventLoop
@@ -125,8 +126,9 @@ class AsyncEngine:
                 self.abort(request_id)
 
     async def embed(self, prompts: Sequence[str | list[int]]) -> list[list[float]]:
-        """Each prompt's mean-pooled final hidden states, computed on the step thread (one
-        prompt between two steps, so running streams keep flowing). Raises
+        """Each prompt's mean-pooled final hidden states, computed on the step thread (at
+        most a step's token budget of prompts between two steps, so running streams keep
+        flowing). Raises
         InvalidParameterError or PromptTooLongError for a bad prompt, at once, and
         OverloadedError when the KV cache has no room for one."""
         ids = [self.engine.embedding_prompt(p) for p in prompts]
@@ -175,11 +177,13 @@ class AsyncEngine:
             return self._embeddings[0] if self._embeddings else None
 
     def _embed_one(self, job: _Embedding) -> None:
-        """Embed the job's next prompt; answer it once all are done or one failed."""
+        """Embed the job's next prompts (one pass); answer it once all are done or one
+        failed."""
         outcome: list[list[float]] | BaseException | None = None  # None: nobody waits
         if not job.future.done():  # done already: the caller went away, drop the rest
             try:
-                job.vectors.append(self.engine.embed(job.prompts[len(job.vectors)]))
+                rest = job.prompts[len(job.vectors) :]
+                job.vectors += self.engine.embed(rest[: self.engine.take_embedding_batch(rest)])
             except OverloadedError as exc:
                 outcome = exc
             except Exception:  # this input's fault or the device's: the loop goes on

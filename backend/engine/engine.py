@@ -263,16 +263,36 @@ class Engine:
         self._total_tokens = (prefill + batch.num_prefill_tokens, decode + batch.num_decode_tokens)
         return outputs
 
-    def embed(self, prompt: list[int]) -> list[float]:
-        """The mean-pooled final hidden states of a prompt (from embedding_prompt). On the
-        step thread, between steps: it borrows free KV blocks for the pass and gives them
-        back. Raises OverloadedError when running requests hold too many of them."""
-        if self.block_manager.allocate_slots(EMBED_ID, len(prompt)) is None:
-            raise OverloadedError("the KV cache has no room for this input now; retry", 1.0)
+    def embed(self, prompts: list[list[int]]) -> list[list[float]]:
+        """The mean-pooled final hidden states of each prompt (from embedding_prompt), in
+        one pass when there are several (take_embedding_batch sizes them to a step's
+        budget) or in chunks for one long prompt. On the step thread, between steps: it
+        borrows free KV blocks for the pass and gives them back. Raises OverloadedError
+        when running requests hold too many of them."""
+        bm = self.block_manager
+        owners = [f"{EMBED_ID}{i}" for i in range(len(prompts))]
         try:
-            return self.runner.embed(prompt, self.block_manager.block_ids(EMBED_ID))
+            for owner, prompt in zip(owners, prompts, strict=True):
+                if bm.allocate_slots(owner, len(prompt)) is None:
+                    raise OverloadedError("the KV cache has no room for this input now; retry", 1.0)
+            return self.runner.embed(prompts, [bm.block_ids(owner) for owner in owners])
         finally:
-            self.block_manager.free(EMBED_ID)
+            for owner in owners:
+                bm.free(owner)  # a no-op for an owner with no blocks
+
+    def take_embedding_batch(self, prompts: list[list[int]]) -> int:
+        """How many of `prompts`, from the first, one embedding pass takes: as many as
+        fit max_num_batched_tokens together, each counted in whole KV blocks (the pass
+        borrows no more of the pool than a step's budget), at least one (a longer one
+        is chunked)."""
+        budget, size = self.config.max_num_batched_tokens, self.config.block_size
+        taken = slots = 0
+        for prompt in prompts:
+            slots += -(-len(prompt) // size) * size
+            if taken and slots > budget:
+                break
+            taken += 1
+        return taken
 
     def _fail_step(self, scheduled: list[ScheduledRequest], exc: Exception) -> list[RequestOutput]:
         """A step that raised changed nothing the next step relies on (progress advances

@@ -149,28 +149,52 @@ class ModelRunner:
         )
 
     @torch.inference_mode()
-    def embed(self, token_ids: list[int], block_ids: list[int]) -> list[float]:
-        """The mean of the prompt's final hidden states (after the final norm), computed
-        in chunks of max_num_batched_tokens whose keys and values go to `block_ids` (the
-        caller's, enough for the prompt): the step loop's own pass, without sampling."""
-        total = torch.zeros(self.model.cfg.hidden_size, dtype=torch.float32, device=self.device)
+    def embed(self, prompts: list[list[int]], block_ids: list[list[int]]) -> list[list[float]]:
+        """The mean of each prompt's final hidden states (after the final norm), its keys
+        and values written to its `block_ids` (the caller's, enough for it): the step
+        loop's own pass, without sampling. Several prompts go in one flat batch; a single
+        one in chunks of max_num_batched_tokens."""
         chunk = self.config.max_num_batched_tokens
-        for start in range(0, len(token_ids), chunk):
-            piece = ScheduledRequest(
-                request_id="",
-                token_ids=token_ids[start : start + chunk],
-                start_pos=start,
-                block_ids=block_ids,
-                params=_EMBED_PARAMS,
-                sample=False,
-                prompt_token_ids=token_ids,
-                output_token_ids=[],
-            )
-            input_ids, positions, meta = self._prepare(SchedulerOutput([piece]))
-            hidden = self.model(input_ids, positions, self.kv_cache, meta)
-            total += hidden.float().sum(dim=0)
-        mean: list[float] = to_host(total / len(token_ids))[0].tolist()
-        return mean
+        if len(prompts) == 1:
+            [ids], [blocks] = prompts, block_ids
+            total = torch.zeros(self.model.cfg.hidden_size, dtype=torch.float32, device=self.device)
+            for start in range(0, len(ids), chunk):
+                hidden = self._embedding_pass([(ids, start, ids[start : start + chunk], blocks)])
+                total += hidden.float().sum(dim=0)
+            return [to_host(total / len(ids))[0].tolist()]
+        hidden = self._embedding_pass(
+            [(ids, 0, ids, blocks) for ids, blocks in zip(prompts, block_ids, strict=True)]
+        )
+        lengths = torch.tensor([len(ids) for ids in prompts], device=self.device)
+        owner = torch.repeat_interleave(torch.arange(len(prompts), device=self.device), lengths)
+        sums = torch.zeros(len(prompts), hidden.shape[1], device=self.device)
+        sums.index_add_(0, owner, hidden.float())
+        means: list[list[float]] = to_host(sums / lengths[:, None])[0].tolist()
+        return means
+
+    def _embedding_pass(
+        self, pieces: list[tuple[list[int], int, list[int], list[int]]]
+    ) -> torch.Tensor:
+        """One forward pass over (prompt, start, tokens from start, blocks) pieces:
+        the hidden states of every token given."""
+        batch = SchedulerOutput(
+            [
+                ScheduledRequest(
+                    request_id=str(i),
+                    token_ids=tokens,
+                    start_pos=start,
+                    block_ids=blocks,
+                    params=_EMBED_PARAMS,
+                    sample=False,
+                    prompt_token_ids=prompt,
+                    output_token_ids=[],
+                )
+                for i, (prompt, start, tokens, blocks) in enumerate(pieces)
+            ]
+        )
+        input_ids, positions, meta = self._prepare(batch)
+        hidden: torch.Tensor = self.model(input_ids, positions, self.kv_cache, meta)
+        return hidden
 
     def _forward(self, batch: SchedulerOutput) -> torch.Tensor:
         """Hidden states of every scheduled token: a CUDA-graph replay for decode-only
