@@ -363,7 +363,7 @@ class Scheduler:
         waiting = [(r.num_tokens - r.num_computed_tokens, r) for r in self._may_start(express)]
         for left, req in [*prefills, *waiting]:
             ttft, _ = self.config.targets_s(req.priority)
-            if ttft is not None and left <= self.config.long_prefill_cap:
+            if ttft is not None and self._short(req):
                 need += left * limit / ttft
         return math.ceil(need)
 
@@ -432,8 +432,14 @@ class Scheduler:
         """An interactive request (its class has a TTFT target) with a short prompt: at
         most long_prefill_cap tokens to compute before its first token."""
         ttft, _ = self.config.targets_s(req.priority)
-        short = req.num_tokens - req.num_computed_tokens <= self.config.long_prefill_cap
-        return ttft is not None and short and req.first_token_time is None
+        return ttft is not None and self._short(req) and req.first_token_time is None
+
+    def _short(self, req: Request) -> bool:
+        """A prompt whose own work (less any prefix-cache hit) is at most
+        long_prefill_cap: the tail of a long prompt is not short, its TTFT target is
+        long gone (counted as short, a document flood's tails stretched steps to twice
+        the inter-token target, bench/README.md issue 15)."""
+        return req.num_tokens - (req.num_cached_tokens or 0) <= self.config.long_prefill_cap
 
     def _express_candidates(self, now: float) -> list[Request]:
         """Waiting requests that may jump: short interactive prompts in the best waiting

@@ -450,6 +450,24 @@ def test_the_budget_is_what_keeps_the_step_within_the_tightest_target() -> None:
     assert len(s.schedule().requests[0].token_ids) == 30
 
 
+def test_the_tail_of_a_long_prompt_is_not_a_short_one() -> None:
+    """A document whose prompt is over long_prefill_cap keeps the step's budget to its
+    end: its last 512 tokens neither jump nor stretch the step beside a token stream
+    (they did: a flood of document tails held the chat's inter-token p95 at twice
+    its target)."""
+    clock = Clock()
+    s = fitted(make(clock, interactive_itl_target_ms=20.5, min_prefill_tokens_per_step=4))
+    s.add_request(request("chat", 4, max_tokens=100))
+    advance(s, s.schedule())
+    s.add_request(request("doc", 530))  # over 512
+    chunks = []
+    for _ in range(4):
+        out = s.schedule()
+        chunks.append([len(r.token_ids) for r in out.requests if r.request_id == "doc"])
+        advance(s, out)
+    assert chunks == [[18]] * 4  # 512 left after the first: still the same budget
+
+
 def test_batch_work_alone_gets_the_static_budget() -> None:
     clock = Clock()
     s = fitted(make(clock, num_blocks=2048, latency_window_s=1.0))
