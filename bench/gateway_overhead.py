@@ -107,11 +107,24 @@ def _json(value: Any) -> Reply:
     return 200, b"application/json", msgspec.json.encode(value)
 
 
+def prompt_tokens() -> int:
+    """MESSAGES' tokens as Tollgate counts them with the tokenizer its registry model names
+    (the built-in one: chat template, then encode), so the mock's usage agrees, as that of
+    an upstream serving the model would: a disagreement costs Tollgate a log line per
+    request (gateway.dispatch.upstream's compare), which the bench would count as overhead."""
+    from backend.builtin import BUILTIN_MODEL_DIR
+    from backend.tokenizer import Tokenizer
+
+    tokenizer = Tokenizer(BUILTIN_MODEL_DIR)
+    return len(tokenizer.encode(tokenizer.apply_chat_template(MESSAGES)))
+
+
 def openai_routes() -> dict[tuple[bytes, bytes], Handler]:
     """An OpenAI-compatible upstream that answers at once: 16 tokens, streamed (with
     vLLM's usage chunk) or whole."""
     head = {"id": "chatcmpl-bench", "created": 0, "model": MODEL}
-    usage = {"prompt_tokens": 12, "completion_tokens": TOKENS, "total_tokens": 12 + TOKENS}
+    prompt = prompt_tokens()
+    usage = {"prompt_tokens": prompt, "completion_tokens": TOKENS, "total_tokens": prompt + TOKENS}
     message = {"role": "assistant", "content": TOKEN_TEXT * TOKENS}
     whole = msgspec.json.encode(
         {

@@ -224,7 +224,8 @@ class UsageRecorder:
 
     async def _pipelined(self, checkpoints: list[dict[str, Any]], settled: list[Settled]) -> None:
         """PostgreSQL: the group's statements in one pipeline on an autocommit connection,
-        so one implicit transaction that commits at the pipeline's Sync: one round trip.
+        so one implicit transaction that commits at the pipeline's Sync: one round trip;
+        a group that is one statement (ledger rows alone) is sent as it is, no pipeline.
         The connection is not pinged first: one found dead, or lost on the way, fails the
         group with an OperationalError, and is dropped from the pool."""
         assert self.direct is not None
@@ -232,8 +233,11 @@ class UsageRecorder:
             driver = (await connection.get_raw_connection()).driver_connection
             assert isinstance(driver, psycopg.AsyncConnection)
             try:
-                async with driver.pipeline():
-                    await _write_rows(connection, "postgresql", checkpoints, settled, driver)
+                if _one_statement(checkpoints, settled):  # its own implicit transaction
+                    await ledger.record_all_direct(driver, [write.event for write in settled])
+                else:
+                    async with driver.pipeline():
+                        await _write_rows(connection, "postgresql", checkpoints, settled, driver)
             except (psycopg.OperationalError, OperationalError):
                 if not connection.invalidated:
                     await connection.invalidate()
@@ -427,6 +431,16 @@ class GroupCommit:
             return
         for _, done in group:
             _resolve(done, None)
+
+
+def _one_statement(checkpoints: list[dict[str, Any]], settled: list[Settled]) -> bool:
+    """The group is ledger rows alone, few enough for one statement (no checkpoint to
+    write, no stream's to delete)."""
+    return (
+        not checkpoints
+        and len(settled) <= ledger.DIRECT_BATCH
+        and not any(write.streamed for write in settled)
+    )
 
 
 def _resolve(done: asyncio.Future[None], error: BaseException | None) -> None:

@@ -25,7 +25,14 @@ from typing import TYPE_CHECKING, Any
 from litestar.enums import ScopeType
 from litestar.types import ASGIApp, Message, Receive, Scope, Send
 from opentelemetry import context, propagate, trace
-from opentelemetry.trace import INVALID_SPAN, Span, SpanKind, Status, StatusCode
+from opentelemetry.trace import (
+    INVALID_SPAN,
+    NonRecordingSpan,
+    Span,
+    SpanKind,
+    Status,
+    StatusCode,
+)
 
 from backend.outputs import RequestOutput
 from backend.telemetry import RequestTimeline
@@ -217,6 +224,10 @@ class RequestScope:
     replica: str | None = None  # where dispatch sent it last
 
     @property
+    def sampled(self) -> bool:
+        return bool(self.root.get_span_context().trace_flags.sampled)
+
+    @property
     def trace_id(self) -> str | None:
         context = self.root.get_span_context()
         return format(context.trace_id, "032x") if context.is_valid else None
@@ -268,17 +279,27 @@ class RequestScope:
 
     @contextlib.contextmanager
     def span(self, name: str, **attributes: Any) -> Iterator[Span]:
-        """A phase of this request, current while the block runs (never across a yield)."""
+        """A phase of this request, current while the block runs (never across a yield).
+        Under a root that is sampled out (nothing exported), none is made: a stand-in
+        with the root's context (its trace id goes on, what is set on it is dropped), as
+        a child of it would not be recorded either (the SDK's default sampler follows
+        the parent)."""
         if self.telemetry is None:
             yield INVALID_SPAN
+            return
+        if not self.sampled:
+            yield NonRecordingSpan(self.root.get_span_context())
             return
         with tracing.tracer().start_as_current_span(name, attributes=attributes) as phase:
             yield phase
 
     def start_span(self, name: str, **attributes: Any) -> Span:
-        """A phase that spans yields (a stream): not made current; the caller ends it."""
+        """A phase that spans yields (a stream): not made current; the caller ends it.
+        Under a root that is sampled out, a stand-in with the root's context."""
         if self.telemetry is None:
             return INVALID_SPAN
+        if not self.sampled:
+            return NonRecordingSpan(self.root.get_span_context())
         parent = trace.set_span_in_context(self.root)
         return tracing.tracer().start_span(name, parent, attributes=attributes)
 

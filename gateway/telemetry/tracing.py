@@ -116,6 +116,11 @@ def note_replica(url: str) -> None:
 
 
 async def in_span(name: str, work: Awaitable[T], **attributes: AttributeValue) -> T:
-    """Await `work` under a span: for work spawned as its own task (settlement)."""
+    """Await `work` under a span: for work spawned as its own task (settlement). Under a
+    request's span that is sampled out, none is made: a child of it would not be recorded
+    either (the SDK's default sampler follows the parent)."""
+    parent = trace.get_current_span().get_span_context()
+    if parent.is_valid and not parent.trace_flags.sampled:
+        return await work
     with tracer().start_as_current_span(name, attributes=attributes):
         return await work

@@ -3,6 +3,7 @@ transaction, so a row is exported to Stripe exactly when it exists in the ledger
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Sequence
 from typing import Any, cast
 
@@ -37,16 +38,22 @@ async def record_all(session: AsyncSession | AsyncConnection, events: Sequence[U
 async def record_all_direct(
     connection: psycopg.AsyncConnection[Any], events: Sequence[UsageEvent]
 ) -> None:
-    """record_all's rows on PostgreSQL, straight through psycopg (gateway.metering's
-    pipeline): SQL text made once per set of columns, rows as tuples, the columns'
-    Python-side defaults filled in here as SQLAlchemy's insert does. SQLAlchemy's
-    execution of the same Core inserts cost about 0.4 ms of CPU per group."""
+    """record_all's rows on PostgreSQL, straight through psycopg (gateway.metering): one
+    statement per DIRECT_BATCH events, their usage rows and, in a data-modifying WITH, their
+    outbox rows, so on an autocommit connection a group of up to DIRECT_BATCH is one
+    statement and one implicit transaction. Rows as parameters, every column that the
+    server does not fill given its value, else its Python-side default (as SQLAlchemy's
+    insert fills it), else NULL. SQLAlchemy's execution of the same Core inserts cost
+    about 0.4 ms of CPU per group, and an executemany per table in a pipeline ~0.3 ms more
+    than one statement."""
     _stamp(events)
     cursor = connection.cursor()
-    for statement, rows in _direct_rows(_USAGE_TABLE, [_values(e) for e in events]).items():
-        await cursor.executemany(statement, rows)
-    for statement, rows in _direct_rows(_OUTBOX_TABLE, _billed(events)).items():
-        await cursor.executemany(statement, rows)
+    for start in range(0, len(events), DIRECT_BATCH):
+        batch = events[start : start + DIRECT_BATCH]
+        usage = [_direct_row(_USAGE_TABLE.name, _values(event)) for event in batch]
+        outbox = [_direct_row(_OUTBOX_TABLE.name, row) for row in _billed(batch)]
+        params = [value for row in (*usage, *outbox) for value in row]
+        await cursor.execute(_direct_sql(len(usage), len(outbox)), params)
 
 
 def _stamp(events: Sequence[UsageEvent]) -> None:
@@ -70,31 +77,28 @@ def _billed(events: Sequence[UsageEvent]) -> list[dict[str, Any]]:
     ]
 
 
-def _direct_rows(table: Table, rows: list[dict[str, Any]]) -> dict[str, list[tuple[Any, ...]]]:
-    """Each row completed with the Python-side defaults of the columns it lacks (a column
-    with none is left out, as SQLAlchemy leaves it: NULL or the server's default), as
-    tuples grouped by the INSERT that takes them."""
-    grouped: dict[str, list[tuple[Any, ...]]] = {}
-    for given in rows:
-        row = {**given}
-        for name, default in _PYTHON_DEFAULTS[table.name]:
-            if name not in row:
-                row[name] = default()
-        names = tuple(row)
-        grouped.setdefault(_insert_sql(table.name, names), []).append(tuple(row.values()))
-    return grouped
+def _direct_row(table: str, given: dict[str, Any]) -> tuple[Any, ...]:
+    return tuple(
+        given[name] if name in given else default() if default is not None else None
+        for name, default in _DIRECT_COLUMNS[table]
+    )
 
 
-_INSERTS: dict[tuple[str, tuple[str, ...]], str] = {}
+@functools.lru_cache(maxsize=256)
+def _direct_sql(usage_rows: int, outbox_rows: int) -> str:
+    """One INSERT of `usage_rows` rows and, when there are outbox rows, theirs in the same
+    statement (foreign keys are checked at its end, the usage rows in by then)."""
+    usage = _values_sql(_USAGE_TABLE.name, usage_rows)
+    if not outbox_rows:
+        return usage
+    return f'WITH "usage" AS ({usage}) {_values_sql(_OUTBOX_TABLE.name, outbox_rows)}'
 
 
-def _insert_sql(table: str, names: tuple[str, ...]) -> str:
-    statement = _INSERTS.get((table, names))
-    if statement is None:
-        columns = ", ".join(f'"{name}"' for name in names)
-        params = ", ".join(["%s"] * len(names))
-        statement = _INSERTS[table, names] = f'INSERT INTO "{table}" ({columns}) VALUES ({params})'
-    return statement
+def _values_sql(table: str, rows: int) -> str:
+    names = [name for name, _ in _DIRECT_COLUMNS[table]]
+    columns = ", ".join(f'"{name}"' for name in names)
+    row = "(" + ", ".join(["%s"] * len(names)) + ")"
+    return f'INSERT INTO "{table}" ({columns}) VALUES {", ".join([row] * rows)}'
 
 
 def _python_default(column: Column[Any]) -> Callable[[], Any]:
@@ -124,7 +128,18 @@ _OUTBOX_TABLE = cast(Table, OutboxRow.__table__)
 # go in a pipeline that waits for no answer before its Sync (gateway.metering)
 _INSERT_USAGE = insert(_USAGE_TABLE).inline()
 _INSERT_OUTBOX = insert(_OUTBOX_TABLE).inline()
-_PYTHON_DEFAULTS = {
-    table.name: [(c.name, _python_default(c)) for c in table.columns if c.default is not None]
+# Events per statement on PostgreSQL: a usage row takes a parameter a column (and its
+# outbox row a few more), and a statement at most 65,535.
+DIRECT_BATCH = 1000
+# Per table, the columns a direct insert gives, each with its Python-side default (None: it
+# has none, so NULL when not given): all but those the server fills (the serial id; a
+# server default with no Python-side one), as SQLAlchemy's insert leaves those out.
+_DIRECT_COLUMNS = {
+    table.name: [
+        (c.name, None if c.default is None else _python_default(c))
+        for c in table.columns
+        if c.default is not None
+        or (c.server_default is None and c is not table.autoincrement_column)
+    ]
     for table in (_USAGE_TABLE, _OUTBOX_TABLE)
 }

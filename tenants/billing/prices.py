@@ -46,12 +46,26 @@ def price_of(version: PriceVersion) -> Price:
 def quote(versions: Sequence[PriceVersion], model: str, moment: datetime) -> Quote:
     """The version in force for `model` at `moment`: the model's own latest version that had
     started by then, else the latest '*' version, else the built-in default."""
-    for name in (model, ANY_MODEL):
-        in_force = [v for v in versions if v.model == name and as_utc(v.effective_from) <= moment]
-        if in_force:
-            latest = max(in_force, key=lambda v: as_utc(v.effective_from))
-            return Quote(price_of(latest), latest.id)
-    return Quote(DEFAULT_PRICE, None)
+    return PriceIndex(versions).quote(model, moment)
+
+
+class PriceIndex:
+    """The versions by model, oldest first, each as its start and its quote: a quote is
+    a walk back through one model's few versions, no ORM attribute read (a request asks
+    twice: to reserve and to settle)."""
+
+    def __init__(self, versions: Sequence[PriceVersion]) -> None:
+        self._by_model: dict[str, list[tuple[datetime, Quote]]] = {}
+        for version in sorted(versions, key=lambda v: as_utc(v.effective_from)):
+            entry = (as_utc(version.effective_from), Quote(price_of(version), version.id))
+            self._by_model.setdefault(version.model, []).append(entry)
+
+    def quote(self, model: str, moment: datetime) -> Quote:
+        for name in (model, ANY_MODEL):
+            for effective_from, in_force in reversed(self._by_model.get(name, ())):
+                if effective_from <= moment:
+                    return in_force
+        return Quote(DEFAULT_PRICE, None)
 
 
 class PriceService(Audited):
@@ -120,7 +134,7 @@ class PriceBook:
     def __init__(self, sessions: async_sessionmaker[AsyncSession], refresh_s: float = 30.0) -> None:
         self.sessions = sessions
         self.refresh_s = refresh_s
-        self._versions: list[PriceVersion] = []
+        self._index = PriceIndex([])
         self._loaded_at: float | None = None
         self._lock = asyncio.Lock()
 
@@ -129,11 +143,11 @@ class PriceBook:
             async with self._lock:
                 if self._stale():  # another caller may have refreshed while we waited
                     await self.refresh()
-        return quote(self._versions, model, as_utc(moment))
+        return self._index.quote(model, as_utc(moment))
 
     async def refresh(self) -> None:
         async with self.sessions() as session:
-            self._versions = await PriceService(session).list()
+            self._index = PriceIndex(await PriceService(session).list())
         self._loaded_at = time.monotonic()
 
     def invalidate(self) -> None:

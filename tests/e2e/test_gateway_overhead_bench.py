@@ -12,10 +12,12 @@ import msgspec
 import pytest
 
 from bench.gateway_overhead import (
+    MESSAGES,
     TOKENS,
     Client,
     chat_requests,
     openai_routes,
+    prompt_tokens,
     replica_requests,
     replica_routes,
     serve_routes,
@@ -54,6 +56,19 @@ async def test_instant_upstreams_answer_the_lean_client() -> None:
     finally:
         for server in servers:
             server.close()
+
+
+async def test_the_openai_mock_reports_the_prompt_tokens_tollgate_counts() -> None:
+    """Its usage agrees with the gateway's count (the built-in tokenizer, as the bench
+    registers the model): no per-request "usage differs" line is measured as overhead."""
+    from backend.builtin import BUILTIN_MODEL_DIR
+    from backend.tokenizer import Tokenizer
+    from gateway.dispatch.engine_client import LocalTokens
+
+    counted = await LocalTokens(Tokenizer(BUILTIN_MODEL_DIR)).tokenize_chat(MESSAGES)
+    status, _, whole = openai_routes()[(b"POST", b"/v1/chat/completions")](b"{}")
+    assert status == 200 and isinstance(whole, bytes)
+    assert msgspec.json.decode(whole)["usage"]["prompt_tokens"] == len(counted) == prompt_tokens()
 
 
 @pytest.mark.e2e

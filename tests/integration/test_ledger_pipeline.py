@@ -98,6 +98,36 @@ async def test_a_bad_write_in_a_pipelined_group_fails_only_its_submitter(
     assert await _written(sessions) == [("req_fine", 1), ("req_good", 1)]
 
 
+async def test_a_group_of_ledger_rows_alone_is_one_statement_with_its_outbox_rows(
+    client: AsyncTestClient[Any], sessions: Sessions
+) -> None:
+    """Non-streamed rows go in one INSERT with their outbox rows (a data-modifying WITH),
+    outside a pipeline: every row, and an outbox row for the billed ones only; a group
+    larger than DIRECT_BATCH is several statements, all or nothing."""
+    acme = await owner(sessions, "acme")
+    recorder = _recorder(client)
+    billed = [_event(acme, f"req_billed_{i}") for i in range(3)]
+    free = _event(acme, "req_free")
+    free.cost_micros = 0
+    group = [billed[0], free, *billed[1:]]
+    assert metering._one_statement([], [Settled(event, False) for event in group])
+    await recorder._commit([Settled(event, False) for event in group])
+    assert await _written(sessions) == [
+        ("req_billed_0", 1), ("req_billed_1", 1), ("req_billed_2", 1), ("req_free", 0),
+    ]  # fmt: skip
+
+    many = [_event(acme, f"req_many_{i}") for i in range(5)]
+    many[4].tenant_id = "no-such-tenant"  # the last statement's foreign key refuses it
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(ledger, "DIRECT_BATCH", 2)
+        assert not metering._one_statement([], [Settled(event, False) for event in many])
+        with pytest.raises(REFUSED):
+            await recorder._commit([Settled(event, False) for event in many])
+    assert [request_id for request_id, _ in await _written(sessions)] == [
+        "req_billed_0", "req_billed_1", "req_billed_2", "req_free",
+    ]  # fmt: skip
+
+
 async def test_requests_are_billed_after_the_direct_pools_connections_die(
     client: AsyncTestClient[Any],
     sessions: Sessions,

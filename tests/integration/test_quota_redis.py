@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import uuid
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator
 from typing import Any
 
 import pytest
@@ -335,15 +335,9 @@ async def test_nothing_is_left_behind_but_spent_and_done_markers(replicas: Repli
 
 
 async def test_each_operation_is_one_round_trip(replicas: Replicas) -> None:
+    """Counted by the server (MONITOR): the clients' commands that name this test's keys."""
     client = replicas.client()
     store = RedisQuotaStore(client, prefix=replicas.prefix)
-    calls: list[str] = []
-    original: Callable[..., Any] = client.execute_command
-
-    async def counting(*args: Any, **kwargs: Any) -> Any:
-        calls.append(str(args[0]))
-        return await original(*args, **kwargs)
-
     scopes = (Scope("key:k", Limits(rpm=100)), Scope("tenant:t", Limits(tpm=10**6)))
 
     async def every_operation(rid: str) -> None:
@@ -356,9 +350,26 @@ async def test_each_operation_is_one_round_trip(replicas: Replicas) -> None:
         await store.usage("tenant:t", PERIOD)
 
     await every_operation("warm")  # loads the scripts (EVALSHA, then SCRIPT LOAD once)
-    client.execute_command = counting  # type: ignore[method-assign]
-    await every_operation("measured")
+    end = f"{replicas.prefix}end"
+    calls: list[str] = []
+    async with replicas.client().monitor() as monitor:
+        await every_operation("measured")
+        await client.echo(end)
+        while end not in (sent := await monitor.next_command())["command"]:
+            if replicas.prefix in sent["command"] and sent["client_type"] != "lua":
+                calls.append(sent["command"].split()[0])  # not those the scripts make
     assert calls == ["EVALSHA"] * 4 + ["MGET", "EVALSHA"]
+
+
+async def test_a_script_the_server_lost_is_loaded_again(replicas: Replicas) -> None:
+    """After SCRIPT FLUSH (as after a restart) the next call loads its script and runs."""
+    store = replicas.store()
+    tenant = Scope("tenant:t", Limits(rpm=3))
+    assert isinstance(await store.reserve(request("a", tenant)), Granted)
+    await replicas.clients[0].script_flush()
+    granted = await store.reserve(request("b", tenant))
+    assert isinstance(granted, Granted)
+    assert await store.settle(granted.reservation, 1, 2) == SettleResult(True, True)
 
 
 async def test_store_works_with_decoded_responses(replicas: Replicas) -> None:

@@ -10,10 +10,12 @@ from opentelemetry import trace
 from opentelemetry.sdk.trace import ReadableSpan, TracerProvider
 from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+from opentelemetry.sdk.trace.sampling import ALWAYS_OFF
 
 from backend.outputs import RequestOutput
 from backend.telemetry import RequestTimeline, traced
-from gateway.telemetry.tracing import build_tracer_provider, exporting
+from gateway.telemetry.request import RequestScope, Telemetry
+from gateway.telemetry.tracing import build_tracer_provider, exporting, in_span
 
 
 class _Capture(SimpleSpanProcessor):
@@ -187,3 +189,22 @@ async def test_refused_requests_have_no_engine_spans() -> None:
         ):
             await anext(traced(_refuses(), "req_r"))
         assert [s.name for s in exporter.get_finished_spans()] == ["parent"]
+
+
+async def _current_span_id() -> int:
+    return trace.get_current_span().get_span_context().span_id
+
+
+async def test_phases_under_a_sampled_out_root_make_no_spans() -> None:
+    """Nothing exported (the root sampled out): the phases stand in with the root's
+    context, so the trace id still goes on, and no span is made for them."""
+    root = TracerProvider(sampler=ALWAYS_OFF).get_tracer("t").start_span("root")
+    scope = RequestScope(Telemetry(), root)
+    assert not scope.sampled
+    with scope.span("admission") as phase:
+        assert phase.get_span_context() == root.get_span_context()
+    streaming = scope.start_span("stream")
+    assert streaming.get_span_context() == root.get_span_context()
+    streaming.end()
+    with trace.use_span(root):
+        assert await in_span("settle", _current_span_id()) == root.get_span_context().span_id
