@@ -16,10 +16,10 @@ from bench.engine_throughput import (
     SECRET,
     backend_server,
     engine_config,
-    load_static_model,
+    in_fresh_process,
     run_http,
-    run_static,
     static_dtypes,
+    static_in_own_process,
 )
 from gateway.settings import gateway_engine_defaults
 
@@ -60,8 +60,9 @@ def test_both_sides_sample_at_the_temperature_given_and_make_every_token() -> No
     with backend_server(BUILTIN_MODEL_DIR, engine_config(_defaults(threads=1))) as server:
         sampled = run_http(server, work, "bench-sampled", temperature=0.8)
     assert sampled.tokens == 6 + 4
-    model = load_static_model(BUILTIN_MODEL_DIR, torch.float32)
-    rate = run_static(model, work, 2, True, float("inf"), temperature=0.8)
+    # In a process of its own, as the bench runs every static configuration.
+    static = (work, 2, True, float("inf"), 0.8)
+    rate = in_fresh_process(static_in_own_process, BUILTIN_MODEL_DIR, "float32", 1, static)
     assert rate.tokens == 6 + 4
     assert rate.note.startswith("1/1 batches")
 
