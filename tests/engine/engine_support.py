@@ -10,8 +10,12 @@ from typing import Any
 import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
 
+from backend.builtin import BUILTIN_MODEL_DIR
 from backend.config import EngineConfig
 from backend.engine.engine import Engine
+from backend.engine.model_runner import kv_bytes_per_block
+from backend.loader import resolve_dtype
+from backend.models.config import load_model_config
 from backend.outputs import RequestOutput
 from tests.unit.backend.accounting import check_accounting
 
@@ -151,3 +155,11 @@ def tokens_of(outputs: list[RequestOutput]) -> list[int]:
 
 def text_of(outputs: list[RequestOutput]) -> str:
     return "".join(o.text for o in outputs)
+
+
+def builtin_kv_block(block_size: int = 16) -> tuple[torch.dtype, int]:
+    """The dtype an engine on the CPU takes for the built-in model ("auto") and the bytes
+    of one of its KV blocks, by the runner's own arithmetic."""
+    model_config = load_model_config(BUILTIN_MODEL_DIR)
+    dtype = resolve_dtype("auto", torch.device("cpu"), model_config)
+    return dtype, kv_bytes_per_block(model_config, block_size, dtype)

@@ -9,7 +9,6 @@ import asyncio
 from pathlib import Path
 
 import pytest
-import torch
 
 from backend.builtin import BUILTIN_MODEL_DIR
 from backend.capacity.calibration import Calibration
@@ -24,13 +23,11 @@ from backend.capacity.model import TORCH_NAMES
 from backend.capacity.remote import check_remote_async
 from backend.config import EngineConfig
 from backend.engine.async_engine import AsyncEngine
-from backend.engine.model_runner import kv_bytes_per_block
-from backend.loader import resolve_dtype
-from backend.models.config import load_model_config
 from backend.server import create_backend_app
 from backend.sim.cost import CostModel, GpuSpec, ModelSpec
 from gateway.cli import main
 from tests.conftest import serving
+from tests.engine.engine_support import builtin_kv_block
 
 
 def test_check_reads_the_real_pool_times_steps_and_saves_a_calibration(
@@ -39,9 +36,7 @@ def test_check_reads_the_real_pool_times_steps_and_saves_a_calibration(
     saved = tmp_path / "calibration.json"
     assert main(["capacity", "check", "--save", str(saved)]) == 0
     out = capsys.readouterr().out
-    model_config = load_model_config(BUILTIN_MODEL_DIR)
-    dtype = resolve_dtype("auto", torch.device("cpu"), model_config)  # what the check runs
-    per_block = kv_bytes_per_block(model_config, 16, dtype)
+    dtype, per_block = builtin_kv_block()  # what the check runs
     blocks = EngineConfig().kv_cache_bytes // per_block
     # The engine's block bytes and pool, each beside the planner's own arithmetic.
     assert f"KV block: 16 tokens, {per_block:,} B (planner: {per_block:,} B)" in out
@@ -113,9 +108,7 @@ async def test_check_against_a_running_backend(
         monkeypatch.setenv("TOLLGATE_BACKEND_SECRET", "wrong")
         code = await asyncio.to_thread(main, ["capacity", "check", "--url", url])
     stats = engine.stats()
-    model_config = load_model_config(BUILTIN_MODEL_DIR)
-    dtype = resolve_dtype("auto", torch.device("cpu"), model_config)  # what the check runs
-    per_block = kv_bytes_per_block(model_config, 16, dtype)
+    _, per_block = builtin_kv_block()  # what the check runs
     assert facts.bytes_per_block == facts.planner_bytes_per_block == per_block
     assert facts.num_blocks == stats.kv_blocks_total == facts.planner_num_blocks
     assert facts.kv_tensor_bytes == stats.kv_blocks_total * per_block

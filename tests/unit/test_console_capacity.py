@@ -6,18 +6,14 @@ from __future__ import annotations
 import math
 from pathlib import Path
 
-import torch
-
 from backend.builtin import BUILTIN_MODEL_DIR
 from backend.config import EngineConfig
 from backend.engine.async_engine import AsyncEngine
-from backend.engine.model_runner import kv_bytes_per_block
-from backend.loader import resolve_dtype
-from backend.models.config import load_model_config
 from backend.server import create_backend_app
 from gateway.console.capacity import live_replicas
 from gateway.dispatch.remote import RemoteEngineClient
 from tests.conftest import serving
+from tests.engine.engine_support import builtin_kv_block
 
 
 async def test_a_remote_replicas_pool_and_headroom(tmp_path: Path) -> None:
@@ -35,9 +31,7 @@ async def test_a_remote_replicas_pool_and_headroom(tmp_path: Path) -> None:
     assert live.context == 1000 and live.block_size == stats.block_size
     assert live.blocks_total == stats.kv_blocks_total
     assert live.blocks_used + live.blocks_free == stats.kv_blocks_total
-    model_config = load_model_config(BUILTIN_MODEL_DIR)
-    dtype = resolve_dtype("auto", torch.device("cpu"), model_config)  # the engine's
-    per_block = kv_bytes_per_block(model_config, 16, dtype)
+    _, per_block = builtin_kv_block()  # in the engine's dtype
     assert live.bytes_per_block == per_block
     assert live.max_sequences == stats.kv_blocks_total // math.ceil(1000 / 16)
     assert live.headroom == live.blocks_free // math.ceil(1000 / 16)
