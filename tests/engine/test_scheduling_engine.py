@@ -35,9 +35,10 @@ def step(engine: Engine) -> list[RequestOutput]:
 
 
 def skewed_clock(engine: Engine) -> list[float]:
-    """Let the test move the scheduler's clock forward (aging) without sleeping."""
-    skew = [0.0]
-    engine.scheduler.clock = lambda: time.monotonic() + skew[0]
+    """Let the test move the scheduler's clock forward (aging) without sleeping. The clock
+    stands still otherwise: a slow step on a loaded machine must not age anything."""
+    skew, start = [0.0], time.monotonic()
+    engine.scheduler.clock = lambda: start + skew[0]
     return skew
 
 
