@@ -17,6 +17,11 @@ the HTTP path can be read against the in-process engine's.
 
     .venv/bin/python -m bench.engine_throughput [--workloads 32,128] [--priorities 0,5]
         [--max-num-seqs N] [--max-num-batched-tokens N] [--kv-cache-bytes N] [--profile]
+        [--floor]
+
+--floor adds a bound to each workload's table: the best rate any schedule of the
+engine's steps could reach on this machine (`Floor`), so a ratio target can be read
+against what the hardware allows.
 """
 
 from __future__ import annotations
@@ -114,6 +119,49 @@ def run_engine(
 
 
 WARM_UP = list(range(2, 66))  # a prompt no workload shares a prefix with
+BATCH_CLASS = 5  # no latency targets: a prompt alone is one step of the static budget
+
+
+@dataclass(frozen=True)
+class Floor:
+    """A bound, not a run: the most any schedule of this engine's steps could reach on
+    this machine. Every step costs at least a lone decode step (the weights are read
+    once per step), the longest request needs one step per output token, and each
+    prompt adds at least its prefill alone less one such step; decode rows beyond the
+    first are counted free. So no scheduler does better than
+    longest x lone step + sum(prefill alone - lone step)."""
+
+    tokens: int  # the workload's output tokens
+    longest: int  # its longest request's
+    lone_step_s: float
+    prefill_s: float
+
+    def rate(self) -> Rate:
+        seconds = self.longest * self.lone_step_s + self.prefill_s
+        parts = f"{self.longest} x {self.lone_step_s * 1000:.1f} ms + {self.prefill_s:.1f} s"
+        return Rate(self.tokens, seconds, f"a bound: {parts} of prefill")
+
+
+def engine_floor(engine: Engine, work: Workload, tag: str) -> Floor:
+    """Floor's parts, measured on `engine` (its prefix cache salted by `tag`)."""
+
+    def steps_of(request_id: str, prompt: list[int], max_tokens: int) -> list[float]:
+        engine.add_request(request_id, prompt, sampling(max_tokens), BATCH_CLASS, tenant=tag)
+        times = []
+        while engine.has_work():
+            started = time.perf_counter()
+            engine.step()
+            times.append(time.perf_counter() - started)
+        return times
+
+    lone = min(steps_of(f"{tag}-lone", [2, 3], 33)[1:])  # its decode steps
+    prefills = (sum(steps_of(f"{tag}-{i}", prompt, 1)) for i, (prompt, _) in enumerate(work))
+    return Floor(
+        tokens=sum(out for _, out in work),
+        longest=max(out for _, out in work),
+        lone_step_s=lone,
+        prefill_s=sum(max(0.0, prefill - lone) for prefill in prefills),
+    )
 
 
 def warm(engine: Engine) -> None:
@@ -355,6 +403,12 @@ def main() -> None:
         default=0.0,
         help="sample every request (both sides) at this temperature; 0: greedy (default)",
     )
+    parser.add_argument(
+        "--floor",
+        action="store_true",
+        help="also print the engine's floor: the best rate any schedule of its steps "
+        "could reach here (a bound from a lone decode step and each prefill alone)",
+    )
     parser.add_argument("--skip-static", action="store_true")
     parser.add_argument("--skip-http", action="store_true")
     parser.add_argument("--profile", action="store_true", help="profile the engine and stop")
@@ -391,6 +445,9 @@ def main() -> None:
                 if server:
                     http = run_http(server, works[n], tag, p, sampled_at)
                     rates[f"engine through the HTTP API{tail}"] = http
+                if args.floor and p == priorities[0]:
+                    floor = off_main_thread(engine_floor, engine, works[n], f"floor{n}")
+                    rates["engine floor (in process, a bound)"] = floor.rate()
                 for label, rate in rates.items():  # as they come: a run cut short keeps them
                     print(f"  ({n} requests) {line(label, rate)}", flush=True)
                 results[n].update(rates)

@@ -11,11 +11,14 @@ import pytest
 import torch
 
 from backend.builtin import BUILTIN_MODEL_DIR
+from backend.config import EngineConfig
+from backend.engine.engine import Engine
 from backend.wire import SECRET_HEADER
 from bench.engine_throughput import (
     SECRET,
     backend_server,
     engine_config,
+    engine_floor,
     in_fresh_process,
     run_http,
     static_dtypes,
@@ -72,3 +75,19 @@ def test_the_baseline_runs_in_the_engines_dtype_and_in_float32_each_once() -> No
     bfloat16 rows ran 2.2x its float32 rows (bench/README.md), elsewhere float32 wins."""
     assert static_dtypes("engine,float32", torch.bfloat16) == [torch.bfloat16, torch.float32]
     assert static_dtypes("engine,float32", torch.float32) == [torch.float32]
+
+
+def test_the_floor_counts_the_longest_request_and_every_prefill_and_leaves_no_work() -> None:
+    """--floor: a bound from a lone decode step and each prompt's prefill alone, measured
+    on the bench's engine, which is left with no work."""
+    engine = Engine(BUILTIN_MODEL_DIR, EngineConfig(dtype="float32"))
+    work = [(list(range(2, 40)), 5), (list(range(70, 90)), 9), (list(range(100, 300)), 3)]
+    steps = engine.num_steps
+    floor = engine_floor(engine, work, "floor-test")
+    assert (floor.tokens, floor.longest) == (5 + 9 + 3, 9)
+    assert engine.num_steps - steps == 33 + 3  # the lone request's steps, then one per prompt
+    assert not engine.has_work()
+    assert floor.lone_step_s > 0 and floor.prefill_s >= 0
+    rate = floor.rate()
+    assert rate.seconds == 9 * floor.lone_step_s + floor.prefill_s
+    assert rate.note.startswith("a bound: 9 x ")
