@@ -22,7 +22,7 @@ from gateway.admin.controllers import AdminController
 from gateway.admission.auth import echo_request_id
 from gateway.admission.auth_failures import AuthFailureLog
 from gateway.admission.idempotency import Idempotency
-from gateway.admission.key_generation import GenerationListener
+from gateway.admission.key_generation import GenerationListener, SqliteGeneration
 from gateway.admission.quota import Admission
 from gateway.admission.reconcile import Rebuilder, Upkeep
 from gateway.api.embeddings import EmbeddingsController
@@ -53,6 +53,7 @@ from tenants.db import (
     is_postgres,
     libpq_url,
     session_factory,
+    sqlite_path,
 )
 from tenants.idempotency import InFlightLocks, MemoryLocks, RedisLocks
 from tenants.pricing import DEFAULT_PRICE
@@ -165,6 +166,10 @@ def open_runtime(settings: Settings, telemetry: Telemetry, stack: AsyncExitStack
     if generations is not None:
         generations.learns_commits_of(session_class)
         _started(stack, generations)
+    sqlite_file = sqlite_path(settings.database_url)
+    sqlite_generation = SqliteGeneration(sqlite_file) if sqlite_file is not None else None
+    if sqlite_generation is not None:
+        _started(stack, sqlite_generation)
     redis = connect_redis(settings.redis_url) if settings.redis_url else None
     if redis is not None:
         stack.push_async_callback(redis.aclose)
@@ -197,6 +202,7 @@ def open_runtime(settings: Settings, telemetry: Telemetry, stack: AsyncExitStack
         db=db,
         direct=direct,
         generations=generations,
+        sqlite_generation=sqlite_generation,
         sessions=sessions,
         recorder=recorder,
         admission=admission,

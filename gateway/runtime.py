@@ -10,7 +10,7 @@ from sqlalchemy.ext.asyncio import AsyncEngine, AsyncSession, async_sessionmaker
 from gateway.admission.auth_failures import AuthFailureLog
 from gateway.admission.idempotency import Idempotency
 from gateway.admission.key_cache import KeyCache
-from gateway.admission.key_generation import GenerationListener
+from gateway.admission.key_generation import GenerationListener, SqliteGeneration
 from gateway.admission.quota import Admission
 from gateway.dispatch.directory import ModelDirectory
 from gateway.dispatch.engine_client import EngineClient
@@ -35,6 +35,7 @@ class Runtime:
     auth_failures: AuthFailureLog | None = None  # counted, audited once per window
     keys: KeyCache = field(default_factory=KeyCache)  # authenticated keys, for seconds
     generations: GenerationListener | None = None  # the key generation, notified (PostgreSQL)
+    sqlite_generation: SqliteGeneration | None = None  # read on the loop's connection (SQLite)
     models: ModelDirectory | None = None  # every model served: the default and the registry's
 
     @property

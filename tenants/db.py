@@ -90,6 +90,14 @@ def is_postgres(url: str) -> bool:
     return make_url(url).get_backend_name() == "postgresql"
 
 
+def sqlite_path(url: str) -> str | None:
+    """The file of an SQLite database URL; None for another database or an in-memory one."""
+    parsed = make_url(url)
+    if parsed.get_backend_name() != "sqlite" or parsed.database in (None, "", ":memory:"):
+        return None
+    return parsed.database
+
+
 def libpq_url(url: str, database: str | None = None) -> str:
     """A PostgreSQL URL as libpq (psycopg's own connect) takes it; `database`: another
     database on the same server."""

@@ -102,9 +102,9 @@ async def _principal(
 ) -> Principal | None:
     """The caller remembered under the current key generation (gateway/admission/key_cache),
     else the key's lookup. The generation is the listener's while it is live (PostgreSQL),
-    else read."""
-    listener = runtime.generations
-    generation = listener.current() if listener is not None else None
+    read on the loop's own connection (SQLite), else read through the pool."""
+    known = runtime.generations or runtime.sqlite_generation
+    generation = known.current() if known is not None else None
     if generation is None:
         generation = await read_key_generation(runtime.direct)
     principal = runtime.keys.get(token, generation)
