@@ -187,6 +187,7 @@ def open_runtime(settings: Settings, telemetry: Telemetry, stack: AsyncExitStack
         admission,
         settings.checkpoint_ms / 1000,
         direct=direct if postgres else None,
+        sqlite_file=sqlite_file,
     )
     _started(stack, recorder)  # checkpoints of running streams
     _started(stack, recorder.periodic())  # the orphan sweep

@@ -60,7 +60,7 @@ def create_engine(url: str) -> AsyncEngine:
     _ensure_sqlite_dir(parsed)
     if parsed.get_backend_name() == "sqlite":
         engine = create_async_engine(parsed, connect_args={"timeout": 30})
-        event.listen(engine.sync_engine, "connect", _sqlite_pragmas)
+        event.listen(engine.sync_engine, "connect", sqlite_pragmas)
         return engine
     return create_async_engine(parsed, pool_size=10, max_overflow=20, pool_pre_ping=True)
 
@@ -107,7 +107,8 @@ def libpq_url(url: str, database: str | None = None) -> str:
     return parsed.render_as_string(hide_password=False)
 
 
-def _sqlite_pragmas(dbapi_connection: object, _record: object) -> None:
+def sqlite_pragmas(dbapi_connection: object, _record: object = None) -> None:
+    """Every connection to an SQLite database: WAL, foreign keys, a 30 s busy timeout."""
     cursor = dbapi_connection.cursor()  # type: ignore[attr-defined]
     cursor.execute("PRAGMA journal_mode=WAL")
     cursor.execute("PRAGMA foreign_keys=ON")

@@ -4,11 +4,13 @@ transaction, so a row is exported to Stripe exactly when it exists in the ledger
 from __future__ import annotations
 
 import functools
+import sqlite3
 from collections.abc import Callable, Sequence
 from typing import Any, cast
 
 import psycopg
 from sqlalchemy import Column, ColumnDefault, Table, insert, inspect
+from sqlalchemy.dialects import sqlite
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncSession
 
 from tenants.billing.models import OutboxRow
@@ -54,6 +56,34 @@ async def record_all_direct(
         outbox = [_direct_row(_OUTBOX_TABLE.name, row) for row in _billed(batch)]
         params = [value for row in (*usage, *outbox) for value in row]
         await cursor.execute(_direct_sql(len(usage), len(outbox)), params)
+
+
+def record_all_sqlite(connection: sqlite3.Connection, events: Sequence[UsageEvent]) -> None:
+    """record_all's rows on SQLite, straight through the stdlib driver, in the caller's
+    transaction (gateway.metering's ledger thread): one executemany per table, every
+    column that the database does not fill given its value, else its Python-side default,
+    else NULL, each bound as SQLAlchemy binds it for SQLite (its type's bind processor:
+    times, enums). Through aiosqlite and SQLAlchemy a one-row group cost ~0.9 ms of CPU."""
+    _stamp(events)
+    usage = [_sqlite_row(_USAGE_TABLE.name, _values(event)) for event in events]
+    connection.executemany(_sqlite_sql(_USAGE_TABLE.name), usage)
+    outbox = [_sqlite_row(_OUTBOX_TABLE.name, row) for row in _billed(events)]
+    if outbox:
+        connection.executemany(_sqlite_sql(_OUTBOX_TABLE.name), outbox)
+
+
+def _sqlite_row(table: str, given: dict[str, Any]) -> tuple[Any, ...]:
+    return tuple(
+        value if bind is None else bind(value)
+        for value, bind in zip(_direct_row(table, given), _SQLITE_BINDS[table], strict=True)
+    )
+
+
+@functools.cache
+def _sqlite_sql(table: str) -> str:
+    names = [name for name, _ in _DIRECT_COLUMNS[table]]
+    columns = ", ".join(f'"{name}"' for name in names)
+    return f'INSERT INTO "{table}" ({columns}) VALUES ({", ".join(["?"] * len(names))})'
 
 
 def _stamp(events: Sequence[UsageEvent]) -> None:
@@ -142,4 +172,16 @@ _DIRECT_COLUMNS = {
         or (c.server_default is None and c is not table.autoincrement_column)
     ]
     for table in (_USAGE_TABLE, _OUTBOX_TABLE)
+}
+_SQLITE = sqlite.dialect()
+# Per table, each direct column's bind processor for SQLite (None: the value as it is).
+_SQLITE_BINDS = {
+    table.name: [
+        table.columns[name].type.dialect_impl(_SQLITE).bind_processor(_SQLITE)
+        for name, _ in columns
+    ]
+    for table, columns in (
+        (_USAGE_TABLE, _DIRECT_COLUMNS[_USAGE_TABLE.name]),
+        (_OUTBOX_TABLE, _DIRECT_COLUMNS[_OUTBOX_TABLE.name]),
+    )
 }
