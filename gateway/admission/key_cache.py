@@ -12,10 +12,13 @@ every replica as soon as that replica knows the new generation:
   committed it, the very next request (it learns its own bump on commit); while the
   listener is blind (its connection lost, not yet re-listened and re-read) every request
   reads the generation as below;
-- on SQLite, and on PostgreSQL while the listener is blind, each request reads the row:
-  one primary-key read in one round trip (autocommit, on a pool with no ping:
-  tenants.db.create_direct_engine), in READ COMMITTED, so a change committed anywhere
-  refuses the very next request.
+- on SQLite, each request reads the row on a connection of the event loop's own
+  (gateway.admission.key_generation.SqliteGeneration: microseconds, never waiting), so a
+  change committed anywhere refuses the very next request;
+- where that read cannot be made at once, and on PostgreSQL while the listener is blind,
+  each request reads the row through the pool: one primary-key read in one round trip
+  (autocommit, on a pool with no ping: tenants.db.create_direct_engine), in READ
+  COMMITTED, with the same effect.
 The few seconds bound only how long an unchanged key goes without its lookup (its
 last_used_at, a revoked key's audit).
 """
