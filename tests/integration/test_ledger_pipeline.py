@@ -199,36 +199,45 @@ async def _read_back(sessions: Sessions, request_id: str) -> tuple[UsageEvent, O
 
 
 async def test_the_direct_ledger_insert_writes_what_sqlalchemys_does(sessions: Sessions) -> None:
-    """record_all_direct (psycopg, the pipeline's) against record_all (SQLAlchemy Core): the
-    same columns, defaults filled in alike, whether a row gives few columns or all of them."""
+    """record_all_direct (psycopg, the pipeline's) against record_all (SQLAlchemy Core)."""
+    engine = create_direct_engine(sessions.kw["bind"].url.render_as_string(hide_password=False))
+    try:
+        await writes_what_sqlalchemy_does(sessions, lambda event: _write_direct(engine, event))
+    finally:
+        await engine.dispose()
+
+
+async def writes_what_sqlalchemy_does(
+    sessions: Sessions, write: Callable[[UsageEvent], Awaitable[None]]
+) -> None:
+    """`write` against record_all (SQLAlchemy Core): the same columns read back, defaults
+    filled in alike, whether a row gives few columns or all of them, with its outbox row
+    where it costs something."""
     acme = await owner(sessions, "acme")
     given = {"queue_ms": 1.5, "ttft_ms": 2.5, "e2e_ms": 3.5, "itl_ms": 0.5, "priority": 2,
              "finish_reason": "length", "trace_id": "ab" * 16, "replica": "http://r",
              "error": None, "price_version_id": None}  # fmt: skip
     shapes: dict[str, dict[str, Any]] = {"few": {}, "all": given, "free": {"cost_micros": 0}}
-    engine = create_direct_engine(sessions.kw["bind"].url.render_as_string(hide_password=False))
-    try:
-        for shape, extra in shapes.items():
-            core, direct = (_event(acme, f"req_{shape}_{way}") for way in ("core", "direct"))
-            for event in (core, direct):
-                for name, value in extra.items():
-                    setattr(event, name, value)
-            async with sessions.begin() as session:
-                await ledger.record_all(session, [core])
-            await _write_direct(engine, direct)
-            (core_row, core_outbox), (row, outbox) = [
-                await _read_back(sessions, e.request_id) for e in (core, direct)
-            ]
-            varying = {"id", "request_id", "created_at"}
-            assert _row(core_row, varying) == _row(row, varying), shape
-            assert row.created_at is not None and row.id
-            assert (core_outbox is None) == (outbox is None) == (shape == "free")
-            if core_outbox is not None and outbox is not None:
-                varying = {"id", "usage_event_id", "created_at", "occurred_at"}
-                assert _row(core_outbox, varying) == _row(outbox, varying)
-                assert outbox.created_at is not None and outbox.occurred_at == row.created_at
-    finally:
-        await engine.dispose()
+    for shape, extra in shapes.items():
+        core, other = (_event(acme, f"req_{shape}_{way}") for way in ("core", "other"))
+        for event in (core, other):
+            for name, value in extra.items():
+                setattr(event, name, value)
+        async with sessions.begin() as session:
+            await ledger.record_all(session, [core])
+        await write(other)
+        (core_row, core_outbox), (row, outbox) = [
+            await _read_back(sessions, e.request_id) for e in (core, other)
+        ]
+        varying = {"id", "request_id", "created_at"}
+        assert _row(core_row, varying) == _row(row, varying), shape
+        assert row.created_at is not None and row.id
+        assert row.created_at.tzinfo == core_row.created_at.tzinfo
+        assert (core_outbox is None) == (outbox is None) == (shape == "free")
+        if core_outbox is not None and outbox is not None:
+            varying = {"id", "usage_event_id", "created_at", "occurred_at"}
+            assert _row(core_outbox, varying) == _row(outbox, varying)
+            assert outbox.created_at is not None and outbox.occurred_at == row.created_at
 
 
 class Restarting:
