@@ -57,15 +57,15 @@ class Drain:
         self.grace_s = grace_s
         self.in_flight = 0
         self.deadline: float | None = None  # set when the drain begins
-        self.cut = asyncio.Event()  # set when the grace period is over
-        self._cut_future: asyncio.Future[None] | None = None  # resolved then too
+        self.cut = False  # true once the grace period is over
+        self._cut_future: asyncio.Future[None] | None = None  # made on first use, in the loop
 
     def cut_future(self) -> asyncio.Future[None]:
         """One future for every request to race its client's messages against, resolved
-        at the cut: cheaper than a task waiting on `cut` per receive."""
+        at the cut: cheaper than a task per receive waiting for it."""
         if self._cut_future is None:
             self._cut_future = asyncio.get_running_loop().create_future()
-            if self.cut.is_set():
+            if self.cut:
                 self._cut_future.set_result(None)
         return self._cut_future
 
@@ -85,10 +85,10 @@ class Drain:
         if self.in_flight == 0:
             return True
         now = time.monotonic()
-        if now >= self.deadline and not self.cut.is_set():
+        if now >= self.deadline and not self.cut:
             log.warning("drain: grace period over, cutting %d requests", self.in_flight)
-            self.cut.set()
-            if self._cut_future is not None and not self._cut_future.done():
+            self.cut = True
+            if self._cut_future is not None:
                 self._cut_future.set_result(None)
         return now >= self.deadline + SETTLE_S
 
@@ -121,7 +121,7 @@ class DrainGuard:
         drain = self.drain
 
         async def receive_or_disconnect() -> Message:
-            if drain.cut.is_set():
+            if drain.cut:
                 return DISCONNECT
             message = asyncio.ensure_future(receive())
             await asyncio.wait((message, drain.cut_future()), return_when=asyncio.FIRST_COMPLETED)

@@ -29,12 +29,11 @@ with each other for the one write lock: a writer that finds it taken sleeps in S
 busy handler, 100 ms at a time once it has waited 0.2 s, and under load lost the lock again
 and again (up to ~2 s: issue 19's embedded p99). On SQLite a group of ledger rows alone
 goes through the stdlib driver on a thread of its own (SqliteLedger), not aiosqlite and
-SQLAlchemy. On PostgreSQL a group is one pipeline on
-an autocommit connection that is not pinged: one implicit transaction, one round trip; a
-group whose connection was lost is tried again on the pool that pings, unless the
-lost try had committed (its rows are found under their own ids), for up to
-LEDGER_RETRY_S while the database refuses connections (a restart): only then are its
-rows given up, each logged by request id.
+SQLAlchemy. On PostgreSQL a group is one pipeline on an autocommit connection that is not
+pinged: one implicit transaction, one round trip; a group whose connection was lost is
+tried again on the pool that pings, unless the lost try had committed (its rows are found
+under their own ids), for up to LEDGER_RETRY_S while the database refuses connections (a
+restart): only then are its rows given up, each logged by request id.
 """
 
 from __future__ import annotations

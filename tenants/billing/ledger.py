@@ -178,10 +178,7 @@ _SQLITE = sqlite.dialect()
 _SQLITE_BINDS = {
     table.name: [
         table.columns[name].type.dialect_impl(_SQLITE).bind_processor(_SQLITE)
-        for name, _ in columns
+        for name, _ in _DIRECT_COLUMNS[table.name]
     ]
-    for table, columns in (
-        (_USAGE_TABLE, _DIRECT_COLUMNS[_USAGE_TABLE.name]),
-        (_OUTBOX_TABLE, _DIRECT_COLUMNS[_OUTBOX_TABLE.name]),
-    )
+    for table in (_USAGE_TABLE, _OUTBOX_TABLE)
 }
