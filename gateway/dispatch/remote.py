@@ -337,7 +337,7 @@ class RemoteEngineClient(LocalTokens):
                 f"{replica.url}/internal/stats", timeout=HEALTH_TIMEOUT_S
             )
             stats = STATS.decode(response.content) if response.status_code == 200 else None
-        except httpx.ReadTimeout:
+        except httpx.TimeoutException:  # late, to connect or to answer: busy, not down
             replica.missed()
             return
         except (httpx.HTTPError, msgspec.DecodeError):

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import socket
 import threading
 import time
 from collections.abc import AsyncIterator, Iterator
@@ -133,3 +134,16 @@ async def test_an_abort_is_sent_before_the_client_closes(stats: StatsServer) -> 
         remote._placements["req-1"] = remote.replicas[0]  # where generate() sent it
         remote.abort("req-1")
     assert stats.aborted == ["req-1"]
+
+
+async def test_a_connection_not_taken_in_time_is_a_missed_poll() -> None:
+    """A replica whose accept queue is full (too busy to take the connection) is late,
+    not gone: one such poll keeps it in routing. A gateway under load took its only
+    replica out for a connect timeout once, and answered its next request 503."""
+    with socket.create_server(("127.0.0.1", 0), backlog=0) as listener:
+        port = listener.getsockname()[1]
+        with socket.create_connection(("127.0.0.1", port)):  # fills the queue
+            async with client(f"http://127.0.0.1:{port}") as remote:
+                await remote.refresh()
+                assert remote.is_ready()
+                assert remote.replicas[0].missed_polls == 1

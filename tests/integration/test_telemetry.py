@@ -445,7 +445,7 @@ async def test_backend_replica_joins_the_gateway_trace(
                 response = await client.post(
                     "/v1/chat/completions", json=payload, headers=_auth(tenant_key)
                 )
-                assert response.status_code == 200
+                assert response.status_code == 200, response.text
                 request_id = response.headers["x-request-id"]
                 root, trace_spans = await _trace_with(spans, request_id, {"dispatch", "settle"})
                 await eventually(lambda: {"engine.generate", "engine.decode"}
