@@ -27,9 +27,10 @@ choice: a gateway killed between the commit and the send bills an answer its cli
 lost with the connection). On SQLite this also means the recorder's writes never contend
 with each other for the one write lock: a writer that finds it taken sleeps in SQLite's
 busy handler, 100 ms at a time once it has waited 0.2 s, and under load lost the lock again
-and again (up to ~2 s: issue 19's embedded p99). On SQLite a group of ledger rows alone
-goes through the stdlib driver on a thread of its own (SqliteLedger), not aiosqlite and
-SQLAlchemy. On PostgreSQL a group is one pipeline on an autocommit connection that is not
+and again (up to ~2 s: issue 19's embedded p99). On SQLite a group goes through the
+stdlib driver (SqliteLedger), not aiosqlite and SQLAlchemy: committed on the event loop's
+own connection, then synced to disk by a thread while the answer is encoded; the answer
+starts once it is on disk. On PostgreSQL a group is one pipeline on an autocommit connection that is not
 pinged: one implicit transaction, one round trip; a group whose connection was lost is
 tried again on the pool that pings, unless the lost try had committed (its rows are found
 under their own ids), for up to LEDGER_RETRY_S while the database refuses connections (a
@@ -41,15 +42,17 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import os
 import sqlite3
+import threading
 from collections.abc import Awaitable, Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, replace
 from datetime import datetime, timedelta
-from typing import Any
+from typing import Any, cast
 
 import psycopg
-from sqlalchemy import delete, select
+from sqlalchemy import Table, delete, select
 from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.exc import IntegrityError, OperationalError
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine, AsyncSession, async_sessionmaker
@@ -77,6 +80,7 @@ ORPHAN_BATCH = 100
 # (a restart, a failover) before its rows are given up, logged by request id.
 LEDGER_RETRY_S = 10.0
 LEDGER_RETRY_MAX_PAUSE_S = 1.0
+SYNC_START_WAIT_S = 0.001  # how long the loop waits for the WAL's sync to start, at most
 
 
 class UsageRecorder:
@@ -115,10 +119,22 @@ class UsageRecorder:
         except Exception:  # the database briefly away: the periodic checkpoint tries again
             log.warning("first checkpoint of stream %s failed", request_id, exc_info=True)
 
-    def settle(self, charge: Charge, outcome: RequestUsage) -> asyncio.Task[None]:
-        """Write the row for this outcome as it is now (later changes do not leak in)."""
-        write = self._write(charge, replace(outcome))
-        return self.tasks.spawn(in_span("settle", write, **{REQUEST_ID: charge.request_id}))
+    def settle(
+        self,
+        charge: Charge,
+        outcome: RequestUsage,
+        committed: asyncio.Future[None] | None = None,
+    ) -> asyncio.Task[None]:
+        """Write the row for this outcome as it is now (later changes do not leak in); the
+        task ends once the row is on disk and the quota store settled. `committed` is
+        resolved once the row is in the ledger: on SQLite, while it is still being synced
+        to disk (SqliteLedger), so an answer can be encoded meanwhile; else at the task's
+        end, however it ends (its error is the task's)."""
+        write = self._write(charge, replace(outcome), committed)
+        task = self.tasks.spawn(in_span("settle", write, **{REQUEST_ID: charge.request_id}))
+        if committed is not None:
+            task.add_done_callback(lambda _: _resolve(committed, None))
+        return task
 
     async def _event(self, charge: Charge, outcome: RequestUsage) -> UsageEvent:
         quote = await self.prices.quote(charge.model, charge.started_at)
@@ -155,7 +171,9 @@ class UsageRecorder:
             created_at=utcnow(),  # the row's time, which settling passes to the store
         )
 
-    async def _write(self, charge: Charge, outcome: RequestUsage) -> None:
+    async def _write(
+        self, charge: Charge, outcome: RequestUsage, committed: asyncio.Future[None] | None
+    ) -> None:
         """Ledger first, once; then quota counters from it: spent always matches the
         ledger (a crash in between leaves a row the reconciler charges later; a store
         outage, a settle the recorder retries until the store takes it)."""
@@ -167,7 +185,7 @@ class UsageRecorder:
             event = await self._event(charge, outcome)
             cost = event.cost_micros
             tokens = event.prompt_tokens + event.completion_tokens
-            await self._writes.submit(Settled(event, streamed))
+            await self._writes.submit(Settled(event, streamed, committed))
             at_us = to_us(event.created_at)
         except Exception:
             # Never silently: the request id lets an operator reconcile by hand.
@@ -200,8 +218,10 @@ class UsageRecorder:
         if not checkpoints and not settled:
             return  # the streams asked about have settled meanwhile
         if self.direct is None:  # SQLite (or a recorder given no direct pool)
-            if self.sqlite is not None and _one_statement(checkpoints, settled):
-                await self.sqlite.write([write.event for write in settled])
+            if self.sqlite is not None:
+                streams = [write.event.request_id for write in settled if write.streamed]
+                rows = GroupRows(checkpoints, [write.event for write in settled], streams)
+                await self.sqlite.write(rows, lambda: _committed(settled))
                 return
             async with self.sessions.begin() as session:
                 dialect = (await session.connection()).dialect.name
@@ -380,26 +400,92 @@ class UsageRecorder:
             await self.sqlite.close()
 
 
+@dataclass(frozen=True)
+class GroupRows:
+    """What one group commit writes: running streams' checkpoints (upserted), ledger rows,
+    and the checkpoints of the streams those rows settle (deleted)."""
+
+    checkpoints: list[dict[str, Any]]
+    events: list[UsageEvent]
+    settled_streams: list[str]
+
+
 class SqliteLedger:
-    """Ledger rows on SQLite through the stdlib driver (tenants.billing.ledger's
-    record_all_sqlite), each group in one transaction on one connection that a thread of
-    its own makes and uses, with the engine's PRAGMAs: the commit (and its wait for the
-    write lock) stays off the event loop, as with aiosqlite, without SQLAlchemy's and
-    aiosqlite's ~0.9 ms of CPU a one-row group. Groups with checkpoints keep the ORM path."""
+    """A group's rows on SQLite through the stdlib driver (write_sqlite_rows), without
+    SQLAlchemy's and aiosqlite's ~0.9 ms of CPU a one-row group.
+
+    A group is committed on a connection the event loop owns, which never waits: no busy
+    timeout, and `synchronous=NORMAL`, so its COMMIT appends to the WAL without syncing it.
+    The write then returns once a thread of its own has synced the WAL file (fdatasync),
+    which is what `synchronous=FULL` does inside COMMIT: the rows are on disk before the
+    write returns, as before. The loop waits (at most SYNC_START_WAIT_S) for the thread to
+    reach the sync, as the thread needs the GIL to start it; then `on_commit` lets the
+    settling request encode its answer while the disk syncs. When another writer holds the
+    write lock, the group goes to the thread instead, on its own connection (FULL, a 30 s
+    busy timeout), which waits for the lock. The loop's connection never checkpoints (a
+    checkpoint syncs the database file); the thread runs a passive one every
+    CHECKPOINT_EVERY commits."""
+
+    CHECKPOINT_EVERY = 200
 
     def __init__(self, path: str) -> None:
         self.path = path
+        self.wal = f"{path}-wal"
         self._thread = ThreadPoolExecutor(1, thread_name_prefix="tollgate-ledger")
         self._connection: sqlite3.Connection | None = None  # the thread's
+        self._loop_connection: sqlite3.Connection | None = None  # the event loop's
+        self._commits = 0  # on the loop's connection since the thread's last checkpoint
 
-    async def write(self, events: list[UsageEvent]) -> None:
-        await asyncio.get_running_loop().run_in_executor(self._thread, self._write, events)
+    async def write(self, rows: GroupRows, on_commit: Callable[[], None] | None = None) -> None:
+        """The rows on disk; `on_commit` is called once they are committed on the loop's
+        connection, before they are synced (not when the thread writes them)."""
+        loop = asyncio.get_running_loop()
+        if self._commit_on_loop(rows):
+            syncing = threading.Event()
+            synced = loop.run_in_executor(self._thread, self._sync, syncing)
+            # Until the thread is in fdatasync (it needs the GIL to get there): the loop's
+            # next work, encoding the answer, then runs while the disk syncs.
+            syncing.wait(SYNC_START_WAIT_S)
+            if on_commit is not None:
+                on_commit()
+            await synced
+        else:
+            await loop.run_in_executor(self._thread, self._write, rows)
 
-    def _write(self, events: list[UsageEvent]) -> None:
+    def _commit_on_loop(self, rows: GroupRows) -> bool:
+        """The group committed, not yet synced; False when the write lock is taken."""
+        connection = self._loop_connection or self._connect_loop()
+        try:
+            connection.execute("BEGIN IMMEDIATE")
+        except sqlite3.OperationalError:  # locked by another writer: the thread waits
+            return False
+        try:
+            write_sqlite_rows(connection, rows)
+            connection.execute("COMMIT")
+        except BaseException:
+            connection.execute("ROLLBACK")
+            raise
+        return True
+
+    def _sync(self, syncing: threading.Event) -> None:
+        """The WAL on disk, the loop's last commit with it (opened by name each time: a
+        WAL that was deleted and made again is another file)."""
+        wal = os.open(self.wal, os.O_RDONLY)
+        try:
+            syncing.set()
+            os.fdatasync(wal)
+        finally:
+            os.close(wal)
+        self._commits += 1
+        if self._commits >= self.CHECKPOINT_EVERY:
+            self._commits = 0
+            (self._connection or self._connect()).execute("PRAGMA wal_checkpoint(PASSIVE)")
+
+    def _write(self, rows: GroupRows) -> None:
         connection = self._connection or self._connect()
         connection.execute("BEGIN IMMEDIATE")
         try:
-            ledger.record_all_sqlite(connection, events)
+            write_sqlite_rows(connection, rows)
         except BaseException:
             connection.execute("ROLLBACK")
             raise
@@ -412,10 +498,23 @@ class SqliteLedger:
         self._connection = connection
         return connection
 
+    def _connect_loop(self) -> sqlite3.Connection:
+        # Used by the loop alone (closed by the app's shutdown, maybe on another thread).
+        connection = sqlite3.connect(self.path, isolation_level=None, check_same_thread=False)
+        sqlite_pragmas(connection)
+        connection.execute("PRAGMA busy_timeout = 0")
+        connection.execute("PRAGMA synchronous = NORMAL")
+        connection.execute("PRAGMA wal_autocheckpoint = 0")
+        self._loop_connection = connection
+        return connection
+
     async def close(self) -> None:
         """After the writes already submitted (one thread: in order)."""
         await asyncio.get_running_loop().run_in_executor(self._thread, self._disconnect)
         self._thread.shutdown()
+        if self._loop_connection is not None:
+            self._loop_connection.close()
+            self._loop_connection = None
 
     def _disconnect(self) -> None:
         if self._connection is not None:
@@ -437,6 +536,7 @@ class Settled:
 
     event: UsageEvent
     streamed: bool
+    committed: asyncio.Future[None] | None = None  # resolved once the row is in (settle())
 
 
 Write = Settled | Checkpoint
@@ -498,6 +598,12 @@ def _one_statement(checkpoints: list[dict[str, Any]], settled: list[Settled]) ->
     )
 
 
+def _committed(settled: list[Settled]) -> None:
+    for write in settled:
+        if write.committed is not None:
+            _resolve(write.committed, None)
+
+
 def _resolve(done: asyncio.Future[None], error: BaseException | None) -> None:
     if done.done():
         return
@@ -507,14 +613,23 @@ def _resolve(done: asyncio.Future[None], error: BaseException | None) -> None:
         done.set_exception(error)
 
 
+# What a checkpoint of a stream already checkpointed rewrites.
+CHECKPOINT_CHANGES = (
+    "prompt_tokens",
+    "cached_tokens",
+    "completion_tokens",
+    "replica",
+    "updated_at",
+)
+
+
 def _checkpoint_upsert(insert: Callable[[type[UsageCheckpoint]], Any]) -> Any:
     """The checkpoint upsert, built once per dialect (rows are its parameters): building
     the ON CONFLICT clause per write was a measurable share of a stream's cost."""
     statement = insert(UsageCheckpoint)
-    changing = ("prompt_tokens", "cached_tokens", "completion_tokens", "replica", "updated_at")
     return statement.on_conflict_do_update(
         index_elements=["request_id"],
-        set_={name: statement.excluded[name] for name in changing},
+        set_={name: statement.excluded[name] for name in CHECKPOINT_CHANGES},
     )
 
 
@@ -522,6 +637,43 @@ _CHECKPOINT_UPSERTS = {
     "postgresql": _checkpoint_upsert(postgresql.insert),
     "sqlite": _checkpoint_upsert(sqlite.insert),
 }
+
+
+def write_sqlite_rows(connection: sqlite3.Connection, rows: GroupRows) -> None:
+    """_write_rows on SQLite, straight through the stdlib driver in the caller's
+    transaction: the same statements, each value bound as SQLAlchemy binds it."""
+    if rows.checkpoints:
+        connection.executemany(
+            _SQLITE_UPSERT, [_sqlite_checkpoint(row) for row in rows.checkpoints]
+        )
+    if rows.events:
+        ledger.record_all_sqlite(connection, rows.events)
+    if rows.settled_streams:
+        connection.executemany(_SQLITE_DELETE, [(stream,) for stream in rows.settled_streams])
+
+
+def _sqlite_checkpoint(row: dict[str, Any]) -> tuple[Any, ...]:
+    return tuple(
+        row[name] if bind is None else bind(row[name]) for name, bind in _SQLITE_CHECKPOINT_BINDS
+    )
+
+
+_SQLITE_DIALECT = sqlite.dialect()
+_CHECKPOINTS = cast(Table, UsageCheckpoint.__table__)
+# Each column's name and its bind processor for SQLite (None: the value as it is).
+_SQLITE_CHECKPOINT_BINDS = [
+    (column.name, column.type.dialect_impl(_SQLITE_DIALECT).bind_processor(_SQLITE_DIALECT))
+    for column in _CHECKPOINTS.columns
+]
+_SQLITE_UPSERT = (
+    'INSERT INTO "{}" ({}) VALUES ({}) ON CONFLICT ("request_id") DO UPDATE SET {}'.format(
+        _CHECKPOINTS.name,
+        ", ".join(f'"{name}"' for name, _ in _SQLITE_CHECKPOINT_BINDS),
+        ", ".join("?" for _ in _SQLITE_CHECKPOINT_BINDS),
+        ", ".join(f'"{name}" = excluded."{name}"' for name in CHECKPOINT_CHANGES),
+    )
+)
+_SQLITE_DELETE = f'DELETE FROM "{_CHECKPOINTS.name}" WHERE "request_id" = ?'
 
 
 def _checkpoint_row(charge: Charge, outcome: RequestUsage, now: datetime) -> dict[str, Any]:

@@ -178,6 +178,8 @@ class Settlement:
         self.recorder = recorder
         self.usage = RequestUsage(prompt_tokens=gen.prompt_tokens)
         self._written: asyncio.Task[None] | None = None
+        # Resolved once the row is in the ledger, maybe before it is on disk (metering).
+        self.committed: asyncio.Future[None] = asyncio.get_running_loop().create_future()
 
     @property
     def settled(self) -> bool:
@@ -192,7 +194,7 @@ class Settlement:
         if self._written is None:
             self.usage.e2e_ms = (time.monotonic() - self.gen.started) * 1000
             current_request().finish(self.gen, self.usage)  # once, as the row is
-            self._written = self.recorder.settle(self.gen.charge, self.usage)
+            self._written = self.recorder.settle(self.gen.charge, self.usage, self.committed)
         return self._written
 
     def fail(self, exc: BaseException) -> ApiError:
@@ -328,7 +330,11 @@ async def complete(
             raise settlement.fail(exc) from exc
         # Settled exactly once from here, whatever happens to this task; the quota
         # store's part never fails it (see Admission.settle), so a completed request is a 200.
-        await asyncio.shield(settlement.settle())
+        written = settlement.settle()
+        await asyncio.shield(settlement.committed)
+        # The answer is encoded while its row is synced to disk, and starts once it is.
+        if not current_request().answer_after(written):
+            await asyncio.shield(written)
     return _whole_body(gen, engine, choices, settlement.usage)
 
 

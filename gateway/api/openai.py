@@ -355,6 +355,9 @@ async def respond_whole(
     claim = admitted.claim
     result = await _abandon_on_failure(claim, runtime, _unless_disconnected(request, work))
     if claim is not None:
+        held = current_request().take_hold()  # stored for replays only once on disk
+        if held is not None:
+            await _abandon_on_failure(claim, runtime, asyncio.shield(held))
         body = encode(result)
         await runtime.idempotency.finish(
             claim, admitted.charge.request_id, 200, MediaType.JSON, body

@@ -13,6 +13,7 @@ client address), so `tollgate serve` runs uvicorn without its access log.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import logging
 import re
@@ -150,6 +151,9 @@ class Telemetry:
 
         async def send_status(message: Message) -> None:
             if message["type"] == "http.response.start":
+                held = request.take_hold()
+                if held is not None:  # raises, before anything is sent, if it failed
+                    await asyncio.shield(held)
                 request.status = message["status"]
             await send(message)
 
@@ -222,6 +226,21 @@ class RequestScope:
     started: float = field(default_factory=time.monotonic)
     timeline: RequestTimeline = field(default_factory=RequestTimeline)
     replica: str | None = None  # where dispatch sent it last
+    held: asyncio.Future[None] | None = None  # the answer starts once it is done
+
+    def answer_after(self, written: asyncio.Future[None]) -> bool:
+        """Start the answer only once `written` (its usage row on disk) is done: the answer
+        is encoded meanwhile. False outside a request this middleware serves (nothing
+        would wait): the caller waits then."""
+        if self.telemetry is None:
+            return False
+        self.held = written
+        return True
+
+    def take_hold(self) -> asyncio.Future[None] | None:
+        """What the answer must wait for, once: after it, an error answer goes out freely."""
+        held, self.held = self.held, None
+        return held
 
     @property
     def sampled(self) -> bool:

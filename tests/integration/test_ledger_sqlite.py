@@ -1,21 +1,23 @@
-"""On SQLite the recorder writes a group of ledger rows through the stdlib driver, on a
-thread and connection of its own (gateway.metering.SqliteLedger): the rows are those
-SQLAlchemy writes, and a bad write still fails alone."""
+"""On SQLite the recorder writes a group of ledger rows through the stdlib driver
+(gateway.metering.SqliteLedger): committed on the event loop's connection and synced on a
+thread, or on the thread alone while another writer holds the lock. The rows are those
+SQLAlchemy writes, a bad write still fails alone, and the WAL is checkpointed."""
 
 from __future__ import annotations
 
 import asyncio
 import sqlite3
+from datetime import datetime, timedelta
 from typing import Any
 
 import pytest
 from sqlalchemy import select
 
-from gateway.metering import Settled, SqliteLedger, UsageRecorder
+from gateway.metering import _CHECKPOINT_UPSERTS, GroupRows, Settled, SqliteLedger, UsageRecorder
 from tenants.billing import ledger
 from tenants.db import sqlite_path
-from tenants.models import UsageEvent
-from tests.integration.billing_support import Sessions, owner
+from tenants.models import UsageCheckpoint, UsageEvent, as_utc, utcnow
+from tests.integration.billing_support import Owner, Sessions, owner
 from tests.integration.test_ledger_pipeline import _event, writes_what_sqlalchemy_does
 
 pytestmark = pytest.mark.parametrize("database_url", ["sqlite"], indirect=True)
@@ -32,7 +34,9 @@ async def test_the_sqlite_ledger_insert_writes_what_sqlalchemys_does(sessions: S
     record_all (SQLAlchemy Core)."""
     writer = SqliteLedger(_file(sessions))
     try:
-        await writes_what_sqlalchemy_does(sessions, lambda event: writer.write([event]))
+        await writes_what_sqlalchemy_does(
+            sessions, lambda event: writer.write(GroupRows([], [event], []))
+        )
     finally:
         await writer.close()
 
@@ -56,3 +60,99 @@ async def test_a_group_with_a_bad_row_writes_the_others(sessions: Sessions, clie
             select(UsageEvent.request_id).order_by(UsageEvent.request_id)
         )
         assert list(written) == ["req_a", "req_b", "req_taken"]
+
+
+async def test_a_group_waits_on_the_thread_while_another_writer_holds_the_lock(
+    sessions: Sessions,
+) -> None:
+    """The loop's connection does not wait for the write lock: the thread's does, and the
+    write ends once the other writer commits."""
+    acme = await owner(sessions, "acme")
+    writer = SqliteLedger(_file(sessions))
+    other = sqlite3.connect(_file(sessions), isolation_level=None)
+    try:
+        other.execute("BEGIN IMMEDIATE")
+        write = asyncio.ensure_future(writer.write(GroupRows([], [_event(acme, "req_waits")], [])))
+        done, _ = await asyncio.wait({write}, timeout=0.5)  # a bound: it must not finish
+        assert not done
+        other.execute("COMMIT")
+        await write
+        assert other.execute("SELECT count(*) FROM usage_events").fetchone() == (1,)
+    finally:
+        other.close()
+        await writer.close()
+
+
+async def test_the_wal_is_checkpointed_every_so_many_commits(sessions: Sessions) -> None:
+    """The loop's connection never checkpoints; the thread does, so the WAL restarts
+    instead of growing with every row."""
+    acme = await owner(sessions, "acme")
+    frames: dict[int, int] = {}
+    for every in (5, 1000):
+        writer = SqliteLedger(_file(sessions))
+        writer.CHECKPOINT_EVERY = every
+        try:
+            for n in range(21):
+                await writer.write(GroupRows([], [_event(acme, f"req_{every}_{n}")], []))
+            reader = sqlite3.connect(_file(sessions))
+            log = reader.execute("PRAGMA wal_checkpoint(PASSIVE)").fetchone()
+            reader.close()
+            frames[every] = log[1]  # (busy, frames in the WAL, frames checkpointed)
+        finally:
+            await writer.close()
+    assert frames[5] * 3 < frames[1000]
+
+
+def _checkpoint(who: Owner, request_id: str, delivered: int, at: datetime) -> dict[str, Any]:
+    return {"request_id": request_id, "tenant_id": who.tenant_id, "api_key_id": who.key_id,
+            "model": "tiny", "endpoint": "chat.completions", "priority": 1,
+            "prompt_tokens": 3, "cached_tokens": 1, "completion_tokens": delivered,
+            "trace_id": "ab" * 16, "replica": "http://r", "started_at": at - timedelta(seconds=1),
+            "updated_at": at}  # fmt: skip
+
+
+async def _checkpoint_rows(sessions: Sessions) -> dict[str, dict[str, Any]]:
+    async with sessions() as session:
+        found = await session.scalars(select(UsageCheckpoint))
+        return {
+            row.request_id: {c.key: getattr(row, c.key) for c in UsageCheckpoint.__table__.c}
+            for row in found
+        }
+
+
+async def test_checkpoints_are_written_updated_and_deleted_as_sqlalchemy_does(
+    sessions: Sessions,
+) -> None:
+    """The stdlib upsert against SQLAlchemy's (the ORM path's statement); a second
+    checkpoint rewrites the tokens and the time only; a stream's ledger row deletes its
+    checkpoint in the same group."""
+    acme = await owner(sessions, "acme")
+    at = utcnow()
+    async with sessions.begin() as session:
+        await session.execute(_CHECKPOINT_UPSERTS["sqlite"], [_checkpoint(acme, "req_core", 5, at)])
+    writer = SqliteLedger(_file(sessions))
+    try:
+        await writer.write(GroupRows([_checkpoint(acme, "req_ours", 5, at)], [], []))
+        rows = await _checkpoint_rows(sessions)
+        assert {**rows["req_core"], "request_id": "req_ours"} == rows["req_ours"]
+        assert as_utc(rows["req_ours"]["updated_at"]) == at
+
+        later = at + timedelta(seconds=2)
+        again = {**_checkpoint(acme, "req_ours", 9, later), "started_at": later, "priority": 7}
+        await writer.write(GroupRows([again], [], []))
+        updated = (await _checkpoint_rows(sessions))["req_ours"]
+        assert as_utc(updated["updated_at"]) == later
+        assert {**updated, "updated_at": None} == {
+            **rows["req_ours"],
+            "completion_tokens": 9,
+            "updated_at": None,
+        }
+
+        await writer.write(GroupRows([], [_event(acme, "req_ours")], ["req_ours"]))
+        assert set(await _checkpoint_rows(sessions)) == {"req_core"}
+        async with sessions() as session:
+            assert await session.scalar(
+                select(UsageEvent.request_id).where(UsageEvent.request_id == "req_ours")
+            )
+    finally:
+        await writer.close()
