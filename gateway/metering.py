@@ -30,11 +30,12 @@ busy handler, 100 ms at a time once it has waited 0.2 s, and under load lost the
 and again (up to ~2 s: issue 19's embedded p99). On SQLite a group goes through the
 stdlib driver (SqliteLedger), not aiosqlite and SQLAlchemy: committed on the event loop's
 own connection, then synced to disk by a thread while the answer is encoded; the answer
-starts once it is on disk. On PostgreSQL a group is one pipeline on an autocommit connection that is not
-pinged: one implicit transaction, one round trip; a group whose connection was lost is
-tried again on the pool that pings, unless the lost try had committed (its rows are found
-under their own ids), for up to LEDGER_RETRY_S while the database refuses connections (a
-restart): only then are its rows given up, each logged by request id.
+starts once it is on disk. On PostgreSQL a group is one pipeline on an autocommit
+connection that is not pinged: one implicit transaction, one round trip; a group whose
+connection was lost is tried again on the pool that pings, unless the lost try had
+committed (its rows are found under their own ids), for up to LEDGER_RETRY_S while the
+database refuses connections (a restart): only then are its rows given up, each logged by
+request id.
 """
 
 from __future__ import annotations
