@@ -60,7 +60,7 @@ async def record_all_direct(
 
 def record_all_sqlite(connection: sqlite3.Connection, events: Sequence[UsageEvent]) -> None:
     """record_all's rows on SQLite, straight through the stdlib driver, in the caller's
-    transaction (gateway.metering's ledger thread): one executemany per table, every
+    transaction (gateway.metering's SqliteLedger): one executemany per table, every
     column that the database does not fill given its value, else its Python-side default,
     else NULL, each bound as SQLAlchemy binds it for SQLite (its type's bind processor:
     times, enums). Through aiosqlite and SQLAlchemy a one-row group cost ~0.9 ms of CPU."""
