@@ -13,7 +13,7 @@ import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field, replace
 from functools import partial
-from typing import Any
+from typing import Any, TypeVar
 
 from backend import EngineDeadError, RequestOutput, SamplingParams, TokenLogprobs
 from gateway.api.formats import Format, call_deltas, tool_calls_delta, with_tool_calls
@@ -32,6 +32,7 @@ from gateway.telemetry import current_request
 from gateway.usage import Charge, RequestUsage
 from tenants.models import UsageStatus
 
+T = TypeVar("T")
 DONE = b"data: [DONE]\n\n"
 
 
@@ -257,16 +258,67 @@ async def _outputs(
     ]
     merged = streams[0] if len(streams) == 1 else _merged(streams, gen)
     outputs = current_request().dispatch(merged)  # the dispatch span; the timeline
-    while True:
+    deadline = Deadline(due)
+    try:
+        while True:
+            try:
+                out = await deadline.next(outputs)
+            except StopAsyncIteration:
+                return
+            except TimeoutError:
+                raise DeadlineExceeded(_missed(gen, first=due < last_due)) from None
+            due = last_due
+            deadline.move(due)
+            yield out
+    finally:
+        deadline.close()
+
+
+class Deadline:
+    """asyncio.timeout_at for the many awaits of one stream, without a timer per await
+    (that was ~3 us per output, ~18 outputs per 16-token answer): one timer, moved when the
+    due time changes. It cancels the awaiting task only while it waits for the next item,
+    never while the item is handed on; past due, the next wait fails at once."""
+
+    def __init__(self, when: float) -> None:
+        self._loop = asyncio.get_running_loop()
+        self._when = when
+        self._timer = self._loop.call_at(when, self._expire)
+        self._expired = False
+        self._waiting: asyncio.Task[Any] | None = None  # the task waiting in next()
+        self._cancelled = False  # the deadline cancelled it
+
+    def move(self, when: float) -> None:
+        if when != self._when:
+            self._timer.cancel()
+            self._when, self._expired = when, False
+            self._timer = self._loop.call_at(when, self._expire)
+
+    def close(self) -> None:
+        self._timer.cancel()
+
+    def _expire(self) -> None:
+        self._expired = True
+        if self._waiting is not None and not self._cancelled:
+            self._cancelled = True
+            self._waiting.cancel()
+
+    async def next(self, items: AsyncIterator[T]) -> T:
+        """The next item, or TimeoutError once the due time has passed."""
+        if self._expired:
+            raise TimeoutError
+        task = asyncio.current_task()
+        assert task is not None
+        cancelling = task.cancelling()  # cancellations already pending are not ours
+        self._waiting = task
         try:
-            async with asyncio.timeout_at(due):
-                out = await anext(outputs)
-        except StopAsyncIteration:
-            return
-        except TimeoutError:
-            raise DeadlineExceeded(_missed(gen, first=due < last_due)) from None
-        due = last_due
-        yield out
+            return await anext(items)
+        except asyncio.CancelledError:
+            if self._cancelled and task.uncancel() <= cancelling:
+                raise TimeoutError from None
+            raise
+        finally:
+            self._waiting, self._cancelled = None, False
 
 
 async def _merged(
