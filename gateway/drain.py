@@ -58,16 +58,8 @@ class Drain:
         self.in_flight = 0
         self.deadline: float | None = None  # set when the drain begins
         self.cut = False  # true once the grace period is over
-        self._cut_future: asyncio.Future[None] | None = None  # made on first use, in the loop
-
-    def cut_future(self) -> asyncio.Future[None]:
-        """One future for every request to race its client's messages against, resolved
-        at the cut: cheaper than a task per receive waiting for it."""
-        if self._cut_future is None:
-            self._cut_future = asyncio.get_running_loop().create_future()
-            if self.cut:
-                self._cut_future.set_result(None)
-        return self._cut_future
+        self.receiving: set[asyncio.Task[Any]] = set()  # tasks waiting for a client's message
+        self.cut_off: set[asyncio.Task[Any]] = set()  # those of them the cut cancelled
 
     @property
     def draining(self) -> bool:
@@ -88,8 +80,9 @@ class Drain:
         if now >= self.deadline and not self.cut:
             log.warning("drain: grace period over, cutting %d requests", self.in_flight)
             self.cut = True
-            if self._cut_future is not None:
-                self._cut_future.set_result(None)
+            for task in self.receiving:  # each wait ends as a disconnect (DrainGuard)
+                self.cut_off.add(task)
+                task.cancel()
         return now >= self.deadline + SETTLE_S
 
 
@@ -117,18 +110,27 @@ class DrainGuard:
             self.drain.in_flight -= 1
 
     def _until_cut(self, receive: Receive) -> Receive:
-        """The client's messages, until the drain cuts the request: then a disconnect."""
+        """The client's messages, until the drain cuts the request: then a disconnect. A
+        wait under way at the cut is cancelled by it: no task or race per receive."""
         drain = self.drain
 
         async def receive_or_disconnect() -> Message:
             if drain.cut:
                 return DISCONNECT
-            message = asyncio.ensure_future(receive())
-            await asyncio.wait((message, drain.cut_future()), return_when=asyncio.FIRST_COMPLETED)
-            if message.done():
-                return message.result()
-            message.cancel()
-            return DISCONNECT
+            task = asyncio.current_task()
+            assert task is not None
+            cancelling = task.cancelling()  # cancellations already pending are not the cut's
+            drain.receiving.add(task)
+            try:
+                return await receive()
+            except asyncio.CancelledError:
+                if task in drain.cut_off:
+                    drain.cut_off.discard(task)
+                    if task.uncancel() <= cancelling:
+                        return DISCONNECT
+                raise
+            finally:
+                drain.receiving.discard(task)
 
         return receive_or_disconnect
 

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import contextlib
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, replace
 from functools import partial
@@ -457,20 +456,33 @@ async def _recorded(
 
 
 async def _unless_disconnected(request: Request[Any, Any, Any], work: Awaitable[T]) -> T:
-    """Await `work`, cancelling it (which aborts the engine request) if the client leaves."""
-    task = asyncio.ensure_future(work)
-    watcher = asyncio.ensure_future(_disconnected(request))
-    try:
-        await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
-    finally:
-        watcher.cancel()
-        if not task.done():
+    """Await `work`, cancelling it (which aborts the engine request) if the client leaves:
+    a watcher cancels this task then (no task of its own for `work`, nor a race)."""
+    task = asyncio.current_task()
+    assert task is not None
+    cancelling = task.cancelling()  # cancellations already pending are not the watcher's
+    left = done = False
+
+    def cancel_on_leaving(watcher: asyncio.Future[None]) -> None:
+        nonlocal left
+        if watcher.cancelled():
+            return
+        watcher.exception()  # retrieved: a failed watch means the client is gone too
+        if not done:  # a callback run after `work` ended cancels nothing
+            left = True
             task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await task
-    if task.cancelled():
-        raise Cancelled("the client closed the connection")
-    return task.result()
+
+    watcher = asyncio.ensure_future(_disconnected(request))
+    watcher.add_done_callback(cancel_on_leaving)
+    try:
+        return await work
+    except asyncio.CancelledError:
+        if left and task.uncancel() <= cancelling:
+            raise Cancelled("the client closed the connection") from None
+        raise
+    finally:
+        done = True
+        watcher.cancel()
 
 
 async def _disconnected(request: Request[Any, Any, Any]) -> None:

@@ -1,0 +1,64 @@
+"""gateway.drain.DrainGuard: a request waiting for its client's next message when the
+drain's grace period ends sees a disconnect; other cancellations stay cancellations."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import MutableMapping
+from typing import Any
+
+import pytest
+
+from gateway.drain import DISCONNECT, Drain, DrainGuard
+
+Message = dict[str, Any]
+
+
+class Client:
+    """The ASGI server's side: the body at once, then nothing until the test says."""
+
+    def __init__(self) -> None:
+        self.messages: asyncio.Queue[Message] = asyncio.Queue()
+        self.messages.put_nowait({"type": "http.request", "body": b"", "more_body": False})
+
+    async def receive(self) -> Message:
+        return await self.messages.get()
+
+    async def send(self, message: MutableMapping[str, Any]) -> None:
+        pass
+
+
+def _app(seen: list[Message], waiting: asyncio.Event) -> Any:
+    async def app(scope: Any, receive: Any, send: Any) -> None:
+        seen.append(await receive())  # the body
+        waiting.set()
+        seen.append(await receive())  # blocks: the client says nothing more
+
+    return app
+
+
+async def test_a_wait_under_way_at_the_cut_ends_as_a_disconnect() -> None:
+    drain, seen, waiting, client = Drain(grace_s=0.0), list[Message](), asyncio.Event(), Client()
+    guard = DrainGuard(_app(seen, waiting), drain)
+    served = asyncio.ensure_future(
+        guard({"type": "http", "path": "/v1/x"}, client.receive, client.send)
+    )
+    await waiting.wait()
+    drain.begin()
+    assert drain.over() is False  # one in flight: cut now, settling still allowed
+    await asyncio.wait_for(served, 10)  # a bound, should the cut not reach the wait
+    assert seen[0]["type"] == "http.request" and seen[1] == DISCONNECT
+    assert drain.cut and drain.in_flight == 0 and not drain.receiving and not drain.cut_off
+
+
+async def test_a_cancellation_that_is_not_the_cut_stays_one() -> None:
+    drain, seen, waiting, client = Drain(grace_s=60.0), list[Message](), asyncio.Event(), Client()
+    guard = DrainGuard(_app(seen, waiting), drain)
+    served = asyncio.ensure_future(
+        guard({"type": "http", "path": "/v1/x"}, client.receive, client.send)
+    )
+    await waiting.wait()
+    served.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await served
+    assert len(seen) == 1 and drain.in_flight == 0 and not drain.receiving
