@@ -436,6 +436,7 @@ class SqliteLedger:
         self._connection: sqlite3.Connection | None = None  # the thread's
         self._loop_connection: sqlite3.Connection | None = None  # the event loop's
         self._commits = 0  # on the loop's connection since the thread's last checkpoint
+        self._wal: int | None = None  # the WAL file, opened by the thread
 
     async def write(self, rows: GroupRows, on_commit: Callable[[], None] | None = None) -> None:
         """The rows on disk; `on_commit` is called once they are committed on the loop's
@@ -469,14 +470,12 @@ class SqliteLedger:
         return True
 
     def _sync(self, syncing: threading.Event) -> None:
-        """The WAL on disk, the loop's last commit with it (opened by name each time: a
-        WAL that was deleted and made again is another file)."""
-        wal = os.open(self.wal, os.O_RDONLY)
-        try:
-            syncing.set()
-            os.fdatasync(wal)
-        finally:
-            os.close(wal)
+        """The WAL on disk, the loop's last commit with it. Its file stays open: SQLite
+        deletes a WAL only when the last connection closes, and the loop's stays open."""
+        if self._wal is None:
+            self._wal = os.open(self.wal, os.O_RDONLY)
+        syncing.set()
+        os.fdatasync(self._wal)
         self._commits += 1
         if self._commits >= self.CHECKPOINT_EVERY:
             self._commits = 0
@@ -521,6 +520,9 @@ class SqliteLedger:
         if self._connection is not None:
             self._connection.close()
             self._connection = None
+        if self._wal is not None:
+            os.close(self._wal)
+            self._wal = None
 
 
 @dataclass(frozen=True)
