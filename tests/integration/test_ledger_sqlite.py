@@ -7,16 +7,22 @@ from __future__ import annotations
 
 import asyncio
 import sqlite3
+import threading
 from datetime import datetime, timedelta
 from typing import Any
 
+import httpx
 import pytest
-from sqlalchemy import select
+from sqlalchemy import func, select
 
+from gateway.app import create_app
+from gateway.dispatch.engine_client import InProcessEngineClient
 from gateway.metering import _CHECKPOINT_UPSERTS, GroupRows, Settled, SqliteLedger, UsageRecorder
+from gateway.settings import Settings
 from tenants.billing import ledger
 from tenants.db import sqlite_path
 from tenants.models import UsageCheckpoint, UsageEvent, as_utc, utcnow
+from tests.conftest import serving
 from tests.integration.billing_support import Owner, Sessions, owner
 from tests.integration.test_ledger_pipeline import _event, writes_what_sqlalchemy_does
 
@@ -156,3 +162,38 @@ async def test_checkpoints_are_written_updated_and_deleted_as_sqlalchemy_does(
             )
     finally:
         await writer.close()
+
+
+async def test_a_whole_answer_starts_only_once_its_row_is_synced(
+    settings: Settings, tenant_key: str, engine_client: InProcessEngineClient, sessions: Sessions
+) -> None:
+    """The row is committed on the loop and synced by the ledger thread; the answer is
+    held until the sync is done. With the thread kept busy, no answer comes."""
+    app = create_app(settings, engine_client=engine_client)
+    busy, release = threading.Event(), threading.Event()
+
+    def occupy() -> None:
+        busy.set()
+        release.wait(30)
+
+    body = {"model": engine_client.model_name, "messages": [{"role": "user", "content": "Hi"}],
+            "max_tokens": 4, "ignore_eos": True}  # fmt: skip
+    headers = {"Authorization": f"Bearer {tenant_key}"}
+    async with serving(app) as url, httpx.AsyncClient(base_url=url, timeout=60) as http:
+        recorder: UsageRecorder = app.state.runtime.recorder
+        assert recorder.sqlite is not None
+        recorder.sqlite._thread.submit(occupy)  # its next job, the sync, waits behind this
+        assert busy.wait(10)
+        answer = asyncio.ensure_future(
+            http.post("/v1/chat/completions", json=body, headers=headers)
+        )
+        try:
+            done, _ = await asyncio.wait({answer}, timeout=1.0)  # a bound: it must not come
+            assert not done
+            async with sessions() as session:  # committed already, not yet on disk
+                assert await session.scalar(select(func.count()).select_from(UsageEvent)) == 1
+        finally:
+            release.set()
+        response = await answer
+    assert response.status_code == 200
+    assert response.json()["usage"]["completion_tokens"] == 4
