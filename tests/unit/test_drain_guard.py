@@ -37,13 +37,20 @@ def _app(seen: list[Message], waiting: asyncio.Event) -> Any:
     return app
 
 
-async def test_a_wait_under_way_at_the_cut_ends_as_a_disconnect() -> None:
-    drain, seen, waiting, client = Drain(grace_s=0.0), list[Message](), asyncio.Event(), Client()
+async def _waiting_request(drain: Drain, seen: list[Message]) -> asyncio.Future[None]:
+    """A request served through the guard, once it waits for the client's next message."""
+    waiting, client = asyncio.Event(), Client()
     guard = DrainGuard(_app(seen, waiting), drain)
     served = asyncio.ensure_future(
         guard({"type": "http", "path": "/v1/x"}, client.receive, client.send)
     )
     await waiting.wait()
+    return served
+
+
+async def test_a_wait_under_way_at_the_cut_ends_as_a_disconnect() -> None:
+    drain, seen = Drain(grace_s=0.0), list[Message]()
+    served = await _waiting_request(drain, seen)
     drain.begin()
     assert drain.over() is False  # one in flight: cut now, settling still allowed
     await asyncio.wait_for(served, 10)  # a bound, should the cut not reach the wait
@@ -52,12 +59,8 @@ async def test_a_wait_under_way_at_the_cut_ends_as_a_disconnect() -> None:
 
 
 async def test_a_cancellation_that_is_not_the_cut_stays_one() -> None:
-    drain, seen, waiting, client = Drain(grace_s=60.0), list[Message](), asyncio.Event(), Client()
-    guard = DrainGuard(_app(seen, waiting), drain)
-    served = asyncio.ensure_future(
-        guard({"type": "http", "path": "/v1/x"}, client.receive, client.send)
-    )
-    await waiting.wait()
+    drain, seen = Drain(grace_s=60.0), list[Message]()
+    served = await _waiting_request(drain, seen)
     served.cancel()
     with pytest.raises(asyncio.CancelledError):
         await served
