@@ -22,7 +22,7 @@ from gateway.settings import Settings
 from tenants.billing import ledger
 from tenants.db import sqlite_path
 from tenants.models import UsageCheckpoint, UsageEvent, as_utc, utcnow
-from tests.conftest import serving
+from tests.conftest import eventually, serving
 from tests.integration.billing_support import Owner, Sessions, owner
 from tests.integration.test_ledger_pipeline import _event, writes_what_sqlalchemy_does
 
@@ -187,11 +187,15 @@ async def test_a_whole_answer_starts_only_once_its_row_is_synced(
         answer = asyncio.ensure_future(
             http.post("/v1/chat/completions", json=body, headers=headers)
         )
+
+        async def committed() -> bool:  # the row is in, not yet on disk
+            async with sessions() as session:
+                return await session.scalar(select(func.count()).select_from(UsageEvent)) == 1
+
         try:
-            done, _ = await asyncio.wait({answer}, timeout=1.0)  # a bound: it must not come
+            await eventually(committed)
+            done, _ = await asyncio.wait({answer}, timeout=0.5)  # a bound: it must not come
             assert not done
-            async with sessions() as session:  # committed already, not yet on disk
-                assert await session.scalar(select(func.count()).select_from(UsageEvent)) == 1
         finally:
             release.set()
         response = await answer
