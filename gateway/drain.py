@@ -59,7 +59,6 @@ class Drain:
         self.deadline: float | None = None  # set when the drain begins
         self.cut = False  # true once the grace period is over
         self.receiving: set[asyncio.Task[Any]] = set()  # tasks waiting for a client's message
-        self.cut_off: set[asyncio.Task[Any]] = set()  # those of them the cut cancelled
 
     @property
     def draining(self) -> bool:
@@ -81,7 +80,6 @@ class Drain:
             log.warning("drain: grace period over, cutting %d requests", self.in_flight)
             self.cut = True
             for task in self.receiving:  # each wait ends as a disconnect (DrainGuard)
-                self.cut_off.add(task)
                 task.cancel()
         return now >= self.deadline + SETTLE_S
 
@@ -124,10 +122,9 @@ class DrainGuard:
             try:
                 return await receive()
             except asyncio.CancelledError:
-                if task in drain.cut_off:
-                    drain.cut_off.discard(task)
-                    if task.uncancel() <= cancelling:
-                        return DISCONNECT
+                # Waiting at the cut means the cut cancelled it (after it, no wait begins).
+                if drain.cut and task.uncancel() <= cancelling:
+                    return DISCONNECT
                 raise
             finally:
                 drain.receiving.discard(task)

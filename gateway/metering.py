@@ -461,12 +461,7 @@ class SqliteLedger:
             connection.execute("BEGIN IMMEDIATE")
         except sqlite3.OperationalError:  # locked by another writer: the thread waits
             return False
-        try:
-            write_sqlite_rows(connection, rows)
-            connection.execute("COMMIT")
-        except BaseException:
-            connection.execute("ROLLBACK")
-            raise
+        _commit_begun(connection, rows)
         return True
 
     def _sync(self, syncing: threading.Event) -> None:
@@ -484,24 +479,14 @@ class SqliteLedger:
     def _write(self, rows: GroupRows) -> None:
         connection = self._connection or self._connect()
         connection.execute("BEGIN IMMEDIATE")
-        try:
-            write_sqlite_rows(connection, rows)
-        except BaseException:
-            connection.execute("ROLLBACK")
-            raise
-        connection.execute("COMMIT")
+        _commit_begun(connection, rows)
 
     def _connect(self) -> sqlite3.Connection:
-        # Autocommit mode: the transaction is _write's own BEGIN ... COMMIT.
-        connection = sqlite3.connect(self.path, isolation_level=None, check_same_thread=False)
-        sqlite_pragmas(connection)
-        self._connection = connection
-        return connection
+        self._connection = _autocommit(self.path)
+        return self._connection
 
     def _connect_loop(self) -> sqlite3.Connection:
-        # Used by the loop alone (closed by the app's shutdown, maybe on another thread).
-        connection = sqlite3.connect(self.path, isolation_level=None, check_same_thread=False)
-        sqlite_pragmas(connection)
+        connection = _autocommit(self.path)
         connection.execute("PRAGMA busy_timeout = 0")
         connection.execute("PRAGMA synchronous = NORMAL")
         connection.execute("PRAGMA wal_autocheckpoint = 0")
@@ -523,6 +508,24 @@ class SqliteLedger:
         if self._wal is not None:
             os.close(self._wal)
             self._wal = None
+
+
+def _autocommit(path: str) -> sqlite3.Connection:
+    """A connection with the engine's PRAGMAs whose transactions are its user's own BEGIN
+    ... COMMIT; used by one thread at a time (closed at shutdown, maybe on another)."""
+    connection = sqlite3.connect(path, isolation_level=None, check_same_thread=False)
+    sqlite_pragmas(connection)
+    return connection
+
+
+def _commit_begun(connection: sqlite3.Connection, rows: GroupRows) -> None:
+    """The rows and COMMIT in the transaction begun on `connection`; ROLLBACK on failure."""
+    try:
+        write_sqlite_rows(connection, rows)
+        connection.execute("COMMIT")
+    except BaseException:
+        connection.execute("ROLLBACK")
+        raise
 
 
 @dataclass(frozen=True)
