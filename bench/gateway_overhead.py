@@ -20,6 +20,13 @@ and what each gateway adds to its upstream's, at concurrency 1 and 16, streaming
 not; time to first byte; CPU ms per request of the gateway process (/proc); the highest
 Poisson rate each sustains with p99 <= 500 ms and < 1% errors; and the issue's targets
 (added p50 at c=1 within 1.5x of the bare proxy's; sustained rate >= 60% of its).
+
+Tollgate's usage row is on disk before its answer (on either store), so every c=1 request
+waits for one flush of the disk's write cache, which the bare proxy never does. The disk's
+flush latency on this VM moved between ~0.15 and ~0.9 ms from one session to another, so
+the bench measures it in the same run (an fdatasync of a 4 KiB write in the gateways'
+data folder, before and after the c=1 cells) and prints what each Tollgate adds beyond
+one flush: a diagnostic of the request path, not the target.
 """
 
 from __future__ import annotations
@@ -819,21 +826,47 @@ class Plan:
     rate_seconds: float
     rate_steps: int  # bisection rounds after the first rate that fails
     rate_rounds: int = 40  # rates tried at most
+    flushes: int = 200  # disk flushes timed, before and after the c=1 cells
 
 
 PLANS = {
-    "dry": Plan(rounds=1, requests={1: 8, 16: 16}, rate_seconds=0.5, rate_steps=0, rate_rounds=1),
+    "dry": Plan(
+        rounds=1, requests={1: 8, 16: 16}, rate_seconds=0.5, rate_steps=0, rate_rounds=1, flushes=5
+    ),
     "quick": Plan(rounds=3, requests={1: 100, 16: 320}, rate_seconds=3.0, rate_steps=2),
     "full": Plan(rounds=6, requests={1: 300, 16: 960}, rate_seconds=8.0, rate_steps=4),
 }
 
 
-async def measure(targets: list[Target], plan: Plan) -> dict[str, Any]:
+def disk_flush_ms(folder: Path, count: int) -> list[float]:
+    """What one durable row costs at least: `count` fdatasyncs of a 4 KiB overwrite in a
+    preallocated file in `folder` (no block allocation, as in a reused WAL), 1 ms apart."""
+    path, page, times = folder / "flush-probe", os.urandom(4096), []
+    descriptor = os.open(path, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o600)
+    try:
+        os.write(descriptor, bytes(64 * 4096))
+        os.fsync(descriptor)
+        for i in range(count):
+            started = time.perf_counter()
+            os.pwrite(descriptor, page, (i % 64) * 4096)
+            os.fdatasync(descriptor)
+            times.append((time.perf_counter() - started) * 1e3)
+            time.sleep(0.001)  # paced as rows are, not back to back
+    finally:
+        os.close(descriptor)
+        path.unlink()
+    return times
+
+
+async def measure(targets: list[Target], plan: Plan, folder: Path) -> dict[str, Any]:
     by_name = {t.name: t for t in targets}
     cells: dict[tuple[str, int, bool], Cell] = {}
     for target in targets:  # warm: connections, caches, the gateways' first requests
         await closed_loop(target, 16, False, 64, Cell())
+    flushes = disk_flush_ms(folder, plan.flushes)
     for concurrency in (1, 16):
+        if concurrency == 16:  # after the c=1 cells: the disk may have moved meanwhile
+            flushes += disk_flush_ms(folder, plan.flushes)
         for stream in (False, True):
             for _ in range(plan.rounds):  # interleaved: every target once per round
                 for target in targets:
@@ -864,7 +897,8 @@ async def measure(targets: list[Target], plan: Plan) -> dict[str, Any]:
             continue
         rate, log = await highest_rate(target, plan.rate_seconds, plan.rate_steps, plan.rate_rounds)
         rates[target.name] = {"sustained_rps": rate, "steps": log}
-    return {"rows": rows, "sustained": rates}
+    flush = {"p50_ms": percentile(flushes, 50), "p90_ms": percentile(flushes, 90)}
+    return {"rows": rows, "sustained": rates, "disk_flush": flush}
 
 
 def report(result: dict[str, Any], header: str) -> None:
@@ -901,6 +935,16 @@ def report(result: dict[str, Any], header: str) -> None:
             f"(bare {floor:.2f} ms); rate {rate:.0f} = {rate / max(floor_rate, 1e-9):.0%} "
             f"of {floor_rate:.0f} req/s"
         )
+    flush = result["disk_flush"]
+    print(
+        f"\ndisk flush (fdatasync of a 4 KiB write in the gateways' data folder, same run): "
+        f"p50 {flush['p50_ms']:.2f} ms, p90 {flush['p90_ms']:.2f} ms. Every Tollgate request "
+        "at c=1 waits for one (its row on disk before its answer); the bare proxy for none."
+    )
+    print("  diagnostic, not the target: added p50 less one flush p50, against the bare proxy")
+    for name in (n for n in added if n.startswith("tollgate")):
+        beyond = added[name] - flush["p50_ms"]
+        print(f"  {name:<20} {beyond:.2f} ms = {beyond / floor:.2f}x")
 
 
 # ---------------------------------------------------------------- profile
@@ -1041,7 +1085,7 @@ async def run(args: argparse.Namespace) -> dict[str, Any] | None:
             return None
         targets = await start_targets(processes, args)
         started = time.perf_counter()
-        result = await measure(targets, plan)
+        result = await measure(targets, plan, processes.folder)
         load = os.getloadavg()
         fronts = (
             "the same instant OpenAI-compatible mock as the bare proxy (a registry model of "

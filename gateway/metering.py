@@ -31,7 +31,8 @@ and again (up to ~2 s: issue 19's embedded p99). On SQLite a group goes through 
 stdlib driver (SqliteLedger), not aiosqlite and SQLAlchemy: committed on the event loop's
 own connection, then synced to disk by a thread while the answer is encoded; the answer
 starts once it is on disk. On PostgreSQL a group is one pipeline on an autocommit
-connection that is not pinged: one implicit transaction, one round trip; a group whose
+connection that is not pinged: one implicit transaction, one round trip, during which the
+answer is encoded (it starts once the commit is done); a group whose
 connection was lost is tried again on the pool that pings, unless the lost try had
 committed (its rows are found under their own ids), for up to LEDGER_RETRY_S while the
 database refuses connections (a restart): only then are its rows given up, each logged by
@@ -128,9 +129,11 @@ class UsageRecorder:
     ) -> asyncio.Task[None]:
         """Write the row for this outcome as it is now (later changes do not leak in); the
         task ends once the row is on disk and the quota store settled. `committed` is
-        resolved once the row is in the ledger: on SQLite, while it is still being synced
-        to disk (SqliteLedger), so an answer can be encoded meanwhile; else at the task's
-        end, however it ends (its error is the task's)."""
+        resolved once the row's write is under way, so that an answer can be encoded
+        meanwhile: on SQLite once it is committed, while it is synced to disk
+        (SqliteLedger); on PostgreSQL once its statement is sent; else at the task's end.
+        Either way the answer starts only once the task has ended well (its error is the
+        task's)."""
         write = self._write(charge, replace(outcome), committed)
         task = self.tasks.spawn(in_span("settle", write, **{REQUEST_ID: charge.request_id}))
         if committed is not None:
@@ -228,6 +231,9 @@ class UsageRecorder:
                 dialect = (await session.connection()).dialect.name
                 await _write_rows(session, dialect, checkpoints, settled)
             return
+        # The settling requests encode their answers while the statement is on its way:
+        # this runs once the write below waits for the server, its statement sent.
+        asyncio.get_running_loop().call_soon(_committed, settled)
         try:
             await self._pipelined(checkpoints, settled)
         except (psycopg.OperationalError, OperationalError) as exc:
@@ -542,7 +548,7 @@ class Settled:
 
     event: UsageEvent
     streamed: bool
-    committed: asyncio.Future[None] | None = None  # resolved once the row is in (settle())
+    committed: asyncio.Future[None] | None = None  # resolved once under way (settle())
 
 
 Write = Settled | Checkpoint

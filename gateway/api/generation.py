@@ -179,7 +179,8 @@ class Settlement:
         self.recorder = recorder
         self.usage = RequestUsage(prompt_tokens=gen.prompt_tokens)
         self._written: asyncio.Task[None] | None = None
-        # Resolved once the row is in the ledger, maybe before it is on disk (metering).
+        # Resolved once the row's write is under way (metering): the answer is encoded
+        # meanwhile, and starts once the write is done.
         self.committed: asyncio.Future[None] = asyncio.get_running_loop().create_future()
 
     @property

@@ -128,6 +128,29 @@ async def test_a_group_of_ledger_rows_alone_is_one_statement_with_its_outbox_row
     ]  # fmt: skip
 
 
+async def test_a_row_under_way_lets_its_answer_be_encoded_and_the_write_still_ends_it(
+    client: AsyncTestClient[Any], sessions: Sessions
+) -> None:
+    """`committed` resolves once the row's statement is sent, so the settling request
+    encodes its answer while the database commits; the write itself (which the answer
+    waits for: UsageRecorder.settle) ends only with the commit. A lock held by another
+    transaction keeps the insert waiting meanwhile."""
+    acme = await owner(sessions, "acme")
+    recorder = _recorder(client)
+    committed: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+    async with sessions() as blocker:
+        await blocker.execute(text("LOCK TABLE usage_events IN EXCLUSIVE MODE"))
+        write = asyncio.ensure_future(
+            recorder._writes.submit(Settled(_event(acme, "req_held"), False, committed))
+        )
+        await asyncio.wait_for(asyncio.shield(committed), 10)
+        done, _ = await asyncio.wait({write}, timeout=0.2)  # a bound: it must not end
+        assert not done
+        await blocker.rollback()
+    await asyncio.wait_for(write, 10)
+    assert await _written(sessions) == [("req_held", 1)]
+
+
 async def test_requests_are_billed_after_the_direct_pools_connections_die(
     client: AsyncTestClient[Any],
     sessions: Sessions,
