@@ -222,13 +222,19 @@ class Response:
     async def lines(self) -> AsyncIterator[bytes]:
         """The body split at newlines (each without its line ending); what follows the
         last newline comes last."""
+        async for batch in self.line_batches():
+            for line in batch:
+                yield line
+
+    async def line_batches(self) -> AsyncIterator[list[bytes]]:
+        """lines(), a list at a time: the lines each read from the connection completed."""
         rest = b""
         async for piece in self.chunks():
             *complete, rest = (rest + piece).split(b"\n")
-            for line in complete:
-                yield line.removesuffix(b"\r")
+            if complete:
+                yield [line.removesuffix(b"\r") for line in complete]
         if rest:
-            yield rest.removesuffix(b"\r")
+            yield [rest.removesuffix(b"\r")]
 
     def close(self) -> None:
         connection, self._connection = self._connection, None

@@ -348,8 +348,8 @@ class OpenAIUpstreamClient:
                     raise _refusal(response.status_code, response.headers, content)
                 self._open[reader.request_id] = response
                 try:
-                    async for line in response.lines():
-                        for out in reader.line(line.decode(errors="replace")):
+                    async for lines in response.line_batches():
+                        for out in reader.lines(lines):
                             yield out
                         if reader.done:
                             return
@@ -492,7 +492,11 @@ def sampling_fields(params: SamplingParams) -> dict[str, Any]:
 class StreamReader:
     """One attempt's server-sent events turned into the gateway's outputs: a text delta
     (or tool-call deltas) per chunk (one token each, vLLM's rhythm), then, once the usage
-    chunk came, each completion's final output with the upstream's counts."""
+    chunk came, each completion's final output with the upstream's counts. The text
+    deltas of a completion that came in one read go on as one output (they are there
+    together anyway: an upstream that sends faster than the gateway reads, or vLLM's
+    stream_interval), so a backlog costs one pass through the request path, not one a
+    token; tool-call and logprob deltas go one by one, as sent."""
 
     client: OpenAIUpstreamClient
     request_id: str
@@ -504,6 +508,17 @@ class StreamReader:
     counted: dict[int, int] = field(default_factory=dict)
     finish: dict[int, str] = field(default_factory=dict)
     usage: _Usage | None = None
+
+    def lines(self, lines: list[bytes]) -> list[RequestOutput]:
+        """The outputs of lines that came together, a completion's text deltas merged."""
+        outs: list[RequestOutput] = []
+        for line in lines:
+            for out in self.line(line.decode(errors="replace")):
+                if not (outs and _merged(outs[-1], out)):
+                    outs.append(out)
+            if self.done:
+                break
+        return outs
 
     def line(self, line: str) -> list[RequestOutput]:
         if not line.startswith("data:"):
@@ -585,6 +600,25 @@ class StreamReader:
             )
             for index in range(self.n)
         ]
+
+
+def _merged(into: RequestOutput, out: RequestOutput) -> bool:
+    """`out` added to `into` (its completion's text delta just before it), if both are
+    plain text deltas."""
+    if (
+        into.index != out.index
+        or into.finished
+        or out.finished
+        or into.tool_calls is not None
+        or out.tool_calls is not None
+        or into.relayed_logprobs is not None
+        or out.relayed_logprobs is not None
+    ):
+        return False
+    into.text += out.text
+    into.completion_tokens = out.completion_tokens
+    into.token_times += out.token_times
+    return True
 
 
 def _refusal(status: int, headers: dict[str, str], content: bytes) -> TargetFailed:

@@ -202,6 +202,31 @@ async def test_chat_whole_and_streamed_bill_the_upstreams_usage(gateway: Gateway
         assert {r.prompt_tokens for r in rows} == {chat_prompt_tokens(MESSAGES)}
 
 
+async def test_deltas_that_come_in_one_read_go_on_as_one(gateway: Gateway) -> None:
+    """An upstream that sends a whole stream at once: its text deltas reach the client in
+    fewer events than tokens, the same text, and the upstream's usage is what is billed."""
+    async with upstream(tokens=12, burst=True) as url:
+        await gateway.register(url)
+        sdk = gateway.sdk(await gateway.key("acme"))
+        stream = await sdk.chat.completions.create(
+            model=MODEL,
+            messages=MESSAGES,
+            stream=True,
+            stream_options={"include_usage": True},
+        )
+        chunks = [chunk async for chunk in stream]
+        texts = [c.choices[0].delta.content for c in chunks if c.choices]
+        assert "".join(text or "" for text in texts) == OUTPUT_TEXT[:12]
+        assert 0 < len([text for text in texts if text]) < 12
+        assert chunks[-1].usage is not None and chunks[-1].usage.completion_tokens == 12
+
+        whole = await sdk.chat.completions.create(model=MODEL, messages=MESSAGES)  # type: ignore[arg-type]
+        assert whole.choices[0].message.content == OUTPUT_TEXT[:12]
+        assert whole.usage is not None and whole.usage.completion_tokens == 12
+        await eventually(lambda: gateway.settled(2))
+        assert [row.completion_tokens for row in await gateway.rows()] == [12, 12]
+
+
 async def test_completions_forward_text_and_token_ids(gateway: Gateway) -> None:
     async with upstream(tokens=8) as url:
         await gateway.register(url)

@@ -3,7 +3,9 @@
 Not a mock object: a real HTTP server (Litestar on uvicorn) that tests start on loopback.
 Its "model" is deterministic: one token per character (the token id is the code point),
 and the output is a fixed text, `--tokens` characters long unless `max_tokens` is smaller,
-with `--delay-ms` before each token so a test can disconnect mid-stream. Asked for JSON
+with `--delay-ms` before each token so a test can disconnect mid-stream (or, with `burst`,
+a whole stream in one write: tokens that were ready together, as vLLM's
+`--stream-interval` sends them, or a backlog a slow reader finds). Asked for JSON
 (`response_format` json_object or json_schema) it answers JSON_OUTPUT; given `tools`
 (and a `tool_choice` other than "none") it calls the first tool, or the named one, with
 CALL_ARGUMENTS, streamed as vLLM's tool parsers stream: a `delta.tool_calls` entry with
@@ -65,6 +67,7 @@ class Config:
     model: str = "vllm-like"
     tokens: int = 16  # output length when max_tokens is absent or larger
     delay_ms: float = 0.0  # before each output token
+    burst: bool = False  # a stream's events in one write, not one write each
     max_num_seqs: int = 8  # running at once; the rest wait
     max_model_len: int = 2048
     kv_capacity_tokens: int = 16384  # what kv_cache_usage_perc is a share of
@@ -409,6 +412,8 @@ async def _generate(request: Request[Any, Any, Any], chat: bool) -> Response[Any
         options = body.get("stream_options") or {}
         usage = isinstance(options, dict) and bool(options.get("include_usage"))
         events = _stream_events(generation, head, chat, usage)
+        if state.config.burst:
+            events = _at_once(events)
         return Stream(events, media_type="text/event-stream")
     text = await _unless_disconnected(request, _collect(generation))
     if text is None:
@@ -441,6 +446,10 @@ async def _stream_events(
     if usage:
         yield _sse({**head, "choices": [], "usage": generation.usage()})
     yield b"data: [DONE]\n\n"
+
+
+async def _at_once(events: AsyncIterator[bytes]) -> AsyncIterator[bytes]:
+    yield b"".join([event async for event in events])
 
 
 def _delta(generation: Generation, chat: bool, token: str, sent: int) -> dict[str, Any]:
