@@ -36,14 +36,16 @@ script sends back to Redis goes through string.format('%d') to stay out of expon
 
 from __future__ import annotations
 
+import asyncio
 import uuid
+from collections import deque
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from typing import Any, TypeVar
 
 import hiredis
 from redis import exceptions
 from redis.asyncio import Redis
-from redis.asyncio.connection import AbstractConnection
+from redis.asyncio.connection import AbstractConnection, ConnectionPool
 from redis.asyncio.retry import Retry
 from redis.backoff import ExponentialBackoff
 from redis.commands.core import AsyncScript
@@ -78,17 +80,84 @@ a Redis restart does not fail on a dead socket."""
 T = TypeVar("T")
 
 
+MAX_CONNECTIONS = 128  # a client's connections at most: see WaitingConnectionPool
+POOL_WAIT_S = 5.0  # how long a caller waits for a connection when all are in use
+
+
+class WaitingConnectionPool(ConnectionPool):
+    """redis-py's pool, whose callers past max_connections wait (up to POOL_WAIT_S) for a
+    connection to come back instead of failing at once. The default pool refuses its
+    101st caller (MaxConnectionsError): a burst of concurrent requests was answered 503
+    "the quota store is unavailable" while Redis was fine. BlockingConnectionPool waits
+    too, but pays for it on every call (a condition, a lock and a timer): ~0.15 ms a
+    request at c=1 here; this pool pays only when it is exhausted. Redis answers in well
+    under a millisecond, so a short wait costs less than opening hundreds of connections."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._waiters: deque[asyncio.Future[None]] = deque()
+
+    async def get_connection(self, *args: Any, **kwargs: Any) -> AbstractConnection:
+        try:
+            return await self._take(*args, **kwargs)
+        except exceptions.MaxConnectionsError:
+            pass
+        try:
+            async with asyncio.timeout(POOL_WAIT_S):
+                while True:
+                    await self._returned()
+                    try:
+                        return await self._take(*args, **kwargs)
+                    except exceptions.MaxConnectionsError:
+                        continue  # another caller took it first: wait for the next
+        except TimeoutError:
+            raise exceptions.ConnectionError("no Redis connection came free in time") from None
+
+    async def _take(self, *args: Any, **kwargs: Any) -> AbstractConnection:
+        connection: AbstractConnection = await super().get_connection(*args, **kwargs)  # type: ignore[no-untyped-call]
+        return connection
+
+    async def _returned(self) -> None:
+        """Until a connection comes back to the pool (first come, first woken)."""
+        waiter = asyncio.get_running_loop().create_future()
+        self._waiters.append(waiter)
+        try:
+            await waiter
+        except BaseException:
+            if waiter.done() and not waiter.cancelled():
+                self._wake_one()  # woken, then cancelled: the connection is someone else's
+            else:
+                waiter.cancel()
+            raise
+
+    def _wake_one(self) -> None:
+        while self._waiters:
+            waiter = self._waiters.popleft()
+            if not waiter.done():
+                waiter.set_result(None)
+                return
+
+    async def release(self, connection: AbstractConnection) -> None:
+        try:
+            await super().release(connection)
+        finally:
+            self._wake_one()
+
+
 def connect(url: str) -> Redis:
     """A client that checks idle connections and retries a command on a new connection
-    when one was lost (every quota operation is idempotent, so a retry is safe)."""
-    return Redis.from_url(
+    when one was lost (every quota operation is idempotent, so a retry is safe), on a
+    pool of at most MAX_CONNECTIONS that callers wait for when it is exhausted."""
+    pool = WaitingConnectionPool.from_url(
         url,
+        max_connections=MAX_CONNECTIONS,
         health_check_interval=HEALTH_CHECK_INTERVAL_S,
         retry=Retry(ExponentialBackoff(cap=0.2, base=0.02), retries=2),
         retry_on_error=[exceptions.ConnectionError, exceptions.TimeoutError],
         socket_connect_timeout=2.0,
         socket_timeout=5.0,
     )
+    return Redis.from_pool(pool)
 
 
 # Helpers shared by the scripts (prepended to each). A scope is addressed by its keys:

@@ -15,7 +15,7 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 import pytest
-from redis.asyncio import BlockingConnectionPool, Redis
+from redis.asyncio import Redis
 
 from tenants.quota import (
     Denied,
@@ -32,6 +32,8 @@ from tenants.quota import (
     StoreUnavailableError,
     wall_us,
 )
+from tenants.quota import redis as quota_redis
+from tenants.quota.redis import WaitingConnectionPool
 from tests.conftest import REDIS_URL, eventually
 
 pytestmark = pytest.mark.integration
@@ -40,15 +42,16 @@ PERIOD = "2026-11"
 
 
 class Replicas:
-    """Stores that share one key prefix, each on its own small connection pool, like
-    gateway replicas sharing one Redis."""
+    """Stores that share one key prefix, each on its own small connection pool (the
+    gateway's kind: its callers wait for a connection), like gateway replicas sharing
+    one Redis."""
 
     def __init__(self) -> None:
         self.prefix = f"tgtest:quota:{uuid.uuid4().hex}:"
         self.clients: list[Redis] = []
 
     def client(self, **kwargs: Any) -> Redis:
-        pool = BlockingConnectionPool.from_url(REDIS_URL, max_connections=4, **kwargs)
+        pool = WaitingConnectionPool.from_url(REDIS_URL, max_connections=4, **kwargs)
         client = Redis(connection_pool=pool)
         self.clients.append(client)
         return client
@@ -436,3 +439,55 @@ async def test_store_outage_is_a_typed_error(replicas: Replicas) -> None:
             await store.usage("tenant:t", PERIOD)
     finally:
         await store.aclose()
+
+
+async def test_callers_past_the_pools_connections_wait_for_one(replicas: Replicas) -> None:
+    """The gateway's store (RedisQuotaStore.from_url) on a pool of two connections: 50
+    reservations at once all get an answer, none an outage, on two connections."""
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(quota_redis, "MAX_CONNECTIONS", 2)
+        store = RedisQuotaStore.from_url(REDIS_URL, prefix=replicas.prefix)
+    try:
+        tenant = Scope("tenant:t", Limits())
+        outcomes = await asyncio.gather(
+            *(store.reserve(request(f"r{i}", tenant)) for i in range(50))
+        )
+        assert all(isinstance(outcome, Granted) for outcome in outcomes)
+        pool = store._client.connection_pool
+        assert isinstance(pool, WaitingConnectionPool)
+        assert len(pool._available_connections) + len(pool._in_use_connections) == 2
+    finally:
+        await store.aclose()
+
+
+async def test_a_caller_that_gets_no_connection_in_time_hears_of_an_outage(
+    replicas: Replicas,
+) -> None:
+    client = replicas.client()
+    store = RedisQuotaStore(client, prefix=replicas.prefix)
+    pool = client.connection_pool
+    assert isinstance(pool, WaitingConnectionPool)
+    taken = [await pool.get_connection() for _ in range(pool.max_connections)]
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(quota_redis, "POOL_WAIT_S", 0.05)
+        with pytest.raises(StoreUnavailableError):
+            await usage_of(store, "tenant:t")
+    for connection in taken:
+        await pool.release(connection)
+    assert await usage_of(store, "tenant:t") == ScopeUsage(0, 0, 0, 0, 0)
+
+
+async def test_a_woken_caller_that_is_cancelled_passes_the_connection_on() -> None:
+    pool = WaitingConnectionPool.from_url(REDIS_URL, max_connections=1)
+    try:
+        held = await pool.get_connection()
+        first = asyncio.ensure_future(pool.get_connection())
+        second = asyncio.ensure_future(pool.get_connection())
+        await eventually(lambda: len(pool._waiters) == 2)
+        await pool.release(held)  # wakes the first...
+        first.cancel()  # ...which is cancelled before it takes the connection
+        connection = await asyncio.wait_for(second, 2)  # far below POOL_WAIT_S
+        assert first.cancelled()
+        await pool.release(connection)
+    finally:
+        await pool.disconnect()
