@@ -417,12 +417,14 @@ async def test_vllms_guided_extras_are_still_refused_upstream(gateway: Gateway) 
         assert await recorded(url) == []
 
 
-async def test_streamed_tool_calls_are_relayed_and_billed(gateway: Gateway) -> None:
+@pytest.mark.parametrize("burst", [False, True], ids=["paced", "in-one-write"])
+async def test_streamed_tool_calls_are_relayed_and_billed(gateway: Gateway, burst: bool) -> None:
     """The upstream parses its own output: its `delta.tool_calls` reach the client in
-    OpenAI's shape, with finish_reason tool_calls; the reservation counted the prompt with
-    the tools (the upstream's /tokenize), and the ledger has the upstream's usage."""
+    OpenAI's shape, with finish_reason tool_calls, one by one as sent even when they came
+    together; the reservation counted the prompt with the tools (the upstream's
+    /tokenize), and the ledger has the upstream's usage."""
     tools: Any = [WEATHER, TIME]
-    async with upstream() as url:
+    async with upstream(burst=burst) as url:
         await gateway.register(url)
         sdk = gateway.sdk(await gateway.key("acme"))
         stream = await sdk.chat.completions.create(
@@ -443,6 +445,7 @@ async def test_streamed_tool_calls_are_relayed_and_billed(gateway: Gateway) -> N
         assert deltas[0].function is not None and deltas[0].function.name == "get_weather"
         arguments = "".join((d.function.arguments or "") for d in deltas if d.function)
         assert arguments == CALL_ARGUMENTS
+        assert len(deltas) == 1 + len(CALL_ARGUMENTS)  # the name's, then one a token
         assert {d.index for d in deltas} == {0}
         reasons = [c.choices[0].finish_reason for c in chunks if c.choices]
         assert reasons[-1] == "tool_calls"
@@ -524,10 +527,12 @@ async def test_tools_are_counted_with_a_local_template_that_knows_them(gateway: 
         assert [r for r in await recorded(url) if r["path"] == "/tokenize"] == []
 
 
-async def test_the_upstreams_logprobs_are_relayed(gateway: Gateway) -> None:
+@pytest.mark.parametrize("burst", [False, True], ids=["paced", "in-one-write"])
+async def test_the_upstreams_logprobs_are_relayed(gateway: Gateway, burst: bool) -> None:
     """Chat's and completions' logprobs, streamed and whole, are the upstream's (its
-    token texts: no local tokenizer is needed), asked for in each endpoint's terms."""
-    async with upstream(tokens=4) as url:
+    token texts: no local tokenizer is needed), asked for in each endpoint's terms; a
+    stream's come one token at a time even when they came together."""
+    async with upstream(tokens=4, burst=burst) as url:
         await gateway.register(url)
         sdk = gateway.sdk(await gateway.key("acme"))
         expected = [logprob_of(i) for i in range(4)]
@@ -545,12 +550,15 @@ async def test_the_upstreams_logprobs_are_relayed(gateway: Gateway) -> None:
         stream = await sdk.chat.completions.create(
             model=MODEL, messages=MESSAGES, logprobs=True, stream=True
         )
+        chunks = [c async for c in stream]
         streamed = [
             entry
-            for chunk in [c async for c in stream]
+            for chunk in chunks
             for choice in chunk.choices
             for entry in (choice.logprobs.content or [] if choice.logprobs else [])
         ]
+        texts = [c.choices[0].delta.content for c in chunks if c.choices]
+        assert [text for text in texts if text] == list(OUTPUT_TEXT[:4])
         assert [(e.token, e.logprob) for e in streamed] == list(
             zip(OUTPUT_TEXT[:4], expected, strict=True)
         )
