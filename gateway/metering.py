@@ -85,6 +85,12 @@ LEDGER_RETRY_MAX_PAUSE_S = 1.0
 SYNC_START_WAIT_S = 0.001  # how long the loop waits for the WAL's sync to start, at most
 
 
+class UnsyncedCommit(Exception):
+    """A group was committed but its sync to disk failed (the disk is failing): its rows
+    are in the ledger but may not survive a power cut. Trying its writes again would only
+    refuse them as duplicates, so each submitter hears this instead."""
+
+
 class UsageRecorder:
     def __init__(
         self,
@@ -191,6 +197,10 @@ class UsageRecorder:
             tokens = event.prompt_tokens + event.completion_tokens
             await self._writes.submit(Settled(event, streamed, committed))
             at_us = to_us(event.created_at)
+        except UnsyncedCommit:
+            log.exception("usage row %s committed, but its sync to disk failed", request_id)
+            at_us = to_us(event.created_at)  # in the ledger: charged as written
+            raise
         except Exception:
             # Never silently: the request id lets an operator reconcile by hand.
             log.exception("usage row %s not written", request_id)
@@ -456,7 +466,10 @@ class SqliteLedger:
             syncing.wait(SYNC_START_WAIT_S)
             if on_commit is not None:
                 on_commit()
-            await synced
+            try:
+                await synced
+            except OSError as exc:
+                raise UnsyncedCommit(f"the ledger's WAL could not be synced: {exc}") from exc
         else:
             await loop.run_in_executor(self._thread, self._write, rows)
 
@@ -480,7 +493,10 @@ class SqliteLedger:
         self._commits += 1
         if self._commits >= self.CHECKPOINT_EVERY:
             self._commits = 0
-            (self._connection or self._connect()).execute("PRAGMA wal_checkpoint(PASSIVE)")
+            try:  # the rows are on disk already: a failed checkpoint fails none of them
+                (self._connection or self._connect()).execute("PRAGMA wal_checkpoint(PASSIVE)")
+            except sqlite3.Error:
+                log.warning("WAL checkpoint failed: the next one tries again", exc_info=True)
 
     def _write(self, rows: GroupRows) -> None:
         connection = self._connection or self._connect()
@@ -558,7 +574,8 @@ Waiting = tuple[Write, "asyncio.Future[None]"]
 class GroupCommit:
     """Writes submitted while a commit is under way wait, and go together in the next one;
     each submitter returns once the commit holding its write is done. A group that fails
-    is retried write by write, so one bad write fails only its own submitter."""
+    is retried write by write, so one bad write fails only its own submitter; unless it
+    was committed (UnsyncedCommit): then every submitter hears that."""
 
     def __init__(self, commit: Callable[[list[Write]], Awaitable[None]], tasks: TaskSet) -> None:
         self.commit = commit
@@ -590,8 +607,9 @@ class GroupCommit:
         try:
             await self.commit([write for write, _ in group])
         except Exception as exc:
-            if len(group) == 1:
-                _resolve(group[0][1], exc)
+            if len(group) == 1 or isinstance(exc, UnsyncedCommit):  # nothing to try again
+                for _, done in group:
+                    _resolve(done, exc)
                 return
             for waiting in group:
                 await self._commit_group([waiting])

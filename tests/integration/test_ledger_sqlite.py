@@ -6,6 +6,8 @@ SQLAlchemy writes, a bad write still fails alone, and the WAL is checkpointed.""
 from __future__ import annotations
 
 import asyncio
+import errno
+import os
 import sqlite3
 import threading
 from datetime import datetime, timedelta
@@ -17,7 +19,14 @@ from sqlalchemy import func, select
 
 from gateway.app import create_app
 from gateway.dispatch.engine_client import InProcessEngineClient
-from gateway.metering import _CHECKPOINT_UPSERTS, GroupRows, Settled, SqliteLedger, UsageRecorder
+from gateway.metering import (
+    _CHECKPOINT_UPSERTS,
+    GroupRows,
+    Settled,
+    SqliteLedger,
+    UnsyncedCommit,
+    UsageRecorder,
+)
 from gateway.settings import Settings
 from tenants.billing import ledger
 from tenants.db import sqlite_path
@@ -66,6 +75,34 @@ async def test_a_group_with_a_bad_row_writes_the_others(sessions: Sessions, clie
             select(UsageEvent.request_id).order_by(UsageEvent.request_id)
         )
         assert list(written) == ["req_a", "req_b", "req_taken"]
+
+
+async def test_a_group_whose_sync_fails_is_not_written_again(
+    sessions: Sessions, client: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A group committed on the loop whose WAL sync then fails (EIO: the disk failing):
+    every submitter hears UnsyncedCommit, each row is in the ledger once, and none is
+    tried again as a duplicate. Once the disk syncs again, so do the next groups."""
+    recorder: UsageRecorder = client.app.state.runtime.recorder
+    assert recorder.sqlite is not None
+    acme = await owner(sessions, "acme")
+
+    def failing(_: int) -> None:
+        raise OSError(errno.EIO, "Input/output error")
+
+    with monkeypatch.context() as patch:
+        patch.setattr(os, "fdatasync", failing)
+        writes = [Settled(_event(acme, rid), streamed=False) for rid in ("req_a", "req_b")]
+        results = await asyncio.gather(
+            *(recorder._writes.submit(write) for write in writes), return_exceptions=True
+        )
+    assert all(isinstance(result, UnsyncedCommit) for result in results), results
+    await recorder._writes.submit(Settled(_event(acme, "req_c"), streamed=False))
+    async with sessions() as session:
+        written = await session.scalars(
+            select(UsageEvent.request_id).order_by(UsageEvent.request_id)
+        )
+        assert list(written) == ["req_a", "req_b", "req_c"]
 
 
 async def test_a_group_waits_on_the_thread_while_another_writer_holds_the_lock(
