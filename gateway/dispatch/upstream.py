@@ -510,23 +510,25 @@ class StreamReader:
     usage: _Usage | None = None
 
     def lines(self, lines: list[bytes]) -> list[RequestOutput]:
-        """The outputs of lines that came together, a completion's text deltas merged."""
+        """The outputs of lines that came together: a completion's text deltas in a row
+        go as one output."""
         outs: list[RequestOutput] = []
         for line in lines:
-            for out in self.line(line.decode(errors="replace")):
-                if not (outs and _merged(outs[-1], out)):
-                    outs.append(out)
+            for choice in self._choices(line.decode(errors="replace"), outs):
+                self._add(choice, outs)
             if self.done:
                 break
         return outs
 
-    def line(self, line: str) -> list[RequestOutput]:
+    def _choices(self, line: str, outs: list[RequestOutput]) -> list[_Choice]:
+        """A line's choices; `data: [DONE]` puts each completion's final output in `outs`."""
         if not line.startswith("data:"):
             return []  # blank separators, comments, event names
         data = line[5:].strip()
         if data == "[DONE]":
             self.done = True
-            return self._final()
+            outs.extend(self._final())
+            return []
         try:
             chunk = msgspec.json.decode(data, type=_Chunk)
         except msgspec.DecodeError as exc:
@@ -536,33 +538,48 @@ class StreamReader:
             raise TargetFailed(UpstreamFailed("the upstream failed this request"), retryable=True)
         if chunk.usage is not None and not chunk.choices:
             self.usage = chunk.usage
-        return [out for choice in chunk.choices if (out := self._delta(choice)) is not None]
+        return chunk.choices
 
-    def _delta(self, choice: _Choice) -> RequestOutput | None:
+    def _add(self, choice: _Choice, outs: list[RequestOutput]) -> None:
+        """The choice's delta as a new output, or added to the last one when both are
+        plain text of the same completion."""
         if choice.finish_reason is not None:
             self.finish[choice.index] = choice.finish_reason
         text = choice.text if choice.delta is None else choice.delta.content
         calls = None if choice.delta is None else choice.delta.tool_calls
         if not text and not calls and choice.logprobs is None:
-            return None  # the role announcement, or a chunk that only finishes
+            return  # the role announcement, or a chunk that only finishes
         count = self.counted.get(choice.index, 0) + bool(text or calls)
         self.counted[choice.index] = count
         self.started = True
+        last = outs[-1] if outs else None
+        if (
+            last is not None
+            and text
+            and not calls
+            and choice.logprobs is None
+            and _plain(last, choice.index)
+        ):
+            last.text += text
+            last.completion_tokens = count
+            return
         now = time.monotonic()
-        return RequestOutput(
-            self.request_id,
-            text or "",
-            [],
-            False,
-            None,
-            self.prompt_tokens,
-            count,
-            arrival_time=self.arrival,
-            first_token_time=now if count == 1 else None,
-            token_times=[now],
-            index=choice.index,
-            tool_calls=msgspec.to_builtins(calls) if calls else None,
-            relayed_logprobs=choice.logprobs,
+        outs.append(
+            RequestOutput(
+                self.request_id,
+                text or "",
+                [],
+                False,
+                None,
+                self.prompt_tokens,
+                count,
+                arrival_time=self.arrival,
+                first_token_time=now if count == 1 else None,
+                token_times=[now],
+                index=choice.index,
+                tool_calls=msgspec.to_builtins(calls) if calls else None,
+                relayed_logprobs=choice.logprobs,
+            )
         )
 
     def _final(self) -> list[RequestOutput]:
@@ -602,23 +619,14 @@ class StreamReader:
         ]
 
 
-def _merged(into: RequestOutput, out: RequestOutput) -> bool:
-    """`out` added to `into` (its completion's text delta just before it), if both are
-    plain text deltas."""
-    if (
-        into.index != out.index
-        or into.finished
-        or out.finished
-        or into.tool_calls is not None
-        or out.tool_calls is not None
-        or into.relayed_logprobs is not None
-        or out.relayed_logprobs is not None
-    ):
-        return False
-    into.text += out.text
-    into.completion_tokens = out.completion_tokens
-    into.token_times += out.token_times
-    return True
+def _plain(out: RequestOutput, index: int) -> bool:
+    """`out` is a text delta of completion `index` that more text can be added to."""
+    return (
+        out.index == index
+        and not out.finished
+        and out.tool_calls is None
+        and out.relayed_logprobs is None
+    )
 
 
 def _refusal(status: int, headers: dict[str, str], content: bytes) -> TargetFailed:
