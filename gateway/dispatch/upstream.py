@@ -514,23 +514,23 @@ class StreamReader:
         go as one output."""
         outs: list[RequestOutput] = []
         for line in lines:
-            for choice in self._choices(line.decode(errors="replace"), outs):
+            for choice in self._choices(line, outs):
                 self._add(choice, outs)
             if self.done:
                 break
         return outs
 
-    def _choices(self, line: str, outs: list[RequestOutput]) -> list[_Choice]:
+    def _choices(self, line: bytes, outs: list[RequestOutput]) -> list[_Choice]:
         """A line's choices; `data: [DONE]` puts each completion's final output in `outs`."""
-        if not line.startswith("data:"):
+        if not line.startswith(b"data:"):
             return []  # blank separators, comments, event names
         data = line[5:].strip()
-        if data == "[DONE]":
+        if data == b"[DONE]":
             self.done = True
             outs.extend(self._final())
             return []
         try:
-            chunk = msgspec.json.decode(data, type=_Chunk)
+            chunk = _chunk(data)
         except msgspec.DecodeError as exc:
             unreadable = UpstreamFailed(f"unreadable upstream event: {exc}")
             raise TargetFailed(unreadable, retryable=True) from exc
@@ -617,6 +617,16 @@ class StreamReader:
             )
             for index in range(self.n)
         ]
+
+
+_CHUNKS = msgspec.json.Decoder(_Chunk)
+
+
+def _chunk(data: bytes) -> _Chunk:
+    try:
+        return _CHUNKS.decode(data)
+    except msgspec.DecodeError:  # perhaps bytes that are not UTF-8: read them as replaced
+        return _CHUNKS.decode(data.decode(errors="replace"))
 
 
 def _plain(out: RequestOutput, index: int) -> bool:
