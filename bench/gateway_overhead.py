@@ -18,12 +18,14 @@ against the same upstream; `--tollgate-upstream replica` fronts an instant Tollg
 backend replica (backend/server.py's NDJSON protocol) instead. Reported: latency p50/p99
 and what each gateway adds to its upstream's, at concurrency 1 and 16, streaming and
 not; time to first byte; CPU ms per request of the gateway process (/proc); the highest
-Poisson rate each sustains with p99 <= 500 ms and < 1% errors; and the issue's targets
+Poisson rate each sustains with p99 <= 500 ms and < 1% errors, with how busy the gateway's
+core was at it (far below 100%: the rest of the machine set the limit, not the gateway:
+on 2 cores, PostgreSQL and Redis share the other core with the load); and the issue's targets
 (added p50 at c=1 within 1.5x of the bare proxy's; sustained rate >= 60% of its).
 
 Tollgate's usage row is on disk before its answer (on either store), so every c=1 request
 waits for one flush of the disk's write cache, which the bare proxy never does. The disk's
-flush latency on this VM moved between ~0.15 and ~0.9 ms from one session to another, so
+flush latency on this VM moved between ~0.08 and ~0.9 ms within an hour (stop 32), so
 the bench measures it in the same run (an fdatasync of a 4 KiB write in the gateways'
 data folder, before and after the c=1 cells) and prints what each Tollgate adds beyond
 one flush: a diagnostic of the request path, not the target.
@@ -793,19 +795,25 @@ def sustains(cell: Cell) -> bool:
 
 async def highest_rate(
     target: Target, seconds: float, steps: int, most_rounds: int = 40
-) -> tuple[float, str]:
+) -> tuple[float, float, str]:
     """Grow the rate by 1.5x while it is sustained, then bisect between the last good and
-    the first bad rate for `steps` more rounds."""
-    good, bad, rate, log = 0.0, None, 20.0, []
+    the first bad rate for `steps` more rounds. Returns the rate, the share of its core
+    the gateway was busy at it (well below 100%: something else on the machine set the
+    limit), and the steps."""
+    good, busy_at_good, bad, rate, log = 0.0, 0.0, None, 20.0, []
     for step in range(most_rounds):
+        cpu_before, started = cpu_seconds(target.pid) if target.pid else 0.0, time.perf_counter()
         cell = await open_loop(target, rate, seconds, seed=step)
+        busy = (cpu_seconds(target.pid) - cpu_before if target.pid else 0.0) / (
+            time.perf_counter() - started
+        )
         passed = sustains(cell)
         log.append(
             f"{rate:.0f}:{'ok' if passed else 'no'}(p99 {cell.latency(99) * 1e3:.0f}ms,"
-            f" err {cell.errors})"
+            f" err {cell.errors}, core {busy:.0%})"
         )
         if passed:
-            good = rate
+            good, busy_at_good = rate, busy
         else:
             bad = rate
         if bad is None:
@@ -816,7 +824,7 @@ async def highest_rate(
             steps -= 1
             rate = (good + bad) / 2 if good else bad / 2
         target.client.close()  # a fresh pool: the last step's backlog is gone
-    return good, " ".join(log)
+    return good, busy_at_good, " ".join(log)
 
 
 @dataclass
@@ -895,8 +903,10 @@ async def measure(targets: list[Target], plan: Plan, folder: Path) -> dict[str, 
     for target in targets:
         if target.baseline is None:
             continue
-        rate, log = await highest_rate(target, plan.rate_seconds, plan.rate_steps, plan.rate_rounds)
-        rates[target.name] = {"sustained_rps": rate, "steps": log}
+        rate, busy, log = await highest_rate(
+            target, plan.rate_seconds, plan.rate_steps, plan.rate_rounds
+        )
+        rates[target.name] = {"sustained_rps": rate, "core_busy": busy, "steps": log}
     flush = {"p50_ms": percentile(flushes, 50), "p90_ms": percentile(flushes, 90)}
     return {"rows": rows, "sustained": rates, "disk_flush": flush}
 
@@ -920,7 +930,10 @@ def report(result: dict[str, Any], header: str) -> None:
         )
     print("\nsustained non-streaming rate (Poisson, p99 <= 500 ms, < 1% errors, one core):")
     for name, rate in result["sustained"].items():
-        print(f"  {name:<20} {rate['sustained_rps']:7.0f} req/s   [{rate['steps']}]")
+        print(
+            f"  {name:<20} {rate['sustained_rps']:7.0f} req/s, its core {rate['core_busy']:.0%}"
+            f" busy   [{rate['steps']}]"
+        )
     added = {
         r["target"]: r["added_p50_ms"]
         for r in result["rows"]

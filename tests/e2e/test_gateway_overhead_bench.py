@@ -95,6 +95,7 @@ def test_dry_run_measures_every_target(tmp_path: Path, upstream: str, direct: se
         rows = [row for row in result["rows"] if row["target"] == gateway]
         assert sum(row["cpu_ms_per_request"] for row in rows) > 0
     assert set(result["sustained"]) == {"bare proxy", "tollgate embedded"}
+    assert all(0 <= rate["core_busy"] <= 1.5 for rate in result["sustained"].values())
     assert "targets (issue 19)" in done.stdout
     assert 0 < result["disk_flush"]["p50_ms"] <= result["disk_flush"]["p90_ms"]
     assert "disk flush" in done.stdout
