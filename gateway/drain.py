@@ -28,6 +28,7 @@ import msgspec
 import uvicorn
 
 from gateway.errors import ApiError
+from gateway.tasks import Interrupt
 
 log = logging.getLogger(__name__)
 
@@ -58,7 +59,7 @@ class Drain:
         self.in_flight = 0
         self.deadline: float | None = None  # set when the drain begins
         self.cut = False  # true once the grace period is over
-        self.receiving: set[asyncio.Task[Any]] = set()  # tasks waiting for a client's message
+        self.receiving: set[Interrupt] = set()  # of the tasks waiting for a client's message
 
     @property
     def draining(self) -> bool:
@@ -79,8 +80,8 @@ class Drain:
         if now >= self.deadline and not self.cut:
             log.warning("drain: grace period over, cutting %d requests", self.in_flight)
             self.cut = True
-            for task in self.receiving:  # each wait ends as a disconnect (DrainGuard)
-                task.cancel()
+            for waiting in self.receiving:  # each wait ends as a disconnect (DrainGuard)
+                waiting.fire()
         return now >= self.deadline + SETTLE_S
 
 
@@ -115,19 +116,16 @@ class DrainGuard:
         async def receive_or_disconnect() -> Message:
             if drain.cut:
                 return DISCONNECT
-            task = asyncio.current_task()
-            assert task is not None
-            cancelling = task.cancelling()  # cancellations already pending are not the cut's
-            drain.receiving.add(task)
+            waiting = Interrupt()
+            drain.receiving.add(waiting)
             try:
                 return await receive()
             except asyncio.CancelledError:
-                # Waiting at the cut means the cut cancelled it (after it, no wait begins).
-                if drain.cut and task.uncancel() <= cancelling:
+                if waiting.ours():  # the cut
                     return DISCONNECT
                 raise
             finally:
-                drain.receiving.discard(task)
+                drain.receiving.discard(waiting)
 
         return receive_or_disconnect
 

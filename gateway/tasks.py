@@ -34,6 +34,28 @@ class TaskSet:
             await asyncio.gather(*list(self._pending), return_exceptions=True)
 
 
+class Interrupt:
+    """A cancellation of the current task that the task can tell from any other, as
+    asyncio.timeout does: `fire()` it from a callback (a timer, a watcher); in the task's
+    `except CancelledError`, `ours()` is true only if it fired and no other cancellation
+    is pending (which then propagates). Cheaper than a task and a race per wait."""
+
+    __slots__ = ("_before", "fired", "task")
+
+    def __init__(self) -> None:
+        task = asyncio.current_task()
+        assert task is not None
+        self.task, self._before, self.fired = task, task.cancelling(), False
+
+    def fire(self) -> None:
+        if not self.fired:
+            self.fired = True
+            self.task.cancel()
+
+    def ours(self) -> bool:
+        return self.fired and self.task.uncancel() <= self._before
+
+
 Job = Callable[[], Awaitable[object]]
 
 

@@ -28,6 +28,7 @@ from gateway.errors import (
     Overloaded,
 )
 from gateway.metering import FIRST_CHECKPOINT_WAIT_S, UsageRecorder
+from gateway.tasks import Interrupt
 from gateway.telemetry import current_request
 from gateway.usage import Charge, RequestUsage
 from tenants.models import UsageStatus
@@ -286,8 +287,7 @@ class Deadline:
         self._when = when
         self._timer = self._loop.call_at(when, self._expire)
         self._expired = False
-        self._waiting: asyncio.Task[Any] | None = None  # the task waiting in next()
-        self._cancelled = False  # the deadline cancelled it
+        self._waiting: Interrupt | None = None  # of the task waiting in next()
 
     def move(self, when: float) -> None:
         if when != self._when:
@@ -300,26 +300,22 @@ class Deadline:
 
     def _expire(self) -> None:
         self._expired = True
-        if self._waiting is not None and not self._cancelled:
-            self._cancelled = True
-            self._waiting.cancel()
+        if self._waiting is not None:
+            self._waiting.fire()
 
     async def next(self, items: AsyncIterator[T]) -> T:
         """The next item, or TimeoutError once the due time has passed."""
         if self._expired:
             raise TimeoutError
-        task = asyncio.current_task()
-        assert task is not None
-        cancelling = task.cancelling()  # cancellations already pending are not ours
-        self._waiting = task
+        self._waiting = waiting = Interrupt()
         try:
             return await anext(items)
         except asyncio.CancelledError:
-            if self._cancelled and task.uncancel() <= cancelling:
+            if waiting.ours():
                 raise TimeoutError from None
             raise
         finally:
-            self._waiting, self._cancelled = None, False
+            self._waiting = None
 
 
 async def _merged(

@@ -33,6 +33,7 @@ from gateway.errors import Cancelled, InvalidRequest, NotFound
 from gateway.openapi import AUTHENTICATED, GENERATION, documented
 from gateway.openapi.shapes import ChatCompletion, Completion, Model, ModelList
 from gateway.runtime import Runtime
+from gateway.tasks import Interrupt
 from gateway.telemetry import current_request
 from gateway.usage import Charge
 from tenants.models import IdempotencyRecord
@@ -458,26 +459,22 @@ async def _recorded(
 async def _unless_disconnected(request: Request[Any, Any, Any], work: Awaitable[T]) -> T:
     """Await `work`, cancelling it (which aborts the engine request) if the client leaves:
     a watcher cancels this task then (no task of its own for `work`, nor a race)."""
-    task = asyncio.current_task()
-    assert task is not None
-    cancelling = task.cancelling()  # cancellations already pending are not the watcher's
-    left = done = False
+    leaving = Interrupt()
+    done = False
 
     def cancel_on_leaving(watcher: asyncio.Future[None]) -> None:
-        nonlocal left
         if watcher.cancelled():
             return
         watcher.exception()  # retrieved: a failed watch means the client is gone too
         if not done:  # a callback run after `work` ended cancels nothing
-            left = True
-            task.cancel()
+            leaving.fire()
 
     watcher = asyncio.ensure_future(_disconnected(request))
     watcher.add_done_callback(cancel_on_leaving)
     try:
         return await work
     except asyncio.CancelledError:
-        if left and task.uncancel() <= cancelling:
+        if leaving.ours():
             raise Cancelled("the client closed the connection") from None
         raise
     finally:
