@@ -15,6 +15,7 @@ from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
 from gateway.settings import Settings, SettingsError
 from tenants import audit, keys
 from tenants.admins import AdminRole, AdminService
+from tenants.errors import ConflictError
 from tenants.models import ApiKey, KeyRole, Tenant
 from tenants.services import ApiKeyService, TenantService
 
@@ -31,10 +32,12 @@ async def ensure_admin_key(
     settings: Settings, sessions: async_sessionmaker[AsyncSession]
 ) -> AdminKey:
     """Idempotent, and safe when several replicas start at once: a replica that loses the
-    race to create the admin tenant or key finds the winner's on its second look."""
+    race to create the admin tenant or key finds the winner's on its second look (the loss
+    shows as the unique index's IntegrityError, or as the service's ConflictError when the
+    winner committed between the replica's look and its insert)."""
     try:
         return await _ensure_admin_key(settings, sessions)
-    except IntegrityError:
+    except (IntegrityError, ConflictError):
         return await _ensure_admin_key(settings, sessions)
 
 
@@ -141,6 +144,6 @@ async def ensure_console_owner(sessions: async_sessionmaker[AsyncSession]) -> Co
             if await service.count() > 0:
                 return None
             await service.create(CONSOLE_OWNER_EMAIL, AdminRole.OWNER, password)
-    except IntegrityError:
+    except (IntegrityError, ConflictError):
         return None
     return ConsoleOwner(CONSOLE_OWNER_EMAIL, password)

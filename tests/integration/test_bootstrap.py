@@ -7,10 +7,11 @@ from pathlib import Path
 import pytest
 from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
 
-from gateway.bootstrap import ensure_admin_key
+from gateway.bootstrap import AdminKey, ConsoleOwner, ensure_admin_key, ensure_console_owner
 from gateway.settings import Settings, SettingsError
 from tenants import db, keys
-from tenants.models import KeyRole
+from tenants.admins import AdminService
+from tenants.models import KeyRole, Tenant
 from tenants.services import ApiKeyService, TenantService
 
 Sessions = async_sessionmaker[AsyncSession]
@@ -95,3 +96,46 @@ async def test_the_embedded_database_is_created_owner_only(tmp_path: Path) -> No
         }
     finally:
         await engine.dispose()
+
+
+async def test_a_replica_that_loses_the_race_for_the_admin_tenant_finds_the_winners(
+    settings: Settings, sessions: Sessions, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Two replicas start at once on a fresh database: the other commits the admin tenant
+    and its key between this replica's look for the tenant and its insert."""
+    real_find = TenantService.find
+    winner: list[AdminKey] = []
+
+    async def find_while_another_replica_wins(self: TenantService, name: str) -> Tenant | None:
+        found = await real_find(self, name)
+        if not winner:
+            monkeypatch.setattr(TenantService, "find", real_find)  # the winner looks once
+            winner.append(await ensure_admin_key(settings, sessions))
+        return found
+
+    monkeypatch.setattr(TenantService, "find", find_while_another_replica_wins)
+    loser = await ensure_admin_key(settings, sessions)
+    assert winner[0].created and not loser.created
+    assert loser.secret == winner[0].secret  # read back from the shared data folder
+    async with sessions.begin() as session:
+        assert await ApiKeyService(session).count_admin_keys() == 1
+
+
+async def test_a_replica_that_loses_the_race_for_the_console_owner_creates_nothing(
+    sessions: Sessions, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    real_count = AdminService.count
+    winner: list[ConsoleOwner | None] = []
+
+    async def count_while_another_replica_wins(self: AdminService) -> int:
+        counted = await real_count(self)
+        if not winner:
+            monkeypatch.setattr(AdminService, "count", real_count)
+            winner.append(await ensure_console_owner(sessions))
+        return counted
+
+    monkeypatch.setattr(AdminService, "count", count_while_another_replica_wins)
+    assert await ensure_console_owner(sessions) is None
+    assert winner[0] is not None
+    async with sessions.begin() as session:
+        assert await real_count(AdminService(session)) == 1
