@@ -21,11 +21,6 @@ from tenants.errors import ConflictError, DomainError, InvalidInputError, NotFou
 log = logging.getLogger(__name__)
 
 
-class ConfigError(ValueError):
-    """A setting, engine knob or backend address that cannot be used, found at start:
-    the message names what to change (the process exits 2 with it; never an HTTP answer)."""
-
-
 class ApiError(Exception):
     status: ClassVar[int] = 500
     type: ClassVar[str] = "server_error"

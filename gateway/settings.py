@@ -11,7 +11,7 @@ from typing import Literal
 
 from backend.config import EngineConfig
 from gateway import engine_knobs
-from gateway.errors import ConfigError
+from gateway.config_error import ConfigError
 
 PriorityOrder = Literal["lower-first", "higher-first"]
 PRIORITY_ORDERS: tuple[PriorityOrder, ...] = ("lower-first", "higher-first")

@@ -5,10 +5,9 @@ from __future__ import annotations
 import contextlib
 import os
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import sqlalchemy
-from alembic import command
-from alembic.config import Config
 from sqlalchemy import event, text
 from sqlalchemy.engine import URL, make_url
 from sqlalchemy.ext.asyncio import (
@@ -18,6 +17,9 @@ from sqlalchemy.ext.asyncio import (
     create_async_engine,
 )
 from sqlalchemy.orm import Session
+
+if TYPE_CHECKING:
+    from alembic.config import Config
 
 MIGRATIONS_DIR = Path(__file__).resolve().parent.parent / "migrations"
 
@@ -125,8 +127,7 @@ def session_factory(
 
 
 def alembic_config(url: str) -> Config:
-    config = Config()
-    config.set_main_option("script_location", str(MIGRATIONS_DIR))
+    config = _migrations_config()
     parsed = sync_url(url)
     _ensure_sqlite_dir(parsed)
     # Alembic's config is an ini parser: escape % so passwords survive interpolation.
@@ -147,19 +148,31 @@ def reset_schema(url: str) -> None:
 
 
 def upgrade(url: str, revision: str = "head") -> None:
+    from alembic import command
+
     command.upgrade(alembic_config(url), revision)
 
 
 def downgrade(url: str, revision: str = "base") -> None:
+    from alembic import command
+
     command.downgrade(alembic_config(url), revision)
+
+
+def _migrations_config() -> Config:
+    # Alembic is imported only where migrations run: a process that never migrates (the
+    # Celery worker, a backend) starts ~0.5 s sooner without it.
+    from alembic.config import Config
+
+    config = Config()
+    config.set_main_option("script_location", str(MIGRATIONS_DIR))
+    return config
 
 
 def head_revision() -> str:
     from alembic.script import ScriptDirectory
 
-    config = Config()
-    config.set_main_option("script_location", str(MIGRATIONS_DIR))
-    head = ScriptDirectory.from_config(config).get_current_head()
+    head = ScriptDirectory.from_config(_migrations_config()).get_current_head()
     if head is None:
         raise RuntimeError(f"no migrations in {MIGRATIONS_DIR}")
     return head

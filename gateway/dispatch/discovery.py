@@ -20,9 +20,10 @@ from collections.abc import Awaitable, Callable, Sequence
 from pathlib import Path
 from urllib.parse import urlsplit
 
+from gateway.config_error import ConfigError
 from gateway.dispatch.remote import RemoteEngineClient
 from gateway.dispatch.routing import Replica
-from gateway.errors import ConfigError, EngineUnavailable
+from gateway.errors import EngineUnavailable
 
 log = logging.getLogger(__name__)
 

@@ -5,15 +5,18 @@ gateway.billing.worker`), from the TOLLGATE_* settings; this module takes plain 
 The relay task is `acks_late` and its effects are idempotent (rows are marked exported
 only after Stripe took them; identifiers deduplicate a resend), so a redelivery after a
 worker crash sends nothing twice. Runs never overlap: a task finding another run holding
-the export lock (a long run with `-c 2`, a hand-run export) returns at once.
+the export lock (a long run with `-c 2`, a hand-run export) returns at once. A worker
+relays once as it starts, then on beat.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 from celery import Celery
+from celery.signals import worker_ready
 
 from tenants.billing.export import rollup_once
 from tenants.billing.export_lock import ExportBusy
@@ -64,8 +67,17 @@ def create_celery(config: WorkerConfig, export: Export) -> Celery:
     def rollup_task() -> int:
         return rollup_once(config.database_url)
 
-    celery.task(name="tollgate.billing.relay", acks_late=True)(relay_task)
+    relay = celery.task(name="tollgate.billing.relay", acks_late=True)(relay_task)
     celery.task(name="tollgate.billing.rollup", acks_late=True)(rollup_task)
+
+    def relay_at_start(sender: Any, **_: Any) -> None:
+        # A worker that starts, or restarts after a crash, relays what is pending now
+        # rather than one beat interval later (30 s by default). Several starting at once
+        # cost nothing: a run finding the export lock held returns at once.
+        if sender.app is celery:
+            relay.apply_async(queue=config.queue, expires=config.export_interval_s)
+
+    worker_ready.connect(relay_at_start, weak=False)
     return celery
 
 

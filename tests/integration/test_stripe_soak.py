@@ -3,7 +3,7 @@ tenants exported by a real Celery worker (with its embedded beat) on Redis and P
 against the strict fake, while faults hit chosen rows and random requests, the worker is
 SIGKILLed mid-batch twice, and both 24-hour windows pass (the fake's clock and the ledger's
 timestamps moved together). At the end, per customer, Stripe's total equals the ledger's
-exactly and no identifier was counted twice."""
+exactly and no identifier was counted twice. And a worker relays as it starts."""
 
 from __future__ import annotations
 
@@ -208,6 +208,36 @@ async def test_celery_soak_counts_every_row_once_through_kills_faults_and_both_w
 
         assert stripe_totals(ledger, fake) == ledger_totals(ledger)
         assert fake.doubled() == {} and fake.accepted() == ROWS
+    finally:
+        if worker is not None:
+            kill(worker)
+        ledger.dispose()
+        await async_engine.dispose()
+
+
+async def test_a_worker_relays_as_it_starts_not_one_interval_later(
+    tmp_path: Path, fake: FakeStripe
+) -> None:
+    """A worker restarted after a crash sends what is pending at once: with an hour's
+    interval, its beat alone would send nothing within the test."""
+    migrated_postgres()
+    async_engine = db.create_engine(POSTGRES_URL)
+    ledger = sync_engine(POSTGRES_URL)
+    env = {
+        **os.environ,
+        "TOLLGATE_DATABASE_URL": POSTGRES_URL,
+        "TOLLGATE_REDIS_URL": REDIS_URL,
+        "TOLLGATE_CELERY_QUEUE": f"tollgate-start-{uuid.uuid4().hex}",
+        "TOLLGATE_STRIPE_API_KEY": API_KEY,
+        "TOLLGATE_STRIPE_BASE_URL": fake.url,
+        "TOLLGATE_EXPORT_INTERVAL_S": "3600",
+    }
+    worker: subprocess.Popen[bytes] | None = None
+    try:
+        await add_usage(db.session_factory(async_engine), tenants=2, rows=20, free_share=0)
+        worker = start_worker(env, tmp_path / "beat")
+        await eventually(lambda: statuses(ledger) == {OutboxStatus.EXPORTED: 20}, timeout_s=60)
+        assert stripe_totals(ledger, fake) == ledger_totals(ledger)
     finally:
         if worker is not None:
             kill(worker)
