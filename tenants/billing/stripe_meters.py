@@ -16,11 +16,12 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import datetime
-from typing import Any
-
-import stripe
+from typing import TYPE_CHECKING, Any
 
 from tenants.errors import TenantsError
+
+if TYPE_CHECKING:
+    import stripe
 
 log = logging.getLogger(__name__)
 
@@ -102,6 +103,8 @@ class StripeMeters:
         retry: Retry = Retry(),
         sleep: Callable[[float], None] = time.sleep,
     ) -> None:
+        import stripe  # here, not at the top: the SDK costs every gateway ~0.5 s at start
+
         addresses: dict[str, str] = {}
         if base_url is not None:
             addresses = {"api": base_url, "meter_events": base_url}
@@ -193,6 +196,8 @@ class StripeMeters:
 
     def _call(self, request: Callable[[str], Any], keys: IdempotencyKeys) -> Any:
         """Run `request`, retrying (with jitter) what may succeed later."""
+        import stripe
+
         ambiguous = False
         error: stripe.StripeError | None = None
         for attempt in range(self.retry.attempts):
