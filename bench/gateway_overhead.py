@@ -996,7 +996,12 @@ async def profile(processes: Processes, args: argparse.Namespace, plan: Plan) ->
 
 # The process's own frames around every request: not the request path.
 _ENTRY_POINTS = frozenset(
-    {"main (gateway/cli.py)", "_serve (gateway/cli.py)", "serve (gateway/serve.py)"}
+    {
+        "main (gateway/launch.py)",
+        "main (gateway/cli.py)",
+        "_serve (gateway/cli.py)",
+        "serve (gateway/serve.py)",
+    }
 )
 # Starting and stopping (imports, the app, migrations, the engine's connection): left out.
 _START_UP = frozenset(

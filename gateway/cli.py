@@ -15,7 +15,7 @@ from typing import Any
 
 from sqlalchemy.ext.asyncio import AsyncSession
 
-from gateway import capacity_cli, engine_knobs, models_cli
+from gateway import backend_cli, capacity_cli, engine_knobs, models_cli
 from gateway.admission import cli as quota_cli
 from gateway.billing import cli as billing_cli
 from gateway.cli_support import actor, in_session, micros
@@ -67,14 +67,9 @@ def _add_serve_commands(commands: Any) -> None:
 
     backend = commands.add_parser("backend", help="inference backend replicas")
     backend_commands = backend.add_subparsers(required=True)
-    backend_serve = backend_commands.add_parser(
-        "serve", help="run the engine behind the internal HTTP API (TOLLGATE_BACKEND_SECRET)"
-    )
-    backend_serve.add_argument("--model", type=Path, help="checkpoint folder (default: built-in)")
-    backend_serve.add_argument("--host", default="127.0.0.1")
-    backend_serve.add_argument("--port", type=int, default=9000)
-    engine_knobs.add_flags(backend_serve, gateway_engine_defaults())
-    backend_serve.set_defaults(handler=_backend_serve)
+    backend_serve = backend_commands.add_parser("serve", help=backend_cli.HELP)
+    backend_cli.add_flags(backend_serve)
+    backend_serve.set_defaults(handler=backend_cli.run)
 
 
 def _add_db_commands(commands: Any) -> None:
@@ -283,16 +278,6 @@ def _serve(settings: Settings, args: argparse.Namespace) -> int:
         host=args.host, port=args.port, model_path=args.model, engine=engine
     )
     return serve(settings)
-
-
-def _backend_serve(settings: Settings, args: argparse.Namespace) -> int:
-    from gateway.serve import serve_backend
-
-    model = args.model or settings.model_path
-    engine = engine_knobs.from_flags(settings.engine, args)
-    return serve_backend(
-        settings.with_overrides(host=args.host, port=args.port, model_path=model, engine=engine)
-    )
 
 
 def _db_upgrade(settings: Settings, args: argparse.Namespace) -> int:

@@ -7,21 +7,24 @@ import asyncio
 import socket
 import sys
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import uvicorn
-from sqlalchemy.engine import make_url
 
-from gateway.app import create_app, engine_config
-from gateway.bootstrap import AdminKey, ConsoleOwner, ensure_admin_key, ensure_console_owner
 from gateway.drain import PROBES, SETTLE_S, Drain, DrainGuard, DrainingServer
 from gateway.settings import Settings
 from gateway.telemetry.logs import configure_logging
 from gateway.telemetry.tracing import setup_tracing
-from tenants import db
+
+if TYPE_CHECKING:
+    from gateway.bootstrap import AdminKey, ConsoleOwner
 
 
 def serve(settings: Settings) -> int:
+    # The gateway's modules are imported here, not at the top: a backend replica
+    # (serve_backend) starts without them.
+    from gateway.app import create_app
+
     configure_logging(settings.log_level, settings.log_format)
     setup_tracing("tollgate-gateway")
     _migrate_or_explain(settings)
@@ -101,7 +104,7 @@ def serve_backend(settings: Settings) -> int:
     if not settings.backend_secret:
         sys.exit("tollgate: set TOLLGATE_BACKEND_SECRET, the secret gateways must present")
     model_dir = settings.model_path or BUILTIN_MODEL_DIR
-    engine = AsyncEngine.from_pretrained(model_dir, engine_config(settings))
+    engine = AsyncEngine.from_pretrained(model_dir, settings.engine)
     app = create_backend_app(engine, model_dir, settings.backend_secret)
     drain = Drain(settings.drain_s)
     app.state.drain = drain  # /readyz and /internal/stats read it
@@ -119,6 +122,10 @@ def serve_backend(settings: Settings) -> int:
 def _migrate_or_explain(settings: Settings) -> None:
     """The embedded SQLite database migrates itself; a shared PostgreSQL is migrated once,
     by `tollgate db upgrade`, not by every replica at start."""
+    from sqlalchemy.engine import make_url
+
+    from tenants import db
+
     if make_url(settings.database_url).get_backend_name() == "sqlite":
         db.upgrade(settings.database_url)
         return
@@ -127,6 +134,9 @@ def _migrate_or_explain(settings: Settings) -> None:
 
 
 async def _bootstrap(settings: Settings) -> AdminKey:
+    from gateway.bootstrap import ensure_admin_key
+    from tenants import db
+
     engine = db.create_engine(settings.database_url)
     try:
         return await ensure_admin_key(settings, db.session_factory(engine))
@@ -135,6 +145,9 @@ async def _bootstrap(settings: Settings) -> AdminKey:
 
 
 async def _bootstrap_console(settings: Settings) -> ConsoleOwner | None:
+    from gateway.bootstrap import ensure_console_owner
+    from tenants import db
+
     engine = db.create_engine(settings.database_url)
     try:
         return await ensure_console_owner(db.session_factory(engine))
