@@ -50,6 +50,20 @@ def fake() -> Iterator[FakeStripe]:
         yield server
 
 
+def worker_env(fake: FakeStripe, **settings: str) -> dict[str, str]:
+    """A worker's environment: the test database, the soak's Redis, a queue of its own,
+    the fake Stripe, and `settings`."""
+    return {
+        **os.environ,
+        "TOLLGATE_DATABASE_URL": POSTGRES_URL,
+        "TOLLGATE_REDIS_URL": REDIS_URL,
+        "TOLLGATE_CELERY_QUEUE": f"tollgate-soak-{uuid.uuid4().hex}",
+        "TOLLGATE_STRIPE_API_KEY": API_KEY,
+        "TOLLGATE_STRIPE_BASE_URL": fake.url,
+        **settings,
+    }
+
+
 def start_worker(env: dict[str, str], schedule: Path) -> subprocess.Popen[bytes]:
     command = [
         sys.executable,
@@ -133,18 +147,13 @@ async def test_celery_soak_counts_every_row_once_through_kills_faults_and_both_w
     async_engine = db.create_engine(POSTGRES_URL)
     sessions = db.session_factory(async_engine)
     ledger = sync_engine(POSTGRES_URL)
-    env = {
-        **os.environ,
-        "TOLLGATE_DATABASE_URL": POSTGRES_URL,
-        "TOLLGATE_REDIS_URL": REDIS_URL,
-        "TOLLGATE_CELERY_QUEUE": f"tollgate-soak-{uuid.uuid4().hex}",
-        "TOLLGATE_STRIPE_API_KEY": API_KEY,
-        "TOLLGATE_STRIPE_BASE_URL": fake.url,
-        "TOLLGATE_STRIPE_TIMEOUT_S": "1",
-        "TOLLGATE_STRIPE_RETRY_BASE_MS": "2",
-        "TOLLGATE_EXPORT_INTERVAL_S": "1",
-        "TOLLGATE_EXPORT_RETRY_S": "1",
-    }
+    env = worker_env(
+        fake,
+        TOLLGATE_STRIPE_TIMEOUT_S="1",
+        TOLLGATE_STRIPE_RETRY_BASE_MS="2",
+        TOLLGATE_EXPORT_INTERVAL_S="1",
+        TOLLGATE_EXPORT_RETRY_S="1",
+    )
     worker: subprocess.Popen[bytes] | None = None
     try:
         await add_usage(sessions, tenants=3, rows=ROWS, seed=42, free_share=0)
@@ -223,15 +232,7 @@ async def test_a_worker_relays_as_it_starts_not_one_interval_later(
     migrated_postgres()
     async_engine = db.create_engine(POSTGRES_URL)
     ledger = sync_engine(POSTGRES_URL)
-    env = {
-        **os.environ,
-        "TOLLGATE_DATABASE_URL": POSTGRES_URL,
-        "TOLLGATE_REDIS_URL": REDIS_URL,
-        "TOLLGATE_CELERY_QUEUE": f"tollgate-start-{uuid.uuid4().hex}",
-        "TOLLGATE_STRIPE_API_KEY": API_KEY,
-        "TOLLGATE_STRIPE_BASE_URL": fake.url,
-        "TOLLGATE_EXPORT_INTERVAL_S": "3600",
-    }
+    env = worker_env(fake, TOLLGATE_EXPORT_INTERVAL_S="3600")
     worker: subprocess.Popen[bytes] | None = None
     try:
         await add_usage(db.session_factory(async_engine), tenants=2, rows=20, free_share=0)
