@@ -1,4 +1,5 @@
-"""Every EngineConfig field is a flag of `tollgate serve` and `tollgate backend serve`, an
+"""Every EngineConfig field is a flag of `tollgate serve` and `tollgate backend serve` (run
+through the command's entry point, gateway/launch.py, as a user runs them), an
 environment variable and a README row; bad values exit 2 with one line."""
 
 from __future__ import annotations
@@ -10,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from backend.config import EngineConfig
-from gateway import cli, engine_knobs
+from gateway import cli, engine_knobs, launch
 from gateway.engine_knobs import Knob, knobs, parse_size
 from gateway.settings import Settings, SettingsError
 
@@ -84,7 +85,7 @@ def test_each_flag_and_variable_reaches_the_engine(knob: Knob, started: list[Set
     args = [knob.flag if value else f"--no-{knob.flag[2:]}"] if knob.kind is bool else []
     for path in COMMANDS:
         given = args or [knob.flag, text]
-        assert cli.main([*path, *given]) == 0
+        assert launch.main([*path, *given]) == 0
         assert getattr(started.pop().engine, knob.name) == value
 
 
@@ -101,7 +102,7 @@ def test_a_bad_value_exits_2_with_one_line_naming_flag_and_variable(
         attempts = [list(path) for path in COMMANDS]
         monkeypatch.setenv(knob.env, bad)
     for argv in attempts:
-        assert cli.main(argv) == 2
+        assert launch.main(argv) == 2
         lines = capsys.readouterr().err.strip().splitlines()
         assert len(lines) == 1 and knob.flag in lines[0] and knob.env in lines[0], lines
     assert started == []  # nothing started
@@ -115,7 +116,7 @@ def test_a_bad_variable_names_itself_in_settings() -> None:
 def test_flag_beats_variable_beats_default(
     started: list[Settings], monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    assert cli.main(["serve"]) == 0
+    assert launch.main(["serve"]) == 0
     engine = started.pop().engine
     assert (engine.max_num_seqs, engine.device, engine.enable_prefix_caching) == (
         None,
@@ -126,16 +127,16 @@ def test_flag_beats_variable_beats_default(
     assert engine.on_device("cuda").max_num_seqs == 256
     monkeypatch.setenv("TOLLGATE_MAX_NUM_SEQS", "8")
     monkeypatch.setenv("TOLLGATE_ENABLE_PREFIX_CACHING", "on")
-    assert cli.main(["backend", "serve"]) == 0
+    assert launch.main(["backend", "serve"]) == 0
     assert started.pop().engine.max_num_seqs == 8
-    assert cli.main(["serve", "--max-num-seqs", "4", "--no-enable-prefix-caching"]) == 0
+    assert launch.main(["serve", "--max-num-seqs", "4", "--no-enable-prefix-caching"]) == 0
     engine = started.pop().engine
     assert (engine.max_num_seqs, engine.enable_prefix_caching) == (4, False)
 
 
 def test_sizes_none_and_the_old_thread_variable(started: list[Settings]) -> None:
     argv = ["serve", "--kv-cache-bytes", "4GiB", "--max-model-len", "none", "--device", "cuda:1"]
-    assert cli.main(argv) == 0
+    assert launch.main(argv) == 0
     engine = started.pop().engine
     assert engine.kv_cache_bytes == 4 * 2**30
     assert (engine.max_model_len, engine.device) == (None, "cuda:1")
