@@ -41,7 +41,7 @@ $(STAMP): pyproject.toml Makefile
 	@touch $(STAMP)
 
 bytecode: setup
-	@$(BIN)/python -m compileall -q -j 0 $(PROJECT_CODE) > /dev/null
+	@$(BIN)/python -m compileall -q -j 0 $(PROJECT_CODE)
 
 run: setup bytecode
 	$(BIN)/tollgate db upgrade
