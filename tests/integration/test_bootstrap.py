@@ -109,7 +109,8 @@ async def test_a_replica_that_loses_the_race_for_the_admin_tenant_finds_the_winn
     async def find_while_another_replica_wins(self: TenantService, name: str) -> Tenant | None:
         found = await real_find(self, name)
         if not winner:
-            monkeypatch.setattr(TenantService, "find", real_find)  # the winner looks once
+            # The other replica, and this one's retry, look for real.
+            monkeypatch.setattr(TenantService, "find", real_find)
             winner.append(await ensure_admin_key(settings, sessions))
         return found
 
