@@ -15,13 +15,14 @@ from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-import llguidance
 import numpy as np
 
 from backend.constraint import Constraint
 from backend.errors import ConstraintError, RequestFailedError
 
-if TYPE_CHECKING:
+if TYPE_CHECKING:  # llguidance is imported where a grammar is compiled or masked: a
+    # process that never constrains a request (the GPU image) need not have it.
+    import llguidance
     from llguidance._lib import JsonCompileOptions
 
 DEFAULT_CACHE_SIZE = 256  # compiled grammars kept, least recently used dropped first
@@ -63,6 +64,8 @@ def fill_bitmasks(matchers: Sequence[GrammarMatcher]) -> np.ndarray:
 @functools.cache
 def _executor() -> llguidance.LLExecutor:
     """llguidance's thread pool, for the masks of several constrained rows at once."""
+    import llguidance
+
     return llguidance.LLExecutor()
 
 
@@ -103,6 +106,8 @@ class GrammarCompiler:
                 self._cache.move_to_end(key)
                 return hit
             tokenizer = self._llg_tokenizer()
+        import llguidance
+
         compiled = llguidance.LLMatcher(tokenizer, _grammar(constraint), log_level=0)
         if compiled.is_error():
             raise ConstraintError(_message(constraint, compiled.get_error()), constraint.field)
@@ -114,6 +119,8 @@ class GrammarCompiler:
 
     def _llg_tokenizer(self) -> llguidance.LLTokenizer:
         if self._tokenizer is None:
+            import llguidance
+
             self._tokenizer = llguidance.LLTokenizer(
                 self._tokenizer_json.read_text(encoding="utf-8"),
                 n_vocab=self._vocab_size,
@@ -125,6 +132,8 @@ class GrammarCompiler:
 def _grammar(constraint: Constraint) -> str:
     """llguidance's grammar text for a constraint; raises ConstraintError for a spec that
     is not even well formed (a grammar's own errors show when it is compiled)."""
+    import llguidance
+
     kind, spec = constraint.kind, constraint.spec
     try:
         if kind == "json_object":
