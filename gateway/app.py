@@ -251,7 +251,8 @@ async def attach_engine(
 async def attach_models(runtime: Runtime, telemetry: Telemetry, stack: AsyncExitStack) -> None:
     """Every model the gateway serves: the engine above as the default entry, and the
     registry's models, re-read every few seconds (their clients closed by `stack`)."""
-    build = client_builder(runtime.settings, telemetry.metrics.disagreement)
+    metrics = telemetry.metrics
+    build = client_builder(runtime.settings, metrics.disagreement, metrics.overclaim)
     models = ModelDirectory(runtime.sessions, build, runtime.engine_client)
     stack.push_async_callback(models.close)
     try:

@@ -25,6 +25,7 @@ from gateway.admin.schemas import (
 from gateway.admission.auth import audit_context, authenticate, note_failure
 from gateway.api.schemas import decode
 from gateway.deps import month_usage
+from gateway.dispatch.upstream import OpenAIUpstreamClient
 from gateway.errors import InvalidRequest, PermissionDenied
 from gateway.openapi import ADMIN, ADMIN_WRITE, documented
 from gateway.openapi.shapes import CreatedKey, Key, Plan, ServedModel, Tenant, TenantQuota
@@ -34,6 +35,7 @@ from tenants.limits import PlanTerms
 from tenants.models import KeyRole
 from tenants.quota import QuotaStore
 from tenants.registry import ModelService, model_view
+from tenants.registry import ServedModel as RegistryRow
 from tenants.services import ApiKeyService, Audited, PlanService, Principal, TenantService
 
 S = TypeVar("S", bound=Audited)
@@ -61,6 +63,14 @@ def audited(service: type[S]) -> Provide:
         return service(db_session, actor)
 
     return Provide(provide, sync_to_thread=False)
+
+
+def served(row: RegistryRow, runtime: Runtime) -> dict[str, Any]:
+    """A registry model, with its upstreams' health as this replica sees them (an
+    upstream that claimed more usage than was reserved is `suspect`)."""
+    client = runtime.models.built(row.name) if runtime.models is not None else None
+    upstreams = client.upstreams() if isinstance(client, OpenAIUpstreamClient) else []
+    return {**model_view(row), "upstreams": upstreams}
 
 
 class AdminController(Controller):
@@ -196,14 +206,19 @@ class AdminController(Controller):
     # Models: every gateway replica serves a change within a few seconds (the directory's
     # refresh), so nothing here touches this replica's clients. `path`: names may hold '/'.
     @get("/models", operation_class=documented(list[ServedModel], errors=ADMIN))
-    async def list_models(self, models: NamedDependency[ModelService]) -> list[dict[str, Any]]:
-        return [model_view(row) for row in await models.list()]
+    async def list_models(
+        self, models: NamedDependency[ModelService], runtime: NamedDependency[Runtime]
+    ) -> list[dict[str, Any]]:
+        return [served(row, runtime) for row in await models.list()]
 
     @get("/models/{name:path}", operation_class=documented(ServedModel, errors=ADMIN))
     async def get_model(
-        self, name: FromPath[str], models: NamedDependency[ModelService]
+        self,
+        name: FromPath[str],
+        models: NamedDependency[ModelService],
+        runtime: NamedDependency[Runtime],
     ) -> dict[str, Any]:
-        return model_view(await models.get(name.lstrip("/")))
+        return served(await models.get(name.lstrip("/")), runtime)
 
     @post(
         "/models",
@@ -213,7 +228,7 @@ class AdminController(Controller):
     async def create_model(
         self, body: RawBody, models: NamedDependency[ModelService]
     ) -> dict[str, Any]:
-        return model_view(await models.add(decode(body, ModelBody).spec()))
+        return {**model_view(await models.add(decode(body, ModelBody).spec())), "upstreams": []}
 
     @patch(
         "/models/{name:path}",
@@ -225,7 +240,7 @@ class AdminController(Controller):
         changes = decode(body, ModelPatch).changes()
         if not changes:
             raise InvalidRequest("nothing to change: give at least one field")
-        return model_view(await models.update(name.lstrip("/"), **changes))
+        return {**model_view(await models.update(name.lstrip("/"), **changes)), "upstreams": []}
 
     @delete(
         "/models/{name:path}",

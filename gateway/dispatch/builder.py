@@ -9,13 +9,20 @@ import secrets
 from gateway.dispatch.directory import Builder
 from gateway.dispatch.engine_client import EngineClient
 from gateway.dispatch.remote import RemoteEngineClient
-from gateway.dispatch.upstream import Disagreement, OpenAIUpstreamClient, UpstreamOptions
+from gateway.dispatch.upstream import (
+    Disagreement,
+    OpenAIUpstreamClient,
+    Overclaim,
+    UpstreamOptions,
+)
 from gateway.errors import EngineUnavailable
 from gateway.settings import Settings
 from tenants.registry import ModelKind, ModelSpec
 
 
-def client_builder(settings: Settings, on_disagreement: Disagreement) -> Builder:
+def client_builder(
+    settings: Settings, on_disagreement: Disagreement, on_overclaim: Overclaim
+) -> Builder:
     salt_secret = settings.cache_salt_secret or settings.backend_secret or secrets.token_hex(32)
 
     async def build(spec: ModelSpec) -> EngineClient:
@@ -25,6 +32,7 @@ def client_builder(settings: Settings, on_disagreement: Disagreement) -> Builder
                 priority=settings.upstream_priority_models.get(spec.name),
                 salted=spec.name not in settings.upstream_shared_cache_models,
                 on_disagreement=on_disagreement,
+                on_overclaim=on_overclaim,
                 probe_every_s=settings.upstream_probe_s,
             )
             return await OpenAIUpstreamClient.connect(spec, options)

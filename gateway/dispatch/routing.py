@@ -32,6 +32,7 @@ class Replica:
     running: int = 0
     kv_used_fraction: float = 0.0
     prefix_cache_hit_rate: float = 0.0  # for the console; routing does not use it
+    overclaims: int = 0  # answers whose usage exceeded what was reserved: suspect
 
     def load(self) -> float:
         """Queued work in requests, with a full KV cache counting like a few more."""

@@ -7,7 +7,10 @@ reservation, and reads this client's outputs as it reads the engine's. The clien
 chat requests as messages (the upstream applies its own template) and completions as the
 client's text or token ids, always streamed and always with `include_usage`, so the
 ledger takes the upstream's usage; where it disagrees with the gateway's count, that is
-a metric and a log line.
+a metric and a log line. What is billed never exceeds what was reserved (the gateway's
+count of the prompt, `max_tokens` per completion): an upstream that claims more is capped
+there, counted (metric and log line) and marked suspect (Replica.overclaims, shown by the
+admin API), so a faulty or hostile upstream cannot drain a tenant's budget.
 
 What the upstream answers itself goes to it as the client sent it (ClientPrompt.fields:
 `response_format`, `tools`, `tool_choice`, `parallel_tool_calls`; and `logprobs`), and
@@ -76,9 +79,15 @@ REFUSALS = (400, 413, 422)  # the request itself is wrong: the client hears why
 
 # Records a disagreement: model, "prompt" or "completion", gateway's count, upstream's.
 Disagreement = Callable[[str, str, int, int], None]
+# Records usage capped at the reservation: model, upstream URL, kind, claimed, billed.
+Overclaim = Callable[[str, str, str, int, int], None]
 
 
 def _ignore(model: str, kind: str, ours: int, theirs: int) -> None:
+    pass
+
+
+def _ignore_overclaim(model: str, upstream: str, kind: str, claimed: int, billed: int) -> None:
     pass
 
 
@@ -90,6 +99,7 @@ class UpstreamOptions:
     priority: PriorityOrder | None = None  # how the upstream orders by priority; None: not
     salted: bool = True  # send cache_salt: tenants do not share the upstream's prefix cache
     on_disagreement: Disagreement = _ignore
+    on_overclaim: Overclaim = _ignore_overclaim
     probe_every_s: float = PROBE_EVERY_S
 
 
@@ -287,7 +297,9 @@ class OpenAIUpstreamClient:
                 )
             tried.add(target.url)
             current_request().route(target.url)
-            reader = StreamReader(self, request.request_id, len(request.prompt), request.params.n)
+            reader = StreamReader(
+                self, target, request.request_id, len(request.prompt), request.params
+            )
             target.in_flight += 1
             try:
                 async with contextlib.aclosing(self._attempt(target, path, body, reader)) as outs:
@@ -394,6 +406,37 @@ class OpenAIUpstreamClient:
             },
         )
 
+    def overclaimed(
+        self, target: Replica, request_id: str, kind: str, claimed: int, billed: int
+    ) -> None:
+        """The upstream claimed more `kind` tokens than were reserved: `billed` is what the
+        ledger takes; the upstream is marked suspect."""
+        target.overclaims += 1
+        self.options.on_overclaim(self.model_name, target.url, kind, claimed, billed)
+        log.warning(
+            "upstream usage exceeds what was reserved: billed the reservation",
+            extra={
+                "model": self.model_name,
+                "upstream": target.url,
+                "request_id": request_id,
+                "usage_kind": kind,
+                "upstream_tokens": claimed,
+                "billed_tokens": billed,
+            },
+        )
+
+    def upstreams(self) -> list[dict[str, Any]]:
+        """Each target as this gateway sees it: health, and whether it is suspect."""
+        return [
+            {
+                "url": t.url,
+                "healthy": t.healthy,
+                "suspect": t.overclaims > 0,
+                "usage_overclaims": t.overclaims,
+            }
+            for t in self.targets
+        ]
+
     def warn_no_usage(self) -> None:
         if not self._warned_no_usage:
             self._warned_no_usage = True
@@ -499,9 +542,10 @@ class StreamReader:
     token; tool-call and logprob deltas go one by one, as sent."""
 
     client: OpenAIUpstreamClient
+    target: Replica
     request_id: str
-    prompt_tokens: int  # the gateway's own count
-    n: int
+    prompt_tokens: int  # the gateway's own count: what was reserved for the prompt
+    params: SamplingParams  # `n` completions of at most `max_tokens` each were reserved
     started: bool = False  # an output went to the caller: no failover from here
     done: bool = False
     arrival: float = field(default_factory=time.monotonic)
@@ -549,7 +593,7 @@ class StreamReader:
         calls = None if choice.delta is None else choice.delta.tool_calls
         if not text and not calls and choice.logprobs is None:
             return  # the role announcement, or a chunk that only finishes
-        count = self.counted.get(choice.index, 0) + bool(text or calls)
+        count = min(self.counted.get(choice.index, 0) + bool(text or calls), self.max_tokens)
         self.counted[choice.index] = count
         self.started = True
         last = outs[-1] if outs else None
@@ -582,9 +626,18 @@ class StreamReader:
             )
         )
 
+    @property
+    def n(self) -> int:
+        return self.params.n
+
+    @property
+    def max_tokens(self) -> int:
+        return self.params.max_tokens
+
     def _final(self) -> list[RequestOutput]:
         """Each completion's last output. The prompt and output tokens billed are the
-        upstream's; a difference from the gateway's counts is recorded, never hidden."""
+        upstream's, up to what was reserved; a difference from the gateway's counts is
+        recorded, never hidden."""
         if len(self.finish) < self.n:
             raise TargetFailed(
                 UpstreamFailed("the upstream ended the stream before every choice finished"),
@@ -595,12 +648,15 @@ class StreamReader:
         if self.usage is None:
             self.client.warn_no_usage()
         else:
-            prompt = self.usage.prompt_tokens
-            details = self.usage.prompt_tokens_details
-            cached = (details.cached_tokens or 0) if details is not None else 0
-            self.client.compare("prompt", self.prompt_tokens, prompt)
-            self.client.compare("completion", sum(counted), self.usage.completion_tokens)
-            counted[0] = max(0, counted[0] + self.usage.completion_tokens - sum(counted))
+            usage = self.usage
+            details = usage.prompt_tokens_details
+            self.client.compare("prompt", self.prompt_tokens, usage.prompt_tokens)
+            self.client.compare("completion", sum(counted), usage.completion_tokens)
+            prompt = self._capped("prompt", usage.prompt_tokens, self.prompt_tokens)
+            cached = min((details.cached_tokens or 0) if details is not None else 0, prompt)
+            reserved = self.n * self.max_tokens
+            completion = self._capped("completion", usage.completion_tokens, reserved)
+            counted = _spread(completion, counted, self.max_tokens)
         self.started = True
         return [
             RequestOutput(
@@ -617,6 +673,25 @@ class StreamReader:
             )
             for index in range(self.n)
         ]
+
+    def _capped(self, kind: str, claimed: int, reserved: int) -> int:
+        """What is billed of an upstream's `claimed` count: at most what was reserved."""
+        billed = max(0, min(claimed, reserved))
+        if claimed > reserved:
+            self.client.overclaimed(self.target, self.request_id, kind, claimed, billed)
+        return billed
+
+
+def _spread(total: int, counted: list[int], cap: int) -> list[int]:
+    """`total` completion tokens over the choices: each keeps what was streamed of it, as
+    far as `total` goes, and any rest goes to the first with room; none over `cap`."""
+    billed = [min(count, cap) for count in counted]
+    rest = total - sum(billed)
+    for index, count in enumerate(billed):
+        change = max(min(rest, cap - count), -count)
+        billed[index] += change
+        rest -= change
+    return billed
 
 
 _CHUNKS = msgspec.json.Decoder(_Chunk)

@@ -368,6 +368,15 @@ class TargetShape(Struct):
     weight: int
 
 
+class UpstreamState(Struct):
+    """One upstream of an `openai` model as the answering gateway replica sees it."""
+
+    url: str
+    healthy: bool
+    suspect: bool  # it claimed more usage than was reserved (billed the reservation)
+    usage_overclaims: int
+
+
 class ServedModel(Struct):
     """A registry model (never an API key: only the variable that holds it)."""
 
@@ -380,6 +389,7 @@ class ServedModel(Struct):
     context_length: int | None
     created_at: str
     updated_at: str
+    upstreams: list[UpstreamState]  # empty unless an `openai` model is open on this replica
 
 
 class PriceVersion(Struct):

@@ -129,6 +129,15 @@ class GatewayMetrics:
             "ledger takes the upstream's); only requests where they differ",
             ["model", "kind", "direction"], registry=reg, buckets=DISAGREEMENT_BUCKETS,
         )  # fmt: skip
+        self.usage_capped = Counter(
+            "tollgate_upstream_usage_capped", "Upstream answers whose usage exceeded what was "
+            "reserved (billed the reservation): the upstream is suspect",
+            ["model", "upstream", "kind"], registry=reg,
+        )  # fmt: skip
+        self.usage_capped_tokens = Counter(
+            "tollgate_upstream_usage_capped_tokens", "Tokens an upstream claimed beyond what "
+            "was reserved, not billed", ["model", "upstream", "kind"], registry=reg,
+        )  # fmt: skip
 
     def _add_latencies(self, reg: CollectorRegistry) -> None:
         def per_class(name: str, documentation: str, buckets: Sequence[float]) -> Histogram:
@@ -212,6 +221,11 @@ class GatewayMetrics:
         gateway counted `ours`."""
         direction = "upstream_higher" if theirs > ours else "upstream_lower"
         self.usage_disagreement.labels(model, kind, direction).observe(abs(theirs - ours))
+
+    def overclaim(self, model: str, upstream: str, kind: str, claimed: int, billed: int) -> None:
+        """An upstream claimed `claimed` tokens of `kind` where `billed` were reserved."""
+        self.usage_capped.labels(model, upstream, kind).inc()
+        self.usage_capped_tokens.labels(model, upstream, kind).inc(claimed - billed)
 
     def reject(self, tenant_id: str | None, reason: str) -> None:
         tenant = self.tenant(tenant_id) if tenant_id is not None else NO_TENANT

@@ -21,6 +21,7 @@ import httpx
 import openai
 import pytest
 from litestar import Litestar
+from prometheus_client.parser import text_string_to_metric_families
 from sqlalchemy import select
 from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
 
@@ -108,6 +109,12 @@ class Gateway:
 
     async def key(self, tenant: str) -> str:
         return (await self.tenant(tenant))[0]
+
+    async def admin_key(self) -> str:
+        async with self.sessions.begin() as session:
+            tenant = await TenantService(session).create("ops")
+            key = await ApiKeyService(session).create(tenant, "root", KeyRole.ADMIN)
+        return key.secret
 
     async def tenant(self, name: str) -> tuple[str, str]:
         """A new tenant's API key, and its id."""
@@ -249,31 +256,94 @@ async def test_completions_forward_text_and_token_ids(gateway: Gateway) -> None:
         assert all(b["stream_options"] == {"include_usage": True} for b in bodies)
 
 
-async def test_a_tokenizer_disagreement_is_billed_as_upstream_says_and_counted(
+async def test_a_tokenizer_disagreement_is_counted_and_billed_within_the_reservation(
     gateway: Gateway, caplog: pytest.LogCaptureFixture
 ) -> None:
     """The gateway counts with the built-in model's tokenizer, the upstream one token per
-    character: the ledger takes the upstream's count, and the metric shows by how much."""
+    character (more): the metric shows by how much, and the ledger bills no more than the
+    prompt tokens the gateway counted and reserved."""
     caplog.set_level(logging.INFO, logger="gateway.dispatch.upstream")
     async with upstream(tokens=4) as url:
         await gateway.register(url, tokenizer=str(BUILTIN_MODEL_DIR.resolve()))
         sdk = gateway.sdk(await gateway.key("acme"))
         prompt = "tokenizers rarely agree about this sentence"
         answer = await sdk.completions.create(model=MODEL, prompt=prompt, max_tokens=4)
-        assert answer.usage is not None and answer.usage.prompt_tokens == len(prompt)
         await eventually(lambda: gateway.settled(1))
         (row,) = await gateway.rows()
-        assert row.prompt_tokens == len(prompt)
+        assert answer.usage is not None and answer.usage.prompt_tokens == row.prompt_tokens
+        assert row.prompt_tokens < len(prompt)  # the gateway's own count, as reserved
         metrics = gateway.metrics()
         series = (
             'tollgate_upstream_usage_disagreement_tokens_count{direction="upstream_higher",'
             f'kind="prompt",model="{MODEL}"}} 1.0'
         )
         assert series in metrics
-        (line,) = [r for r in caplog.records if hasattr(r, "upstream_tokens")]
+        (line,) = [r for r in caplog.records if hasattr(r, "gateway_tokens")]
         assert (line.usage_kind, line.upstream_tokens) == ("prompt", len(prompt))  # type: ignore[attr-defined]
-        assert line.gateway_tokens < len(prompt)  # type: ignore[attr-defined]
+        assert line.gateway_tokens == row.prompt_tokens  # type: ignore[attr-defined]
         assert prompt not in line.getMessage()  # counts only, never the text
+
+
+async def test_usage_an_upstream_overclaims_is_billed_at_the_reservation(
+    gateway: Gateway, caplog: pytest.LogCaptureFixture
+) -> None:
+    """An upstream answering max_tokens 4 with a million completion (and prompt) tokens:
+    the ledger bills what was reserved, the disagreement is a metric and a log line, and
+    the admin API shows the upstream as suspect."""
+    caplog.set_level(logging.WARNING, logger="gateway.dispatch.upstream")
+    claimed = 1_000_000
+    async with upstream(claimed_completion_tokens=claimed, claimed_prompt_tokens=claimed) as url:
+        await gateway.register(url)
+        sdk = gateway.sdk(await gateway.key("acme"))
+        whole = await sdk.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=4)  # type: ignore[arg-type]
+        stream = await sdk.chat.completions.create(
+            model=MODEL,
+            messages=MESSAGES,
+            max_tokens=3,
+            stream=True,
+            stream_options={"include_usage": True},
+        )  # type: ignore[call-overload]
+        chunks = [chunk async for chunk in stream]
+        prompt = chat_prompt_tokens(MESSAGES)
+        assert whole.usage is not None
+        assert (whole.usage.prompt_tokens, whole.usage.completion_tokens) == (prompt, 4)
+        usage = chunks[-1].usage
+        assert usage is not None and (usage.prompt_tokens, usage.completion_tokens) == (prompt, 3)
+        await eventually(lambda: gateway.settled(2))
+        billed = sorted((r.prompt_tokens, r.completion_tokens) for r in await gateway.rows())
+        assert billed == [(prompt, 3), (prompt, 4)]
+
+        samples = {
+            (s.name, s.labels["kind"]): s.value
+            for family in text_string_to_metric_families(gateway.metrics())
+            for s in family.samples
+            if s.name.startswith("tollgate_upstream_usage_capped")
+            and s.name.endswith("_total")
+            and s.labels == {"kind": s.labels["kind"], "model": MODEL, "upstream": url}
+        }
+        assert samples == {
+            ("tollgate_upstream_usage_capped_total", "completion"): 2,
+            ("tollgate_upstream_usage_capped_total", "prompt"): 2,
+            ("tollgate_upstream_usage_capped_tokens_total", "completion"): 2 * claimed - 7,
+            ("tollgate_upstream_usage_capped_tokens_total", "prompt"): 2 * (claimed - prompt),
+        }
+        lines = [r for r in caplog.records if hasattr(r, "billed_tokens")]
+        assert {(r.usage_kind, r.upstream_tokens, r.billed_tokens) for r in lines} == {  # type: ignore[attr-defined]
+            ("completion", claimed, 4),
+            ("completion", claimed, 3),
+            ("prompt", claimed, prompt),
+        }
+        assert {r.upstream for r in lines} == {url}  # type: ignore[attr-defined]
+
+        admin = await gateway.admin_key()
+        async with httpx.AsyncClient(base_url=gateway.url) as http:
+            reply = await http.get(
+                f"/admin/api/models/{MODEL}", headers={"Authorization": f"Bearer {admin}"}
+            )
+        assert reply.status_code == 200
+        assert reply.json()["upstreams"] == [
+            {"url": url, "healthy": True, "suspect": True, "usage_overclaims": 4}
+        ]
 
 
 async def test_each_tenant_gets_its_own_cache_salt(gateway: Gateway) -> None:

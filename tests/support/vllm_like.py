@@ -76,6 +76,9 @@ class Config:
     fail_status: int | None = None  # answer every generation request with this
     retry_after_s: int = 1
     history: int = 256  # request records kept for /_test/requests
+    # A faulty or lying upstream: the usage it reports, whatever it sent.
+    claimed_prompt_tokens: int | None = None
+    claimed_completion_tokens: int | None = None
 
 
 @dataclass
@@ -335,10 +338,16 @@ class Generation:
             state.slots.release()
 
     def usage(self) -> dict[str, Any]:
+        config = self.state.config
         completion = self.record.tokens_sent
+        if config.claimed_completion_tokens is not None:
+            completion = config.claimed_completion_tokens
+        prompt = self.prompt_tokens
+        if config.claimed_prompt_tokens is not None:
+            prompt = config.claimed_prompt_tokens
         return {
-            "prompt_tokens": self.prompt_tokens,
-            "total_tokens": self.prompt_tokens + completion,
+            "prompt_tokens": prompt,
+            "total_tokens": prompt + completion,
             "completion_tokens": completion,
             "prompt_tokens_details": None,
         }

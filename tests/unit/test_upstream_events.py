@@ -10,12 +10,16 @@ from typing import Any, cast
 import msgspec
 import pytest
 
+from backend import SamplingParams
+from gateway.dispatch.routing import Replica
 from gateway.dispatch.upstream import OpenAIUpstreamClient, StreamReader, TargetFailed
 
 
 def _reader(n: int = 1) -> StreamReader:
     # The client is only asked about usage at [DONE], which these lines never reach.
-    return StreamReader(cast(OpenAIUpstreamClient, None), "req_1", prompt_tokens=3, n=n)
+    client = cast(OpenAIUpstreamClient, None)
+    params = SamplingParams(max_tokens=16, n=n)
+    return StreamReader(client, Replica("http://up"), "req_1", prompt_tokens=3, params=params)
 
 
 def _event(*choices: dict[str, Any]) -> bytes:
