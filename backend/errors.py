@@ -84,7 +84,12 @@ class RequestStepError(EngineError):
 class ConstraintError(InvalidParameterError):
     """A structured-output constraint cannot be enforced: a bad regex or grammar, or a JSON
     schema feature the grammar library does not implement (the message names it). Raised
-    when the request is submitted, never mid-step; OpenAI answers 400 on `param`."""
+    when the request is submitted, never mid-step; OpenAI answers 400 on `param`.
+    `problem`: the message without the field it names (kept to refuse the same grammar
+    again, whichever field it comes in)."""
 
-    def __init__(self, message: str, param: str | None = "response_format") -> None:
+    def __init__(
+        self, message: str, param: str | None = "response_format", problem: str | None = None
+    ) -> None:
         super().__init__(message, param)
+        self.problem = problem or message

@@ -100,6 +100,8 @@ class AsyncEngine:
         added = False
         unfinished = params.n
         try:
+            if params.constraint is not None:  # compiled off this loop and the step thread
+                await self.engine.grammars.prepare(params.constraint, request.tenant)
             self.engine.add_request(
                 request_id,
                 request.prompt,

@@ -71,6 +71,7 @@ class Engine:
             self.model_dir / "tokenizer.json",
             max(self.model_config.vocab_size, self.tokenizer.vocab_size),
             self.tokenizer.eos_token_ids,
+            share_cache=config.share_prefix_cache,  # kept per tenant as the prefix cache is
         )
         log.info("%s", self.describe())
         self.num_steps = 0
@@ -164,7 +165,7 @@ class Engine:
         )
         if params.constraint is not None:
             for req in reqs:  # compiled once (then cached); each completion its own matcher
-                req.matcher = self.grammars.matcher(params.constraint)
+                req.matcher = self.grammars.matcher(params.constraint, tenant)
         with self._lock:
             if request_id in self._groups:
                 raise ValueError(f"request id {request_id!r} is already in the engine")

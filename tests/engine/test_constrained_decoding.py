@@ -163,7 +163,7 @@ def test_logprobs_are_of_the_masked_distribution(engine: Engine) -> None:
         (Constraint("json_schema", '{"type": "string", "format": "colour"}'), "colour"),
         (Constraint("json_schema", '{"type": "object"'), "not valid JSON"),
         (Constraint("json_schema", "[1, 2]"), "must be a JSON object"),
-        (Constraint("regex", "(a|b"), "unclosed group"),
+        (Constraint("regex", "(a|b"), "not a valid regular expression"),
         (Constraint("choice", '["yes", 3]'), "list of strings"),
         (Constraint("choice", "[]"), "list of strings"),
         (Constraint("grammar", "start: undefined_rule"), "undefined_rule"),
@@ -175,7 +175,7 @@ def test_a_constraint_that_cannot_be_enforced_is_refused_at_submission(
     with pytest.raises(ConstraintError, match=re.escape(named)) as caught:
         engine.add_request("bad", "x", SamplingParams(constraint=constraint))
     assert caught.value.param == "response_format"
-    assert caught.value.args[0].startswith(f"{constraint.kind} constraint: ")
+    assert caught.value.args[0].startswith("response_format ")  # the field, in own words
     assert not engine.has_work()
 
 
@@ -192,7 +192,7 @@ def test_compiled_grammars_are_kept_by_kind_and_spec_least_recently_used_dropped
     compiler.matcher(b)
     compiler.matcher(a)  # a hit: a becomes the most recently used
     compiler.matcher(c)
-    assert compiler.cached() == [("regex", "a+"), ("regex", "c+")]
+    assert compiler.cached() == [("", "regex", "a+"), ("", "regex", "c+")]
     # Matchers from one compiled grammar do not share their state.
     [a_id], [b_id] = (tok.encode(t, add_special_tokens=False) for t in "ab")
     ab = Constraint("regex", "ab")
@@ -243,7 +243,7 @@ async def test_a_replica_enforces_the_constraint_and_names_a_bad_one() -> None:
             outs = [out async for out in client.generate(GenerateRequest(prompt, params, "ok"))]
             assert re.fullmatch("[0-9]{4}", text_of(outs)) and outs[-1].finish_reason == "stop"
             bad = SamplingParams(constraint=Constraint("regex", "(unclosed"))
-            with pytest.raises(InvalidRequest, match=r"regex constraint: .*unclosed group") as e:
+            with pytest.raises(InvalidRequest, match="is not a valid regular expression") as e:
                 async for _ in client.generate(GenerateRequest(prompt, bad, "bad")):
                     pass
             assert e.value.param == "response_format"
