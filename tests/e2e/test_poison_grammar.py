@@ -26,57 +26,19 @@ from gateway.settings import Settings
 from tenants import db, keys
 from tests.conftest import serving
 from tests.e2e.processes import free_port, running, start
+from tests.support.hostile_grammars import (
+    compact_lark_chain,
+    compact_ref_chain,
+    gbnf_chain,
+    lark_chain,
+    objects_of_optional_properties,
+    optional_properties,
+    ref_chain,
+)
 
 pytestmark = pytest.mark.e2e
 
 CHAT = "/v1/chat/completions"
-
-
-def ref_chain(n: int) -> dict[str, Any]:
-    """The issue's schema: n objects, each requiring a property that $refs the next."""
-    defs: dict[str, Any] = {
-        f"d{i}": {
-            "type": "object",
-            "properties": {"a": {"$ref": f"#/$defs/d{i + 1}"}},
-            "required": ["a"],
-        }
-        for i in range(n)
-    }
-    defs[f"d{n}"] = {"type": "integer"}
-    return {"$defs": defs, "$ref": "#/$defs/d0"}
-
-
-def compact_ref_chain(n: int) -> dict[str, Any]:
-    """A chain as deep in fewer bytes (1,000 links: 52 KB, under the size limit)."""
-    defs: dict[str, Any] = {
-        f"d{i}": {"properties": {"a": {"$ref": f"#/$defs/d{i + 1}"}}} for i in range(n)
-    }
-    defs[f"d{n}"] = {"type": "integer"}
-    return {"$defs": defs, "$ref": "#/$defs/d0"}
-
-
-def lark_chain(n: int) -> str:
-    rules = [f'r{i}: "x{i}" r{i + 1} | "y"' for i in range(n)]
-    return "\n".join(["start: r0", *rules, f'r{n}: "z"'])
-
-
-def compact_lark_chain(n: int) -> str:
-    """A rule chain in fewer bytes (4,000 rules: 50 KB, under the size limit)."""
-    return "\n".join(["start: r0", *(f"r{i}: r{i + 1}" for i in range(n)), f'r{n}: "z"'])
-
-
-def gbnf_chain(n: int) -> str:
-    rules = [f'r{i} ::= "x{i}" r{i + 1} | "y"' for i in range(n)]
-    return "\n".join(["root ::= r0", *rules, f'r{n} ::= "z"'])
-
-
-def optional_properties(n: int) -> dict[str, Any]:
-    return {"type": "object", "properties": {f"p{i}": {"type": "integer"} for i in range(n)}}
-
-
-def objects_of_optional_properties(objects: int, each: int) -> dict[str, Any]:
-    inner = optional_properties(each)
-    return {"type": "object", "properties": {f"o{j}": inner for j in range(objects)}}
 
 
 def schema_format(schema: dict[str, Any]) -> dict[str, Any]:
