@@ -34,6 +34,14 @@ from tenants import db
 from tenants.models import KeyRole
 from tenants.services import ApiKeyService, TenantService
 from tests.conftest import migrated_postgres, migrated_sqlite
+from tests.support.hostile_grammars import (
+    compact_lark_chain,
+    compact_ref_chain,
+    gbnf_chain,
+    lark_chain,
+    optional_properties,
+    ref_chain,
+)
 
 pytestmark = pytest.mark.slow
 FUZZ = settings(
@@ -199,6 +207,51 @@ def test_chat_completions_survive_hostile_bodies(server: Server, data: st.DataOb
 def test_completions_survive_hostile_bodies(server: Server, data: st.DataObject) -> None:
     body = data.draw(sampling_body(server.model, "prompt"))
     server.send("POST", "/v1/completions", content=body)
+    server.still_serves()
+
+
+def _schema_format(schema: Any) -> dict[str, Any]:
+    return {"type": "json_schema", "json_schema": {"name": "fuzzed", "schema": schema}}
+
+
+# Structured-output fields with grammars of hostile shapes and sizes (issue 32): chains
+# that overflowed the grammar library's native stack, sizes that held the event loop.
+GRAMMAR_SHAPES = [
+    ("response_format", lambda n: _schema_format(ref_chain(n))),
+    ("guided_json", compact_ref_chain),
+    ("guided_json", optional_properties),
+    ("guided_grammar", lark_chain),
+    ("guided_grammar", compact_lark_chain),
+    ("guided_grammar", gbnf_chain),
+    ("guided_choice", lambda n: [f"c{i}" for i in range(n)]),
+    ("guided_regex", lambda n: "a?" * n),
+]
+
+
+@st.composite
+def constrained_body(draw: st.DrawFn, model: str) -> bytes:
+    field, make = draw(st.sampled_from(GRAMMAR_SHAPES))
+    value = draw(
+        st.one_of(
+            st.sampled_from([1, 30, 129, 257, 401, 1000, 4000]).map(make),
+            JSON,
+            st.just(deep(600)),
+        )
+    )
+    messages = [{"role": "user", "content": draw(NASTY_TEXT)}]
+    return as_bytes({"model": model, "messages": messages, "max_tokens": 2, field: value})
+
+
+@FUZZ
+@given(data=st.data())
+def test_structured_outputs_survive_hostile_grammars(server: Server, data: st.DataObject) -> None:
+    """A grammar the limits miss would crash this very process (the engine is in it). The
+    engine refuses a grammar after admission, and such a refusal writes a free usage row
+    by design (gateway/metering.py), so no ledger check here: no 5xx, and still serving."""
+    body = data.draw(constrained_body(server.model))
+    headers = {"Authorization": f"Bearer {server.keys['tenant']}"}
+    response = server.client.post("/v1/chat/completions", content=body, headers=headers, timeout=30)
+    assert_no_server_error(response.status_code, response.text, "grammar")
     server.still_serves()
 
 
