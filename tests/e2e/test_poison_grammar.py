@@ -19,6 +19,7 @@ import httpx
 import pytest
 
 from backend.grammar_limits import GrammarLimits
+from gateway.api.schemas import closed
 from gateway.app import create_app
 from gateway.bootstrap import ensure_admin_key
 from gateway.dispatch.engine_client import InProcessEngineClient
@@ -222,3 +223,19 @@ async def test_a_slow_grammar_compiles_while_the_loop_and_other_tenants_go_on(
         took = time.monotonic() - started
         assert served.status_code == 200, served.text[:500]
         assert slowest < min(bound, took / 2), f"{slowest:.2f} s beside a {took:.2f} s compile"
+
+
+async def test_one_tenants_compiled_grammar_is_not_another_tenants_cache_hit(
+    in_process: Gateway, engine_client: InProcessEngineClient
+) -> None:
+    """Issue 32 item 10: a cache hit on another tenant's grammar answered 10x faster and
+    so revealed that tenant's schema. Each tenant's grammars are now its own."""
+    grammars = engine_client.engine.engine.grammars
+    schema = optional_properties(7)  # no other test sends it: both compiles are these
+    async with httpx.AsyncClient(timeout=60) as http:
+        for key in in_process.keys:
+            answer = await _post(http, in_process, key, _body(in_process, "guided_json", schema))
+            assert answer.status_code == 200, answer.text
+    spec = json.dumps(closed(schema))
+    owners = [tenant for tenant, kind, cached in grammars.cached() if cached == spec]
+    assert len(owners) == 2 and "" not in owners, owners  # one entry per tenant
