@@ -167,7 +167,7 @@ def handle_domain_error(request: Request[Any, Any, Any], exc: Exception) -> Resp
     mapped = next((DOMAIN_ERRORS[c] for c in type(exc).__mro__ if c in DOMAIN_ERRORS), None)
     if mapped is None:
         return handle_unexpected(request, exc)
-    return error_response(mapped(str(exc)))
+    return error_response(mapped(str(exc), param=getattr(exc, "param", None)))
 
 
 # What Litestar raises (as a 500) when the client leaves while its body is being read.

@@ -59,7 +59,10 @@ def _model_flags(parser: argparse.ArgumentParser, *, kind_required: bool) -> Non
     add("--weight", dest="weights", action="append", help="a weight per --target, in order")
     add("--tokenizer", help="a local Hugging Face tokenizer folder (default: the target's)")
     add("--upstream-model", help="the model's name at the upstream (default: NAME)")
-    add("--api-key-env", help="the environment variable holding the upstream's API key")
+    add(
+        "--api-key-env",
+        help="the variable holding the upstream's API key: TOLLGATE_UPSTREAM_KEY_<NAME>",
+    )
     add("--context", help="context length in tokens (default: learnt from a target)")
 
 

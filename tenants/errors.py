@@ -11,7 +11,12 @@ class TenantsError(Exception):
 
 
 class DomainError(TenantsError):
-    """The caller's request cannot be done as asked; the message says why."""
+    """The caller's request cannot be done as asked; the message says why, and `param`
+    names the field at fault where one is."""
+
+    def __init__(self, message: str, param: str | None = None) -> None:
+        super().__init__(message)
+        self.param = param
 
 
 class NotFoundError(DomainError):

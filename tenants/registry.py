@@ -3,7 +3,10 @@
 A model is either `tollgate` (Tollgate backend replicas, `tollgate backend serve`) or
 `openai` (any OpenAI-compatible server: vLLM, SGLang, TGI, a hosted API). Several targets
 form a pool. An upstream's API key is never stored: only the name of the environment
-variable that holds it on the gateway's machines.
+variable that holds it on the gateway's machines, which must start with
+UPSTREAM_KEY_PREFIX: the gateway sends that variable to the model's targets (as a bearer
+token, on every request and probe), so no other variable, and none of the gateway's own
+secrets (TOLLGATE_DATABASE_URL, TOLLGATE_BACKEND_SECRET, ...), can be named.
 """
 
 from __future__ import annotations
@@ -24,7 +27,8 @@ from tenants.models import Base, new_id, utcnow
 from tenants.services import Audited
 
 _NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._:/@+-]{0,127}$")  # OpenAI-style model ids
-_ENV_VAR = re.compile(r"^[A-Z_][A-Z0-9_]{0,127}$")
+UPSTREAM_KEY_PREFIX = "TOLLGATE_UPSTREAM_KEY_"
+_ENV_VAR = re.compile(rf"^{UPSTREAM_KEY_PREFIX}[A-Z0-9_]{{1,100}}$")
 MAX_TARGETS = 64
 MAX_WEIGHT = 1000
 MAX_CONTEXT = 10_000_000
@@ -85,11 +89,8 @@ class ModelSpec:
         urls = [_check_target(t) for t in self.targets]
         if len(set(urls)) != len(urls):
             raise InvalidInputError("a target URL is listed twice")
-        if self.api_key_env is not None and not _ENV_VAR.match(self.api_key_env):
-            raise InvalidInputError(
-                f"api key variable {self.api_key_env[:40]!r} must be an environment "
-                "variable's name (A-Z, 0-9, _), not the key itself"
-            )
+        if self.api_key_env is not None:
+            check_api_key_env(self.api_key_env)
         if self.context_length is not None and not 1 <= self.context_length <= MAX_CONTEXT:
             raise InvalidInputError(f"context length must be 1..{MAX_CONTEXT}")
         if self.tokenizer is not None:
@@ -125,6 +126,22 @@ def model_view(row: ServedModel) -> dict[str, Any]:
         "created_at": row.created_at.isoformat(),
         "updated_at": row.updated_at.isoformat(),
     }
+
+
+def is_upstream_key_env(name: str) -> bool:
+    """Only a variable named for the purpose may be sent to an upstream."""
+    return _ENV_VAR.match(name) is not None
+
+
+def check_api_key_env(name: str) -> None:
+    """The value is not echoed: it may be a key given by mistake."""
+    if not is_upstream_key_env(name):
+        raise InvalidInputError(
+            f"the api key variable must be an environment variable named "
+            f"{UPSTREAM_KEY_PREFIX}<NAME> (A-Z, 0-9, _), not the key itself: only such "
+            "variables are sent to upstreams, never the gateway's own settings or secrets",
+            param="api_key_env",
+        )
 
 
 def _check_name(name: str) -> None:

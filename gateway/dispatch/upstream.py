@@ -64,7 +64,7 @@ from gateway.errors import (
 from gateway.settings import PriorityOrder
 from gateway.tasks import Periodic
 from gateway.telemetry.request import current_request
-from tenants.registry import ModelSpec
+from tenants.registry import UPSTREAM_KEY_PREFIX, ModelSpec, is_upstream_key_env
 
 log = logging.getLogger(__name__)
 
@@ -753,8 +753,16 @@ def _error_fields(content: bytes) -> tuple[str | None, str | None]:
 
 
 def _api_key(spec: ModelSpec) -> str | None:
+    """The value of the model's key variable; a name stored before names were limited to
+    UPSTREAM_KEY_PREFIX is refused here too, never read."""
     if spec.api_key_env is None:
         return None
+    if not is_upstream_key_env(spec.api_key_env):
+        raise EngineUnavailable(
+            f"model {spec.name!r}: its api key variable {spec.api_key_env} is not named "
+            f"{UPSTREAM_KEY_PREFIX}<NAME>, and only such variables are sent upstream: "
+            "rename it (tollgate models update NAME --api-key-env ...)"
+        )
     key = os.environ.get(spec.api_key_env, "").strip()
     if not key:
         raise EngineUnavailable(

@@ -49,7 +49,7 @@ async def test_owner_adds_and_removes_a_model(
         "http://127.0.0.1:8001=3\nhttp://127.0.0.1:8002"
     )
     await page.get_by_label(re.compile("^Context length")).fill("8192")
-    await page.get_by_label(re.compile("^API key variable")).fill("VLLM_KEY")
+    await page.get_by_label(re.compile("^API key variable")).fill("TOLLGATE_UPSTREAM_KEY_VLLM")
     await page.get_by_role("button", name="Add model").click()
     await expect(page.get_by_role("status")).to_contain_text(f"Added {NAME}")
     row = page.locator(f'#models-table tr[data-model="{NAME}"]')

@@ -31,7 +31,7 @@ LLAMA = {
     "name": "meta-llama/Llama-3.1-8B",
     "kind": "openai",
     "targets": [{"url": "http://127.0.0.1:8001", "weight": 3}, {"url": "http://127.0.0.1:8002"}],
-    "api_key_env": "VLLM_KEY",
+    "api_key_env": "TOLLGATE_UPSTREAM_KEY_VLLM",
     "context_length": 8192,
 }
 
@@ -74,7 +74,7 @@ async def test_models_through_the_admin_api_are_audited_with_typed_errors(
     patched = await client.patch(path, json={"context_length": None}, headers=admin)
     assert patched.status_code == 200, patched.text
     assert patched.json()["context_length"] is None
-    assert patched.json()["api_key_env"] == "VLLM_KEY"  # what was not given stays
+    assert patched.json()["api_key_env"] == "TOLLGATE_UPSTREAM_KEY_VLLM"  # what was not given stays
     fetched = await client.get(path, headers=admin)
     assert fetched.json()["upstream_model"] is None
     assert [m["name"] for m in (await client.get("/admin/api/models", headers=admin)).json()] == [
@@ -86,6 +86,14 @@ async def test_models_through_the_admin_api_are_audited_with_typed_errors(
     assert refused.status_code == 400 and "http(s)" in refused.json()["error"]["message"]
     a_secret = await client.patch(path, json={"api_key_env": "sk-live-abc"}, headers=admin)
     assert a_secret.status_code == 400 and "variable" in a_secret.json()["error"]["message"]
+    assert "sk-live-abc" not in a_secret.text  # perhaps a key: never echoed
+    for own in ("TOLLGATE_DATABASE_URL", "TOLLGATE_STRIPE_API_KEY", "TOLLGATE_BACKEND_SECRET"):
+        leak = {**LLAMA, "name": "leak", "api_key_env": own}
+        refused = await client.post("/admin/api/models", json=leak, headers=admin)
+        assert refused.status_code == 400, refused.text
+        error = refused.json()["error"]
+        assert (error["type"], error["param"]) == ("invalid_request_error", "api_key_env")
+        assert "TOLLGATE_UPSTREAM_KEY_<NAME>" in error["message"]
     unknown_field = await client.patch(path, json={"name": "renamed"}, headers=admin)
     assert unknown_field.status_code == 400
     assert (await client.patch(path, json={}, headers=admin)).status_code == 400

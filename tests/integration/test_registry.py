@@ -19,7 +19,7 @@ OPERATOR = Actor("admin:ops")
 
 def vllm(name: str = "llama-8b", *urls: str) -> ModelSpec:
     targets = tuple(Target(u) for u in (urls or ("http://127.0.0.1:8001/",)))
-    return ModelSpec(name, ModelKind.OPENAI, targets, api_key_env="VLLM_KEY")
+    return ModelSpec(name, ModelKind.OPENAI, targets, api_key_env="TOLLGATE_UPSTREAM_KEY_VLLM")
 
 
 async def _events(sessions: Sessions) -> list[AuditEvent]:
@@ -85,6 +85,34 @@ async def test_names_are_unique_and_unknown_ones_are_not_found(sessions: Session
         (ModelSpec("m", ModelKind.OPENAI, (Target("http://h", 0),)), "weight"),
         (ModelSpec("m", ModelKind.OPENAI, (Target("http://h"), Target("http://h/"))), "twice"),
         (ModelSpec("m", ModelKind.OPENAI, (Target("http://h"),), api_key_env="sk-123"), "name"),
+        (
+            ModelSpec(
+                "m", ModelKind.OPENAI, (Target("http://h"),), api_key_env="TOLLGATE_DATABASE_URL"
+            ),
+            "TOLLGATE_UPSTREAM_KEY_<NAME>",
+        ),
+        (
+            ModelSpec(
+                "m", ModelKind.OPENAI, (Target("http://h"),), api_key_env="TOLLGATE_STRIPE_API_KEY"
+            ),
+            "TOLLGATE_UPSTREAM_KEY_<NAME>",
+        ),
+        (
+            ModelSpec(
+                "m", ModelKind.OPENAI, (Target("http://h"),), api_key_env="TOLLGATE_BACKEND_SECRET"
+            ),
+            "TOLLGATE_UPSTREAM_KEY_<NAME>",
+        ),
+        (
+            ModelSpec("m", ModelKind.OPENAI, (Target("http://h"),), api_key_env="VLLM_API_KEY"),
+            "TOLLGATE_UPSTREAM_KEY_<NAME>",
+        ),
+        (
+            ModelSpec(
+                "m", ModelKind.OPENAI, (Target("http://h"),), api_key_env="TOLLGATE_UPSTREAM_KEY_"
+            ),
+            "TOLLGATE_UPSTREAM_KEY_<NAME>",
+        ),
         (ModelSpec("m", ModelKind.OPENAI, (Target("http://h"),), context_length=0), "context"),
         (ModelSpec("m", ModelKind.TOLLGATE, (Target("http://h"),), tokenizer="rel"), "absolute"),
     ],

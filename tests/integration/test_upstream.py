@@ -32,7 +32,7 @@ from gateway.settings import Settings
 from tenants.billing.prices import PriceService
 from tenants.models import KeyRole, UsageEvent, utcnow
 from tenants.pricing import Price
-from tenants.registry import ModelKind, ModelService, ModelSpec, Target
+from tenants.registry import ModelKind, ModelService, ModelSpec, ServedModel, Target
 from tenants.services import ApiKeyService, TenantService
 from tests.conftest import eventually, migrated_sqlite, read_text_events, serving
 from tests.e2e.processes import free_port, running, start
@@ -865,14 +865,45 @@ async def test_the_upstreams_api_key_comes_from_the_environment_and_is_never_log
 ) -> None:
     caplog.set_level(logging.DEBUG)
     async with upstream(tokens=2, api_key="sk-upstream-secret") as url:
-        await gateway.register(url, name="unset", api_key_env="TOLLGATE_TEST_MISSING_KEY")
-        monkeypatch.setenv("TOLLGATE_TEST_UPSTREAM_KEY", "sk-upstream-secret")
-        await gateway.register(url, api_key_env="TOLLGATE_TEST_UPSTREAM_KEY")
+        await gateway.register(url, name="unset", api_key_env="TOLLGATE_UPSTREAM_KEY_MISSING")
+        monkeypatch.setenv("TOLLGATE_UPSTREAM_KEY_TEST", "sk-upstream-secret")
+        await gateway.register(url, api_key_env="TOLLGATE_UPSTREAM_KEY_TEST")
         sdk = gateway.sdk(await gateway.key("acme"))
         answer = await sdk.completions.create(model=MODEL, prompt="hi", max_tokens=2)
         assert answer.choices[0].text == OUTPUT_TEXT[:2]
         with pytest.raises(openai.InternalServerError) as unopened:  # its variable is unset
             await sdk.completions.create(model="unset", prompt="hi", max_tokens=2)
         assert unopened.value.status_code == 503
-    assert "TOLLGATE_TEST_MISSING_KEY" in caplog.text  # the operator learns why
+    assert "TOLLGATE_UPSTREAM_KEY_MISSING" in caplog.text  # the operator learns why
     assert "sk-upstream-secret" not in caplog.text
+
+
+async def test_a_stored_key_variable_of_another_name_is_never_sent_upstream(
+    gateway: Gateway, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A registry row stored before key variables were limited to TOLLGATE_UPSTREAM_KEY_*
+    (here the gateway's own backend secret): the model is not opened, so the variable
+    never goes to the upstream, and the operator's log says what to rename."""
+    monkeypatch.setenv("TOLLGATE_BACKEND_SECRET", "gateway-own-secret")
+    async with upstream(tokens=2) as url:
+        async with gateway.sessions.begin() as session:
+            session.add(
+                ServedModel(
+                    name="legacy",
+                    kind="openai",
+                    targets=[{"url": url, "weight": 1}],
+                    api_key_env="TOLLGATE_BACKEND_SECRET",
+                )
+            )
+            await PriceService(session).create("legacy", Price(1, 1, 1), utcnow(), "test")
+        runtime = gateway.app.state.runtime
+        runtime.recorder.prices.invalidate()
+        await runtime.models.refresh()
+        assert runtime.models.built("legacy") is None
+        sdk = gateway.sdk(await gateway.key("acme"))
+        with pytest.raises(openai.InternalServerError) as unopened:
+            await sdk.completions.create(model="legacy", prompt="hi", max_tokens=2)
+        assert unopened.value.status_code == 503
+        assert await recorded(url) == []
+    assert "TOLLGATE_BACKEND_SECRET is not named TOLLGATE_UPSTREAM_KEY_<NAME>" in caplog.text
+    assert "gateway-own-secret" not in caplog.text

@@ -63,7 +63,19 @@ def _models(capsys: pytest.CaptureFixture[str]) -> list[dict[str, Any]]:
 def test_models_add_update_list_remove(cli_env: Path, capsys: pytest.CaptureFixture[str]) -> None:
     capsys.readouterr()
     targets = ["--target", "http://127.0.0.1:8001=3", "--target", "http://127.0.0.1:8002/"]
-    assert main([*MODELS_ADD, *targets, "--api-key-env", "VLLM_KEY", "--context", "8192"]) == 0
+    assert (
+        main(
+            [
+                *MODELS_ADD,
+                *targets,
+                "--api-key-env",
+                "TOLLGATE_UPSTREAM_KEY_VLLM",
+                "--context",
+                "8192",
+            ]
+        )
+        == 0
+    )
     added = capsys.readouterr().out
     assert "added llama\topenai\thttp://127.0.0.1:8001=3,http://127.0.0.1:8002=1" in added
     assert "no price" in added and "tollgate prices set --model llama" in added
@@ -77,7 +89,7 @@ def test_models_add_update_list_remove(cli_env: Path, capsys: pytest.CaptureFixt
     assert main([*update, "--upstream-model", "meta/llama", "--context", "none"]) == 0
     [model] = _models(capsys)
     assert (model["upstream_model"], model["context_length"]) == ("meta/llama", None)
-    assert model["api_key_env"] == "VLLM_KEY"  # not given: unchanged
+    assert model["api_key_env"] == "TOLLGATE_UPSTREAM_KEY_VLLM"  # not given: unchanged
     weighed = ["--target", "http://a:1", "--target", "http://b:2", "--weight", "2", "--weight", "5"]
     assert main([*update, *weighed]) == 0
     assert [t["weight"] for t in _models(capsys)[0]["targets"]] == [2, 5]
@@ -100,6 +112,10 @@ def test_models_add_update_list_remove(cli_env: Path, capsys: pytest.CaptureFixt
         ([*MODELS_ADD, "--target", "http://h", "--weight", "1", "--weight", "2"], "one each"),
         ([*MODELS_ADD, "--target", "http://h", "--context", "lots"], "must be a whole number"),
         ([*MODELS_ADD, "--target", "http://h", "--api-key-env", "sk-abc"], "variable"),
+        (
+            [*MODELS_ADD, "--target", "http://h", "--api-key-env", "TOLLGATE_BACKEND_SECRET"],
+            "TOLLGATE_UPSTREAM_KEY_<NAME>",
+        ),
         ([*MODELS_ADD, "--target", "http://h", "--tokenizer", "rel/dir"], "absolute"),
         (["models", "update", "ghost", "--context", "5"], "no model named 'ghost'"),
         (["models", "update", "ghost"], "nothing to change"),
