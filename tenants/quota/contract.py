@@ -246,8 +246,8 @@ class WindowStatus:
 
 @dataclass(frozen=True, slots=True)
 class Granted:
-    """Admitted: the reservation holds its lease. Statuses are of the first scope, after
-    this admission."""
+    """Admitted: the reservation holds its lease. Statuses are the binding ones across
+    the scopes (`binding`), after this admission."""
 
     reservation: Reservation
     requests: WindowStatus
@@ -262,7 +262,8 @@ class Denied:
     scope rpm, tpm, concurrency, budget). retry_after_s: when the window will have room
     (rpm, tpm) or a slot may free (concurrency, capped at CONCURRENCY_RETRY_HINT_S);
     None when waiting cannot help: a budget, or a request larger than the limit itself
-    (tokens > tpm, rpm == 0, max_concurrent == 0). Statuses are of the first scope.
+    (tokens > tpm, rpm == 0, max_concurrent == 0). Statuses are the binding ones across
+    the scopes (`binding`).
     """
 
     reason: DenyReason
@@ -397,6 +398,15 @@ def window_status(
     if limit is None:
         return WindowStatus(None, None, reset_s)
     return WindowStatus(limit, max(0, limit - used), reset_s)
+
+
+def binding(statuses: Sequence[WindowStatus]) -> WindowStatus:
+    """Of one window's statuses in several scopes (a tenant's and its key's), the one that
+    binds: the fewest remaining (then the lowest limit); unlimited only if every scope is."""
+    limited = [s for s in statuses if s.limit is not None and s.remaining is not None]
+    if not limited:
+        return statuses[0]
+    return min(limited, key=lambda s: (s.remaining, s.limit))
 
 
 def retry_after(reason: DenyReason, retry_us: int) -> float | None:

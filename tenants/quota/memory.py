@@ -31,14 +31,15 @@ from tenants.quota.contract import (
     Denied,
     DenyReason,
     Granted,
-    Limits,
     Reservation,
     ReservationIdError,
     ReserveRequest,
+    Scope,
     ScopeUsage,
     SettleResult,
     SpendUnknownError,
     WindowStatus,
+    binding,
     check_charge,
     check_lease,
     check_rebase,
@@ -200,14 +201,20 @@ class MemoryQuotaStore:
         return True
 
     def _statuses(
-        self, limits: Limits, state: _ScopeState, now: int
+        self, scopes: Sequence[Scope], states: Sequence[_ScopeState], now: int
     ) -> tuple[WindowStatus, WindowStatus]:
-        """The requests and tokens status of a scope's window, for the headers."""
-        newest = state.newest()
-        return (
-            window_status(limits.rpm, len(state.window), newest, now, self._window_us),
-            window_status(limits.tpm, state.tokens_total, newest, now, self._window_us),
-        )
+        """The binding requests and tokens statuses of the scopes' windows, for the
+        headers."""
+        requests, tokens = [], []
+        for scope, state in zip(scopes, states, strict=True):
+            newest, limits = state.newest(), scope.limits
+            requests.append(
+                window_status(limits.rpm, len(state.window), newest, now, self._window_us)
+            )
+            tokens.append(
+                window_status(limits.tpm, state.tokens_total, newest, now, self._window_us)
+            )
+        return binding(requests), binding(tokens)
 
     async def reserve(self, request: ReserveRequest) -> Granted | Denied:
         with self._lock:
@@ -221,9 +228,9 @@ class MemoryQuotaStore:
         if self._is_done(rid, now):
             raise ReservationIdError(f"reservation {rid!r} was already settled")
         states = [self._scope(scope.key, now) for scope in request.scopes]
-        first, first_limits = states[0], request.scopes[0].limits
+        first = states[0]
         if rid in first.leases:
-            return Granted(request.reservation, *self._statuses(first_limits, first, now))
+            return Granted(request.reservation, *self._statuses(request.scopes, states, now))
         if rid in first.window_tokens:
             raise ReservationIdError(f"reservation {rid!r} expired and is still in the window")
         tokens, cost, period = request.tokens, request.cost_micros, request.period
@@ -256,7 +263,7 @@ class MemoryQuotaStore:
                     reason,
                     scope.key,
                     retry_after(reason, retry_us),
-                    *self._statuses(first_limits, first, now),
+                    *self._statuses(request.scopes, states, now),
                 )
         expiry = now + check_lease(request.lease_s)
         for scope, state in zip(request.scopes, states, strict=True):
@@ -265,7 +272,7 @@ class MemoryQuotaStore:
             state.tokens_total += tokens
             state.hold(rid, expiry, cost, period)
             self._with_leases.add(scope.key)
-        return Granted(request.reservation, *self._statuses(first_limits, first, now))
+        return Granted(request.reservation, *self._statuses(request.scopes, states, now))
 
     async def renew(self, reservations: Sequence[Reservation], lease_s: float) -> set[str]:
         lease_us = check_lease(lease_s)

@@ -59,10 +59,13 @@ from tenants.quota.contract import (
     Reservation,
     ReservationIdError,
     ReserveRequest,
+    Scope,
     ScopeUsage,
     SettleResult,
     SpendUnknownError,
     StoreUnavailableError,
+    WindowStatus,
+    binding,
     check_charge,
     check_lease,
     check_rebase,
@@ -255,11 +258,11 @@ end
 # ARGV[7] n (number of scopes)
 # ARGV[8+5(i-1)..]   scope i: name, rpm, tpm, max_concurrent, budget (-1 = unlimited)
 # KEYS[3+5n]         ready marker of the period   ARGV[8+5n] guard (1: require it)
-# Returns {code, reason, scope index, retry us, now, count, tokens, newest} where code is
-# 1 granted, 2 granted before (live lease: a retry), 0 denied (reason 1 rpm, 2 tpm,
-# 3 concurrency, 4 budget; retry -1 = waiting cannot help), -1 id already settled,
-# -2 id expired but still in the window, -3 {-3, retry us}: spend not rebuilt yet; the
-# last three are scope 1's window after it.
+# Returns {code, reason, scope index, retry us, now, then count, tokens, newest of each
+# scope's window after it} where code is 1 granted, 2 granted before (live lease: a
+# retry), 0 denied (reason 1 rpm, 2 tpm, 3 concurrency, 4 budget; retry -1 = waiting
+# cannot help), -1 id already settled, -2 id expired but still in the window,
+# -3 {-3, retry us}: spend not rebuilt yet.
 RESERVE_LUA = (
     _LUA_HELPERS
     + """
@@ -278,6 +281,20 @@ local function tokens_retry(win, wtok, need, now)
     end
     start = start + PAGE
   end
+end
+
+-- `head` followed by every scope's window state (count, tokens, newest): the headers
+-- describe the scope that binds. Scope i's state and window at
+-- KEYS[3 + 5 * (i - 1)] and KEYS[6 + 5 * (i - 1)].
+local function with_windows(head, n)
+  for i = 1, n do
+    local k = 2 + 5 * (i - 1)
+    local count, total, newest = window_state(KEYS[k + 1], KEYS[k + 4])
+    head[#head + 1] = count
+    head[#head + 1] = total
+    head[#head + 1] = newest
+  end
+  return head
 end
 
 local active, done = KEYS[1], KEYS[2]
@@ -300,14 +317,10 @@ for i = 1, n do
   end
   prune_window(KEYS[k + 1], KEYS[k + 4], KEYS[k + 5], now)
 end
-if redis.call('ZSCORE', KEYS[4], rid) then
-  local count, total, newest = window_state(KEYS[3], KEYS[6])
-  return {2, 0, 0, -1, now, count, total, newest}
-end
+if redis.call('ZSCORE', KEYS[4], rid) then return with_windows({2, 0, 0, -1, now}, n) end
 if redis.call('ZSCORE', KEYS[6], rid) then return {-2} end
 
 local spent_field, reserved_field = 'spent:' .. period, 'reserved:' .. period
-local count1, total1 = 0, 0  -- scope 1's window before this admission
 for i = 1, n do
   local k, a = 2 + 5 * (i - 1), 7 + 5 * (i - 1)
   local st, lease, win, wtok = KEYS[k + 1], KEYS[k + 2], KEYS[k + 4], KEYS[k + 5]
@@ -316,7 +329,6 @@ for i = 1, n do
   local count = redis.call('ZCARD', win)
   local counters = redis.call('HMGET', st, 'wtokens', spent_field, reserved_field)
   local total = tonumber(counters[1] or 0)
-  if i == 1 then count1, total1 = count, total end
   local reason, retry = 0, -1
   if rpm >= 0 and count >= rpm then
     reason = 1
@@ -336,10 +348,7 @@ for i = 1, n do
       and tonumber(counters[2] or 0) + tonumber(counters[3] or 0) + cost > budget then
     reason = 4
   end
-  if reason > 0 then
-    local count1, total1, newest1 = window_state(KEYS[3], KEYS[6])
-    return {0, reason, i, retry, now, count1, total1, newest1}
-  end
+  if reason > 0 then return with_windows({0, reason, i, retry, now}, n) end
 end
 
 local expiry = int(now + lease_us)
@@ -355,7 +364,7 @@ for i = 1, n do
   add(st, reserved_field, cost)
   redis.call('ZADD', active, 'LT', expiry, ARGV[8 + 5 * (i - 1)])
 end
-return {1, 0, 0, -1, now, count1 + 1, total1 + tokens, now}
+return with_windows({1, 0, 0, -1, now}, n)
 """
 )
 
@@ -688,6 +697,18 @@ class RedisQuotaStore:
             await self._call(lambda: self._client.script_load(script.script))
             return await self._call(run)
 
+    def _statuses(
+        self, scopes: Sequence[Scope], windows: list[int], now: int
+    ) -> tuple[WindowStatus, WindowStatus]:
+        """The binding requests and tokens statuses, from each scope's (count, tokens,
+        newest admission) as the script returns them."""
+        requests, tokens = [], []
+        for i, scope in enumerate(scopes):
+            count, total, newest = windows[3 * i : 3 * i + 3]
+            requests.append(window_status(scope.limits.rpm, count, newest, now, self._window_us))
+            tokens.append(window_status(scope.limits.tpm, total, newest, now, self._window_us))
+        return binding(requests), binding(tokens)
+
     async def reserve(self, request: ReserveRequest) -> Granted | Denied:
         rid = request.reservation_id
         keys = [self._active, self._done_key(rid)]
@@ -720,10 +741,8 @@ class RedisQuotaStore:
             raise ReservationIdError(f"reservation {rid!r} was already settled")
         if code == -2:
             raise ReservationIdError(f"reservation {rid!r} expired and is still in the window")
-        _, reason_code, index, retry_us, now, count, total, newest = (int(v) for v in result)
-        first = request.scopes[0].limits
-        requests = window_status(first.rpm, count, newest, now, self._window_us)
-        tokens = window_status(first.tpm, total, newest, now, self._window_us)
+        _, reason_code, index, retry_us, now = (int(v) for v in result[:5])
+        requests, tokens = self._statuses(request.scopes, [int(v) for v in result[5:]], now)
         if code == 0:
             reason = _REASONS[reason_code]
             return Denied(

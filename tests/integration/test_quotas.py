@@ -153,6 +153,42 @@ async def test_key_override_limits_one_key_only(
     assert free.status_code == 200
 
 
+async def test_rate_limit_headers_describe_the_binding_limit_of_key_or_tenant(
+    app: Litestar, sessions: Sessions, engine_client: InProcessEngineClient
+) -> None:
+    """A key with rpm 1 on a plan with rpm 100 hears of the key's limit, on its 200 and
+    its 429; a key limit under a plan without one still gets headers; where the tenant's
+    window is the tighter, the tenant's."""
+    tenant_id, key = await _tenant_key(sessions, LimitSet(rpm=100))
+    _, unplanned = await _tenant_key(sessions, LimitSet())
+    _, tight_plan = await _tenant_key(sessions, LimitSet(rpm=2, tpm=1000))
+    async with sessions.begin() as session:
+        keys = ApiKeyService(session)
+        await keys.set_limits(key.split("_")[0], LimitSet(rpm=1))
+        await keys.set_limits(unplanned.split("_")[0], LimitSet(rpm=3, tpm=500))
+        await keys.set_limits(tight_plan.split("_")[0], LimitSet(rpm=50, tpm=10_000))
+    body = _body(engine_client.model_name, max_tokens=1)
+
+    def requests_headers(response: httpx.Response) -> tuple[int, str | None, str | None]:
+        limit = response.headers.get("x-ratelimit-limit-requests")
+        return response.status_code, limit, response.headers.get("x-ratelimit-remaining-requests")
+
+    async with _client(app) as client:
+
+        async def post(secret: str) -> httpx.Response:
+            headers = {"Authorization": f"Bearer {secret}"}
+            return await client.post("/v1/completions", json=body, headers=headers)
+
+        limited = [requests_headers(await post(key)) for _ in range(2)]
+        free = await post(unplanned)
+        tight = await post(tight_plan)
+    assert limited == [(200, "1", "0"), (429, "1", "0")]
+    assert requests_headers(free) == (200, "3", "2")
+    assert free.headers["x-ratelimit-limit-tokens"] == "500"
+    assert requests_headers(tight) == (200, "2", "1")
+    assert tight.headers["x-ratelimit-limit-tokens"] == "1000"
+
+
 @pytest.mark.parametrize("limit", ["rpm", "budget"])
 async def test_a_spent_key_costs_no_tokenizing(
     app: Litestar,

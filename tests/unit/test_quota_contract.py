@@ -52,7 +52,7 @@ from tenants.quota import (
     month_period,
     open_quota_store,
 )
-from tenants.quota.contract import WINDOW_US, check_lease
+from tenants.quota.contract import WINDOW_US, binding, check_lease
 from tests.conftest import REDIS_URL
 
 PERIODS = ("2026-10", "2026-11")
@@ -340,20 +340,23 @@ class QuotaMachine(RuleBasedStateMachine):
             else:
                 assert outcome.retry_after_s is not None
                 assert 0 < outcome.retry_after_s <= 60
-            self.check_status(request.scopes[0].key, outcome.requests, outcome.tokens, now)
+            self.check_status(request, outcome.requests, outcome.tokens, now)
             return None
         assert isinstance(outcome, Granted), (expected, outcome)
         assert outcome.reservation == request.reservation
         if expected.kind == "again":
             return None
         granted = self.model.grant(request, now)
-        self.check_status(request.scopes[0].key, outcome.requests, outcome.tokens, now)
+        self.check_status(request, outcome.requests, outcome.tokens, now)
         return granted
 
     def check_status(
-        self, scope: str, requests: WindowStatus, tokens: WindowStatus, now: int
+        self, request: ReserveRequest, requests: WindowStatus, tokens: WindowStatus, now: int
     ) -> None:
-        want_requests, want_tokens = self.model.status(scope, now)
+        """The headers' statuses are the binding ones over the request's scopes."""
+        statuses = [self.model.status(scope.key, now) for scope in request.scopes]
+        want_requests = binding([status[0] for status in statuses])
+        want_tokens = binding([status[1] for status in statuses])
         if self.timed:
             assert (requests, tokens) == (want_requests, want_tokens)
         else:
