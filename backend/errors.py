@@ -71,6 +71,15 @@ class RequestFailedError(EngineError):
     kind = "request_failed"
 
 
+class GrammarTooComplexError(RequestFailedError):
+    """A constraint's grammar needs more parser work for the next token than llguidance
+    allows (a right-recursive rule grows with the output; an object of hundreds of
+    optional properties): the client's grammar is at fault, not the engine. The request
+    fails alone, and the gateway answers 400 on the constraint's field."""
+
+    kind = "grammar_too_complex"
+
+
 class RequestStepError(EngineError):
     """Raised inside a step by per-request work (e.g. seeding a request's generator):
     only `request_ids` are at fault, so only they fail and the step runs again without

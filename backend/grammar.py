@@ -29,7 +29,7 @@ from typing import TYPE_CHECKING, TypeVar
 import numpy as np
 
 from backend.constraint import Constraint
-from backend.errors import ConstraintError, RequestFailedError
+from backend.errors import ConstraintError, GrammarTooComplexError, RequestFailedError
 from backend.grammar_limits import DEFAULT_LIMITS, GrammarLimits, check_limits
 
 if TYPE_CHECKING:  # llguidance is imported where a grammar is compiled or masked: a
@@ -47,6 +47,8 @@ MAX_COMPILE_THREADS = 8  # tenants compiling at once (one compile per tenant at 
 # Compact JSON (no whitespace between tokens): a model cannot wander into endless blanks.
 _JSON_DEFAULTS: JsonCompileOptions = {"whitespace_flexible": False}
 _ANY_OBJECT = '{"type": "object"}'
+# llguidance's words when a step needs more parser work than its limits allow.
+_TOO_COMPLEX = re.compile(r"max is \d+|too complex", re.IGNORECASE)
 GrammarKey = tuple[str, str, str]  # (tenant, kind, spec); tenant "": a cache all share
 _V = TypeVar("_V")
 
@@ -64,6 +66,8 @@ class GrammarMatcher:
         """Consume the sampled token; True once the grammar is complete (nothing but EOS
         may follow), so the request stops."""
         if not self._matcher.consume_token(token):
+            if _TOO_COMPLEX.search(self._matcher.get_error()):
+                raise GrammarTooComplexError("the grammar grew past the parser's limits")
             raise RequestFailedError(f"token {token} is outside the request's grammar")
         return self._matcher.is_stopped()
 

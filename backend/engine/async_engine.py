@@ -14,13 +14,16 @@ from pathlib import Path
 from backend.config import EngineConfig
 from backend.engine.engine import Engine
 from backend.errors import (
+    ConstraintError,
     DeadlineExceededError,
     EngineDeadError,
+    GrammarTooComplexError,
     OverloadedError,
     RequestFailedError,
 )
 from backend.outputs import EngineStats, RequestOutput
 from backend.requests import EngineRequest
+from backend.sampling import SamplingParams
 from backend.tokenizer import Tokenizer
 
 log = logging.getLogger(__name__)
@@ -118,7 +121,7 @@ class AsyncEngine:
                 if isinstance(item, BaseException):
                     raise item
                 if item.error is not None:
-                    raise _rejection(item)
+                    raise _rejection(item, params)
                 unfinished -= item.finished
                 yield item
         finally:
@@ -247,9 +250,17 @@ def _resolve(job: _Embedding, outcome: list[list[float]] | BaseException) -> Non
         job.loop.call_soon_threadsafe(settle)
 
 
-def _rejection(out: RequestOutput) -> Exception:
+def _rejection(out: RequestOutput, params: SamplingParams) -> Exception:
     """The error a request the policy rejected, or a step failed, raises (out.error says
     why)."""
+    if out.error == GrammarTooComplexError.kind and params.constraint is not None:
+        field = params.constraint.field
+        return ConstraintError(
+            f"{field} became too complex for the parser to follow at this point of the "
+            "output (a right-recursive rule grows with it: make it left-recursive; "
+            "or fewer optional properties in one object)",
+            field,
+        )
     if out.error == RequestFailedError.kind:
         return RequestFailedError("the engine failed this request; others were not affected")
     if out.error == OverloadedError.kind:

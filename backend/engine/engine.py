@@ -19,6 +19,7 @@ from backend.engine.request import Request, RequestStatus, fan_out
 from backend.engine.scheduler import Scheduler
 from backend.engine.step_cost import warm_up, warm_up_shapes
 from backend.errors import (
+    GrammarTooComplexError,
     InvalidParameterError,
     OverloadedError,
     PromptTooLongError,
@@ -254,6 +255,8 @@ class Engine:
         for req, token in self.scheduler.update_from_output(batch, result):
             try:
                 outputs.append(self._process_token(req, token, result.logprobs.get(req.request_id)))
+            except GrammarTooComplexError:  # the client's grammar: it fails alone, a 400
+                outputs += self._fail([req.request_id], GrammarTooComplexError.kind)
             except Exception:
                 log.exception("failed to process a sampled token; failing its request")
                 outputs += self._fail([req.request_id])
@@ -309,12 +312,14 @@ class Engine:
         log.exception("an engine step failed; failing its %d request(s)", len(scheduled))
         return self._fail([r.request_id for r in scheduled])
 
-    def _fail(self, request_ids: list[str]) -> list[RequestOutput]:
-        """Finish these requests with a request_failed error; their siblings (n > 1) are
-        aborted, as after a rejection."""
+    def _fail(
+        self, request_ids: list[str], kind: str = RequestFailedError.kind
+    ) -> list[RequestOutput]:
+        """Finish these requests with an error of `kind` (request_failed unless the fault
+        is known); their siblings (n > 1) are aborted, as after a rejection."""
         outputs = []
         for req in self.scheduler.finish_requests(request_ids, RequestStatus.FINISHED_FAILED):
-            req.rejection = RequestFailedError.kind
+            req.rejection = kind
             self.num_failed_requests += 1
             outputs.append(self._finish(req, "", [], [], None))
             self.abort(req.external_id)

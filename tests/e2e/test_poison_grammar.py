@@ -239,3 +239,22 @@ async def test_one_tenants_compiled_grammar_is_not_another_tenants_cache_hit(
     spec = json.dumps(closed(schema))
     owners = [tenant for tenant, kind, cached in grammars.cached() if cached == spec]
     assert len(owners) == 2 and "" not in owners, owners  # one entry per tenant
+
+
+async def test_a_grammar_too_complex_to_follow_mid_output_is_a_400(
+    in_process: Gateway, engine_client: InProcessEngineClient, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """An object of 600 optional properties compiles, but llguidance refuses its first
+    token: the parser's work per token passes its limit (2,000 items, about 500 optional
+    properties). The limits refuse it up front; let through here, it stands for any
+    grammar that grows too complex mid-output (a right-recursive rule grows with it). The
+    client's grammar, not a fault of the engine: a 400 naming the field (it was a 500
+    request_failed)."""
+    grammars = engine_client.engine.engine.grammars
+    monkeypatch.setattr(grammars, "limits", GrammarLimits(max_optional_properties=10**4))
+    body = _body(in_process, "guided_json", optional_properties(600))
+    async with httpx.AsyncClient(timeout=60) as http:
+        answer = await _post(http, in_process, in_process.keys[0], body)
+        _assert_refused(answer, "guided_json")
+        assert "too complex" in answer.json()["error"]["message"]
+        await _ordinary(http, in_process)  # the engine serves on
