@@ -43,20 +43,32 @@ def check_limits(constraint: Constraint, limits: GrammarLimits = DEFAULT_LIMITS)
     """Raise ConstraintError (param: the constraint's field) when the constraint is past a
     limit; never runs native code, and never recurses (a deep spec cannot overflow it)."""
     kind, spec = constraint.kind, constraint.spec
-    if len(spec) > limits.max_chars:
-        _refuse(constraint, f"is {len(spec)} characters long; at most {limits.max_chars}")
+    check_length(constraint.field, len(spec), limits)
     if kind == "regex":
         _check_regex(constraint, spec, limits)
     elif kind == "grammar":
         _check_grammar(constraint, spec, limits)
     elif kind == "choice":
-        count = spec.count('",') + 1  # an upper bound; the strings are checked when compiled
-        if count > limits.max_choices:
+        if spec.count('",') >= limits.max_choices:  # else too few to count them exactly
             choices = _parsed(constraint)
-            if isinstance(choices, list) and len(choices) > limits.max_choices:
-                _refuse(constraint, f"has {len(choices)} choices; at most {limits.max_choices}")
+            if isinstance(choices, list):
+                check_choice_count(constraint.field, len(choices), limits)
     elif kind == "json_schema":
         _check_schema(constraint, _parsed(constraint), limits)
+
+
+def check_length(field: str, chars: int, limits: GrammarLimits = DEFAULT_LIMITS) -> None:
+    """The size limit alone, for a caller that knows a spec's size before building its
+    text (the gateway, before it transforms a schema)."""
+    if chars > limits.max_chars:
+        problem = f"is {chars} characters long; at most {limits.max_chars}"
+        raise ConstraintError(f"{field} {problem}", field, problem)
+
+
+def check_choice_count(field: str, count: int, limits: GrammarLimits = DEFAULT_LIMITS) -> None:
+    if count > limits.max_choices:
+        problem = f"has {count} choices; at most {limits.max_choices}"
+        raise ConstraintError(f"{field} {problem}", field, problem)
 
 
 def _check_regex(constraint: Constraint, regex: str, limits: GrammarLimits) -> None:

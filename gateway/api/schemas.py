@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import re
+from collections.abc import Callable
 from dataclasses import replace
 from typing import Annotated, Any, Literal, TypeVar
 
@@ -15,6 +16,8 @@ import msgspec
 from msgspec import Meta, Struct
 
 from backend.constraint import Constraint
+from backend.errors import ConstraintError
+from backend.grammar_limits import check_choice_count, check_length
 from backend.sampling import MAX_COUNT, MAX_SEED
 from gateway.api.tools import ToolCall, ToolChoice, ToolDef, ToolPlan, plan, template_tools
 from gateway.errors import InvalidRequest
@@ -164,7 +167,7 @@ class SamplingFields(Struct, kw_only=True):
         tool choice is one)."""
         asked = self._constraints()
         if tools is not None and tools.forced is not None:
-            asked.append(("tool_choice", _json_schema(tools.forced)))
+            asked.append(("tool_choice", _json_schema(tools.forced, "tool_choice")))
         if len(asked) > 1:
             (first, _), (second, _) = asked[:2]
             raise InvalidRequest(
@@ -178,10 +181,12 @@ class SamplingFields(Struct, kw_only=True):
     def _constraints(self) -> list[tuple[str, Constraint]]:
         asked: list[tuple[str, Constraint]] = []
         if self.guided_json is not None:
-            asked.append(("guided_json", _json_schema(_schema_of(self.guided_json))))
+            schema = _schema_of(self.guided_json)
+            asked.append(("guided_json", _json_schema(schema, "guided_json")))
         if self.guided_regex is not None:
             asked.append(("guided_regex", Constraint("regex", self.guided_regex)))
         if self.guided_choice is not None:
+            _bounded(check_choice_count, "guided_choice", len(self.guided_choice))
             asked.append(("guided_choice", Constraint("choice", json.dumps(self.guided_choice))))
         if self.guided_grammar is not None:
             asked.append(("guided_grammar", Constraint("grammar", self.guided_grammar)))
@@ -237,7 +242,11 @@ class ChatCompletionRequest(SamplingFields, kw_only=True):
             asked.insert(0, ("response_format", Constraint("json_object")))
         elif isinstance(rf, JsonSchemaResponse):
             schema = rf.json_schema.schema
-            constraint = Constraint("json_object") if schema is None else _json_schema(schema)
+            constraint = (
+                Constraint("json_object")
+                if schema is None
+                else _json_schema(schema, "response_format")
+            )
             asked.insert(0, ("response_format", constraint))
         return asked
 
@@ -290,8 +299,19 @@ def _schema_of(guided_json: dict[str, Any] | str) -> dict[str, Any]:
     return schema
 
 
-def _json_schema(schema: dict[str, Any]) -> Constraint:
+def _json_schema(schema: dict[str, Any], field: str) -> Constraint:
+    # Sized before it is closed and encoded: those take 0.3 s of the event loop for a
+    # 4 MB schema, and the engine refuses one past 64 KiB anyway (grammar_limits.py).
+    _bounded(check_length, field, len(msgspec.json.encode(schema)))
     return Constraint("json_schema", json.dumps(closed(schema)))
+
+
+def _bounded(check: Callable[[str, int], None], field: str, size: int) -> None:
+    """A grammar limit the gateway can check cheaply, before work on the event loop."""
+    try:
+        check(field, size)
+    except ConstraintError as exc:
+        raise InvalidRequest(str(exc), param=field) from None
 
 
 # The keywords whose values are schemas, lists of schemas, and maps of names to schemas.
