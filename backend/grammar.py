@@ -16,6 +16,7 @@ from __future__ import annotations
 import asyncio
 import functools
 import json
+import logging
 import re
 import threading
 import time
@@ -36,6 +37,8 @@ if TYPE_CHECKING:  # llguidance is imported where a grammar is compiled or maske
     # process that never constrains a request (the GPU image) need not have it.
     import llguidance
     from llguidance._lib import JsonCompileOptions
+
+log = logging.getLogger(__name__)
 
 DEFAULT_CACHE_SIZE = 256  # compiled grammars kept, least recently used dropped first
 # A compile thread's stack: 32x an ordinary thread's 8 MiB (address space, not memory,
@@ -147,6 +150,11 @@ class CompilePool:
         previous = threading.stack_size(self._stack_bytes)  # for threads started now
         try:
             thread.start()
+        except RuntimeError:  # no room for another thread: the running ones serve the queue
+            if self._threads == 0:
+                raise
+            log.warning("could not start another grammar compile thread", exc_info=True)
+            return
         finally:
             threading.stack_size(previous)
         self._threads += 1
