@@ -7,6 +7,10 @@ from gateway.telemetry import current_request
 from tenants.billing.prices import Quote
 from tenants.services import Principal
 
+# The opening of OpenAI's and vLLM's context-length errors, which clients match on (litellm
+# raises ContextWindowExceededError, so its context_window_fallbacks fire, only on it).
+CONTEXT_IS = "This model's maximum context length is {} tokens."
+
 
 def check_model(principal: Principal, name: str) -> None:
     """The plan includes the model (whether it is served is the model directory's answer)."""
@@ -41,15 +45,20 @@ def max_tokens_cap(principal: Principal) -> int | None:
     return key_cap if key_cap is not None else principal.plan.limits.max_tokens_per_request
 
 
-def output_limit(principal: Principal, requested: int | None, room: int) -> int:
+def output_limit(
+    principal: Principal, requested: int | None, prompt_tokens: int, max_model_len: int
+) -> int:
     """How many tokens the request may generate: what it asked for, else all that fits,
     never more than the context has room for or the plan allows."""
+    room = max_model_len - prompt_tokens
     if requested is not None and requested > room:
-        raise InvalidRequest(
-            f"max_tokens is {requested} but only {room} tokens fit after the prompt "
-            "in the model's context",
+        current_request().reject("context_length")
+        raise ContextLengthExceeded(
+            f"{CONTEXT_IS.format(max_model_len)} However, you requested "
+            f"{prompt_tokens + requested} tokens ({prompt_tokens} in the messages, "
+            f"{requested} in the completion). Please reduce the length of the messages or "
+            "completion.",
             param="max_tokens",
-            code="context_length_exceeded",
         )
     cap = max_tokens_cap(principal)
     if requested is not None and cap is not None and requested > cap:
@@ -69,8 +78,9 @@ def check_prompt_chars(chars: int, max_model_len: int, max_token_chars: int, par
     if chars > limit:
         current_request().reject("context_length")
         raise ContextLengthExceeded(
-            f"the prompt has {chars} characters, more than this model's context of "
-            f"{max_model_len} tokens can hold (at most {limit} characters)",
+            f"{CONTEXT_IS.format(max_model_len)} However, you sent {chars} characters in "
+            f"the {_what(param)}, more than {max_model_len} tokens can hold (at most {limit} "
+            f"characters). Please reduce the length of the {_what(param)}.",
             param=param,
         )
 
@@ -80,10 +90,16 @@ def room_for_output(prompt_tokens: int, max_model_len: int, param: str) -> int:
     if room <= 0:
         current_request().reject("context_length")
         raise ContextLengthExceeded(
-            f"the prompt is {prompt_tokens} tokens; this model's context is {max_model_len} tokens",
+            f"{CONTEXT_IS.format(max_model_len)} However, your {_what(param)} resulted in "
+            f"{prompt_tokens} tokens. Please reduce the length of the {_what(param)}.",
             param=param,
         )
     return room
+
+
+def _what(param: str) -> str:
+    """What the client sent, as OpenAI's context errors name it."""
+    return {"prompt": "prompt", "input": "input"}.get(param, "messages")
 
 
 def priority(principal: Principal, requested: int | None) -> int:

@@ -78,8 +78,9 @@ def _params(
     param: str,
     constraint: Constraint | None,
 ) -> SamplingParams:
-    room = policy.room_for_output(len(prompt), engine.max_model_len, param)
-    return _sampling(body, policy.output_limit(principal, body.output_limit(), room), constraint)
+    policy.room_for_output(len(prompt), engine.max_model_len, param)
+    limit = policy.output_limit(principal, body.output_limit(), len(prompt), engine.max_model_len)
+    return _sampling(body, limit, constraint)
 
 
 class OpenAIController(Controller):

@@ -4,6 +4,7 @@ the SDK expects, errors included."""
 from __future__ import annotations
 
 import asyncio
+import re
 from collections.abc import AsyncIterator
 from dataclasses import replace
 from pathlib import Path
@@ -183,6 +184,62 @@ async def test_each_error_has_its_exception_class(
     assert too_long.value.code == "context_length_exceeded"
     with pytest.raises(openai.BadRequestError):
         await client.completions.create(model=model, prompt="x", temperature=7)
+
+
+# litellm's exception_mapping_utils (ExceptionCheckers.is_error_str_context_window_exceeded)
+# maps a 400 to ContextWindowExceededError, which its context_window_fallbacks act on,
+# only when the lowered error text holds one of these; OpenAI's and vLLM's hold the first.
+LITELLM_CONTEXT_WINDOW = ("this model's maximum context length is", "exceed context limit")
+
+
+def message(error: openai.BadRequestError) -> str:
+    """The error's own message (the SDK's `.message` adds "Error code: 400 - ")."""
+    assert isinstance(error.body, dict)
+    return str(error.body["message"])
+
+
+def litellm_sees_context_overflow(error: openai.BadRequestError) -> bool:
+    text = str(error).lower()
+    return not re.search(r"rate[\s_\-]*limit", text) and any(
+        known in text for known in LITELLM_CONTEXT_WINDOW
+    )
+
+
+async def test_context_overflow_reads_as_openais_and_vllms(
+    clients: tuple[openai.OpenAI, openai.AsyncOpenAI], engine_client: InProcessEngineClient
+) -> None:
+    """A prompt and max_tokens past the context, a prompt past it alone, and a prompt too
+    long to tokenize: each a 400 context_length_exceeded in OpenAI's and vLLM's words,
+    which litellm recognises."""
+    _, client = clients
+    model, context = engine_client.model_name, engine_client.max_model_len
+    prompt = len(engine_client.encode("Once upon a time"))
+    too_many = context - prompt + 1
+    with pytest.raises(openai.BadRequestError) as both:
+        await client.completions.create(model=model, prompt="Once upon a time", max_tokens=too_many)
+    assert both.value.code == "context_length_exceeded"
+    assert message(both.value) == (
+        f"This model's maximum context length is {context} tokens. However, you requested "
+        f"{context + 1} tokens ({prompt} in the messages, {too_many} in the completion). "
+        "Please reduce the length of the messages or completion."
+    )
+    with pytest.raises(openai.BadRequestError) as prompt_alone:
+        await client.completions.create(model=model, prompt=[1] * (context + 5))
+    assert message(prompt_alone.value) == (
+        f"This model's maximum context length is {context} tokens. However, your prompt "
+        f"resulted in {context + 5} tokens. Please reduce the length of the prompt."
+    )
+    huge = "x" * (context * engine_client.max_token_chars + 1)
+    with pytest.raises(openai.BadRequestError) as untokenized:
+        await client.chat.completions.create(
+            model=model, messages=[{"role": "user", "content": huge}]
+        )
+    assert message(untokenized.value).startswith(
+        f"This model's maximum context length is {context} tokens. However, you sent"
+    )
+    for refused in (both.value, prompt_alone.value, untokenized.value):
+        assert refused.code == "context_length_exceeded"
+        assert litellm_sees_context_overflow(refused), message(refused)
 
 
 async def test_server_timeout_is_504_and_aborts(
