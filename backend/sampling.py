@@ -12,11 +12,22 @@ MAX_N = 16
 MAX_LOGPROBS = 20
 MAX_SEED = 2**63 - 1  # torch generators take any int64 >= 0; choice i uses seed + i
 MAX_COUNT = 2**31 - 1  # bound for token counts and top_k: they become int32/int64 tensors
+# The sampler divides float32 logits by the temperature and the repetition penalty: a
+# positive value far below these floors rounds to 0 in float32 (1e-300 does) and turns a
+# row into NaN. A temperature in (0, MIN_TEMPERATURE) is raised to it (as vLLM does: it
+# is all but greedy there), and one above MAX_TEMPERATURE lowered to it (the row is
+# uniform long before); a repetition penalty must lie in [MIN_PENALTY, MAX_PENALTY].
+MIN_TEMPERATURE = 1e-2
+MAX_TEMPERATURE = 1e4
+MIN_PENALTY = 1e-2
+MAX_PENALTY = 100.0
 
 
 @dataclass(frozen=True)
 class SamplingParams:
-    """temperature == 0 means greedy; top_k == 0 and top_p == 1 switch those filters off.
+    """temperature == 0 means greedy; a positive one is kept within [MIN_TEMPERATURE,
+    MAX_TEMPERATURE] (the float32 sampler's range). top_k == 0 and top_p == 1 switch
+    those filters off.
     A `seed` gives the request its own generator, so its tokens do not depend on what else
     is in the batch. Stop strings are cut from the output text; stop tokens end it too.
 
@@ -25,8 +36,8 @@ class SamplingParams:
     alternatives; None leaves them out.
 
     Penalties (off at their defaults) discourage repeats: `repetition_penalty` (vLLM's,
-    > 0) divides a positive logit, or multiplies a negative one, of every token already in
-    the prompt or the output; `presence_penalty` and `frequency_penalty` (OpenAI's, in
+    in [0.01, 100]) divides a positive logit, or multiplies a negative one, of every token
+    already in the prompt or the output; `presence_penalty` and `frequency_penalty` (OpenAI's, in
     [-2, 2]) subtract once per token seen in the output and once per occurrence there.
     `min_tokens` keeps EOS, stop tokens and stop strings from ending the output before it
     has that many tokens.
@@ -60,6 +71,9 @@ class SamplingParams:
             raise InvalidParameterError(
                 f"temperature must be a number >= 0, got {self.temperature!r}", "temperature"
             )
+        if self.temperature:
+            bounded = min(max(self.temperature, MIN_TEMPERATURE), MAX_TEMPERATURE)
+            object.__setattr__(self, "temperature", bounded)  # frozen: set once, here
         if not _is_real(self.top_p) or not 0 < self.top_p <= 1:
             raise InvalidParameterError(f"top_p must be in (0, 1], got {self.top_p!r}", "top_p")
         if not _is_int(self.top_k) or not 0 <= self.top_k <= MAX_COUNT:
@@ -108,9 +122,11 @@ class SamplingParams:
                 "min_tokens",
             )
         rp = self.repetition_penalty
-        if not _is_real(rp) or rp <= 0:
+        if not _is_real(rp) or not MIN_PENALTY <= rp <= MAX_PENALTY:
             raise InvalidParameterError(
-                f"repetition_penalty must be a number > 0, got {rp!r}", "repetition_penalty"
+                f"repetition_penalty must be a number in [{MIN_PENALTY}, {MAX_PENALTY}], "
+                f"got {rp!r}",
+                "repetition_penalty",
             )
         for name in ("presence_penalty", "frequency_penalty"):
             value = getattr(self, name)

@@ -262,7 +262,7 @@ def _rejection(out: RequestOutput, params: SamplingParams) -> Exception:
             field,
         )
     if out.error == RequestFailedError.kind:
-        return RequestFailedError("the engine failed this request; others were not affected")
+        return RequestFailedError("the engine failed this request")
     if out.error == OverloadedError.kind:
         return OverloadedError(
             "the engine is overloaded: a more urgent request took this one's place",

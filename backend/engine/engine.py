@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from backend.config import EngineConfig
-from backend.engine.batch import ScheduledRequest
+from backend.engine.batch import ModelRunnerOutput, ScheduledRequest, SchedulerOutput
 from backend.engine.block_manager import BlockManager
 from backend.engine.model_runner import ModelRunner
 from backend.engine.request import Request, RequestStatus, fan_out
@@ -243,7 +243,11 @@ class Engine:
         try:
             result = self.runner.execute(batch)
         except Exception as exc:
-            return outputs + self._fail_step(batch.requests, exc)
+            apart = self._run_apart(batch, exc)
+            if apart is None:
+                return outputs + self._fail_step(batch.requests, exc)
+            result, failed = apart
+            outputs += failed
         self._failed_steps = 0
         if not batch.requests:
             return outputs
@@ -297,6 +301,40 @@ class Engine:
                 break
             taken += 1
         return taken
+
+    def _run_apart(
+        self, batch: SchedulerOutput, exc: Exception
+    ) -> tuple[ModelRunnerOutput, list[RequestOutput]] | None:
+        """A step of several requests failed without naming one: run each alone, keep the
+        tokens of those that pass and fail only those that fail alone, so one request's
+        poison (a parameter, a grammar) never fails the others. None where that cannot
+        help: the error named its requests, the step had one, or every request fails
+        alone (the fault is the engine's: _fail_step). Costs a pass per request, on the
+        failure path only."""
+        if isinstance(exc, RequestStepError) or len(batch.requests) < 2:
+            return None
+        log.warning(
+            "an engine step of %d requests failed (%s); running each alone",
+            len(batch.requests),
+            type(exc).__name__,
+        )
+        merged = ModelRunnerOutput({})
+        culprits: list[str] = []
+        finished = batch.finished_request_ids
+        for item in batch.requests:
+            alone = SchedulerOutput([item], finished)
+            finished = []  # the runner drops those once
+            try:
+                result = self.runner.execute(alone)
+            except Exception:
+                log.exception("request %s fails alone; failing it", item.request_id)
+                culprits.append(item.request_id)
+                continue
+            merged.sampled.update(result.sampled)
+            merged.logprobs.update(result.logprobs)
+        if len(culprits) == len(batch.requests):
+            return None
+        return merged, self._fail(culprits)
 
     def _fail_step(self, scheduled: list[ScheduledRequest], exc: Exception) -> list[RequestOutput]:
         """A step that raised changed nothing the next step relies on (progress advances

@@ -97,16 +97,21 @@ def sample_tokens(
         return logits.argmax(dim=-1)
     scaled = _top_k_top_p(logits / tensors.temperature[:, None], tensors)
     sampled = _draw(torch.softmax(scaled, dim=-1), generators)
-    if not tensors.any_greedy:
-        return sampled
-    return torch.where(tensors.greedy, logits.argmax(dim=-1), sampled)
+    # A row with no distribution to draw from (NaN or infinite logits, from the model or a
+    # parameter) takes its argmax rather than an id past the vocabulary, which would fail
+    # the next step for every request in the batch. No wait: all on the device.
+    greedy = sampled < 0
+    if tensors.any_greedy:
+        greedy |= tensors.greedy
+    return torch.where(greedy, logits.nan_to_num(nan=float("-inf")).argmax(dim=-1), sampled)
 
 
 def _draw(probs: torch.Tensor, generators: Sequence[torch.Generator | None]) -> torch.Tensor:
     """One token per row of probs [B, vocab]: the first whose cumulative probability
     passes a uniform draw. One uniform per row rather than an exponential per token (the
     exponential-race trick), several times cheaper on the CPU, and no wait on a GPU.
-    A token of probability 0 adds nothing to the sum, so it is never the first to pass."""
+    A token of probability 0 adds nothing to the sum, so it is never the first to pass.
+    A row whose sum is not finite (NaN) gets -1: it has no token to draw."""
     cdf = probs.cumsum(dim=-1)
     total = cdf[:, -1:]  # about 1; the draw is scaled to it, so rounding cannot overshoot
     u = torch.rand(total.shape, device=probs.device)
@@ -115,7 +120,8 @@ def _draw(probs: torch.Tensor, generators: Sequence[torch.Generator | None]) -> 
             u[i].uniform_(generator=gen)
     # Strictly below the total (u * total may round up to it): some token always passes.
     target = torch.minimum(u * total, total.nextafter(torch.zeros_like(total)))
-    return torch.searchsorted(cdf, target, right=True).squeeze(-1)
+    tokens = torch.searchsorted(cdf, target, right=True).clamp_(max=probs.shape[-1] - 1)
+    return tokens.masked_fill_(~torch.isfinite(total), -1).squeeze(-1)
 
 
 def sample(

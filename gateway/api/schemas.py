@@ -18,7 +18,7 @@ from msgspec import Meta, Struct
 from backend.constraint import Constraint
 from backend.errors import ConstraintError
 from backend.grammar_limits import check_choice_count, check_length
-from backend.sampling import MAX_COUNT, MAX_SEED
+from backend.sampling import MAX_COUNT, MAX_PENALTY, MAX_SEED, MIN_PENALTY
 from gateway.api.tools import ToolCall, ToolChoice, ToolDef, ToolPlan, plan, template_tools
 from gateway.errors import InvalidRequest
 from tenants.limits import LOWEST_PRIORITY
@@ -135,7 +135,7 @@ class SamplingFields(Struct, kw_only=True):
     seed: Seed | None = None
     ignore_eos: bool = False
     min_tokens: NonNegativeInt = 0
-    repetition_penalty: Annotated[float, Meta(gt=0.0, le=100.0)] | None = None
+    repetition_penalty: Annotated[float, Meta(ge=MIN_PENALTY, le=MAX_PENALTY)] | None = None
     presence_penalty: Penalty | None = None
     frequency_penalty: Penalty | None = None
     priority: Annotated[int, Meta(ge=0, le=LOWEST_PRIORITY)] | None = None  # 0: most urgent

@@ -6,6 +6,7 @@ within a bound of its unloaded time. No backend dies on the way."""
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import secrets
 import time
@@ -160,3 +161,41 @@ async def test_poison_requests_on_the_stack(stack: Target) -> None:
         for url in stack.backends:  # nothing left running: every poison settled or aborted
             stats = await http.get(f"{url}/internal/stats", headers={SECRET_HEADER: stack.secret})
             assert stats.json()["num_running"] == 0
+
+
+async def test_tiny_temperatures_never_cut_another_tenants_stream(embedded: Target) -> None:
+    """Issue 32 item 3: temperature 1e-300 is 0 in float32. Its NaN row once sampled an id
+    past the vocabulary, the next step raised, and every stream in that batch died."""
+    poison = json.dumps(
+        {
+            "model": embedded.model,
+            "messages": [{"role": "user", "content": "Say hello."}],
+            "max_tokens": 8,
+            "temperature": 1e-300,
+        }
+    ).encode()
+    stream = {
+        "model": embedded.model,
+        "messages": [{"role": "user", "content": "Count to ten."}],
+        "max_tokens": 64,
+        "ignore_eos": True,
+        "stream": True,
+    }
+    headers = {"Authorization": f"Bearer {embedded.keys[1]}"}
+    async with httpx.AsyncClient(timeout=120) as http:
+        flood = asyncio.gather(
+            *(
+                _send(http, embedded, embedded.keys[0], "/chat/completions", poison)
+                for _ in range(8)
+            )
+        )
+        url = f"{embedded.base}/chat/completions"
+        async with http.stream("POST", url, json=stream, headers=headers) as response:
+            assert response.status_code == 200
+            events = [line async for line in response.aiter_lines() if line.startswith("data: ")]
+        answers = await flood
+    assert [a.status_code for a in answers] == [200] * 8, answers[0].text
+    assert events[-1] == "data: [DONE]"
+    chunks = [json.loads(e.removeprefix("data: ")) for e in events[:-1]]
+    assert not [c for c in chunks if "error" in c]
+    assert chunks[-1]["choices"][0]["finish_reason"] == "length"

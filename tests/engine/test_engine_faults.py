@@ -14,7 +14,7 @@ from backend.engine.batch import ModelRunnerOutput, SchedulerOutput
 from backend.engine.engine import MAX_FAILED_STEPS, Engine
 from backend.errors import RequestFailedError
 from backend.requests import EngineRequest
-from backend.sampling import MAX_SEED, SamplingParams
+from backend.sampling import MAX_SEED, MAX_TEMPERATURE, MIN_TEMPERATURE, SamplingParams
 from tests.engine.engine_support import check_blocks, make_engine, run_to_completion, tokens_of
 
 GREEDY = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
@@ -71,7 +71,8 @@ def test_a_failed_step_fails_its_requests_and_the_engine_goes_on(
     llama_dir: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     engine = make_engine(llama_dir)
-    monkeypatch.setattr(engine.runner, "execute", failing_steps(engine, 1))
+    # Three failures: the batch of two, then each of them run alone.
+    monkeypatch.setattr(engine.runner, "execute", failing_steps(engine, 3))
     engine.add_request("a", "hello there", GREEDY)
     engine.add_request("b", "general kenobi", GREEDY)
     first = run_to_completion(engine)
@@ -80,6 +81,62 @@ def test_a_failed_step_fails_its_requests_and_the_engine_goes_on(
     engine.add_request("after", "hello there", GREEDY)
     after = run_to_completion(engine)["after"]
     assert after[-1].error is None and len(tokens_of(after)) == GREEDY.max_tokens
+
+
+def poisoned_by(engine: Engine, culprit: str) -> Callable[[SchedulerOutput], ModelRunnerOutput]:
+    """Every forward pass that holds `culprit` raises an error that names no request, as a
+    bad value reaching a kernel would."""
+    execute = engine.runner.execute
+
+    def poisoned(batch: SchedulerOutput) -> ModelRunnerOutput:
+        if any(item.request_id == culprit for item in batch.requests):
+            raise RuntimeError("injected fault of one row")
+        return execute(batch)
+
+    return poisoned
+
+
+def test_an_unattributed_step_failure_fails_only_the_request_that_fails_alone(
+    llama_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    engine = make_engine(llama_dir)
+    engine.add_request("poison", "the quick brown fox", GREEDY)  # index 0 keeps the id
+    monkeypatch.setattr(engine.runner, "execute", poisoned_by(engine, "poison"))
+    engine.add_request("a", "hello there", GREEDY)
+    engine.add_request("b", "general kenobi", GREEDY)
+    outputs = run_to_completion(engine)
+    assert outputs["poison"][-1].error == RequestFailedError.kind
+    alone = make_engine(llama_dir)
+    alone.add_request("a", "hello there", GREEDY)
+    alone.add_request("b", "general kenobi", GREEDY)
+    expected = run_to_completion(alone)
+    for rid in ("a", "b"):
+        assert outputs[rid][-1].error is None
+        assert tokens_of(outputs[rid]) == tokens_of(expected[rid])
+    assert engine.num_failed_requests == 1
+    check_blocks(engine)
+
+
+def test_a_temperature_that_is_zero_in_float32_fails_nobody(llama_dir: Path) -> None:
+    """1e-300 is 0 in float32: unbounded, its row of logits became NaN and sampled an id
+    past the vocabulary, and the next step failed for every request in the batch."""
+    assert SamplingParams(temperature=1e-300).temperature == MIN_TEMPERATURE
+    assert SamplingParams(temperature=1e300).temperature == MAX_TEMPERATURE
+    assert SamplingParams(temperature=-0.0).greedy
+    for bad in (1e-300, 0.0, 1e3):
+        with pytest.raises(ValueError, match="repetition_penalty"):
+            SamplingParams(repetition_penalty=bad)
+    poison = SamplingParams(max_tokens=6, ignore_eos=True)
+    object.__setattr__(poison, "temperature", 1e-300)  # as if validation had missed it
+    engine = make_engine(llama_dir)
+    engine.add_request("good", "the quick brown fox", GREEDY)
+    engine.add_request("poison", "the quick brown fox", poison)
+    outputs = run_to_completion(engine)
+    vocab = engine.model_config.vocab_size
+    for rid in ("good", "poison"):
+        assert outputs[rid][-1].error is None
+        assert all(0 <= t < vocab for t in tokens_of(outputs[rid]))
+        assert len(tokens_of(outputs[rid])) == 6
 
 
 @pytest.fixture

@@ -51,6 +51,14 @@ def table(model: str, max_model_len: int) -> list[Poison]:
         ("echo with logprobs", text, {"prompt": "a b c", "echo": True, "logprobs": 20}, served),
         ("penalties at their bounds", chat, _chat(repetition_penalty=100, presence_penalty=2),
          served),
+        # Issue 32: positive floats that are 0 in float32 once made NaN rows, an id past the
+        # vocabulary, and a failed step for every request beside them.
+        ("temperature 1e-300 (0 in float32)", chat, _chat(temperature=1e-300), served),
+        ("the smallest double temperature", chat, _chat(temperature=5e-324), served),
+        ("top_p 1e-300", chat, _chat(temperature=1, top_p=1e-300), served),
+        ("repetition_penalty 1e-300", chat, _chat(repetition_penalty=1e-300), refused),
+        ("repetition_penalty at its floor", chat, _chat(repetition_penalty=0.01), served),
+        ("temperature -0.0 (greedy)", chat, _chat(temperature=-0.0), served),
         ("min_tokens == max_tokens", chat, _chat(min_tokens=4, ignore_eos=False), served),
         ("a 1 ms first-token deadline", chat, _chat(ttft_deadline_ms=1), (200, 504)),
         ("token ids past the vocabulary", text, {"prompt": [10**9], "max_tokens": 2}, refused),

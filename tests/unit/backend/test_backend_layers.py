@@ -163,3 +163,18 @@ def test_draws_follow_the_distribution_and_never_pick_a_masked_token(
     assert frequencies[probs == 0].sum() == 0
     # A frequency's standard deviation here is at most 0.0036: 0.015 is four of them.
     torch.testing.assert_close(frequencies, expected, atol=0.015, rtol=0)
+
+
+def test_a_row_without_a_distribution_samples_its_argmax_never_past_the_vocabulary() -> None:
+    """Issue 32: a NaN row's inverse-CDF search once ran off the end (id == vocab), and
+    the next step's embedding failed every request beside it."""
+    logits = torch.randn(4, 50)
+    logits[1, 7] = 30.0
+    logits[1, 3] = float("nan")  # NaN in one row: its softmax is NaN throughout
+    logits[2] = float("nan")
+    params = [SamplingParams(temperature=1.0)] * 3 + [SamplingParams(temperature=0)]
+    for _ in range(20):
+        tokens = sample(logits, params, [None] * 4)
+        assert all(0 <= t < 50 for t in tokens)
+        assert tokens[1] == 7  # the argmax of what is left
+        assert tokens[3] == int(logits[3].argmax())
