@@ -8,7 +8,9 @@ are built on the GPU (into /dev/shm), then, each section bounded in time:
   2,000 tokens (a divergence where transformers' own two choices are within 0.1 nats is
   a near-tie of bfloat16 rounding, counted apart from a mismatch);
 - decode_8b, decode_1b: batch-1 decode tokens/s and achieved memory bandwidth
-  ((weight bytes + KV bytes read) x steps/s / 4.8 TB/s), CUDA graphs on and off;
+  ((weight bytes + KV bytes read) x steps/s), as a fraction of the device's peak (by its
+  name: H100 SXM 3.35, H200 4.8 TB/s) and of a device-to-device copy measured in the same
+  run, CUDA graphs on and off;
 - ttft_1b: time to first token of 1k, 8k and 32k-token prompts;
 - throughput_1b: output tokens/s at 64 and 256 concurrent requests of a long-tailed
   workload, against transformers generate() on length-sorted static batches;
@@ -64,7 +66,18 @@ from bench._common import (
 )
 from bench.serving_mix import Mix
 
-HBM_BYTES_PER_S = 4.8e12  # H200, the vendor's figure
+# The vendors' peak memory bandwidth, by a substring of torch.cuda.get_device_name(); the
+# first match wins, so the longer names come first. A decode step's bandwidth is reported
+# as a fraction of this and of a device-to-device copy measured in the same run.
+HBM_PEAK_BYTES_PER_S = (
+    ("H200", 4.8e12),
+    ("H100 NVL", 3.9e12),
+    ("H100 PCIe", 2.0e12),
+    ("H100", 3.35e12),  # SXM
+    ("A100-SXM4-80GB", 2.039e12),
+    ("A100", 1.555e12),
+    ("L40S", 0.864e12),
+)
 NEAR_TIE_NATS = 0.1
 
 
@@ -479,7 +492,8 @@ def section_decode(name: str) -> Callable[[Run], dict[str, Any]]:
                 result[key] = {"status": "unavailable (CPU, enforce_eager or backend)"}
                 continue
             runner.use_cuda_graphs = graphs
-            result[key] = _decode_rate(engine, plan, shape, weights, kv_per_token)
+            peaks = run.results["environment"]
+            result[key] = _decode_rate(engine, plan, shape, (weights, kv_per_token), peaks)
         runner.use_cuda_graphs = captured
         return result
 
@@ -497,8 +511,15 @@ def _weight_bytes_read(model: torch.nn.Module, tied: bool) -> int:
 
 
 def _decode_rate(
-    engine: Engine, plan: Plan, shape: Shape, weights: int, kv_per_token: int
+    engine: Engine,
+    plan: Plan,
+    shape: Shape,
+    bytes_read: tuple[int, int],
+    peaks: dict[str, Any],
 ) -> dict[str, Any]:
+    """Batch-1 decode: tokens/s and the bandwidth it implies (`bytes_read`: the weights
+    and the KV of one token, per step), against the device's peaks."""
+    weights, kv_per_token = bytes_read
     rng = random.Random(2)
     engine.add_request("warm", random_prompt(rng, plan.decode_prompt, shape.vocab), greedy(8))
     drain(engine)
@@ -517,7 +538,8 @@ def _decode_rate(
         "ms_per_token": round(1000 / steps_per_s, 3),
         "bytes_per_step": int(step_bytes),
         "bandwidth_gb_s": round(bandwidth / 1e9, 1),
-        "hbm_fraction": round(bandwidth / HBM_BYTES_PER_S, 3),
+        "hbm_fraction": _fraction(bandwidth, peaks.get("hbm_peak_bytes_per_s")),
+        "copy_fraction": _fraction(bandwidth, peaks.get("copy_bytes_per_s")),
         "graph_replays": getattr(engine.runner, "graph_replays", 0) - replays,
     }
 
@@ -715,7 +737,7 @@ def _figures(name: str, e: dict[str, Any]) -> Iterator[tuple[str, str]]:
     elif name.startswith("decode"):
         for key in ("graphs", "eager"):
             d = e[key]
-            value = d.get("status") or f"{d['tokens_per_s']} tok/s, {d['hbm_fraction']:.0%} HBM"
+            value = d.get("status") or _decode_cell(d)
             yield f"{name} batch 1, {key}", value
     elif name == "ttft_1b":
         for key, d in e.items():
@@ -729,6 +751,14 @@ def _figures(name: str, e: dict[str, Any]) -> Iterator[tuple[str, str]]:
                 yield f"{n} concurrent: engine / static tok/s", f"{ours} / {theirs} = {e[key]}x"
     elif name == "serving_mix_8b":
         yield from _mix_figures(e)
+
+
+def _decode_cell(d: dict[str, Any]) -> str:
+    """tok/s and the fractions of the vendor's peak and of the measured copy (n/a where
+    the device's peak is not known)."""
+    hbm, copy = d["hbm_fraction"], d["copy_fraction"]
+    peak = f"{hbm:.0%} of peak" if hbm is not None else "peak n/a"
+    return f"{d['tokens_per_s']} tok/s, {peak}, {copy:.0%} of copy"
 
 
 def _mix_figures(e: dict[str, Any]) -> Iterator[tuple[str, str]]:
@@ -807,12 +837,40 @@ def _selected(only: str | None) -> list[tuple[str, Callable[[Run], dict[str, Any
     return [(n, w) for n, w in SECTIONS if n in wanted]
 
 
+def hbm_peak(device_name: str) -> float | None:
+    """The vendor's peak memory bandwidth of a device, by its name; None if unknown."""
+    return next((peak for part, peak in HBM_PEAK_BYTES_PER_S if part in device_name), None)
+
+
+def copy_bandwidth(device: torch.device, nbytes: int, repeats: int = 10) -> float:
+    """Bytes/s moved by a device-to-device copy (each copy reads and writes `nbytes`): a
+    second reference for the decode fraction, measured on this very device."""
+    src = torch.empty(nbytes, dtype=torch.uint8, device=device)
+    dst = torch.empty_like(src)
+    dst.copy_(src)  # warm: allocation and first touch out of the timing
+    synchronize = torch.cuda.synchronize if device.type == "cuda" else lambda: None
+    synchronize()
+    started = time.perf_counter()
+    for _ in range(repeats):
+        dst.copy_(src)
+    synchronize()
+    return 2 * nbytes * repeats / (time.perf_counter() - started)
+
+
+def _fraction(bandwidth: float, peak: float | None) -> float | None:
+    return round(bandwidth / peak, 3) if peak else None
+
+
 def _environment(device: torch.device, dry_run: bool) -> dict[str, Any]:
+    name = torch.cuda.get_device_name(0) if device.type == "cuda" else platform.processor()
+    copy_bytes = 64 * 2**20 if dry_run else 2 * 2**30
     env: dict[str, Any] = {
         "dry_run": dry_run,
         "torch": torch.__version__,
         "python": platform.python_version(),
-        "device": torch.cuda.get_device_name(0) if device.type == "cuda" else platform.processor(),
+        "device": name,
+        "hbm_peak_bytes_per_s": hbm_peak(name) if device.type == "cuda" else None,
+        "copy_bytes_per_s": round(copy_bandwidth(device, copy_bytes)),
     }
     try:
         import triton

@@ -11,11 +11,13 @@ import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
-# The device image has torch, transformers and friends but no web stack: the check runs
-# with these unimportable (None in sys.modules), as it would there.
-WITHOUT_WEB_STACK = """
+# The device image has torch, triton, transformers, safetensors, tokenizers and numpy,
+# and none of these (issue 33: llguidance once failed the check at import there): the
+# check runs with them unimportable (None in sys.modules), as it would there.
+DEVICE_IMAGE_LACKS = ("llguidance", "msgspec", "litestar", "sqlalchemy", "psycopg", "uvicorn")
+WITHOUT_WEB_STACK = f"""
 import runpy, sys
-sys.modules.update(dict.fromkeys(("litestar", "msgspec", "uvicorn")))
+sys.modules.update(dict.fromkeys({DEVICE_IMAGE_LACKS!r}))
 runpy.run_module("bench.gpu_check", run_name="__main__", alter_sys=True)
 """
 
@@ -52,8 +54,12 @@ def test_the_dry_run_runs_every_section(tmp_path: Path) -> None:
         assert sections["kernels"]["failed"] == [], sections["kernels"]
     greedy = sections["greedy_1b"]
     assert greedy["exact"] == greedy["prompts"] == 4, greedy["rows"]  # float32: no ties
+    environment = json.loads(out.read_text())["environment"]
+    assert environment["copy_bytes_per_s"] > 0 and environment["hbm_peak_bytes_per_s"] is None
     for name in ("decode_8b", "decode_1b"):
         assert sections[name]["eager"]["tokens_per_s"] > 0
+        assert sections[name]["eager"]["copy_fraction"] > 0
+        assert sections[name]["eager"]["hbm_fraction"] is None  # a CPU has no vendor peak
         assert sections[name]["graphs"]["status"].startswith("unavailable")  # no CUDA here
     ttft = sections["ttft_1b"]
     assert all(ttft[f"ttft_{n}"]["ms"] > 0 for n in (64, 256, 1024))
@@ -90,3 +96,37 @@ def test_the_dry_run_runs_every_section(tmp_path: Path) -> None:
     assert "greedy == transformers" in done.stdout and "16 concurrent" in done.stdout
     assert "8B mix adaptive: chat TTFT p90" in done.stdout
     assert "8B mix: document prefill tok/s" in done.stdout
+
+
+def test_the_peak_bandwidth_is_the_devices_own() -> None:
+    """Issue 33: 4.8 TB/s (H200) was hard-coded; an H100 SXM would have read 30% low."""
+    from bench.gpu_check import hbm_peak
+
+    assert hbm_peak("NVIDIA H100 80GB HBM3") == 3.35e12  # the SXM part's name
+    assert hbm_peak("NVIDIA H200") == 4.8e12
+    assert hbm_peak("NVIDIA H100 PCIe") == 2.0e12
+    assert hbm_peak("NVIDIA H100 NVL") == 3.9e12
+    assert hbm_peak("Tesla T4") is None
+
+
+GPU_TESTS_ON_THE_DEVICE_IMAGE = f"""
+import sys
+sys.modules.update(dict.fromkeys({DEVICE_IMAGE_LACKS!r}))
+import pytest
+sys.exit(pytest.main(["tests/gpu", "--noconftest", "-q", "-p", "no:cacheprovider"]))
+"""
+
+
+def test_the_gpu_tests_collect_with_the_device_images_packages() -> None:
+    """tests/gpu runs on the device as `python3 -m pytest tests/gpu --noconftest`: none of
+    its imports may need the gateway's packages (here every test skips: no CUDA)."""
+    done = subprocess.run(
+        [sys.executable, "-c", GPU_TESTS_ON_THE_DEVICE_IMAGE],
+        cwd=ROOT,
+        env={**os.environ, "PYTHONPATH": str(ROOT)},
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert done.returncode == 0, done.stdout[-3000:]
+    assert " skipped" in done.stdout and "error" not in done.stdout.lower(), done.stdout[-2000:]
