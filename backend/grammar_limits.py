@@ -37,6 +37,8 @@ DEFAULT_LIMITS = GrammarLimits()
 _LARK_RULE = re.compile(r"^[ \t]*[?!]?[A-Za-z_][A-Za-z0-9_]*(?:\.-?\d+)?[ \t]*:(?!:)", re.M)
 _GBNF_RULE = re.compile(r"::=")
 _LARK_REGEX = re.compile(r"/(?:[^/\\\n]|\\.)+/")
+_LARK_JSON = re.compile(r"%json\s*")
+_DECODER = json.JSONDecoder()
 
 
 def check_limits(constraint: Constraint, limits: GrammarLimits = DEFAULT_LIMITS) -> None:
@@ -86,6 +88,12 @@ def _check_grammar(constraint: Constraint, grammar: str, limits: GrammarLimits) 
         _refuse(constraint, f"has {rules} rules; at most {limits.max_grammar_rules}")
     for regex in _LARK_REGEX.findall(grammar):
         _check_regex(constraint, regex, limits)
+    for embedded in _LARK_JSON.finditer(grammar):  # `%json {...}`: a schema inside
+        try:
+            schema, _ = _DECODER.raw_decode(grammar, embedded.end())
+        except (ValueError, RecursionError):
+            continue  # not JSON: the compiler refuses it
+        _check_schema(constraint, schema, limits)
 
 
 def _check_schema(constraint: Constraint, schema: Any, limits: GrammarLimits) -> None:

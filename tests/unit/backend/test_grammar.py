@@ -77,6 +77,7 @@ def _grammar_compiler(**options: Any) -> GrammarCompiler:
         (Constraint("json_schema", json.dumps(optional_properties(500))), "500 optional"),
         (Constraint("regex", "a?" * 5000), "regular expression of 10000"),
         (Constraint("grammar", "start: /" + "a?" * 5000 + "/"), "regular expression"),
+        (Constraint("grammar", "start: %json " + json.dumps(compact_ref_chain(1000))), "deep"),
     ],
 )
 def test_grammars_past_the_limits_are_refused_before_native_code(
