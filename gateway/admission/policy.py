@@ -71,9 +71,20 @@ def output_limit(
     return min(limit, cap) if cap is not None else limit
 
 
-def check_prompt_chars(chars: int, max_model_len: int, max_token_chars: int, param: str) -> None:
+def check_prompt_chars(
+    chars: int, max_model_len: int, max_token_chars: int, param: str, messages: int = 0
+) -> None:
     """Refuse, before tokenizing it, a prompt with more characters than max_model_len
-    tokens can hold: tokenizing megabytes costs seconds of CPU that a quota never sees."""
+    tokens can hold, or more chat messages than it has tokens (each takes at least one,
+    its role marker): rendering and tokenizing megabytes costs seconds of CPU that a
+    quota never sees."""
+    if messages > max_model_len:
+        current_request().reject("context_length")
+        raise ContextLengthExceeded(
+            f"{CONTEXT_IS.format(max_model_len)} However, you sent {messages} messages, "
+            f"at least one token each. Please reduce the number of {_what(param)}.",
+            param=param,
+        )
     limit = max_model_len * max_token_chars
     if chars > limit:
         current_request().reject("context_length")

@@ -28,7 +28,12 @@ from gateway.api.schemas import (
     decode,
     encode,
 )
-from gateway.dispatch.engine_client import INLINE_TOKENIZE_CHARS, ClientPrompt, EngineClient
+from gateway.dispatch.engine_client import (
+    INLINE_TOKENIZE_CHARS,
+    ClientPrompt,
+    EngineClient,
+    chat_chars,
+)
 from gateway.errors import Cancelled, InvalidRequest, NotFound
 from gateway.openapi import AUTHENTICATED, GENERATION, documented
 from gateway.openapi.shapes import ChatCompletion, Completion, Model, ModelList
@@ -208,11 +213,11 @@ async def chat(
     policy.check_model(principal, body.model)
     tools = body.tool_plan(engine.tool_call_parser)
     constraint = body.constraint(tools)
-    chars = body.prompt_chars()
-    policy.check_prompt_chars(chars, engine.max_model_len, engine.max_token_chars, param)
+    chars, turns = body.prompt_chars(), len(body.messages)
+    policy.check_prompt_chars(chars, engine.max_model_len, engine.max_token_chars, param, turns)
     messages = body.template_messages()
     count = partial(_count_chat, engine, messages, body.template_tools(), param)
-    prompt = await tokenize(runtime, principal, chars, count)
+    prompt = await tokenize(runtime, principal, chat_chars(chars, turns), count)
     params = _params(principal, body, prompt, engine, param, constraint)
     gen = _generation(runtime, principal, body, CHAT_FORMAT, endpoint, prompt, params)
     gen.tools = tools

@@ -40,6 +40,10 @@ OpenAI-compatible upstream): the gateway forwards the tools and relays the calls
 # Past this many characters, tokenizing takes long enough (about 2.5 ms per 10k characters
 # on a 2-core machine) to hold up every other request on the event loop: it runs in a thread.
 INLINE_TOKENIZE_CHARS = 4096
+# What a chat template adds per message (role markers, separators: 17 characters for the
+# built-in model's, about 50 for Llama 3's), counted as characters of work: 100k empty
+# messages render to megabytes, so their count, not their content, says what is long.
+TEMPLATE_CHARS_PER_MESSAGE = 32
 T = TypeVar("T")
 
 
@@ -153,10 +157,15 @@ class LocalTokens:
     async def tokenize_chat(
         self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None
     ) -> list[int]:
-        chars = sum(len(str(m.get("content") or "")) for m in messages)
+        chars = chat_chars(sum(len(str(m.get("content") or "")) for m in messages), len(messages))
         return await _off_loop_if_long(
             chars, lambda: self.encode(self.render_chat(messages, tools))
         )
+
+
+def chat_chars(content_chars: int, messages: int) -> int:
+    """The characters a chat's rendering works through: its content and its template's."""
+    return content_chars + TEMPLATE_CHARS_PER_MESSAGE * messages
 
 
 async def _off_loop_if_long(chars: int, work: Callable[..., T], *args: Any) -> T:

@@ -4,7 +4,9 @@ over-long forwarded addresses, and malformed bodies on the backend's internal AP
 
 from __future__ import annotations
 
+import asyncio
 import re
+import threading
 from typing import Any
 
 import httpx
@@ -17,10 +19,12 @@ from backend import AsyncEngine, EngineConfig
 from backend.builtin import BUILTIN_MODEL_DIR
 from backend.server import create_backend_app
 from backend.wire import SECRET_HEADER
+from gateway.dispatch.engine_client import InProcessEngineClient
 from tenants import audit
 from tenants.admins import AdminService
 from tenants.models import KeyRole
 from tenants.services import ApiKeyService, TenantService
+from tests.conftest import eventually
 
 Client = AsyncTestClient[Litestar]
 Sessions = async_sessionmaker[AsyncSession]
@@ -162,3 +166,75 @@ async def test_bad_bodies_on_the_internal_api_are_a_400(body: bytes) -> None:
             answer = await backend.post(path, content=body, headers=headers)
             assert answer.status_code == 400, (path, answer.text)
         assert (await backend.get("/healthz")).status_code == 200
+
+
+@pytest.mark.parametrize(
+    ("path", "field", "turn"),
+    [
+        ("/v1/chat/completions", "messages", {"role": "user", "content": None}),
+        ("/v1/chat/completions", "messages", {"role": "user", "content": ""}),
+        ("/v1/responses", "input", {"role": "user", "content": ""}),
+    ],
+)
+async def test_more_messages_than_the_context_has_tokens_are_refused_unrendered(
+    live_server: tuple[Litestar, str],
+    tenant: dict[str, str],
+    engine_client: InProcessEngineClient,
+    monkeypatch: pytest.MonkeyPatch,
+    path: str,
+    field: str,
+    turn: dict[str, Any],
+) -> None:
+    """100k empty messages (3.3 MB) have no content characters, but each takes at least a
+    token: refused as past the context before their template is rendered (rendering and
+    tokenizing them held the event loop, /healthz included, for 1.3 s)."""
+    rendered: list[int] = []
+    render = engine_client.render_chat
+
+    def recording(messages: list[dict[str, Any]], tools: Any = None) -> str:
+        rendered.append(len(messages))
+        return render(messages, tools)
+
+    monkeypatch.setattr(engine_client, "render_chat", recording)
+    body = {"model": engine_client.model_name, field: [turn] * 100_000}
+    async with httpx.AsyncClient(base_url=live_server[1], timeout=60) as http:
+        refused = await http.post(path, json=body, headers=tenant)
+    assert refused.status_code == 400, refused.text
+    error = refused.json()["error"]
+    assert (error["code"], error["param"]) == ("context_length_exceeded", field)
+    assert "100000 messages" in error["message"]
+    assert rendered == []
+
+
+async def test_healthz_answers_while_many_empty_messages_are_rendered(
+    live_server: tuple[Litestar, str],
+    tenant: dict[str, str],
+    engine_client: InProcessEngineClient,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Messages count towards what is long (their template's characters), so many empty
+    ones are rendered and tokenized off the event loop: the rendering here waits until
+    /healthz has answered, which it could not do if it ran on the loop (bounded: 10 s)."""
+    healthz_answered = threading.Event()
+    order: list[str] = []
+    render = engine_client.render_chat
+
+    def gated(messages: list[dict[str, Any]], tools: Any = None) -> str:
+        order.append("rendering")
+        healthz_answered.wait(timeout=10)
+        order.append("rendered")
+        return render(messages, tools)
+
+    monkeypatch.setattr(engine_client, "render_chat", gated)
+    turns = [{"role": "user", "content": None}] * 200  # no content characters at all
+    body = {"model": engine_client.model_name, "messages": turns, "max_tokens": 1}
+    async with httpx.AsyncClient(base_url=live_server[1], timeout=60) as http:
+        chat = asyncio.create_task(http.post("/v1/chat/completions", json=body, headers=tenant))
+        await eventually(lambda: order)
+        health = await http.get("/healthz")
+        order.append("healthz")
+        healthz_answered.set()
+        answer = await chat
+    assert health.status_code == 200
+    assert order == ["rendering", "healthz", "rendered"]
+    assert answer.status_code == 200, answer.text
