@@ -26,6 +26,18 @@ ADMIN_TENANT = "admin"
 class AdminKey:
     secret: str | None  # None when an admin key exists but its secret is not known here
     created: bool
+    supplied: bool = False  # the operator's TOLLGATE_ADMIN_KEY: they have it already
+
+    @property
+    def shown(self) -> str | None:
+        """The secret to print: only a key generated just now, once (stdout is a log in
+        a container); otherwise none."""
+        return self.secret if self.created and not self.supplied else None
+
+    @property
+    def prefix(self) -> str | None:
+        """The key's visible prefix (as the admin API and the console list keys)."""
+        return keys.key_prefix(self.secret) if self.secret is not None else None
 
 
 async def ensure_admin_key(
@@ -48,7 +60,7 @@ async def _ensure_admin_key(
         tenant = await _admin_tenant(session)
         if settings.admin_key is not None:
             created = await _adopt(session, tenant, settings.admin_key)
-            return AdminKey(settings.admin_key, created)
+            return AdminKey(settings.admin_key, created, supplied=True)
         service = ApiKeyService(session)
         if await service.count_admin_keys() > 0:
             return AdminKey(await _known_admin_key(settings, service), created=False)

@@ -8,6 +8,7 @@ import pytest
 from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
 
 from gateway.bootstrap import AdminKey, ConsoleOwner, ensure_admin_key, ensure_console_owner
+from gateway.serve import _banner
 from gateway.settings import Settings, SettingsError
 from tenants import db, keys
 from tenants.admins import AdminService
@@ -140,3 +141,39 @@ async def test_a_replica_that_loses_the_race_for_the_console_owner_creates_nothi
     assert winner[0] is not None
     async with sessions.begin() as session:
         assert await real_count(AdminService(session)) == 1
+
+
+def banner(settings: Settings, admin: AdminKey, capsys: pytest.CaptureFixture[str]) -> str:
+    capsys.readouterr()
+    _banner(settings, admin, "tollgate-tiny")
+    return capsys.readouterr().out
+
+
+async def test_the_admin_key_is_printed_once_then_only_its_prefix(
+    settings: Settings, sessions: Sessions, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """stdout is the log in a container: a generated key is printed on the start that made
+    it, with a curl to paste; later starts print its prefix and how to read it."""
+    first = await ensure_admin_key(settings, sessions)
+    assert first.secret is not None
+    shown = banner(settings, first, capsys)
+    assert f"Admin key (new): {first.secret}" in shown
+    assert f"-H 'Authorization: Bearer {first.secret}'" in shown  # ready to paste
+
+    later = banner(settings, await ensure_admin_key(settings, sessions), capsys)
+    assert first.secret not in later
+    assert f"Admin key: {first.secret.split('_')[0]}_…" in later
+    assert f"export TOLLGATE_KEY=$(cat {settings.admin_key_file})" in later
+    assert "-H 'Authorization: Bearer $TOLLGATE_KEY'" in later
+
+
+async def test_an_operator_given_admin_key_is_never_printed(
+    settings: Settings, sessions: Sessions, capsys: pytest.CaptureFixture[str]
+) -> None:
+    secret, _ = keys.generate_key()
+    configured = replace(settings, admin_key=secret)
+    for _ in range(2):  # adopted (created), then found
+        printed = banner(configured, await ensure_admin_key(configured, sessions), capsys)
+        assert secret not in printed
+        assert f"Admin key: {secret.split('_')[0]}_… (TOLLGATE_ADMIN_KEY)" in printed
+        assert "-H 'Authorization: Bearer $TOLLGATE_KEY'" in printed
