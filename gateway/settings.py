@@ -61,7 +61,9 @@ class Settings:
     engine: EngineConfig = field(default_factory=gateway_engine_defaults)
     # Peers whose X-Forwarded-For / X-Forwarded-Proto are believed (IPs or CIDRs; "*": all).
     # The audit log, rate-limit failures and /metrics' loopback check see the client behind.
-    trusted_proxies: tuple[str, ...] = ("127.0.0.1",)
+    # None by default: with no proxy in front, a loopback peer's rotating X-Forwarded-For
+    # would dodge the console's per-address sign-in limits.
+    trusted_proxies: tuple[str, ...] = ()
     # Browser origins that may call /v1/* (scheme://host[:port], or "*"); empty: no CORS.
     cors_origins: tuple[str, ...] = ()
     # The largest request body: a 128k-token context is about 0.5 MB of text, or 1 MB of
@@ -127,7 +129,7 @@ class Settings:
             export_retry_s=_int(env, "TOLLGATE_EXPORT_RETRY_S", 30, low=1, high=3600),
             celery_queue=env.get("TOLLGATE_CELERY_QUEUE", "").strip() or "tollgate",
             console_idle_s=_int(env, "TOLLGATE_CONSOLE_IDLE_S", 1800, low=60),
-            trusted_proxies=_proxies(env.get("TOLLGATE_TRUSTED_PROXIES", "127.0.0.1")),
+            trusted_proxies=_proxies(env.get("TOLLGATE_TRUSTED_PROXIES", "")),
             cors_origins=tuple(
                 o.strip().rstrip("/")
                 for o in env.get("TOLLGATE_CORS_ORIGINS", "").split(",")

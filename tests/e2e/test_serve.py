@@ -35,6 +35,7 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
         "TOLLGATE_DATA_DIR": str(data_dir),
         "TOLLGATE_DATABASE_URL": "",
         "TOLLGATE_ADMIN_KEY": "",
+        "TOLLGATE_TRUSTED_PROXIES": "127.0.0.1",  # as behind a local proxy
         "TOLLGATE_MODEL": os.environ.get("TOLLGATE_TEST_MODEL", ""),  # empty: the built-in
     }
     process = start(["serve", "--port", str(port)], env)
@@ -141,7 +142,7 @@ def test_new_tenant_key_from_the_cli_works(server: Server) -> None:
 
 
 def test_the_audit_log_records_the_client_behind_a_trusted_proxy(server: Server) -> None:
-    """127.0.0.1 is a trusted proxy by default: the right-most untrusted X-Forwarded-For
+    """127.0.0.1 is named a trusted proxy here: the right-most untrusted X-Forwarded-For
     entry is the client; an entry left of it (which the client could forge) is not."""
     response = httpx.post(
         server.base_url.removesuffix("/v1") + "/admin/api/tenants",

@@ -5,20 +5,23 @@ from __future__ import annotations
 
 from typing import Any
 
+import pytest
 import uvicorn
 
 from gateway.serve import proxy_options
 from gateway.settings import Settings
 
 
-async def client_seen(trusted: str, peer: str, forwarded_for: str) -> tuple[str, str]:
-    """(client host, scheme) the app sees for a request from `peer` naming a client."""
+async def client_seen(trusted: str | None, peer: str, forwarded_for: str) -> tuple[str, str]:
+    """(client host, scheme) the app sees for a request from `peer` naming a client;
+    `trusted` None: TOLLGATE_TRUSTED_PROXIES unset."""
     seen: dict[str, Any] = {}
 
     async def app(scope: dict[str, Any], receive: Any, send: Any) -> None:
         seen.update(client=scope["client"][0], scheme=scope["scheme"])
 
-    settings = Settings.from_env({"TOLLGATE_TRUSTED_PROXIES": trusted})
+    env = {} if trusted is None else {"TOLLGATE_TRUSTED_PROXIES": trusted}
+    settings = Settings.from_env(env)
     config = uvicorn.Config(app, **proxy_options(settings))
     config.load()
     scope = {
@@ -40,6 +43,17 @@ async def test_a_cidr_with_host_bits_still_trusts_its_network() -> None:
 async def test_peers_outside_the_trusted_networks_are_not_believed() -> None:
     assert await client_seen("127.0.0.1/8", "192.0.2.1", "203.0.113.7") == ("192.0.2.1", "http")
     assert await client_seen("", "127.0.0.1", "203.0.113.7") == ("127.0.0.1", "http")
+
+
+async def test_no_proxy_is_believed_unless_one_is_named(monkeypatch: pytest.MonkeyPatch) -> None:
+    """With nothing in front, a loopback client rotating X-Forwarded-For would be a new
+    address each time to the console's per-address sign-in limits: by default every
+    peer is the client itself (uvicorn's own FORWARDED_ALLOW_IPS default, 127.0.0.1,
+    must not apply either)."""
+    monkeypatch.delenv("FORWARDED_ALLOW_IPS", raising=False)
+    for forwarded in ("203.0.113.7", "198.51.100.9"):
+        assert await client_seen(None, "127.0.0.1", forwarded) == ("127.0.0.1", "http")
+    assert await client_seen("127.0.0.1", "127.0.0.1", "203.0.113.7") == ("203.0.113.7", "https")
 
 
 def test_trusted_proxies_are_stored_normalised() -> None:

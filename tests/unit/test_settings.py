@@ -47,7 +47,7 @@ def test_flags_override_only_what_is_given() -> None:
 
 
 def test_trusted_proxies_are_ips_or_cidr_blocks() -> None:
-    assert Settings.from_env({}).trusted_proxies == ("127.0.0.1",)
+    assert Settings.from_env({}).trusted_proxies == ()  # no proxy unless one is named
     given = {"TOLLGATE_TRUSTED_PROXIES": " 10.0.0.0/8, fd00::/8 ,192.168.1.7"}
     assert Settings.from_env(given).trusted_proxies == ("10.0.0.0/8", "fd00::/8", "192.168.1.7")
     assert Settings.from_env({"TOLLGATE_TRUSTED_PROXIES": ""}).trusted_proxies == ()
