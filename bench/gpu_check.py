@@ -848,13 +848,17 @@ def copy_bandwidth(device: torch.device, nbytes: int, repeats: int = 10) -> floa
     src = torch.empty(nbytes, dtype=torch.uint8, device=device)
     dst = torch.empty_like(src)
     dst.copy_(src)  # warm: allocation and first touch out of the timing
-    synchronize = torch.cuda.synchronize if device.type == "cuda" else lambda: None
-    synchronize()
+    _synchronize(device)
     started = time.perf_counter()
     for _ in range(repeats):
         dst.copy_(src)
-    synchronize()
+    _synchronize(device)
     return 2 * nbytes * repeats / (time.perf_counter() - started)
+
+
+def _synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
 
 
 def _fraction(bandwidth: float, peak: float | None) -> float | None:

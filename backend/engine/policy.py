@@ -8,12 +8,15 @@ static key `arrival + p * I` orders requests by effective priority at every inst
 the waiting queue is sorted once, on insertion, and never re-sorted per step. A preempted
 request keeps its arrival time, hence its age and its place.
 
-Between tenants, the head of each tenant's queue ages from its arrival or from the
-tenant's last admission, whichever is later: a tenant rises one class per interval it goes
-unserved. (Aging from arrival alone would hand the budget to whoever floods the queue: its
-backlog is the oldest.) Among heads of the same effective class, tenants share the token
-budget by weight: the tenant served the fewest tokens per unit of weight goes first
-(deficit round robin on scheduled tokens). Within a tenant, ties go to the earliest
+Between tenants, a waiting request ages from its arrival or from its tenant's last
+service (a step that computed any of its tokens, or an admission), whichever is later: a
+tenant rises one class per interval it goes unserved. Aging from arrival alone handed
+the engine to whoever held a backlog (issue 32): a tenant streaming 32 requests with 168
+more queued saw its queue age to class 0 while it was served every step, and another
+tenant's fresh request of its own class (or of class 0) waited for its streams to end.
+Among heads of the same class, tenants share the token budget by weight: the tenant
+served the fewest tokens per unit of weight goes first (deficit round robin on scheduled
+tokens). Within a tenant, requests age from their arrival; ties go to the earliest
 deadline, then to the earliest arrival.
 """
 
@@ -90,7 +93,7 @@ class WaitingQueue:
         self.ranking = ranking
         self.fair = fair
         self._queues: dict[str | None, list[Request]] = {}
-        self._served_at: dict[str | None, float] = {}  # each tenant's last admission
+        self._served_at: dict[str | None, float] = {}  # each tenant's last service
         self._size = 0
         self.num_tokens = 0  # tokens to compute before their first output: shedding
         self._by_priority: dict[int, int] = {}  # how many wait at each priority
@@ -125,6 +128,18 @@ class WaitingQueue:
         self.remove(req)
         self._served_at[req.tenant] = now
 
+    def served(self, tenants: Iterable[str | None], now: float) -> None:
+        """These tenants had tokens computed this step: their queues stop aging against
+        other tenants' (they age within the tenant, from each request's arrival)."""
+        for tenant in tenants:
+            self._served_at[tenant] = now
+
+    def competing_class(self, req: Request, now: float) -> int:
+        """`req`'s class against other tenants' requests: aged from its arrival or its
+        tenant's last service, whichever is later."""
+        since = max(req.arrival_time, self._served_at.get(req.tenant, req.arrival_time))
+        return self.ranking.effective(req, now, since)
+
     def remove(self, req: Request) -> None:
         queue = self._queues[req.tenant]
         queue.remove(req)
@@ -147,7 +162,7 @@ class WaitingQueue:
         if len(self._queues) == 1:
             [queue] = self._queues.values()
         else:
-            heads = [(self._head_class(q[0], now), q) for q in self._queues.values()]
+            heads = [(self.competing_class(q[0], now), q) for q in self._queues.values()]
             top = min(e for e, _ in heads)
             tied = [q for e, q in heads if e == top]
             if len(tied) == 1:
@@ -185,7 +200,7 @@ class WaitingQueue:
     def tied_heads(self, now: float) -> list[Request]:
         """The head of each tenant's queue in the best effective class: the requests
         best() chooses among by tokens served."""
-        heads = [(self._head_class(q[0], now), q[0]) for q in self._queues.values()]
+        heads = [(self.competing_class(q[0], now), q[0]) for q in self._queues.values()]
         top = min((e for e, _ in heads), default=0)
         return [head for e, head in heads if e == top]
 
@@ -205,10 +220,6 @@ class WaitingQueue:
     def family(self, root: Request) -> list[Request]:
         """`root` and its waiting completions i > 0."""
         return [r for r in self._queues.get(root.tenant, ()) if r is root or r.fork_of is root]
-
-    def _head_class(self, head: Request, now: float) -> int:
-        since = max(head.arrival_time, self._served_at.get(head.tenant, head.arrival_time))
-        return self.ranking.effective(head, now, since)
 
 
 class Throughput:
@@ -283,20 +294,27 @@ def pick_victim(
     running: list[Request],
     candidate: Request,
     now: float,
-    ranking: Ranking,
+    queue: WaitingQueue,
     config: EngineConfig,
 ) -> Request | None:
     """The lowest-ranked running request that `candidate` outranks by at least
-    priority_preemption_gap classes and that has not used up its preemptions."""
+    priority_preemption_gap classes and that has not used up its preemptions. Against
+    its own tenant's requests the candidate counts its age from arrival; against
+    another tenant's, only from its tenant's last service (WaitingQueue.competing_class)."""
     gap = config.priority_preemption_gap
     if gap is None:
         return None
     limit = config.max_preemptions_per_request
+    ranking = queue.ranking
     eligible = [r for r in running if r.num_preemptions < limit]
     if not eligible:
         return None
     victim = max(eligible, key=ranking.key)
-    if ranking.effective(victim, now) - ranking.effective(candidate, now) < gap:
+    if victim.tenant == candidate.tenant:
+        rank = ranking.effective(candidate, now)
+    else:
+        rank = queue.competing_class(candidate, now)
+    if ranking.effective(victim, now) - rank < gap:
         return None
     return victim
 
@@ -304,8 +322,6 @@ def pick_victim(
 def slot_share_victim(
     running: list[Request],
     candidate: Request,
-    now: float,
-    ranking: Ranking,
     config: EngineConfig,
     recompute_s: Callable[[Request], float],
     wait_s: float,
@@ -315,9 +331,10 @@ def slot_share_victim(
     tenants running and the candidate's. The candidate's tenant must stay within its
     share with one more slot and the victim's tenant within its share with one fewer (so
     two tenants never trade a slot back and forth); the victim is of no more urgent class
-    than the candidate, has preemptions left, and is the cheapest such request to
-    recompute; and only if recomputing it (`recompute_s`) is predicted to cost less than
-    `wait_s`, the wait for a slot to free by itself."""
+    than the candidate (by their priorities: a request that has run long enough to age
+    holds no more of the slots than its tenant's share), has preemptions left, and is
+    the cheapest such request to recompute; and only if recomputing it (`recompute_s`) is
+    predicted to cost less than `wait_s`, the wait for a slot to free by itself."""
     weights: dict[str | None, int] = {candidate.tenant: candidate.weight}
     counts: dict[str | None, int] = {candidate.tenant: 0}
     for r in running:
@@ -331,14 +348,13 @@ def slot_share_victim(
 
     if counts[candidate.tenant] + 1 > share(candidate.tenant):
         return None
-    top = ranking.effective(candidate, now)
     eligible = [
         r
         for r in running
         if r.tenant != candidate.tenant
         and counts[r.tenant] - 1 >= share(r.tenant)
         and r.num_preemptions < config.max_preemptions_per_request
-        and ranking.effective(r, now) >= top
+        and r.priority >= candidate.priority
     ]
     if not eligible:
         return None

@@ -270,7 +270,7 @@ class Scheduler:
             self._admit_waiting(plan, now)
         self._top_up(plan)
         self._note_least_urgent()
-        return self._output(plan)
+        return self._output(plan, now)
 
     def _is_batch(self, req: Request) -> bool:
         return req.priority >= self.config.batch_priority
@@ -583,7 +583,7 @@ class Scheduler:
                 if plan.outranked:
                     return  # what the victims freed is spoken for
                 continue
-            victim = pick_victim(self.running, req, now, self.ranking, cfg)
+            victim = pick_victim(self.running, req, now, self.waiting, cfg)
             if victim is not None:
                 self.num_priority_preemptions += 1
                 plan.outranked = True
@@ -604,7 +604,7 @@ class Scheduler:
         for candidate in candidates:
             req: Request | None = candidate
             while req is not None and self._fork_ready(req) and plan.budget > 0:
-                victim = self._slot_share_victim(req, now)
+                victim = self._slot_share_victim(req)
                 if victim is None:
                     break
                 self._preempt(victim)
@@ -614,7 +614,7 @@ class Scheduler:
                     return
                 req = self.waiting.head(req.tenant)  # its next, while it lacks slots
 
-    def _slot_share_victim(self, req: Request, now: float) -> Request | None:
+    def _slot_share_victim(self, req: Request) -> Request | None:
         """max_num_seqs is full: the running request to preempt so that `req`'s tenant
         gets its weighted share of the slots, if recomputing it is predicted to cost less
         than waiting for the first running request to finish (policy.slot_share_victim)."""
@@ -629,9 +629,7 @@ class Scheduler:
             n = victim.num_computed_tokens
             return cost.predict(StepShape().plus_prefill(0, n)) - cost.predict(StepShape())
 
-        return slot_share_victim(
-            self.running, req, now, self.ranking, self.config, recompute_s, soonest * step_s
-        )
+        return slot_share_victim(self.running, req, self.config, recompute_s, soonest * step_s)
 
     def _admit(self, req: Request, plan: _Plan, now: float, most: int | None = None) -> bool:
         """Start `req` with a first chunk of at most `most` tokens (default: the budget
@@ -712,7 +710,8 @@ class Scheduler:
         self.num_preemptions += 1
         self.waiting.add(req)  # by its arrival: it keeps its age and its place
 
-    def _output(self, plan: _Plan) -> SchedulerOutput:
+    def _output(self, plan: _Plan, now: float) -> SchedulerOutput:
+        self.waiting.served({req.tenant for req, _ in plan.chunks.values()}, now)
         scheduled: list[ScheduledRequest] = []
         prefill = decode = 0
         charge = None if self.fair is None else self.fair.charge

@@ -620,3 +620,56 @@ def test_a_target_too_tight_for_the_machine_still_leaves_half_a_step_to_prefill(
     s.add_request(request("doc", 4000))
     out = s.schedule()
     assert out.num_decode_tokens == 40 and out.num_prefill_tokens in (40, 41)
+
+
+# -- aging within a tenant's fair share (issue 32) -----------------------------------
+
+
+def _steps_until_scheduled(
+    s: Scheduler, clock: Clock, late: Request, at: float, step_s: float
+) -> int:
+    """Run steps of `step_s` (finishing requests at max_tokens) until `late`, added at
+    `at`, is scheduled; the number of steps it waited."""
+    added = None
+    for step in range(100_000):
+        clock.now = step * step_s
+        if added is None and clock.now >= at:
+            s.add_request(late)
+            added = step
+        out = s.schedule()
+        if added is not None and late.request_id in ids(out):
+            return step - added
+        advance(s, out)
+        done = [r.request_id for r in s.running if len(r.output_token_ids) >= r.params.max_tokens]
+        s.finish_requests(done, RequestStatus.FINISHED_LENGTH)
+    raise AssertionError("never scheduled")
+
+
+@pytest.mark.parametrize(("late_priority", "at"), [(4, 10.0), (4, 30.0), (0, 30.0), (0, 60.0)])
+def test_a_tenants_aged_backlog_never_starves_another_tenants_fresh_request(
+    late_priority: int, at: float
+) -> None:
+    """Issue 32: B streams 32 long requests with 168 more queued, all at its plan's
+    priority 4. Aged from arrival, B's backlog and streams outranked C's fresh request of
+    class 4 at once and of class 0 after 20 s (4 classes x 5 s): C waited for B's
+    streams to end (hundreds of seconds here). Aged only while B goes unserved, C starts in the
+    step it arrives: its tenant's share of the slots is taken from B by preemption."""
+    clock = Clock()
+    s = fitted(make(clock, num_blocks=20_000, max_num_seqs=32))
+    for i in range(200):
+        s.add_request(request(f"b{i}", 40, tenant="B", priority=4, max_tokens=4000))
+    chat = request("c", 8, tenant="C", priority=late_priority, max_tokens=4, at=at)
+    assert _steps_until_scheduled(s, clock, chat, at, step_s=0.5) <= 1
+
+
+def test_a_low_class_tenant_still_gets_in_once_aged_while_another_is_served() -> None:
+    """Aging still bounds starvation across tenants: A's class 3 request waits while B's
+    class 0 requests keep the one slot busy, and starts once it has aged 3 classes (3 s
+    at 1 s a class), when the slot frees: B being served does not age B's queue."""
+    clock = Clock()
+    s = make(clock, max_num_seqs=1, aging_interval_s=1.0)
+    for i in range(400):
+        s.add_request(request(f"b{i}", 4, tenant="B", priority=0, max_tokens=3))
+    low = request("a", 4, tenant="A", priority=3, max_tokens=3, at=0.5)
+    waited = _steps_until_scheduled(s, clock, low, 0.5, step_s=0.05) * 0.05
+    assert 3.0 <= waited <= 3.0 + 4 * 0.05  # aged to class 0, then the next free slot
