@@ -37,6 +37,7 @@ def start_server(folder: Path, admin: str, port: int) -> subprocess.Popen[str]:
         "TOLLGATE_DATABASE_URL": "",
         "TOLLGATE_REDIS_URL": "",
         "TOLLGATE_ADMIN_KEY": admin,
+        "TOLLGATE_MAX_CONNECTIONS_PER_CLIENT": "2000",  # the flood is many clients on one host
         "PYTHONUNBUFFERED": "1",
     }
     tollgate = str(Path(sys.executable).parent / "tollgate")

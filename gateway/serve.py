@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import asyncio
+import logging
 import socket
 import sys
 from collections.abc import Callable
@@ -18,6 +19,8 @@ from gateway.telemetry.tracing import setup_tracing
 
 if TYPE_CHECKING:
     from gateway.bootstrap import AdminKey, ConsoleOwner
+
+log = logging.getLogger(__name__)
 
 
 def serve(settings: Settings) -> int:
@@ -47,8 +50,27 @@ def serve(settings: Settings) -> int:
 def gateway_config(app: Any, settings: Settings) -> uvicorn.Config:
     """uvicorn's settings for the gateway. The gateway logs every request itself (one
     "request finished" line: method, path, status, duration, client address), so
-    uvicorn's access line, which would only repeat it, is off."""
-    return _uvicorn_config(app, settings, access_log=False, **proxy_options(settings))
+    uvicorn's access line, which would only repeat it, is off. Connections get a header
+    deadline and a per-client cap (gateway/connections.py)."""
+    options = proxy_options(settings) | connection_limits(settings)
+    return _uvicorn_config(app, settings, access_log=False, **options)
+
+
+def connection_limits(settings: Settings) -> dict[str, Any]:
+    """uvicorn's `http` option: its httptools protocol with the limits, where httptools
+    is installed (a dependency); else uvicorn's own choice, without them."""
+    try:
+        from gateway.connections import guarded
+    except ImportError:
+        log.warning("httptools is not installed: no header timeout nor per-client cap")
+        return {}
+    return {
+        "http": guarded(
+            settings.header_timeout_s,
+            settings.max_connections_per_client,
+            settings.trusted_proxies,
+        )
+    }
 
 
 def proxy_options(settings: Settings) -> dict[str, Any]:
@@ -62,6 +84,8 @@ def proxy_options(settings: Settings) -> dict[str, Any]:
 
 
 def _uvicorn_config(app: Any, settings: Settings, **options: Any) -> uvicorn.Config:
+    # uvloop and httptools (dependencies) where installed, else asyncio's loop and h11
+    options = {"loop": "auto", "http": "auto"} | options
     return uvicorn.Config(
         app,
         host=settings.host,
@@ -69,9 +93,6 @@ def _uvicorn_config(app: Any, settings: Settings, **options: Any) -> uvicorn.Con
         log_level=settings.log_level,
         log_config=None,  # uvicorn's loggers go through ours (JSON lines)
         lifespan="on",
-        # uvloop and httptools (dependencies) where installed, else asyncio's loop and h11
-        loop="auto",
-        http="auto",
         timeout_graceful_shutdown=SETTLE_S,  # after the drain (gateway/drain.py)
         **options,
     )

@@ -64,6 +64,10 @@ class Settings:
     # None by default: with no proxy in front, a loopback peer's rotating X-Forwarded-For
     # would dodge the console's per-address sign-in limits.
     trusted_proxies: tuple[str, ...] = ()
+    # A request's headers must arrive within this (slow-header sockets are closed, 408);
+    # one client address (not a trusted proxy) holds at most this many connections.
+    header_timeout_s: float = 10.0
+    max_connections_per_client: int = 256
     # Browser origins that may call /v1/* (scheme://host[:port], or "*"); empty: no CORS.
     cors_origins: tuple[str, ...] = ()
     # The largest request body: a 128k-token context is about 0.5 MB of text, or 1 MB of
@@ -130,6 +134,10 @@ class Settings:
             celery_queue=env.get("TOLLGATE_CELERY_QUEUE", "").strip() or "tollgate",
             console_idle_s=_int(env, "TOLLGATE_CONSOLE_IDLE_S", 1800, low=60),
             trusted_proxies=_proxies(env.get("TOLLGATE_TRUSTED_PROXIES", "")),
+            header_timeout_s=float(_int(env, "TOLLGATE_HEADER_TIMEOUT_S", 10, low=1, high=300)),
+            max_connections_per_client=_int(
+                env, "TOLLGATE_MAX_CONNECTIONS_PER_CLIENT", 256, low=1, high=1_000_000
+            ),
             cors_origins=tuple(
                 o.strip().rstrip("/")
                 for o in env.get("TOLLGATE_CORS_ORIGINS", "").split(",")
