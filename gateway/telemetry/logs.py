@@ -29,6 +29,26 @@ _STANDARD = set(logging.makeLogRecord({}).__dict__) | {
 }
 
 
+def fields(record: logging.LogRecord) -> dict[str, Any]:
+    """A record's fields beyond its message: the request and trace it belongs to, and what
+    the call passed in `extra=`."""
+    entry: dict[str, Any] = {}
+    request_id = request_id_var.get()
+    if request_id is not None:
+        entry["request_id"] = request_id
+    client_request_id = client_request_id_var.get()
+    if client_request_id is not None:
+        entry["client_request_id"] = client_request_id
+    span = trace.get_current_span().get_span_context()
+    if span.is_valid:
+        entry["trace_id"] = format(span.trace_id, "032x")
+        entry["span_id"] = format(span.span_id, "016x")
+    for key, value in record.__dict__.items():
+        if key not in _STANDARD and not key.startswith("_"):
+            entry[key] = value
+    return entry
+
+
 class JsonFormatter(logging.Formatter):
     def format(self, record: logging.LogRecord) -> str:
         entry: dict[str, Any] = {
@@ -36,20 +56,8 @@ class JsonFormatter(logging.Formatter):
             "level": record.levelname.lower(),
             "logger": record.name,
             "message": record.getMessage(),
+            **fields(record),
         }
-        request_id = request_id_var.get()
-        if request_id is not None:
-            entry["request_id"] = request_id
-        client_request_id = client_request_id_var.get()
-        if client_request_id is not None:
-            entry["client_request_id"] = client_request_id
-        span = trace.get_current_span().get_span_context()
-        if span.is_valid:
-            entry["trace_id"] = format(span.trace_id, "032x")
-            entry["span_id"] = format(span.span_id, "016x")
-        for key, value in record.__dict__.items():
-            if key not in _STANDARD and not key.startswith("_"):
-                entry[key] = value
         if record.exc_info:
             entry["exc_type"] = record.exc_info[0].__name__ if record.exc_info[0] else None
             entry["exc"] = self.formatException(record.exc_info)
@@ -74,14 +82,27 @@ def _escape(char: str) -> str:
 
 
 class TextFormatter(logging.Formatter):
-    """One record, one line: text a client sent (a decoded path with %0A, say) cannot
-    forge a record of its own, and a traceback stays on its record's line, escaped."""
+    """One record, one line: the message, then its fields as key=value (the JSON lines'
+    fields: request id, method, path, status, tenant, timings...). Text a client sent (a
+    decoded path with %0A, say) cannot forge a record of its own, and a traceback stays
+    on its record's line, escaped."""
 
     def __init__(self) -> None:
         super().__init__(TEXT_FORMAT)
 
     def format(self, record: logging.LogRecord) -> str:
-        return escape_controls(super().format(record))
+        line = super().format(record)  # the message, then any traceback
+        message = self.formatMessage(record)  # the line's start (record.message is set now)
+        pairs = "".join(f" {key}={_text_value(value)}" for key, value in fields(record).items())
+        return escape_controls(message + pairs + line[len(message) :])
+
+
+def _text_value(value: Any) -> str:
+    """A value as one token: quoted (JSON) when it holds spaces, quotes or '='."""
+    text = value if isinstance(value, str) else json.dumps(value, default=str)
+    if text and not any(c in text for c in ' "=') and text.isprintable():
+        return text
+    return json.dumps(text, ensure_ascii=False)
 
 
 def configure_logging(level: str, fmt: str = "json") -> None:

@@ -11,11 +11,14 @@ from dataclasses import replace
 import httpx
 import pytest
 import uvicorn
+from litestar import Litestar
+from litestar.testing import AsyncTestClient
 
 from gateway.app import create_app
 from gateway.dispatch.engine_client import InProcessEngineClient
 from gateway.serve import gateway_config
 from gateway.settings import Settings
+from gateway.telemetry.logs import TextFormatter
 from tests.conftest import eventually
 from tests.integration.conftest import Lines
 
@@ -65,3 +68,46 @@ async def test_every_request_gets_one_line_and_uvicorn_writes_none(
         assert isinstance(entry["duration_ms"], float) and entry["duration_ms"] >= 0
         assert entry["client_ip"] == "127.0.0.1"
     assert access.entries == []
+
+
+class TextLines(logging.Handler):
+    """The lines the server writes with TOLLGATE_LOG_FORMAT=text (made as they are logged,
+    so the request id is the request's)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lines: list[str] = []
+        self.setFormatter(TextFormatter())
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.lines.append(self.format(record))
+
+
+async def test_text_lines_carry_the_request_fields(
+    client: AsyncTestClient[Litestar], engine_client: InProcessEngineClient, tenant_key: str
+) -> None:
+    """TOLLGATE_LOG_FORMAT=text wrote only "request finished": its line has the fields the
+    JSON line has, as key=value."""
+    lines, logger = TextLines(), logging.getLogger("tollgate.requests")
+    logger.addHandler(lines)
+    level = logger.level
+    logger.setLevel(logging.INFO)
+    try:
+        body = {"model": engine_client.model_name, "prompt": "The", "max_tokens": 1}
+        headers = {"Authorization": f"Bearer {tenant_key}"}
+        answer = await client.post("/v1/completions", json=body, headers=headers)
+    finally:
+        logger.removeHandler(lines)
+        logger.setLevel(level)
+    assert answer.status_code == 200
+    (line,) = [line for line in lines.lines if "request finished" in line]
+    fields = dict(pair.split("=", 1) for pair in line.split(" request finished ")[1].split())
+    assert (fields["http_method"], fields["http_path"], fields["http_status"]) == (
+        "POST",
+        "/v1/completions",
+        "200",
+    )
+    assert fields["request_id"] == answer.headers["x-request-id"]
+    assert fields["tenant_id"] and fields["tenant_id"] != "null"
+    assert float(fields["duration_ms"]) >= 0
+    assert tenant_key not in line
