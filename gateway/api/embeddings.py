@@ -108,7 +108,9 @@ class EmbeddingsController(Controller):
     @post(
         "/embeddings",
         status_code=200,
-        operation_class=documented(EmbeddingList, body=EmbeddingRequest, errors=GENERATION),
+        operation_class=documented(
+            EmbeddingList, body=EmbeddingRequest, errors=GENERATION, idempotent=True
+        ),
     )
     async def create_embeddings(
         self,

@@ -36,7 +36,7 @@ from gateway.dispatch.engine_client import (
 )
 from gateway.errors import Cancelled, InvalidRequest, NotFound
 from gateway.openapi import AUTHENTICATED, GENERATION, documented
-from gateway.openapi.shapes import ChatCompletion, Completion, Model, ModelList
+from gateway.openapi.shapes import ChatCompletion, ChatCompletionChunk, Completion, Model, ModelList
 from gateway.runtime import Runtime
 from gateway.tasks import Interrupt
 from gateway.telemetry import current_request
@@ -100,7 +100,8 @@ class OpenAIController(Controller):
             ChatCompletion,
             body=ChatCompletionRequest,
             errors=GENERATION,
-            stream="ChatCompletionChunk",
+            stream=ChatCompletionChunk,
+            idempotent=True,
         ),
     )
     async def chat_completions(
@@ -116,7 +117,11 @@ class OpenAIController(Controller):
         "/completions",
         status_code=200,
         operation_class=documented(
-            Completion, body=CompletionRequest, errors=GENERATION, stream="Completion"
+            Completion,
+            body=CompletionRequest,
+            errors=GENERATION,
+            stream=Completion,
+            idempotent=True,
         ),
     )
     async def completions(

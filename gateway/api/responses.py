@@ -38,7 +38,7 @@ from gateway.api.schemas import (
 )
 from gateway.errors import InvalidRequest
 from gateway.openapi import GENERATION, documented
-from gateway.openapi.shapes import ResponseObject
+from gateway.openapi.shapes import ResponseEvent, ResponseObject
 from gateway.runtime import Runtime
 from tenants.limits import LOWEST_PRIORITY
 from tenants.services import Principal
@@ -157,7 +157,11 @@ class ResponsesController(Controller):
         "/responses",
         status_code=200,
         operation_class=documented(
-            ResponseObject, body=ResponsesRequest, errors=GENERATION, stream="ResponseEvent"
+            ResponseObject,
+            body=ResponsesRequest,
+            errors=GENERATION,
+            stream=ResponseEvent,
+            idempotent=True,
         ),
     )
     async def create_response(

@@ -17,6 +17,7 @@ from typing import Any
 
 import msgspec
 from litestar import Request
+from litestar.enums import ParamType
 from litestar.openapi import OpenAPIConfig
 from litestar.openapi.plugins import JsonRenderPlugin, OpenAPIRenderPlugin
 from litestar.openapi.spec import (
@@ -26,13 +27,14 @@ from litestar.openapi.spec import (
     OpenAPIResponse,
     OpenAPIType,
     Operation,
+    Parameter,
     Reference,
     RequestBody,
     Schema,
     SecurityScheme,
 )
 
-from gateway.openapi.shapes import ErrorResponse
+from gateway.openapi.shapes import ErrorResponse, StreamError
 
 REF = "#/components/schemas/{name}"
 
@@ -42,9 +44,12 @@ ERRORS = {
     401: "Missing, invalid or revoked API key",
     403: "This key may not do this: an admin key is needed, or the plan excludes the model",
     404: "No such model, tenant, plan, key, price or request",
-    409: "Conflicts with what exists: a name taken, an idempotency key in use with another "
-    "body, an export already running",
+    409: "Conflicts with what exists: a name taken, an export already running; or a "
+    "request with this `Idempotency-Key` is still in flight (`idempotency_key_in_flight`, "
+    "with `Retry-After`)",
     413: "The request body is larger than the gateway accepts",
+    422: "This `Idempotency-Key` was used with a different body (`idempotency_key_reused`): "
+    "a retry must send the same request",
     429: "A rate, concurrency or budget limit is used up (`Retry-After` says when to retry; "
     "`x-should-retry: false` when the month's budget is spent)",
     503: "Overloaded, or the engine, database or quota store unavailable: retry shortly",
@@ -54,8 +59,19 @@ ERRORS = {
 AUTHENTICATED = (400, 401, 503)
 ADMIN = (*AUTHENTICATED, 403, 404)
 ADMIN_WRITE = (*ADMIN, 409, 413)
-GENERATION = (*AUTHENTICATED, 403, 404, 409, 413, 429, 504)
+GENERATION = (*AUTHENTICATED, 403, 404, 409, 413, 422, 429, 504)
 SSE = "text/event-stream"
+IDEMPOTENCY_KEY = Parameter(
+    name="Idempotency-Key",
+    param_in=ParamType.HEADER,
+    required=False,
+    schema=Schema(type=OpenAPIType.STRING, min_length=1, max_length=255),
+    description="1-255 printable ASCII characters, unique per request (IETF "
+    "draft-ietf-httpapi-idempotency-key-header): a retry with the same key and body within "
+    "the retention window (24 h by default) gets the stored answer, a stream's included, "
+    "and is not charged again; 409 while the first is in flight, 422 for another body, "
+    "400 for a malformed key",
+)
 
 # The JSON Schemas of every struct a route names, by component name.
 _COMPONENTS: dict[str, Any] = {}
@@ -68,15 +84,16 @@ def documented(
     errors: Iterable[int] = (),
     status: int = 200,
     media_type: str = "application/json",
-    stream: str | None = None,
+    stream: type | None = None,
     secured: bool = True,
     also: Mapping[int, tuple[str, Any]] | None = None,
+    idempotent: bool = False,
 ) -> type[Operation]:
     """The operation class of a route answering `ok` (a type msgspec can describe) with
     `status`, refusing with `errors`; `body`: the struct its request body decodes to;
-    `ok` None: no body (204); `stream`: the shape of each event when it can answer in
-    server-sent events; `also`:
-    other answers, by status, with their description and shape."""
+    `ok` None: no body (204); `stream`: the struct each event's `data` holds when it can
+    answer in server-sent events; `also`: other answers, by status, with their
+    description and shape; `idempotent`: it takes an Idempotency-Key header."""
     content = {} if ok is None else {media_type: OpenAPIMediaType(schema=schema_of(ok))}
     if stream is not None:
         content[SSE] = OpenAPIMediaType(schema=_event_schema(stream))
@@ -91,6 +108,7 @@ def documented(
     if body is not None:
         shape = {"application/json": OpenAPIMediaType(schema=schema_of(body))}
         request_body = RequestBody(content=shape, required=True)
+    headers = [IDEMPOTENCY_KEY] if idempotent else []
 
     @dataclass
     class Documented(Operation):
@@ -98,21 +116,30 @@ def documented(
             self.responses = responses  # type: ignore[assignment]
             self.request_body = request_body
             self.security = [{"bearer": []}] if secured else None
+            self.parameters = [*(self.parameters or []), *headers] or None
 
     return Documented
 
 
-def _event_schema(stream: str) -> Schema:
+def _event_schema(stream: type) -> Schema:
     """One server-sent event, as OpenAPI 3.1 tools parse a `text/event-stream` (the
-    schema describes each event, not the whole body): its `data` carries a `stream` as
-    JSON (or `[DONE]`, the last event of a chat or completions stream); the Responses
-    stream names each event too."""
-    data = Schema(type=OpenAPIType.STRING, description=f"<{stream}> as JSON, or [DONE]")
+    schema describes each event, not the whole body): its `data` is a `stream` as JSON
+    (contentSchema), or a StreamError where an error cut the stream short, or `[DONE]`,
+    the last event of a chat or completions stream; the Responses stream names each
+    event too (`event:`)."""
+    name = stream.__name__
+    chunk = Schema(one_of=[schema_of(stream), schema_of(StreamError)])
+    data = Schema(
+        type=OpenAPIType.STRING,
+        content_media_type="application/json",
+        content_schema=chunk,
+        description=f"a {name} as JSON (a StreamError if an error cut the stream short), or [DONE]",
+    )
     return Schema(
         type=OpenAPIType.OBJECT,
         properties={"data": data, "event": Schema(type=OpenAPIType.STRING)},
         required=["data"],
-        description=f"Server-sent events: `data: <{stream}>` lines",
+        description=f"Server-sent events: `data: <{name}>` lines",
     )
 
 

@@ -112,6 +112,13 @@ class ChatCompletionChunk(Struct, kw_only=True):
     usage: Usage | None = None
 
 
+class StreamError(Struct):
+    """The `data:` event that ends a stream an error cut short (mid-stream errors are an
+    event, not a status: the 200 was sent)."""
+
+    error: ErrorDetail
+
+
 class TextLogprobs(Struct):
     tokens: list[str]
     token_logprobs: list[float]
@@ -164,6 +171,35 @@ class ResponseMessage(Struct):
     status: str
     role: Literal["assistant"]
     content: list[ResponseText]
+
+
+class ResponseTextPart(Struct):
+    type: Literal["output_text"]
+    text: str
+    annotations: list[Any]
+    logprobs: list[Any]
+
+
+class ResponseEvent(Struct, kw_only=True):
+    """One event of a streamed /v1/responses (`event:` is its `type`), in this order:
+    response.created, response.in_progress, response.output_item.added,
+    response.content_part.added, response.output_text.delta (one per text delta),
+    response.output_text.done, response.content_part.done, response.output_item.done,
+    then response.completed or response.incomplete (`response` whole, with `usage`); or
+    `error` (`code`, `message`) where an error cut the stream short."""
+
+    type: str
+    sequence_number: int
+    response: ResponseObject | None = None
+    item: ResponseMessage | None = None
+    part: ResponseTextPart | None = None
+    item_id: str | None = None
+    output_index: int | None = None
+    content_index: int | None = None
+    delta: str | None = None
+    text: str | None = None
+    code: str | None = None
+    message: str | None = None
 
 
 class ResponseUsage(Struct):

@@ -114,6 +114,23 @@ async def test_schema_is_served_with_its_shapes(
         for path in document["paths"]
         if not path.startswith(("/v1", "/admin/api", "/health", "/readyz"))
     ]
+    streams = {
+        "/v1/chat/completions": "ChatCompletionChunk",
+        "/v1/completions": "Completion",
+        "/v1/responses": "ResponseEvent",
+    }
+    for path in (*streams, "/v1/embeddings"):
+        operation = document["paths"][path]["post"]
+        (header,) = [p for p in operation["parameters"] if p["name"] == "Idempotency-Key"]
+        assert (header["in"], header["required"]) == ("header", False)
+        assert "409" in operation["responses"] and "422" in operation["responses"]
+        assert "Idempotency-Key" in operation["responses"]["422"]["description"]
+    for path, chunk in streams.items():
+        answer = document["paths"][path]["post"]["responses"]["200"]["content"]
+        data = answer["text/event-stream"]["schema"]["properties"]["data"]
+        assert data["contentMediaType"] == "application/json"
+        assert {"$ref": f"#/components/schemas/{chunk}"} in data["contentSchema"]["oneOf"]
+        assert chunk in schemas and "StreamError" in schemas
     assert page.status_code == 200 and page.headers["content-type"].startswith("text/html")
     assert "POST <code>/v1/chat/completions</code>" in page.text
     assert "cdn" not in page.text.lower() and "<script" not in page.text
