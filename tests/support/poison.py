@@ -74,6 +74,13 @@ def table(model: str, max_model_len: int) -> list[Poison]:
          _chat(messages=[{"role": "user", "content": "\u202e🙂" * 200}]), served),
         ("1,000 messages", chat,
          _chat(messages=[{"role": "user", "content": "hi"}] * 1000), (200, 400)),
+        # Issue 32: no content characters, but each message takes a token of the context;
+        # rendered and tokenized on the event loop, they held every tenant 1.3 s.
+        ("100,000 empty messages", chat,
+         _chat(messages=[{"role": "user", "content": None}] * 100_000), refused),
+        ("100,000 empty Responses inputs", "/responses",
+         {"input": [{"role": "user", "content": ""}] * 100_000, "max_output_tokens": 4},
+         refused),
         ("a prompt the context cannot hold", text, {"prompt": long, "max_tokens": 2}, refused),
         ("a 10.8 MB prompt", text, {"prompt": huge, "max_tokens": 2}, (413,)),
         ("JSON nested 1,000 deep", chat, b"[" * 1000 + b"]" * 1000, refused),
