@@ -1,0 +1,122 @@
+"""One tenant's backlog against another tenant's fresh requests (issue 32 item 4). Measured
+through the HTTP API of a real `tollgate serve` (embedded default, built-in model) that
+this script starts on loopback: tenant C's streaming chat TTFT p50/p95 alone, then while
+tenant B holds `--backlog` long streams open (on the CPU default of 32 running, the rest
+waiting in the engine), all at the plan's default priority; and the ratio. Target: C's
+p95 beside the backlog at most 2x alone. Each phase lasts past the 20 s after which B's
+backlog, aged from its arrival, used to outrank C (4 classes at 5 s a class).
+
+    python -m bench.fair_share [--seconds 30] [--rate 1] [--backlog 200] [--repeat 2]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import json
+import secrets
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+from bench._common import percentile
+from bench.hostile_load import open_loop, start_server, tenant_key, ttft, wait_ready
+from tenants import keys
+
+
+async def hold_stream(http: httpx.AsyncClient, base: str, key: str, model: str) -> None:
+    """One of B's long streams, read until it ends or is cancelled."""
+    body = {
+        "model": model,
+        "messages": [{"role": "user", "content": "Tell me a very long story."}],
+        "max_tokens": 1500,
+        "ignore_eos": True,
+        "stream": True,
+    }
+    headers = {"Authorization": f"Bearer {key}"}
+    async with http.stream("POST", f"{base}/v1/chat/completions", json=body, headers=headers) as r:
+        async for _ in r.aiter_lines():
+            pass
+
+
+async def measure(
+    http: httpx.AsyncClient, base: str, keys_bc: tuple[str, str], model: str, args: Any, run: int
+) -> dict[str, Any]:
+    backlog_key, chat_key = keys_bc
+
+    def chat() -> Any:
+        return ttft(http, base, chat_key, model)
+
+    alone = [t for t in await open_loop(args.rate, args.seconds, chat) if t is not None]
+    streams = [
+        asyncio.ensure_future(hold_stream(http, base, backlog_key, model))
+        for _ in range(args.backlog)
+    ]
+    started = time.monotonic()
+    beside = [t for t in await open_loop(args.rate, args.seconds, chat) if t is not None]
+    held_s = time.monotonic() - started
+    still_open = sum(not s.done() for s in streams)
+    for stream in streams:  # closing them cancels them in the engine
+        stream.cancel()
+    for stream in streams:
+        with contextlib.suppress(BaseException):
+            await stream
+    a95, b95 = percentile(alone, 95), percentile(beside, 95)
+    return {
+        "run": run,
+        "chat_ttft_alone_ms": {
+            "p50": round(percentile(alone, 50) * 1e3, 1),
+            "p95": round(a95 * 1e3, 1),
+        },
+        "chat_ttft_beside_backlog_ms": {
+            "p50": round(percentile(beside, 50) * 1e3, 1),
+            "p95": round(b95 * 1e3, 1),
+            "max": round(max(beside) * 1e3, 1),
+        },
+        "p95_ratio": round(b95 / a95, 2),
+        "target_met": b95 <= 2 * a95,
+        "chat_requests": [len(alone), len(beside)],
+        "backlog_streams_open_at_the_end": still_open,
+        "backlog_held_s": round(held_s, 1),
+    }
+
+
+async def run(args: argparse.Namespace) -> None:
+    admin, _ = keys.generate_key()
+    port = 18000 + secrets.randbelow(2000)
+    base = f"http://127.0.0.1:{port}"
+    with tempfile.TemporaryDirectory() as folder:
+        server = start_server(Path(folder), admin, port)
+        try:
+            limits = httpx.Limits(max_connections=args.backlog + 100)
+            async with httpx.AsyncClient(timeout=600, limits=limits) as http:
+                await wait_ready(http, base)
+                auth = {"Authorization": f"Bearer {admin}"}
+                backlog_key = await tenant_key(http, base, admin, None)
+                chat_key = await tenant_key(http, base, admin, None)
+                model = (await http.get(f"{base}/v1/models", headers=auth)).json()["data"][0]["id"]
+                for attempt in range(args.repeat):
+                    report = await measure(
+                        http, base, (backlog_key, chat_key), model, args, attempt + 1
+                    )
+                    print(json.dumps(report), flush=True)
+        finally:
+            server.terminate()
+            server.wait(timeout=30)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--seconds", type=float, default=30.0, help="per phase")
+    parser.add_argument("--rate", type=float, default=1.0, help="C's chats per second")
+    parser.add_argument("--backlog", type=int, default=200, help="B's open streams")
+    parser.add_argument("--repeat", type=int, default=2)
+    asyncio.run(run(parser.parse_args()))
+
+
+if __name__ == "__main__":
+    main()
