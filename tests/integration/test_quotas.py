@@ -159,7 +159,7 @@ async def test_rate_limit_headers_describe_the_binding_limit_of_key_or_tenant(
     """A key with rpm 1 on a plan with rpm 100 hears of the key's limit, on its 200 and
     its 429; a key limit under a plan without one still gets headers; where the tenant's
     window is the tighter, the tenant's."""
-    tenant_id, key = await _tenant_key(sessions, LimitSet(rpm=100))
+    _, key = await _tenant_key(sessions, LimitSet(rpm=100))
     _, unplanned = await _tenant_key(sessions, LimitSet())
     _, tight_plan = await _tenant_key(sessions, LimitSet(rpm=2, tpm=1000))
     async with sessions.begin() as session:
