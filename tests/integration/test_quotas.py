@@ -225,3 +225,35 @@ async def test_a_spent_key_costs_no_tokenizing(
     assert tokenized == []
     expected = "rate_limit_exceeded" if limit == "rpm" else "insufficient_quota"
     assert refused.json()["error"]["code"] == expected
+
+
+async def test_many_empty_messages_from_a_spent_key_are_not_rendered(
+    app: Litestar,
+    sessions: Sessions,
+    engine_client: InProcessEngineClient,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Messages count towards a long prompt (their template's characters), so 200 empty
+    ones from a key whose minute is used up are refused before the template renders them
+    (counting content alone, they were rendered first)."""
+    _, key = await _tenant_key(sessions, LimitSet(rpm=1))
+    headers = {"Authorization": f"Bearer {key}"}
+    rendered: list[int] = []
+    render = engine_client.render_chat
+
+    def recording(messages: list[dict[str, Any]], tools: Any = None) -> str:
+        rendered.append(len(messages))
+        return render(messages, tools)
+
+    async with _client(app) as client:
+        spend = await client.post(
+            "/v1/completions", json=_body(engine_client.model_name, 1), headers=headers
+        )
+        assert spend.status_code == 200, spend.text
+        monkeypatch.setattr(engine_client, "render_chat", recording)
+        turns = [{"role": "user", "content": None}] * 200
+        body = {"model": engine_client.model_name, "messages": turns, "max_tokens": 1}
+        refused = await client.post("/v1/chat/completions", json=body, headers=headers)
+    assert refused.status_code == 429, refused.text
+    assert refused.json()["error"]["code"] == "rate_limit_exceeded"
+    assert rendered == []
