@@ -79,6 +79,22 @@ def generate_static(
     """One generate() call on a left-padded batch, every row generating until the
     batch's longest output is done (EOS ignored; greedy, or sampled at `temperature` with
     no top-k/top-p filter, as the engine samples). Returns the padded token slots."""
+    steps = generate_steps(model, batch, device, temperature)
+    longest = max(n for _, n in batch)
+    if steps != longest:  # stopped early: that would flatter it
+        raise RuntimeError(f"generate() made {steps} of {longest} tokens")
+    return len(batch) * (max(len(p) for p, _ in batch) + longest)
+
+
+def generate_steps(
+    model: Any,
+    batch: Workload,
+    device: torch.device,
+    temperature: float = 0.0,
+    max_time: float | None = None,
+) -> int:
+    """generate_static's call, cut after `max_time` seconds if given (transformers checks
+    it after every token); returns the tokens each row generated."""
     width = max(len(p) for p, _ in batch)
     longest = max(n for _, n in batch)
     ids = torch.zeros(len(batch), width, dtype=torch.long)
@@ -93,10 +109,9 @@ def generate_static(
         **sampled(temperature),
         eos_token_id=None,
         pad_token_id=0,
+        max_time=max_time,
     )
-    if out.shape[1] != width + longest:  # stopped early: that would flatter it
-        raise RuntimeError(f"generate() made {out.shape[1] - width} of {longest} tokens")
-    return len(batch) * (width + longest)
+    return int(out.shape[1]) - width
 
 
 def sampled(temperature: float) -> dict[str, Any]:

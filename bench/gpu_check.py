@@ -1,6 +1,7 @@
-"""The prepared device check: one command, at most 8 minutes on one H200, nothing
-downloaded. Random-weight bfloat16 checkpoints shaped like Llama-3.2-1B and Llama-3-8B
-are built on the GPU (into /dev/shm), then, each section bounded in time:
+"""The prepared device check: one command, at most 6 minutes on one H100 or H200,
+nothing downloaded (`--only kernels,greedy_1b`: a 2-minute smoke run). Random-weight
+bfloat16 checkpoints shaped like Llama-3.2-1B and Llama-3-8B are built on the GPU (into
+/dev/shm), then, each section bounded in time:
 
 - kernels: each Triton kernel of backend/kernels against its torch reference (bf16);
   skipped when backend/kernels is not there;
@@ -20,9 +21,11 @@ are built on the GPU (into /dev/shm), then, each section bounded in time:
   keeping 8 documents of 8k tokens in flight, the documents' prefill throughput, then
   the documents again with the static budget (adaptive_step_budget off).
 
-It writes one JSON (after every section, so a run cut short keeps what it measured) and
-prints a table. `--dry-run` runs every section on the CPU with tiny shapes.
+It writes one JSON (after every section, so a run cut short keeps what it measured; a
+section that overruns or fails keeps the figures it had recorded) and prints a table.
+`--dry-run` runs every section on the CPU with tiny shapes.
 
+    python -m bench.gpu_check --only kernels,greedy_1b --out $OUT/smoke.json
     python -m bench.gpu_check --out $OUT/gpu_check.json
     python -m bench.gpu_check --dry-run --out /tmp/gpu_check.json
 """
@@ -60,6 +63,7 @@ from bench import serving_mix
 from bench._common import (
     Workload,
     generate_static,
+    generate_steps,
     long_tailed,
     static_batches,
     write_word_tokenizer,
@@ -122,26 +126,29 @@ class Plan:
     prompt_median: int = 256
     output_median: int = 96
     static_batch_size: int = 64
-    static_budget_s: float = 30.0  # per workload; the rate is over the batches completed
+    static_budget_s: float = 25.0  # per workload, steps included (generate's max_time)
     max_num_batched_tokens: int = 8192
-    # serving_mix_8b: two 16 GB engines (adaptive, static budget), ~35 s of traffic
+    # serving_mix_8b: two 16 GB engines (adaptive, static budget), ~27 s of traffic
     mix: Mix = field(
         default_factory=lambda: Mix(
-            seconds=8.0, chat_rate=4.0, doc_prompt=8000, settle=3.0, burst=0
+            seconds=6.0, chat_rate=4.0, doc_prompt=8000, settle=3.0, burst=0
         )
     )
-    total_s: float = 470.0  # the budgets sum to 465; Python's start-up comes on top
+    # The whole check within 6 minutes, so 15 minutes of GPU time hold a machine start,
+    # the 2-minute smoke (--only kernels,greedy_1b) and one rerun. Each budget is about
+    # twice the section's expected time (bench/README.md, "The device check").
+    total_s: float = 345.0  # the budgets sum to 340; Python's start-up comes on top
     budgets: dict[str, float] = field(
         default_factory=lambda: {
-            "build_1b": 25,
-            "kernels": 60,  # Triton compiles each kernel configuration on first use
-            "greedy_1b": 40,
-            "build_8b": 45,
-            "decode_8b": 60,
-            "decode_1b": 25,
-            "ttft_1b": 25,
-            "throughput_1b": 100,  # the engine, then 2 static workloads of 30 s
-            "serving_mix_8b": 85,
+            "build_1b": 20,
+            "kernels": 45,  # Triton compiles each kernel configuration on first use
+            "greedy_1b": 30,
+            "build_8b": 35,
+            "decode_8b": 40,
+            "decode_1b": 20,
+            "ttft_1b": 20,
+            "throughput_1b": 70,  # the engine, then 2 static workloads of 25 s
+            "serving_mix_8b": 60,
         }
     )
 
@@ -185,23 +192,31 @@ class Run:
     checkpoints: dict[str, Path] = field(default_factory=dict)
     hf_models: dict[str, Any] = field(default_factory=dict)
     deadline: float = 0.0
+    # What the running section has measured so far: kept when it overruns or fails.
+    partial: dict[str, Any] = field(default_factory=dict)
 
     def section(self, name: str, work: Callable[[Run], dict[str, Any]]) -> None:
         """Run one section under its time budget; record ok / error / timeout / skipped."""
         left = self.deadline - time.monotonic()
         budget = min(self.plan.budgets[name], left)
         started = time.monotonic()
+        self.partial = {}
         if budget < 5:
             entry: dict[str, Any] = {"status": "skipped", "reason": "no time left"}
         else:
-            entry = _bounded(lambda: work(self), budget)
+            entry = _bounded(lambda: work(self), budget, self.partial)
         entry["seconds"] = round(time.monotonic() - started, 1)
         self.results["sections"][name] = entry
         self.out.write_text(json.dumps(self.results, indent=2, default=str))
         print(f"[{name}] {entry['status']} in {entry['seconds']} s", flush=True)
 
 
-def _bounded(work: Callable[[], dict[str, Any]], budget: float) -> dict[str, Any]:
+def _bounded(
+    work: Callable[[], dict[str, Any]], budget: float, partial: dict[str, Any]
+) -> dict[str, Any]:
+    """`work`'s figures with status ok; on a timeout or an error, the status with what it
+    had recorded in `partial` by then."""
+
     def expire(signum: int, frame: object) -> None:
         raise SectionTimeout
 
@@ -210,12 +225,13 @@ def _bounded(work: Callable[[], dict[str, Any]], budget: float) -> dict[str, Any
     try:
         return {"status": "ok", **work()}
     except SectionTimeout:
-        return {"status": "timeout", "budget_s": round(budget, 1)}
+        return {**partial, "status": "timeout", "budget_s": round(budget, 1)}
     except Skip as exc:
         return {"status": "skipped", "reason": str(exc)}
     except Exception as exc:  # a failed section must not cost the others
         lines = traceback.format_exc().strip().splitlines()[-6:]
-        return {"status": "error", "error": f"{type(exc).__name__}: {exc}", "trace": lines}
+        error = f"{type(exc).__name__}: {exc}"
+        return {**partial, "status": "error", "error": error, "trace": lines}
     finally:
         signal.setitimer(signal.ITIMER_REAL, 0)
         signal.signal(signal.SIGALRM, previous)
@@ -425,10 +441,9 @@ def section_greedy(run: Run) -> dict[str, Any]:
     del engine
     release()
     model = hf_model(run, "1b")
-    rows = [
-        _compare_greedy(model, prompt, tokens_of(outputs[f"g{i}"]), run.device)
-        for i, prompt in enumerate(prompts)
-    ]
+    rows = run.partial.setdefault("rows", [])
+    for i, prompt in enumerate(prompts):
+        rows.append(_compare_greedy(model, prompt, tokens_of(outputs[f"g{i}"]), run.device))
     exact = sum(r["verdict"] == "exact" for r in rows)
     ties = sum(r["verdict"] == "near-tie" for r in rows)
     return {
@@ -484,7 +499,8 @@ def section_decode(name: str) -> Callable[[Run], dict[str, Any]]:
             * (shape.hidden // shape.heads)
             * runner.kv_cache.element_size()
         )
-        result: dict[str, Any] = {**engine_facts(engine), "weight_bytes": weights}
+        result = run.partial
+        result.update(engine_facts(engine), weight_bytes=weights)
         captured = runner.use_cuda_graphs
         for graphs in (True, False):
             key = "graphs" if graphs else "eager"
@@ -557,7 +573,8 @@ def section_ttft(run: Run) -> dict[str, Any]:
     rng = random.Random(3)
     engine.add_request("warm", random_prompt(rng, plan.ttft_lengths[0], shape.vocab), greedy(2))
     drain(engine)
-    result: dict[str, Any] = engine_facts(engine)
+    result = run.partial
+    result.update(engine_facts(engine))
     for length in plan.ttft_lengths:
         engine.add_request(f"t{length}", random_prompt(rng, length, shape.vocab), greedy(1))
         first = drain(engine)[f"t{length}"][0]
@@ -591,7 +608,8 @@ def section_throughput(run: Run) -> dict[str, Any]:
         max_num_batched_tokens=plan.max_num_batched_tokens,
         gpu_memory_utilization=0.85,
     )
-    result: dict[str, Any] = engine_facts(engine)
+    result = run.partial
+    result.update(engine_facts(engine))
     engine.add_request("warm", works[plan.concurrency[0]][0][0][:64], greedy(4))
     drain(engine)
     for n, work in works.items():
@@ -627,16 +645,19 @@ def _engine_rate(engine: Engine, work: Workload) -> dict[str, Any]:
 @torch.inference_mode()
 def _static_rate(model: Any, work: Workload, plan: Plan, device: torch.device) -> dict[str, Any]:
     """Length-sorted batches run in a shuffled order until the budget is spent, so the
-    batches done are a fair sample of all of them; the rate counts requested tokens only."""
+    batches done are a fair sample of all of them; the rate counts requested tokens only.
+    The budget bounds the steps too: the batch under way when it runs out is cut there
+    (generate's max_time) and counts each row's requested tokens up to the cut."""
     batches = static_batches(work, plan.static_batch_size, by_length=True)
     random.Random(4).shuffle(batches)
     generate_static(model, [(work[0][0][:16], 2)], device)  # warm-up
     started, tokens, done = time.perf_counter(), 0, 0
     for batch in batches:
-        if time.perf_counter() - started > plan.static_budget_s:
+        left = plan.static_budget_s - (time.perf_counter() - started)
+        if left <= 0:
             break
-        generate_static(model, batch, device)
-        tokens += sum(n for _, n in batch)
+        steps = generate_steps(model, batch, device, max_time=left)
+        tokens += sum(min(n, steps) for _, n in batch)
         done += 1
     seconds = time.perf_counter() - started
     return {
@@ -657,7 +678,8 @@ def section_serving_mix(run: Run) -> dict[str, Any]:
     the static one (its chat ratios are against the adaptive engine's chat alone)."""
     mix = replace(run.plan.mix, vocab=run.shapes["8b"].vocab)
     model_dir = checkpoint(run, "8b")
-    result: dict[str, Any] = {"api": IN_PROCESS, "mix": asdict(mix)}
+    result = run.partial
+    result.update(api=IN_PROCESS, mix=asdict(mix))
     phases: dict[str, dict[str, serving_mix.Phase]] = {}
     for label, adaptive, wanted in (
         ("adaptive", True, ("alone", "docs")),

@@ -8,7 +8,9 @@ import json
 import os
 import subprocess
 import sys
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 ROOT = Path(__file__).resolve().parents[2]
 # The device image has torch, triton, transformers, safetensors, tokenizers and numpy,
@@ -130,3 +132,22 @@ def test_the_gpu_tests_collect_with_the_device_images_packages() -> None:
     )
     assert done.returncode == 0, done.stdout[-3000:]
     assert " skipped" in done.stdout and "error" not in done.stdout.lower(), done.stdout[-2000:]
+
+
+def test_a_section_that_overruns_or_fails_keeps_what_it_measured() -> None:
+    """Issue 33: an overrun section was recorded as a bare `timeout`, its figures lost."""
+    from bench.gpu_check import SectionTimeout, _bounded
+
+    def measures_then(failure: BaseException) -> Callable[[], dict[str, Any]]:
+        def work() -> dict[str, Any]:
+            partial["graphs"] = {"tokens_per_s": 123.0}
+            raise failure
+
+        return work
+
+    partial: dict[str, Any] = {}
+    entry = _bounded(measures_then(SectionTimeout()), 40.0, partial)
+    assert entry == {"graphs": {"tokens_per_s": 123.0}, "status": "timeout", "budget_s": 40.0}
+    entry = _bounded(measures_then(RuntimeError("CUDA error")), 40.0, partial)
+    assert entry["status"] == "error" and entry["graphs"] == {"tokens_per_s": 123.0}
+    assert entry["error"] == "RuntimeError: CUDA error"
