@@ -7,6 +7,7 @@ import re
 from dataclasses import dataclass, replace
 
 DTYPES = ("auto", "float32", "float16", "bfloat16")
+QUANTIZATIONS = ("none", "int8", "fp8")  # weight-only (backend/layers/quant.py)
 ATTENTION_BACKENDS = ("auto", "torch", "triton")  # auto: triton on CUDA, torch on the CPU
 _DEVICE = re.compile(r"^(auto|cpu|cuda(:\d+)?)$")
 # max_num_seqs=None by device: a GPU's batch grows nearly free up to its compute knee (vLLM
@@ -38,6 +39,7 @@ class EngineConfig:
     max_num_batched_tokens: int = 2048
     max_model_len: int | None = None
     dtype: str = "auto"  # "auto": see backend.loader.resolve_dtype
+    quantization: str = "none"  # one of QUANTIZATIONS: the decoder's weights in one byte
     device: str = "auto"  # "auto": CUDA when torch sees a GPU, else the CPU
     # CPU threads for torch ops (process-wide). None keeps torch's default; on a small
     # machine one thread fewer than the cores leaves the event loop room to stream.
@@ -77,6 +79,10 @@ class EngineConfig:
                 _positive(name, getattr(self, name))
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {DTYPES}, got {self.dtype!r}")
+        if self.quantization not in QUANTIZATIONS:
+            raise ValueError(
+                f"quantization must be one of {QUANTIZATIONS}, got {self.quantization!r}"
+            )
         if self.attention_backend not in ATTENTION_BACKENDS:
             raise ValueError(
                 f"attention_backend must be one of {ATTENTION_BACKENDS}, "

@@ -28,6 +28,8 @@ HELP = {
     "dtype": "auto, float32, float16 or bfloat16 (auto: bfloat16 on CUDA, and on a CPU with "
     "AVX512-BF16 or AMX; else float32)",
     "device": "auto, cpu, cuda or cuda:N (auto: CUDA when torch sees a GPU)",
+    "quantization": "none, int8 or fp8: the decoder's weights in one byte (int8 per-channel; "
+    "fp8 on GPUs of compute capability 8.9+ only)",
     "cpu_threads": "torch threads on the CPU; 'none': torch's default",
     "enable_prefix_caching": "reuse the KV of identical prompt prefixes",
     "share_prefix_cache": "let all tenants share one prefix cache",

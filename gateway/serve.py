@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING, Any
 import uvicorn
 
 from gateway.drain import PROBES, SETTLE_S, Drain, DrainGuard, DrainingServer
+from gateway.engine_knobs import KnobError
 from gateway.settings import Settings
 from gateway.telemetry.logs import configure_logging
 from gateway.telemetry.tracing import setup_tracing
@@ -30,6 +31,7 @@ def serve(settings: Settings) -> int:
 
     configure_logging(settings.log_level, settings.log_format)
     setup_tracing("tollgate-gateway")
+    check_engine_device(settings)
     _migrate_or_explain(settings)
     admin = asyncio.run(_bootstrap(settings))
     owner = asyncio.run(_bootstrap_console(settings))
@@ -124,6 +126,7 @@ def serve_backend(settings: Settings) -> int:
     setup_tracing("tollgate-backend")
     if not settings.backend_secret:
         sys.exit("tollgate: set TOLLGATE_BACKEND_SECRET, the secret gateways must present")
+    check_engine_device(settings)
     model_dir = settings.model_path or BUILTIN_MODEL_DIR
     engine = AsyncEngine.from_pretrained(model_dir, settings.engine)
     app = create_backend_app(engine, model_dir, settings.backend_secret)
@@ -138,6 +141,21 @@ def serve_backend(settings: Settings) -> int:
     server = _Server(config, drain, lambda: print(banner, flush=True))
     server.run()
     return 0 if server.started else 1
+
+
+def check_engine_device(settings: Settings) -> None:
+    """Refuse, before anything starts, an engine setting this machine cannot run (fp8
+    weights without an fp8 GPU): one line and exit 2, not a traceback from the engine's
+    load. Only fp8 depends on the device; torch is imported only then."""
+    if settings.engine.quantization != "fp8":
+        return
+    from backend.layers.quant import QuantizationError, check_quantization
+    from backend.loader import resolve_device
+
+    try:
+        check_quantization("fp8", resolve_device(settings.engine.device))
+    except QuantizationError as exc:
+        raise KnobError(f"--quantization / TOLLGATE_QUANTIZATION: {exc}") from None
 
 
 def _migrate_or_explain(settings: Settings) -> None:

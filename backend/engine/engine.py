@@ -120,6 +120,7 @@ class Engine:
         kv_bytes = runner.kv_cache.numel() * runner.kv_cache.element_size()
         return (
             f"engine: device={runner.device} dtype={str(runner.dtype).removeprefix('torch.')} "
+            f"quantization={self.config.quantization} "
             f"attention={runner.attention_name} kv_blocks={runner.num_blocks} "
             f"kv_bytes={kv_bytes} ({kv_bytes / 2**30:.2f} GiB) "
             f"max_seqs_at_max_model_len={runner.num_blocks // per_seq} "

@@ -17,6 +17,7 @@ from backend.engine.step_inputs import Staging, to_device, to_host
 from backend.errors import RequestStepError
 from backend.grammar import fill_bitmasks
 from backend.layers.attention import AttentionBackend, AttentionMetadata, attention_backend
+from backend.layers.quant import check_quantization, quantize
 from backend.layers.sampler import (
     SamplingTensors,
     apply_penalties_batch,
@@ -53,6 +54,7 @@ class ModelRunner:
                 torch.set_num_threads(config.cpu_threads)
         self.dtype = resolve_dtype(config.dtype, self.device, model_config)
         self.attention: AttentionBackend = attention_backend(config.attention_backend, self.device)
+        check_quantization(config.quantization, self.device)  # before the load: fail fast
         self.model = load_model(
             model_dir,
             model_config,
@@ -61,6 +63,7 @@ class ModelRunner:
             max_positions=max_model_len,
             backend=self.attention,
         )
+        quantize(self.model, config.quantization)
         self.num_blocks = config.num_kv_blocks or self._kv_budget() // kv_bytes_per_block(
             model_config, config.block_size, self.dtype
         )

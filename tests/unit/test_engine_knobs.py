@@ -18,7 +18,12 @@ from gateway.settings import Settings, SettingsError
 README = Path(__file__).resolve().parents[2] / "README.md"
 COMMANDS = (["serve"], ["backend", "serve"])
 # Valid values of the text fields, which the generic rules below cannot invent.
-TEXT_SAMPLES = {"dtype": "float16", "device": "cpu", "attention_backend": "torch"}
+TEXT_SAMPLES = {
+    "dtype": "float16",
+    "device": "cpu",
+    "attention_backend": "torch",
+    "quantization": "int8",
+}
 
 
 def _subparser(path: list[str]) -> argparse.ArgumentParser:
@@ -162,3 +167,18 @@ def test_parse_size_rejects(text: str) -> None:
 def test_an_unflaggable_field_type_is_an_error() -> None:
     with pytest.raises(TypeError, match=r"EngineConfig\.x"):
         engine_knobs._knob("x", list[int], None)
+
+
+def test_fp8_weights_without_an_fp8_gpu_exit_2_before_anything_starts(
+    started: list[Settings],
+) -> None:
+    """Issue 34: fp8 needs compute capability 8.9+; on this machine (no GPU) both commands
+    refuse it with one line, before the engine loads (checked in gateway.serve)."""
+    import gateway.serve
+
+    for path in COMMANDS:
+        settings = Settings.from_env({"TOLLGATE_QUANTIZATION": "fp8", "TOLLGATE_DEVICE": "cpu"})
+        with pytest.raises(engine_knobs.KnobError, match="fp8 needs a GPU"):
+            gateway.serve.check_engine_device(settings)
+        assert launch.main([*path, "--quantization", "fp8"]) == 0  # parsing accepts it
+    assert [s.engine.quantization for s in started] == ["fp8", "fp8"]
