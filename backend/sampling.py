@@ -21,6 +21,8 @@ MIN_TEMPERATURE = 1e-2
 MAX_TEMPERATURE = 1e4
 MIN_PENALTY = 1e-2
 MAX_PENALTY = 100.0
+MAX_LOGIT_BIAS = 100.0  # OpenAI's range: -100 bans a token, 100 all but forces it
+MAX_LOGIT_BIAS_ENTRIES = 300
 
 
 @dataclass(frozen=True)
@@ -42,6 +44,10 @@ class SamplingParams:
     `min_tokens` keeps EOS, stop tokens and stop strings from ending the output before it
     has that many tokens.
 
+    `logit_bias` (OpenAI's) adds its value, in [-100, 100], to its token's logit before
+    anything else, greedy rows included; `min_p` (vLLM's, 0 = off) drops the tokens less
+    likely than min_p times the most likely one, after the temperature.
+
     `constraint` (structured outputs) masks every token that would leave its grammar;
     the request stops once the grammar is complete (see backend/grammar.py)."""
 
@@ -59,6 +65,8 @@ class SamplingParams:
     repetition_penalty: float = 1.0
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
+    min_p: float = 0.0
+    logit_bias: dict[int, float] = field(default_factory=dict)
     constraint: Constraint | None = None
 
     def __post_init__(self) -> None:
@@ -133,6 +141,27 @@ class SamplingParams:
             if not _is_real(value) or not -2 <= value <= 2:
                 raise InvalidParameterError(
                     f"{name} must be a number in [-2, 2], got {value!r}", name
+                )
+        if not _is_real(self.min_p) or not 0 <= self.min_p <= 1:
+            raise InvalidParameterError(f"min_p must be in [0, 1], got {self.min_p!r}", "min_p")
+        self._check_logit_bias()
+
+    def _check_logit_bias(self) -> None:
+        bias = self.logit_bias
+        if not isinstance(bias, dict) or len(bias) > MAX_LOGIT_BIAS_ENTRIES:
+            raise InvalidParameterError(
+                f"logit_bias must map at most {MAX_LOGIT_BIAS_ENTRIES} token ids to biases",
+                "logit_bias",
+            )
+        for token, value in bias.items():
+            if not _is_int(token) or not 0 <= token <= MAX_COUNT:
+                raise InvalidParameterError(
+                    f"logit_bias keys must be token ids, got {token!r}", "logit_bias"
+                )
+            if not _is_real(value) or not -MAX_LOGIT_BIAS <= value <= MAX_LOGIT_BIAS:
+                raise InvalidParameterError(
+                    f"logit_bias values must be numbers in [-100, 100], got {value!r}",
+                    "logit_bias",
                 )
 
     @property

@@ -153,6 +153,11 @@ class Engine:
         if not isinstance(request_id, str) or "\0" in request_id:
             raise ValueError("request_id must be a string without NUL characters")
         ids = self._prompt_ids(prompt)
+        vocab = self.model_config.vocab_size
+        if any(token >= vocab for token in params.logit_bias):
+            raise InvalidParameterError(
+                f"logit_bias token ids must be in [0, {vocab})", "logit_bias"
+            )
         reqs = fan_out(
             request_id,
             ids,

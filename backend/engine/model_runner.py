@@ -231,6 +231,11 @@ class ModelRunner:
         if banned:
             stage.add("ban_rows", [i for i, _ in banned])
             stage.add("ban_tokens", [t for _, t in banned])
+        biased = [(i, t, b) for i, r in enumerate(reqs) for t, b in r.params.logit_bias.items()]
+        if biased:
+            stage.add("bias_rows", [i for i, _, _ in biased])
+            stage.add("bias_tokens", [t for _, t, _ in biased])
+            stage.add("bias_values", [b for _, _, b in biased], torch.float32)
 
     def _process_logits(
         self,
@@ -238,15 +243,19 @@ class ModelRunner:
         reqs: list[ScheduledRequest],
         staged: dict[str, torch.Tensor] | None = None,
     ) -> torch.Tensor:
-        """Penalties and min_tokens masks, on a copy: logprobs report the raw distribution.
+        """Logit biases, penalties and min_tokens masks, on a copy: logprobs report the raw
+        distribution.
         `staged`: what `_stage_logit_work` put on the device (built here if not given)."""
         if staged is None:
             stage = Staging(self.device)
             self._stage_logit_work(stage, reqs)
             staged = stage.upload()
-        if "pen_rows" not in staged and "ban_rows" not in staged:
+        if not {"pen_rows", "ban_rows", "bias_rows"} & staged.keys():
             return logits
         out = logits.float().clone()
+        if "bias_rows" in staged:  # first: the penalties then scale the biased logits
+            rows, tokens = staged["bias_rows"], staged["bias_tokens"]
+            out.index_put_((rows, tokens), staged["bias_values"], accumulate=True)
         if "pen_rows" in staged:
             penalized = [r for r in reqs if r.params.penalized]
             masks = torch.stack([self._prompt_mask(r, out.shape[-1]) for r in penalized])

@@ -26,10 +26,12 @@ class SamplingTensors:
     top_k: torch.Tensor  # int64; vocab size when off
     top_p: torch.Tensor  # float32
     greedy: torch.Tensor  # bool
+    min_p: torch.Tensor  # float32; 0 when off
     all_greedy: bool
     any_greedy: bool
     use_top_k: bool
     use_top_p: bool
+    use_min_p: bool
 
     @staticmethod
     def stage(stage: Staging, params: Sequence[SamplingParams], vocab: int) -> None:
@@ -39,6 +41,8 @@ class SamplingTensors:
         stage.add("top_k", [p.top_k or vocab for p in params])
         stage.add("top_p", [p.top_p for p in params], torch.float32)
         stage.add("greedy", [int(p.greedy) for p in params])
+        if any(p.min_p for p in params):
+            stage.add("min_p", [p.min_p for p in params], torch.float32)
 
     @classmethod
     def of(
@@ -47,16 +51,18 @@ class SamplingTensors:
         all_greedy = all(p.greedy for p in params)
         if all_greedy:
             empty = torch.empty(0)
-            return cls(empty, empty, empty, empty, True, True, False, False)
+            return cls(empty, empty, empty, empty, empty, True, True, False, False, False)
         return cls(
             staged["temperature"],
             staged["top_k"],
             staged["top_p"],
             staged["greedy"].bool(),
+            staged.get("min_p", torch.empty(0)),
             all_greedy=False,
             any_greedy=any(p.greedy for p in params),
             use_top_k=any(p.top_k for p in params),
             use_top_p=any(p.top_p < 1 for p in params),
+            use_min_p="min_p" in staged,
         )
 
     @classmethod
@@ -96,6 +102,8 @@ def sample_tokens(
     if tensors.all_greedy:
         return logits.argmax(dim=-1)
     scaled = _top_k_top_p(logits / tensors.temperature[:, None], tensors)
+    if tensors.use_min_p:
+        scaled = _min_p(scaled, tensors.min_p)
     sampled = _draw(torch.softmax(scaled, dim=-1), generators)
     # A row with no distribution to draw from (NaN or infinite logits, from the model or a
     # parameter) takes its argmax rather than an id past the vocabulary, which would fail
@@ -132,6 +140,13 @@ def sample(
     """`sample_tokens` with the parameters built here, read back as a list."""
     tensors = SamplingTensors.build(params, logits.shape[-1], logits.device)
     return sample_tokens(logits, generators, tensors).tolist()  # type: ignore[no-any-return]
+
+
+def _min_p(scaled: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
+    """Drop the tokens whose probability is below min_p x the row's most likely one's
+    (a row's own min_p; 0 keeps every token). In logits: p_i / p_max = exp(l_i - l_max)."""
+    floor = scaled.amax(dim=-1, keepdim=True) + torch.log(min_p[:, None])
+    return scaled.masked_fill(scaled < floor, float("-inf"))
 
 
 def _top_k_top_p(logits: torch.Tensor, t: SamplingTensors) -> torch.Tensor:

@@ -53,6 +53,7 @@ SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 def _sampling(
     fields: SamplingFields, max_tokens: int, constraint: Constraint | None
 ) -> SamplingParams:
+    fields.refuse_unsupported()
     try:
         return SamplingParams(
             max_tokens=max_tokens,
@@ -68,6 +69,8 @@ def _sampling(
             repetition_penalty=fields.repetition_penalty or 1.0,
             presence_penalty=fields.presence_penalty or 0.0,
             frequency_penalty=fields.frequency_penalty or 0.0,
+            min_p=fields.min_p or 0.0,
+            logit_bias=fields.token_biases(),
             constraint=constraint,
         )
     except InvalidParameterError as exc:  # a combination the schema cannot check, e.g. min > max

@@ -18,7 +18,14 @@ from msgspec import Meta, Struct
 from backend.constraint import Constraint
 from backend.errors import ConstraintError
 from backend.grammar_limits import check_choice_count, check_length
-from backend.sampling import MAX_COUNT, MAX_PENALTY, MAX_SEED, MIN_PENALTY
+from backend.sampling import (
+    MAX_COUNT,
+    MAX_LOGIT_BIAS,
+    MAX_LOGIT_BIAS_ENTRIES,
+    MAX_PENALTY,
+    MAX_SEED,
+    MIN_PENALTY,
+)
 from gateway.api.tools import ToolCall, ToolChoice, ToolDef, ToolPlan, plan, template_tools
 from gateway.errors import InvalidRequest
 from tenants.limits import LOWEST_PRIORITY
@@ -37,6 +44,7 @@ StopList = Annotated[list[StopString], Meta(max_length=4)]
 DeadlineMs = Annotated[int, Meta(ge=1, le=3_600_000)]  # an hour: longer is no deadline
 TopLogprobs = Annotated[int, Meta(ge=0, le=20)]
 Penalty = Annotated[float, Meta(ge=-2.0, le=2.0)]
+Bias = Annotated[float, Meta(ge=-MAX_LOGIT_BIAS, le=MAX_LOGIT_BIAS)]
 
 
 class StreamOptions(Struct):
@@ -138,6 +146,15 @@ class SamplingFields(Struct, kw_only=True):
     repetition_penalty: Annotated[float, Meta(ge=MIN_PENALTY, le=MAX_PENALTY)] | None = None
     presence_penalty: Penalty | None = None
     frequency_penalty: Penalty | None = None
+    min_p: Annotated[float, Meta(ge=0.0, le=1.0)] | None = None
+    logit_bias: dict[str, Annotated[float, Meta(ge=-MAX_LOGIT_BIAS, le=MAX_LOGIT_BIAS)]] | None = (
+        None
+    )
+    # Well-known OpenAI fields this server does not honour: refused by name, not ignored.
+    best_of: int | None = None
+    suffix: str | None = None
+    prediction: dict[str, Any] | None = None
+    audio: dict[str, Any] | None = None
     priority: Annotated[int, Meta(ge=0, le=LOWEST_PRIORITY)] | None = None  # 0: most urgent
     ttft_deadline_ms: DeadlineMs | None = None  # the first token within this, else 504
     user: str | None = None
@@ -146,6 +163,30 @@ class SamplingFields(Struct, kw_only=True):
     guided_regex: str | None = None
     guided_choice: Annotated[list[str], Meta(min_length=1)] | None = None
     guided_grammar: str | None = None
+
+    def refuse_unsupported(self) -> None:
+        """A 400 naming the first well-known field this server cannot honour, rather than
+        an answer that silently ignores it."""
+        if self.best_of is not None and self.best_of != self.n:
+            raise InvalidRequest("best_of is not supported (use n)", param="best_of")
+        for name in ("suffix", "prediction", "audio"):
+            if getattr(self, name) is not None:
+                raise InvalidRequest(f"{name} is not supported", param=name)
+
+    def token_biases(self) -> dict[int, float]:
+        """logit_bias with its keys as token ids; a key that is not one is a 400."""
+        bias = self.logit_bias or {}
+        if len(bias) > MAX_LOGIT_BIAS_ENTRIES:
+            raise InvalidRequest(
+                f"logit_bias has {len(bias)} entries; at most {MAX_LOGIT_BIAS_ENTRIES}",
+                param="logit_bias",
+            )
+        try:
+            return {int(token): value for token, value in bias.items()}
+        except ValueError:
+            raise InvalidRequest(
+                "logit_bias keys must be token ids (decimal strings)", param="logit_bias"
+            ) from None
 
     def stop_strings(self) -> list[str]:
         if self.stop is None:

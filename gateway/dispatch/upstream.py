@@ -525,6 +525,8 @@ def sampling_fields(params: SamplingParams) -> dict[str, Any]:
         "repetition_penalty": params.repetition_penalty if params.penalized else None,
         "ignore_eos": params.ignore_eos or None,
         "stop_token_ids": params.stop_token_ids or None,
+        "min_p": params.min_p or None,
+        "logit_bias": {str(t): b for t, b in params.logit_bias.items()} or None,
     }
     if optional["repetition_penalty"] == 1:
         optional["repetition_penalty"] = None

@@ -199,3 +199,27 @@ async def test_tiny_temperatures_never_cut_another_tenants_stream(embedded: Targ
     chunks = [json.loads(e.removeprefix("data: ")) for e in events[:-1]]
     assert not [c for c in chunks if "error" in c]
     assert chunks[-1]["choices"][0]["finish_reason"] == "length"
+
+
+async def test_logit_bias_and_min_p_are_honoured_through_the_api(embedded: Target) -> None:
+    """Issue 32 item 16: logit_bias was silently ignored. +100 on one token makes every
+    output token that one (two different tokens, two different repetitive texts); min_p
+    of 1 at temperature 1 keeps only the most likely token: the greedy text."""
+    headers = {"Authorization": f"Bearer {embedded.keys[1]}"}
+
+    async def complete(http: httpx.AsyncClient, **fields: Any) -> str:
+        body = {"model": embedded.model, "prompt": "def add(a, b):", "max_tokens": 6}
+        reply = await http.post(
+            f"{embedded.base}/completions", json={**body, **fields}, headers=headers
+        )
+        assert reply.status_code == 200, reply.text
+        return str(reply.json()["choices"][0]["text"])
+
+    async with httpx.AsyncClient(timeout=60) as http:
+        forced = [await complete(http, logit_bias={str(t): 100}, ignore_eos=True) for t in (70, 71)]
+        greedy = await complete(http, temperature=0)
+        narrowed = await complete(http, temperature=1, min_p=1)
+    for text in forced:
+        assert text and text == text[: len(text) // 6] * 6, text
+    assert forced[0] != forced[1]
+    assert narrowed == greedy
