@@ -26,7 +26,17 @@ from backend.sampling import (
     MAX_SEED,
     MIN_PENALTY,
 )
-from gateway.api.tools import ToolCall, ToolChoice, ToolDef, ToolPlan, plan, template_tools
+from gateway.api.tools import (
+    FunctionDef,
+    FunctionName,
+    NamedToolChoice,
+    ToolCall,
+    ToolChoice,
+    ToolDef,
+    ToolPlan,
+    plan,
+    template_tools,
+)
 from gateway.errors import InvalidRequest
 from tenants.limits import LOWEST_PRIORITY
 
@@ -243,6 +253,26 @@ class ChatCompletionRequest(SamplingFields, kw_only=True):
     tools: list[ToolDef] | None = None
     tool_choice: ToolChoice | None = None
     parallel_tool_calls: bool = True
+    # OpenAI's deprecated form of tools, still sent by older clients: read as tools.
+    functions: list[FunctionDef] | None = None
+    function_call: Literal["none", "auto"] | FunctionName | None = None
+
+    def __post_init__(self) -> None:
+        if self.functions is None and self.function_call is None:
+            return
+        if self.tools is not None or self.tool_choice is not None:
+            raise InvalidRequest(
+                "functions and tools both declare tools; use tools", param="functions"
+            )
+        if self.functions is None:
+            raise InvalidRequest("function_call needs functions", param="function_call")
+        self.tools = [ToolDef("function", f) for f in self.functions]
+        call = self.function_call
+        if isinstance(call, FunctionName):
+            self.tool_choice = NamedToolChoice("function", call)
+        else:
+            self.tool_choice = call
+        self.parallel_tool_calls = False  # a functions request gets one call
 
     def engine_logprobs(self) -> int | None:
         return (self.top_logprobs or 0) if self.logprobs else None

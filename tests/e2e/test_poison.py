@@ -223,3 +223,32 @@ async def test_logit_bias_and_min_p_are_honoured_through_the_api(embedded: Targe
         assert text and text == text[: len(text) // 6] * 6, text
     assert forced[0] != forced[1]
     assert narrowed == greedy
+
+
+async def test_functions_are_read_as_tools(embedded: Target) -> None:
+    """Issue 32 item 16: `functions` / `function_call` (OpenAI's older form of tools)
+    were ignored; a named function_call now forces that function's call."""
+    headers = {"Authorization": f"Bearer {embedded.keys[1]}"}
+    weather = {
+        "name": "get_weather",
+        "parameters": {
+            "type": "object",
+            "properties": {"city": {"type": "string", "maxLength": 8}},
+            "required": ["city"],
+        },
+    }
+    body = {
+        "model": embedded.model,
+        "messages": [{"role": "user", "content": "Weather in Paris?"}],
+        "max_tokens": 64,
+        "functions": [weather],
+        "function_call": {"name": "get_weather"},
+    }
+    url = f"{embedded.base}/chat/completions"
+    async with httpx.AsyncClient(timeout=60) as http:
+        reply = await http.post(url, json=body, headers=headers)
+        both = await http.post(url, json={**body, "tools": []}, headers=headers)
+    assert reply.status_code == 200, reply.text
+    [call] = reply.json()["choices"][0]["message"]["tool_calls"]
+    assert call["function"]["name"] == "get_weather"
+    assert both.status_code == 400 and both.json()["error"]["param"] == "functions", both.text
