@@ -90,9 +90,16 @@ def with_tool_calls(
     return choice
 
 
-def call_deltas(calls: Sequence[ToolCall]) -> list[dict[str, Any]]:
-    """Whole tool calls as `delta.tool_calls` entries, one each."""
-    return [{"index": i, **msgspec.to_builtins(call)} for i, call in enumerate(calls)]
+def call_deltas(calls: Sequence[ToolCall]) -> list[list[dict[str, Any]]]:
+    """Tool calls as OpenAI and vLLM stream them, a chunk's `delta.tool_calls` each: per
+    call, first its index, id, type and name with empty arguments, then its arguments
+    (whole: the engine's output is parsed into calls once it is complete)."""
+    chunks = []
+    for i, call in enumerate(calls):
+        named = {"name": call.function.name, "arguments": ""}
+        chunks.append([{"index": i, "id": call.id, "type": call.type, "function": named}])
+        chunks.append([{"index": i, "function": {"arguments": call.function.arguments}}])
+    return chunks
 
 
 def tool_calls_delta(index: int, deltas: list[dict[str, Any]]) -> dict[str, Any]:

@@ -485,6 +485,15 @@ def _chunk(
     return _delta_event(gen, choice)
 
 
+def _first_chunk(gen: Generation, engine: EngineClient, index: int, tools: bool) -> bytes:
+    """A choice's first chunk; with tools in play its content is null, as OpenAI's (an
+    empty string there made the openai SDK's stream helper report a content event)."""
+    choice = gen.format.delta(index, gen.echo_of(index), None, True, None, engine.token_text)
+    if tools:
+        choice["delta"]["content"] = None
+    return _delta_event(gen, choice)
+
+
 def _delta_event(gen: Generation, choice: dict[str, Any]) -> bytes:
     body = gen.envelope([choice], chunk=True)
     if gen.include_usage:
@@ -518,7 +527,7 @@ async def _events(
                 await asyncio.wait_for(asyncio.shield(checkpointed), FIRST_CHECKPOINT_WAIT_S)
             try:
                 for index in range(choices.n):
-                    yield chunk(index, gen.echo_of(index), None, first=True)
+                    yield _first_chunk(gen, settlement.engine, index, tools=bool(held))
                 async for out in outputs:
                     _observe(usage, choices, gen, out)
                     text = held[out.index].feed(out.text) if held else out.text
@@ -535,10 +544,9 @@ async def _events(
                             content, calls = _calls(stream.plan, stream.pending, reason)
                             if content:
                                 yield chunk(out.index, content, None)
-                            if calls:
-                                delta = tool_calls_delta(out.index, call_deltas(calls))
-                                yield _delta_event(gen, delta)
-                                reason = "tool_calls"
+                            for deltas in call_deltas(calls):
+                                yield _delta_event(gen, tool_calls_delta(out.index, deltas))
+                            reason = "tool_calls" if calls else reason
                         yield chunk(out.index, "", reason)
                 await asyncio.shield(settlement.settle())
                 if gen.include_usage:

@@ -195,8 +195,14 @@ def _calls_schema(tools: list[ToolDef], parallel: bool) -> dict[str, Any]:
 
 
 def _call(name: str, arguments: Any) -> ToolCall:
-    text = arguments if isinstance(arguments, str) else json.dumps(arguments)
+    text = arguments if isinstance(arguments, str) else _compact(arguments)
     return ToolCall(id=new_call_id(), function=CalledFunction(name=name, arguments=text))
+
+
+def _compact(value: Any) -> str:
+    """Arguments as JSON text in one spacing, whichever way the call was read (a named
+    function's raw output, a parsed list of calls): no spaces, as OpenAI's calls."""
+    return json.dumps(value, separators=(",", ":"), ensure_ascii=False)
 
 
 def _json(text: str) -> Any:
@@ -210,8 +216,7 @@ def _json(text: str) -> Any:
 
 
 def _arguments(text: str) -> str:
-    _json(text)
-    return text
+    return _compact(_json(text))
 
 
 Split = tuple[str, bool]  # (the text that is safe to send now, whether a call has begun)

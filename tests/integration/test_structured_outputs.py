@@ -240,11 +240,29 @@ async def test_streamed_tool_calls_arrive_as_deltas_and_no_call_text_as_content(
         deltas = [
             c["choices"][0] for c in _events(response.text) if c["choices"][0]["index"] == index
         ]
+        assert deltas[0]["delta"]["content"] is None  # OpenAI's: null, not ""
         assert "".join(d["delta"].get("content") or "" for d in deltas) == ""
-        calls = [call for d in deltas for call in d["delta"].get("tool_calls", [])]
-        assert [call["index"] for call in calls] == list(range(len(calls)))
+        entries = [call for d in deltas for call in d["delta"].get("tool_calls", [])]
+        calls = _assembled(entries)
+        assert [entry["index"] for entry in entries] == sorted(e["index"] for e in entries)
         _assert_calls(calls, set(TOOL_ARGS) if tool_choice == "required" else {"get_weather"})
         assert deltas[-1]["finish_reason"] == "tool_calls"
+
+
+def _assembled(entries: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Streamed tool-call entries put together as a client does: OpenAI's shape is a
+    first entry per call with its id, type and name and empty arguments, then entries
+    that add to its arguments."""
+    calls: dict[int, dict[str, Any]] = {}
+    for entry in entries:
+        if entry["index"] not in calls:
+            assert entry["function"]["arguments"] == "" and entry["id"], entry
+            calls[entry["index"]] = {**entry, "function": {**entry["function"]}}
+        else:
+            assert "id" not in entry and "name" not in entry["function"], entry
+            calls[entry["index"]]["function"]["arguments"] += entry["function"]["arguments"]
+    assert list(calls) == list(range(len(calls)))
+    return list(calls.values())
 
 
 async def test_tools_and_tool_turns_are_rendered_into_the_prompt(
@@ -350,6 +368,35 @@ async def test_the_openai_sdk_gets_tool_calls_and_parsed_outputs(
     )
     person = parsed.choices[0].message.parsed
     assert isinstance(person, Person)
+    await client.close()
+
+
+async def test_the_openai_sdk_stream_helper_sees_calls_and_no_content(
+    base_url: str, tenant_key: str, engine_client: InProcessEngineClient
+) -> None:
+    """Issue 32 item 17: a first delta of content "" made the stream helper emit a
+    content event before the calls; arguments now stream after each call's name, and
+    a named call's arguments have the same spacing as a listed call's (none)."""
+    client = openai.AsyncOpenAI(base_url=base_url, api_key=tenant_key, max_retries=0)
+    messages: list[ChatCompletionMessageParam] = [{"role": "user", "content": "Weather?"}]
+    tools = cast("list[ChatCompletionFunctionToolParam]", TOOLS)
+    events: list[str] = []
+    async with client.chat.completions.stream(
+        model=engine_client.model_name,
+        messages=messages,
+        tools=tools,
+        tool_choice={"type": "function", "function": {"name": "get_weather"}},
+        max_tokens=CALL_MAX_TOKENS,
+        seed=3,
+    ) as stream:
+        async for event in stream:
+            events.append(event.type)
+        final = await stream.get_final_completion()
+    assert not [e for e in events if e.startswith("content")], events
+    assert "tool_calls.function.arguments.done" in events
+    [call] = final.choices[0].message.tool_calls or []
+    arguments = call.function.arguments  # type: ignore[union-attr]
+    assert json.loads(arguments) and ", " not in arguments and '": ' not in arguments
     await client.close()
 
 
