@@ -57,20 +57,23 @@ def load_model(
     max_positions: int,
     backend: AttentionBackend,
 ) -> LlamaForCausalLM:
-    """Build the model without initialising weights, then fill every parameter from disk."""
+    """Build the model without initialising weights, then fill every parameter from disk.
+    The dtype is set on the meta device, so the device only ever holds the weights in
+    their final dtype (materialising in float32 first took 32 GB for an 8B model), and
+    each tensor is read straight onto the device (safetensors' device=), one at a time."""
     with torch.device("meta"):
-        model = LlamaForCausalLM(cfg, max_positions, backend)
-    model.to_empty(device=device).to(dtype)
+        model = LlamaForCausalLM(cfg, max_positions, backend).to(dtype)
+    model.to_empty(device=device)
     if cfg.tie_word_embeddings:  # materialising replaced the shared parameter; share it again
         model.lm_head.weight = model.model.embed_tokens.weight
-    _load_weights(model, model_dir)
+    _load_weights(model, model_dir, device)
     return model.eval()
 
 
-def _load_weights(model: LlamaForCausalLM, model_dir: Path) -> None:
+def _load_weights(model: LlamaForCausalLM, model_dir: Path, device: torch.device) -> None:
     params = dict(model.named_parameters())
     loaded: set[tuple[str, int]] = set()
-    for file, name, tensor in _iter_tensors(model_dir):
+    for file, name, tensor in _iter_tensors(model_dir, device):
         if name.endswith(_IGNORED_SUFFIXES) or (
             name == "lm_head.weight" and model.cfg.tie_word_embeddings
         ):
@@ -119,10 +122,12 @@ def _check_complete(
             raise CheckpointError(model_dir, f"checkpoint has no tensor for parameter {name!r}")
 
 
-def _iter_tensors(model_dir: Path) -> Iterator[tuple[Path, str, torch.Tensor]]:
+def _iter_tensors(
+    model_dir: Path, device: torch.device
+) -> Iterator[tuple[Path, str, torch.Tensor]]:
     for file in _weight_files(model_dir):
         try:
-            handle = safe_open(str(file), framework="pt")
+            handle = safe_open(str(file), framework="pt", device=str(device))
         except Exception as exc:  # safetensors raises its own untyped errors
             raise CheckpointError(file, f"unreadable safetensors file: {exc}") from exc
         with handle as f:

@@ -64,9 +64,8 @@ class ModelRunner:
             backend=self.attention,
         )
         quantize(self.model, config.quantization)
-        self.num_blocks = config.num_kv_blocks or self._kv_budget() // kv_bytes_per_block(
-            model_config, config.block_size, self.dtype
-        )
+        per_block = kv_bytes_per_block(model_config, config.block_size, self.dtype)
+        self.num_blocks = config.num_kv_blocks or self._kv_budget(max_model_len) // per_block
         # [layers][2 (K, V)][num_blocks, block_size, kv_heads, head_dim]
         self.kv_cache = torch.zeros(
             model_config.num_layers,
@@ -282,11 +281,49 @@ class ModelRunner:
             self._prompt_masks[r.request_id] = mask
         return mask
 
-    def _kv_budget(self) -> int:
+    def _kv_budget(self, max_model_len: int) -> int:
+        """On a GPU: what `gpu_memory_utilization` leaves once the weights are loaded and a
+        step of max_num_batched_tokens has run (its activations and logits measured by a
+        profiling pass), with the allocator's freed blocks returned first: kept, they
+        counted as used (~16 GB of an 8B model's load on an H100)."""
         if self.device.type != "cuda":
             return self.config.kv_cache_bytes
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats(self.device)
+        before = torch.cuda.memory_allocated(self.device)
+        self.profile_step(max_model_len)
+        activations = torch.cuda.max_memory_allocated(self.device) - before
+        torch.cuda.empty_cache()
         free, total = torch.cuda.mem_get_info(self.device)
-        return gpu_kv_budget(total, free, self.config.gpu_memory_utilization)
+        return gpu_kv_budget(total, free, self.config.gpu_memory_utilization, activations)
+
+    @torch.inference_mode()
+    def profile_step(self, max_model_len: int) -> None:
+        """The largest step the engine schedules: max_num_batched_tokens prompt tokens (in
+        sequences of at most the model's context) through the model over a scratch KV
+        cache of just their blocks, then the logits of max_num_seqs rows. Everything it
+        allocates is freed when it returns."""
+        cfg, bs = self.config, self.config.block_size
+        length = min(cfg.max_num_batched_tokens, max_model_len)
+        count = -(-cfg.max_num_batched_tokens // length)
+        per_seq = -(-length // bs)
+        mc = self.model.cfg
+        scratch = torch.zeros(
+            (mc.num_layers, 2, per_seq * count, bs, mc.num_kv_heads, mc.head_dim),
+            dtype=self.dtype,
+            device=self.device,
+        )
+        ids = [1] * length
+        pieces = [(ids, 0, ids, list(range(i * per_seq, (i + 1) * per_seq))) for i in range(count)]
+        kept, self.kv_cache = getattr(self, "kv_cache", None), scratch
+        try:
+            hidden = self._embedding_pass(pieces)
+            self.model.logits(hidden[: cfg.seqs_limit])
+        finally:
+            if kept is not None:
+                self.kv_cache = kept
+            else:
+                del self.kv_cache
 
     def _prepare(
         self, batch: SchedulerOutput
@@ -412,11 +449,11 @@ def _keep_freed_memory() -> None:
     libc.mallopt(_M_TRIM_THRESHOLD, 2**30)
 
 
-def gpu_kv_budget(total: int, free: int, utilization: float) -> int:
+def gpu_kv_budget(total: int, free: int, utilization: float, activations: int = 0) -> int:
     """KV bytes on a GPU, measured once the weights are loaded: the engine may use
     `utilization` of the device's memory, less what is already in use (weights, the CUDA
-    context, other processes). Activations live in the remaining headroom."""
-    return max(int(total * utilization) - (total - free), 0)
+    context, other processes) and the peak `activations` of its largest step."""
+    return max(int(total * utilization) - (total - free) - activations, 0)
 
 
 def kv_bytes_per_block(cfg: ModelConfig, block_size: int, dtype: torch.dtype) -> int:

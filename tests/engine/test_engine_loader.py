@@ -6,6 +6,7 @@ import json
 import re
 import shutil
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -135,3 +136,36 @@ def test_missing_tokenizer(llama_copy: Path) -> None:
 def test_kv_pool_must_hold_one_full_sequence(llama_dir: Path) -> None:
     with pytest.raises(ValueError, match="too few"):
         make_engine(llama_dir, num_kv_blocks=4, max_model_len=96)
+
+
+def test_the_model_reaches_its_device_in_its_final_dtype(
+    llama_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Issue 33: the loader materialised every parameter in float32 on the device and
+    then converted (32 GB on the GPU for an 8B model in bfloat16). Now the dtype is set on
+    the meta device: what to_empty materialises is already bfloat16."""
+    from torch import nn
+
+    materialised: list[torch.dtype] = []
+    to_empty = nn.Module.to_empty
+
+    def recording(self: nn.Module, *, device: Any, recurse: bool = True) -> nn.Module:
+        materialised.extend(p.dtype for p in self.parameters())
+        return to_empty(self, device=device, recurse=recurse)
+
+    monkeypatch.setattr(nn.Module, "to_empty", recording)
+    engine = make_engine(llama_dir, dtype="bfloat16")
+    assert materialised and set(materialised) == {torch.bfloat16}
+    assert {p.dtype for p in engine.runner.model.parameters()} == {torch.bfloat16}
+
+
+def test_the_profiling_step_runs_and_leaves_the_kv_cache(llama_dir: Path) -> None:
+    """The step a GPU's KV budget is measured with (max_num_batched_tokens of prompt,
+    then max_num_seqs rows of logits), here on the CPU: it runs on a scratch cache and
+    puts the engine's own back."""
+    engine = make_engine(llama_dir, max_num_batched_tokens=96, max_model_len=64)
+    runner = engine.runner
+    cache = runner.kv_cache
+    before = cache.clone()
+    runner.profile_step(engine.max_model_len)
+    assert runner.kv_cache is cache and torch.equal(cache, before)

@@ -73,22 +73,37 @@ def test_auto_dtype_on_the_cpu_is_bfloat16_only_where_the_processor_has_it(
 def test_kv_budget_on_a_gpu_is_the_utilization_less_what_is_in_use(
     llama_dir: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    """With a fake memory reading: the budget is measured after the allocator's cache is
+    emptied and a profiling step has run, and that step's peak (2 GiB here) comes off it
+    (issue 33: freed load buffers counted as used, and activations had no headroom)."""
     gib = 2**30
-    runner: ModelRunner = make_engine(llama_dir, kv_cache_bytes=3 * gib).runner
-    assert runner._kv_budget() == 3 * gib  # the CPU: the configured bytes
-    readings: list[torch.device] = []
+    engine = make_engine(llama_dir, kv_cache_bytes=3 * gib)
+    runner: ModelRunner = engine.runner
+    assert runner._kv_budget(engine.max_model_len) == 3 * gib  # the CPU: the configured bytes
+    calls: list[str] = []
+    allocated = [10 * gib]
 
     def mem_get_info(device: torch.device) -> tuple[int, int]:
-        readings.append(device)
+        calls.append(f"mem_get_info {device}")
         return 30 * gib, 80 * gib  # free, total: 50 GiB in use (weights, context, others)
 
-    monkeypatch.setattr(torch.cuda, "mem_get_info", mem_get_info)
+    def profile(max_model_len: int) -> None:
+        calls.append("profile")
+        allocated.append(12 * gib)  # the step's peak: 2 GiB over the weights
+
+    cuda = torch.cuda
+    monkeypatch.setattr(cuda, "mem_get_info", mem_get_info)
+    monkeypatch.setattr(cuda, "empty_cache", lambda: calls.append("empty_cache"))
+    monkeypatch.setattr(cuda, "reset_peak_memory_stats", lambda device: None)
+    monkeypatch.setattr(cuda, "memory_allocated", lambda device: allocated[0])
+    monkeypatch.setattr(cuda, "max_memory_allocated", lambda device: max(allocated))
+    monkeypatch.setattr(runner, "profile_step", profile)
     monkeypatch.setattr(runner, "device", torch.device("cuda:0"))
     monkeypatch.setattr(runner, "config", EngineConfig(gpu_memory_utilization=0.9))
-    assert runner._kv_budget() == 72 * gib - 50 * gib
-    assert readings == [torch.device("cuda:0")]
+    assert runner._kv_budget(engine.max_model_len) == 72 * gib - 50 * gib - 2 * gib
+    assert calls == ["empty_cache", "profile", "empty_cache", "mem_get_info cuda:0"]
     monkeypatch.setattr(runner, "config", EngineConfig(gpu_memory_utilization=0.5))
-    assert runner._kv_budget() == 0  # more than half is in use already: no room for KV
+    assert runner._kv_budget(engine.max_model_len) == 0  # more than half in use already
 
 
 class TensorMetadataTorch(TorchPagedAttention):

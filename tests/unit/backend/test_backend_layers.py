@@ -76,6 +76,10 @@ def test_gpu_kv_budget_is_a_fraction_of_memory_less_what_is_used() -> None:
     # 80 GiB device, 20 GiB in use after loading weights, 90%: 72 - 20 = 52 GiB for KV.
     assert gpu_kv_budget(total=80 * gib, free=60 * gib, utilization=0.9) == 52 * gib
     assert gpu_kv_budget(total=80 * gib, free=4 * gib, utilization=0.9) == 0
+    # A profiled step's activations come out of the KV budget too (issue 33).
+    assert gpu_kv_budget(total=80 * gib, free=60 * gib, utilization=0.9, activations=gib) == (
+        51 * gib
+    )
 
 
 def test_token_logprobs_rank_and_top() -> None:
