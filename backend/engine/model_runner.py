@@ -346,17 +346,16 @@ class ModelRunner:
                 slots += _slots(r.block_ids, start, end, bs)
             seq_lens.append(end)
             starts.append(starts[-1] + end - start)
-        width = max(len(r.block_ids) for r in batch.requests)
+        width = _aligned(max(len(r.block_ids) for r in batch.requests))
         tables: list[int] = []
         for r in batch.requests:
             tables += r.block_ids
             tables += [0] * (width - len(r.block_ids))
-        num_tokens, num_seqs = len(input_ids), len(seq_lens)
-        flat = _int64_tensor(input_ids + positions + slots + seq_lens + starts + tables)
+        num_seqs = len(seq_lens)
+        parts = (input_ids, positions, slots, seq_lens, starts, tables)
+        flat = _int64_tensor(_packed(parts))
         flat = flat.to(self.device, non_blocking=True)
-        ids, pos, slot_mapping, lens, query_starts, table = torch.split(
-            flat, [num_tokens, num_tokens, num_tokens, num_seqs, num_seqs + 1, num_seqs * width]
-        )
+        ids, pos, slot_mapping, lens, query_starts, table = _views(flat, parts)
         meta = AttentionMetadata(
             slot_mapping=slot_mapping,
             block_tables=table.view(num_seqs, width),
@@ -447,6 +446,33 @@ def _keep_freed_memory() -> None:
         return
     libc.mallopt(_M_MMAP_THRESHOLD, 32 * 2**20)
     libc.mallopt(_M_TRIM_THRESHOLD, 2**30)
+
+
+# Each part of a step's packed int64 buffer starts at a multiple of ALIGN elements (128
+# bytes), and the block-table width is one: a kernel's pointer and stride arguments then
+# keep their alignment class from step to step (no Triton recompile mid-run).
+ALIGN = 16
+
+
+def _aligned(n: int) -> int:
+    return -(-n // ALIGN) * ALIGN
+
+
+def _packed(parts: tuple[list[int], ...]) -> list[int]:
+    """The parts one after another, each padded with zeros to a multiple of ALIGN."""
+    packed: list[int] = []
+    for part in parts:
+        packed += part
+        packed += [0] * (_aligned(len(part)) - len(part))
+    return packed
+
+
+def _views(flat: torch.Tensor, parts: tuple[list[int], ...]) -> list[torch.Tensor]:
+    views, offset = [], 0
+    for part in parts:
+        views.append(flat[offset : offset + len(part)])
+        offset += _aligned(len(part))
+    return views
 
 
 def gpu_kv_budget(total: int, free: int, utilization: float, activations: int = 0) -> int:

@@ -35,7 +35,10 @@ def _find_sequence(query_start_ptr, num_seqs, q_block, BLOCK_Q: tl.constexpr):
     return lo - 1
 
 
-@triton.jit
+# Triton compiles a variant per specialisation of its integer arguments (== 1, divisible
+# by 16) and pointers (16-byte aligned). These two change from step to step; specialised,
+# each new value class compiled a variant (0.4-0.8 s on a GPU) inside a timed step.
+@triton.jit(do_not_specialize=["num_seqs", "stride_bt"])
 def _paged_attention_kernel(
     q_ptr,
     k_cache_ptr,

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import random
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -126,3 +127,64 @@ def test_engine_on_triton_gives_transformers_greedy_tokens(llama: Path) -> None:
     got = [tokens_of(outputs[f"r{i}"]) for i in range(len(prompts))]
     assert got == hf_greedy(llama, prompts)
     assert engine.stats().prefix_cache_hits == 16
+
+
+class VariantRecorder:
+    """Stands in for a @triton.jit kernel under the interpreter and records, per launch,
+    the key Triton compiles a variant for on a GPU: each integer argument's class (== 1,
+    divisible by 16), each pointer's 16-byte alignment, and the constexprs; arguments
+    the kernel marks do_not_specialize are left out, as Triton leaves them out."""
+
+    def __init__(self, kernel: Any) -> None:
+        self.kernel = kernel
+        self.plain = set(kernel.kwargs.get("do_not_specialize") or ())
+        self.variants: set[tuple[object, ...]] = set()
+
+    def __getitem__(self, grid: Any) -> Any:
+        launch = self.kernel[grid]
+
+        def run(*args: Any, **constexprs: Any) -> Any:
+            named = zip(self.kernel.arg_names, args, strict=False)
+            key = [_class_of(value) for name, value in named if name not in self.plain]
+            self.variants.add((*key, *sorted(constexprs.items())))
+            return launch(*args, **constexprs)
+
+        return run
+
+
+def _class_of(value: object) -> object:
+    if isinstance(value, torch.Tensor):
+        return value.data_ptr() % 16 == 0
+    if isinstance(value, bool) or not isinstance(value, int):
+        return type(value).__name__
+    return (value == 1, value % 16 == 0)
+
+
+def test_varying_batches_compile_no_new_kernel_variant_after_warm_up(
+    llama: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Issue 33: the packed step buffer's slices moved in alignment with the batch, the
+    block-table width and num_seqs took any value, so a GPU compiled new variants of the
+    attention kernel mid-run. After a warm-up of one decode row, several, and prompt
+    chunks, batches of every other shape reuse the variants already seen."""
+    from backend.kernels import paged_attention
+
+    recorder = VariantRecorder(paged_attention._paged_attention_kernel)
+    monkeypatch.setattr(paged_attention, "_paged_attention_kernel", recorder)
+    engine = make_engine(
+        llama, block_size=16, max_num_batched_tokens=32, attention_backend="triton"
+    )
+    rng = random.Random(5)
+    greedy = SamplingParams(max_tokens=3, temperature=0, ignore_eos=True)
+
+    def wave(tag: str, lengths: list[int]) -> None:
+        for i, n in enumerate(lengths):
+            engine.add_request(f"{tag}{i}", [rng.randrange(2, 300) for _ in range(n)], greedy)
+        run_to_completion(engine)
+
+    wave("warm-one", [5])
+    wave("warm-two", [9, 40])
+    warmed = set(recorder.variants)
+    for tag, lengths in (("a", [3, 17, 33]), ("b", [60]), ("c", [2, 2, 2, 2, 2]), ("d", [31, 7])):
+        wave(tag, lengths)
+    assert recorder.variants == warmed, recorder.variants - warmed
