@@ -4,6 +4,7 @@ Triton kernels beside it."""
 from __future__ import annotations
 
 import torch
+import triton
 
 from backend.kernels.kv_cache import write_kv
 from backend.kernels.paged_attention import paged_attention
@@ -14,14 +15,20 @@ class TritonPagedAttention:
     """One kernel launch per layer for the whole flat batch. Decode-only steps over long
     contexts with few (sequence, KV head) programs take the split path: each program's
     keys in `num_segments` parts, merged by log-sum-exp, so a handful of long sequences
-    still spreads over the GPU."""
+    still spreads over the GPU. A captured decode step (CUDA graphs) cannot see its
+    contexts, so each batch size is captured with a fixed split sized to fill the SMs."""
 
     def __init__(
-        self, split_min_seq_len: int = 1024, num_segments: int = 16, max_split_programs: int = 512
+        self,
+        split_min_seq_len: int = 1024,
+        num_segments: int = 16,
+        max_split_programs: int = 512,
+        sm_count: int | None = None,
     ) -> None:
         self.split_min_seq_len = split_min_seq_len
         self.num_segments = num_segments
         self.max_split_programs = max_split_programs
+        self.sm_count = sm_count or _sm_count()
 
     def write_kv(
         self, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata
@@ -68,14 +75,37 @@ class TritonPagedAttention:
             block_size=block_size,
             seq_lens_tensor=seq_lens,
             query_start_tensor=query_start_loc,
+            captured=True,
         )
 
     def segments(self, meta: AttentionMetadata, kv_heads: int) -> int:
         """How many parts each program's keys are split into: 1 unless flash-decoding
-        pays (decode-only, a long context, a small grid)."""
+        pays (decode-only, a long context, a small grid). A captured step is split by its
+        grid alone (`captured_segments`): a replay serves any context."""
+        if meta.captured:
+            return self.captured_segments(len(meta.seq_lens), kv_heads)
         split = (
             meta.max_query_len == 1
             and meta.max_seq_len >= self.split_min_seq_len
             and len(meta.seq_lens) * kv_heads <= self.max_split_programs
         )
         return self.num_segments if split else 1
+
+    def captured_segments(self, rows: int, kv_heads: int) -> int:
+        """Segments for a captured decode step of `rows` sequences: enough programs to
+        fill the SMs (at most num_segments, a power of two); 1 once the rows alone do.
+        The kernel skips a segment past a short context's last key, so a short context
+        pays only its share of empty programs and the merge."""
+        programs = rows * kv_heads
+        if programs >= self.sm_count:
+            return 1
+        wanted = triton.next_power_of_2(-(-self.sm_count // programs))
+        return int(min(self.num_segments, wanted))
+
+
+def _sm_count() -> int:
+    """The device's streaming multiprocessors; an H100 SXM's 132 where there is no GPU
+    (the interpreter's tests model that device)."""
+    if torch.cuda.is_available():
+        return int(torch.cuda.get_device_properties(0).multi_processor_count)
+    return 132

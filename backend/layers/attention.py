@@ -37,6 +37,9 @@ class AttentionMetadata:
     block_size: int
     seq_lens_tensor: torch.Tensor | None = None  # [B] on the device; None: from the list
     query_start_tensor: torch.Tensor | None = None  # [B + 1] on the device
+    # A CUDA graph's decode step: the host lengths are placeholders, and choices a replay
+    # freezes (the split into segments) are made for any context.
+    captured: bool = False
     max_query_len: int = field(init=False)
     max_seq_len: int = field(init=False)
     decode_seqs: list[int] = field(init=False)  # sequences with one new token

@@ -77,10 +77,21 @@ def test_decode_metadata_reads_lengths_from_tensors_alone() -> None:
         torch.tensor(meta.query_start_loc),
         16,
     )
-    assert graphable.max_seq_len == 1 and backend.segments(graphable, kv_heads=2) == 1
+    assert graphable.max_seq_len == 1 and graphable.captured
+    # Issue 33: a captured step used one segment whatever its contexts (8 programs on 132
+    # SMs at batch 1); now its split is sized to the SMs: 3 rows x 2 KV heads -> 16.
+    assert backend.segments(graphable, kv_heads=2) == 16
     got = backend.attend(batch.q, kv_cache, graphable, 0.125)
     want = TorchPagedAttention().attend(batch.q, kv_cache, meta, 0.125)
     torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
+
+
+def test_captured_steps_split_by_their_grid_alone() -> None:
+    backend = TritonPagedAttention(sm_count=132)
+    assert backend.captured_segments(rows=1, kv_heads=8) == 16  # 132 / 8 -> 32, capped
+    assert backend.captured_segments(rows=4, kv_heads=8) == 8  # 132 / 32 -> 4.1 -> 8
+    assert backend.captured_segments(rows=16, kv_heads=8) == 2
+    assert backend.captured_segments(rows=32, kv_heads=8) == 1  # the rows fill the SMs
 
 
 def test_backend_write_kv_skips_padding_slots() -> None:
