@@ -66,6 +66,13 @@ def load_model_config(model_dir: Path) -> ModelConfig:
         raise CheckpointError(
             path, f"unsupported architecture {arch!r}; use one of {ARCHITECTURES}"
         )
+    method = (cfg.get("quantization_config") or {}).get("quant_method")
+    if method is not None:  # compressed-tensors, fp8, gptq, awq...: weights we cannot read
+        raise CheckpointError(
+            path,
+            f"a pre-quantized checkpoint ({method}) is not loaded; serve the unquantized "
+            "checkpoint with --quantization int8 or fp8 (weights quantized at load)",
+        )
     try:
         return _parse_config(arch, cfg)
     except (KeyError, TypeError, ValueError) as exc:

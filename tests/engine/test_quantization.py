@@ -125,3 +125,25 @@ def test_fp8_is_refused_without_an_fp8_gpu(llama_dir: Path) -> None:
         check_quantization("fp8", torch.device("cpu"))
     with pytest.raises(QuantizationError, match="fp8"):
         Engine(llama_dir, EngineConfig(quantization="fp8", device="cpu"))
+
+
+def test_a_pre_quantized_checkpoint_is_refused_with_the_way_out(
+    llama_dir: Path, tmp_path: Path
+) -> None:
+    """compressed-tensors / FP8 checkpoints carry scales this loader does not read: a
+    clear refusal naming the method, rather than a shape or dtype error mid-load."""
+    import json
+    import shutil
+
+    from backend.errors import CheckpointError
+
+    copy = tmp_path / "fp8-checkpoint"
+    shutil.copytree(llama_dir, copy)
+    config = json.loads((copy / "config.json").read_text())
+    config["quantization_config"] = {
+        "quant_method": "compressed-tensors",
+        "format": "float-quantized",
+    }
+    (copy / "config.json").write_text(json.dumps(config))
+    with pytest.raises(CheckpointError, match=r"compressed-tensors.*--quantization int8 or fp8"):
+        make_engine(copy)
