@@ -16,7 +16,10 @@ same trace (backend/sim/scenarios.py), the baseline in the same run:
 - the scheduler's own cost: wall time per schedule() step of the simulated mixed trace;
 - latency targets (issue 15), on a CPU-like fitted cost: chat TTFT p90 and ITL p95
   alone and beside 1,800-token documents, adaptive and static budgets; the documents'
-  throughput; a late tenant's makespan beside another's 10x burst.
+  throughput; a late tenant's makespan beside another's 10x burst;
+- fair share against a backlog (issue 32 item 4), in-simulator on the H100-like roofline
+  with the default config: tenant C's chat TTFT p50/p95 alone and beside tenant B's 200
+  requests of 1,500 tokens (those C sends while B is unfinished), C at priority 4 and 0.
 
     .venv/bin/python -m bench.scheduler_sim [--seeds N]
 """
@@ -161,13 +164,39 @@ def latency(seed: int) -> str:
     )
 
 
+def fair_backlog(seed: int) -> str:
+    lines = []
+    for priority, slots in ((4, None), (0, None), (4, 32)):
+        alone = sc.fair_backlog_ttft(0, priority, seed, slots)
+        beside = sc.fair_backlog_ttft(200, priority, seed, slots)
+        p50s = [percentile(t, 50) * 1000 for t in (alone, beside)]
+        p95s = [percentile(t, 95) * 1000 for t in (alone, beside)]
+        lines.append(
+            f"C at p{priority}, max_num_seqs {slots or 'default'}: TTFT alone p50/p95 "
+            f"{p50s[0]:.1f}/{p95s[0]:.1f} ms | beside B ({len(beside)} chats) "
+            f"{p50s[1]:.1f}/{p95s[1]:.1f} ms | p95 ratio {p95s[1] / p95s[0]:.1f}x"
+        )
+    return "fair share  (in-simulator, H100-like roofline)\n            " + "\n            ".join(
+        lines
+    )
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--seeds", type=int, default=1, help="repeat each line with seeds 0..N-1")
     args = parser.parse_args()
     for seed in range(args.seeds):
         print(f"seed {seed}")
-        for line in (aging, protection, fairness, preemption, shedding, latency, overhead):
+        for line in (
+            aging,
+            protection,
+            fairness,
+            preemption,
+            shedding,
+            latency,
+            fair_backlog,
+            overhead,
+        ):
             print(line(seed), flush=True)
 
 

@@ -3,6 +3,7 @@ the engine config and the streams; `simulate` replays them."""
 
 from __future__ import annotations
 
+import math
 import random
 from dataclasses import replace
 
@@ -138,3 +139,39 @@ def late_makespan(adaptive: bool, flood: int, seed: int = 0) -> float:
     result = Simulator(config, StepCostModel.fixed(CPU_LIKE)).run(late_tenant(flood, seed=seed))
     ends = [r.end or 0.0 for r in result.records.values() if r.arrival.stream.name == "late"]
     return max(ends) - 0.3
+
+
+def fair_backlog(backlog: int, c_priority: int = 4, seed: int = 0) -> list[Arrival]:
+    """Issue 32 item 4 on the default engine: tenant B's `backlog` long requests (1,500
+    tokens out) at priority 4, all at t = 0; tenant C's short chats (4-16 tokens out),
+    Poisson 1/s for 60 s at `c_priority`."""
+    rng = random.Random(seed)
+    backlog_stream = Stream("backlog", 0.0, (50, 150), (1500, 1500), priority=4, tenant="b")
+    arrivals = [
+        Arrival(i * 1e-4, f"backlog-{i}", backlog_stream, rng.randint(50, 150), 1500)
+        for i in range(backlog)
+    ]
+    chat = Stream("chat", 1.0, (50, 150), (4, 16), end=60.0, priority=c_priority, tenant="c")
+    return sorted(arrivals + make_trace([chat], seed), key=lambda a: a.time)
+
+
+def fair_backlog_ttft(
+    backlog: int, c_priority: int = 4, seed: int = 0, max_num_seqs: int | None = None
+) -> list[float]:
+    """C's TTFTs in `fair_backlog` on the H100-like roofline and the default config (or
+    `max_num_seqs` running, 32 being the CPU's default: the rest of B's backlog waits)."""
+    config = replace(EngineConfig(), max_num_seqs=max_num_seqs)
+    return chats_beside_backlog(Simulator(config).run(fair_backlog(backlog, c_priority, seed)))
+
+
+def chats_beside_backlog(result: SimResult) -> list[float]:
+    """TTFTs of C's chats that arrive while B still has requests unfinished (all of them
+    when there is no backlog): B's 200 streams end within about 25 s on the roofline."""
+    records = result.records.values()
+    ends = [r.end or 0.0 for r in records if r.arrival.stream.tenant == "b"]
+    backlog_end = max(ends, default=math.inf)
+    return [
+        r.first_token - r.arrival.time
+        for r in records
+        if r.arrival.stream.tenant == "c" and r.first_token and r.arrival.time < backlog_end
+    ]

@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 
+from backend.config import EngineConfig
 from backend.engine.step_cost import StepCostModel
 from backend.sampling import SamplingParams
 from backend.sim import Simulator, Stream, make_trace, summarize
@@ -184,3 +185,18 @@ def test_an_engines_fit_calibrates_the_simulator(llama_dir: Path) -> None:
     sim = Simulator(engine.config, calibrated)
     result = sim.run(make_trace([Stream("chat", 20.0, (20, 60), (4, 8), end=0.5)]))
     assert result.num_steps > 0 and result.step_time_error < 0.01
+
+
+def test_fair_backlog_starts_the_other_tenants_chats_at_the_next_step() -> None:
+    """Issue 32 item 4 in the simulator (H100-like roofline, default config): beside tenant
+    B's 200 long requests, each of tenant C's chats is scheduled at the first step boundary
+    after it arrives, and C's TTFT p95 stays within 4x alone: one step in flight plus its
+    own, each carrying B's decode rows (3.5x on this seed; the 2x target is not met)."""
+    alone = sc.fair_backlog_ttft(0)
+    result = Simulator(EngineConfig()).run(sc.fair_backlog(200))
+    chats = of_stream(result, "chat")
+    assert chats and all(r.first_step is not None for r in chats)
+    assert max((r.first_step or 0) - r.arrival_step for r in chats) <= 1
+    beside = sc.chats_beside_backlog(result)
+    assert len(beside) >= 10
+    assert percentile(beside, 95) < 4 * percentile(alone, 95)
