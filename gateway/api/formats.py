@@ -80,14 +80,27 @@ def _text(text: str) -> dict[str, Any]:
 
 
 def with_tool_calls(
-    choice: dict[str, Any], content: str | None, calls: Sequence[ToolCall]
+    choice: dict[str, Any], content: str | None, calls: Sequence[ToolCall], legacy: bool = False
 ) -> dict[str, Any]:
-    """A whole chat choice whose output held tool calls: they replace it in the message."""
-    if calls:
-        choice["message"]["content"] = content
+    """A whole chat choice whose output held tool calls: they replace it in the message.
+    `legacy` (the request used `functions`): the first call as `function_call`."""
+    if not calls:
+        return choice
+    choice["message"]["content"] = content
+    if legacy:
+        choice["message"]["function_call"] = msgspec.to_builtins(calls[0].function)
+        choice["finish_reason"] = "function_call"
+    else:
         choice["message"]["tool_calls"] = msgspec.to_builtins(list(calls))
         choice["finish_reason"] = "tool_calls"
     return choice
+
+
+def function_call_deltas(call: ToolCall) -> list[dict[str, Any]]:
+    """The legacy `functions` API's streamed call: `delta.function_call` with the name and
+    empty arguments, then with the arguments."""
+    named = {"name": call.function.name, "arguments": ""}
+    return [{"function_call": named}, {"function_call": {"arguments": call.function.arguments}}]
 
 
 def call_deltas(calls: Sequence[ToolCall]) -> list[list[dict[str, Any]]]:
@@ -105,12 +118,12 @@ def call_deltas(calls: Sequence[ToolCall]) -> list[list[dict[str, Any]]]:
 def tool_calls_delta(index: int, deltas: list[dict[str, Any]]) -> dict[str, Any]:
     """A streamed chat choice that carries tool-call deltas (`call_deltas`, or an
     upstream's own)."""
-    return {
-        "index": index,
-        "delta": {"tool_calls": deltas},
-        "finish_reason": None,
-        "logprobs": None,
-    }
+    return choice_delta(index, {"tool_calls": deltas})
+
+
+def choice_delta(index: int, delta: dict[str, Any]) -> dict[str, Any]:
+    """A streamed chat choice carrying `delta` and no finish."""
+    return {"index": index, "delta": delta, "finish_reason": None, "logprobs": None}
 
 
 def _entry(token_id: int, logprob: float, token_text: TokenText) -> dict[str, Any]:

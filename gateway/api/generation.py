@@ -16,7 +16,14 @@ from functools import partial
 from typing import Any, TypeVar
 
 from backend import EngineDeadError, RequestOutput, SamplingParams, TokenLogprobs
-from gateway.api.formats import Format, call_deltas, tool_calls_delta, with_tool_calls
+from gateway.api.formats import (
+    Format,
+    call_deltas,
+    choice_delta,
+    function_call_deltas,
+    tool_calls_delta,
+    with_tool_calls,
+)
 from gateway.api.schemas import encode
 from gateway.api.tools import ToolCall, ToolPlan, ToolStream, assembled
 from gateway.dispatch.engine_client import RESTART, ClientPrompt, EngineClient, GenerateRequest
@@ -424,7 +431,8 @@ def _with_calls(
     if gen.tools is None or not gen.tools.active:
         return choice
     text = choice["message"]["content"]
-    return with_tool_calls(choice, *_calls(gen.tools, text, choice["finish_reason"]))
+    content, calls = _calls(gen.tools, text, choice["finish_reason"])
+    return with_tool_calls(choice, content, calls, gen.tools.legacy)
 
 
 def _calls(
@@ -544,9 +552,14 @@ async def _events(
                             content, calls = _calls(stream.plan, stream.pending, reason)
                             if content:
                                 yield chunk(out.index, content, None)
-                            for deltas in call_deltas(calls):
-                                yield _delta_event(gen, tool_calls_delta(out.index, deltas))
-                            reason = "tool_calls" if calls else reason
+                            if calls and stream.plan.legacy:
+                                for delta in function_call_deltas(calls[0]):
+                                    yield _delta_event(gen, choice_delta(out.index, delta))
+                                reason = "function_call"
+                            else:
+                                for deltas in call_deltas(calls):
+                                    yield _delta_event(gen, tool_calls_delta(out.index, deltas))
+                                reason = "tool_calls" if calls else reason
                         yield chunk(out.index, "", reason)
                 await asyncio.shield(settlement.settle())
                 if gen.include_usage:

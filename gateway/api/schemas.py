@@ -281,8 +281,12 @@ class ChatCompletionRequest(SamplingFields, kw_only=True):
         return self.max_completion_tokens or self.max_tokens
 
     def tool_plan(self, parser: str) -> ToolPlan | None:
-        """How to honour the tools; `parser`: the model's tool-call format."""
-        return plan(self.tools, self.tool_choice, self.parallel_tool_calls, parser)
+        """How to honour the tools; `parser`: the model's tool-call format. A request
+        that used `functions` is answered in that API's shape (`function_call`)."""
+        found = plan(self.tools, self.tool_choice, self.parallel_tool_calls, parser)
+        if found is None or self.functions is None:
+            return found
+        return replace(found, legacy=True)
 
     def template_messages(self) -> list[dict[str, Any]]:
         return [m.template(f"messages[{i}]") for i, m in enumerate(self.messages)]

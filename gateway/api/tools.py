@@ -75,6 +75,7 @@ class ToolPlan:
     forced: dict[str, Any] | None = None  # the output's JSON schema, when forced
     named: str | None = None  # the output is this function's arguments
     parser: str | None = None  # "auto": the model's tool-call format
+    legacy: bool = False  # asked with `functions`: answered as `function_call`
 
     @property
     def active(self) -> bool:

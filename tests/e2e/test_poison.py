@@ -247,8 +247,22 @@ async def test_functions_are_read_as_tools(embedded: Target) -> None:
     url = f"{embedded.base}/chat/completions"
     async with httpx.AsyncClient(timeout=60) as http:
         reply = await http.post(url, json=body, headers=headers)
+        streamed = await http.post(url, json={**body, "stream": True}, headers=headers)
         both = await http.post(url, json={**body, "tools": []}, headers=headers)
     assert reply.status_code == 200, reply.text
-    [call] = reply.json()["choices"][0]["message"]["tool_calls"]
-    assert call["function"]["name"] == "get_weather"
+    # Answered in the legacy API's shape, as OpenAI answers a functions request.
+    choice = reply.json()["choices"][0]
+    assert choice["finish_reason"] == "function_call" and "tool_calls" not in choice["message"]
+    assert choice["message"]["function_call"]["name"] == "get_weather"
+    assert json.loads(choice["message"]["function_call"]["arguments"])["city"]
+    events = [line.removeprefix("data: ") for line in streamed.text.splitlines()]
+    chunks = [json.loads(e) for e in events if e.startswith("{")]
+    calls = [
+        c["choices"][0]["delta"]["function_call"]
+        for c in chunks
+        if c["choices"] and "function_call" in c["choices"][0]["delta"]
+    ]
+    assert calls[0]["name"] == "get_weather" and calls[0]["arguments"] == ""
+    assert json.loads("".join(c["arguments"] for c in calls))["city"]
+    assert chunks[-1]["choices"][0]["finish_reason"] == "function_call"
     assert both.status_code == 400 and both.json()["error"]["param"] == "functions", both.text
