@@ -5,10 +5,14 @@ from __future__ import annotations
 import math
 import re
 from dataclasses import dataclass, replace
+from pathlib import Path
 
 DTYPES = ("auto", "float32", "float16", "bfloat16")
 QUANTIZATIONS = ("none", "int8", "fp8")  # weight-only (backend/layers/quant.py)
 ATTENTION_BACKENDS = ("auto", "torch", "triton")  # auto: triton on CUDA, torch on the CPU
+# off; ngram: drafts looked up in the request's own tokens; draft: a small second model
+SPECULATIVE_METHODS = ("off", "ngram", "draft")
+MAX_SPECULATIVE_TOKENS = 16
 _DEVICE = re.compile(r"^(auto|cpu|cuda(:\d+)?)$")
 # max_num_seqs=None by device: a GPU's batch grows nearly free up to its compute knee (vLLM
 # also runs 256); on a CPU each running row costs step time, and 64 at the 256 MiB KV
@@ -49,6 +53,10 @@ class EngineConfig:
     gpu_memory_utilization: float = 0.9
     attention_backend: str = "auto"  # one of ATTENTION_BACKENDS
     enforce_eager: bool = False  # True: no CUDA graphs for decode steps
+    # -- speculative decoding (backend/engine/speculative.py) --
+    speculative_method: str = "off"  # one of SPECULATIVE_METHODS
+    num_speculative_tokens: int = 4  # drafts verified per decode row and step (K)
+    speculative_model: str | None = None  # the draft checkpoint (method "draft")
     # -- scheduling policy (backend/SCHEDULING.md) --
     aging_interval_s: float | None = 5.0  # a waiting request rises one class per interval
     tenant_fairness: bool = True  # weighted fair share of tokens among equal classes
@@ -92,6 +100,7 @@ class EngineConfig:
             raise ValueError(
                 f"device must be 'auto', 'cpu', 'cuda' or 'cuda:N', got {self.device!r}"
             )
+        self._check_speculative()
         util = self.gpu_memory_utilization
         if isinstance(util, bool) or not isinstance(util, int | float) or not 0 < util <= 1:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {util!r}")
@@ -106,6 +115,23 @@ class EngineConfig:
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}")
         self._check_policy()
+
+    def _check_speculative(self) -> None:
+        if self.speculative_method not in SPECULATIVE_METHODS:
+            raise ValueError(
+                f"speculative_method must be one of {SPECULATIVE_METHODS}, "
+                f"got {self.speculative_method!r}"
+            )
+        k = self.num_speculative_tokens
+        if not isinstance(k, int) or isinstance(k, bool) or not 1 <= k <= MAX_SPECULATIVE_TOKENS:
+            raise ValueError(
+                f"num_speculative_tokens must be in [1, {MAX_SPECULATIVE_TOKENS}], got {k!r}"
+            )
+        model = self.speculative_model
+        if self.speculative_method == "draft" and not model:
+            raise ValueError("speculative_model is required with speculative_method='draft'")
+        if model is not None and not (Path(model) / "config.json").is_file():
+            raise ValueError(f"speculative_model must be a checkpoint folder, got {model!r}")
 
     def on_device(self, device_type: str) -> EngineConfig:
         """This config with its device-dependent defaults taken for a "cuda" or "cpu"

@@ -85,6 +85,25 @@ class EngineStats:
     step_cost_s: dict[str, float] = field(default_factory=dict)  # seconds per unit of each term
     step_time_limit_s: float | None = None  # the time target of the last step; None: static
     step_prefill_budget: int = 0  # prefill tokens the last step could take
+    # Speculative decoding (backend/engine/speculative.py), cumulative; vLLM's names.
+    speculative_method: str = "off"
+    spec_decode_num_drafts: int = 0  # verified rows that carried draft tokens
+    spec_decode_num_draft_tokens: int = 0
+    spec_decode_num_accepted_tokens: int = 0
+    spec_decode_num_accepted_tokens_per_pos: list[int] = field(default_factory=list)
+
+    @property
+    def spec_decode_acceptance_rate(self) -> float:
+        """Accepted draft tokens over draft tokens; 0.0 before any."""
+        drafted = self.spec_decode_num_draft_tokens
+        return self.spec_decode_num_accepted_tokens / drafted if drafted else 0.0
+
+    @property
+    def spec_decode_tokens_per_step(self) -> float:
+        """Tokens a row with drafts produced per step: 1 + accepted drafts per row (vLLM's
+        mean acceptance length); 0.0 before any."""
+        rows = self.spec_decode_num_drafts
+        return 1 + self.spec_decode_num_accepted_tokens / rows if rows else 0.0
 
     @property
     def prefix_cache_hit_rate(self) -> float:

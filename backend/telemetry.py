@@ -269,6 +269,30 @@ class EngineStatsCollector(Collector):
         for name, help_text, value in counters:
             yield CounterMetricFamily(f"tollgate_engine_{name}", help_text, value=value)
         yield from _step_cost_metrics(stats)
+        if stats.speculative_method != "off":
+            yield from _spec_decode_metrics(stats)
+
+
+def _spec_decode_metrics(stats: EngineStats) -> Iterator[Metric]:
+    """Speculative decoding: the counters (vLLM's, under the engine's prefix) and the two
+    figures they make."""
+    counters = (
+        ("num_drafts", "Verified rows that carried draft tokens", stats.spec_decode_num_drafts),
+        ("num_draft_tokens", "Draft tokens verified", stats.spec_decode_num_draft_tokens),
+        ("num_accepted_tokens", "Draft tokens accepted", stats.spec_decode_num_accepted_tokens),
+    )
+    for name, help_text, value in counters:
+        yield CounterMetricFamily(f"tollgate_engine_spec_decode_{name}", help_text, value=value)
+    yield _gauge(
+        "tollgate_engine_spec_decode_acceptance_ratio",
+        "Accepted draft tokens over draft tokens (since start)",
+        stats.spec_decode_acceptance_rate,
+    )
+    yield _gauge(
+        "tollgate_engine_spec_decode_tokens_per_step",
+        "Tokens a row with drafts produced per step: 1 + accepted drafts (since start)",
+        stats.spec_decode_tokens_per_step,
+    )
 
 
 def _step_cost_metrics(stats: EngineStats) -> Iterator[Metric]:
@@ -348,6 +372,8 @@ class ModelServerCollector(Collector):
         )  # fmt: skip
         for name, help_text, value in counters:
             yield self._family(CounterMetricFamily, name, help_text, value)
+        if stats.speculative_method != "off":
+            yield from self._spec_decode(stats)
         info = GaugeMetricFamily(
             "vllm:cache_config_info",
             "Information of the LLMEngine CacheConfig",
@@ -355,6 +381,27 @@ class ModelServerCollector(Collector):
         )
         info.add_metric([str(stats.block_size), str(stats.kv_blocks_total)], 1.0)
         yield info
+
+    def _spec_decode(self, stats: EngineStats) -> Iterator[Metric]:
+        """vLLM's speculative decoding counters (vllm:spec_decode_*_total)."""
+        counters = (
+            ("spec_decode_num_drafts", "Number of spec decoding drafts.",
+             stats.spec_decode_num_drafts),
+            ("spec_decode_num_draft_tokens", "Number of draft tokens.",
+             stats.spec_decode_num_draft_tokens),
+            ("spec_decode_num_accepted_tokens", "Number of accepted tokens.",
+             stats.spec_decode_num_accepted_tokens),
+        )  # fmt: skip
+        for name, help_text, value in counters:
+            yield self._family(CounterMetricFamily, name, help_text, value)
+        per_pos = CounterMetricFamily(
+            "vllm:spec_decode_num_accepted_tokens_per_pos",
+            "Accepted tokens per draft position.",
+            labels=["model_name", "position"],
+        )
+        for position, value in enumerate(stats.spec_decode_num_accepted_tokens_per_pos):
+            per_pos.add_metric([self.model_name, str(position)], value)
+        yield per_pos
 
     def _family(
         self,

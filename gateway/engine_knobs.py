@@ -35,6 +35,10 @@ HELP = {
     "share_prefix_cache": "let all tenants share one prefix cache",
     "gpu_memory_utilization": "share of the GPU's memory the engine may use (weights + KV)",
     "enforce_eager": "no CUDA graphs for decode steps",
+    "speculative_method": "off, ngram (drafts from the request's own text) or draft "
+    "(a small model of the same tokenizer, --speculative-model)",
+    "num_speculative_tokens": "draft tokens verified per decode step (K)",
+    "speculative_model": "the draft model's checkpoint folder (speculative_method draft)",
     "attention_backend": "auto, torch or triton (auto: Triton on CUDA, torch on the CPU)",
     "aging_interval_s": "a waiting request rises one priority class per interval; 'none': off",
     "tenant_fairness": "weighted fair share of tokens among tenants of equal class",

@@ -24,6 +24,9 @@ class ScheduledRequest:
     prompt_token_ids: list[int]
     output_token_ids: list[int]
     matcher: GrammarMatcher | None = None  # a constrained request's: the sampler masks its row
+    # The last num_drafts of token_ids are draft tokens to verify (speculative decoding):
+    # the row samples at each of its last num_drafts + 1 positions.
+    num_drafts: int = 0
 
 
 @dataclass(frozen=True)
@@ -43,3 +46,5 @@ class SchedulerOutput:
 class ModelRunnerOutput:
     sampled: dict[str, int]  # request id -> new token, for requests with sample=True
     logprobs: dict[str, TokenLogprobs] = field(default_factory=dict)  # those that asked
+    # Rows with draft tokens (instead of `sampled`): the accepted drafts, then one token.
+    verified: dict[str, list[int]] = field(default_factory=dict)

@@ -144,6 +144,21 @@ class BlockManager:
                 self._cached[block_hash] = block.block_id
         self._num_registered[req.request_id] = full
 
+    def trim(self, request_id: str, num_tokens: int) -> None:
+        """Give back the table's blocks past those `num_tokens` tokens need: slots held for
+        draft tokens that were rejected. They were never registered (only computed full
+        blocks are), so they go back as free blocks, reused first."""
+        table = self._tables.get(request_id)
+        if table is None:
+            return
+        keep = max(self.blocks_for(num_tokens), self._num_registered[request_id])
+        while len(table) > keep:
+            block = self.blocks[table.pop()]
+            block.ref_count -= 1
+            if block.ref_count == 0:
+                self._free[block.block_id] = None
+                self._free.move_to_end(block.block_id, last=False)
+
     def free(self, request_id: str) -> None:
         """Release the request's blocks; a second call is a no-op. Tail blocks are released
         first so that, among cached blocks, a prefix's end is evicted before its start."""

@@ -10,6 +10,7 @@ import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from backend.config import EngineConfig
 from backend.engine.batch import ModelRunnerOutput, ScheduledRequest, SchedulerOutput
@@ -17,6 +18,7 @@ from backend.engine.block_manager import BlockManager
 from backend.engine.model_runner import ModelRunner
 from backend.engine.request import Request, RequestStatus, fan_out
 from backend.engine.scheduler import Scheduler
+from backend.engine.speculative import Speculator
 from backend.engine.step_cost import warm_up, warm_up_shapes
 from backend.errors import (
     GrammarTooComplexError,
@@ -68,6 +70,9 @@ class Engine:
         )
         self.max_model_len = self._fit_max_model_len(wanted)
         self.scheduler = Scheduler(config, self.block_manager)
+        self.speculator: Speculator | None = None
+        if config.speculative_method != "off":
+            self.speculator = Speculator(config.speculative_method, config.num_speculative_tokens)
         self.grammars = GrammarCompiler(
             self.model_dir / "tokenizer.json",
             max(self.model_config.vocab_size, self.tokenizer.vocab_size),
@@ -232,7 +237,20 @@ class Engine:
             step_cost_s=cost.coefficients,
             step_time_limit_s=sched.step_limit_s,
             step_prefill_budget=sched.step_prefill_budget,
+            **self._spec_stats(),
         )
+
+    def _spec_stats(self) -> dict[str, Any]:
+        if self.speculator is None:
+            return {}
+        c = self.speculator.counters
+        return {
+            "speculative_method": self.speculator.method,
+            "spec_decode_num_drafts": c.num_drafts,
+            "spec_decode_num_draft_tokens": c.num_draft_tokens,
+            "spec_decode_num_accepted_tokens": c.num_accepted_tokens,
+            "spec_decode_num_accepted_tokens_per_pos": list(c.accepted_per_pos),
+        }
 
     # -- the step thread ----------------------------------------------------------------
 
@@ -262,14 +280,17 @@ class Engine:
         )
         # Aborts that arrived during the forward pass win over its tokens.
         outputs += self._apply_aborts()
-        for req, token in self.scheduler.update_from_output(batch, result):
+        for req, tokens in self.scheduler.update_from_output(batch, result):
             try:
-                outputs.append(self._process_token(req, token, result.logprobs.get(req.request_id)))
+                outputs.append(self._process_tokens(req, tokens, result))
             except GrammarTooComplexError:  # the client's grammar: it fails alone, a 400
                 outputs += self._fail([req.request_id], GrammarTooComplexError.kind)
             except Exception:
                 log.exception("failed to process a sampled token; failing its request")
                 outputs += self._fail([req.request_id])
+        if self.speculator is not None:
+            self._observe_drafts(batch, result)
+            self.speculator.propose(self.scheduler.running)
         self.num_steps += 1
         self.scheduler.observe_step(batch, time.perf_counter() - step_started)
         self._step_tokens = (batch.num_prefill_tokens, batch.num_decode_tokens)
@@ -385,6 +406,34 @@ class Engine:
         done = self.scheduler.finish_requests(ids, RequestStatus.FINISHED_ABORTED)
         return [self._finish(req, "", [], [], None) for req in done]
 
+    def _observe_drafts(self, batch: SchedulerOutput, result: ModelRunnerOutput) -> None:
+        assert self.speculator is not None
+        for item in batch.requests:
+            tokens = result.verified.get(item.request_id) if item.num_drafts else None
+            if tokens is not None:
+                self.speculator.observe(item.request_id, item.num_drafts, len(tokens) - 1)
+
+    def _process_tokens(
+        self, req: Request, tokens: list[int], result: ModelRunnerOutput
+    ) -> RequestOutput:
+        """One output for a step's tokens (several from a row with accepted drafts), each
+        checked for a stop in turn: the tokens after one are dropped."""
+        if len(tokens) == 1:
+            return self._process_token(req, tokens[0], result.logprobs.get(req.request_id))
+        del req.output_token_ids[len(req.output_token_ids) - len(tokens) + 1 :]
+        merged = self._process_token(req, tokens[0], None)
+        for token in tokens[1:]:
+            if req.is_finished:
+                break
+            req.output_token_ids.append(token)
+            out = self._process_token(req, token, None)
+            merged.text += out.text
+            merged.token_ids += out.token_ids
+            merged.token_times += out.token_times
+            merged.finished, merged.finish_reason = out.finished, out.finish_reason
+            merged.completion_tokens = out.completion_tokens
+        return merged
+
     def _process_token(
         self, req: Request, token: int, logprobs: TokenLogprobs | None
     ) -> RequestOutput:
@@ -433,6 +482,8 @@ class Engine:
         times: list[float],
         logprobs: list[TokenLogprobs] | None,
     ) -> RequestOutput:
+        if self.speculator is not None:
+            self.speculator.forget(req.request_id)
         with self._lock:
             self._seqs.pop(req.request_id, None)
             group = self._groups.get(req.external_id)

@@ -19,6 +19,7 @@ from backend.errors import RequestStepError
 from backend.grammar import fill_bitmasks
 from backend.layers.attention import AttentionBackend, AttentionMetadata, attention_backend
 from backend.layers.quant import check_quantization, quantize
+from backend.layers.rejection import rejection_sample
 from backend.layers.sampler import (
     SamplingTensors,
     apply_penalties_batch,
@@ -26,6 +27,7 @@ from backend.layers.sampler import (
     assemble_logprobs,
     logprob_tensors,
     sample_tokens,
+    sampling_probs,
 )
 from backend.loader import load_model, resolve_device, resolve_dtype
 from backend.models.config import ModelConfig
@@ -118,21 +120,29 @@ class ModelRunner:
         if not batch.requests:
             return ModelRunnerOutput({})
         reqs = [r for r in batch.requests if r.sample]
+        # One logits row per sampled position: a row with drafts samples at each of its
+        # last num_drafts + 1 positions, with its parameters repeated.
+        speculative = any(r.num_drafts for r in reqs)
+        per_row = [r for r in reqs for _ in range(r.num_drafts + 1)] if speculative else reqs
         stage = Staging(self.device)  # sampling's inputs, copied with one transfer
-        stage.add("last", _last_rows(batch))
-        SamplingTensors.stage(stage, [r.params for r in reqs], self.model.cfg.vocab_size)
-        self._stage_logit_work(stage, reqs)
+        stage.add("last", _sampled_rows(batch))
+        SamplingTensors.stage(stage, [r.params for r in per_row], self.model.cfg.vocab_size)
+        self._stage_logit_work(stage, per_row)
+        if speculative:
+            _stage_drafts(stage, reqs)
         generators = self._generators_for(reqs)  # first: a bad seed fails only its request
         hidden = self._forward(batch)
         if not reqs:
             return ModelRunnerOutput({})
-        _stage_grammar_masks(stage, reqs)  # host work while a GPU runs the forward pass
+        _stage_grammar_masks(stage, per_row)  # host work while a GPU runs the forward pass
         staged = stage.upload()
         logits = self.model.logits(hidden[staged["last"]])
         if "grammar_rows" in staged:  # masked before logprobs: they describe what is sampled
             apply_token_bitmask(logits, staged["grammar_rows"], staged["grammar_masks"])
-        processed = self._process_logits(logits, reqs, staged)
-        sampling = SamplingTensors.of(staged, [r.params for r in reqs])
+        processed = self._process_logits(logits, per_row, staged)
+        sampling = SamplingTensors.of(staged, [r.params for r in per_row])
+        if speculative:
+            return self._verify(reqs, logits, processed, sampling, generators, staged)
         tokens = sample_tokens(processed, generators, sampling)
         want = [i for i, r in enumerate(reqs) if r.params.logprobs is not None]
         if not want:
@@ -152,6 +162,57 @@ class ModelRunner:
             {r.request_id: t for r, t in zip(reqs, sampled, strict=True)},
             {reqs[i].request_id: lp for i, lp in zip(want, found, strict=True)},
         )
+
+    def _verify(
+        self,
+        reqs: list[ScheduledRequest],
+        logits: torch.Tensor,
+        processed: torch.Tensor,
+        sampling: SamplingTensors,
+        generators: list[torch.Generator | None],
+        staged: dict[str, torch.Tensor],
+    ) -> ModelRunnerOutput:
+        """A step with draft tokens: rows without drafts sample as usual; rows with drafts
+        are verified by rejection sampling (backend/layers/rejection.py). One read-back."""
+        plain = [i for i, r in enumerate(reqs) if not r.num_drafts]
+        spec = [i for i, r in enumerate(reqs) if r.num_drafts]
+        spec_rows = staged["spec_rows"]  # [S, K+1] rows of `processed`
+        probs = sampling_probs(processed[spec_rows.flatten()], sampling.select(spec_rows.flatten()))
+        accepted, final = rejection_sample(
+            probs.view(*spec_rows.shape, -1),
+            staged["spec_drafts"],
+            staged["spec_num"],
+            None,
+            [generators[i] for i in spec],
+        )
+        results = [accepted, final]
+        want = [i for i in plain if reqs[i].params.logprobs is not None]
+        if plain:
+            rows = staged["plain_rows"]
+            plain_gens = [generators[i] for i in plain]
+            tokens = sample_tokens(processed[rows], plain_gens, sampling.select(rows))
+            results.append(tokens)
+            if want:
+                k = max(reqs[i].params.logprobs or 0 for i in want)
+                results += logprob_tensors(logits[rows], tokens, k)
+        host = to_host(*results)
+        verified = {}
+        for i, n, token in zip(spec, host[0].tolist(), host[1].tolist(), strict=True):
+            r = reqs[i]
+            verified[r.request_id] = [*r.token_ids[len(r.token_ids) - r.num_drafts :][:n], token]
+        out = ModelRunnerOutput({}, verified=verified)
+        if plain:
+            sampled = dict(zip(plain, host[2].tolist(), strict=True))
+            out.sampled.update({reqs[i].request_id: t for i, t in sampled.items()})
+        if want:
+            at = torch.tensor([plain.index(i) for i in want])
+            found = assemble_logprobs(
+                [sampled[i] for i in want],
+                (host[3][at], host[4][at], host[5][at], host[6][at]),
+                [reqs[i].params.logprobs or 0 for i in want],
+            )
+            out.logprobs.update({reqs[i].request_id: lp for i, lp in zip(want, found, strict=True)})
+        return out
 
     @torch.inference_mode()
     def embed(self, prompts: list[list[int]], block_ids: list[list[int]]) -> list[list[float]]:
@@ -436,14 +497,37 @@ def _stage_grammar_masks(stage: Staging, reqs: list[ScheduledRequest]) -> None:
         stage.add("grammar_masks", fill_bitmasks([m for _, m in constrained]), torch.int32)
 
 
-def _last_rows(batch: SchedulerOutput) -> list[int]:
-    """The flat-batch row of each sampling request's last token."""
-    rows, end = [], 0
+def _sampled_rows(batch: SchedulerOutput) -> list[int]:
+    """The flat-batch rows whose logits are sampled: each sampling request's last token,
+    and before it the positions of its draft tokens' predecessors, if it has drafts."""
+    rows: list[int] = []
+    end = 0
     for r in batch.requests:
         end += len(r.token_ids)
         if r.sample:
-            rows.append(end - 1)
+            rows += range(end - 1 - r.num_drafts, end)
     return rows
+
+
+def _stage_drafts(stage: Staging, reqs: list[ScheduledRequest]) -> None:
+    """For `ModelRunner._verify`: each row with drafts as K + 1 rows of the step's logits
+    (short rows repeat their last), its drafts padded to K, and how many it has; the
+    logits rows of the requests without drafts."""
+    k = max(r.num_drafts for r in reqs)
+    spec_rows, drafts, plain_rows = [], [], []
+    row = 0
+    for r in reqs:
+        n = r.num_drafts
+        if n:
+            spec_rows.append([row + min(j, n) for j in range(k + 1)])
+            drafts.append(r.token_ids[len(r.token_ids) - n :] + [0] * (k - n))
+        else:
+            plain_rows.append(row)
+        row += n + 1
+    stage.add("spec_rows", spec_rows)
+    stage.add("spec_drafts", drafts)
+    stage.add("spec_num", [r.num_drafts for r in reqs if r.num_drafts])
+    stage.add("plain_rows", plain_rows)
 
 
 def _penalties(p: SamplingParams) -> list[float]:

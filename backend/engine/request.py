@@ -75,6 +75,9 @@ class Request:
     rejection: str | None = None  # why the policy finished it ("deadline_exceeded", ...)
     retry_after_s: float | None = None  # with "overloaded": when the queue should have room
     matcher: GrammarMatcher | None = None  # with a constraint: its place in the grammar
+    # Draft tokens to verify in its next decode step (backend/engine/speculative.py);
+    # -1s are placeholders the draft model fills in the step itself.
+    spec_token_ids: list[int] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         self.external_id = self.external_id or self.request_id

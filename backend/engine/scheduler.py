@@ -234,7 +234,8 @@ class Scheduler:
             if left > 1:
                 prefills.append((left, req))
             elif req.status == RequestStatus.RUNNING and plan.budget > 0:
-                self._schedule_running(req, 1, plan)
+                if not (req.spec_token_ids and self._schedule_drafts(req, plan)):
+                    self._schedule_running(req, 1, plan)
                 decoding.add(self._is_batch(req))
         prefills.sort(key=_remaining)
         # Short interactive prompts jump ahead of prefills of no greater urgency, running
@@ -519,21 +520,35 @@ class Scheduler:
 
     def update_from_output(
         self, scheduled: SchedulerOutput, output: ModelRunnerOutput
-    ) -> list[tuple[Request, int]]:
+    ) -> list[tuple[Request, list[int]]]:
         """Advance progress, register newly full blocks in the prefix cache and append
-        sampled tokens. Requests finished (aborted) since the step was scheduled are
-        skipped: their tokens are dropped."""
-        new_tokens: list[tuple[Request, int]] = []
+        sampled tokens (one, or a verified row's accepted drafts and one more). Requests
+        finished (aborted) since the step was scheduled are skipped: their tokens are
+        dropped."""
+        new_tokens: list[tuple[Request, list[int]]] = []
         for item in scheduled.requests:
             req = self.requests.get(item.request_id)
             if req is None:
+                continue
+            if item.num_drafts:
+                # The last token and the accepted drafts are computed; the slots of the
+                # rejected ones go back to the pool (their KV is overwritten later).
+                tokens = output.verified.get(item.request_id)
+                if tokens is None:
+                    continue
+                req.spec_token_ids = []
+                req.num_computed_tokens += len(tokens)
+                req.output_token_ids += tokens
+                self.block_manager.trim(req.request_id, req.num_tokens)
+                self.block_manager.cache_blocks(req)
+                new_tokens.append((req, tokens))
                 continue
             req.num_computed_tokens += len(item.token_ids)
             self.block_manager.cache_blocks(req)
             token = output.sampled.get(item.request_id)
             if token is not None:
                 req.output_token_ids.append(token)
-                new_tokens.append((req, token))
+                new_tokens.append((req, [token]))
         return new_tokens
 
     def finish_requests(self, request_ids: list[str], status: RequestStatus) -> list[Request]:
@@ -567,6 +582,19 @@ class Scheduler:
             if victim is req:
                 return
         plan.add(req, num_new)
+
+    def _schedule_drafts(self, req: Request, plan: _Plan) -> bool:
+        """A decode row with its draft tokens, as many as the budget leaves room for. Drafts
+        never preempt anyone: False (drafts dropped) when the pool cannot hold them."""
+        drafts = req.spec_token_ids = req.spec_token_ids[: plan.budget - 1]
+        if not drafts:
+            return False
+        num_new = 1 + len(drafts)
+        if self.block_manager.allocate_slots(req.request_id, req.num_tokens + len(drafts)) is None:
+            req.spec_token_ids = []
+            return False
+        plan.add(req, num_new)
+        return True
 
     def _admit_waiting(self, plan: _Plan, now: float) -> None:
         """Admit in policy order; the best request is never overtaken. When it cannot
@@ -706,6 +734,7 @@ class Scheduler:
         self.block_manager.free(req.request_id)
         req.status = RequestStatus.PREEMPTED
         req.num_computed_tokens = 0
+        req.spec_token_ids = []
         req.num_preemptions += 1
         self.num_preemptions += 1
         self.waiting.add(req)  # by its arrival: it keeps its age and its place
@@ -719,22 +748,25 @@ class Scheduler:
             if charge is not None:
                 charge(req, num_new)
             start = req.num_computed_tokens
-            if num_new == 1 and start >= req.num_prompt_tokens and start + 1 == req.num_tokens:
-                decode += 1
+            drafts = req.spec_token_ids if start + 1 == req.num_tokens else []
+            num_real = num_new - len(drafts)
+            if num_real == 1 and start >= req.num_prompt_tokens and start + 1 == req.num_tokens:
+                decode += num_new
             else:
                 prefill += num_new
                 req.num_prefill_chunks += 1
             scheduled.append(
                 ScheduledRequest(
                     request_id=req.request_id,
-                    token_ids=req.token_ids(start, start + num_new),
+                    token_ids=req.token_ids(start, start + num_real) + drafts,
                     start_pos=start,
                     block_ids=list(self.block_manager.block_ids(req.request_id)),
                     params=req.params,
-                    sample=start + num_new == req.num_tokens,
+                    sample=start + num_real == req.num_tokens,
                     prompt_token_ids=req.prompt_token_ids,
                     output_token_ids=req.output_token_ids,
                     matcher=req.matcher,
+                    num_drafts=len(drafts),
                 )
             )
         finished, self._finished_ids = self._finished_ids, []

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -65,6 +65,21 @@ class SamplingTensors:
             use_min_p="min_p" in staged,
         )
 
+    def select(self, rows: torch.Tensor) -> SamplingTensors:
+        """These rows' parameters (the flags stay the whole batch's: they only skip work)."""
+        if self.all_greedy:
+            return self
+        pick = functools.partial(torch.Tensor.index_select, dim=0, index=rows)
+        min_p = pick(self.min_p) if self.use_min_p else self.min_p
+        return replace(
+            self,
+            temperature=pick(self.temperature),
+            top_k=pick(self.top_k),
+            top_p=pick(self.top_p),
+            greedy=pick(self.greedy),
+            min_p=min_p,
+        )
+
     @classmethod
     def build(
         cls, params: Sequence[SamplingParams], vocab: int, device: torch.device
@@ -101,10 +116,7 @@ def sample_tokens(
     logits = logits.float()
     if tensors.all_greedy:
         return logits.argmax(dim=-1)
-    scaled = _top_k_top_p(logits / tensors.temperature[:, None], tensors)
-    if tensors.use_min_p:
-        scaled = _min_p(scaled, tensors.min_p)
-    sampled = _draw(torch.softmax(scaled, dim=-1), generators)
+    sampled = _draw(torch.softmax(_scaled(logits, tensors), dim=-1), generators)
     # A row with no distribution to draw from (NaN or infinite logits, from the model or a
     # parameter) takes its argmax rather than an id past the vocabulary, which would fail
     # the next step for every request in the batch. No wait: all on the device.
@@ -114,22 +126,57 @@ def sample_tokens(
     return torch.where(greedy, logits.nan_to_num(nan=float("-inf")).argmax(dim=-1), sampled)
 
 
+def _scaled(logits: torch.Tensor, tensors: SamplingTensors) -> torch.Tensor:
+    """float32 logits after temperature, top-k/top-p and min_p."""
+    scaled = _top_k_top_p(logits / tensors.temperature[:, None], tensors)
+    if tensors.use_min_p:
+        scaled = _min_p(scaled, tensors.min_p)
+    return scaled
+
+
+def sampling_probs(logits: torch.Tensor, tensors: SamplingTensors) -> torch.Tensor:
+    """[B, vocab] float32: the distribution `sample_tokens` draws each row from; a
+    greedy row's is all on its argmax."""
+    logits = logits.float()
+    argmax = logits.nan_to_num(nan=float("-inf")).argmax(dim=-1, keepdim=True)
+    one_hot = torch.zeros_like(logits).scatter_(-1, argmax, 1.0)
+    if tensors.all_greedy:
+        return one_hot
+    probs = torch.softmax(_scaled(logits, tensors), dim=-1)
+    if tensors.any_greedy:
+        probs = torch.where(tensors.greedy[:, None], one_hot, probs)
+    return probs
+
+
+def uniforms(
+    shape: tuple[int, int], generators: Sequence[torch.Generator | None], device: torch.device
+) -> torch.Tensor:
+    """[B, n] uniform draws in [0, 1); row i from generators[i] when it has one."""
+    u = torch.rand(shape, device=device)
+    for i, gen in enumerate(generators):
+        if gen is not None:
+            u[i].uniform_(generator=gen)
+    return u
+
+
+def inverse_cdf(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """[B] tokens: in each row of probs [B, vocab], the first whose cumulative probability
+    passes u [B, 1] (scaled to the row's sum). -1 for a row whose sum is not finite."""
+    cdf = probs.cumsum(dim=-1)
+    total = cdf[:, -1:]  # about 1; the draw is scaled to it, so rounding cannot overshoot
+    # Strictly below the total (u * total may round up to it): some token always passes.
+    target = torch.minimum(u * total, total.nextafter(torch.zeros_like(total)))
+    tokens = torch.searchsorted(cdf, target, right=True).clamp_(max=probs.shape[-1] - 1)
+    return tokens.masked_fill_(~torch.isfinite(total), -1).squeeze(-1)
+
+
 def _draw(probs: torch.Tensor, generators: Sequence[torch.Generator | None]) -> torch.Tensor:
     """One token per row of probs [B, vocab]: the first whose cumulative probability
     passes a uniform draw. One uniform per row rather than an exponential per token (the
     exponential-race trick), several times cheaper on the CPU, and no wait on a GPU.
     A token of probability 0 adds nothing to the sum, so it is never the first to pass.
     A row whose sum is not finite (NaN) gets -1: it has no token to draw."""
-    cdf = probs.cumsum(dim=-1)
-    total = cdf[:, -1:]  # about 1; the draw is scaled to it, so rounding cannot overshoot
-    u = torch.rand(total.shape, device=probs.device)
-    for i, gen in enumerate(generators):
-        if gen is not None:
-            u[i].uniform_(generator=gen)
-    # Strictly below the total (u * total may round up to it): some token always passes.
-    target = torch.minimum(u * total, total.nextafter(torch.zeros_like(total)))
-    tokens = torch.searchsorted(cdf, target, right=True).clamp_(max=probs.shape[-1] - 1)
-    return tokens.masked_fill_(~torch.isfinite(total), -1).squeeze(-1)
+    return inverse_cdf(probs, uniforms((probs.shape[0], 1), generators, probs.device))
 
 
 def sample(

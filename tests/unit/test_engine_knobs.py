@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 
+from backend.builtin import BUILTIN_MODEL_DIR
 from backend.config import EngineConfig
 from gateway import cli, engine_knobs, launch
 from gateway.engine_knobs import Knob, knobs, parse_size
@@ -23,6 +24,8 @@ TEXT_SAMPLES = {
     "device": "cpu",
     "attention_backend": "torch",
     "quantization": "int8",
+    "speculative_method": "ngram",
+    "speculative_model": str(BUILTIN_MODEL_DIR),  # a checkpoint folder that exists
 }
 
 

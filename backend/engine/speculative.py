@@ -1,0 +1,141 @@
+"""Speculative decoding: which decode rows get draft tokens, and how many were accepted.
+
+A decode row with drafts d_1..d_k computes k + 1 tokens in one forward pass of the target
+model (its last token, then the drafts), and the sampler verifies them
+(backend/layers/rejection.py): the accepted drafts and one more token come out of one
+step. Drafts come from the request's own tokens (`ngram`: prompt lookup) or from a small
+draft model (`draft`: the model runner drafts them in the step itself, see
+backend/engine/draft.py).
+
+Adaptive: each request keeps an acceptance average; when it falls below
+`MIN_ACCEPTANCE` the request stops drafting for a pause that doubles each time a probe
+fails again, so a workload whose drafts are rarely accepted pays almost nothing."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from backend.engine.request import Request
+
+# The longest and shortest suffix looked up in the request's tokens (longest first).
+NGRAM_MAX, NGRAM_MIN = 4, 2
+_EMA = 0.3  # weight of the newest verification in a request's acceptance average
+MIN_ACCEPTANCE = 0.3  # below it (accepted drafts per draft token), drafting pauses
+FIRST_PAUSE, LONGEST_PAUSE = 8, 256  # steps without drafts after a bad streak
+
+
+@dataclass(slots=True)
+class SpecState:
+    """One request's drafting record, and its n-gram index."""
+
+    acceptance: float = 1.0  # moving average of accepted / drafted
+    paused_until: int = 0  # the step from which it drafts again
+    pause: int = FIRST_PAUSE  # the next pause's length
+    # Each n-gram (NGRAM_MIN <= n <= NGRAM_MAX) of the request's tokens -> where the
+    # tokens after its latest occurrence start; kept up to date a few tokens a step.
+    ngrams: dict[tuple[int, ...], int] = field(default_factory=dict)
+    indexed: int = 0  # n-grams ending before this position are in `ngrams`
+
+
+@dataclass
+class SpecCounters:
+    """Cumulative, as vLLM's spec_decode metrics count them."""
+
+    num_drafts: int = 0  # verified rows that carried at least one draft token
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
+    accepted_per_pos: list[int] = field(default_factory=list)  # at draft position 0..K-1
+
+
+def can_speculate(req: Request) -> bool:
+    """Rows the verifier can take exactly: not while a grammar constrains the next
+    tokens, penalties or min_tokens masks change from one position to the next, or
+    logprobs are asked for (those rows simply decode one token at a time)."""
+    p = req.params
+    return (
+        req.matcher is None
+        and not p.penalized
+        and p.logprobs is None
+        and len(req.output_token_ids) >= p.min_tokens
+    )
+
+
+def max_drafts(req: Request, k: int) -> int:
+    """At most k, and no more than the output may still hold after this step's own token."""
+    left = min(req.params.max_tokens - len(req.output_token_ids), req.max_len - req.num_tokens)
+    return max(0, min(k, left - 1))
+
+
+def ngram_drafts(req: Request, state: SpecState, k: int) -> list[int]:
+    """Prompt lookup: the k tokens that followed the latest earlier occurrence of the
+    request's last n tokens (n from NGRAM_MAX down to NGRAM_MIN). Only n-grams with a
+    token after them are indexed, so the suffix never finds itself."""
+    total = req.num_tokens
+    low = max(state.indexed - NGRAM_MAX + 1, 0)
+    tokens = req.token_ids(low, total)
+    ngrams = state.ngrams
+    for end in range(state.indexed, total - 1):  # n-grams ending at `end`
+        at = end - low
+        for n in range(NGRAM_MIN, min(NGRAM_MAX, end + 1) + 1):
+            ngrams[tuple(tokens[at - n + 1 : at + 1])] = end + 1
+    state.indexed = max(state.indexed, total - 1)
+    for n in range(min(NGRAM_MAX, len(tokens)), NGRAM_MIN - 1, -1):
+        start = ngrams.get(tuple(tokens[len(tokens) - n :]))
+        if start is not None:
+            return req.token_ids(start, min(start + k, total))
+    return []
+
+
+class Speculator:
+    """Proposes each step's drafts and records their acceptance (the step thread's)."""
+
+    def __init__(self, method: str, k: int) -> None:
+        self.method = method
+        self.k = k
+        self.states: dict[str, SpecState] = {}
+        self.counters = SpecCounters(accepted_per_pos=[0] * k)
+        self.step = 0
+
+    def propose(self, running: list[Request]) -> None:
+        """Drafts for the next step of each decoding request, in `req.spec_token_ids`.
+        With the draft model they are placeholders (-1) that the model runner fills."""
+        self.step += 1
+        for req in running:
+            req.spec_token_ids = []
+            if req.num_computed_tokens + 1 != req.num_tokens or not can_speculate(req):
+                continue  # still prefilling, or a row the verifier cannot take
+            state = self.states.get(req.request_id)
+            if state is None:
+                state = self.states[req.request_id] = SpecState()
+            if self.step < state.paused_until:
+                continue
+            k = max_drafts(req, self.k)
+            if k == 0:
+                continue
+            if self.method == "draft":
+                req.spec_token_ids = [-1] * k
+                continue
+            req.spec_token_ids = ngram_drafts(req, state, k)
+
+    def observe(self, request_id: str, num_drafts: int, num_accepted: int) -> None:
+        """A verified row: `num_accepted` of its `num_drafts` drafts were taken."""
+        c = self.counters
+        c.num_drafts += 1
+        c.num_draft_tokens += num_drafts
+        c.num_accepted_tokens += num_accepted
+        for i in range(num_accepted):
+            c.accepted_per_pos[i] += 1
+        state = self.states.get(request_id)
+        if state is None:
+            return
+        state.acceptance += _EMA * (num_accepted / num_drafts - state.acceptance)
+        if num_accepted == num_drafts:
+            state.pause = FIRST_PAUSE
+        elif state.acceptance < MIN_ACCEPTANCE:
+            state.paused_until = self.step + state.pause
+            state.pause = min(2 * state.pause, LONGEST_PAUSE)
+            # One probe after the pause: a bad one pauses it again, a good one resumes.
+            state.acceptance = MIN_ACCEPTANCE + _EMA * (1 - MIN_ACCEPTANCE) / 2
+
+    def forget(self, request_id: str) -> None:
+        self.states.pop(request_id, None)

@@ -1,0 +1,340 @@
+"""Speculative decoding: greedy tokens identical with and without drafts, the sampled
+distribution preserved by rejection sampling (chi-square), rollback of rejected slots
+under preemption and prefix caching, the adaptive pause, and the metrics."""
+
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+import torch
+
+from backend.config import EngineConfig
+from backend.engine import speculative
+from backend.engine.block_manager import BlockManager
+from backend.engine.engine import Engine
+from backend.engine.request import Request
+from backend.engine.speculative import MIN_ACCEPTANCE, SpecState, Speculator, ngram_drafts
+from backend.layers.rejection import rejection_sample
+from backend.sampling import SamplingParams
+from tests.engine.engine_support import make_engine, run_to_completion, tokens_of
+from tests.engine.test_engine_oracle import oracle_prompts
+
+GREEDY = SamplingParams(max_tokens=16, temperature=0, ignore_eos=True)
+BASE = {"block_size": 16, "num_kv_blocks": 512, "max_model_len": 1024}
+
+
+def chi2_critical(df: int) -> float:
+    """The chi-square quantile at 0.999 (Wilson-Hilferty: within 3% at df 1, closer above): a
+    correct sampler fails one run in a thousand, and these runs are seeded, so never."""
+    z, h = 3.0902, 2 / (9 * df)
+    return float(df * (1 - h + z * h**0.5) ** 3)
+
+
+def chi_square(counts: Counter[int], probs: list[float], draws: int) -> tuple[float, int]:
+    """The statistic over the categories of positive probability, and its degrees of
+    freedom; a draw of a zero-probability category is an outright failure."""
+    assert all(probs[t] > 0 for t in counts), f"drew a token of probability 0: {counts}"
+    cells = [t for t, p in enumerate(probs) if p > 0]
+    stat = sum((counts[t] - draws * probs[t]) ** 2 / (draws * probs[t]) for t in cells)
+    return stat, len(cells) - 1
+
+
+def run(engine: Engine, prompts: list[list[int]], params: SamplingParams) -> dict[str, list[int]]:
+    for i, prompt in enumerate(prompts):
+        engine.add_request(str(i), prompt, params)
+    return {k: tokens_of(v) for k, v in run_to_completion(engine).items()}
+
+
+def echo_proposer(reference: dict[str, list[int]], wrong_every: int = 0) -> object:
+    """Drafts that are the reference continuation (every `wrong_every`-th one changed):
+    every draft accepted, or a rejection at a known place."""
+
+    def propose(req: Request, state: SpecState, k: int) -> list[int]:
+        done = len(req.output_token_ids)
+        drafts = reference[req.request_id][done : done + k]
+        if wrong_every and drafts and done % wrong_every == 0:
+            drafts[-1] = (drafts[-1] + 1) % 300
+        return drafts
+
+    return propose
+
+
+# -- the accept/reject function ------------------------------------------------------
+
+
+def test_one_hot_drafts_keep_the_target_distribution() -> None:
+    """n-gram drafts (q one-hot): the first token out is distributed as p_1, whether the
+    draft is likely, unlikely or impossible under p_1."""
+    p1 = torch.tensor([0.05, 0.4, 0.25, 0.0, 0.2, 0.1])
+    p2 = torch.tensor([0.3, 0.1, 0.1, 0.2, 0.2, 0.1])
+    draws = 20_000
+    torch.manual_seed(0)
+    for draft in (1, 5, 3):  # likely, unlikely, impossible
+        target = torch.stack([p1, p2]).expand(draws, 2, 6).contiguous()
+        drafts = torch.full((draws, 1), draft)
+        accepted, token = rejection_sample(
+            target, drafts, torch.ones(draws, dtype=torch.long), None, [None] * draws
+        )
+        first = torch.where(accepted > 0, drafts[:, 0], token)
+        stat, df = chi_square(Counter(first.tolist()), p1.tolist(), draws)
+        assert stat < chi2_critical(df), (draft, stat)
+        # After an accepted draft the bonus token is a draw from p_2.
+        bonus = token[accepted == 1]
+        if draft == 3:
+            assert len(bonus) == 0
+            continue
+        stat, df = chi_square(Counter(bonus.tolist()), p2.tolist(), len(bonus))
+        assert stat < chi2_critical(df), (draft, stat)
+
+
+def test_draft_model_proposals_keep_the_target_distribution() -> None:
+    """Drafts drawn from a draft model's q (Leviathan et al.): the first two tokens out are
+    distributed as p_1 and p_2 (the target does not depend on context here)."""
+    p = torch.tensor([[0.1, 0.5, 0.2, 0.0, 0.2], [0.25, 0.25, 0.1, 0.3, 0.1], [0.2] * 5])
+    q = torch.tensor([[0.4, 0.1, 0.1, 0.3, 0.1], [0.1, 0.6, 0.1, 0.1, 0.1]])
+    draws = 30_000
+    gen = torch.Generator().manual_seed(1)
+    drafts = torch.stack([torch.multinomial(q[j], draws, True, generator=gen) for j in (0, 1)], 1)
+    torch.manual_seed(1)
+    accepted, token = rejection_sample(
+        p.expand(draws, 3, 5).contiguous(),
+        drafts,
+        torch.full((draws,), 2),
+        q.expand(draws, 2, 5).contiguous(),
+        [None] * draws,
+    )
+    first = torch.where(accepted > 0, drafts[:, 0], token)
+    stat, df = chi_square(Counter(first.tolist()), p[0].tolist(), draws)
+    assert stat < chi2_critical(df), stat
+    went_on = accepted > 0
+    second = torch.where(accepted[went_on] > 1, drafts[went_on, 1], token[went_on])
+    stat, df = chi_square(Counter(second.tolist()), p[1].tolist(), len(second))
+    assert stat < chi2_critical(df), stat
+
+
+def test_greedy_rows_accept_exactly_the_argmax_run() -> None:
+    probs = torch.zeros(3, 4, 10)
+    argmax = torch.tensor([[1, 2, 3, 4], [5, 6, 7, 8], [0, 0, 9, 9]])
+    probs.scatter_(-1, argmax[..., None], 1.0)
+    drafts = torch.tensor([[1, 2, 3], [5, 0, 7], [1, 0, 9]])
+    accepted, token = rejection_sample(
+        probs, drafts, torch.tensor([3, 3, 2]), None, [None, torch.Generator(), None]
+    )
+    assert accepted.tolist() == [3, 1, 0]
+    assert token.tolist() == [4, 6, 0]
+
+
+def test_ngram_lookup_takes_the_latest_longest_match() -> None:
+    req = Request("r", [1, 2, 3, 9, 1, 2, 3, 7, 8, 5, 1, 2], GREEDY, max_len=64)
+    state = SpecState()
+    assert ngram_drafts(req, state, 3) == [3, 7, 8]  # "1 2" last seen before 3 7 8
+    req.output_token_ids += [3, 7]
+    assert ngram_drafts(req, state, 2) == [8, 5]  # "2 3 7" (the index caught up)
+    assert ngram_drafts(Request("s", [4, 5, 6], GREEDY, max_len=9), SpecState(), 4) == []
+
+
+# -- the engine ----------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def reference(llama_dir: Path) -> tuple[list[list[int]], dict[str, list[int]]]:
+    """The oracle prompts (a few long ones dropped for time) and their greedy tokens
+    without speculation (test_engine_oracle checks those against transformers)."""
+    engine = make_engine(llama_dir, **BASE)
+    prompts = oracle_prompts(engine.model_config.vocab_size)[:14]
+    return prompts, run(engine, prompts, GREEDY)
+
+
+def test_greedy_tokens_equal_without_speculation_ngram(
+    llama_dir: Path, reference: tuple[list[list[int]], dict[str, list[int]]]
+) -> None:
+    prompts, expected = reference
+    # Each prompt followed by its own continuation's start: the lookup finds drafts.
+    quoting = [p + expected[str(i)][:8] + p[-6:] for i, p in enumerate(prompts)]
+    engine = make_engine(llama_dir, **BASE, speculative_method="ngram")
+    assert run(engine, prompts, GREEDY) == expected
+    plain = run(make_engine(llama_dir, **BASE), quoting, GREEDY)
+    engine = make_engine(llama_dir, **BASE, speculative_method="ngram")
+    assert run(engine, quoting, GREEDY) == plain
+    assert engine.stats().spec_decode_num_drafts > 0
+
+
+def test_greedy_tokens_equal_with_every_draft_accepted_or_some_rejected(
+    llama_dir: Path,
+    reference: tuple[list[list[int]], dict[str, list[int]]],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    prompts, expected = reference
+    for wrong_every in (0, 3):
+        monkeypatch.setattr(speculative, "ngram_drafts", echo_proposer(expected, wrong_every))
+        engine = make_engine(llama_dir, **BASE, speculative_method="ngram")
+        assert run(engine, prompts, GREEDY) == expected
+        stats = engine.stats()
+        assert stats.spec_decode_num_accepted_tokens > 0
+        if wrong_every == 0:
+            assert stats.spec_decode_num_accepted_tokens == stats.spec_decode_num_draft_tokens
+            assert engine.num_steps < len(prompts) * GREEDY.max_tokens / 2
+        else:
+            assert stats.spec_decode_acceptance_rate < 1
+
+
+def test_rollback_under_preemption_and_prefix_caching(
+    llama_dir: Path,
+    reference: tuple[list[list[int]], dict[str, list[int]]],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A pool too small for the batch (preemptions) with the prefix cache on, drafts
+    rejected every few tokens: the same tokens, and the block accounting exact after
+    every step (run_to_completion checks it)."""
+    prompts, expected = reference
+    monkeypatch.setattr(speculative, "ngram_drafts", echo_proposer(expected, 2))
+    engine = make_engine(
+        llama_dir,
+        **{**BASE, "num_kv_blocks": 40, "max_model_len": 600},
+        speculative_method="ngram",
+        enable_prefix_caching=True,
+    )
+    assert run(engine, prompts, GREEDY) == expected
+    stats = engine.stats()
+    assert stats.num_preemptions > 0
+    assert stats.spec_decode_num_accepted_tokens < stats.spec_decode_num_draft_tokens
+    assert stats.kv_blocks_used == 0
+    # Once more on a warm prefix cache.
+    again = run(engine, prompts, GREEDY)
+    assert again == expected
+    assert engine.stats().prefix_cache_hits > stats.prefix_cache_hits
+
+
+def test_trim_returns_the_slots_of_rejected_drafts() -> None:
+    bm = BlockManager(8, 4)
+    bm.allocate_slots("r", 5)  # two blocks
+    bm.allocate_slots("r", 11)  # room for drafts: three
+    assert len(bm.block_ids("r")) == 3
+    bm.trim("r", 6)
+    assert len(bm.block_ids("r")) == 2
+    assert bm.num_free_blocks == 6
+    bm.free("r")
+    assert bm.num_free_blocks == 8
+
+
+def test_sampled_tokens_keep_their_distribution_end_to_end(
+    llama_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The second token of a sampled request (the first one verified against a draft),
+    over many seeds, with and without speculation: the same distribution (a two-sample
+    chi-square over the tokens both runs drew)."""
+    prompt = [5, 17, 42, 99, 7]
+    params = SamplingParams(max_tokens=3, temperature=1.5, top_k=4, ignore_eos=True)
+    seeds = range(400)
+
+    def draw(method: str) -> Counter[tuple[int, int]]:
+        engine = make_engine(llama_dir, **BASE, speculative_method=method, max_num_seqs=64)
+        for seed in seeds:
+            engine.add_request(f"s{seed}", prompt, replace(params, seed=seed))
+        outs = run_to_completion(engine)
+        if method != "off":  # every second token was verified against a draft
+            assert engine.stats().spec_decode_num_drafts == len(seeds)
+        return Counter((tokens_of(v)[0], tokens_of(v)[1]) for v in outs.values())
+
+    plain = draw("off")
+    # Always draft the plain run's most common second token: accepted with p(token).
+    top = Counter(t[1] for t in plain.elements()).most_common(1)[0][0]
+    monkeypatch.setattr(speculative, "ngram_drafts", lambda req, state, k: [top])
+    spec = draw("ngram")
+    assert spec != plain  # a different random stream, the same law
+    stat, df = _two_sample(plain, spec)
+    assert df >= 5
+    assert stat < chi2_critical(df), (stat, df)
+
+
+def _two_sample(a: Counter[tuple[int, int]], b: Counter[tuple[int, int]]) -> tuple[float, int]:
+    """Chi-square of homogeneity over the cells with at least 10 draws in all."""
+    na, nb = sum(a.values()), sum(b.values())
+    cells = [c for c in a.keys() | b.keys() if a[c] + b[c] >= 10]
+    stat = 0.0
+    for c in cells:
+        total = a[c] + b[c]
+        for n, counts in ((na, a), (nb, b)):
+            expected = total * n / (na + nb)
+            stat += (counts[c] - expected) ** 2 / expected
+    return stat, len(cells) - 1
+
+
+def test_rows_the_verifier_cannot_take_decode_one_token_at_a_time(
+    llama_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(speculative, "ngram_drafts", lambda req, state, k: [3] * k)
+    engine = make_engine(llama_dir, **BASE, speculative_method="ngram")
+    for name, params in (
+        ("penalty", replace(GREEDY, repetition_penalty=1.3)),
+        ("logprobs", replace(GREEDY, logprobs=2)),
+        ("min_tokens", replace(GREEDY, min_tokens=16, ignore_eos=False)),
+    ):
+        engine.add_request(name, [5, 6, 7], params)
+    run_to_completion(engine)
+    assert engine.stats().spec_decode_num_drafts == 0
+
+
+def test_drafting_pauses_when_drafts_are_rarely_accepted() -> None:
+    spec = Speculator("ngram", 4)
+    req = Request("r", [1, 2, 1, 2, 1, 2], GREEDY, max_len=64)
+    req.num_computed_tokens = req.num_tokens - 1
+    req.output_token_ids = []
+    drafted = 0
+    for _ in range(200):
+        spec.propose([req])
+        if req.spec_token_ids:
+            drafted += 1
+            spec.observe("r", len(req.spec_token_ids), 0)
+    assert 4 <= drafted <= 20  # a few to notice, then rare probes
+    state = spec.states["r"]
+    assert state.acceptance < MIN_ACCEPTANCE + 0.2
+    assert spec.counters.num_drafts == drafted
+
+
+def test_config_refuses_bad_speculative_settings() -> None:
+    with pytest.raises(ValueError, match="speculative_method"):
+        EngineConfig(speculative_method="medusa")
+    with pytest.raises(ValueError, match="num_speculative_tokens"):
+        EngineConfig(speculative_method="ngram", num_speculative_tokens=0)
+    with pytest.raises(ValueError, match="speculative_model"):
+        EngineConfig(speculative_method="draft")
+
+
+def test_metrics_carry_the_spec_decode_counters(
+    llama_dir: Path,
+    reference: tuple[list[list[int]], dict[str, list[int]]],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from prometheus_client import CollectorRegistry, generate_latest
+
+    from backend.telemetry import EngineStatsCollector, ModelServerCollector
+
+    prompts, expected = reference
+    monkeypatch.setattr(speculative, "ngram_drafts", echo_proposer(expected, 3))
+    engine = make_engine(llama_dir, **BASE, speculative_method="ngram")
+    run(engine, prompts[:4], GREEDY)
+    registry = CollectorRegistry()
+    registry.register(EngineStatsCollector(engine.stats))
+    registry.register(ModelServerCollector(engine.stats, "m"))
+    text = generate_latest(registry).decode()
+    stats = engine.stats()
+    for name, value in (
+        ("vllm:spec_decode_num_drafts_total", stats.spec_decode_num_drafts),
+        ("vllm:spec_decode_num_draft_tokens_total", stats.spec_decode_num_draft_tokens),
+        ("vllm:spec_decode_num_accepted_tokens_total", stats.spec_decode_num_accepted_tokens),
+    ):
+        assert value > 0
+        assert f'{name}{{model_name="m"}} {float(value)}' in text
+    assert 'vllm:spec_decode_num_accepted_tokens_per_pos_total{model_name="m",position="0"}' in text
+    assert f"tollgate_engine_spec_decode_acceptance_ratio {stats.spec_decode_acceptance_rate}" in (
+        text
+    )
+    assert "tollgate_engine_spec_decode_tokens_per_step" in text
+    plain = make_engine(llama_dir, **BASE)
+    registry = CollectorRegistry()
+    registry.register(ModelServerCollector(plain.stats, "m"))
+    assert "spec_decode" not in generate_latest(registry).decode()
