@@ -10,11 +10,12 @@ from backend.sampling import SamplingParams
 
 @dataclass(frozen=True)
 class EngineRequest:
-    """One generation request: AsyncEngine.generate's argument, and the body of a replica's
-    `POST /internal/generate` (backend/wire.py's GenerateBody adds its relative deadline).
-    The gateway's request at its dispatch seam is one too (gateway/dispatch/engine_client.py
-    GenerateRequest), so a field added here reaches the engine in process and over the wire
-    with no signature changed on the way. A dataclass, not a msgspec struct: msgspec
+    """One generation request, whole from the gateway's dispatch seam to the scheduler:
+    the gateway's GenerateRequest (gateway/dispatch/engine_client.py) is one, so is a
+    replica's `POST /internal/generate` body (backend/wire.py GenerateBody), and
+    AsyncEngine.generate and Engine.add_request take it as it is; each of the scheduler's
+    Requests holds it. A field added here reaches the scheduler in process and over the
+    wire with no signature changed on the way. A dataclass, not a msgspec struct: msgspec
     decodes dataclasses too, and the engine runs where no web stack is installed."""
 
     prompt: str | list[int]  # text is tokenized by the engine
@@ -23,6 +24,9 @@ class EngineRequest:
     priority: int = 0
     tenant: str | None = None
     weight: int = 1  # the tenant's share of the token budget under contention
+    # time.monotonic() by which the first token is due, on this host's clock (the wire
+    # carries it relative: GenerateBody.timeout_s).
+    deadline: float | None = None
 
     @classmethod
     def fields_of(cls, request: EngineRequest) -> dict[str, Any]:

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import hmac
 import logging
-import time
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from pathlib import Path
@@ -71,8 +70,7 @@ async def generate(request: Request[Any, Any, Any]) -> Response[Any]:
     engine = _engine(request)
     if not engine.is_running():
         return Response(ErrorLine("engine_dead", "engine is not running"), status_code=503)
-    deadline = None if body.timeout_s is None else time.monotonic() + body.timeout_s
-    outputs = engine.generate(body, deadline=deadline)
+    outputs = engine.generate(body.received())
     metrics = request.app.state.engine_metrics
     outputs = served(outputs, request.headers, body.request_id, body.priority, metrics)
     return Stream(_ndjson(outputs), media_type="application/x-ndjson")

@@ -11,7 +11,8 @@ side maps it by kind alone: ErrorLine.of(exc) on the replica, .exception() on th
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import time
+from dataclasses import dataclass, replace
 from typing import Literal
 
 import msgspec
@@ -36,11 +37,24 @@ ErrorKind = Literal[
 
 @dataclass(frozen=True)
 class GenerateBody(EngineRequest):
-    """The request, and its first-token deadline relative: clocks differ by host. A
-    replica takes token ids only (the gateway counted them for the reservation)."""
+    """The request, its first-token deadline relative (`timeout_s`: clocks differ by host;
+    `deadline` goes as null). A replica takes token ids only (the gateway counted them for
+    the reservation)."""
 
     prompt: list[int]
     timeout_s: float | None = None
+
+    @classmethod
+    def sent(cls, request: EngineRequest) -> GenerateBody:
+        """`request` on the wire, its deadline made relative to now."""
+        deadline = request.deadline
+        timeout_s = None if deadline is None else deadline - time.monotonic()
+        return cls(**{**EngineRequest.fields_of(request), "deadline": None}, timeout_s=timeout_s)
+
+    def received(self) -> GenerateBody:
+        """This body on the replica's clock: its deadline absolute again."""
+        timeout_s = self.timeout_s
+        return replace(self, deadline=None if timeout_s is None else time.monotonic() + timeout_s)
 
 
 class EmbedBody(msgspec.Struct, frozen=True):

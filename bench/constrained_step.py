@@ -21,6 +21,7 @@ from backend.builtin import BUILTIN_MODEL_DIR
 from backend.config import EngineConfig
 from backend.constraint import Constraint
 from backend.engine.engine import Engine
+from backend.requests import EngineRequest
 from backend.sampling import SamplingParams
 
 BATCH = 16
@@ -48,7 +49,9 @@ def start_batch(engine: Engine, constrained: bool, steps: int, round_: int) -> N
         params = SamplingParams(
             max_tokens=steps + 8, seed=round_ * BATCH + i, ignore_eos=True, constraint=constraint
         )
-        engine.add_request(f"{round_}-{i}", f"Request {i} of round {round_}:", params)
+        engine.add_request(
+            EngineRequest(f"Request {i} of round {round_}:", params, f"{round_}-{i}")
+        )
     while engine.scheduler.waiting or any(
         r.num_computed_tokens < r.num_prompt_tokens for r in engine.scheduler.running
     ):

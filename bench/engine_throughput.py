@@ -50,6 +50,7 @@ from backend.config import EngineConfig
 from backend.engine.engine import Engine
 from backend.loader import resolve_dtype
 from backend.models.config import load_model_config
+from backend.requests import EngineRequest
 from backend.sampling import SamplingParams
 from backend.wire import LINES, SECRET_HEADER, ErrorLine, GenerateBody
 from bench._common import (
@@ -110,7 +111,9 @@ def run_engine(
     for i, (prompt, out_len) in enumerate(work):
         # The tag as tenant salts the prefix cache: no run reuses another's prompts.
         params = sampling(out_len, temperature)
-        engine.add_request(f"{tag}-{i}", prompt, params, priority=priority, tenant=tag)
+        engine.add_request(
+            EngineRequest(prompt, params, f"{tag}-{i}", priority=priority, tenant=tag)
+        )
     tokens = 0
     while engine.has_work():
         tokens += sum(len(o.token_ids) for o in engine.step())
@@ -146,7 +149,11 @@ def engine_floor(engine: Engine, work: Workload, tag: str) -> Floor:
     """Floor's parts, measured on `engine` (its prefix cache salted by `tag`)."""
 
     def steps_of(request_id: str, prompt: list[int], max_tokens: int) -> list[float]:
-        engine.add_request(request_id, prompt, sampling(max_tokens), BATCH_CLASS, tenant=tag)
+        engine.add_request(
+            EngineRequest(
+                prompt, sampling(max_tokens), request_id, priority=BATCH_CLASS, tenant=tag
+            )
+        )
         times = []
         while engine.has_work():
             started = time.perf_counter()
@@ -165,7 +172,7 @@ def engine_floor(engine: Engine, work: Workload, tag: str) -> Floor:
 
 
 def warm(engine: Engine) -> None:
-    engine.add_request("warm-up", WARM_UP, sampling(4))
+    engine.add_request(EngineRequest(WARM_UP, sampling(4), "warm-up"))
     while engine.has_work():
         engine.step()
 

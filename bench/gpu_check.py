@@ -58,6 +58,7 @@ from backend.config import EngineConfig
 from backend.engine.async_engine import AsyncEngine
 from backend.engine.engine import Engine
 from backend.outputs import RequestOutput
+from backend.requests import EngineRequest
 from backend.sampling import SamplingParams
 from bench import serving_mix
 from bench._common import (
@@ -436,7 +437,7 @@ def section_greedy(run: Run) -> dict[str, Any]:
     )
     facts = engine_facts(engine)
     for i, prompt in enumerate(prompts):
-        engine.add_request(f"g{i}", prompt, greedy(plan.greedy_tokens))
+        engine.add_request(EngineRequest(prompt, greedy(plan.greedy_tokens), f"g{i}"))
     outputs = drain(engine)
     del engine
     release()
@@ -537,11 +538,15 @@ def _decode_rate(
     and the KV of one token, per step), against the device's peaks."""
     weights, kv_per_token = bytes_read
     rng = random.Random(2)
-    engine.add_request("warm", random_prompt(rng, plan.decode_prompt, shape.vocab), greedy(8))
+    engine.add_request(
+        EngineRequest(random_prompt(rng, plan.decode_prompt, shape.vocab), greedy(8), "warm")
+    )
     drain(engine)
     replays = getattr(engine.runner, "graph_replays", 0)
     engine.add_request(
-        "d", random_prompt(rng, plan.decode_prompt, shape.vocab), greedy(plan.decode_tokens)
+        EngineRequest(
+            random_prompt(rng, plan.decode_prompt, shape.vocab), greedy(plan.decode_tokens), "d"
+        )
     )
     outs = drain(engine)["d"]
     times = [t for o in outs for t in o.token_times]
@@ -571,12 +576,16 @@ def section_ttft(run: Run) -> dict[str, Any]:
         gpu_memory_utilization=0.6,
     )
     rng = random.Random(3)
-    engine.add_request("warm", random_prompt(rng, plan.ttft_lengths[0], shape.vocab), greedy(2))
+    engine.add_request(
+        EngineRequest(random_prompt(rng, plan.ttft_lengths[0], shape.vocab), greedy(2), "warm")
+    )
     drain(engine)
     result = run.partial
     result.update(engine_facts(engine))
     for length in plan.ttft_lengths:
-        engine.add_request(f"t{length}", random_prompt(rng, length, shape.vocab), greedy(1))
+        engine.add_request(
+            EngineRequest(random_prompt(rng, length, shape.vocab), greedy(1), f"t{length}")
+        )
         first = drain(engine)[f"t{length}"][0]
         assert first.first_token_time is not None
         ttft = first.first_token_time - first.arrival_time
@@ -610,7 +619,7 @@ def section_throughput(run: Run) -> dict[str, Any]:
     )
     result = run.partial
     result.update(engine_facts(engine))
-    engine.add_request("warm", works[plan.concurrency[0]][0][0][:64], greedy(4))
+    engine.add_request(EngineRequest(works[plan.concurrency[0]][0][0][:64], greedy(4), "warm"))
     drain(engine)
     for n, work in works.items():
         result[f"engine_{n}"] = _engine_rate(engine, work)
@@ -630,7 +639,7 @@ def _engine_rate(engine: Engine, work: Workload) -> dict[str, Any]:
     steps = engine.num_steps
     started = time.perf_counter()
     for i, (prompt, out_len) in enumerate(work):
-        engine.add_request(f"w{len(work)}-{i}", prompt, greedy(out_len))
+        engine.add_request(EngineRequest(prompt, greedy(out_len), f"w{len(work)}-{i}"))
     outputs = drain(engine)
     seconds = time.perf_counter() - started
     tokens = sum(len(tokens_of(o)) for o in outputs.values())

@@ -17,6 +17,7 @@ import torch
 
 from backend.config import EngineConfig
 from backend.engine.engine import Engine
+from backend.requests import EngineRequest
 from backend.sampling import SamplingParams
 from bench._common import CACHE, build_random_llama, percentile
 
@@ -28,12 +29,14 @@ def run(model_dir: Path, prompts: list[list[int]], caching: bool) -> tuple[list[
     config = EngineConfig(kv_cache_bytes=2**30, enable_prefix_caching=caching)
     engine = Engine(model_dir, config)
     params = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True)
-    engine.add_request("warm-up", list(range(1000, 1064)), params)  # unrelated tokens
+    engine.add_request(
+        EngineRequest(list(range(1000, 1064)), params, "warm-up")
+    )  # unrelated tokens
     while engine.has_work():
         engine.step()
     ttfts = []
     for i, prompt in enumerate(prompts):
-        engine.add_request(f"r{i}", prompt, params, tenant="acme")
+        engine.add_request(EngineRequest(prompt, params, f"r{i}", tenant="acme"))
         first = None
         while engine.has_work():
             for out in engine.step():

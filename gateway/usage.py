@@ -44,14 +44,14 @@ class RequestUsage:
 
 @dataclass(frozen=True)
 class Charge:
-    """The identity of a request for the ledger."""
+    """The identity of a request for the ledger, and the one owner of its priority."""
 
     request_id: str
     principal: Principal
     model: str
     endpoint: str
     reservation: Reservation | None = None  # released by settling, after the ledger write
-    priority: int | None = None
+    priority: int = 0  # the class it runs at, the plan's terms applied (0: most urgent)
     started_at: datetime = field(default_factory=utcnow)  # prices in force then apply
 
 
@@ -66,9 +66,6 @@ class Metered(Protocol):
 
     @property
     def prompt(self) -> list[int]: ...
-
-    @property
-    def priority(self) -> int: ...
 
     @property
     def response_id(self) -> str: ...

@@ -23,6 +23,7 @@ from backend.capacity.model import DTYPE_BYTES, TORCH_NAMES, Architecture
 from backend.config import EngineConfig
 from backend.engine.engine import Engine
 from backend.engine.model_runner import kv_bytes_per_block
+from backend.requests import EngineRequest
 from backend.sampling import SamplingParams
 from backend.sim.cost import CostModel, GpuSpec, ModelSpec, Roofs
 
@@ -158,7 +159,7 @@ class _Driver:
         vocab = self.engine.model_config.vocab_size
         prompt = [self.rng.randrange(3, vocab) for _ in range(prompt_tokens)]
         params = SamplingParams(max_tokens=max_tokens, ignore_eos=True, temperature=0.0)
-        self.engine.add_request(request_id, prompt, params)
+        self.engine.add_request(EngineRequest(prompt, params, request_id))
         return request_id
 
     def timed_step(self) -> float:

@@ -84,11 +84,9 @@ class AsyncEngine:
         """False once shut down or after the step loop crashed (readiness probe)."""
         return self._thread.is_alive() and not self._stopping and self._dead is None
 
-    async def generate(
-        self, request: EngineRequest, deadline: float | None = None
-    ) -> AsyncGenerator[RequestOutput, None]:
+    async def generate(self, request: EngineRequest) -> AsyncGenerator[RequestOutput, None]:
         """Yields deltas until every one of the params.n completions has yielded one with
-        finished=True. `deadline`: time.monotonic() by which the first token is due.
+        finished=True.
         Leaving early (break, aclose, task cancellation) aborts the request in the engine.
         Raises OverloadedError or DeadlineExceededError (before the first output) when the
         scheduling policy rejects the request."""
@@ -105,15 +103,7 @@ class AsyncEngine:
         try:
             if params.constraint is not None:  # compiled off this loop and the step thread
                 await self.engine.grammars.prepare(params.constraint, request.tenant)
-            self.engine.add_request(
-                request_id,
-                request.prompt,
-                params,
-                request.priority,
-                deadline,
-                request.tenant,
-                request.weight,
-            )
+            self.engine.add_request(request)
             added = True
             self._wake.set()
             while unfinished:

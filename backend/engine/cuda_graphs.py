@@ -20,7 +20,7 @@ from typing import Protocol, TypeVar
 import numpy as np
 import torch
 
-from backend.layers.attention import AttentionMetadata
+from backend.attention_metadata import AttentionMetadata
 
 Forward = Callable[[torch.Tensor, torch.Tensor, AttentionMetadata], torch.Tensor]
 Buffer = TypeVar("Buffer", torch.Tensor, np.ndarray)

@@ -32,6 +32,7 @@ from backend.grammar import GrammarCompiler
 from backend.loader import resolve_device
 from backend.models.config import load_model_config
 from backend.outputs import EngineStats, RequestOutput, TokenLogprobs
+from backend.requests import EngineRequest
 from backend.sampling import SamplingParams
 from backend.tokenizer import IncrementalDetokenizer, Tokenizer
 
@@ -135,54 +136,43 @@ class Engine:
 
     # -- any thread ---------------------------------------------------------------------
 
-    def add_request(
-        self,
-        request_id: str,
-        prompt: str | list[int],
-        params: SamplingParams,
-        priority: int = 0,
-        deadline: float | None = None,
-        tenant: str | None = None,
-        weight: int = 1,
-    ) -> None:
+    def add_request(self, request: EngineRequest) -> None:
         """Validate and queue a request. Raises InvalidParameterError for a prompt the
         caller must change (PromptTooLongError when it does not fit, ConstraintError for a
         constraint that cannot be compiled), ValueError for ids or weights the gateway got
         wrong, OverloadedError (the waiting queue is full) or
-        DeadlineExceededError (the first token cannot come by `deadline`) in the caller's
+        DeadlineExceededError (the first token cannot come by its deadline) in the caller's
         thread."""
+        request_id, params, weight = request.request_id, request.params, request.weight
         if not isinstance(weight, int) or isinstance(weight, bool) or weight < 1:
             raise ValueError(f"weight must be a positive integer, got {weight!r}")
         if not isinstance(params, SamplingParams):
             raise TypeError(f"params must be SamplingParams, got {type(params).__name__}")
         if not isinstance(request_id, str) or "\0" in request_id:
             raise ValueError("request_id must be a string without NUL characters")
-        ids = self._prompt_ids(prompt)
+        ids = self._prompt_ids(request.prompt)
         vocab = self.model_config.vocab_size
         if any(token >= vocab for token in params.logit_bias):
             raise InvalidParameterError(
                 f"logit_bias token ids must be in [0, {vocab})", "logit_bias"
             )
         reqs = fan_out(
-            request_id,
+            request,
             ids,
-            params,
             min(len(ids) + params.max_tokens, self.max_model_len),
-            priority=priority,
-            deadline=deadline,
-            tenant=tenant,
-            weight=weight,
-            cache_salt=None if self.config.share_prefix_cache else tenant,
+            cache_salt=None if self.config.share_prefix_cache else request.tenant,
             arrival_time=self.scheduler.clock(),  # the clock that ages it
         )
         if params.constraint is not None:
             for req in reqs:  # compiled once (then cached); each completion its own matcher
-                req.matcher = self.grammars.matcher(params.constraint, tenant)
+                req.matcher = self.grammars.matcher(params.constraint, request.tenant)
         with self._lock:
             if request_id in self._groups:
                 raise ValueError(f"request id {request_id!r} is already in the engine")
             pending = (len(self._inbox), self._inbox_tokens)
-            self.scheduler.check_admission(len(ids), deadline, priority, len(reqs), pending)
+            self.scheduler.check_admission(
+                len(ids), request.deadline, request.priority, len(reqs), pending
+            )
             self._groups[request_id] = reqs
             for req in reqs:
                 self._seqs[req.request_id] = _Seq(req, IncrementalDetokenizer(self.tokenizer, ids))

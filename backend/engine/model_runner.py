@@ -11,13 +11,13 @@ from typing import cast
 import numpy as np
 import torch
 
+from backend.attention_metadata import AttentionMetadata
 from backend.config import EngineConfig
 from backend.engine.batch import ModelRunnerOutput, ScheduledRequest, SchedulerOutput
 from backend.engine.cuda_graphs import DecodeGraphs, GraphableBackend, can_capture
-from backend.engine.step_inputs import Staging, to_device, to_host
 from backend.errors import RequestStepError
 from backend.grammar import fill_bitmasks
-from backend.layers.attention import AttentionBackend, AttentionMetadata, attention_backend
+from backend.layers.attention import AttentionBackend, attention_backend
 from backend.layers.quant import check_quantization, quantize
 from backend.layers.rejection import rejection_sample
 from backend.layers.sampler import (
@@ -29,6 +29,7 @@ from backend.layers.sampler import (
     sample_tokens,
     sampling_probs,
 )
+from backend.layers.staging import Staging, to_device, to_host
 from backend.loader import load_model, resolve_device, resolve_dtype
 from backend.models.config import ModelConfig
 from backend.sampling import SamplingParams

@@ -9,6 +9,7 @@ import time
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING
 
+from backend.requests import EngineRequest
 from backend.sampling import SamplingParams
 
 if TYPE_CHECKING:
@@ -46,20 +47,18 @@ _FINISH_REASONS = {
 
 @dataclass(eq=False)  # identity equality: list.remove must find this very request
 class Request:
-    """`request_id` is the engine's key. Completion `index` of an n > 1 request is its own
-    Request (key `external_id + "\\0" + index` for index >= 1) that shares the prompt's
-    blocks of `fork_of`, the completion with index 0."""
+    """One completion in the scheduler. `caller` is the request as it was asked, whole:
+    its id, tenant, weight, priority and deadline are read from it. `request_id` is the
+    engine's key: completion `index` of an n > 1 request is its own Request (key
+    `caller.request_id + "\\0" + index` for index >= 1, `params` drawing with its own seed)
+    that shares the prompt's blocks of `fork_of`, the completion with index 0."""
 
     request_id: str
     prompt_token_ids: list[int]
     params: SamplingParams
     max_len: int  # prompt + output never exceed this (max_tokens capped by max_model_len)
-    priority: int = 0
-    deadline: float | None = None
-    tenant: str | None = None
-    weight: int = 1  # the tenant's share of the token budget under contention
+    caller: EngineRequest
     cache_salt: str | None = None  # part of every block hash: no sharing across salts
-    external_id: str = ""  # the caller's id; defaults to request_id
     index: int = 0
     fork_of: Request | None = None
     arrival_time: float = field(default_factory=time.monotonic)
@@ -79,8 +78,26 @@ class Request:
     # -1s are placeholders the draft model fills in the step itself.
     spec_token_ids: list[int] = field(default_factory=list)
 
-    def __post_init__(self) -> None:
-        self.external_id = self.external_id or self.request_id
+    @property
+    def external_id(self) -> str:
+        """The caller's id (its completions' keys add their index)."""
+        return self.caller.request_id
+
+    @property
+    def tenant(self) -> str | None:
+        return self.caller.tenant
+
+    @property
+    def weight(self) -> int:
+        return self.caller.weight
+
+    @property
+    def priority(self) -> int:
+        return self.caller.priority
+
+    @property
+    def deadline(self) -> float | None:
+        return self.caller.deadline
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -105,37 +122,29 @@ class Request:
 
 
 def fan_out(
-    request_id: str,
+    caller: EngineRequest,
     prompt_token_ids: list[int],
-    params: SamplingParams,
     max_len: int,
     *,
-    priority: int = 0,
-    deadline: float | None = None,
-    tenant: str | None = None,
-    weight: int = 1,
     cache_salt: str | None = None,
     arrival_time: float | None = None,
 ) -> list[Request]:
-    """The params.n completions of one caller's request: index 0 keeps the caller's id;
-    index i draws with seed + i and is forked from index 0 (shares its prompt blocks)."""
+    """The params.n completions of the caller's request: index 0 keeps its id; index i
+    draws with seed + i and is forked from index 0 (shares its prompt blocks)."""
     reqs: list[Request] = []
     arrival = time.monotonic() if arrival_time is None else arrival_time
+    params = caller.params
     for i in range(params.n):
         seed = params.seed
         reqs.append(
             Request(
-                request_id if i == 0 else f"{request_id}\0{i}",
+                caller.request_id if i == 0 else f"{caller.request_id}\0{i}",
                 prompt_token_ids,
                 # One draw each: seed + i is valid for n = 1 wherever seed was for n.
                 params if i == 0 or seed is None else replace(params, seed=seed + i, n=1),
                 max_len,
-                priority=priority,
-                deadline=deadline,
-                tenant=tenant,
-                weight=weight,
+                caller,
                 cache_salt=cache_salt,
-                external_id=request_id,
                 index=i,
                 fork_of=reqs[0] if reqs else None,
                 arrival_time=arrival,

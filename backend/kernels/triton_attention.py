@@ -6,9 +6,9 @@ from __future__ import annotations
 import torch
 import triton
 
+from backend.attention_metadata import AttentionMetadata
 from backend.kernels.kv_cache import write_kv
 from backend.kernels.paged_attention import paged_attention
-from backend.layers.attention import AttentionMetadata
 
 
 class TritonPagedAttention:

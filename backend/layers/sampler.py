@@ -13,7 +13,7 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from backend.engine.step_inputs import Staging
+from backend.layers.staging import Staging
 from backend.outputs import TokenLogprobs
 from backend.sampling import SamplingParams
 

@@ -8,7 +8,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from backend.layers.attention import AttentionBackend, AttentionMetadata
+from backend.attention_metadata import AttentionMetadata
+from backend.layers.attention import AttentionBackend
 from backend.layers.mlp import GatedMLP
 from backend.layers.rmsnorm import RMSNorm
 from backend.layers.rotary import RotaryEmbedding

@@ -16,10 +16,11 @@ from typing import Protocol
 from backend.config import EngineConfig
 from backend.engine.batch import ModelRunnerOutput, SchedulerOutput
 from backend.engine.block_manager import BlockManager
-from backend.engine.request import Request, RequestStatus
+from backend.engine.request import RequestStatus, fan_out
 from backend.engine.scheduler import Scheduler
 from backend.engine.step_cost import StepShape, warm_up_shapes
 from backend.errors import DeadlineExceededError, OverloadedError
+from backend.requests import EngineRequest
 from backend.sampling import SamplingParams
 from backend.sim.cost import CostModel
 from backend.sim.trace import Arrival
@@ -132,17 +133,17 @@ class Simulator:
             a, arrival_step=self.num_steps, running_at_arrival=len(self.scheduler.running)
         )
         base = len(self.records) * 1_000_003  # distinct prompts: no accidental cache hits
-        req = Request(
-            a.request_id,
-            list(range(base, base + a.prompt_tokens)),
+        prompt = list(range(base, base + a.prompt_tokens))
+        asked = EngineRequest(
+            prompt,
             SamplingParams(max_tokens=a.output_tokens, ignore_eos=True),
-            a.prompt_tokens + a.output_tokens,
+            a.request_id,
             priority=s.priority,
-            deadline=None if s.deadline_s is None else a.time + s.deadline_s,
             tenant=s.tenant,
             weight=s.weight,
-            arrival_time=a.time,
+            deadline=None if s.deadline_s is None else a.time + s.deadline_s,
         )
+        (req,) = fan_out(asked, prompt, a.prompt_tokens + a.output_tokens, arrival_time=a.time)
         try:
             self.scheduler.check_admission(a.prompt_tokens, req.deadline, req.priority)
         except (OverloadedError, DeadlineExceededError) as exc:

@@ -85,7 +85,6 @@ class Embedding:
 
     charge: Charge
     inputs: list[list[int]]
-    priority: int = 0
     started: float = field(default_factory=time.monotonic)
 
     @property
@@ -125,7 +124,7 @@ class EmbeddingsController(Controller):
         inputs = await _inputs(body, engine, runtime, principal)
         priority = policy.priority(principal, None)
         charge = Charge(new_request_id(), principal, body.model, "embeddings", priority=priority)
-        job = Embedding(charge, inputs, priority)
+        job = Embedding(charge, inputs)
         current_request().describe(job, stream=False)
         tokens = sum(map(len, inputs))
         admitted = await admit(request, runtime, principal, charge, tokens, 0)

@@ -55,7 +55,6 @@ class Generation:
     include_usage: bool = False
     timeout_s: float = 600.0
     first_token_s: float | None = None  # the client's ttft_deadline_ms, in seconds
-    priority: int = 0
     echo: list[str] = field(default_factory=list)  # completions: each prompt's text, sent back
     # Completions: every prompt of a batch, when there are several (`prompt` is the first).
     # Each runs as its own engine request; their choices and usage add up to one response.
@@ -252,7 +251,7 @@ async def _outputs(
                 prompt,
                 gen.params,
                 engine_id,
-                priority=gen.priority,
+                priority=gen.charge.priority,
                 tenant=gen.charge.principal.tenant_id,
                 weight=gen.charge.principal.plan.weight,
                 # The engine rejects what cannot start by then, before spending compute on it.

@@ -295,7 +295,6 @@ def _generation(
         include_usage=body.include_usage(),
         timeout_s=runtime.settings.request_timeout_s,
         first_token_s=None if body.ttft_deadline_ms is None else body.ttft_deadline_ms / 1000,
-        priority=priority,
     )
 
 

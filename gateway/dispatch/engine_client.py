@@ -69,12 +69,11 @@ class GenerateRequest(EngineRequest):
     and what only the gateway's side uses.
 
     `prompt` is the gateway's tokens of the prompt; `source` the prompt as the client sent
-    it (for a target that tokenizes it itself). `deadline`: time.monotonic() by which the
-    first token is due. `restartable`: the caller sends nothing on until the end, so the
-    request may be started over elsewhere after an output with finish_reason RESTART."""
+    it (for a target that tokenizes it itself). `restartable`: the caller sends nothing on
+    until the end, so the request may be started over elsewhere after an output with
+    finish_reason RESTART."""
 
     prompt: list[int]
-    deadline: float | None = None
     restartable: bool = False
     source: ClientPrompt | None = None
 
@@ -194,7 +193,7 @@ class InProcessEngineClient(LocalTokens):
 
     def generate(self, request: GenerateRequest) -> AsyncIterator[RequestOutput]:
         """One engine: nowhere to restart; it runs the gateway's tokens, not `source`."""
-        outputs = self.engine.generate(request, deadline=request.deadline)
+        outputs = self.engine.generate(request)
         current_request().route(IN_PROCESS)
         return policy_errors(traced(outputs, request.request_id))  # traced: engine phase spans
 

@@ -19,7 +19,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import time
 import uuid
 from collections.abc import AsyncIterator, Mapping, Sequence
 from pathlib import Path
@@ -28,7 +27,7 @@ from typing import Any
 import httpx
 import msgspec
 
-from backend import EngineRequest, RequestOutput
+from backend import RequestOutput
 from backend.errors import EngineError
 from backend.tokenizer import Tokenizer
 from backend.wire import (
@@ -175,7 +174,7 @@ class RemoteEngineClient(LocalTokens):
     async def generate(self, request: GenerateRequest) -> AsyncIterator[RequestOutput]:
         """Replicas run the gateway's tokens, not `source`."""
         request_id = request.request_id
-        body = msgspec.json.encode(_body(request))
+        body = msgspec.json.encode(GenerateBody.sent(request))
         key = affinity_key(request.tenant, request.prompt)
         tried: set[str] = set()
         shed: Overloaded | None = None  # every replica tried so far was overloaded
@@ -372,13 +371,6 @@ async def _fetch_info(replicas: Sequence[str], secret: str) -> dict[str, Any]:
 
 def _no_replica() -> EngineUnavailable:
     return EngineUnavailable("no backend replica is available", headers={"Retry-After": "1"})
-
-
-def _body(request: GenerateRequest) -> GenerateBody:
-    """The request on the wire: its deadline relative, since clocks differ by host."""
-    deadline = request.deadline
-    timeout_s = None if deadline is None else deadline - time.monotonic()
-    return GenerateBody(**EngineRequest.fields_of(request), timeout_s=timeout_s)
 
 
 def _replica_error(line: ErrorLine) -> Exception:

@@ -291,7 +291,7 @@ class RequestScope:
                 tracing.REQUEST_STREAM: stream,
                 tracing.RESPONSE_ID: job.response_id,
                 tracing.REQUEST_ID: job.charge.request_id,
-                tracing.PRIORITY: job.priority,
+                tracing.PRIORITY: job.charge.priority,
                 tracing.WORKLOAD_CLASS: workload_class(job.charge.endpoint, len(job.prompt)),
             }
         )
@@ -380,7 +380,7 @@ class RequestScope:
                 model=job.charge.model,
                 status=self.outcome,
                 workload_class=workload_class(job.charge.endpoint, len(job.prompt)),
-                priority=job.priority,
+                priority=job.charge.priority,
                 input_tokens=outcome.prompt_tokens,
                 cached_tokens=outcome.cached_tokens,
                 output_tokens=outcome.completion_tokens,

@@ -23,6 +23,7 @@ from backend.engine.engine import Engine
 from backend.errors import ConstraintError, RequestFailedError
 from backend.grammar import GrammarCompiler
 from backend.layers.sampler import apply_token_bitmask
+from backend.requests import EngineRequest
 from backend.sampling import SamplingParams
 from backend.server import create_backend_app
 from backend.tokenizer import Tokenizer
@@ -60,7 +61,7 @@ def generate(
     """(text, finish_reason) of every completion, the requests run in one batch."""
     for seed in seeds:
         sampling = SamplingParams(seed=seed, constraint=constraint, **params)  # type: ignore[arg-type]
-        engine.add_request(f"r{seed}", prompt, sampling)
+        engine.add_request(EngineRequest(prompt, sampling, f"r{seed}"))
     results = []
     for outputs in run_to_completion(engine).values():
         for index in sorted({o.index for o in outputs}):
@@ -116,13 +117,13 @@ def test_regex_choice_and_grammar_are_obeyed_by_every_completion(engine: Engine)
 
 def test_an_unconstrained_request_is_unchanged_beside_a_constrained_one(engine: Engine) -> None:
     greedy = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
-    engine.add_request("alone", "The engine", greedy)
+    engine.add_request(EngineRequest("The engine", greedy, "alone"))
     alone = tokens_of(run_to_completion(engine)["alone"])
-    engine.add_request("plain", "The engine", greedy)
+    engine.add_request(EngineRequest("The engine", greedy, "plain"))
     constrained = Constraint("json_schema", json.dumps(SCHEMA))
     for key, temperature in (("json", 1.0), ("json_greedy", 0.0)):
         params = SamplingParams(SCHEMA_MAX_TOKENS, temperature, constraint=constrained)
-        engine.add_request(key, "The engine", params)
+        engine.add_request(EngineRequest("The engine", params, key))
     outputs = run_to_completion(engine)
     assert tokens_of(outputs["plain"]) == alone
     for key in ("json", "json_greedy"):
@@ -137,7 +138,9 @@ def test_a_batch_without_a_constrained_request_builds_no_mask(
 
     monkeypatch.setattr("backend.engine.model_runner.fill_bitmasks", no_masks)
     monkeypatch.setattr("backend.engine.model_runner.apply_token_bitmask", no_masks)
-    engine.add_request("plain", "The engine", SamplingParams(max_tokens=8, n=2, logprobs=2))
+    engine.add_request(
+        EngineRequest("The engine", SamplingParams(max_tokens=8, n=2, logprobs=2), "plain")
+    )
     outputs = run_to_completion(engine)["plain"]
     assert sum(len(o.token_ids) for o in outputs) > 0 and all(o.error is None for o in outputs)
 
@@ -146,7 +149,7 @@ def test_logprobs_are_of_the_masked_distribution(engine: Engine) -> None:
     params = SamplingParams(
         max_tokens=4, logprobs=5, constraint=Constraint("regex", "[ab]"), seed=1
     )
-    engine.add_request("lp", "Pick:", params)
+    engine.add_request(EngineRequest("Pick:", params, "lp"))
     [out] = run_to_completion(engine)["lp"]
     [lp] = out.logprobs or []
     allowed = [(t, p) for t, p in lp.top if p > -1e30]  # masked tokens: the lowest logit
@@ -173,7 +176,7 @@ def test_a_constraint_that_cannot_be_enforced_is_refused_at_submission(
     engine: Engine, constraint: Constraint, named: str
 ) -> None:
     with pytest.raises(ConstraintError, match=re.escape(named)) as caught:
-        engine.add_request("bad", "x", SamplingParams(constraint=constraint))
+        engine.add_request(EngineRequest("x", SamplingParams(constraint=constraint), "bad"))
     assert caught.value.param == "response_format"
     assert caught.value.args[0].startswith("response_format ")  # the field, in own words
     assert not engine.has_work()

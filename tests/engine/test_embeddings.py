@@ -102,7 +102,9 @@ async def test_many_inputs_take_few_turns_of_the_step_loop(
 
 def test_a_full_kv_cache_sheds_the_embedding(llama_dir: Path) -> None:
     engine = make_engine(llama_dir, num_kv_blocks=24, max_model_len=96)
-    engine.add_request("long", list(range(3, 90)), SamplingParams(max_tokens=4, temperature=0))
+    engine.add_request(
+        EngineRequest(list(range(3, 90)), SamplingParams(max_tokens=4, temperature=0), "long")
+    )
     engine.step()  # the prompt holds 22 of the 24 blocks
     with pytest.raises(OverloadedError):
         engine.embed([engine.embedding_prompt(TEXTS[0])])
@@ -120,7 +122,7 @@ async def test_embeddings_run_between_steps_without_changing_generations(
 ) -> None:
     params = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
     alone = make_engine(llama_dir)
-    alone.add_request("r", TEXTS[1], params)
+    alone.add_request(EngineRequest(TEXTS[1], params, "r"))
     expected = tokens_of(run_to_completion(alone)["r"])
     reference = [alone.embed([alone.embedding_prompt(t)])[0] for t in TEXTS]
 

@@ -43,7 +43,7 @@ async def assert_idle(engine: AsyncEngine) -> None:
 
 def sync_reference(llama_dir: Path, prompt: str, params: SamplingParams) -> list[RequestOutput]:
     sync = make_engine(llama_dir)
-    sync.add_request("ref", prompt, params)
+    sync.add_request(EngineRequest(prompt, params, "ref"))
     return run_to_completion(sync)["ref"]
 
 

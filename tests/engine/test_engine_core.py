@@ -9,6 +9,7 @@ import pytest
 from backend.engine.engine import Engine
 from backend.errors import PromptTooLongError
 from backend.outputs import RequestOutput
+from backend.requests import EngineRequest
 from backend.sampling import SamplingParams
 from tests.engine.engine_support import (
     check_blocks,
@@ -25,7 +26,7 @@ PROMPT = "The quick brown fox"
 def generate(
     engine: Engine, prompt: str | list[int], params: SamplingParams
 ) -> list[RequestOutput]:
-    engine.add_request("solo", prompt, params)
+    engine.add_request(EngineRequest(prompt, params, "solo"))
     return run_to_completion(engine)["solo"]
 
 
@@ -34,10 +35,12 @@ def test_seeded_sampling_is_the_same_alone_and_in_a_batch(llama_dir: Path) -> No
     seeded = SamplingParams(max_tokens=16, temperature=1.0, top_k=40, top_p=0.9, seed=1234)
     alone = tokens_of(generate(engine, PROMPT, seeded))
 
-    engine.add_request("other-greedy", "Paged attention", GREEDY)
-    engine.add_request("seeded", PROMPT, seeded)
-    engine.add_request("other-seeded", "héllo", SamplingParams(max_tokens=20, seed=7))
-    engine.add_request("other-random", "def main", SamplingParams(max_tokens=20))
+    engine.add_request(EngineRequest("Paged attention", GREEDY, "other-greedy"))
+    engine.add_request(EngineRequest(PROMPT, seeded, "seeded"))
+    engine.add_request(
+        EngineRequest("héllo", SamplingParams(max_tokens=20, seed=7), "other-seeded")
+    )
+    engine.add_request(EngineRequest("def main", SamplingParams(max_tokens=20), "other-random"))
     batched = run_to_completion(engine)
     assert tokens_of(batched["seeded"]) == alone
     assert tokens_of(generate(engine, PROMPT, SamplingParams(max_tokens=16, seed=99))) != alone
@@ -102,25 +105,25 @@ def test_length_is_capped_by_max_model_len(llama_dir: Path) -> None:
 def test_invalid_requests_raise_in_the_caller(llama_dir: Path) -> None:
     engine = make_engine(llama_dir, max_model_len=20, max_num_batched_tokens=64)
     with pytest.raises(PromptTooLongError) as err:
-        engine.add_request("long", list(range(2, 22)), GREEDY)
+        engine.add_request(EngineRequest(list(range(2, 22)), GREEDY, "long"))
     assert err.value.prompt_tokens == 20 and err.value.max_model_len == 20
     with pytest.raises(ValueError, match="empty"):
-        engine.add_request("empty", [], GREEDY)
+        engine.add_request(EngineRequest([], GREEDY, "empty"))
     with pytest.raises(ValueError, match="token ids"):
-        engine.add_request("oov", [10**6], GREEDY)
+        engine.add_request(EngineRequest([10**6], GREEDY, "oov"))
     with pytest.raises(ValueError, match="NUL"):
-        engine.add_request("a\0b", PROMPT, GREEDY)
-    engine.add_request("dup", PROMPT, GREEDY)
+        engine.add_request(EngineRequest(PROMPT, GREEDY, "a\0b"))
+    engine.add_request(EngineRequest(PROMPT, GREEDY, "dup"))
     with pytest.raises(ValueError, match="already"):
-        engine.add_request("dup", PROMPT, GREEDY)
+        engine.add_request(EngineRequest(PROMPT, GREEDY, "dup"))
     run_to_completion(engine)
-    engine.add_request("dup", PROMPT, GREEDY)  # a finished id may be used again
+    engine.add_request(EngineRequest(PROMPT, GREEDY, "dup"))  # a finished id may be used again
 
 
 def test_abort_frees_blocks_and_repeats_are_harmless(llama_dir: Path) -> None:
     engine = make_engine(llama_dir)
     for i in range(3):
-        engine.add_request(f"r{i}", PROMPT, GREEDY)
+        engine.add_request(EngineRequest(PROMPT, GREEDY, f"r{i}"))
     engine.step()
     engine.step()
     used = engine.block_manager.num_used_blocks
@@ -137,7 +140,7 @@ def test_abort_frees_blocks_and_repeats_are_harmless(llama_dir: Path) -> None:
     results = run_to_completion(engine)
     assert "r1" not in results and {"r0", "r2"} <= results.keys()
     engine.abort("r0")  # finished normally: a no-op, and not inherited by a reused id
-    engine.add_request("r0", PROMPT, GREEDY)
+    engine.add_request(EngineRequest(PROMPT, GREEDY, "r0"))
     again = run_to_completion(engine)["r0"]
     assert again[-1].finish_reason == "length" and len(tokens_of(again)) == 24
     bm = engine.block_manager
@@ -156,7 +159,7 @@ def test_abort_during_the_forward_pass_wins_over_its_tokens(llama_dir: Path) -> 
         return result
 
     engine.runner.execute = run_then_abort  # type: ignore[method-assign]
-    engine.add_request("last", PROMPT, SamplingParams(max_tokens=1, temperature=0))
+    engine.add_request(EngineRequest(PROMPT, SamplingParams(max_tokens=1, temperature=0), "last"))
     outs = engine.step()
     assert [(o.request_id, o.finish_reason, o.token_ids) for o in outs] == [("last", "abort", [])]
     assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
@@ -164,7 +167,7 @@ def test_abort_during_the_forward_pass_wins_over_its_tokens(llama_dir: Path) -> 
 
 def test_abort_of_a_request_still_in_the_inbox(llama_dir: Path) -> None:
     engine = make_engine(llama_dir)
-    engine.add_request("queued", PROMPT, GREEDY)
+    engine.add_request(EngineRequest(PROMPT, GREEDY, "queued"))
     engine.abort("queued")
     outs = engine.step()
     assert [(o.request_id, o.finish_reason) for o in outs] == [("queued", "abort")]
@@ -174,7 +177,9 @@ def test_abort_of_a_request_still_in_the_inbox(llama_dir: Path) -> None:
 def test_max_num_seqs_and_continuous_batching(llama_dir: Path) -> None:
     engine = make_engine(llama_dir, max_num_seqs=2)
     for i in range(4):
-        engine.add_request(f"r{i}", PROMPT, SamplingParams(max_tokens=3 + i, temperature=0))
+        engine.add_request(
+            EngineRequest(PROMPT, SamplingParams(max_tokens=3 + i, temperature=0), f"r{i}")
+        )
     finished_at: dict[str, int] = {}
     step = 0
     while engine.has_work():
@@ -201,7 +206,7 @@ def test_a_small_kv_pool_preempts_and_recomputes(llama_dir: Path) -> None:
         expected.append(tokens_of(generate(roomy, p, params)))
     engine = make_engine(llama_dir, num_kv_blocks=24, max_model_len=96)
     for i, p in enumerate(prompts):
-        engine.add_request(f"r{i}", p, params)
+        engine.add_request(EngineRequest(p, params, f"r{i}"))
     results = run_to_completion(engine)  # checks the block books after every step
     assert [tokens_of(results[f"r{i}"]) for i in range(3)] == expected
     stats = engine.stats()

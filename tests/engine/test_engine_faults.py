@@ -39,15 +39,15 @@ def test_sampling_params_bound_every_choice_seed() -> None:
 
 def test_a_bad_seed_fails_only_its_request(llama_dir: Path) -> None:
     engine = make_engine(llama_dir)
-    engine.add_request("good", "the quick brown fox", GREEDY)
-    engine.add_request("poison", "the quick brown fox", unvalidated_seed(2**64))
+    engine.add_request(EngineRequest("the quick brown fox", GREEDY, "good"))
+    engine.add_request(EngineRequest("the quick brown fox", unvalidated_seed(2**64), "poison"))
     outputs = run_to_completion(engine)
     assert outputs["poison"][-1].error == RequestFailedError.kind
     assert outputs["poison"][-1].finished
     assert len(tokens_of(outputs["good"])) == GREEDY.max_tokens
     assert outputs["good"][-1].error is None
     alone = make_engine(llama_dir)
-    alone.add_request("good", "the quick brown fox", GREEDY)
+    alone.add_request(EngineRequest("the quick brown fox", GREEDY, "good"))
     assert tokens_of(run_to_completion(alone)["good"]) == tokens_of(outputs["good"])
     assert engine.num_failed_requests == 1
     check_blocks(engine)
@@ -73,12 +73,12 @@ def test_a_failed_step_fails_its_requests_and_the_engine_goes_on(
     engine = make_engine(llama_dir)
     # Three failures: the batch of two, then each of them run alone.
     monkeypatch.setattr(engine.runner, "execute", failing_steps(engine, 3))
-    engine.add_request("a", "hello there", GREEDY)
-    engine.add_request("b", "general kenobi", GREEDY)
+    engine.add_request(EngineRequest("hello there", GREEDY, "a"))
+    engine.add_request(EngineRequest("general kenobi", GREEDY, "b"))
     first = run_to_completion(engine)
     assert {first[r][-1].error for r in ("a", "b")} == {RequestFailedError.kind}
     check_blocks(engine)
-    engine.add_request("after", "hello there", GREEDY)
+    engine.add_request(EngineRequest("hello there", GREEDY, "after"))
     after = run_to_completion(engine)["after"]
     assert after[-1].error is None and len(tokens_of(after)) == GREEDY.max_tokens
 
@@ -100,15 +100,17 @@ def test_an_unattributed_step_failure_fails_only_the_request_that_fails_alone(
     llama_dir: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     engine = make_engine(llama_dir)
-    engine.add_request("poison", "the quick brown fox", GREEDY)  # index 0 keeps the id
+    engine.add_request(
+        EngineRequest("the quick brown fox", GREEDY, "poison")
+    )  # index 0 keeps the id
     monkeypatch.setattr(engine.runner, "execute", poisoned_by(engine, "poison"))
-    engine.add_request("a", "hello there", GREEDY)
-    engine.add_request("b", "general kenobi", GREEDY)
+    engine.add_request(EngineRequest("hello there", GREEDY, "a"))
+    engine.add_request(EngineRequest("general kenobi", GREEDY, "b"))
     outputs = run_to_completion(engine)
     assert outputs["poison"][-1].error == RequestFailedError.kind
     alone = make_engine(llama_dir)
-    alone.add_request("a", "hello there", GREEDY)
-    alone.add_request("b", "general kenobi", GREEDY)
+    alone.add_request(EngineRequest("hello there", GREEDY, "a"))
+    alone.add_request(EngineRequest("general kenobi", GREEDY, "b"))
     expected = run_to_completion(alone)
     for rid in ("a", "b"):
         assert outputs[rid][-1].error is None
@@ -129,8 +131,8 @@ def test_a_temperature_that_is_zero_in_float32_fails_nobody(llama_dir: Path) -> 
     poison = SamplingParams(max_tokens=6, ignore_eos=True)
     object.__setattr__(poison, "temperature", 1e-300)  # as if validation had missed it
     engine = make_engine(llama_dir)
-    engine.add_request("good", "the quick brown fox", GREEDY)
-    engine.add_request("poison", "the quick brown fox", poison)
+    engine.add_request(EngineRequest("the quick brown fox", GREEDY, "good"))
+    engine.add_request(EngineRequest("the quick brown fox", poison, "poison"))
     outputs = run_to_completion(engine)
     vocab = engine.model_config.vocab_size
     for rid in ("good", "poison"):

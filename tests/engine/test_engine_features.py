@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from backend.engine.engine import Engine
+from backend.requests import EngineRequest
 from backend.sampling import SamplingParams
 from tests.engine.engine_support import check_blocks, make_engine, run_to_completion, tokens_of
 
@@ -20,8 +21,8 @@ PROMPT = list(range(2, 40))  # 38 tokens: 9 full blocks of 4
 def test_abort_frees_the_blocks_within_one_step(llama_dir: Path) -> None:
     engine = make_engine(llama_dir)
     long = SamplingParams(max_tokens=50, temperature=0, ignore_eos=True)
-    engine.add_request("victim", PROMPT, long)
-    engine.add_request("bystander", [5, 6, 7], long)
+    engine.add_request(EngineRequest(PROMPT, long, "victim"))
+    engine.add_request(EngineRequest([5, 6, 7], long, "bystander"))
     for _ in range(3):
         engine.step()
     held = len(engine.block_manager.block_ids("victim"))
@@ -42,7 +43,7 @@ def test_abort_of_a_preempted_request(llama_dir: Path) -> None:
     engine = make_engine(llama_dir, num_kv_blocks=24, max_model_len=96)
     params = SamplingParams(max_tokens=60, temperature=0, ignore_eos=True)
     for i in range(3):
-        engine.add_request(f"r{i}", [5 + i, 6, 7, 8, 9], params)
+        engine.add_request(EngineRequest([5 + i, 6, 7, 8, 9], params, f"r{i}"))
     while engine.stats().num_preemptions == 0:
         engine.step()
     [preempted] = list(engine.scheduler.waiting)
@@ -60,7 +61,7 @@ def test_n_completions_share_the_prompt_and_draw_apart(llama_dir: Path) -> None:
     engine = make_engine(llama_dir, enable_prefix_caching=False)
     # ignore_eos: a sampled EOS would end a completion early under some random checkpoints.
     seeded = SamplingParams(max_tokens=10, seed=11, n=3, ignore_eos=True)
-    engine.add_request("n3", PROMPT, seeded)
+    engine.add_request(EngineRequest(PROMPT, seeded, "n3"))
     shared = []
     outputs = []
     while engine.has_work():
@@ -78,7 +79,9 @@ def test_n_completions_share_the_prompt_and_draw_apart(llama_dir: Path) -> None:
     # Completion i draws with seed + i: it equals a lone request with that seed.
     for i in range(3):
         engine.add_request(
-            f"single{i}", PROMPT, SamplingParams(max_tokens=10, seed=11 + i, ignore_eos=True)
+            EngineRequest(
+                PROMPT, SamplingParams(max_tokens=10, seed=11 + i, ignore_eos=True), f"single{i}"
+            )
         )
         assert tokens_of(run_to_completion(engine)[f"single{i}"]) == by_index[i]
     assert len({tuple(t) for t in by_index.values()}) > 1
@@ -86,11 +89,11 @@ def test_n_completions_share_the_prompt_and_draw_apart(llama_dir: Path) -> None:
 
 def test_greedy_n_completions_are_identical(llama_dir: Path) -> None:
     engine = make_engine(llama_dir)
-    engine.add_request("g", PROMPT, SamplingParams(max_tokens=8, temperature=0, n=2))
+    engine.add_request(EngineRequest(PROMPT, SamplingParams(max_tokens=8, temperature=0, n=2), "g"))
     outs = run_to_completion(engine)["g"]
     first = [t for o in outs if o.index == 0 for t in o.token_ids]
     assert first == [t for o in outs if o.index == 1 for t in o.token_ids]
-    engine.add_request("single", PROMPT, SamplingParams(max_tokens=8, temperature=0))
+    engine.add_request(EngineRequest(PROMPT, SamplingParams(max_tokens=8, temperature=0), "single"))
     assert tokens_of(run_to_completion(engine)["single"]) == first
 
 
@@ -99,7 +102,7 @@ def test_logprobs_match_transformers(llama_dir: Path) -> None:
 
     engine = make_engine(llama_dir)
     params = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True, logprobs=3)
-    engine.add_request("lp", PROMPT, params)
+    engine.add_request(EngineRequest(PROMPT, params, "lp"))
     outs = run_to_completion(engine)["lp"]
     logprobs = [lp for o in outs for lp in o.logprobs or []]
     assert [lp.token_id for lp in logprobs] == tokens_of(outs)
@@ -120,7 +123,7 @@ def test_logprobs_match_transformers(llama_dir: Path) -> None:
 def test_sampled_logprobs_rank_the_drawn_token(llama_dir: Path) -> None:
     engine = make_engine(llama_dir)
     params = SamplingParams(max_tokens=20, temperature=1.5, seed=3, logprobs=0)
-    engine.add_request("s", PROMPT, params)
+    engine.add_request(EngineRequest(PROMPT, params, "s"))
     outs = run_to_completion(engine)["s"]
     logprobs = [lp for o in outs for lp in o.logprobs or []]
     assert len(logprobs) == 20 and all(lp.top == [] for lp in logprobs)
@@ -132,7 +135,7 @@ def test_prefix_cache_hits_are_reported_and_salted_per_tenant(llama_dir: Path) -
     engine = make_engine(llama_dir)
     cached = {}
     for rid, tenant in (("a1", "acme"), ("a2", "acme"), ("b1", "bolt"), ("anon", None)):
-        engine.add_request(rid, PROMPT, GREEDY, tenant=tenant)
+        engine.add_request(EngineRequest(PROMPT, GREEDY, rid, tenant=tenant))
         cached[rid] = run_to_completion(engine)[rid][-1].cached_tokens
     assert cached == {"a1": 0, "a2": 36, "b1": 0, "anon": 0}
     stats = engine.stats()
@@ -144,7 +147,7 @@ def test_prefix_cache_hits_are_reported_and_salted_per_tenant(llama_dir: Path) -
 def test_tenants_may_share_the_cache_when_configured(llama_dir: Path) -> None:
     engine = make_engine(llama_dir, share_prefix_cache=True)
     for rid, tenant in (("a", "acme"), ("b", "bolt")):
-        engine.add_request(rid, PROMPT, GREEDY, tenant=tenant)
+        engine.add_request(EngineRequest(PROMPT, GREEDY, rid, tenant=tenant))
         last = run_to_completion(engine)[rid][-1]
     assert last.cached_tokens == 36
 
@@ -156,15 +159,15 @@ def seeded_tokens(engine: Engine, rid: str) -> list[int]:
 def test_seeded_sampling_survives_chunking_and_preemption(llama_dir: Path) -> None:
     seeded = SamplingParams(max_tokens=30, temperature=0.9, top_p=0.95, seed=77, ignore_eos=True)
     alone_engine = make_engine(llama_dir)
-    alone_engine.add_request("s", PROMPT, seeded)
+    alone_engine.add_request(EngineRequest(PROMPT, seeded, "s"))
     alone = seeded_tokens(alone_engine, "s")
 
     # Chunks of 8 tokens and a pool too small for everyone: preemption is forced.
     engine = make_engine(llama_dir, num_kv_blocks=26, max_num_batched_tokens=8)
     noise = SamplingParams(max_tokens=40, temperature=1.0, ignore_eos=True)
-    engine.add_request("n1", list(range(50, 80)), noise)
-    engine.add_request("s", PROMPT, seeded)
-    engine.add_request("n2", list(range(80, 100)), noise)
+    engine.add_request(EngineRequest(list(range(50, 80)), noise, "n1"))
+    engine.add_request(EngineRequest(PROMPT, seeded, "s"))
+    engine.add_request(EngineRequest(list(range(80, 100)), noise, "n2"))
     outputs = run_to_completion(engine)
     assert tokens_of(outputs["s"]) == alone
     assert engine.stats().num_preemptions > 0
@@ -172,7 +175,7 @@ def test_seeded_sampling_survives_chunking_and_preemption(llama_dir: Path) -> No
 
 def test_stats_count_prefill_and_decode_tokens(llama_dir: Path) -> None:
     engine = make_engine(llama_dir, max_num_batched_tokens=16, enable_prefix_caching=False)
-    engine.add_request("a", PROMPT, GREEDY)
+    engine.add_request(EngineRequest(PROMPT, GREEDY, "a"))
     engine.step()
     stats = engine.stats()
     assert (stats.step_prefill_tokens, stats.step_decode_tokens) == (16, 0)

@@ -16,6 +16,7 @@ import torch
 
 from backend.engine.batch import ModelRunnerOutput, SchedulerOutput
 from backend.engine.engine import Engine
+from backend.requests import EngineRequest
 from backend.sampling import SamplingParams
 from tests.engine.engine_support import make_engine, run_to_completion, tokens_of
 
@@ -90,7 +91,7 @@ def record_chunks(engine: Engine) -> Counter[str]:
 
 def run_batched(engine: Engine, prompts: list[list[int]]) -> list[list[int]]:
     for i, p in enumerate(prompts):
-        engine.add_request(f"b{i}", p, GREEDY)
+        engine.add_request(EngineRequest(p, GREEDY, f"b{i}"))
     outputs = run_to_completion(engine)  # checks the block books after every step
     return [tokens_of(outputs[f"b{i}"]) for i in range(len(prompts))]
 
@@ -98,7 +99,7 @@ def run_batched(engine: Engine, prompts: list[list[int]]) -> list[list[int]]:
 def run_alone(engine: Engine, prompts: list[list[int]], tag: str) -> list[list[int]]:
     results = []
     for i, p in enumerate(prompts):
-        engine.add_request(f"{tag}{i}", p, GREEDY)
+        engine.add_request(EngineRequest(p, GREEDY, f"{tag}{i}"))
         results.append(tokens_of(run_to_completion(engine)[f"{tag}{i}"]))
     return results
 
@@ -159,7 +160,7 @@ def test_short_prompts_and_staggered_arrivals(kind: str, checkpoints: dict[str, 
     expected = hf_greedy(path, prompts)
     outputs: dict[str, list[int]] = {}
     for i, p in enumerate(prompts):
-        engine.add_request(f"r{i}", p, GREEDY)
+        engine.add_request(EngineRequest(p, GREEDY, f"r{i}"))
         for _ in range(3):
             for out in engine.step():
                 outputs.setdefault(out.request_id, []).extend(out.token_ids)

@@ -11,15 +11,17 @@ from pathlib import Path
 import pytest
 import torch
 
+from backend.attention_metadata import AttentionMetadata
 from backend.config import EngineConfig
 from backend.engine.cuda_graphs import capture_sizes
 from backend.engine.engine import Engine
 from backend.engine.model_runner import ModelRunner
-from backend.engine.step_inputs import Staging
-from backend.layers.attention import AttentionMetadata, TorchPagedAttention
+from backend.layers.attention import TorchPagedAttention
+from backend.layers.staging import Staging
 from backend.loader import resolve_dtype
 from backend.models.config import load_model_config
 from backend.models.llama import LlamaAttention
+from backend.requests import EngineRequest
 from backend.sampling import SamplingParams
 from tests.engine.engine_support import make_engine, run_to_completion, tokens_of
 
@@ -167,7 +169,7 @@ def test_decode_graph_path_pads_and_gives_the_eager_tokens(llama_dir: Path) -> N
 
     def run(engine: Engine, params: list[SamplingParams]) -> dict[str, list[int]]:
         for i, (prompt, p) in enumerate(zip(prompts, params, strict=True)):
-            engine.add_request(f"r{i}", prompt, p)
+            engine.add_request(EngineRequest(prompt, p, f"r{i}"))
         return {k: tokens_of(v) for k, v in run_to_completion(engine).items()}
 
     eager = make_engine(llama_dir, max_num_seqs=5)

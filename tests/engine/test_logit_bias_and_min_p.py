@@ -10,6 +10,7 @@ import torch
 
 from backend.errors import InvalidParameterError
 from backend.layers.sampler import SamplingTensors, sample_tokens
+from backend.requests import EngineRequest
 from backend.sampling import SamplingParams
 from tests.engine.engine_support import make_engine, run_to_completion, tokens_of
 
@@ -22,11 +23,17 @@ def greedy_with(**fields: object) -> SamplingParams:
 
 def test_a_positive_bias_forces_a_token_and_a_negative_one_bans_it(llama_dir: Path) -> None:
     engine = make_engine(llama_dir)
-    engine.add_request("plain", "the quick brown fox", GREEDY)
+    engine.add_request(EngineRequest("the quick brown fox", GREEDY, "plain"))
     plain = tokens_of(run_to_completion(engine)["plain"])
-    engine.add_request("forced", "the quick brown fox", greedy_with(logit_bias={7: 100.0}))
-    engine.add_request("banned", "the quick brown fox", greedy_with(logit_bias={plain[0]: -100}))
-    engine.add_request("beside", "the quick brown fox", GREEDY)  # same batch, no bias
+    engine.add_request(
+        EngineRequest("the quick brown fox", greedy_with(logit_bias={7: 100.0}), "forced")
+    )
+    engine.add_request(
+        EngineRequest("the quick brown fox", greedy_with(logit_bias={plain[0]: -100}), "banned")
+    )
+    engine.add_request(
+        EngineRequest("the quick brown fox", GREEDY, "beside")
+    )  # same batch, no bias
     outputs = run_to_completion(engine)
     assert tokens_of(outputs["forced"]) == [7] * 6
     assert tokens_of(outputs["banned"])[0] != plain[0]
@@ -72,4 +79,4 @@ def test_a_bias_past_the_vocabulary_is_refused_by_the_engine(llama_dir: Path) ->
     engine = make_engine(llama_dir)
     vocab = engine.model_config.vocab_size
     with pytest.raises(InvalidParameterError, match="logit_bias"):
-        engine.add_request("x", "hello", greedy_with(logit_bias={vocab: 1.0}))
+        engine.add_request(EngineRequest("hello", greedy_with(logit_bias={vocab: 1.0}), "x"))

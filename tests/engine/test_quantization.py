@@ -14,6 +14,7 @@ from torch import nn
 from backend.config import EngineConfig
 from backend.engine.engine import Engine
 from backend.layers.quant import QuantizationError, QuantizedLinear, check_quantization, quantize
+from backend.requests import EngineRequest
 from backend.sampling import SamplingParams
 from tests.engine.engine_support import make_engine, run_to_completion, tokens_of
 from tests.engine.test_engine_oracle import oracle_prompts
@@ -106,7 +107,7 @@ def test_int8_engine_agrees_with_float32_greedy_on_the_trained_model() -> None:
             BUILTIN_MODEL_DIR, EngineConfig(device="cpu", dtype="float32", quantization=method)
         )
         for i, prompt in enumerate(PYTHON_PROMPTS):
-            engine.add_request(f"p{i}", prompt, params)
+            engine.add_request(EngineRequest(prompt, params, f"p{i}"))
         outputs = run_to_completion(engine)
         tokens[method] = [tokens_of(outputs[f"p{i}"]) for i in range(len(PYTHON_PROMPTS))]
     pairs = zip(tokens["int8"], tokens["none"], strict=True)

@@ -16,6 +16,7 @@ import torch
 
 from backend.engine.engine import Engine
 from backend.layers.sampler import apply_penalties, apply_penalties_batch
+from backend.requests import EngineRequest
 from backend.sampling import SamplingParams
 from tests.engine.engine_support import make_engine, run_to_completion, text_of, tokens_of
 
@@ -31,7 +32,7 @@ def prompts(vocab: int, lengths: tuple[int, ...] = (5, 12, 33)) -> list[list[int
 
 def run(engine: Engine, batch: list[list[int]], params: SamplingParams) -> list[list[int]]:
     for i, prompt in enumerate(batch):
-        engine.add_request(f"r{i}", prompt, params)
+        engine.add_request(EngineRequest(prompt, params, f"r{i}"))
     outputs = run_to_completion(engine)
     return [tokens_of(outputs[f"r{i}"]) for i in range(len(batch))]
 
@@ -166,21 +167,23 @@ def test_min_tokens_defers_stop_strings(llama_dir: Path) -> None:
     engine = make_engine(llama_dir)
     prompt = prompts(engine.model_config.vocab_size)[1]
     greedy = SamplingParams(max_tokens=NEW_TOKENS, temperature=0, ignore_eos=True)
-    engine.add_request("free", prompt, greedy)
+    engine.add_request(EngineRequest(prompt, greedy, "free"))
     text = text_of(run_to_completion(engine)["free"])
     stop = text.strip()[:1]
     assert stop, "the greedy output has visible text to stop on"
     for name, min_tokens in (("early", 0), ("late", 6)):
         engine.add_request(
-            name,
-            prompt,
-            SamplingParams(
-                max_tokens=NEW_TOKENS,
-                temperature=0,
-                ignore_eos=True,
-                stop=[stop],
-                min_tokens=min_tokens,
-            ),
+            EngineRequest(
+                prompt,
+                SamplingParams(
+                    max_tokens=NEW_TOKENS,
+                    temperature=0,
+                    ignore_eos=True,
+                    stop=[stop],
+                    min_tokens=min_tokens,
+                ),
+                name,
+            )
         )
     outputs = run_to_completion(engine)
     early, late = tokens_of(outputs["early"]), tokens_of(outputs["late"])

@@ -17,6 +17,7 @@ from backend.engine.request import Request, RequestStatus, fan_out
 from backend.engine.scheduler import Scheduler
 from backend.engine.step_cost import StepShape
 from backend.errors import DeadlineExceededError, OverloadedError
+from backend.requests import EngineRequest
 from backend.sampling import SamplingParams
 from tests.unit.backend.accounting import check_accounting
 
@@ -50,17 +51,13 @@ def request(
     max_tokens: int = 64,
 ) -> Request:
     first = next(_ids) * 1000  # distinct prompts: no prefix-cache hits between requests
-    return Request(
-        rid,
-        list(range(first, first + prompt_len)),
-        SamplingParams(max_tokens=max_tokens),
-        prompt_len + max_tokens,
-        priority=priority,
-        deadline=deadline,
-        tenant=tenant,
-        weight=weight,
-        arrival_time=at,
+    prompt = list(range(first, first + prompt_len))
+    params = SamplingParams(max_tokens=max_tokens)
+    asked = EngineRequest(
+        prompt, params, rid, priority=priority, tenant=tenant, weight=weight, deadline=deadline
     )
+    (req,) = fan_out(asked, prompt, prompt_len + max_tokens, arrival_time=at)
+    return req
 
 
 def advance(s: Scheduler, out: SchedulerOutput) -> None:
@@ -344,7 +341,8 @@ def test_a_shed_request_takes_its_other_completions_with_it() -> None:
     s.add_request(request("busy", max_tokens=1000))
     advance(s, s.schedule())
     params = SamplingParams(max_tokens=8, n=2)
-    for req in fan_out("pair", [9, 8, 7, 6, 5], params, 13, priority=5):
+    prompt = [9, 8, 7, 6, 5]
+    for req in fan_out(EngineRequest(prompt, params, "pair", priority=5), prompt, 13):
         s.add_request(req)
     s.add_request(request("mid", priority=3))
     s.check_admission(4, None, priority=0)

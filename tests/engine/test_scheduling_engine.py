@@ -47,7 +47,7 @@ def test_high_priority_starts_within_one_step_when_max_num_seqs_is_full(llama_di
     engine = _low_pair(make_engine(llama_dir, max_num_seqs=2))
     earlier = [o for _ in range(3) for o in step(engine)]
     assert engine.stats().num_running == 2
-    engine.add_request("urgent", [9, 8, 7, 6], SHORT, priority=0)
+    engine.add_request(EngineRequest([9, 8, 7, 6], SHORT, "urgent", priority=0))
     before = time.monotonic()
     during = step(engine)
     first = [o for o in during if o.request_id == "urgent"]
@@ -63,8 +63,8 @@ def test_high_priority_starts_within_one_step_when_max_num_seqs_is_full(llama_di
 
 
 def _low_pair(engine: Engine) -> Engine:
-    engine.add_request("low-a", [5, 6, 7, 8, 9], LONG, priority=5)
-    engine.add_request("low-b", [15, 16, 17], LONG, priority=5)
+    engine.add_request(EngineRequest([5, 6, 7, 8, 9], LONG, "low-a", priority=5))
+    engine.add_request(EngineRequest([15, 16, 17], LONG, "low-b", priority=5))
     return engine
 
 
@@ -83,10 +83,10 @@ def test_aging_lets_low_priority_start_under_a_stream_of_urgent_work(llama_dir: 
             llama_dir, max_num_seqs=1, aging_interval_s=aging, adaptive_step_budget=adaptive
         )
         skew = skewed_clock(engine)
-        engine.add_request("low", [3, 4, 5], SHORT, priority=5)
+        engine.add_request(EngineRequest([3, 4, 5], SHORT, "low", priority=5))
         started_at_step = None
         for i in range(60):
-            engine.add_request(f"urgent{i}", [7, 8, i % 50 + 2], ONE, priority=0)
+            engine.add_request(EngineRequest([7, 8, i % 50 + 2], ONE, f"urgent{i}", priority=0))
             skew[0] += 0.1  # a tenth of a second passes per step
             if any(o.request_id == "low" and o.token_ids for o in step(engine)):
                 started_at_step = i
@@ -101,9 +101,9 @@ def test_aging_lets_low_priority_start_under_a_stream_of_urgent_work(llama_dir: 
 def test_tenants_take_turns_whatever_their_queue_lengths(llama_dir: Path) -> None:
     engine = make_engine(llama_dir, max_num_seqs=1)
     for i in range(6):
-        engine.add_request(f"loud{i}", [2 + i, 3, 4], SHORT, tenant="loud")
+        engine.add_request(EngineRequest([2 + i, 3, 4], SHORT, f"loud{i}", tenant="loud"))
     for i in range(2):
-        engine.add_request(f"quiet{i}", [20 + i, 3, 4], SHORT, tenant="quiet")
+        engine.add_request(EngineRequest([20 + i, 3, 4], SHORT, f"quiet{i}", tenant="quiet"))
     results = run_to_completion(engine)
     order = sorted(results, key=lambda rid: results[rid][0].first_scheduled_time or 0.0)
     assert order[:5] == ["loud0", "quiet0", "loud1", "quiet1", "loud2"]
@@ -122,9 +122,9 @@ def test_prefill_protection_lets_a_chat_start_through_a_document_burst(llama_dir
         off = {} if protected else off
         engine = make_engine(llama_dir, max_num_batched_tokens=64, **off)
         for i in range(4):
-            engine.add_request(f"doc{i}", [2 + i, *range(3, 92)], SHORT)
+            engine.add_request(EngineRequest([2 + i, *range(3, 92)], SHORT, f"doc{i}"))
         step(engine)
-        engine.add_request("chat", [5, 6, 7, 8], SHORT)
+        engine.add_request(EngineRequest([5, 6, 7, 8], SHORT, "chat"))
         steps[protected] = next(
             n
             for n in range(1, 30)
@@ -136,11 +136,11 @@ def test_prefill_protection_lets_a_chat_start_through_a_document_burst(llama_dir
 
 def test_a_full_queue_sheds_new_requests(llama_dir: Path) -> None:
     engine = make_engine(llama_dir, max_num_seqs=1, max_waiting_requests=1)
-    engine.add_request("running", [2, 3, 4], LONG)
+    engine.add_request(EngineRequest([2, 3, 4], LONG, "running"))
     step(engine)
-    engine.add_request("waiting", [5, 6, 7], LONG)
+    engine.add_request(EngineRequest([5, 6, 7], LONG, "waiting"))
     with pytest.raises(OverloadedError) as caught:
-        engine.add_request("shed", [8, 9, 10], LONG)
+        engine.add_request(EngineRequest([8, 9, 10], LONG, "shed"))
     assert caught.value.retry_after_s >= 1
     stats = engine.stats()
     assert (stats.num_running, stats.num_waiting, stats.num_rejected_overloaded) == (1, 1, 1)
@@ -149,13 +149,13 @@ def test_a_full_queue_sheds_new_requests(llama_dir: Path) -> None:
 
 def test_a_full_queue_sheds_its_least_urgent_for_a_more_urgent_request(llama_dir: Path) -> None:
     engine = make_engine(llama_dir, max_num_seqs=1, max_waiting_requests=1)
-    engine.add_request("running", [2, 3, 4], LONG)
+    engine.add_request(EngineRequest([2, 3, 4], LONG, "running"))
     step(engine)
-    engine.add_request("batch", [5, 6, 7], LONG, priority=5)
+    engine.add_request(EngineRequest([5, 6, 7], LONG, "batch", priority=5))
     step(engine)  # queued: the admission snapshot sees it from this step on
     with pytest.raises(OverloadedError):
-        engine.add_request("batch-2", [8, 9, 10], LONG, priority=5)
-    engine.add_request("urgent", [8, 9, 10], LONG, priority=0)
+        engine.add_request(EngineRequest([8, 9, 10], LONG, "batch-2", priority=5))
+    engine.add_request(EngineRequest([8, 9, 10], LONG, "urgent", priority=0))
     [shed] = [o for o in step(engine) if o.request_id == "batch"]
     assert (shed.finished, shed.finish_reason, shed.error, shed.token_ids) == (
         True,
@@ -172,11 +172,11 @@ def test_a_full_queue_sheds_its_least_urgent_for_a_more_urgent_request(llama_dir
 def test_deadlines_reject_before_compute(llama_dir: Path) -> None:
     engine = make_engine(llama_dir, max_num_seqs=1)
     with pytest.raises(DeadlineExceededError):
-        engine.add_request("late", [2, 3], SHORT, deadline=time.monotonic() - 1)
-    engine.add_request("running", [2, 3, 4], LONG)
+        engine.add_request(EngineRequest([2, 3], SHORT, "late", deadline=time.monotonic() - 1))
+    engine.add_request(EngineRequest([2, 3, 4], LONG, "running"))
     step(engine)
     skew = skewed_clock(engine)
-    engine.add_request("queued", [5, 6, 7], SHORT, deadline=time.monotonic() + 5)
+    engine.add_request(EngineRequest([5, 6, 7], SHORT, "queued", deadline=time.monotonic() + 5))
     skew[0] = 10.0  # its deadline passes while it waits
     [rejected] = [o for o in step(engine) if o.request_id == "queued"]
     assert (rejected.finished, rejected.finish_reason, rejected.error) == (
@@ -193,12 +193,10 @@ async def test_the_async_engine_raises_the_typed_errors(llama_dir: Path) -> None
     try:
         with pytest.raises(DeadlineExceededError):
             async for _ in engine.generate(
-                EngineRequest([2, 3], SHORT, "late"), deadline=time.monotonic() - 1
+                EngineRequest([2, 3], SHORT, "late", deadline=time.monotonic() - 1)
             ):
                 pass
-        outs = [
-            o async for o in engine.generate(EngineRequest([2, 3], SHORT, "fine"), deadline=None)
-        ]
+        outs = [o async for o in engine.generate(EngineRequest([2, 3], SHORT, "fine"))]
         assert outs[-1].finished and outs[-1].error is None
     finally:
         await engine.shutdown()
@@ -248,8 +246,8 @@ def test_warm_up_fits_the_step_cost_and_leaves_no_trace(llama_dir: Path) -> None
     assert (stats.num_steps, stats.total_prefill_tokens, stats.kv_blocks_used) == (0, 0, 0)
     assert stats.kv_blocks_cached == 0 and not engine.has_work()
     assert stats.step_cost_s["prefill_token"] > 0 or stats.step_cost_s["prefill_pair"] > 0
-    engine.add_request("a", list(range(2, 60)), LONG)
-    engine.add_request("b", [5, 6, 7], LONG)
+    engine.add_request(EngineRequest(list(range(2, 60)), LONG, "a"))
+    engine.add_request(EngineRequest([5, 6, 7], LONG, "b"))
     run_to_completion(engine)
     stats = engine.stats()
     assert stats.step_time_actual_s > 0 and stats.step_time_predicted_s > 0
@@ -262,7 +260,7 @@ def test_the_metrics_show_predicted_and_actual_step_times(llama_dir: Path) -> No
     from backend.telemetry import EngineStatsCollector
 
     engine = make_engine(llama_dir)
-    engine.add_request("a", [2, 3, 4, 5], SHORT)
+    engine.add_request(EngineRequest([2, 3, 4, 5], SHORT, "a"))
     run_to_completion(engine)
     registry = CollectorRegistry()
     registry.register(EngineStatsCollector(engine.stats))
@@ -292,9 +290,9 @@ def test_interactive_decodes_shrink_the_step_and_batch_work_gets_it_all(llama_di
             max_model_len=400,
             num_kv_blocks=256,
         )
-        engine.add_request("chat", [5, 6, 7], LONG, priority=chat_priority)
+        engine.add_request(EngineRequest([5, 6, 7], LONG, "chat", priority=chat_priority))
         step(engine)  # the chat's prefill; it decodes from now on
-        engine.add_request("doc", list(range(2, 300)), SHORT, priority=5)
+        engine.add_request(EngineRequest(list(range(2, 300)), SHORT, "doc", priority=5))
         engine.scheduler.step_cost = StepCostModel.fixed(CPU_LIKE)
         step(engine)
         stats = engine.stats()

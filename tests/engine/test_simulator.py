@@ -10,6 +10,7 @@ import pytest
 
 from backend.config import EngineConfig
 from backend.engine.step_cost import StepCostModel
+from backend.requests import EngineRequest
 from backend.sampling import SamplingParams
 from backend.sim import Simulator, Stream, make_trace, summarize
 from backend.sim import scenarios as sc
@@ -173,8 +174,12 @@ def test_an_engines_fit_calibrates_the_simulator(llama_dir: Path) -> None:
     """The simulator built from a real engine's fitted terms predicts the engine's own
     steps as the engine does."""
     engine = make_engine(llama_dir)
-    engine.add_request("doc", list(range(2, 90)), SamplingParams(max_tokens=4, ignore_eos=True))
-    engine.add_request("chat", [5, 6, 7], SamplingParams(max_tokens=8, ignore_eos=True))
+    engine.add_request(
+        EngineRequest(list(range(2, 90)), SamplingParams(max_tokens=4, ignore_eos=True), "doc")
+    )
+    engine.add_request(
+        EngineRequest([5, 6, 7], SamplingParams(max_tokens=8, ignore_eos=True), "chat")
+    )
     while engine.has_work():
         engine.step()
     stats = engine.stats()

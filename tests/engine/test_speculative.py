@@ -15,9 +15,10 @@ from backend.config import EngineConfig
 from backend.engine import speculative
 from backend.engine.block_manager import BlockManager
 from backend.engine.engine import Engine
-from backend.engine.request import Request
+from backend.engine.request import Request, fan_out
 from backend.engine.speculative import MIN_ACCEPTANCE, SpecState, Speculator, ngram_drafts
 from backend.layers.rejection import rejection_sample
+from backend.requests import EngineRequest
 from backend.sampling import SamplingParams
 from tests.engine.engine_support import make_engine, run_to_completion, tokens_of
 from tests.engine.test_engine_oracle import oracle_prompts
@@ -44,7 +45,7 @@ def chi_square(counts: Counter[int], probs: list[float], draws: int) -> tuple[fl
 
 def run(engine: Engine, prompts: list[list[int]], params: SamplingParams) -> dict[str, list[int]]:
     for i, prompt in enumerate(prompts):
-        engine.add_request(str(i), prompt, params)
+        engine.add_request(EngineRequest(prompt, params, str(i)))
     return {k: tokens_of(v) for k, v in run_to_completion(engine).items()}
 
 
@@ -127,13 +128,18 @@ def test_greedy_rows_accept_exactly_the_argmax_run() -> None:
     assert token.tolist() == [4, 6, 0]
 
 
+def _request(request_id: str, prompt: list[int], max_len: int) -> Request:
+    (req,) = fan_out(EngineRequest(prompt, GREEDY, request_id), prompt, max_len)
+    return req
+
+
 def test_ngram_lookup_takes_the_latest_longest_match() -> None:
-    req = Request("r", [1, 2, 3, 9, 1, 2, 3, 7, 8, 5, 1, 2], GREEDY, max_len=64)
+    req = _request("r", [1, 2, 3, 9, 1, 2, 3, 7, 8, 5, 1, 2], 64)
     state = SpecState()
     assert ngram_drafts(req, state, 3) == [3, 7, 8]  # "1 2" last seen before 3 7 8
     req.output_token_ids += [3, 7]
     assert ngram_drafts(req, state, 2) == [8, 5]  # "2 3 7" (the index caught up)
-    assert ngram_drafts(Request("s", [4, 5, 6], GREEDY, max_len=9), SpecState(), 4) == []
+    assert ngram_drafts(_request("s", [4, 5, 6], 9), SpecState(), 4) == []
 
 
 # -- the engine ----------------------------------------------------------------------
@@ -233,7 +239,7 @@ def test_sampled_tokens_keep_their_distribution_end_to_end(
     def draw(method: str) -> Counter[tuple[int, int]]:
         engine = make_engine(llama_dir, **BASE, speculative_method=method, max_num_seqs=64)
         for seed in seeds:
-            engine.add_request(f"s{seed}", prompt, replace(params, seed=seed))
+            engine.add_request(EngineRequest(prompt, replace(params, seed=seed), f"s{seed}"))
         outs = run_to_completion(engine)
         if method != "off":  # every second token was verified against a draft
             assert engine.stats().spec_decode_num_drafts == len(seeds)
@@ -273,14 +279,14 @@ def test_rows_the_verifier_cannot_take_decode_one_token_at_a_time(
         ("logprobs", replace(GREEDY, logprobs=2)),
         ("min_tokens", replace(GREEDY, min_tokens=16, ignore_eos=False)),
     ):
-        engine.add_request(name, [5, 6, 7], params)
+        engine.add_request(EngineRequest([5, 6, 7], params, name))
     run_to_completion(engine)
     assert engine.stats().spec_decode_num_drafts == 0
 
 
 def test_drafting_pauses_when_drafts_are_rarely_accepted() -> None:
     spec = Speculator("ngram", 4)
-    req = Request("r", [1, 2, 1, 2, 1, 2], GREEDY, max_len=64)
+    req = _request("r", [1, 2, 1, 2, 1, 2], 64)
     req.num_computed_tokens = req.num_tokens - 1
     req.output_token_ids = []
     drafted = 0

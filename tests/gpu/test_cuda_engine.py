@@ -10,8 +10,10 @@ from typing import Any
 import pytest
 import torch
 
-from backend.engine import model_runner, step_inputs
+from backend.engine import model_runner
 from backend.engine.engine import Engine
+from backend.layers import staging
+from backend.requests import EngineRequest
 from backend.sampling import SamplingParams
 from tests.engine.engine_support import build_checkpoint, make_engine, run_to_completion, tokens_of
 
@@ -33,7 +35,7 @@ def cuda_engine(path: Path, **knobs: Any) -> Engine:
 
 def run(engine: Engine, params: list[SamplingParams]) -> dict[str, list[int]]:
     for i, (prompt, p) in enumerate(zip(PROMPTS, params, strict=True)):
-        engine.add_request(f"r{i}", prompt, p)
+        engine.add_request(EngineRequest(prompt, p, f"r{i}"))
     return {k: tokens_of(v) for k, v in run_to_completion(engine).items()}
 
 
@@ -54,7 +56,7 @@ def test_greedy_tokens_match_transformers_on_cuda(checkpoint: Path) -> None:
 def no_hidden_waits(monkeypatch: pytest.MonkeyPatch) -> Iterator[list[int]]:
     """Any synchronising CUDA call raises, except in the runner's one read-back."""
     reads: list[int] = []
-    real = step_inputs.to_host
+    real = staging.to_host
 
     def read_back(*tensors: torch.Tensor) -> list[torch.Tensor]:
         reads.append(len(tensors))

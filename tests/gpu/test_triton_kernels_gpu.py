@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from backend.requests import EngineRequest
 from tests.kernels.kernel_support import DECODE, MIXED, Batch, make_batch
 
 pytestmark = [
@@ -122,6 +123,6 @@ def test_engine_on_the_gpu_gives_transformers_greedy_tokens(tmp_path: Path) -> N
     prompts = oracle_prompts(engine.model_config.vocab_size)[: len(LENGTHS)]
     greedy = SamplingParams(max_tokens=NEW_TOKENS, temperature=0, ignore_eos=True)
     for i, prompt in enumerate(prompts):
-        engine.add_request(f"r{i}", prompt, greedy)
+        engine.add_request(EngineRequest(prompt, greedy, f"r{i}"))
     outputs = run_to_completion(engine)
     assert [tokens_of(outputs[f"r{i}"]) for i in range(len(prompts))] == hf_greedy(llama, prompts)

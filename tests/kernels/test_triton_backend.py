@@ -11,9 +11,11 @@ from typing import Any
 import pytest
 import torch
 
+from backend.attention_metadata import AttentionMetadata
 from backend.config import EngineConfig
 from backend.kernels.triton_attention import TritonPagedAttention
-from backend.layers.attention import AttentionMetadata, TorchPagedAttention, attention_backend
+from backend.layers.attention import TorchPagedAttention, attention_backend
+from backend.requests import EngineRequest
 from backend.sampling import SamplingParams
 from tests.engine.engine_support import build_checkpoint, make_engine, run_to_completion, tokens_of
 from tests.engine.test_engine_oracle import NEW_TOKENS, hf_greedy
@@ -133,7 +135,7 @@ def test_engine_on_triton_gives_transformers_greedy_tokens(llama: Path) -> None:
     outputs = {}
     for wave in (prompts[:-1], prompts[-1:]):  # the last one reuses the cached shared block
         for prompt in wave:
-            engine.add_request(f"r{prompts.index(prompt)}", prompt, greedy)
+            engine.add_request(EngineRequest(prompt, greedy, f"r{prompts.index(prompt)}"))
         outputs.update(run_to_completion(engine))
     got = [tokens_of(outputs[f"r{i}"]) for i in range(len(prompts))]
     assert got == hf_greedy(llama, prompts)
@@ -190,7 +192,9 @@ def test_varying_batches_compile_no_new_kernel_variant_after_warm_up(
 
     def wave(tag: str, lengths: list[int]) -> None:
         for i, n in enumerate(lengths):
-            engine.add_request(f"{tag}{i}", [rng.randrange(2, 300) for _ in range(n)], greedy)
+            engine.add_request(
+                EngineRequest([rng.randrange(2, 300) for _ in range(n)], greedy, f"{tag}{i}")
+            )
         run_to_completion(engine)
 
     wave("warm-one", [5])

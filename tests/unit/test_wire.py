@@ -3,6 +3,9 @@ to the same value, and an engine error crosses it as the same error."""
 
 from __future__ import annotations
 
+import time
+from dataclasses import replace
+
 import msgspec
 import pytest
 
@@ -16,7 +19,9 @@ from backend.errors import (
     RequestFailedError,
 )
 from backend.outputs import RequestOutput, TokenLogprobs
-from backend.wire import ERRORS, LINES, ErrorLine, OutputLine
+from backend.requests import EngineRequest
+from backend.sampling import SamplingParams
+from backend.wire import ERRORS, LINES, ErrorLine, GenerateBody, OutputLine
 
 
 def test_an_output_line_decodes_to_the_same_output() -> None:
@@ -79,3 +84,23 @@ def test_an_unknown_engine_error_is_a_failed_request() -> None:
 def test_a_line_outside_the_protocol_does_not_decode(line: bytes) -> None:
     with pytest.raises(msgspec.DecodeError):
         LINES.decode(line)
+
+
+def test_a_request_crosses_whole_with_its_deadline_on_the_replicas_clock() -> None:
+    """Every EngineRequest field arrives as sent; the deadline travels relative (clocks
+    differ by host) and is absolute again on the replica's clock."""
+    params = SamplingParams(max_tokens=3, seed=9)
+    deadline = time.monotonic() + 30.0
+    asked = EngineRequest([4, 5], params, "r1", priority=3, tenant="t", weight=2, deadline=deadline)
+    wire = msgspec.json.encode(GenerateBody.sent(asked))
+    sent = msgspec.json.decode(wire)
+    assert sent["deadline"] is None and 29.0 < sent["timeout_s"] <= 30.0
+    received = msgspec.json.decode(wire, type=GenerateBody).received()
+    assert EngineRequest.fields_of(received) == EngineRequest.fields_of(asked) | {
+        "deadline": received.deadline
+    }
+    assert received.deadline is not None and abs(received.deadline - deadline) < 1.0
+    no_deadline = msgspec.json.decode(
+        msgspec.json.encode(GenerateBody.sent(replace(asked, deadline=None))), type=GenerateBody
+    )
+    assert no_deadline.received().deadline is None

@@ -14,6 +14,7 @@ from backend.engine.batch import ModelRunnerOutput, SchedulerOutput
 from backend.engine.block_manager import BlockManager
 from backend.engine.request import Request, RequestStatus, fan_out
 from backend.engine.scheduler import Scheduler
+from backend.requests import EngineRequest
 from backend.sampling import SamplingParams
 from tests.unit.backend.accounting import check_accounting
 
@@ -64,7 +65,8 @@ class SchedulerMachine(RuleBasedStateMachine):
         prompt = PREFIXES[prefix][:prefix_len] + suffix or [1]
         params = SamplingParams(max_tokens=max_tokens, n=n)
         rid = f"r{len(self.requests)}"
-        for req in fan_out(rid, prompt, params, len(prompt) + max_tokens, cache_salt=salt):
+        asked = EngineRequest(prompt, params, rid)
+        for req in fan_out(asked, prompt, len(prompt) + max_tokens, cache_salt=salt):
             self.scheduler.add_request(req)
             self.requests.append(req)
 

@@ -4,14 +4,16 @@ eviction, with the books checked after each operation."""
 from __future__ import annotations
 
 from backend.engine.block_manager import BlockManager, hash_block
-from backend.engine.request import Request
+from backend.engine.request import Request, fan_out
+from backend.requests import EngineRequest
 from backend.sampling import SamplingParams
 from tests.unit.backend.accounting import check_accounting
 
 
 def computed(rid: str, tokens: list[int], salt: str | None = None) -> Request:
     """A request whose every token has been computed (as after a prefill step)."""
-    req = Request(rid, tokens, SamplingParams(), max_len=len(tokens) + 1, cache_salt=salt)
+    asked = EngineRequest(tokens, SamplingParams(), rid)
+    (req,) = fan_out(asked, tokens, len(tokens) + 1, cache_salt=salt)
     req.num_computed_tokens = len(tokens)
     return req
 

@@ -6,8 +6,9 @@ import pytest
 import torch
 from torch.nn import functional
 
+from backend.attention_metadata import AttentionMetadata
 from backend.engine.model_runner import gpu_kv_budget
-from backend.layers.attention import AttentionMetadata, TorchPagedAttention
+from backend.layers.attention import TorchPagedAttention
 from backend.layers.rotary import inverse_frequencies
 from backend.layers.sampler import sample, token_logprobs
 from backend.sampling import SamplingParams

@@ -8,8 +8,9 @@ from dataclasses import replace
 from backend.config import EngineConfig
 from backend.engine.batch import ModelRunnerOutput, SchedulerOutput
 from backend.engine.block_manager import BlockManager
-from backend.engine.request import Request, RequestStatus
+from backend.engine.request import Request, RequestStatus, fan_out
 from backend.engine.scheduler import Scheduler
+from backend.requests import EngineRequest
 from backend.sampling import SamplingParams
 from tests.unit.backend.accounting import check_accounting
 
@@ -31,7 +32,10 @@ def request(
 ) -> Request:
     params = SamplingParams(max_tokens=max_tokens)
     prompt = list(range(first, first + prompt_len))
-    return Request(rid, prompt, params, max_len=prompt_len + max_tokens, cache_salt=salt)
+    (req,) = fan_out(
+        EngineRequest(prompt, params, rid), prompt, prompt_len + max_tokens, cache_salt=salt
+    )
+    return req
 
 
 def advance(s: Scheduler, out: SchedulerOutput, token: int = 7) -> None:

@@ -7,8 +7,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from backend.layers import attention
-from backend.layers.attention import AttentionMetadata, TorchPagedAttention, _attend_one
+from backend import attention_metadata
+from backend.attention_metadata import AttentionMetadata
+from backend.layers.attention import TorchPagedAttention, _attend_one
 
 HEADS = [(4, 4), (8, 2), (8, 1)]
 # (context length, new tokens): decode rows between prefills and chunks, so they are
@@ -49,7 +50,7 @@ def _batch(
 def test_grouped_decode_equals_one_call_per_sequence(
     monkeypatch: pytest.MonkeyPatch, heads: int, kv_heads: int, block_size: int, group_tokens: int
 ) -> None:
-    monkeypatch.setattr(attention, "DECODE_GROUP_TOKENS", group_tokens)
+    monkeypatch.setattr(attention_metadata, "DECODE_GROUP_TOKENS", group_tokens)
     q, kv_cache, meta = _batch(heads, kv_heads, block_size)
     groups = meta.decode_groups
     decodes = [i for i, (_, new) in enumerate(SEQS) if new == 1]
