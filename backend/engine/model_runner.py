@@ -15,6 +15,7 @@ from backend.attention_metadata import AttentionMetadata
 from backend.config import EngineConfig
 from backend.engine.batch import ModelRunnerOutput, ScheduledRequest, SchedulerOutput
 from backend.engine.cuda_graphs import DecodeGraphs, GraphableBackend, can_capture
+from backend.engine.draft import DraftModel
 from backend.errors import RequestStepError
 from backend.grammar import fill_bitmasks
 from backend.layers.attention import AttentionBackend, attention_backend
@@ -68,8 +69,22 @@ class ModelRunner:
             backend=self.attention,
         )
         quantize(self.model, config.quantization)
+        self.drafter: DraftModel | None = None
         per_block = kv_bytes_per_block(model_config, config.block_size, self.dtype)
+        if config.speculative_method == "draft" and config.speculative_model:
+            self.drafter = DraftModel(
+                Path(config.speculative_model),
+                model_config,
+                dtype=self.dtype,
+                device=self.device,
+                max_positions=max_model_len,
+                backend=self.attention,
+            )
+            # Its pool mirrors the target's block for block: the budget holds both.
+            per_block += kv_bytes_per_block(self.drafter.config, config.block_size, self.dtype)
         self.num_blocks = config.num_kv_blocks or self._kv_budget(max_model_len) // per_block
+        if self.drafter is not None:
+            self.drafter.allocate(self.num_blocks, config.block_size)
         # [layers][2 (K, V)][num_blocks, block_size, kv_heads, head_dim]
         self.kv_cache = torch.zeros(
             model_config.num_layers,
@@ -121,6 +136,11 @@ class ModelRunner:
         if not batch.requests:
             return ModelRunnerOutput({})
         reqs = [r for r in batch.requests if r.sample]
+        generators = self._generators_for(reqs)  # first: a bad seed fails only its request
+        draft_probs = None
+        if self.drafter is not None:  # fills the rows' draft placeholders
+            by_id = {r.request_id: g for r, g in zip(reqs, generators, strict=True)}
+            draft_probs = self.drafter.propose(batch, self._prepare, by_id)
         # One logits row per sampled position: a row with drafts samples at each of its
         # last num_drafts + 1 positions, with its parameters repeated.
         speculative = any(r.num_drafts for r in reqs)
@@ -131,7 +151,6 @@ class ModelRunner:
         self._stage_logit_work(stage, per_row)
         if speculative:
             _stage_drafts(stage, reqs)
-        generators = self._generators_for(reqs)  # first: a bad seed fails only its request
         hidden = self._forward(batch)
         if not reqs:
             return ModelRunnerOutput({})
@@ -143,7 +162,7 @@ class ModelRunner:
         processed = self._process_logits(logits, per_row, staged)
         sampling = SamplingTensors.of(staged, [r.params for r in per_row])
         if speculative:
-            return self._verify(reqs, logits, processed, sampling, generators, staged)
+            return self._verify(reqs, logits, processed, sampling, generators, staged, draft_probs)
         tokens = sample_tokens(processed, generators, sampling)
         want = [i for i, r in enumerate(reqs) if r.params.logprobs is not None]
         if not want:
@@ -172,9 +191,11 @@ class ModelRunner:
         sampling: SamplingTensors,
         generators: list[torch.Generator | None],
         staged: dict[str, torch.Tensor],
+        draft_probs: torch.Tensor | None,
     ) -> ModelRunnerOutput:
         """A step with draft tokens: rows without drafts sample as usual; rows with drafts
-        are verified by rejection sampling (backend/layers/rejection.py). One read-back."""
+        are verified by rejection sampling (backend/layers/rejection.py) against their
+        proposal (the draft model's q, or one-hot for n-gram drafts). One read-back."""
         plain = [i for i, r in enumerate(reqs) if not r.num_drafts]
         spec = [i for i, r in enumerate(reqs) if r.num_drafts]
         spec_rows = staged["spec_rows"]  # [S, K+1] rows of `processed`
@@ -183,7 +204,7 @@ class ModelRunner:
             probs.view(*spec_rows.shape, -1),
             staged["spec_drafts"],
             staged["spec_num"],
-            None,
+            draft_probs,
             [generators[i] for i in spec],
         )
         results = [accepted, final]

@@ -88,6 +88,7 @@ def build_checkpoint(folder: Path, kind: str = "llama", **overrides: Any) -> Pat
         # Sharper logits than the default 0.02 so greedy argmax has no near-ties.
         "initializer_range": 0.2,
     }
+    common |= {key: overrides.pop(key) for key in list(overrides) if key in common}
     if kind == "llama":
         rope = {
             "rope_type": "llama3",

@@ -17,10 +17,16 @@ from backend.engine.block_manager import BlockManager
 from backend.engine.engine import Engine
 from backend.engine.request import Request, fan_out
 from backend.engine.speculative import MIN_ACCEPTANCE, SpecState, Speculator, ngram_drafts
+from backend.errors import CheckpointError
 from backend.layers.rejection import rejection_sample
 from backend.requests import EngineRequest
 from backend.sampling import SamplingParams
-from tests.engine.engine_support import make_engine, run_to_completion, tokens_of
+from tests.engine.engine_support import (
+    build_checkpoint,
+    make_engine,
+    run_to_completion,
+    tokens_of,
+)
 from tests.engine.test_engine_oracle import oracle_prompts
 
 GREEDY = SamplingParams(max_tokens=16, temperature=0, ignore_eos=True)
@@ -212,6 +218,79 @@ def test_rollback_under_preemption_and_prefix_caching(
     again = run(engine, prompts, GREEDY)
     assert again == expected
     assert engine.stats().prefix_cache_hits > stats.prefix_cache_hits
+
+
+@pytest.fixture(scope="module")
+def small_draft(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A one-layer, half-width draft with the same tokenizer (and unrelated weights: its
+    greedy drafts are nearly always rejected)."""
+    folder = tmp_path_factory.mktemp("draft") / "small"
+    return build_checkpoint(folder, "llama", num_hidden_layers=1, hidden_size=32)
+
+
+def test_greedy_tokens_equal_without_speculation_draft_model(
+    llama_dir: Path, small_draft: Path, reference: tuple[list[list[int]], dict[str, list[int]]]
+) -> None:
+    """With the target itself as the draft every draft is accepted; with an unrelated
+    small draft nearly none: the tokens are the same either way."""
+    prompts, expected = reference
+    for draft, accepted in ((llama_dir, 1.0), (small_draft, None)):
+        engine = make_engine(
+            llama_dir, **BASE, speculative_method="draft", speculative_model=str(draft)
+        )
+        assert run(engine, prompts, GREEDY) == expected
+        stats = engine.stats()
+        assert stats.spec_decode_num_drafts > 0
+        if accepted is not None:
+            assert stats.spec_decode_acceptance_rate == accepted
+            assert engine.num_steps < len(prompts) * GREEDY.max_tokens / 2
+
+
+def test_draft_model_rollback_under_preemption_and_prefix_caching(
+    llama_dir: Path, reference: tuple[list[list[int]], dict[str, list[int]]]
+) -> None:
+    """The draft's cache shares the target's block tables: preemption, prefix-cache
+    hits and rejected slots leave both consistent (same tokens, exact accounting)."""
+    prompts, expected = reference
+    engine = make_engine(
+        llama_dir,
+        **{**BASE, "num_kv_blocks": 48, "max_model_len": 600},
+        speculative_method="draft",
+        speculative_model=str(llama_dir),
+    )
+    assert run(engine, prompts, GREEDY) == expected
+    assert engine.stats().num_preemptions > 0
+    assert run(engine, prompts, GREEDY) == expected  # on a warm prefix cache
+    assert engine.stats().prefix_cache_hits > 0
+
+
+def test_draft_model_sampling_keeps_the_distribution_end_to_end(
+    llama_dir: Path, small_draft: Path
+) -> None:
+    """As the n-gram end-to-end test, with the small draft's q in the verification."""
+    prompt = [5, 17, 42, 99, 7]
+    params = SamplingParams(max_tokens=3, temperature=1.5, top_k=4, ignore_eos=True)
+
+    def draw(**spec: object) -> Counter[tuple[int, int]]:
+        engine = make_engine(llama_dir, **BASE, max_num_seqs=64, **spec)
+        for seed in range(400):
+            engine.add_request(EngineRequest(prompt, replace(params, seed=seed), f"s{seed}"))
+        outs = run_to_completion(engine)
+        assert (engine.stats().spec_decode_num_drafts == 400) == bool(spec)
+        return Counter((tokens_of(v)[0], tokens_of(v)[1]) for v in outs.values())
+
+    plain = draw()
+    spec = draw(speculative_method="draft", speculative_model=str(small_draft))
+    assert spec != plain
+    stat, df = _two_sample(plain, spec)
+    assert df >= 5
+    assert stat < chi2_critical(df), (stat, df)
+
+
+def test_a_draft_of_another_vocabulary_is_refused(llama_dir: Path, tmp_path: Path) -> None:
+    other = build_checkpoint(tmp_path / "other", "llama", vocab_size=300)
+    with pytest.raises(CheckpointError, match="vocabulary"):
+        make_engine(llama_dir, **BASE, speculative_method="draft", speculative_model=str(other))
 
 
 def test_trim_returns_the_slots_of_rejected_drafts() -> None:

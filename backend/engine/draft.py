@@ -1,0 +1,145 @@
+"""The draft model of `speculative_method="draft"`: a small checkpoint of the target's
+tokenizer that proposes each decode row's draft tokens inside the step, before the
+target verifies them.
+
+Its KV cache is paged like the target's and shares the target's block tables: a pool of
+the same number of blocks, in which block b holds the draft's keys and values for the
+same tokens as the target's block b. So the block manager's accounting, the prefix cache
+(a hit block holds both models' KV), preemption and the rollback of rejected slots cover
+it unchanged. To keep that true the draft computes every token the target computes
+(prompt chunks included: the small model's share of each step), and at a decode row it
+recomputes the position before the last token too: after a step whose drafts were all
+accepted, the draft never saw its own last draft as input."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import replace
+from pathlib import Path
+
+import torch
+
+from backend.attention_metadata import AttentionMetadata
+from backend.engine.batch import ScheduledRequest, SchedulerOutput
+from backend.errors import CheckpointError
+from backend.layers.attention import AttentionBackend
+from backend.layers.sampler import SamplingTensors, inverse_cdf, sampling_probs, uniforms
+from backend.layers.staging import to_host
+from backend.loader import load_model
+from backend.models.config import ModelConfig, load_model_config
+from backend.models.llama import LlamaForCausalLM
+
+# The runner's ModelRunner._prepare: a batch's input ids, positions and metadata.
+Prepare = Callable[[SchedulerOutput], tuple[torch.Tensor, torch.Tensor, AttentionMetadata]]
+
+
+class DraftModel:
+    def __init__(
+        self,
+        model_dir: Path,
+        target: ModelConfig,
+        *,
+        dtype: torch.dtype,
+        device: torch.device,
+        max_positions: int,
+        backend: AttentionBackend,
+    ) -> None:
+        self.config = load_model_config(model_dir)
+        if self.config.vocab_size != target.vocab_size:
+            raise CheckpointError(
+                model_dir,
+                f"the draft model's vocabulary ({self.config.vocab_size}) is not the "
+                f"target's ({target.vocab_size}): it needs the same tokenizer",
+            )
+        self.model: LlamaForCausalLM = load_model(
+            model_dir,
+            self.config,
+            dtype=dtype,
+            device=device,
+            max_positions=max_positions,
+            backend=backend,
+        )
+        self.device = device
+        self.dtype = dtype
+        self.kv_cache: torch.Tensor | None = None  # sized by the runner: allocate()
+
+    def allocate(self, num_blocks: int, block_size: int) -> None:
+        cfg = self.config
+        self.kv_cache = torch.zeros(
+            (cfg.num_layers, 2, num_blocks, block_size, cfg.num_kv_heads, cfg.head_dim),
+            dtype=self.dtype,
+            device=self.device,
+        )
+
+    def propose(
+        self,
+        batch: SchedulerOutput,
+        prepare: Prepare,
+        generators: dict[str, torch.Generator | None],
+    ) -> torch.Tensor | None:
+        """Mirror the step's tokens into the draft's cache, then fill each row's draft
+        placeholders (the last num_drafts of its token_ids) with tokens drawn from the
+        draft's distribution q (greedy rows: its argmax). Returns q of every draft token,
+        [rows with drafts, K, vocab], for the verifier; None when no row drafts."""
+        assert self.kv_cache is not None
+        spec = [r for r in batch.requests if r.num_drafts]
+        first = SchedulerOutput([_mirrored(r) for r in batch.requests])
+        hidden = self._run(first, prepare)
+        if not spec:
+            return None
+        ends, end = [], 0
+        for r in first.requests:
+            end += len(r.token_ids)
+            if r.num_drafts:
+                ends.append(end - 1)
+        k = max(r.num_drafts for r in spec)
+        vocab = self.config.vocab_size
+        sampling = SamplingTensors.build([r.params for r in spec], vocab, self.device)
+        gens = [generators.get(r.request_id) for r in spec]
+        q = torch.zeros(len(spec), k, vocab, device=self.device)
+        logits = self.model.logits(hidden[torch.tensor(ends, device=self.device)])
+        for j in range(k):
+            probs = sampling_probs(logits, sampling)
+            q[:, j] = probs
+            drafts = to_host(inverse_cdf(probs, uniforms((len(spec), 1), gens, self.device)))[0]
+            for r, token in zip(spec, drafts.tolist(), strict=True):
+                if j < r.num_drafts:
+                    r.token_ids[len(r.token_ids) - r.num_drafts + j] = max(token, 0)
+            if j + 1 == k:
+                break
+            step = SchedulerOutput([_draft_row(r, j) for r in spec])
+            logits = self.model.logits(self._run(step, prepare))
+        return q
+
+    def _run(self, batch: SchedulerOutput, prepare: Prepare) -> torch.Tensor:
+        input_ids, positions, meta = prepare(batch)
+        hidden: torch.Tensor = self.model(input_ids, positions, self.kv_cache, meta)
+        return hidden
+
+
+def _mirrored(r: ScheduledRequest) -> ScheduledRequest:
+    """The row's real tokens (no drafts), from one position earlier for a decode row."""
+    real = r.token_ids[: len(r.token_ids) - r.num_drafts]
+    before = _token_at(r, r.start_pos - 1) if len(real) == 1 else None
+    if before is None:
+        return replace(r, token_ids=real)
+    return replace(r, token_ids=[before, *real], start_pos=r.start_pos - 1)
+
+
+def _draft_row(r: ScheduledRequest, j: int) -> ScheduledRequest:
+    """Draft j (0-based) of the row as a one-token row at its position; rows with fewer
+    drafts recompute their last one (harmless: the same KV again)."""
+    at = min(j, r.num_drafts - 1)
+    real = len(r.token_ids) - r.num_drafts
+    return replace(r, token_ids=[r.token_ids[real + at]], start_pos=r.start_pos + real + at)
+
+
+def _token_at(r: ScheduledRequest, position: int) -> int | None:
+    """The row's token at `position`; None where its history has none (position -1, or
+    the warm-up's synthetic rows)."""
+    prompt = len(r.prompt_token_ids)
+    if 0 <= position < prompt:
+        return r.prompt_token_ids[position]
+    if 0 <= position - prompt < len(r.output_token_ids):
+        return r.output_token_ids[position - prompt]
+    return None
