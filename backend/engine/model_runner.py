@@ -20,7 +20,7 @@ from backend.errors import RequestStepError
 from backend.grammar import fill_bitmasks
 from backend.layers.attention import AttentionBackend, attention_backend
 from backend.layers.quant import check_quantization, quantize
-from backend.layers.rejection import rejection_sample
+from backend.layers.rejection import greedy_verify, rejection_sample
 from backend.layers.sampler import (
     SamplingTensors,
     apply_penalties_batch,
@@ -198,21 +198,24 @@ class ModelRunner:
         proposal (the draft model's q, or one-hot for n-gram drafts). One read-back."""
         plain = [i for i, r in enumerate(reqs) if not r.num_drafts]
         spec = [i for i, r in enumerate(reqs) if r.num_drafts]
-        spec_rows = staged["spec_rows"]  # [S, K+1] rows of `processed`
-        probs = sampling_probs(processed[spec_rows.flatten()], sampling.select(spec_rows.flatten()))
-        accepted, final = rejection_sample(
-            probs.view(*spec_rows.shape, -1),
-            staged["spec_drafts"],
-            staged["spec_num"],
-            draft_probs,
-            [generators[i] for i in spec],
-        )
-        results = [accepted, final]
+        spec_rows, drafts, num = staged["spec_rows"], staged["spec_drafts"], staged["spec_num"]
+        if sampling.all_greedy:
+            argmax = processed.argmax(dim=-1)
+            results = [*greedy_verify(argmax[spec_rows], drafts, num)]
+        else:
+            flat = spec_rows.flatten()
+            probs = sampling_probs(processed[flat], sampling.select(flat))
+            gens = [generators[i] for i in spec]
+            shaped = probs.view(*spec_rows.shape, -1)
+            results = [*rejection_sample(shaped, drafts, num, draft_probs, gens)]
         want = [i for i in plain if reqs[i].params.logprobs is not None]
         if plain:
             rows = staged["plain_rows"]
-            plain_gens = [generators[i] for i in plain]
-            tokens = sample_tokens(processed[rows], plain_gens, sampling.select(rows))
+            if sampling.all_greedy:
+                tokens = argmax[rows]
+            else:
+                plain_gens = [generators[i] for i in plain]
+                tokens = sample_tokens(processed[rows], plain_gens, sampling.select(rows))
             results.append(tokens)
             if want:
                 k = max(reqs[i].params.logprobs or 0 for i in want)

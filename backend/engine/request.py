@@ -77,6 +77,7 @@ class Request:
     # Draft tokens to verify in its next decode step (backend/engine/speculative.py);
     # -1s are placeholders the draft model fills in the step itself.
     spec_token_ids: list[int] = field(default_factory=list)
+    spec_gain: float = 0.0  # drafts it is expected to get accepted (acceptance x drafts)
 
     @property
     def external_id(self) -> str:

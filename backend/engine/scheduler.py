@@ -124,6 +124,7 @@ class Scheduler:
         self._shed_overloaded = self._expired_deadline = 0  # the step thread
         self.prefix_cache_queries = 0
         self.prefix_cache_hits = 0
+        self.weigh_drafts = True  # False: every proposed draft runs (tests of acceptance)
 
     def check_admission(
         self,
@@ -228,15 +229,19 @@ class Scheduler:
         # Decodes first, so a long prompt's chunks never hold back token streams.
         prefills: list[tuple[int, Request]] = []
         decoding: set[bool] = set()  # the classes (batch or not) with a token stream
+        drafting: list[Request] = []  # decode rows with draft tokens proposed
         for req in list(self.running):  # a copy: preemption shrinks self.running
             self._seen_at[self._is_batch(req)] = now
             left = req.num_tokens - req.num_computed_tokens
             if left > 1:
                 prefills.append((left, req))
             elif req.status == RequestStatus.RUNNING and plan.budget > 0:
-                if not (req.spec_token_ids and self._schedule_drafts(req, plan)):
-                    self._schedule_running(req, 1, plan)
+                self._schedule_running(req, 1, plan)
                 decoding.add(self._is_batch(req))
+                if req.spec_token_ids:
+                    drafting.append(req)
+        if drafting:
+            self._add_drafts(plan, drafting)
         prefills.sort(key=_remaining)
         # Short interactive prompts jump ahead of prefills of no greater urgency, running
         # or waiting (backend/SCHEDULING.md); the running ones keep at least the floor.
@@ -583,18 +588,30 @@ class Scheduler:
                 return
         plan.add(req, num_new)
 
-    def _schedule_drafts(self, req: Request, plan: _Plan) -> bool:
-        """A decode row with its draft tokens, as many as the budget leaves room for. Drafts
-        never preempt anyone: False (drafts dropped) when the pool cannot hold them."""
-        drafts = req.spec_token_ids = req.spec_token_ids[: plan.budget - 1]
-        if not drafts:
-            return False
-        num_new = 1 + len(drafts)
-        if self.block_manager.allocate_slots(req.request_id, req.num_tokens + len(drafts)) is None:
-            req.spec_token_ids = []
-            return False
-        plan.add(req, num_new)
-        return True
+    def _add_drafts(self, plan: _Plan, candidates: list[Request]) -> None:
+        """Extend decode rows by their draft tokens (speculative decoding), the most
+        promising first, while the step-cost fit predicts more tokens per second for it:
+        a row's drafts add `spec_gain` expected tokens and the time of computing them
+        (on a CPU, a wide batch's drafts cost more than they bring; on a GPU a step is
+        nearly flat in its tokens). Drafts never preempt: a row whose drafts the pool
+        cannot hold decodes without them."""
+        cost, bm = self.step_cost, self.block_manager
+        shape = StepShape.of_chunks((r.num_computed_tokens, n) for r, n in plan.chunks.values())
+        tokens, seconds = float(len(plan.chunks)), cost.predict(shape)
+        candidates.sort(key=lambda r: r.spec_gain / len(r.spec_token_ids), reverse=True)
+        for req in candidates:
+            drafts, req.spec_token_ids = req.spec_token_ids[: plan.budget], []
+            if not drafts or req.request_id not in plan.chunks:  # preempted since
+                continue
+            longer = shape.with_drafts(req.num_computed_tokens, len(drafts))
+            more, longer_s = tokens + req.spec_gain, cost.predict(longer)
+            if self.weigh_drafts and cost.ready and more * seconds <= tokens * longer_s:
+                continue  # no faster: tokens per second would not rise
+            if bm.allocate_slots(req.request_id, req.num_tokens + len(drafts)) is None:
+                continue
+            req.spec_token_ids = drafts
+            plan.extend(req, len(drafts))
+            shape, tokens, seconds = longer, more, longer_s
 
     def _admit_waiting(self, plan: _Plan, now: float) -> None:
         """Admit in policy order; the best request is never overtaken. When it cannot

@@ -20,7 +20,7 @@ from backend.engine.request import Request
 # The longest and shortest suffix looked up in the request's tokens (longest first).
 NGRAM_MAX, NGRAM_MIN = 4, 2
 _EMA = 0.3  # weight of the newest verification in a request's acceptance average
-MIN_ACCEPTANCE = 0.3  # below it (accepted drafts per draft token), drafting pauses
+MIN_ACCEPTANCE = 0.1  # below it (accepted drafts per draft token), drafting pauses
 FIRST_PAUSE, LONGEST_PAUSE = 8, 256  # steps without drafts after a bad streak
 
 
@@ -114,8 +114,9 @@ class Speculator:
                 continue
             if self.method == "draft":
                 req.spec_token_ids = [-1] * k
-                continue
-            req.spec_token_ids = ngram_drafts(req, state, k)
+            else:
+                req.spec_token_ids = ngram_drafts(req, state, k)
+            req.spec_gain = state.acceptance * len(req.spec_token_ids)
 
     def observe(self, request_id: str, num_drafts: int, num_accepted: int) -> None:
         """A verified row: `num_accepted` of its `num_drafts` drafts were taken."""

@@ -77,6 +77,17 @@ class StepShape:
             self.prefill_pairs + chunk_pairs(start, n),
         )
 
+    def with_drafts(self, start: int, num_drafts: int) -> StepShape:
+        """This step with its decode row at `start` carrying draft tokens: a chunk of
+        1 + num_drafts tokens instead (speculative decoding)."""
+        n = 1 + num_drafts
+        return StepShape(
+            self.prefill_tokens + n,
+            self.decode_rows - 1,
+            self.decode_context - (start + 1),
+            self.prefill_pairs + chunk_pairs(start, n),
+        )
+
     def features(self) -> Theta:
         raw = (1, self.prefill_tokens, self.decode_rows, self.decode_context, self.prefill_pairs)
         return tuple(x * scale for x, scale in zip(raw, _SCALES, strict=True))

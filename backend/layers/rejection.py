@@ -61,3 +61,16 @@ def rejection_sample(
     # No distribution to draw from (NaN logits): the argmax, as sample_tokens does.
     token = torch.where(token < 0, p_next.nan_to_num(nan=-1.0).argmax(dim=-1), token)
     return accepted, token
+
+
+def greedy_verify(
+    target_ids: torch.Tensor, draft_ids: torch.Tensor, num_drafts: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """`rejection_sample` for greedy rows (whatever q): target_ids [S, K+1] the argmax at
+    each position. The drafts the argmax agrees with, in order, then the argmax after
+    them; no distribution is built."""
+    k = draft_ids.shape[1]
+    valid = torch.arange(k, device=draft_ids.device)[None, :] < num_drafts[:, None]
+    agree = (target_ids[:, :k] == draft_ids) & valid
+    accepted = agree.long().cumprod(dim=1).sum(dim=1)
+    return accepted, target_ids.gather(1, accepted[:, None]).squeeze(1)

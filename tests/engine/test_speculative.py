@@ -17,8 +17,9 @@ from backend.engine.block_manager import BlockManager
 from backend.engine.engine import Engine
 from backend.engine.request import Request, fan_out
 from backend.engine.speculative import MIN_ACCEPTANCE, SpecState, Speculator, ngram_drafts
+from backend.engine.step_cost import StepCostModel
 from backend.errors import CheckpointError
-from backend.layers.rejection import rejection_sample
+from backend.layers.rejection import greedy_verify, rejection_sample
 from backend.requests import EngineRequest
 from backend.sampling import SamplingParams
 from tests.engine.engine_support import (
@@ -47,6 +48,14 @@ def chi_square(counts: Counter[int], probs: list[float], draws: int) -> tuple[fl
     cells = [t for t, p in enumerate(probs) if p > 0]
     stat = sum((counts[t] - draws * probs[t]) ** 2 / (draws * probs[t]) for t in cells)
     return stat, len(cells) - 1
+
+
+def spec_engine(path: Path, **overrides: object) -> Engine:
+    """An engine that runs every draft proposed (the step-cost weighing would make which
+    ones run depend on this machine's timings)."""
+    engine = make_engine(path, **overrides)
+    engine.scheduler.weigh_drafts = False
+    return engine
 
 
 def run(engine: Engine, prompts: list[list[int]], params: SamplingParams) -> dict[str, list[int]]:
@@ -132,6 +141,9 @@ def test_greedy_rows_accept_exactly_the_argmax_run() -> None:
     )
     assert accepted.tolist() == [3, 1, 0]
     assert token.tolist() == [4, 6, 0]
+    accepted, token = greedy_verify(argmax, drafts, torch.tensor([3, 3, 2]))
+    assert accepted.tolist() == [3, 1, 0]
+    assert token.tolist() == [4, 6, 0]
 
 
 def _request(request_id: str, prompt: list[int], max_len: int) -> Request:
@@ -166,10 +178,10 @@ def test_greedy_tokens_equal_without_speculation_ngram(
     prompts, expected = reference
     # Each prompt followed by its own continuation's start: the lookup finds drafts.
     quoting = [p + expected[str(i)][:8] + p[-6:] for i, p in enumerate(prompts)]
-    engine = make_engine(llama_dir, **BASE, speculative_method="ngram")
+    engine = spec_engine(llama_dir, **BASE, speculative_method="ngram")
     assert run(engine, prompts, GREEDY) == expected
     plain = run(make_engine(llama_dir, **BASE), quoting, GREEDY)
-    engine = make_engine(llama_dir, **BASE, speculative_method="ngram")
+    engine = spec_engine(llama_dir, **BASE, speculative_method="ngram")
     assert run(engine, quoting, GREEDY) == plain
     assert engine.stats().spec_decode_num_drafts > 0
 
@@ -182,7 +194,7 @@ def test_greedy_tokens_equal_with_every_draft_accepted_or_some_rejected(
     prompts, expected = reference
     for wrong_every in (0, 3):
         monkeypatch.setattr(speculative, "ngram_drafts", echo_proposer(expected, wrong_every))
-        engine = make_engine(llama_dir, **BASE, speculative_method="ngram")
+        engine = spec_engine(llama_dir, **BASE, speculative_method="ngram")
         assert run(engine, prompts, GREEDY) == expected
         stats = engine.stats()
         assert stats.spec_decode_num_accepted_tokens > 0
@@ -203,7 +215,7 @@ def test_rollback_under_preemption_and_prefix_caching(
     every step (run_to_completion checks it)."""
     prompts, expected = reference
     monkeypatch.setattr(speculative, "ngram_drafts", echo_proposer(expected, 2))
-    engine = make_engine(
+    engine = spec_engine(
         llama_dir,
         **{**BASE, "num_kv_blocks": 40, "max_model_len": 600},
         speculative_method="ngram",
@@ -235,7 +247,7 @@ def test_greedy_tokens_equal_without_speculation_draft_model(
     small draft nearly none: the tokens are the same either way."""
     prompts, expected = reference
     for draft, accepted in ((llama_dir, 1.0), (small_draft, None)):
-        engine = make_engine(
+        engine = spec_engine(
             llama_dir, **BASE, speculative_method="draft", speculative_model=str(draft)
         )
         assert run(engine, prompts, GREEDY) == expected
@@ -252,7 +264,7 @@ def test_draft_model_rollback_under_preemption_and_prefix_caching(
     """The draft's cache shares the target's block tables: preemption, prefix-cache
     hits and rejected slots leave both consistent (same tokens, exact accounting)."""
     prompts, expected = reference
-    engine = make_engine(
+    engine = spec_engine(
         llama_dir,
         **{**BASE, "num_kv_blocks": 48, "max_model_len": 600},
         speculative_method="draft",
@@ -272,7 +284,7 @@ def test_draft_model_sampling_keeps_the_distribution_end_to_end(
     params = SamplingParams(max_tokens=3, temperature=1.5, top_k=4, ignore_eos=True)
 
     def draw(**spec: object) -> Counter[tuple[int, int]]:
-        engine = make_engine(llama_dir, **BASE, max_num_seqs=64, **spec)
+        engine = spec_engine(llama_dir, **BASE, max_num_seqs=64, **spec)
         for seed in range(400):
             engine.add_request(EngineRequest(prompt, replace(params, seed=seed), f"s{seed}"))
         outs = run_to_completion(engine)
@@ -290,7 +302,7 @@ def test_draft_model_sampling_keeps_the_distribution_end_to_end(
 def test_a_draft_of_another_vocabulary_is_refused(llama_dir: Path, tmp_path: Path) -> None:
     other = build_checkpoint(tmp_path / "other", "llama", vocab_size=300)
     with pytest.raises(CheckpointError, match="vocabulary"):
-        make_engine(llama_dir, **BASE, speculative_method="draft", speculative_model=str(other))
+        spec_engine(llama_dir, **BASE, speculative_method="draft", speculative_model=str(other))
 
 
 def test_trim_returns_the_slots_of_rejected_drafts() -> None:
@@ -316,7 +328,7 @@ def test_sampled_tokens_keep_their_distribution_end_to_end(
     seeds = range(400)
 
     def draw(method: str) -> Counter[tuple[int, int]]:
-        engine = make_engine(llama_dir, **BASE, speculative_method=method, max_num_seqs=64)
+        engine = spec_engine(llama_dir, **BASE, speculative_method=method, max_num_seqs=64)
         for seed in seeds:
             engine.add_request(EngineRequest(prompt, replace(params, seed=seed), f"s{seed}"))
         outs = run_to_completion(engine)
@@ -352,7 +364,7 @@ def test_rows_the_verifier_cannot_take_decode_one_token_at_a_time(
     llama_dir: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     monkeypatch.setattr(speculative, "ngram_drafts", lambda req, state, k: [3] * k)
-    engine = make_engine(llama_dir, **BASE, speculative_method="ngram")
+    engine = spec_engine(llama_dir, **BASE, speculative_method="ngram")
     for name, params in (
         ("penalty", replace(GREEDY, repetition_penalty=1.3)),
         ("logprobs", replace(GREEDY, logprobs=2)),
@@ -380,6 +392,30 @@ def test_drafting_pauses_when_drafts_are_rarely_accepted() -> None:
     assert spec.counters.num_drafts == drafted
 
 
+@pytest.mark.parametrize("expensive", [True, False])
+def test_drafts_run_only_where_the_step_cost_fit_predicts_a_gain(
+    llama_dir: Path,
+    reference: tuple[list[list[int]], dict[str, list[int]]],
+    monkeypatch: pytest.MonkeyPatch,
+    expensive: bool,
+) -> None:
+    """A fit where every extra token costs five times a step's overhead (a saturated
+    device): even drafts all expected to pass bring fewer tokens than their time, so none
+    run. A fit where tokens are nearly free (a GPU below its knee): they all run."""
+    prompts, expected = reference
+    monkeypatch.setattr(speculative, "ngram_drafts", echo_proposer(expected, 2))
+    engine = make_engine(llama_dir, **BASE, speculative_method="ngram")
+    per_token = 5e-2 if expensive else 1e-6
+    fit = StepCostModel.fixed({"overhead": 1e-2, "prefill_token": per_token, "decode_row": 1e-2})
+    monkeypatch.setattr(fit, "observe", lambda shape, seconds: None)
+    engine.scheduler.step_cost = fit
+    assert run(engine, prompts[:6], GREEDY) == {k: expected[k] for k in map(str, range(6))}
+    stats = engine.stats()
+    assert (stats.spec_decode_num_drafts == 0) == expensive
+    if not expensive:
+        assert stats.spec_decode_num_accepted_tokens > 0
+
+
 def test_config_refuses_bad_speculative_settings() -> None:
     with pytest.raises(ValueError, match="speculative_method"):
         EngineConfig(speculative_method="medusa")
@@ -400,7 +436,7 @@ def test_metrics_carry_the_spec_decode_counters(
 
     prompts, expected = reference
     monkeypatch.setattr(speculative, "ngram_drafts", echo_proposer(expected, 3))
-    engine = make_engine(llama_dir, **BASE, speculative_method="ngram")
+    engine = spec_engine(llama_dir, **BASE, speculative_method="ngram")
     run(engine, prompts[:4], GREEDY)
     registry = CollectorRegistry()
     registry.register(EngineStatsCollector(engine.stats))

@@ -1,0 +1,170 @@
+"""Speculative decoding (n-gram drafts) against plain decoding (issue 34), through the HTTP
+API: two embedded `tollgate serve` on loopback with the built-in model, one with
+`--speculative-method ngram`, both up in the same run and measured alternately. Output
+tok/s (every completion token over the wall time of the batch, prefill included) at 1 and
+8 concurrent requests on two workloads:
+
+- repetitive: stdlib source code and docstrings followed by their own first 80
+  characters (a code edit or a summary that quotes its prompt), greedy;
+- long_tailed: random token prompts of long-tailed lengths (median 200, up to 1,024)
+  and outputs (median 48, up to 256), as bench/engine_throughput.py draws them, sampled
+  at temperature 1: drafts are rarely accepted there, so speculation must turn itself
+  down (target: no loss over 5%).
+
+Target: at least 1.5x on the repetitive workload at concurrency 1.
+
+    python -m bench.speculative [--repeat 2] [--tokens 128] [--k 4]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import collections
+import functools
+import inspect
+import json
+import os
+import random
+import secrets
+import tempfile
+import textwrap
+import time
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+from bench._common import long_tailed
+from bench.hostile_load import start_server, tenant_key, wait_ready
+from tenants import keys
+
+Request = dict[str, Any]  # a /v1/completions body without "model"
+
+
+def repetitive_work(tokens: int) -> list[Request]:
+    """Eight texts from the standard library (code and prose), each followed by its own
+    opening: the continuation quotes the prompt."""
+    sources = [
+        inspect.getsource(json.dumps),
+        inspect.getsource(textwrap.wrap),
+        inspect.getsource(functools.wraps),
+        inspect.getsource(collections.namedtuple)[:1500],
+        json.__doc__ or "",
+        collections.__doc__ or "",
+        inspect.__doc__ or "",
+        inspect.getsource(random.Random.shuffle),
+    ]
+    return [
+        {"prompt": text[:1200] + "\n\n" + text[:80], "max_tokens": tokens, "temperature": 0}
+        for text in sources
+    ]
+
+
+def long_tailed_work(num: int, seed: int = 0) -> list[Request]:
+    rng = random.Random(seed)
+    work = []
+    for _ in range(num):
+        prompt = long_tailed(rng, 32, 1024, median=200, sigma=0.9)
+        output = long_tailed(rng, 16, 256, median=48, sigma=0.8)
+        ids = [rng.randrange(3, 4000) for _ in range(prompt)]
+        work.append({"prompt": ids, "max_tokens": output, "temperature": 1.0})
+    return work
+
+
+async def complete(http: httpx.AsyncClient, server: dict[str, str], body: Request) -> int:
+    """One completion; its completion tokens."""
+    headers = {"Authorization": f"Bearer {server['key']}"}
+    full = {**body, "model": server["model"], "ignore_eos": True}
+    reply = await http.post(f"{server['base']}/v1/completions", json=full, headers=headers)
+    reply.raise_for_status()
+    return int(reply.json()["usage"]["completion_tokens"])
+
+
+async def output_rate(
+    http: httpx.AsyncClient, server: dict[str, str], work: list[Request], concurrency: int
+) -> float:
+    """Completion tokens per second of `work`, `concurrency` requests in flight at a time."""
+    queue = list(reversed(work))
+    total = 0
+
+    async def worker() -> None:
+        nonlocal total
+        while queue:
+            total += await complete(http, server, queue.pop())
+
+    started = time.monotonic()
+    await asyncio.gather(*(worker() for _ in range(concurrency)))
+    return total / (time.monotonic() - started)
+
+
+async def spec_stats(http: httpx.AsyncClient, server: dict[str, str]) -> dict[str, float]:
+    """Acceptance figures from the server's /metrics (the engine's own names)."""
+    text = (await http.get(f"{server['base']}/metrics")).text
+    found = {}
+    for line in text.splitlines():
+        for name in ("acceptance_ratio", "tokens_per_step"):
+            if line.startswith(f"tollgate_engine_spec_decode_{name} "):
+                found[name] = round(float(line.split()[-1]), 2)
+    return found
+
+
+async def start(
+    folder: Path, method: str, k: int, http: httpx.AsyncClient
+) -> tuple[Any, dict[str, str]]:
+    admin, _ = keys.generate_key()
+    port = 18000 + secrets.randbelow(2000)
+    base = f"http://127.0.0.1:{port}"
+    os.environ["TOLLGATE_SPECULATIVE_METHOD"] = method
+    os.environ["TOLLGATE_NUM_SPECULATIVE_TOKENS"] = str(k)
+    process = start_server(folder, admin, port)
+    await wait_ready(http, base, timeout_s=300)
+    auth = {"Authorization": f"Bearer {admin}"}
+    model = (await http.get(f"{base}/v1/models", headers=auth)).json()["data"][0]["id"]
+    key = await tenant_key(http, base, admin, None)
+    return process, {"base": base, "key": key, "model": model}
+
+
+async def run(args: argparse.Namespace) -> None:
+    workloads = {
+        "repetitive": repetitive_work(args.tokens),
+        "long_tailed": long_tailed_work(16),
+    }
+    with tempfile.TemporaryDirectory() as a, tempfile.TemporaryDirectory() as b:
+        async with httpx.AsyncClient(timeout=600) as http:
+            servers, processes = {}, []
+            try:
+                for name, folder in (("off", a), ("ngram", b)):
+                    process, servers[name] = await start(Path(folder), name, args.k, http)
+                    processes.append(process)
+                for server in servers.values():  # warm-up: first steps, allocator
+                    await output_rate(http, server, workloads["repetitive"][:2], 2)
+                for attempt in range(args.repeat):
+                    report: dict[str, Any] = {"run": attempt + 1, "k": args.k}
+                    for workload, work in workloads.items():
+                        for concurrency in (1, 8):
+                            rates = {}
+                            for name, server in servers.items():
+                                rate = await output_rate(http, server, work, concurrency)
+                                rates[name] = round(rate, 1)
+                            key = f"{workload}_c{concurrency}"
+                            report[f"{key}_tok_s"] = rates
+                            report[f"{key}_ratio"] = round(rates["ngram"] / rates["off"], 2)
+                    report["ngram_metrics"] = await spec_stats(http, servers["ngram"])
+                    print(json.dumps(report), flush=True)
+            finally:
+                for process in processes:
+                    process.terminate()
+                    process.wait(timeout=30)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--repeat", type=int, default=2)
+    parser.add_argument("--tokens", type=int, default=128, help="per repetitive completion")
+    parser.add_argument("--k", type=int, default=4, help="--num-speculative-tokens")
+    asyncio.run(run(parser.parse_args()))
+
+
+if __name__ == "__main__":
+    main()
