@@ -15,6 +15,9 @@ bfloat16 checkpoints shaped like Llama-3.2-1B and Llama-3-8B are built on the GP
 - ttft_1b: time to first token of 1k, 8k and 32k-token prompts;
 - throughput_1b: output tokens/s at 64 and 256 concurrent requests of a long-tailed
   workload, against transformers generate() on length-sorted static batches;
+- speculative_1b: n-gram speculative decoding against plain decoding on prompts that
+  repeat themselves: greedy tokens equal, output tokens/s at 1 and 8 concurrent, and
+  the acceptance (a random-weight model copies little, so read the rates beside it);
 - serving_mix_8b: issue 15's serving mix (bench/serving_mix.py's phases) on the 8B shape,
   default engine settings, in process (an AsyncEngine; the device image has no web
   stack, so no HTTP server): chat TTFT and inter-token gaps alone and beside a tenant
@@ -128,6 +131,8 @@ class Plan:
     output_median: int = 96
     static_batch_size: int = 64
     static_budget_s: float = 25.0  # per workload, steps included (generate's max_time)
+    spec_prompt: int = 512  # speculative_1b: a random half, then that half again
+    spec_tokens: int = 128
     max_num_batched_tokens: int = 8192
     # serving_mix_8b: two 16 GB engines (adaptive, static budget), ~27 s of traffic
     mix: Mix = field(
@@ -138,7 +143,7 @@ class Plan:
     # The whole check within 6 minutes, so 15 minutes of GPU time hold a machine start,
     # the 2-minute smoke (--only kernels,greedy_1b) and one rerun. Each budget is about
     # twice the section's expected time (bench/README.md, "The device check").
-    total_s: float = 345.0  # the budgets sum to 340; Python's start-up comes on top
+    total_s: float = 365.0  # the budgets sum to 360; Python's start-up comes on top
     budgets: dict[str, float] = field(
         default_factory=lambda: {
             "build_1b": 20,
@@ -149,6 +154,7 @@ class Plan:
             "decode_1b": 20,
             "ttft_1b": 20,
             "throughput_1b": 70,  # the engine, then 2 static workloads of 25 s
+            "speculative_1b": 20,
             "serving_mix_8b": 60,
         }
     )
@@ -168,6 +174,8 @@ DRY = Plan(
     output_median=8,
     static_batch_size=8,
     static_budget_s=20.0,
+    spec_prompt=64,
+    spec_tokens=16,
     max_num_batched_tokens=256,
     mix=Mix(seconds=1.0, chat_rate=5.0, chat_output=(8, 16), doc_prompt=1000, settle=0.3, burst=0),
     total_s=240.0,
@@ -727,6 +735,57 @@ async def _mix_in_process(
         await engine.shutdown()  # also when the section's time runs out
 
 
+def section_speculative(run: Run) -> dict[str, Any]:
+    """The 1B shape with and without n-gram drafts (K = 4), max_num_seqs 8: the same
+    greedy tokens, and output tokens/s of 2 requests one after the other (concurrency 1)
+    and of 8 at once."""
+    plan, shape = run.plan, run.shapes["1b"]
+    rng = random.Random(5)
+    halves = [random_prompt(rng, plan.spec_prompt // 2, shape.vocab) for _ in range(8)]
+    prompts = [half + half for half in halves]
+    result = run.partial
+    tokens: dict[str, dict[str, list[int]]] = {}
+    for method in ("off", "ngram"):
+        engine = make_engine(
+            run,
+            checkpoint(run, "1b"),
+            speculative_method=method,
+            max_num_seqs=8,
+            max_model_len=plan.spec_prompt + plan.spec_tokens + 16,
+            max_num_batched_tokens=plan.max_num_batched_tokens,
+            gpu_memory_utilization=0.5,
+        )
+        engine.add_request(EngineRequest(prompts[0][:32], greedy(4), "warm"))
+        drain(engine)
+        figures: dict[str, Any] = {}
+        for concurrency in (1, 8):
+            started, steps, made = time.perf_counter(), engine.num_steps, 0
+            for batch in range(0, 8 if concurrency == 8 else 2, concurrency):
+                for i in range(batch, batch + concurrency):
+                    request = EngineRequest(prompts[i], greedy(plan.spec_tokens), f"s{i}")
+                    engine.add_request(request)
+                outputs = drain(engine)
+                made += sum(len(tokens_of(o)) for o in outputs.values())
+                tokens.setdefault(method, {}).update({k: tokens_of(o) for k, o in outputs.items()})
+            seconds = time.perf_counter() - started
+            figures[f"c{concurrency}"] = {
+                "tokens_per_s": round(made / seconds, 1),
+                "steps": engine.num_steps - steps,
+            }
+        stats = engine.stats()
+        figures["acceptance"] = round(stats.spec_decode_acceptance_rate, 3)
+        figures["tokens_per_step"] = round(stats.spec_decode_tokens_per_step, 2)
+        result[method] = figures
+        del engine
+        release()
+    for c in ("c1", "c8"):
+        result[f"speedup_{c}"] = round(
+            result["ngram"][c]["tokens_per_s"] / result["off"][c]["tokens_per_s"], 2
+        )
+    result["greedy_equal"] = tokens["ngram"] == tokens["off"]
+    return result
+
+
 SECTIONS: list[tuple[str, Callable[[Run], dict[str, Any]]]] = [
     ("build_1b", section_build("1b")),
     ("kernels", section_kernels),
@@ -736,6 +795,7 @@ SECTIONS: list[tuple[str, Callable[[Run], dict[str, Any]]]] = [
     ("decode_1b", section_decode("1b")),
     ("ttft_1b", section_ttft),
     ("throughput_1b", section_throughput),
+    ("speculative_1b", section_speculative),
     ("serving_mix_8b", section_serving_mix),
 ]
 
@@ -780,6 +840,15 @@ def _figures(name: str, e: dict[str, Any]) -> Iterator[tuple[str, str]]:
                 n = key[6:]
                 ours, theirs = e[f"engine_{n}"]["tokens_per_s"], e[f"static_{n}"]["tokens_per_s"]
                 yield f"{n} concurrent: engine / static tok/s", f"{ours} / {theirs} = {e[key]}x"
+    elif name == "speculative_1b":
+        yield "speculative: greedy equal to plain", str(e["greedy_equal"])
+        for c in ("c1", "c8"):
+            rates = f"{e['off'][c]['tokens_per_s']} / {e['ngram'][c]['tokens_per_s']}"
+            yield f"speculative {c}: plain / ngram tok/s", f"{rates} = {e[f'speedup_{c}']}x"
+        yield (
+            "speculative acceptance, tokens/step",
+            (f"{e['ngram']['acceptance']}, {e['ngram']['tokens_per_step']}"),
+        )
     elif name == "serving_mix_8b":
         yield from _mix_figures(e)
 

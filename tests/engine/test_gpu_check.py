@@ -50,6 +50,7 @@ def test_the_dry_run_runs_every_section(tmp_path: Path) -> None:
         "decode_1b",
         "ttft_1b",
         "throughput_1b",
+        "speculative_1b",
         "serving_mix_8b",
     ]
     if has_kernels:
@@ -69,6 +70,9 @@ def test_the_dry_run_runs_every_section(tmp_path: Path) -> None:
     for n in (8, 16):
         assert throughput[f"engine_{n}"]["output_tokens"] > 0
         assert throughput[f"ratio_{n}"] > 0
+    spec = sections["speculative_1b"]
+    assert spec["greedy_equal"] is True
+    assert spec["ngram"]["c8"]["tokens_per_s"] > 0 and spec["speedup_c1"] > 0
     mix = sections["serving_mix_8b"]
     assert mix["api"].startswith("in-process")
     assert mix["mix"]["docs_in_flight"] == 8 and mix["mix"]["vocab"] == 512  # the tiny 8B
