@@ -45,6 +45,9 @@ from backend.errors import DeadlineExceededError, OverloadedError
 # An express prompt's first chunk may stretch its step to this multiple of the step's
 # time limit: its TTFT against one longer gap for the streams beside it.
 EXPRESS_STRETCH = 2.0
+# Drafts run where the fit predicts at least this much more tokens per second: a gain
+# within its error is no gain, and a batch's last request sets when its slot frees.
+DRAFT_MARGIN = 1.1
 
 
 @dataclass
@@ -605,13 +608,22 @@ class Scheduler:
                 continue
             longer = shape.with_drafts(req.num_computed_tokens, len(drafts))
             more, longer_s = tokens + req.spec_gain, cost.predict(longer)
-            if self.weigh_drafts and cost.ready and more * seconds <= tokens * longer_s:
-                continue  # no faster: tokens per second would not rise
+            if not self._drafts_pay((tokens, seconds), (more, longer_s)):
+                continue
             if bm.allocate_slots(req.request_id, req.num_tokens + len(drafts)) is None:
                 continue
             req.spec_token_ids = drafts
             plan.extend(req, len(drafts))
             shape, tokens, seconds = longer, more, longer_s
+
+    def _drafts_pay(self, before: tuple[float, float], after: tuple[float, float]) -> bool:
+        """Whether (expected tokens, predicted seconds) of the step with a row's drafts
+        beat those without them by DRAFT_MARGIN in tokens per second (always, before the
+        fit is ready or with weigh_drafts off)."""
+        if not (self.weigh_drafts and self.step_cost.ready):
+            return True
+        (tokens, seconds), (more, longer_s) = before, after
+        return more * seconds > DRAFT_MARGIN * tokens * longer_s
 
     def _admit_waiting(self, plan: _Plan, now: float) -> None:
         """Admit in policy order; the best request is never overtaken. When it cannot
