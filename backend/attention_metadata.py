@@ -23,7 +23,7 @@ class AttentionMetadata:
     tensors left out are made from the lists."""
 
     slot_mapping: torch.Tensor  # [T] int64, cache slot (block * block_size + offset) per token
-    block_tables: torch.Tensor  # [B, max_blocks] int64, padded with 0
+    block_tables: torch.Tensor  # [B, max_blocks] int32 (or int64), past a row's blocks unread
     seq_lens: list[int]  # [B]
     query_start_loc: list[int]  # [B + 1]
     block_size: int

@@ -21,6 +21,7 @@ import numpy as np
 import torch
 
 from backend.attention_metadata import AttentionMetadata
+from backend.engine.block_tables import DeviceBlockTables
 
 Forward = Callable[[torch.Tensor, torch.Tensor, AttentionMetadata], torch.Tensor]
 Buffer = TypeVar("Buffer", torch.Tensor, np.ndarray)
@@ -66,13 +67,16 @@ class DecodeGraphs:
         self.max_blocks = max_blocks
         n = max_num_seqs
         # One flat int64 buffer: ids, positions, slots, seq_lens [n] each, query_start_loc
-        # [n + 1], then the block tables [n, max_blocks] (last, so a replay copies only the
-        # rows it uses).
-        self._lengths = (n, n, n, n, n + 1, n * max_blocks)
-        self._tables_at = sum(self._lengths[:5])
+        # [n + 1], then each row's row in the device block tables [n]. Two host buffers,
+        # used in turn: a step is filled while the previous one's copy may be in flight.
+        self._lengths = (n, n, n, n, n + 1, n)
         total = sum(self._lengths)
-        self._host = torch.zeros(total, dtype=torch.int64, pin_memory=device.type == "cuda")
+        pin = device.type == "cuda"
+        self._hosts = [torch.zeros(total, dtype=torch.int64, pin_memory=pin) for _ in range(2)]
+        self._host = self._hosts[0]
         self._static = torch.zeros(total, dtype=torch.int64, device=device)
+        # The batch's block tables, gathered on the device from DeviceBlockTables' rows.
+        self._tables = torch.zeros(n, max_blocks, dtype=torch.int32, device=device)
         self._graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self._outputs: dict[int, torch.Tensor] = {}
         self.replays = 0
@@ -82,15 +86,14 @@ class DecodeGraphs:
         for length in self._lengths:
             parts.append(flat[offset : offset + length])
             offset += length
-        parts[5] = parts[5].reshape(-1, self.max_blocks)
         return parts
 
     def _run(self, size: int) -> torch.Tensor:
         # Fresh views on every call: nothing memoised on a tensor's identity (the rotary
         # table's rows) carries over from the warm-up into a capture.
-        ids, positions, slots, seq_lens, starts, tables = self._split(self._static)
+        ids, positions, slots, seq_lens, starts, _ = self._split(self._static)
         meta = self.backend.decode_metadata(
-            slots[:size], tables[:size], seq_lens[:size], starts[: size + 1], self.block_size
+            slots[:size], self._tables[:size], seq_lens[:size], starts[: size + 1], self.block_size
         )
         return self.forward(ids[:size], positions[:size], meta)
 
@@ -115,15 +118,27 @@ class DecodeGraphs:
         return num_seqs <= self.sizes[-1]
 
     def replay(
-        self, input_ids: list[int], positions: list[int], block_ids: list[list[int]]
+        self,
+        input_ids: list[int],
+        positions: list[int],
+        block_ids: list[list[int]],
+        tables: DeviceBlockTables,
+        rows: list[int],
+        patch: Callable[[torch.Tensor], None] | None = None,
     ) -> torch.Tensor:
         """Hidden states [B, hidden] of a decode-only batch (token i at positions[i] of a
-        sequence whose blocks are block_ids[i]); valid until the next replay."""
+        sequence whose blocks are block_ids[i], held in row rows[i] of `tables`); valid
+        until the next replay. `patch` may rewrite the input ids on the device first
+        (async scheduling's tokens still on the device)."""
         num = len(input_ids)
         size = next(s for s in self.sizes if s >= num)
-        self._fill(input_ids, positions, block_ids, size)
-        used = self._tables_at + size * self.max_blocks
-        self._static[:used].copy_(self._host[:used], non_blocking=True)
+        self._host = self._hosts[self.replays % 2]
+        self._fill(input_ids, positions, block_ids, size, rows)
+        self._static.copy_(self._host, non_blocking=True)
+        ids, *_, static_rows = self._split(self._static)
+        torch.index_select(tables.table, 0, static_rows[:num], out=self._tables[:num])
+        if patch is not None:
+            patch(ids[:num])
         self.replays += 1
         if self.device.type != "cuda":
             return self._run(size)[:num]
@@ -131,20 +146,23 @@ class DecodeGraphs:
         return self._outputs[size][:num]
 
     def _fill(
-        self, input_ids: list[int], positions: list[int], block_ids: list[list[int]], size: int
+        self,
+        input_ids: list[int],
+        positions: list[int],
+        block_ids: list[list[int]],
+        size: int,
+        rows: list[int] | None = None,
     ) -> None:
         """The host buffer of a batch padded to `size`. Padding: token 0 at position 0,
-        slot -1, one token of context in block 0. Table columns past a row's context are
-        never read, so stale values there are left alone. The previous replay's copy is
-        done: every step ends by reading its tokens back."""
+        slot -1, one token of context (the padded rows' tables hold whatever an earlier
+        replay left: valid block ids, and only the first is read). This buffer's previous
+        copy is done: a step reads its tokens back before the step after next is filled."""
         num, bs = len(input_ids), self.block_size
-        ids, pos, slots, lens, starts, tables = self._split(self._host.numpy())
+        ids, pos, slots, lens, starts, table_rows = self._split(self._host.numpy())
         ids[:num], ids[num:size] = input_ids, 0
         pos[:num], pos[num:size] = positions, 0
         slots[:num] = [b[p // bs] * bs + p % bs for p, b in zip(positions, block_ids, strict=True)]
         slots[num:size] = -1
         lens[:num], lens[num:size] = [p + 1 for p in positions], 1
         starts[: size + 1] = np.arange(size + 1)
-        for row, blocks in enumerate(block_ids):
-            tables[row, : len(blocks)] = blocks
-        tables[num:size, 0] = 0
+        table_rows[:num] = rows if rows is not None else 0

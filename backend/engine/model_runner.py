@@ -14,6 +14,7 @@ import torch
 from backend.attention_metadata import AttentionMetadata
 from backend.config import EngineConfig
 from backend.engine.batch import ModelRunnerOutput, ScheduledRequest, SchedulerOutput
+from backend.engine.block_tables import DeviceBlockTables
 from backend.engine.cuda_graphs import DecodeGraphs, GraphableBackend, can_capture
 from backend.engine.draft import DraftModel
 from backend.errors import RequestStepError
@@ -99,6 +100,9 @@ class ModelRunner:
         self._generators: dict[str, torch.Generator] = {}
         self._prompt_masks: dict[str, torch.Tensor] = {}  # penalised requests' prompts
         self._biases: dict[str, tuple[np.ndarray, np.ndarray]] = {}  # logit_bias as arrays
+        # Live requests' block tables, on the device, written by difference each step.
+        width = _aligned(-(-max_model_len // config.block_size))
+        self.block_tables = DeviceBlockTables(width, self.device)
         self.graphs: DecodeGraphs | None = None
         if self.device.type == "cuda" and not config.enforce_eager and can_capture(self.attention):
             self.graphs = self._capture_graphs(max_model_len)
@@ -111,7 +115,7 @@ class ModelRunner:
             lambda ids, positions, meta: self.model(ids, positions, self.kv_cache, meta),
             cast(GraphableBackend, self.attention),
             max_num_seqs=self.config.seqs_limit,
-            max_blocks=-(-max_model_len // bs),
+            max_blocks=self.block_tables.width,
             block_size=bs,
             device=self.device,
         )
@@ -133,6 +137,7 @@ class ModelRunner:
             self._generators.pop(request_id, None)
             self._prompt_masks.pop(request_id, None)
             self._biases.pop(request_id, None)
+        self.block_tables.release(batch.finished_request_ids)
         if not batch.requests:
             return ModelRunnerOutput({})
         reqs = [r for r in batch.requests if r.sample]
@@ -283,7 +288,7 @@ class ModelRunner:
                 for i, (prompt, start, tokens, blocks) in enumerate(pieces)
             ]
         )
-        input_ids, positions, meta = self._prepare(batch)
+        input_ids, positions, meta = self._prepare(batch, device_tables=False)
         hidden: torch.Tensor = self.model(input_ids, positions, self.kv_cache, meta)
         return hidden
 
@@ -297,10 +302,15 @@ class ModelRunner:
             and graphs.fits(len(reqs))
             and all(len(r.token_ids) == 1 for r in reqs)
         ):
+            rows, changes = self.block_tables.plan(reqs)
+            if changes:
+                self.block_tables.apply(to_device(_int64_tensor(changes), self.device))
             return graphs.replay(
                 [r.token_ids[0] for r in reqs],
                 [r.start_pos for r in reqs],
                 [r.block_ids for r in reqs],
+                self.block_tables,
+                rows,
             )
         input_ids, positions, meta = self._prepare(batch)
         return self.model(input_ids, positions, self.kv_cache, meta)  # type: ignore[no-any-return]
@@ -428,10 +438,12 @@ class ModelRunner:
                 del self.kv_cache
 
     def _prepare(
-        self, batch: SchedulerOutput
+        self, batch: SchedulerOutput, device_tables: bool = True
     ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
         """The step's inputs as one int64 buffer, copied to the device once and cut into
-        views: input ids, positions, slots, sequence lengths, query starts, block tables."""
+        views: input ids, positions, slots, sequence lengths, query starts, and the block
+        tables' changed entries and rows (`device_tables`: a step's live requests) or the
+        tables themselves (an embedding or profiling pass)."""
         bs = self.config.block_size
         input_ids: list[int] = []
         positions: list[int] = []
@@ -448,19 +460,29 @@ class ModelRunner:
                 slots += _slots(r.block_ids, start, end, bs)
             seq_lens.append(end)
             starts.append(starts[-1] + end - start)
-        width = _aligned(max(len(r.block_ids) for r in batch.requests))
-        tables: list[int] = []
-        for r in batch.requests:
-            tables += r.block_ids
-            tables += [0] * (width - len(r.block_ids))
         num_seqs = len(seq_lens)
-        parts = (input_ids, positions, slots, seq_lens, starts, tables)
+        parts: tuple[list[int], ...]
+        if device_tables:
+            rows, changes = self.block_tables.plan(batch.requests)
+            parts = (input_ids, positions, slots, seq_lens, starts, rows, changes)
+        else:
+            width = _aligned(max(len(r.block_ids) for r in batch.requests))
+            tables: list[int] = []
+            for r in batch.requests:
+                tables += r.block_ids
+                tables += [0] * (width - len(r.block_ids))
+            parts = (input_ids, positions, slots, seq_lens, starts, tables)
         flat = _int64_tensor(_packed(parts))
         flat = flat.to(self.device, non_blocking=True)
-        ids, pos, slot_mapping, lens, query_starts, table = _views(flat, parts)
+        ids, pos, slot_mapping, lens, query_starts, *rest = _views(flat, parts)
+        if device_tables:
+            self.block_tables.apply(rest[1])
+            table = self.block_tables.gather(rest[0])
+        else:
+            table = rest[0].view(num_seqs, width)
         meta = AttentionMetadata(
             slot_mapping=slot_mapping,
-            block_tables=table.view(num_seqs, width),
+            block_tables=table,
             seq_lens=seq_lens,
             query_start_loc=starts,
             block_size=bs,
