@@ -78,6 +78,13 @@ def model_flags(p: argparse.ArgumentParser) -> None:
     mem.add_argument("--margin-gb", type=float, help="GiB per GPU kept as a safety margin")
     load = p.add_argument_group("workload and efficiency")
     load.add_argument("--prompt-tokens", type=int, help="for prefill/TTFT (default: context)")
+    load.add_argument(
+        "--spec-tokens-per-step",
+        type=float,
+        help="speculative decoding: tokens "
+        "per sequence per step (/metrics' tollgate_engine_spec_decode_tokens_per_step)",
+    )
+    load.add_argument("--num-speculative-tokens", type=int, default=4, help="drafts per step")
     load.add_argument("--output-tokens", type=int)
     load.add_argument("--rate", type=float, help="requests/s, for Little's law")
     load.add_argument("--duration-s", type=float, help="each request's time in the system")
@@ -164,6 +171,8 @@ def inputs_from(args: argparse.Namespace, default_efficiency: Any = None) -> Any
         rate=args.rate,
         duration_s=args.duration_s,
         efficiency=efficiency,
+        spec_tokens_per_step=args.spec_tokens_per_step,
+        num_speculative_tokens=args.num_speculative_tokens,
     )
 
 

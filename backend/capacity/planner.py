@@ -67,6 +67,11 @@ class Inputs:
     rate: float | None = None  # requests/s, for Little's law
     duration_s: float | None = None  # each request's time in the system
     efficiency: Efficiency = field(default_factory=Efficiency)
+    # Speculative decoding: tokens a sequence gets per decode step (1 + accepted drafts,
+    # as /metrics' tollgate_engine_spec_decode_tokens_per_step measures it), each step
+    # computing 1 + num_speculative_tokens tokens per sequence. None: one token a step.
+    spec_tokens_per_step: float | None = None
+    num_speculative_tokens: int = 4
 
     @property
     def weights_dtype(self) -> str:
@@ -127,6 +132,8 @@ def describe_inputs(i: Inputs, context: int) -> dict[str, object]:
         "mbu": i.efficiency.mbu,
         "step_overhead_s": i.efficiency.step_overhead_s,
         "seq_overhead_s": i.efficiency.seq_overhead_s,
+        "spec_tokens_per_step": i.spec_tokens_per_step,
+        "num_speculative_tokens": i.num_speculative_tokens,
     }
 
 
@@ -161,8 +168,29 @@ def check(i: Inputs) -> None:
             positive(flag, count)
     _check_reserve(i)
     _check_efficiency(i.efficiency)
+    _check_speculative(i)
     if i.rate is not None and i.duration_s is None and i.output_tokens is None:
         raise CapacityInputError("--rate", "--rate needs --duration-s or --output-tokens")
+
+
+def _check_speculative(i: Inputs) -> None:
+    positive("--num-speculative-tokens", i.num_speculative_tokens)
+    tps = i.spec_tokens_per_step
+    if tps is not None and not 1 <= tps <= i.num_speculative_tokens + 1:
+        raise CapacityInputError(
+            "--spec-tokens-per-step",
+            f"--spec-tokens-per-step must be in [1, 1 + --num-speculative-tokens], got {tps:g}",
+        )
+
+
+def decode_step(i: Inputs, cost: CostModel, batch: int, context: int) -> tuple[float, float]:
+    """(seconds, tokens per sequence) of one decode step at `batch`: with speculative
+    decoding each sequence computes its token and its drafts and keeps
+    spec_tokens_per_step of them."""
+    if i.spec_tokens_per_step is None:
+        return cost.decode_step(batch, context), 1.0
+    chunks = [(max(context - 1, 0), 1 + i.num_speculative_tokens)] * batch
+    return cost.step_time(chunks), i.spec_tokens_per_step
 
 
 def _check_reserve(i: Inputs) -> None:
@@ -271,7 +299,7 @@ def plan(i: Inputs) -> Plan:
         )
     )
     max_seqs = _kv_lines(i, cost, context, budget, lines) if i.arch else None
-    _decode_lines(cost, context, max_seqs, lines)
+    _decode_lines(i, cost, context, max_seqs, lines)
     prompt = i.prompt_tokens or context
     prefill = cost.prefill_step(prompt)
     roofs = cost.roofs([(0, prompt)])
@@ -391,8 +419,10 @@ def _kv_lines(i: Inputs, cost: CostModel, context: int, budget: float, lines: li
     return max_seqs
 
 
-def _decode_lines(cost: CostModel, context: int, max_seqs: int | None, lines: list[Line]) -> None:
-    one = cost.decode_step(1, context)
+def _decode_lines(
+    i: Inputs, cost: CostModel, context: int, max_seqs: int | None, lines: list[Line]
+) -> None:
+    one, per_step = decode_step(i, cost, 1, context)
     weights_read = cost.model.weight_bytes
     kv_read = context * cost.model.kv_bytes_per_token
     bandwidth = cost.gpu.hbm_bandwidth * cost.mbu
@@ -407,7 +437,7 @@ def _decode_lines(cost: CostModel, context: int, max_seqs: int | None, lines: li
         )
     )
     batch = max_seqs or 1
-    full = cost.decode_step(batch, context)
+    full, _ = decode_step(i, cost, batch, context)
     roofs = cost.roofs(cost.decode_chunks(batch, context))
     lines.append(
         Line(
@@ -436,16 +466,16 @@ def _decode_lines(cost: CostModel, context: int, max_seqs: int | None, lines: li
         Line(
             "decode_tokens_per_s_per_sequence",
             "decode tokens/s per sequence (batch 1)",
-            1 / one,
+            per_step / one,
             "tok/s",
-            f"1 / decode step = 1 / {_ms(one)}",
+            f"tokens per step / decode step = {per_step:g} / {_ms(one)}",
         ),
         Line(
             "decode_tokens_per_s_ceiling",
             f"decode tokens/s in total (batch {batch:,})",
-            batch / full,
+            batch * per_step / full,
             "tok/s",
-            f"batch / decode step = {batch:,} / {_ms(full)}",
+            f"batch x tokens per step / decode step = {batch:,} x {per_step:g} / {_ms(full)}",
         ),
     ]
 
@@ -493,7 +523,8 @@ def _service_time(
     batch = 1
     service = prefill
     for _ in range(LITTLE_ITERATIONS):
-        service = prefill + (i.output_tokens - 1) * cost.decode_step(batch, context)
+        step, per_step = decode_step(i, cost, batch, context)
+        service = prefill + (i.output_tokens - 1) / per_step * step
         grown = max(1, math.ceil(i.rate * service))
         if grown == batch:
             break

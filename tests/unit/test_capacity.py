@@ -400,3 +400,23 @@ def test_seed_ttft_budget_of_a_7b_model_on_an_a100(capsys: pytest.CaptureFixture
     flops = 2 * 6_738_415_616 * 4000 + 4 * 32 * 4096 * (4000 * 4001 / 2)
     assert prefill == pytest.approx(flops / (312e12 * 0.5))
     assert 0.2 < prefill < 1.0
+
+
+def test_speculative_decoding_multiplies_tokens_per_step_at_the_verify_steps_cost(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """8B on an H100, 4 drafts a step keeping 2.5 tokens: batch 1 is memory-bound, so a
+    step of 5 tokens costs about one of 1 and a sequence decodes ~2.5x faster; the
+    service time of Little's law shrinks with it."""
+    flags = ["--preset", "llama-3-8b", "--gpu", "H100-SXM", "--context", "4096"]
+    load = ["--rate", "2", "--output-tokens", "256", "--prompt-tokens", "512"]
+    plain = capacity(capsys, *flags, *load)
+    spec = capacity(capsys, *flags, *load, "--spec-tokens-per-step", "2.5")
+    ratio = spec["decode_tokens_per_s_per_sequence"] / plain["decode_tokens_per_s_per_sequence"]  # type: ignore[operator]
+    assert 2.3 < ratio <= 2.5
+    step = spec["decode_step_floor_s"] / plain["decode_step_floor_s"]  # type: ignore[operator]
+    assert 1 <= step < 1.05
+    assert spec["required_concurrency"] < plain["required_concurrency"]  # type: ignore[operator]
+    assert spec["inputs"]["spec_tokens_per_step"] == 2.5  # type: ignore[index]
+    err = failure(capsys, *flags, "--spec-tokens-per-step", "6")
+    assert "--spec-tokens-per-step" in err
