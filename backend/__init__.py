@@ -16,7 +16,7 @@ from backend.errors import (
     PromptTooLongError,
 )
 from backend.outputs import EngineStats, RequestOutput, TokenLogprobs
-from backend.requests import EngineRequest
+from backend.requests import EngineRequest, LoRARequest
 from backend.sampling import SamplingParams
 
 if TYPE_CHECKING:
@@ -31,6 +31,7 @@ __all__ = [
     "EngineRequest",
     "EngineStats",
     "InvalidParameterError",
+    "LoRARequest",
     "PromptTooLongError",
     "RequestOutput",
     "SamplingParams",

@@ -57,6 +57,9 @@ class EngineConfig:
     speculative_method: str = "off"  # one of SPECULATIVE_METHODS
     num_speculative_tokens: int = 4  # drafts verified per decode row and step (K)
     speculative_model: str | None = None  # the draft checkpoint (method "draft")
+    # -- LoRA adapters (backend/engine/lora.py): 0 serves the base model alone --
+    max_loras: int = 0  # adapters resident on the device at once (least recently used out)
+    max_lora_rank: int = 16  # the largest adapter rank accepted; sizes every slot
     # -- scheduling policy (backend/SCHEDULING.md) --
     aging_interval_s: float | None = 5.0  # a waiting request rises one class per interval
     tenant_fairness: bool = True  # weighted fair share of tokens among equal classes
@@ -82,6 +85,13 @@ class EngineConfig:
     def __post_init__(self) -> None:
         for name in ("block_size", "kv_cache_bytes", "max_num_batched_tokens"):
             _positive(name, getattr(self, name))
+        _positive("max_lora_rank", self.max_lora_rank)
+        if (
+            isinstance(self.max_loras, bool)
+            or not isinstance(self.max_loras, int)
+            or self.max_loras < 0
+        ):
+            raise ValueError(f"max_loras must be a non-negative integer, got {self.max_loras!r}")
         for name in ("num_kv_blocks", "max_model_len", "cpu_threads", "max_num_seqs"):
             if getattr(self, name) is not None:
                 _positive(name, getattr(self, name))

@@ -102,3 +102,19 @@ class ConstraintError(InvalidParameterError):
     ) -> None:
         super().__init__(message, param)
         self.problem = problem or message
+
+
+class LoRAError(InvalidParameterError):
+    """A request's LoRA adapter cannot be served: the caller's choice (`param` "model")."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__(message, param="model")
+
+
+class UnknownAdapterError(LoRAError):
+    """The adapter's folder is missing or is not a PEFT LoRA adapter this engine can load
+    (the message says which file or field)."""
+
+
+class AdapterRankError(LoRAError):
+    """The adapter's rank is above the engine's max_lora_rank."""

@@ -91,6 +91,12 @@ class EngineStats:
     spec_decode_num_draft_tokens: int = 0
     spec_decode_num_accepted_tokens: int = 0
     spec_decode_num_accepted_tokens_per_pos: list[int] = field(default_factory=list)
+    # LoRA adapters (max_loras > 0): vLLM's vllm:lora_requests_info labels, and how many
+    # times an adapter was read into a device slot.
+    max_lora: int = 0
+    running_lora_adapters: list[str] = field(default_factory=list)
+    waiting_lora_adapters: list[str] = field(default_factory=list)
+    lora_loads: int = 0
 
     @property
     def spec_decode_acceptance_rate(self) -> float:

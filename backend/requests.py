@@ -9,6 +9,16 @@ from backend.sampling import SamplingParams
 
 
 @dataclass(frozen=True)
+class LoRARequest:
+    """The LoRA adapter a request runs with: `name` identifies it in the engine's adapter
+    cache, `path` is its PEFT folder (adapter_config.json, adapter_model.safetensors),
+    loaded on demand."""
+
+    name: str
+    path: str
+
+
+@dataclass(frozen=True)
 class EngineRequest:
     """One generation request, whole from the gateway's dispatch seam to the scheduler:
     the gateway's GenerateRequest (gateway/dispatch/engine_client.py) is one, so is a
@@ -27,6 +37,7 @@ class EngineRequest:
     # time.monotonic() by which the first token is due, on this host's clock (the wire
     # carries it relative: GenerateBody.timeout_s).
     deadline: float | None = None
+    lora: LoRARequest | None = None  # None: the base model
 
     @classmethod
     def fields_of(cls, request: EngineRequest) -> dict[str, Any]:

@@ -39,6 +39,9 @@ HELP = {
     "(a small model of the same tokenizer, --speculative-model)",
     "num_speculative_tokens": "draft tokens verified per decode step (K)",
     "speculative_model": "the draft model's checkpoint folder (speculative_method draft)",
+    "max_loras": "LoRA adapters resident on the device at once (least recently used "
+    "evicted); 0: no adapters",
+    "max_lora_rank": "the largest LoRA rank accepted (sizes every adapter slot)",
     "attention_backend": "auto, torch or triton (auto: Triton on CUDA, torch on the CPU)",
     "aging_interval_s": "a waiting request rises one priority class per interval; 'none': off",
     "tenant_fairness": "weighted fair share of tokens among tenants of equal class",

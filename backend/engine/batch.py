@@ -27,6 +27,7 @@ class ScheduledRequest:
     # The last num_drafts of token_ids are draft tokens to verify (speculative decoding):
     # the row samples at each of its last num_drafts + 1 positions.
     num_drafts: int = 0
+    lora_slot: int = -1  # the LoRA adapter's device slot (backend/engine/lora.py); -1: none
 
 
 @dataclass(frozen=True)

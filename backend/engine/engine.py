@@ -15,6 +15,7 @@ from typing import Any
 from backend.config import EngineConfig
 from backend.engine.batch import ModelRunnerOutput, ScheduledRequest, SchedulerOutput
 from backend.engine.block_manager import BlockManager
+from backend.engine.lora import AdapterSlots
 from backend.engine.model_runner import ModelRunner
 from backend.engine.request import Request, RequestStatus, fan_out
 from backend.engine.scheduler import Scheduler
@@ -27,6 +28,7 @@ from backend.errors import (
     PromptTooLongError,
     RequestFailedError,
     RequestStepError,
+    UnknownAdapterError,
 )
 from backend.grammar import GrammarCompiler
 from backend.loader import resolve_device
@@ -71,6 +73,11 @@ class Engine:
         )
         self.max_model_len = self._fit_max_model_len(wanted)
         self.scheduler = Scheduler(config, self.block_manager)
+        self.adapters: AdapterSlots | None = None
+        if config.max_loras:
+            layers = self.runner.lora_layers
+            self.adapters = AdapterSlots(layers, config.max_loras, config.max_lora_rank)
+            self.scheduler.adapters = self.adapters
         self.speculator: Speculator | None = None
         if config.speculative_method != "off":
             self.speculator = Speculator(config.speculative_method, config.num_speculative_tokens)
@@ -156,11 +163,12 @@ class Engine:
             raise InvalidParameterError(
                 f"logit_bias token ids must be in [0, {vocab})", "logit_bias"
             )
+        self._check_adapter(request)
         reqs = fan_out(
             request,
             ids,
             min(len(ids) + params.max_tokens, self.max_model_len),
-            cache_salt=None if self.config.share_prefix_cache else request.tenant,
+            cache_salt=self._cache_salt(request),
             arrival_time=self.scheduler.clock(),  # the clock that ages it
         )
         if params.constraint is not None:
@@ -178,6 +186,23 @@ class Engine:
                 self._seqs[req.request_id] = _Seq(req, IncrementalDetokenizer(self.tokenizer, ids))
             self._inbox += reqs
             self._inbox_tokens += sum(r.num_tokens for r in reqs)
+
+    def _check_adapter(self, request: EngineRequest) -> None:
+        """Raises a LoRAError for an adapter this engine cannot serve."""
+        if request.lora is None:
+            return
+        if self.adapters is None:
+            raise UnknownAdapterError("this engine serves no LoRA adapters (max_loras is 0)")
+        self.adapters.check(request.lora)
+
+    def _cache_salt(self, request: EngineRequest) -> str | None:
+        """The tenant (unless the cache is shared) and the adapter: a prefix computed with
+        one adapter's weights is never reused by another, nor by the base model."""
+        salt = None if self.config.share_prefix_cache else request.tenant
+        lora = request.lora
+        if lora is None:
+            return salt
+        return f"{salt or ''}\0lora\0{lora.name}\0{lora.path}"
 
     def embedding_prompt(self, prompt: str | list[int]) -> list[int]:
         """A prompt to embed, validated as add_request validates one (any thread)."""
@@ -228,7 +253,19 @@ class Engine:
             step_time_limit_s=sched.step_limit_s,
             step_prefill_budget=sched.step_prefill_budget,
             **self._spec_stats(),
+            **self._lora_stats(),
         )
+
+    def _lora_stats(self) -> dict[str, Any]:
+        if self.adapters is None:
+            return {}
+        running, waiting = self.scheduler.adapters_in_use
+        return {
+            "max_lora": self.adapters.max_loras,
+            "running_lora_adapters": running,
+            "waiting_lora_adapters": waiting,
+            "lora_loads": self.adapters.num_loads,
+        }
 
     def _spec_stats(self) -> dict[str, Any]:
         if self.speculator is None:

@@ -20,6 +20,7 @@ from backend.engine.draft import DraftModel
 from backend.errors import RequestStepError
 from backend.grammar import fill_bitmasks
 from backend.layers.attention import AttentionBackend, attention_backend
+from backend.layers.lora import LoRALinear, add_lora_layers, rows_of
 from backend.layers.quant import check_quantization, quantize
 from backend.layers.rejection import greedy_verify, rejection_sample
 from backend.layers.sampler import (
@@ -70,6 +71,9 @@ class ModelRunner:
             backend=self.attention,
         )
         quantize(self.model, config.quantization)
+        self.lora_layers: dict[str, LoRALinear] = {}  # backend/engine/lora.py fills their slots
+        if config.max_loras:
+            self.lora_layers = add_lora_layers(self.model, config.max_loras, config.max_lora_rank)
         self.drafter: DraftModel | None = None
         per_block = kv_bytes_per_block(model_config, config.block_size, self.dtype)
         if config.speculative_method == "draft" and config.speculative_model:
@@ -300,7 +304,7 @@ class ModelRunner:
             self.use_cuda_graphs
             and graphs is not None
             and graphs.fits(len(reqs))
-            and all(len(r.token_ids) == 1 for r in reqs)
+            and all(len(r.token_ids) == 1 and r.lora_slot < 0 for r in reqs)
         ):
             rows, changes = self.block_tables.plan(reqs)
             if changes:
@@ -480,6 +484,8 @@ class ModelRunner:
             table = self.block_tables.gather(rest[0])
         else:
             table = rest[0].view(num_seqs, width)
+        if self.lora_layers:
+            self._set_lora_rows(batch)
         meta = AttentionMetadata(
             slot_mapping=slot_mapping,
             block_tables=table,
@@ -490,6 +496,14 @@ class ModelRunner:
             query_start_tensor=query_starts,
         )
         return ids, pos, meta
+
+    def _set_lora_rows(self, batch: SchedulerOutput) -> None:
+        """Each token's adapter slot for the LoRA layers, or None when no row has one."""
+        slots = None
+        if any(r.lora_slot >= 0 for r in batch.requests):
+            per_token = [s for r in batch.requests for s in [r.lora_slot] * len(r.token_ids)]
+            slots = self._tensor(per_token)
+        rows_of(self.lora_layers).set(slots)
 
     def _tensor(self, data: list[int] | list[list[int]]) -> torch.Tensor:
         return torch.tensor(data, dtype=torch.int64).to(self.device, non_blocking=True)

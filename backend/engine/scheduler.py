@@ -26,6 +26,7 @@ from dataclasses import dataclass, field
 from backend.config import EngineConfig
 from backend.engine.batch import ModelRunnerOutput, ScheduledRequest, SchedulerOutput
 from backend.engine.block_manager import BlockManager
+from backend.engine.lora import AdapterSlots
 from backend.engine.policy import (
     FairShare,
     Ranking,
@@ -128,6 +129,8 @@ class Scheduler:
         self.prefix_cache_queries = 0
         self.prefix_cache_hits = 0
         self.weigh_drafts = True  # False: every proposed draft runs (tests of acceptance)
+        self.adapters: AdapterSlots | None = None  # LoRA slots (set by the engine)
+        self.adapters_in_use: tuple[list[str], list[str]] = ([], [])  # running, waiting
 
     def check_admission(
         self,
@@ -635,6 +638,8 @@ class Scheduler:
             req = self._next_waiting(now)
             if req is None or not self._fork_ready(req):
                 return
+            if not self._adapter_resident(req):
+                return  # it waits, and the queue behind it, until a slot's adapter is idle
             slots_full = len(self.running) >= self._max_running
             if not slots_full and plan.budget > 0 and self._admit(req, plan, now):
                 if plan.outranked:
@@ -691,6 +696,8 @@ class Scheduler:
     def _admit(self, req: Request, plan: _Plan, now: float, most: int | None = None) -> bool:
         """Start `req` with a first chunk of at most `most` tokens (default: the budget
         left, capped by the long-prefill threshold)."""
+        if not self._adapter_resident(req):
+            return False
         computed = self._computed_blocks(req)
         bm = self.block_manager
         num_computed = len(computed) * bm.block_size
@@ -710,6 +717,22 @@ class Scheduler:
         self.running.append(req)
         plan.add(req, num_new)
         return True
+
+    def _adapter_resident(self, req: Request) -> bool:
+        """Its LoRA adapter is on the device, loaded now if a slot is free or holds one
+        that no running request uses (the least recently used of those)."""
+        lora = req.caller.lora
+        if lora is None or self.adapters is None:
+            return True
+        in_use = {r.caller.lora for r in self.running if r.caller.lora is not None}
+        return self.adapters.make_resident(lora, in_use)
+
+    def _note_adapters(self) -> None:
+        """The adapters of running and of waiting requests, by name, as of this step (for
+        metrics: read from other threads, so replaced whole, never mutated)."""
+        running = {r.caller.lora.name for r in self.running if r.caller.lora is not None}
+        waiting = {r.caller.lora.name for r in self.waiting if r.caller.lora is not None}
+        self.adapters_in_use = (sorted(running), sorted(waiting))
 
     def _top_up(self, plan: _Plan) -> None:
         """Give what is left of the budget to prefills that were capped, the closest to
@@ -769,6 +792,8 @@ class Scheduler:
         self.waiting.add(req)  # by its arrival: it keeps its age and its place
 
     def _output(self, plan: _Plan, now: float) -> SchedulerOutput:
+        if self.adapters is not None:
+            self._note_adapters()
         self.waiting.served({req.tenant for req, _ in plan.chunks.values()}, now)
         scheduled: list[ScheduledRequest] = []
         prefill = decode = 0
@@ -796,6 +821,7 @@ class Scheduler:
                     output_token_ids=req.output_token_ids,
                     matcher=req.matcher,
                     num_drafts=len(drafts),
+                    lora_slot=-1 if self.adapters is None else self.adapters.slot(req.caller.lora),
                 )
             )
         finished, self._finished_ids = self._finished_ids, []

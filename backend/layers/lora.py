@@ -1,0 +1,139 @@
+"""LoRA adapters in the decoder: each linear layer the adapters may target is swapped for
+a LoRALinear after the load (as backend/layers/quant.py swaps in quantized ones), holding
+`max_loras` slots of low-rank weights beside the base layer. Every row of a step adds
+its own slot's update; rows of the base model (slot -1) add nothing.
+
+A fused projection (qkv, gate_up) stacks its shards' adapters: A of q, k and v side by
+side in the rank dimension, B block-diagonal, so one slot of a fused layer is
+`max_rank * shards` wide. An adapter of smaller rank, or one that does not target a
+shard, leaves zeros there. The scaling (lora_alpha / r) is folded into B when a slot is
+filled."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from backend.kernels import use_fused
+
+# A PEFT target module -> (our layer's name in its decoder layer, shard index).
+TARGETS = {
+    "q_proj": ("self_attn.qkv_proj", 0),
+    "k_proj": ("self_attn.qkv_proj", 1),
+    "v_proj": ("self_attn.qkv_proj", 2),
+    "o_proj": ("self_attn.o_proj", 0),
+    "gate_proj": ("mlp.gate_up_proj", 0),
+    "up_proj": ("mlp.gate_up_proj", 1),
+    "down_proj": ("mlp.down_proj", 0),
+}
+_FUSED = {"self_attn.qkv_proj": "qkv_proj", "mlp.gate_up_proj": "gate_up_proj"}
+
+
+class LoRARows:
+    """The step's adapter slot for every token, shared by all LoRALinear layers (as the
+    attention backend is): the runner sets it before each forward pass."""
+
+    def __init__(self) -> None:
+        self.slots: torch.Tensor | None = None  # [T] int64; None: no row has an adapter
+        self._masks: dict[tuple[int, int, torch.dtype], torch.Tensor] = {}
+
+    def set(self, slots: torch.Tensor | None) -> None:
+        self.slots = slots
+        self._masks.clear()
+
+    def mask(self, num_slots: int, width: int, dtype: torch.dtype) -> torch.Tensor:
+        """[T, num_slots * width]: 1 in the columns of each row's own slot. Built once a
+        step per layer shape, shared by every layer of that shape."""
+        key = (num_slots, width, dtype)
+        mask = self._masks.get(key)
+        if mask is None:
+            assert self.slots is not None
+            owner = torch.arange(num_slots * width, device=self.slots.device) // width
+            mask = self._masks[key] = (owner[None, :] == self.slots[:, None]).to(dtype)
+        return mask
+
+
+class LoRALinear(nn.Module):
+    """y = base(x) + (x @ A[s].T) @ B[s] for each row's slot s. A [L, W, in], B [L, W, out].
+    On CUDA one Triton launch pair covers the batch (backend/kernels/lora.py); on the CPU
+    two dense matmuls over every slot, masked to each row's own (for a few slots of small
+    rank, cheaper than gathering weights per row)."""
+
+    lora_a: torch.Tensor
+    lora_b: torch.Tensor
+
+    def __init__(
+        self,
+        base: nn.Module,
+        shard_sizes: list[int],
+        max_loras: int,
+        max_rank: int,
+        rows: LoRARows,
+        like: torch.Tensor,
+    ) -> None:
+        super().__init__()
+        self.base = base
+        self.rows = rows
+        self.max_rank = max_rank
+        self.shard_sizes = shard_sizes
+        self.in_features: int = base.in_features  # type: ignore[assignment]
+        self.out_features: int = base.out_features  # type: ignore[assignment]
+        width = max_rank * len(shard_sizes)
+        for name, columns in (("lora_a", self.in_features), ("lora_b", self.out_features)):
+            zeros = like.new_zeros(max_loras, width, columns)  # like: the model's dtype, device
+            self.register_buffer(name, zeros)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y: torch.Tensor = self.base(x)
+        slots = self.rows.slots
+        if slots is None:
+            return y
+        if use_fused(x):
+            from backend.kernels.lora import lora_add  # imported on first CUDA use only
+
+            return lora_add(y, x, self.lora_a, self.lora_b, slots)
+        num_slots, width, _ = self.lora_a.shape
+        shrunk = x @ self.lora_a.view(num_slots * width, -1).T
+        shrunk *= self.rows.mask(num_slots, width, shrunk.dtype)
+        return y + shrunk @ self.lora_b.view(num_slots * width, -1)
+
+    def fill(
+        self, slot: int, shards: dict[int, tuple[torch.Tensor, torch.Tensor]], scaling: float
+    ) -> None:
+        """Slot `slot` takes the adapter's (A [r, in], B [out_shard, r]) of each shard it
+        targets; the rest of the slot is zeroed."""
+        self.lora_a[slot].zero_()
+        self.lora_b[slot].zero_()
+        offsets = [sum(self.shard_sizes[:i]) for i in range(len(self.shard_sizes))]
+        for shard, (a, b) in shards.items():
+            r, start = a.shape[0], shard * self.max_rank
+            out = slice(offsets[shard], offsets[shard] + self.shard_sizes[shard])
+            self.lora_a[slot, start : start + r] = a.to(self.lora_a.dtype)
+            self.lora_b[slot, start : start + r, out] = (b.float().T * scaling).to(
+                self.lora_b.dtype
+            )
+
+
+def add_lora_layers(model: nn.Module, max_loras: int, max_rank: int) -> dict[str, LoRALinear]:
+    """Swap every targetable linear layer of the decoder for a LoRALinear, in place.
+    Returns them by "layer index.our name" (e.g. "3.self_attn.qkv_proj"); their shared
+    LoRARows is `rows_of(layers)`."""
+    rows = LoRARows()
+    like = model.get_parameter("model.embed_tokens.weight")
+    layers: dict[str, LoRALinear] = {}
+    names = {name for name, _ in TARGETS.values()}
+    for index, decoder_layer in enumerate(model.model.layers):  # type: ignore[union-attr, arg-type]
+        for name in sorted(names):
+            parent_name, _, child = name.rpartition(".")
+            parent = decoder_layer.get_submodule(parent_name)
+            base = getattr(parent, child)
+            fused = _FUSED.get(name)
+            shards = model.shard_sizes(fused) if fused else [base.out_features]  # type: ignore[operator]
+            wrapped = LoRALinear(base, shards, max_loras, max_rank, rows, like)
+            setattr(parent, child, wrapped)
+            layers[f"{index}.{name}"] = wrapped
+    return layers
+
+
+def rows_of(layers: dict[str, LoRALinear]) -> LoRARows:
+    return next(iter(layers.values())).rows
