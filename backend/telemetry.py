@@ -271,6 +271,27 @@ class EngineStatsCollector(Collector):
         yield from _step_cost_metrics(stats)
         if stats.speculative_method != "off":
             yield from _spec_decode_metrics(stats)
+        if stats.max_lora:
+            yield from _lora_metrics(stats)
+
+
+def _lora_metrics(stats: EngineStats) -> Iterator[Metric]:
+    """vLLM's `vllm:lora_requests_info` (the Gateway API Inference Extension's LoRA
+    affinity reads it): one series whose labels are the state, valued at the time it was
+    read (a reader takes the newest series), adapters comma-separated as vLLM does."""
+    info = GaugeMetricFamily(
+        "vllm:lora_requests_info",
+        "Running stats on lora requests.",
+        labels=["max_lora", "running_lora_adapters", "waiting_lora_adapters"],
+    )
+    running, waiting = ",".join(stats.running_lora_adapters), ",".join(stats.waiting_lora_adapters)
+    info.add_metric([str(stats.max_lora), running, waiting], time.time())
+    yield info
+    yield CounterMetricFamily(
+        "tollgate_engine_lora_loads",
+        "LoRA adapters read into a device slot",
+        value=stats.lora_loads,
+    )
 
 
 def _spec_decode_metrics(stats: EngineStats) -> Iterator[Metric]:

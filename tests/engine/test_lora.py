@@ -202,3 +202,26 @@ def test_adapters_the_engine_cannot_serve_are_refused(
     with pytest.raises(UnknownAdapterError, match="max_loras is 0"):
         plain.add_request(EngineRequest([3], GREEDY, "x", lora=lora("qv4", adapters)))
     assert not engine.has_work() and not plain.has_work()
+
+
+def test_lora_requests_info_reaches_the_gateway_metrics(
+    llama_dir: Path, adapters: dict[str, Path]
+) -> None:
+    """vLLM's gauge, its labels the engine's state: one slot, held by a running request's
+    adapter, so the other adapter's request waits."""
+    from gateway.telemetry.metrics import GatewayMetrics
+
+    engine = make_engine(llama_dir, max_loras=1, **LARGE)
+    for i, name in enumerate(("all8", "qv4")):
+        engine.add_request(EngineRequest([3, 4, 5], GREEDY, f"m{i}", lora=lora(name, adapters)))
+    engine.step()
+    metrics = GatewayMetrics()
+    metrics.watch_engine(engine.stats)
+    text = metrics.exposition().decode()
+    labels = 'max_lora="1",running_lora_adapters="all8",waiting_lora_adapters="qv4"'
+    assert f"vllm:lora_requests_info{{{labels}}}" in text
+    assert "tollgate_engine_lora_loads_total 1.0" in text
+    run_to_completion(engine)
+    plain = GatewayMetrics()
+    plain.watch_engine(make_engine(llama_dir).stats)
+    assert "lora" not in plain.exposition().decode()
