@@ -50,12 +50,14 @@ class SpecCounters:
 def can_speculate(req: Request) -> bool:
     """Rows the verifier can take exactly: not while a grammar constrains the next
     tokens, penalties or min_tokens masks change from one position to the next, or
-    logprobs are asked for (those rows simply decode one token at a time)."""
+    logprobs are asked for; nor a seeded sampled row, whose tokens must not depend on
+    which steps drafted (that depends on timing). Those rows decode one token a step."""
     p = req.params
     return (
         req.matcher is None
         and not p.penalized
         and p.logprobs is None
+        and (p.seed is None or p.greedy)
         and len(req.output_token_ids) >= p.min_tokens
     )
 
