@@ -1,8 +1,9 @@
 """Speculative decoding (n-gram drafts) against plain decoding (issue 34), through the HTTP
 API: two embedded `tollgate serve` on loopback with the built-in model, one with
-`--speculative-method ngram`, both up in the same run and measured alternately. Output
-tok/s (every completion token over the wall time of the batch, prefill included) at 1 and
-8 concurrent requests on two workloads:
+`--speculative-method ngram`, both up in the same run and measured alternately. At 1 and
+8 concurrent streamed requests: output tok/s (every completion token over the wall time,
+prefill included) and decode tok/s per stream (tokens after the first over the time from
+the first to the last: what speculation speeds up), on two workloads:
 
 - repetitive: stdlib source code and docstrings followed by their own first 80
   characters (a code edit or a summary that quotes its prompt), greedy;
@@ -72,30 +73,56 @@ def long_tailed_work(num: int, seed: int = 0) -> list[Request]:
     return work
 
 
-async def complete(http: httpx.AsyncClient, server: dict[str, str], body: Request) -> int:
-    """One completion; its completion tokens."""
+async def complete(
+    http: httpx.AsyncClient, server: dict[str, str], body: Request
+) -> tuple[int, float]:
+    """One streamed completion: its completion tokens, and the seconds from its first
+    streamed token to its last (its decode time)."""
     headers = {"Authorization": f"Bearer {server['key']}"}
-    full = {**body, "model": server["model"], "ignore_eos": True}
-    reply = await http.post(f"{server['base']}/v1/completions", json=full, headers=headers)
-    reply.raise_for_status()
-    return int(reply.json()["usage"]["completion_tokens"])
+    full = {
+        **body,
+        "model": server["model"],
+        "ignore_eos": True,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
+    times: list[float] = []
+    tokens = 0
+    url = f"{server['base']}/v1/completions"
+    async with http.stream("POST", url, json=full, headers=headers) as reply:
+        reply.raise_for_status()
+        async for line in reply.aiter_lines():
+            if not line.startswith("data: {"):
+                continue
+            event = json.loads(line[6:])
+            if event.get("usage"):
+                tokens = int(event["usage"]["completion_tokens"])
+            if event.get("choices"):
+                times.append(time.monotonic())
+    return tokens, times[-1] - times[0]
 
 
-async def output_rate(
+async def rates(
     http: httpx.AsyncClient, server: dict[str, str], work: list[Request], concurrency: int
-) -> float:
-    """Completion tokens per second of `work`, `concurrency` requests in flight at a time."""
+) -> tuple[float, float]:
+    """`work` with `concurrency` requests in flight at a time: output tok/s (completion
+    tokens over the wall time, prefill included) and decode tok/s per stream (tokens
+    after the first over the time from the first to the last, summed over requests)."""
     queue = list(reversed(work))
-    total = 0
+    total = after_first = 0
+    decoding = 0.0
 
     async def worker() -> None:
-        nonlocal total
+        nonlocal total, after_first, decoding
         while queue:
-            total += await complete(http, server, queue.pop())
+            tokens, seconds = await complete(http, server, queue.pop())
+            total += tokens
+            after_first += tokens - 1
+            decoding += seconds
 
     started = time.monotonic()
     await asyncio.gather(*(worker() for _ in range(concurrency)))
-    return total / (time.monotonic() - started)
+    return total / (time.monotonic() - started), after_first / decoding
 
 
 async def spec_stats(http: httpx.AsyncClient, server: dict[str, str]) -> dict[str, float]:
@@ -138,18 +165,24 @@ async def run(args: argparse.Namespace) -> None:
                     process, servers[name] = await start(Path(folder), name, args.k, http)
                     processes.append(process)
                 for server in servers.values():  # warm-up: first steps, allocator
-                    await output_rate(http, server, workloads["repetitive"][:2], 2)
+                    await rates(http, server, workloads["repetitive"][:2], 2)
                 for attempt in range(args.repeat):
                     report: dict[str, Any] = {"run": attempt + 1, "k": args.k}
                     for workload, work in workloads.items():
                         for concurrency in (1, 8):
-                            rates = {}
+                            output, decode = {}, {}
                             for name, server in servers.items():
-                                rate = await output_rate(http, server, work, concurrency)
-                                rates[name] = round(rate, 1)
+                                got = await rates(http, server, work, concurrency)
+                                output[name], decode[name] = round(got[0], 1), round(got[1], 1)
                             key = f"{workload}_c{concurrency}"
-                            report[f"{key}_tok_s"] = rates
-                            report[f"{key}_ratio"] = round(rates["ngram"] / rates["off"], 2)
+                            report[f"{key}_output_tok_s"] = output
+                            report[f"{key}_output_ratio"] = round(
+                                output["ngram"] / output["off"], 2
+                            )
+                            report[f"{key}_decode_tok_s"] = decode
+                            report[f"{key}_decode_ratio"] = round(
+                                decode["ngram"] / decode["off"], 2
+                            )
                     report["ngram_metrics"] = await spec_stats(http, servers["ngram"])
                     print(json.dumps(report), flush=True)
             finally:

@@ -7,9 +7,11 @@ step. Drafts come from the request's own tokens (`ngram`: prompt lookup) or from
 draft model (`draft`: the model runner drafts them in the step itself, see
 backend/engine/draft.py).
 
-Adaptive: each request keeps an acceptance average; when it falls below
-`MIN_ACCEPTANCE` the request stops drafting for a pause that doubles each time a probe
-fails again, so a workload whose drafts are rarely accepted pays almost nothing."""
+Adaptive: each request keeps an acceptance average, starting from the engine's; when it
+falls below `MIN_ACCEPTANCE` the request stops drafting for a pause that doubles each
+time a probe fails again, so a workload whose drafts are rarely accepted pays almost
+nothing. Which drafts run in a step is then the scheduler's choice, by the step-cost fit
+(Scheduler._add_drafts)."""
 
 from __future__ import annotations
 
@@ -20,6 +22,7 @@ from backend.engine.request import Request
 # The longest and shortest suffix looked up in the request's tokens (longest first).
 NGRAM_MAX, NGRAM_MIN = 4, 2
 _EMA = 0.3  # weight of the newest verification in a request's acceptance average
+_GLOBAL_EMA = 0.05  # and in the engine's, which new requests start from
 MIN_ACCEPTANCE = 0.1  # below it (accepted drafts per draft token), drafting pauses
 FIRST_PAUSE, LONGEST_PAUSE = 8, 256  # steps without drafts after a bad streak
 
@@ -97,6 +100,9 @@ class Speculator:
         self.states: dict[str, SpecState] = {}
         self.counters = SpecCounters(accepted_per_pos=[0] * k)
         self.step = 0
+        # Acceptance over all requests: a new request starts from it, so a workload whose
+        # drafts are rarely accepted does not pay a few failed verifications per request.
+        self.acceptance = 1.0
 
     def propose(self, running: list[Request]) -> None:
         """Drafts for the next step of each decoding request, in `req.spec_token_ids`.
@@ -108,7 +114,7 @@ class Speculator:
                 continue  # still prefilling, or a row the verifier cannot take
             state = self.states.get(req.request_id)
             if state is None:
-                state = self.states[req.request_id] = SpecState()
+                state = self.states[req.request_id] = self._new_state()
             if self.step < state.paused_until:
                 continue
             k = max_drafts(req, self.k)
@@ -120,6 +126,13 @@ class Speculator:
                 req.spec_token_ids = ngram_drafts(req, state, k)
             req.spec_gain = state.acceptance * len(req.spec_token_ids)
 
+    def _new_state(self) -> SpecState:
+        state = SpecState(acceptance=self.acceptance)
+        if self.acceptance < MIN_ACCEPTANCE:  # a probe after the first pause
+            state.paused_until = self.step + FIRST_PAUSE
+            state.acceptance = MIN_ACCEPTANCE + _EMA * (1 - MIN_ACCEPTANCE) / 2
+        return state
+
     def observe(self, request_id: str, num_drafts: int, num_accepted: int) -> None:
         """A verified row: `num_accepted` of its `num_drafts` drafts were taken."""
         c = self.counters
@@ -128,6 +141,7 @@ class Speculator:
         c.num_accepted_tokens += num_accepted
         for i in range(num_accepted):
             c.accepted_per_pos[i] += 1
+        self.acceptance += _GLOBAL_EMA * (num_accepted / num_drafts - self.acceptance)
         state = self.states.get(request_id)
         if state is None:
             return

@@ -277,9 +277,11 @@ def test_draft_model_rollback_under_preemption_and_prefix_caching(
 
 
 def test_draft_model_sampling_keeps_the_distribution_end_to_end(
-    llama_dir: Path, small_draft: Path
+    llama_dir: Path, small_draft: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """As the n-gram end-to-end test, with the small draft's q in the verification."""
+    """As the n-gram end-to-end test, with the small draft's q in the verification
+    (never paused: every request's second token is verified)."""
+    monkeypatch.setattr(speculative, "MIN_ACCEPTANCE", 0.0)
     prompt = [5, 17, 42, 99, 7]
     params = SamplingParams(max_tokens=3, temperature=1.5, top_k=4, ignore_eos=True)
 
@@ -393,6 +395,14 @@ def test_drafting_pauses_when_drafts_are_rarely_accepted() -> None:
     state = spec.states["r"]
     assert state.acceptance < MIN_ACCEPTANCE + 0.2
     assert spec.counters.num_drafts == drafted
+    # A new request starts from the engine's acceptance: when that is below the
+    # threshold, paused at once.
+    assert spec.acceptance < 1
+    spec.acceptance = MIN_ACCEPTANCE / 2
+    other = _request("s", [1, 2, 1, 2, 1, 2], 64)
+    other.num_computed_tokens = other.num_tokens - 1
+    spec.propose([other])
+    assert other.spec_token_ids == []
 
 
 @pytest.mark.parametrize("expensive", [True, False])
