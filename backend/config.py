@@ -17,6 +17,7 @@ _DEVICE = re.compile(r"^(auto|cpu|cuda(:\d+)?)$")
 # max_num_seqs=None by device: a GPU's batch grows nearly free up to its compute knee (vLLM
 # also runs 256); on a CPU each running row costs step time, and 64 at the 256 MiB KV
 # default ran out of blocks and recomputed (bench/README.md, issue 14).
+ASYNC_SCHEDULING = ("auto", "on", "off")
 MAX_NUM_SEQS_BY_DEVICE = {"cuda": 256, "cpu": 32}
 
 
@@ -53,6 +54,9 @@ class EngineConfig:
     gpu_memory_utilization: float = 0.9
     attention_backend: str = "auto"  # one of ATTENTION_BACKENDS
     enforce_eager: bool = False  # True: no CUDA graphs for decode steps
+    # Schedule step N + 1 while step N runs on the device (backend/engine/engine.py):
+    # "auto" is on for CUDA and off on the CPU, where nothing runs while the host works.
+    async_scheduling: str = "auto"  # one of ASYNC_SCHEDULING
     # -- speculative decoding (backend/engine/speculative.py) --
     speculative_method: str = "off"  # one of SPECULATIVE_METHODS
     num_speculative_tokens: int = 4  # drafts verified per decode row and step (K)
@@ -111,6 +115,10 @@ class EngineConfig:
                 f"device must be 'auto', 'cpu', 'cuda' or 'cuda:N', got {self.device!r}"
             )
         self._check_speculative()
+        if self.async_scheduling not in ASYNC_SCHEDULING:
+            raise ValueError(
+                f"async_scheduling must be one of {ASYNC_SCHEDULING}, got {self.async_scheduling!r}"
+            )
         util = self.gpu_memory_utilization
         if isinstance(util, bool) or not isinstance(util, int | float) or not 0 < util <= 1:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {util!r}")

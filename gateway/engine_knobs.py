@@ -35,6 +35,8 @@ HELP = {
     "share_prefix_cache": "let all tenants share one prefix cache",
     "gpu_memory_utilization": "share of the GPU's memory the engine may use (weights + KV)",
     "enforce_eager": "no CUDA graphs for decode steps",
+    "async_scheduling": "auto, on or off: schedule step N+1 while step N runs on the device "
+    "(auto: on for CUDA, off on the CPU)",
     "speculative_method": "off, ngram (drafts from the request's own text) or draft "
     "(a small model of the same tokenizer, --speculative-model)",
     "num_speculative_tokens": "draft tokens verified per decode step (K)",

@@ -12,6 +12,12 @@ if TYPE_CHECKING:
     from backend.grammar import GrammarMatcher
 
 
+# An input or output token id not known on the host yet: the previous step's sampled
+# token, still on the device (async scheduling). The model runner fills it in on the
+# device before the forward pass; the engine replaces it once the step is read back.
+PLACEHOLDER = -1
+
+
 @dataclass(frozen=True, slots=True)
 class ScheduledRequest:
     request_id: str

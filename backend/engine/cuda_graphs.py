@@ -124,7 +124,7 @@ class DecodeGraphs:
         block_ids: list[list[int]],
         tables: DeviceBlockTables,
         rows: list[int],
-        patch: Callable[[torch.Tensor], None] | None = None,
+        patch: Callable[[torch.Tensor], object] | None = None,
     ) -> torch.Tensor:
         """Hidden states [B, hidden] of a decode-only batch (token i at positions[i] of a
         sequence whose blocks are block_ids[i], held in row rows[i] of `tables`); valid

@@ -8,7 +8,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -16,7 +16,7 @@ from backend.config import EngineConfig
 from backend.engine.batch import ModelRunnerOutput, ScheduledRequest, SchedulerOutput
 from backend.engine.block_manager import BlockManager
 from backend.engine.lora import AdapterSlots
-from backend.engine.model_runner import ModelRunner
+from backend.engine.model_runner import Launched, ModelRunner
 from backend.engine.request import Request, RequestStatus, fan_out
 from backend.engine.scheduler import Scheduler
 from backend.engine.speculative import Speculator
@@ -44,6 +44,17 @@ EMBED_ID = "\0embed"  # an embedding's block table: no request id has a NUL
 # Steps failing in a row with no request to blame: past this, the fault is the engine's
 # own (a CUDA error is sticky), so the step loop ends and the health probes fail.
 MAX_FAILED_STEPS = 3
+
+
+@dataclass(frozen=True)
+class _InFlight:
+    """A step launched asynchronously, not read back yet."""
+
+    batch: SchedulerOutput
+    launched: Launched
+    placed: list[tuple[Request, int]]  # its placeholders (scheduler.advance)
+    started: float  # time.monotonic() at launch
+    overlappable: bool  # the next step may be scheduled before it is read back
 
 
 @dataclass
@@ -81,6 +92,10 @@ class Engine:
         self.speculator: Speculator | None = None
         if config.speculative_method != "off":
             self.speculator = Speculator(config.speculative_method, config.num_speculative_tokens)
+        self.async_scheduling = self.speculator is None and (
+            config.async_scheduling == "on"
+            or (config.async_scheduling == "auto" and self.runner.device.type == "cuda")
+        )
         self.grammars = GrammarCompiler(
             self.model_dir / "tokenizer.json",
             max(self.model_config.vocab_size, self.tokenizer.vocab_size),
@@ -99,6 +114,7 @@ class Engine:
         self._aborts: list[Request] = []
         self._groups: dict[str, list[Request]] = {}  # caller's id -> its n completions
         self._seqs: dict[str, _Seq] = {}  # engine key -> completion state
+        self._in_flight: _InFlight | None = None
         self._warm_up()
 
     def _warm_up(self) -> None:
@@ -138,7 +154,8 @@ class Engine:
             f"kv_bytes={kv_bytes} ({kv_bytes / 2**30:.2f} GiB) "
             f"max_seqs_at_max_model_len={runner.num_blocks // per_seq} "
             f"(max_model_len={self.max_model_len}) "
-            f"cuda_graphs={'on' if runner.use_cuda_graphs else 'off'}"
+            f"cuda_graphs={'on' if runner.use_cuda_graphs else 'off'} "
+            f"async_scheduling={'on' if self.async_scheduling else 'off'}"
         )
 
     # -- any thread ---------------------------------------------------------------------
@@ -220,7 +237,7 @@ class Engine:
     def has_work(self) -> bool:
         with self._lock:
             pending = bool(self._inbox or self._aborts)
-        return pending or self.scheduler.has_unfinished()
+        return pending or self._in_flight is not None or self.scheduler.has_unfinished()
 
     def stats(self) -> EngineStats:
         bm, sched = self.block_manager, self.scheduler
@@ -288,26 +305,51 @@ class Engine:
         for req in inbox:
             self.scheduler.add_request(req)
         outputs = self._apply_aborts()
+        if self.async_scheduling:
+            return outputs + self._step_async(step_started)
         batch = self.scheduler.schedule()
         outputs += self._rejected()
+        return outputs + self._run_sync(batch, step_started)
+
+    def _run_sync(self, batch: SchedulerOutput, step_started: float) -> list[RequestOutput]:
         started = time.monotonic()
         try:
             result = self.runner.execute(batch)
         except Exception as exc:
-            apart = self._run_apart(batch, exc)
-            if apart is None:
-                return outputs + self._fail_step(batch.requests, exc)
-            result, failed = apart
-            outputs += failed
+            return self._recover(batch, exc, started, step_started)
         self._failed_steps = 0
         if not batch.requests:
-            return outputs
-        self.scheduler.record_step(
-            batch.num_prefill_tokens, batch.num_decode_tokens, time.monotonic() - started
-        )
+            return []
+        return self._complete(batch, result, time.monotonic() - started, step_started)
+
+    def _recover(
+        self, batch: SchedulerOutput, exc: Exception, started: float, step_started: float
+    ) -> list[RequestOutput]:
+        apart = self._run_apart(batch, exc)
+        if apart is None:
+            return self._fail_step(batch.requests, exc)
+        result, outputs = apart
+        self._failed_steps = 0
+        return outputs + self._complete(batch, result, time.monotonic() - started, step_started)
+
+    def _complete(
+        self,
+        batch: SchedulerOutput,
+        result: ModelRunnerOutput,
+        run_s: float,
+        step_started: float,
+        placed: list[tuple[Request, int]] | None = None,
+    ) -> list[RequestOutput]:
+        """A step's tokens, read back: progress, stop checks, text. `placed`: the step
+        was launched asynchronously and advanced then (its placeholders to resolve)."""
+        self.scheduler.record_step(batch.num_prefill_tokens, batch.num_decode_tokens, run_s)
         # Aborts that arrived during the forward pass win over its tokens.
-        outputs += self._apply_aborts()
-        for req, tokens in self.scheduler.update_from_output(batch, result):
+        outputs = self._apply_aborts()
+        if placed is None:
+            new_tokens = self.scheduler.update_from_output(batch, result)
+        else:
+            new_tokens = self.scheduler.resolve(placed, result)
+        for req, tokens in new_tokens:
             try:
                 outputs.append(self._process_tokens(req, tokens, result))
             except GrammarTooComplexError:  # the client's grammar: it fails alone, a 400
@@ -324,6 +366,72 @@ class Engine:
         prefill, decode = self._total_tokens
         self._total_tokens = (prefill + batch.num_prefill_tokens, decode + batch.num_decode_tokens)
         return outputs
+
+    # -- async scheduling: step N + 1 is scheduled and launched before N is read back --
+
+    def _step_async(self, step_started: float) -> list[RequestOutput]:
+        """Schedule and launch the next step while the one in flight runs on the device,
+        then read that one back and process its tokens while the new one runs: the
+        host's work hides behind the device's. Rows still decoding take their input from
+        the step in flight, on the device (PLACEHOLDER on the host until read back). A
+        request that finishes on a token of the step in flight wasted its row in the next
+        one: that row's token is dropped. A step with rows that need their tokens on the
+        host before the next step (a grammar's mask, penalties, drafts) is read back
+        before the next one is scheduled."""
+        outputs: list[RequestOutput] = []
+        flight, self._in_flight = self._in_flight, None
+        if flight is not None and not flight.overlappable:
+            outputs += self._land(flight, step_started)
+            flight = None
+        batch = self.scheduler.schedule()
+        outputs += self._rejected()
+        if not batch.requests:
+            self.runner.execute(batch)  # the runner drops the finished requests' state
+            return outputs + (self._land(flight, step_started) if flight else [])
+        started = time.monotonic()
+        try:
+            launched = self.runner.launch(batch, flight.launched if flight else None)
+        except Exception as exc:
+            if flight is not None:
+                outputs += self._land(flight, step_started)
+            return outputs + self._recover(self._resolved(batch), exc, started, step_started)
+        if flight is not None:
+            outputs += self._land(flight, step_started)
+        placed = self.scheduler.advance(batch)
+        self._in_flight = _InFlight(batch, launched, placed, started, self._overlappable(batch))
+        return outputs
+
+    def _land(self, flight: _InFlight, step_started: float) -> list[RequestOutput]:
+        """Read a launched step back (the wait) and process its tokens."""
+        try:
+            result = flight.launched.collect()
+        except Exception as exc:  # already advanced: its requests cannot simply rerun
+            return self._fail_step(flight.batch.requests, exc)
+        self._failed_steps = 0
+        run_s = time.monotonic() - flight.started
+        return self._complete(flight.batch, result, run_s, step_started, flight.placed)
+
+    def _overlappable(self, batch: SchedulerOutput) -> bool:
+        """Whether the next step may be scheduled before this one's tokens are read back:
+        not when a sampled row's next step needs its token on the host first (a grammar's
+        mask, penalties over the output, drafts)."""
+        return self.speculator is None and not any(
+            r.sample and (r.matcher is not None or r.params.penalized or r.num_drafts)
+            for r in batch.requests
+        )
+
+    def _resolved(self, batch: SchedulerOutput) -> SchedulerOutput:
+        """The batch with its placeholders replaced by the tokens read back since (rows of
+        requests finished meanwhile dropped), to run synchronously after a failed launch."""
+        live = self.scheduler.requests
+        items = []
+        for item in batch.requests:
+            req = live.get(item.request_id)
+            if req is None:
+                continue
+            end = item.start_pos + len(item.token_ids)
+            items.append(replace(item, token_ids=req.token_ids(item.start_pos, end)))
+        return replace(batch, requests=items)
 
     def embed(self, prompts: list[list[int]]) -> list[list[float]]:
         """The mean-pooled final hidden states of each prompt (from embedding_prompt), in

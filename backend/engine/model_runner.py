@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import array
 import ctypes
+from collections.abc import Callable
 from pathlib import Path
 from typing import cast
 
@@ -13,7 +14,12 @@ import torch
 
 from backend.attention_metadata import AttentionMetadata
 from backend.config import EngineConfig
-from backend.engine.batch import ModelRunnerOutput, ScheduledRequest, SchedulerOutput
+from backend.engine.batch import (
+    PLACEHOLDER,
+    ModelRunnerOutput,
+    ScheduledRequest,
+    SchedulerOutput,
+)
 from backend.engine.block_tables import DeviceBlockTables
 from backend.engine.cuda_graphs import DecodeGraphs, GraphableBackend, can_capture
 from backend.engine.draft import DraftModel
@@ -35,6 +41,7 @@ from backend.layers.sampler import (
 from backend.layers.staging import Staging, to_device, to_host
 from backend.loader import load_model, resolve_device, resolve_dtype
 from backend.models.config import ModelConfig
+from backend.outputs import TokenLogprobs
 from backend.sampling import SamplingParams
 
 _EMBED_PARAMS = SamplingParams(max_tokens=1)  # an embedding samples nothing
@@ -135,15 +142,23 @@ class ModelRunner:
         name: str = getattr(self.attention, "name", type(self.attention).__name__)
         return name
 
-    @torch.inference_mode()
     def execute(self, batch: SchedulerOutput) -> ModelRunnerOutput:
+        """One step, start to finish: launch it, then wait for its tokens."""
+        return self.launch(batch).collect()
+
+    @torch.inference_mode()
+    def launch(self, batch: SchedulerOutput, previous: Launched | None = None) -> Launched:
+        """Enqueue the step's forward pass and sampling on the device and return without
+        waiting (on a GPU; the CPU computes as it goes). `previous`: the step launched
+        before it and not yet collected, whose sampled tokens fill this step's
+        PLACEHOLDER input ids on the device (async scheduling)."""
         for request_id in batch.finished_request_ids:
             self._generators.pop(request_id, None)
             self._prompt_masks.pop(request_id, None)
             self._biases.pop(request_id, None)
         self.block_tables.release(batch.finished_request_ids)
         if not batch.requests:
-            return ModelRunnerOutput({})
+            return Launched.done(ModelRunnerOutput({}))
         reqs = [r for r in batch.requests if r.sample]
         generators = self._generators_for(reqs)  # first: a bad seed fails only its request
         draft_probs = None
@@ -160,9 +175,9 @@ class ModelRunner:
         self._stage_logit_work(stage, per_row)
         if speculative:
             _stage_drafts(stage, reqs)
-        hidden = self._forward(batch)
+        hidden = self._forward(batch, _placeholder_patch(batch, previous, self.device))
         if not reqs:
-            return ModelRunnerOutput({})
+            return Launched.done(ModelRunnerOutput({}))
         _stage_grammar_masks(stage, per_row)  # host work while a GPU runs the forward pass
         staged = stage.upload()
         logits = self.model.logits(hidden[staged["last"]])
@@ -171,26 +186,14 @@ class ModelRunner:
         processed = self._process_logits(logits, per_row, staged)
         sampling = SamplingTensors.of(staged, [r.params for r in per_row])
         if speculative:
-            return self._verify(reqs, logits, processed, sampling, generators, staged, draft_probs)
+            return Launched.done(
+                self._verify(reqs, logits, processed, sampling, generators, staged, draft_probs)
+            )
         tokens = sample_tokens(processed, generators, sampling)
         want = [i for i, r in enumerate(reqs) if r.params.logprobs is not None]
-        if not want:
-            sampled = to_host(tokens)[0].tolist()
-            return ModelRunnerOutput({r.request_id: t for r, t in zip(reqs, sampled, strict=True)})
-        k = max(reqs[i].params.logprobs or 0 for i in want)
-        # Over every row (one kernel each), read back with the tokens: one wait per step.
-        host_tokens, *lps = to_host(tokens, *logprob_tensors(logits, tokens, k))
-        sampled = host_tokens.tolist()
-        rows = torch.tensor(want)
-        found = assemble_logprobs(
-            [sampled[i] for i in want],
-            (lps[0][rows], lps[1][rows], lps[2][rows], lps[3][rows]),
-            [reqs[i].params.logprobs or 0 for i in want],
-        )
-        return ModelRunnerOutput(
-            {r.request_id: t for r, t in zip(reqs, sampled, strict=True)},
-            {reqs[i].request_id: lp for i, lp in zip(want, found, strict=True)},
-        )
+        k = max((reqs[i].params.logprobs or 0 for i in want), default=0)
+        lps = logprob_tensors(logits, tokens, k) if want else ()
+        return Launched(reqs, tokens, want, lps)
 
     def _verify(
         self,
@@ -296,9 +299,10 @@ class ModelRunner:
         hidden: torch.Tensor = self.model(input_ids, positions, self.kv_cache, meta)
         return hidden
 
-    def _forward(self, batch: SchedulerOutput) -> torch.Tensor:
+    def _forward(self, batch: SchedulerOutput, patch: Patch | None = None) -> torch.Tensor:
         """Hidden states of every scheduled token: a CUDA-graph replay for decode-only
-        steps that fit one, else the eager forward pass."""
+        steps that fit one, else the eager forward pass. `patch` rewrites the input ids
+        on the device before either runs."""
         graphs, reqs = self.graphs, batch.requests
         if (
             self.use_cuda_graphs
@@ -315,8 +319,11 @@ class ModelRunner:
                 [r.block_ids for r in reqs],
                 self.block_tables,
                 rows,
+                patch,
             )
         input_ids, positions, meta = self._prepare(batch)
+        if patch is not None:
+            patch(input_ids)
         return self.model(input_ids, positions, self.kv_cache, meta)  # type: ignore[no-any-return]
 
     def _stage_logit_work(self, stage: Staging, reqs: list[ScheduledRequest]) -> None:
@@ -530,6 +537,77 @@ class ModelRunner:
             gen = torch.Generator(self.device).manual_seed(r.params.seed)
             self._generators[r.request_id] = gen
         return self._generators[r.request_id]
+
+
+Patch = Callable[[torch.Tensor], object]
+
+
+class Launched:
+    """A launched step: its sampled tokens (and logprob tensors) on the device, read
+    back by `collect`, the step's one wait."""
+
+    def __init__(
+        self,
+        reqs: list[ScheduledRequest],
+        tokens: torch.Tensor | None,
+        want: list[int],
+        lps: tuple[torch.Tensor, ...] | list[torch.Tensor],
+        result: ModelRunnerOutput | None = None,
+    ) -> None:
+        self.reqs, self.tokens, self.want, self.lps = reqs, tokens, want, lps
+        self._result = result
+        # Each sampled request's row in `tokens`: where the next step finds its input.
+        self.rows = {r.request_id: i for i, r in enumerate(reqs)} if tokens is not None else {}
+
+    @staticmethod
+    def done(result: ModelRunnerOutput) -> Launched:
+        """A step whose tokens are already on the host (verification, no samples)."""
+        return Launched([], None, [], (), result)
+
+    def collect(self) -> ModelRunnerOutput:
+        if self._result is not None:
+            return self._result
+        assert self.tokens is not None
+        reqs, want = self.reqs, self.want
+        # Over every row (one kernel each), read back with the tokens: one wait per step.
+        host_tokens, *lps = to_host(self.tokens, *self.lps)
+        sampled = host_tokens.tolist()
+        found: list[TokenLogprobs] = []
+        if want:
+            rows = torch.tensor(want)
+            found = assemble_logprobs(
+                [sampled[i] for i in want],
+                (lps[0][rows], lps[1][rows], lps[2][rows], lps[3][rows]),
+                [reqs[i].params.logprobs or 0 for i in want],
+            )
+        self._result = ModelRunnerOutput(
+            {r.request_id: t for r, t in zip(reqs, sampled, strict=True)},
+            {reqs[i].request_id: lp for i, lp in zip(want, found, strict=True)},
+        )
+        return self._result
+
+
+def _placeholder_patch(
+    batch: SchedulerOutput, previous: Launched | None, device: torch.device
+) -> Patch | None:
+    """What puts the previous step's sampled tokens in place of this step's
+    placeholders (each a row's last input id), without a round trip through the host."""
+    if previous is None or previous.tokens is None:
+        return None
+    dst: list[int] = []
+    src: list[int] = []
+    end = 0
+    for r in batch.requests:
+        end += len(r.token_ids)
+        if r.token_ids[-1] == PLACEHOLDER:
+            dst.append(end - 1)
+            src.append(previous.rows[r.request_id])
+    if not dst:
+        return None
+    index = to_device(_int64_tensor(dst + src), device)
+    at, rows = index[: len(dst)], index[len(dst) :]
+    tokens = previous.tokens
+    return lambda ids: ids.index_copy_(0, at, tokens.index_select(0, rows).to(ids.dtype))
 
 
 def _int64_tensor(values: list[int]) -> torch.Tensor:

@@ -24,7 +24,12 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from backend.config import EngineConfig
-from backend.engine.batch import ModelRunnerOutput, ScheduledRequest, SchedulerOutput
+from backend.engine.batch import (
+    PLACEHOLDER,
+    ModelRunnerOutput,
+    ScheduledRequest,
+    SchedulerOutput,
+)
 from backend.engine.block_manager import BlockManager
 from backend.engine.lora import AdapterSlots
 from backend.engine.policy import (
@@ -242,6 +247,8 @@ class Scheduler:
             if left > 1:
                 prefills.append((left, req))
             elif req.status == RequestStatus.RUNNING and plan.budget > 0:
+                if _ends_with_pending_token(req):
+                    continue  # async scheduling: its last token, not yet seen, ends it
                 self._schedule_running(req, 1, plan)
                 decoding.add(self._is_batch(req))
                 if req.spec_token_ids:
@@ -562,6 +569,41 @@ class Scheduler:
                 new_tokens.append((req, [token]))
         return new_tokens
 
+    def advance(self, scheduled: SchedulerOutput) -> list[tuple[Request, int]]:
+        """Async scheduling, once a step is launched: its progress, with a PLACEHOLDER
+        for each token it samples, so the next step can be scheduled before the token is
+        known. Returns (request, index of its placeholder in output_token_ids) for
+        `resolve`. Requests finished since the step was scheduled are skipped."""
+        placed: list[tuple[Request, int]] = []
+        for item in scheduled.requests:
+            req = self.requests.get(item.request_id)
+            if req is None or req.status != RequestStatus.RUNNING:
+                continue
+            req.num_computed_tokens += len(item.token_ids)
+            # Every token before num_computed_tokens is known (the placeholder comes
+            # after), and the step in flight writes their KV before any later step reads
+            # it: the new full blocks are cached now, as after a synchronous step.
+            self.block_manager.cache_blocks(req)
+            if item.sample:
+                req.output_token_ids.append(PLACEHOLDER)
+                placed.append((req, len(req.output_token_ids) - 1))
+        return placed
+
+    def resolve(
+        self, placed: list[tuple[Request, int]], output: ModelRunnerOutput
+    ) -> list[tuple[Request, list[int]]]:
+        """Async scheduling, once the step's tokens are read back: each placeholder
+        becomes its token. Requests finished (aborted) since `advance` are skipped: their
+        tokens are dropped."""
+        new_tokens: list[tuple[Request, list[int]]] = []
+        for req, index in placed:
+            if self.requests.get(req.request_id) is not req:
+                continue
+            token = output.sampled[req.request_id]
+            req.output_token_ids[index] = token
+            new_tokens.append((req, [token]))
+        return new_tokens
+
     def finish_requests(self, request_ids: list[str], status: RequestStatus) -> list[Request]:
         """Finish and free the given requests; unknown or already finished ids are ignored.
         Returns the requests this call finished."""
@@ -826,3 +868,11 @@ class Scheduler:
             )
         finished, self._finished_ids = self._finished_ids, []
         return SchedulerOutput(scheduled, finished, prefill, decode)
+
+
+def _ends_with_pending_token(req: Request) -> bool:
+    """Its newest output token, still a PLACEHOLDER, reaches max_tokens or max_len: the
+    request finishes when that token is seen, so a further step would be wasted (and
+    could take a block from the pool). Never true after a synchronous step: such a
+    request is already finished."""
+    return len(req.output_token_ids) >= req.params.max_tokens or req.num_tokens >= req.max_len

@@ -25,6 +25,7 @@ TEXT_SAMPLES = {
     "attention_backend": "torch",
     "quantization": "int8",
     "speculative_method": "ngram",
+    "async_scheduling": "on",
     "speculative_model": str(BUILTIN_MODEL_DIR),  # a checkpoint folder that exists
 }
 
