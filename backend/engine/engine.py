@@ -156,7 +156,17 @@ class Engine:
             f"(max_model_len={self.max_model_len}) "
             f"cuda_graphs={'on' if runner.use_cuda_graphs else 'off'} "
             f"async_scheduling={'on' if self.async_scheduling else 'off'}"
+            f"{self._describe_speculation()}"
         )
+
+    def _describe_speculation(self) -> str:
+        cfg, drafter = self.config, self.runner.drafter
+        if cfg.speculative_method == "off":
+            return ""
+        line = f" speculative={cfg.speculative_method} k={cfg.num_speculative_tokens}"
+        if drafter is not None and drafter.kv_cache is not None:
+            line += f" draft_kv_bytes={drafter.kv_cache.numel() * drafter.kv_cache.element_size()}"
+        return line
 
     # -- any thread ---------------------------------------------------------------------
 

@@ -253,6 +253,7 @@ def test_greedy_tokens_equal_without_speculation_draft_model(
         assert run(engine, prompts, GREEDY) == expected
         stats = engine.stats()
         assert stats.spec_decode_num_drafts > 0
+        assert " speculative=draft k=4 draft_kv_bytes=" in engine.describe()
         if accepted is not None:
             assert stats.spec_decode_acceptance_rate == accepted
             assert engine.num_steps < len(prompts) * GREEDY.max_tokens / 2
