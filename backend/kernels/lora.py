@@ -1,7 +1,8 @@
 """Batched LoRA: every row of a flat batch adds its own adapter's low-rank update,
 y[t] += (x[t] @ A[s].T) @ B[s] for s = slots[t], and a row with slot -1 (the base
-model) adds nothing. One launch pair (shrink, expand) for the whole batch, whatever
-mix of adapters it holds (Punica's SGMV, in its simplest form).
+model) adds nothing. Two launches for the whole batch, whatever mix of adapters it holds
+(Punica's SGMV, in its simplest form): shrink (x @ A[s].T, all of a fused layer's shards
+at once) and expand (into y, which may be a column slice: one shard of a fused output).
 
 Layout (backend/layers/lora.py fills it): A [L, W, in] and B [L, W, out] for L adapter
 slots, W = the widest rank of a slot (an adapter of smaller rank is zero-padded, so
@@ -78,30 +79,48 @@ def _expand_kernel(
     tl.store(y_row, (y_old.to(tl.float32) + add).to(y_old.dtype), mask=n < N)
 
 
+def lora_shrink(x: torch.Tensor, a: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
+    """[T, W] float32: x [T, in] @ A[slot].T per row (rows with slot -1 left unwritten)."""
+    num_rows, k = x.shape
+    w = a.shape[1]
+    shrunk = torch.empty(num_rows, w, dtype=torch.float32, device=x.device)
+    if num_rows:
+        assert x.stride(1) == 1 and a.is_contiguous()
+        _shrink_kernel[(num_rows,)](
+            x, a, slots, shrunk,
+            k, w,
+            x.stride(0), a.stride(0), a.stride(1), shrunk.stride(0),
+            BLOCK_W=_block_w(w), BLOCK_K=64,
+        )  # fmt: skip
+    return shrunk
+
+
+def lora_expand(
+    y: torch.Tensor, shrunk: torch.Tensor, b: torch.Tensor, slots: torch.Tensor
+) -> torch.Tensor:
+    """In place: y [T, out] += shrunk [T, W] @ B[slot] for rows with slot >= 0. y and
+    shrunk may be column slices of wider tensors (unit stride in the last dimension)."""
+    num_rows, n = y.shape
+    w = b.shape[1]
+    if num_rows:
+        assert y.stride(1) == 1 and shrunk.stride(1) == 1 and b.is_contiguous()
+        block_n = 64
+        _expand_kernel[(num_rows, triton.cdiv(n, block_n))](
+            shrunk, b, slots, y,
+            n, w,
+            shrunk.stride(0), b.stride(0), b.stride(1), y.stride(0),
+            BLOCK_W=_block_w(w), BLOCK_N=block_n,
+        )  # fmt: skip
+    return y
+
+
 def lora_add(
     y: torch.Tensor, x: torch.Tensor, a: torch.Tensor, b: torch.Tensor, slots: torch.Tensor
 ) -> torch.Tensor:
     """In place: y [T, out] += x [T, in] @ A[slot].T @ B[slot] for rows with slot >= 0.
-    x, y: row-major rows (unit stride in the last dimension); a [L, W, in], b [L, W, out]
-    contiguous; slots [T] int on the same device."""
-    num_rows, k = x.shape
-    _, w, n = b.shape
-    if num_rows == 0:
-        return y
-    assert x.stride(1) == 1 and y.stride(1) == 1 and a.is_contiguous() and b.is_contiguous()
-    shrunk = torch.empty(num_rows, w, dtype=torch.float32, device=x.device)
-    block_w = max(16, triton.next_power_of_2(w))
-    _shrink_kernel[(num_rows,)](
-        x, a, slots, shrunk,
-        k, w,
-        x.stride(0), a.stride(0), a.stride(1), shrunk.stride(0),
-        BLOCK_W=block_w, BLOCK_K=64,
-    )  # fmt: skip
-    block_n = 64
-    _expand_kernel[(num_rows, triton.cdiv(n, block_n))](
-        shrunk, b, slots, y,
-        n, w,
-        shrunk.stride(0), b.stride(0), b.stride(1), y.stride(0),
-        BLOCK_W=block_w, BLOCK_N=block_n,
-    )  # fmt: skip
-    return y
+    a [L, W, in], b [L, W, out] contiguous; slots [T] int on the same device."""
+    return lora_expand(y, lora_shrink(x, a, slots), b, slots)
+
+
+def _block_w(w: int) -> int:
+    return max(16, int(triton.next_power_of_2(w)))

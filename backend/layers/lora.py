@@ -3,11 +3,10 @@ a LoRALinear after the load (as backend/layers/quant.py swaps in quantized ones)
 `max_loras` slots of low-rank weights beside the base layer. Every row of a step adds
 its own slot's update; rows of the base model (slot -1) add nothing.
 
-A fused projection (qkv, gate_up) stacks its shards' adapters: A of q, k and v side by
-side in the rank dimension, B block-diagonal, so one slot of a fused layer is
-`max_rank * shards` wide. An adapter of smaller rank, or one that does not target a
-shard, leaves zeros there. The scaling (lora_alpha / r) is folded into B when a slot is
-filled."""
+A fused projection (qkv, gate_up) keeps one pair of slot tensors per shard (q, k, v),
+each adding into its columns of the fused output. An adapter of smaller rank, or one
+that does not target a shard, leaves zeros there. The scaling (lora_alpha / r) is
+folded into B when a slot is filled."""
 
 from __future__ import annotations
 
@@ -54,13 +53,11 @@ class LoRARows:
 
 
 class LoRALinear(nn.Module):
-    """y = base(x) + (x @ A[s].T) @ B[s] for each row's slot s. A [L, W, in], B [L, W, out].
-    On CUDA one Triton launch pair covers the batch (backend/kernels/lora.py); on the CPU
+    """y = base(x) + (x @ A[s].T) @ B[s] for each row's slot s, shard by shard of a fused
+    output: A_i [L, max_rank, in] and B_i [L, max_rank, out_i] for shard i. On CUDA one
+    Triton launch pair per shard covers the batch (backend/kernels/lora.py); on the CPU
     two dense matmuls over every slot, masked to each row's own (for a few slots of small
     rank, cheaper than gathering weights per row)."""
-
-    lora_a: torch.Tensor
-    lora_b: torch.Tensor
 
     def __init__(
         self,
@@ -78,10 +75,17 @@ class LoRALinear(nn.Module):
         self.shard_sizes = shard_sizes
         self.in_features: int = base.in_features  # type: ignore[assignment]
         self.out_features: int = base.out_features  # type: ignore[assignment]
-        width = max_rank * len(shard_sizes)
-        for name, columns in (("lora_a", self.in_features), ("lora_b", self.out_features)):
-            zeros = like.new_zeros(max_loras, width, columns)  # like: the model's dtype, device
-            self.register_buffer(name, zeros)
+        starts = [sum(shard_sizes[:i]) for i in range(len(shard_sizes))]
+        self.columns = [slice(a, a + n) for a, n in zip(starts, shard_sizes, strict=True)]
+        for i, size in enumerate(shard_sizes):  # like: the model's dtype and device
+            self.register_buffer(
+                f"lora_a{i}", like.new_zeros(max_loras, max_rank, self.in_features)
+            )
+            self.register_buffer(f"lora_b{i}", like.new_zeros(max_loras, max_rank, size))
+
+    def shard(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Shard i's (A [L, R, in], B [L, R, out_i])."""
+        return self.get_buffer(f"lora_a{i}"), self.get_buffer(f"lora_b{i}")
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y: torch.Tensor = self.base(x)
@@ -91,27 +95,31 @@ class LoRALinear(nn.Module):
         if use_fused(x):
             from backend.kernels.lora import lora_add  # imported on first CUDA use only
 
-            return lora_add(y, x, self.lora_a, self.lora_b, slots)
-        num_slots, width, _ = self.lora_a.shape
-        shrunk = x @ self.lora_a.view(num_slots * width, -1).T
-        shrunk *= self.rows.mask(num_slots, width, shrunk.dtype)
-        return y + shrunk @ self.lora_b.view(num_slots * width, -1)
+            for i, columns in enumerate(self.columns):
+                lora_add(y[:, columns], x, *self.shard(i), slots)
+            return y
+        num_slots, rank = self.shard(0)[0].shape[:2]
+        mask = self.rows.mask(num_slots, rank, x.dtype)
+        for i, columns in enumerate(self.columns):
+            a, b = self.shard(i)
+            shrunk = (x @ a.view(num_slots * rank, -1).T).mul_(mask)
+            y[:, columns] += shrunk @ b.view(num_slots * rank, -1)
+        return y
 
     def fill(
         self, slot: int, shards: dict[int, tuple[torch.Tensor, torch.Tensor]], scaling: float
     ) -> None:
         """Slot `slot` takes the adapter's (A [r, in], B [out_shard, r]) of each shard it
         targets; the rest of the slot is zeroed."""
-        self.lora_a[slot].zero_()
-        self.lora_b[slot].zero_()
-        offsets = [sum(self.shard_sizes[:i]) for i in range(len(self.shard_sizes))]
-        for shard, (a, b) in shards.items():
-            r, start = a.shape[0], shard * self.max_rank
-            out = slice(offsets[shard], offsets[shard] + self.shard_sizes[shard])
-            self.lora_a[slot, start : start + r] = a.to(self.lora_a.dtype)
-            self.lora_b[slot, start : start + r, out] = (b.float().T * scaling).to(
-                self.lora_b.dtype
-            )
+        for i in range(len(self.shard_sizes)):
+            a, b = self.shard(i)
+            a[slot].zero_()
+            b[slot].zero_()
+            if i in shards:
+                lora_a, lora_b = shards[i]
+                r = lora_a.shape[0]
+                a[slot, :r] = lora_a.to(a.dtype)
+                b[slot, :r] = (lora_b.float().T * scaling).to(b.dtype)
 
 
 def add_lora_layers(model: nn.Module, max_loras: int, max_rank: int) -> dict[str, LoRALinear]:
