@@ -25,10 +25,12 @@ from gateway.admission.idempotency import Idempotency
 from gateway.admission.key_generation import GenerationListener, SqliteGeneration
 from gateway.admission.quota import Admission
 from gateway.admission.reconcile import Rebuilder, Upkeep
+from gateway.api.batches import BatchesController, FilesController
 from gateway.api.embeddings import EmbeddingsController
 from gateway.api.health import healthz, readyz
 from gateway.api.openai import OpenAIController
 from gateway.api.responses import ResponsesController
+from gateway.batches.runner import BatchRunner
 from gateway.billing.controllers import BillingAdminController, UsageController
 from gateway.billing.jobs import BillingJobs
 from gateway.console import console_router
@@ -102,6 +104,7 @@ def create_app(
             # Closed first: what requests left behind (ledger writes, lock releases)
             # finishes while everything it needs is still open.
             stack.push_async_callback(runtime.tasks.drain)
+            app.state.batch_runner = _started(stack, BatchRunner(runtime))  # stops first
             yield
 
     app = Litestar(
@@ -109,6 +112,8 @@ def create_app(
             OpenAIController,
             ResponsesController,
             EmbeddingsController,
+            FilesController,
+            BatchesController,
             AdminController,
             UsageController,
             BillingAdminController,

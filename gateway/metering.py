@@ -153,7 +153,8 @@ class UsageRecorder:
         free = outcome.status == UsageStatus.REJECTED or (
             outcome.status == UsageStatus.FAILED and outcome.completion_tokens == 0
         )
-        cost = quote.price.cost_micros(
+        price = quote.price.for_batch() if charge.batch else quote.price
+        cost = price.cost_micros(
             outcome.prompt_tokens, outcome.cached_tokens, outcome.completion_tokens
         )
         return UsageEvent(

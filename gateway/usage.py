@@ -14,6 +14,8 @@ from tenants.models import UsageStatus, utcnow
 from tenants.quota import Reservation
 from tenants.services import Principal
 
+BATCH_ENDPOINT_PREFIX = "batch."  # a batch line's endpoint in the ledger: batch spend apart
+
 
 @dataclass
 class RequestUsage:
@@ -53,6 +55,11 @@ class Charge:
     reservation: Reservation | None = None  # released by settling, after the ledger write
     priority: int = 0  # the class it runs at, the plan's terms applied (0: most urgent)
     started_at: datetime = field(default_factory=utcnow)  # prices in force then apply
+
+    @property
+    def batch(self) -> bool:
+        """A line of a batch (the Batch API), priced at the batch price."""
+        return self.endpoint.startswith(BATCH_ENDPOINT_PREFIX)
 
 
 class Metered(Protocol):

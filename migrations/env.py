@@ -5,7 +5,9 @@ from sqlalchemy import engine_from_config, pool
 
 import tenants.admins
 import tenants.audit
+import tenants.batches
 import tenants.billing.models
+import tenants.files
 import tenants.registry
 import tenants.sign_ins  # noqa: F401  (each module registers its tables on Base)
 from tenants.models import Base

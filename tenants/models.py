@@ -85,6 +85,7 @@ class Plan(LimitColumns, Base):
     default_priority: Mapped[int] = mapped_column(Integer, default=4)
     max_priority: Mapped[int] = mapped_column(Integer, default=0)  # most urgent allowed
     weight: Mapped[int] = mapped_column(Integer, default=1)  # share under contention
+    max_batch_tokens: Mapped[int | None] = mapped_column(BigInteger)  # enqueued (Batch API)
     created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
 
 

@@ -17,6 +17,17 @@ class Price:
     input_micros_per_mtok: int
     cached_input_micros_per_mtok: int
     output_micros_per_mtok: int
+    batch_discount_pct: int = 50  # off every token of a batch line (the Batch API)
+
+    def for_batch(self) -> Price:
+        """The price of a batch line: the discount off each rate, rounded down."""
+        keep = 100 - self.batch_discount_pct
+        return Price(
+            self.input_micros_per_mtok * keep // 100,
+            self.cached_input_micros_per_mtok * keep // 100,
+            self.output_micros_per_mtok * keep // 100,
+            self.batch_discount_pct,
+        )
 
     def cost_micros(self, prompt_tokens: int, cached_tokens: int, completion_tokens: int) -> int:
         """Cost rounded up to a whole micro-unit, so nothing is given away by rounding."""

@@ -118,21 +118,33 @@ class EmbeddingsController(Controller):
         runtime: NamedDependency[Runtime],
     ) -> Response[Any]:
         body = decode(await request.body(), EmbeddingRequest)
-        engine = runtime.engine_for(body.model)
-        policy.check_model(principal, body.model)
-        body.check_dimensions(engine.hidden_size)
-        inputs = await _inputs(body, engine, runtime, principal)
+        return await embed(request, runtime, principal, body)
+
+
+async def embed(
+    request: Request[Any, Any, Any],
+    runtime: Runtime,
+    principal: Principal,
+    body: EmbeddingRequest,
+    endpoint: str = "embeddings",
+    priority: int | None = None,  # None: the plan's default
+) -> Response[Any]:
+    engine = runtime.engine_for(body.model)
+    policy.check_model(principal, body.model)
+    body.check_dimensions(engine.hidden_size)
+    inputs = await _inputs(body, engine, runtime, principal)
+    if priority is None:
         priority = policy.priority(principal, None)
-        charge = Charge(new_request_id(), principal, body.model, "embeddings", priority=priority)
-        job = Embedding(charge, inputs)
-        current_request().describe(job, stream=False)
-        tokens = sum(map(len, inputs))
-        admitted = await admit(request, runtime, principal, charge, tokens, 0)
-        if isinstance(admitted, Response):
-            return admitted
-        job.charge = admitted.charge
-        embedded = _embed(job, engine, runtime, body)
-        return await respond_whole(request, runtime, admitted, embedded)
+    charge = Charge(new_request_id(), principal, body.model, endpoint, priority=priority)
+    job = Embedding(charge, inputs)
+    current_request().describe(job, stream=False)
+    tokens = sum(map(len, inputs))
+    admitted = await admit(request, runtime, principal, charge, tokens, 0)
+    if isinstance(admitted, Response):
+        return admitted
+    job.charge = admitted.charge
+    embedded = _embed(job, engine, runtime, body)
+    return await respond_whole(request, runtime, admitted, embedded)
 
 
 async def _inputs(

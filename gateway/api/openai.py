@@ -134,20 +134,7 @@ class OpenAIController(Controller):
         runtime: NamedDependency[Runtime],
     ) -> Response[Any]:
         body = decode(await request.body(), CompletionRequest)
-        engine = runtime.engine_for(body.model)
-        policy.check_model(principal, body.model)
-        given = body.prompts()
-        prompts = await _completion_prompts(runtime, principal, engine, given)
-        longest = max(prompts, key=len)
-        params = _params(principal, body, longest, engine, "prompt", body.constraint())
-        gen = _generation(runtime, principal, body, TEXT_FORMAT, "completions", prompts[0], params)
-        if len(prompts) > 1:
-            gen.batch = prompts
-        elif isinstance(given[0], str):
-            gen.source = ClientPrompt(text=given[0])  # an upstream gets the text as sent
-        if body.echo:
-            gen.echo = [p if isinstance(p, str) else engine.decode(p) for p in given]
-        return await _respond(request, runtime, principal, gen, engine, stream=body.stream)
+        return await complete(request, runtime, principal, body)
 
     @get("/models", operation_class=documented(ModelList, errors=AUTHENTICATED))
     async def list_models(
@@ -174,6 +161,30 @@ class OpenAIController(Controller):
             )
         policy.check_model(principal, name)
         return _model_card(runtime, name)
+
+
+async def complete(
+    request: Request[Any, Any, Any],
+    runtime: Runtime,
+    principal: Principal,
+    body: CompletionRequest,
+    endpoint: str = "completions",
+) -> Response[Any]:
+    """A text completion (of each prompt when there are several)."""
+    engine = runtime.engine_for(body.model)
+    policy.check_model(principal, body.model)
+    given = body.prompts()
+    prompts = await _completion_prompts(runtime, principal, engine, given)
+    longest = max(prompts, key=len)
+    params = _params(principal, body, longest, engine, "prompt", body.constraint())
+    gen = _generation(runtime, principal, body, TEXT_FORMAT, endpoint, prompts[0], params)
+    if len(prompts) > 1:
+        gen.batch = prompts
+    elif isinstance(given[0], str):
+        gen.source = ClientPrompt(text=given[0])  # an upstream gets the text as sent
+    if body.echo:
+        gen.echo = [p if isinstance(p, str) else engine.decode(p) for p in given]
+    return await _respond(request, runtime, principal, gen, engine, stream=body.stream)
 
 
 # Characters in all the prompts of a batch together: each prompt is bounded by the context,
@@ -346,8 +357,9 @@ async def admit(
             quote = await runtime.recorder.prices.quote(charge.model, charge.started_at)
             registered = runtime.directory.spec(charge.model) is not None
             policy.check_priced(quote, charge.model, registered)
+            price = quote.price.for_batch() if charge.batch else quote.price
             ticket = await runtime.admission.reserve(
-                principal, charge.request_id, prompt_tokens, output_tokens, quote.price
+                principal, charge.request_id, prompt_tokens, output_tokens, price
             )
     except BaseException:
         if claim is not None:  # rejected, not stored: a retry with this key runs afresh

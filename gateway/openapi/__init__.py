@@ -42,6 +42,7 @@ ERRORS = {
     400: "Invalid request: a field missing, of the wrong type or out of range (`param` "
     "names it); `context_length_exceeded` when the prompt does not fit the model",
     401: "Missing, invalid or revoked API key",
+    402: "The batch's worst case costs more than the budget has left (`batch_over_budget`)",
     403: "This key may not do this: an admin key is needed, or the plan excludes the model",
     404: "No such model, tenant, plan, key, price or request",
     409: "Conflicts with what exists: a name taken, an export already running; or a "

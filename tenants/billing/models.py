@@ -35,6 +35,7 @@ class PriceVersion(Base):
     input_micros_per_mtok: Mapped[int] = mapped_column(BigInteger)
     cached_input_micros_per_mtok: Mapped[int] = mapped_column(BigInteger)
     output_micros_per_mtok: Mapped[int] = mapped_column(BigInteger)
+    batch_discount_pct: Mapped[int] = mapped_column(Integer, default=50)  # the Batch API's
     effective_from: Mapped[datetime] = mapped_column(DateTime(timezone=True))
     created_by: Mapped[str] = mapped_column(String(100), default="")
     created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow)

@@ -40,6 +40,7 @@ def price_of(version: PriceVersion) -> Price:
         version.input_micros_per_mtok,
         version.cached_input_micros_per_mtok,
         version.output_micros_per_mtok,
+        version.batch_discount_pct,
     )
 
 

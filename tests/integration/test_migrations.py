@@ -6,7 +6,9 @@ from sqlalchemy import create_engine, inspect
 
 import tenants.admins
 import tenants.audit
+import tenants.batches
 import tenants.billing.models
+import tenants.files
 import tenants.registry
 import tenants.sign_ins  # noqa: F401  (their tables join Base.metadata)
 from tenants import db

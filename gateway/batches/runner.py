@@ -1,0 +1,249 @@
+"""Runs batches in the gateway's background: claims lines fairly between tenants, runs
+each at the batch class (gateway.batches.execute), keeps each result as it comes, expires
+a batch at its window with what is done, and writes its output and error files.
+
+A line is claimed by a conditional update and leased: a runner renews its lines' leases
+while they run, so another gateway takes over a dead one's lines once the lease lapses;
+an embedded gateway (SQLite, the only runner) takes its own back at start. A line run
+again answers from its Idempotency-Key's stored result when its first run finished."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+from collections import defaultdict
+from datetime import timedelta
+from functools import partial
+from typing import Any
+
+from gateway.batches.execute import LineOutcome, Retry, batch_priority, run_line
+from gateway.batches.service import files_root
+from gateway.errors import AuthenticationFailed, InternalError
+from gateway.runtime import Runtime
+from tenants.batches import (
+    Batch,
+    BatchLine,
+    BatchQueue,
+    BatchStatus,
+    LineStatus,
+    key_principal,
+)
+from tenants.db import is_postgres
+from tenants.files import FileStore
+from tenants.models import as_utc, utcnow
+
+log = logging.getLogger(__name__)
+
+
+class BatchRunner:
+    def __init__(
+        self,
+        runtime: Runtime,
+        concurrency: int = 64,
+        poll_s: float = 0.25,
+        lease: timedelta = timedelta(seconds=60),
+        drain_s: float = 30.0,
+    ) -> None:
+        self.runtime = runtime
+        self.concurrency = concurrency  # lines in the engine at once, all batches together
+        self.poll_s = poll_s
+        self.lease = lease
+        self.drain_s = drain_s  # how long a stop waits for the lines under way
+        self._running: dict[tuple[str, int], asyncio.Task[None]] = {}
+        self._wakeup = asyncio.Event()
+        self._loop: asyncio.Task[None] | None = None
+        self._renewed_at = utcnow()
+
+    def start(self) -> None:
+        self._loop = asyncio.get_running_loop().create_task(self._run(), name="batch-runner")
+
+    def wake(self) -> None:
+        """A batch was created or cancelled: look now, not at the next poll."""
+        self._wakeup.set()
+
+    async def close(self) -> None:
+        """Stop starting lines, let those under way finish (for `drain_s` at most), and
+        hand back what is left: it runs again after the restart."""
+        if self._loop is not None:
+            self._loop.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._loop
+        lines = dict(self._running)
+        if lines:  # a line stopped halfway may be billed and still lose its answer: wait
+            await asyncio.wait(lines.values(), timeout=self.drain_s)
+        for task in lines.values():
+            task.cancel()
+        await asyncio.gather(*lines.values(), return_exceptions=True)
+        by_batch: dict[str, list[int]] = defaultdict(list)
+        for batch_id, line in lines:
+            by_batch[batch_id].append(line)
+        async with self.runtime.sessions.begin() as session:
+            for batch_id, numbers in by_batch.items():
+                await BatchQueue(session).release(batch_id, numbers)
+
+    async def _run(self) -> None:
+        if not is_postgres(self.runtime.settings.database_url):
+            await self._take_back_all()
+        while True:
+            try:
+                await self.round()
+            except Exception:  # a database hiccup: the next round tries again
+                log.exception("batch round failed")
+            self._wakeup.clear()
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._wakeup.wait(), self.poll_s)
+
+    async def _take_back_all(self) -> None:
+        async with self.runtime.sessions.begin() as session:
+            queue = BatchQueue(session)
+            for batch in await queue.active():
+                await queue.release(batch.id)
+
+    async def round(self) -> None:
+        """One look at every active batch: renew, expire, finish, and start more lines."""
+        async with self.runtime.sessions.begin() as session:
+            batches = await BatchQueue(session).active()
+        await self._renew()
+        startable = []
+        for batch in batches:
+            if await self._advance(batch):
+                startable.append(batch)
+        await self._start_lines(startable)
+
+    async def _advance(self, batch: Batch) -> bool:
+        """Move the batch on; True if it may start more lines."""
+        now = utcnow()
+        async with self.runtime.sessions.begin() as session:
+            queue = BatchQueue(session)
+            current = await session.get(Batch, batch.id, populate_existing=True)
+            assert current is not None
+            ending = current.status == BatchStatus.CANCELLING or now >= as_utc(current.expires_at)
+            if ending:
+                await queue.expire_pending(batch.id)
+            if await queue.unfinished(batch.id) > 0:
+                return not ending
+            await self._finalize(session, current, ending)
+            return False
+
+    async def _finalize(self, session: Any, batch: Batch, ending: bool) -> None:
+        """Output and error files from the lines' results, then the batch's final status."""
+        now = utcnow()
+        lines = await BatchQueue(session).lines(batch.id)
+        cancelled = batch.status == BatchStatus.CANCELLING
+        outputs = [_record(batch, line, cancelled) for line in lines]
+        ok = [r for r, line in zip(outputs, lines, strict=True) if line.status == "succeeded"]
+        bad = [r for r, line in zip(outputs, lines, strict=True) if line.status != "succeeded"]
+        files = FileStore(session, files_root(self.runtime), batch.tenant_id)
+        batch.finalizing_at = now
+        if ok:
+            batch.output_file_id = (
+                await files.create(f"{batch.id}_output.jsonl", "batch_output", _jsonl(ok))
+            ).id
+        if bad:
+            batch.error_file_id = (
+                await files.create(f"{batch.id}_error.jsonl", "batch_output", _jsonl(bad))
+            ).id
+        if cancelled:
+            batch.status, batch.cancelled_at = BatchStatus.CANCELLED, now
+        elif ending:
+            batch.status, batch.expired_at = BatchStatus.EXPIRED, now
+        else:
+            batch.status, batch.completed_at = BatchStatus.COMPLETED, now
+
+    async def _renew(self) -> None:
+        now = utcnow()
+        if now - self._renewed_at < self.lease / 3:
+            return
+        self._renewed_at = now
+        by_batch: dict[str, list[int]] = defaultdict(list)
+        for batch_id, line in self._running:
+            by_batch[batch_id].append(line)
+        async with self.runtime.sessions.begin() as session:
+            for batch_id, numbers in by_batch.items():
+                await BatchQueue(session).renew(batch_id, numbers)
+
+    async def _start_lines(self, batches: list[Batch]) -> None:
+        """Free slots shared between tenants equally, then between a tenant's batches."""
+        free = self.concurrency - len(self._running)
+        if free <= 0 or not batches:
+            return
+        by_tenant: dict[str, list[Batch]] = defaultdict(list)
+        for batch in batches:
+            by_tenant[batch.tenant_id].append(batch)
+        per_tenant = max(1, free // len(by_tenant))
+        for tenant_batches in by_tenant.values():
+            per_batch = max(1, per_tenant // len(tenant_batches))
+            for batch in tenant_batches:
+                async with self.runtime.sessions.begin() as session:
+                    lines = await BatchQueue(session).claim(batch.id, per_batch, self.lease)
+                for line in lines:
+                    key = (batch.id, line.line)
+                    task = asyncio.get_running_loop().create_task(self._line(batch, line))
+                    self._running[key] = task
+                    task.add_done_callback(partial(self._done, key))
+
+    def _done(self, key: tuple[str, int], _: asyncio.Task[None]) -> None:
+        self._running.pop(key, None)
+        self._wakeup.set()
+
+    async def _line(self, batch: Batch, line: BatchLine) -> None:
+        outcome = await self._outcome(batch, line)
+        async with self.runtime.sessions.begin() as session:
+            queue = BatchQueue(session)
+            if outcome is None:
+                await queue.release(batch.id, [line.line])
+                return
+            await queue.finish(
+                batch.id,
+                line.line,
+                outcome.succeeded,
+                outcome.status_code,
+                outcome.request_id,
+                outcome.body,
+            )
+
+    async def _outcome(self, batch: Batch, line: BatchLine) -> LineOutcome | None:
+        """The line's answer; None: it could not start now, and runs later."""
+        async with self.runtime.sessions() as session:
+            principal = await key_principal(session, batch.api_key_id)
+        if principal is None:
+            refused = AuthenticationFailed("the key that created this batch was revoked")
+            return LineOutcome(refused.status, refused.body(), None)
+        left = (as_utc(batch.expires_at) - utcnow()).total_seconds()
+        priority = batch_priority(self.runtime, left)
+        key = f"batch:{batch.id}:{line.line}"
+        try:
+            return await run_line(self.runtime, principal, batch.endpoint, line.body, key, priority)
+        except Retry:
+            return None
+        except Exception:  # a defect: the line fails, the batch goes on
+            log.exception("batch line failed")
+            failed = InternalError("the line failed on the server")
+            return LineOutcome(failed.status, failed.body(), None)
+
+
+def _record(batch: Batch, line: BatchLine, cancelled: bool) -> dict[str, Any]:
+    """A line of the output or error file, in OpenAI's shape."""
+    record: dict[str, Any] = {
+        "id": f"batch_req_{batch.id.removeprefix('batch_')}_{line.line}",
+        "custom_id": line.custom_id,
+        "response": None,
+        "error": None,
+    }
+    if line.status == LineStatus.EXPIRED:
+        code = "batch_cancelled" if cancelled else "batch_expired"
+        message = "the batch was cancelled" if cancelled else "the batch's window closed"
+        record["error"] = {"code": code, "message": f"{message} before this request ran"}
+    else:
+        record["response"] = {
+            "status_code": line.status_code,
+            "request_id": line.request_id,
+            "body": line.result,
+        }
+    return record
+
+
+def _jsonl(records: list[dict[str, Any]]) -> bytes:
+    return b"".join(json.dumps(r, separators=(",", ":")).encode() + b"\n" for r in records)

@@ -1,0 +1,145 @@
+"""Files and batches as a tenant asks for them: uploads checked line by line, and a batch
+checked before it is stored (its lines, its worst case against the budget, the plan's cap
+on enqueued batch tokens)."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from sqlalchemy.ext.asyncio import AsyncSession
+
+from gateway.batches.errors import BatchOverBudget, BatchTokenLimit
+from gateway.errors import InvalidRequest
+from gateway.runtime import Runtime
+from tenants.batches import ENDPOINTS, WINDOWS, Batch, BatchStore, NewLine, batch_lines
+from tenants.files import FileStore, StoredFile, parse_jsonl
+from tenants.models import utcnow
+from tenants.quota import month_period, tenant_scope
+from tenants.services import Principal
+
+UPLOAD_PURPOSES = ("batch",)
+
+
+@dataclass(frozen=True)
+class WorstCase:
+    tokens: int
+    micros: int
+
+
+class BatchService:
+    """One tenant's files and batches, for the routes."""
+
+    def __init__(self, runtime: Runtime, session: AsyncSession, principal: Principal) -> None:
+        self.runtime = runtime
+        self.principal = principal
+        self.files = FileStore(session, files_root(runtime), principal.tenant_id)
+        self.batches = BatchStore(session, principal.tenant_id)
+
+    async def upload(self, filename: str, purpose: str, content: bytes) -> StoredFile:
+        if purpose not in UPLOAD_PURPOSES:
+            raise InvalidRequest(
+                f"purpose must be one of {', '.join(UPLOAD_PURPOSES)}", param="purpose"
+            )
+        parse_jsonl(content)  # a malformed line is refused now, naming its number
+        return await self.files.create(filename, purpose, content)
+
+    async def create(
+        self,
+        input_file_id: str,
+        endpoint: str,
+        completion_window: str,
+        metadata: dict[str, str] | None,
+    ) -> Batch:
+        if endpoint not in ENDPOINTS:
+            raise InvalidRequest(
+                f"endpoint must be one of {', '.join(ENDPOINTS)}", param="endpoint"
+            )
+        if completion_window not in WINDOWS:
+            raise InvalidRequest('completion_window must be "24h"', param="completion_window")
+        stored = await self.files.get(input_file_id)
+        if stored.purpose != "batch":
+            raise InvalidRequest("the input file's purpose must be batch", param="input_file_id")
+        lines = batch_lines(parse_jsonl(await self.files.content(input_file_id)), endpoint)
+        worst = await self._worst_case(lines, endpoint)
+        await self._check_token_cap(worst.tokens)
+        await self._check_budget(worst.micros)
+        return await self.batches.create(
+            api_key_id=self.principal.key_id,
+            endpoint=endpoint,
+            input_file_id=input_file_id,
+            completion_window=completion_window,
+            metadata=metadata,
+            lines=lines,
+            enqueued_tokens=worst.tokens,
+            worst_case_micros=worst.micros,
+        )
+
+    async def _worst_case(self, lines: list[NewLine], endpoint: str) -> WorstCase:
+        """Every line at its most: a prompt of as many tokens as characters (a token is at
+        least one), and all the output it may ask for, at the batch price."""
+        tokens = micros = 0
+        prices: dict[str, Any] = {}
+        for line in lines:
+            model = line.body.get("model")
+            if not isinstance(model, str):
+                raise InvalidRequest(
+                    f"request {line.line} of the file names no model", param="model"
+                )
+            if model not in prices:
+                context = self.runtime.engine_for(model).max_model_len  # 404: no such model
+                quote = await self.runtime.recorder.prices.quote(model, utcnow())
+                prices[model] = (context, quote.price.for_batch())
+            context, price = prices[model]
+            prompt, output = _line_tokens(line.body, endpoint, context)
+            tokens += prompt + output
+            micros += price.cost_micros(prompt, 0, output)
+        return WorstCase(tokens, micros)
+
+    async def _check_token_cap(self, tokens: int) -> None:
+        cap = await self.batches.token_cap()
+        if cap is None:
+            return
+        enqueued = await self.batches.enqueued_tokens()
+        if enqueued + tokens > cap:
+            raise BatchTokenLimit(
+                f"the batch would enqueue up to {tokens} tokens, with {enqueued} enqueued "
+                f"already; your plan allows {cap}",
+                param="input_file_id",
+            )
+
+    async def _check_budget(self, micros: int) -> None:
+        budget = self.principal.plan.limits.monthly_budget_micros
+        if budget is None:
+            return
+        store = self.runtime.admission.store
+        usage = await store.usage(tenant_scope(self.principal.tenant_id), month_period())
+        pending = await self.batches.reserved_micros()  # other batches still running
+        left = budget - usage.spent_micros - usage.reserved_micros - pending
+        if micros > left:
+            raise BatchOverBudget(
+                f"the batch may cost up to {micros} micro-units; the budget has {max(left, 0)} "
+                "left this month",
+                param="input_file_id",
+            )
+
+
+def files_root(runtime: Runtime) -> Path:
+    return runtime.settings.data_dir / "files"
+
+
+def _line_tokens(body: dict[str, Any], endpoint: str, context: int) -> tuple[int, int]:
+    """The most prompt and output tokens one line may use."""
+    source = body.get("messages") if endpoint == "/v1/chat/completions" else None
+    if source is None:
+        source = body.get("prompt", body.get("input", ""))
+    prompt = min(len(json.dumps(source)), context)
+    if endpoint == "/v1/embeddings":
+        return prompt, 0
+    asked = body.get("max_completion_tokens") or body.get("max_tokens")
+    room = max(context - 1, 1)
+    output = min(asked, room) if isinstance(asked, int) and asked > 0 else room
+    choices = body.get("n")
+    return prompt, output * (choices if isinstance(choices, int) and choices > 1 else 1)

@@ -1,0 +1,135 @@
+"""Uploaded files (the Files API): the row here, the bytes on the data folder, one folder per
+tenant. Every query names the tenant: one tenant never sees another's file."""
+
+from __future__ import annotations
+
+import json
+import os
+import secrets
+from datetime import datetime
+from pathlib import Path
+
+from sqlalchemy import BigInteger, DateTime, ForeignKey, Index, String, select
+from sqlalchemy.ext.asyncio import AsyncSession
+from sqlalchemy.orm import Mapped, mapped_column
+
+from tenants.errors import InvalidInputError, NotFoundError
+from tenants.models import Base, as_utc, utcnow
+
+PURPOSES = frozenset({"batch", "batch_output"})  # what a client may upload: "batch"
+MAX_FILE_BYTES = 200 * 2**20  # OpenAI's limit for a batch input file
+MAX_LINES = 50_000  # requests in one batch, as OpenAI's
+
+
+class StoredFile(Base):
+    __tablename__ = "files"
+    __table_args__ = (Index("ix_files_tenant_created", "tenant_id", "created_at"),)
+
+    id: Mapped[str] = mapped_column(String(64), primary_key=True)
+    tenant_id: Mapped[str] = mapped_column(ForeignKey("tenants.id"))
+    filename: Mapped[str] = mapped_column(String(255))
+    purpose: Mapped[str] = mapped_column(String(32))
+    bytes: Mapped[int] = mapped_column(BigInteger)
+    created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
+    deleted_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True))
+
+    def as_openai(self) -> dict[str, object]:
+        return {
+            "id": self.id,
+            "object": "file",
+            "bytes": self.bytes,
+            "created_at": int(as_utc(self.created_at).timestamp()),
+            "filename": self.filename,
+            "purpose": self.purpose,
+            "status": "processed",
+            "status_details": None,
+        }
+
+
+class MalformedLine(InvalidInputError):
+    """A line of a batch input file that is not one request object."""
+
+    def __init__(self, line: int, reason: str) -> None:
+        super().__init__(f"line {line} of the file is not a valid request: {reason}", "file")
+        self.line = line
+
+
+def parse_jsonl(content: bytes) -> list[dict[str, object]]:
+    """Each non-empty line as a JSON object; MalformedLine names the first bad one (from 1)."""
+    objects: list[dict[str, object]] = []
+    for number, raw in enumerate(content.split(b"\n"), start=1):
+        if not raw.strip():
+            continue
+        try:
+            value = json.loads(raw)
+        except (ValueError, UnicodeDecodeError) as exc:
+            raise MalformedLine(number, f"invalid JSON ({exc})") from None
+        if not isinstance(value, dict):
+            raise MalformedLine(number, "a line must be a JSON object")
+        objects.append(value)
+        if len(objects) > MAX_LINES:
+            raise InvalidInputError(f"a batch file holds at most {MAX_LINES} requests")
+    return objects
+
+
+class FileStore:
+    """Files of one tenant: rows in the database, bytes under `root/<tenant>/<file id>`."""
+
+    def __init__(self, session: AsyncSession, root: Path, tenant_id: str) -> None:
+        self.session = session
+        self.root = root
+        self.tenant_id = tenant_id
+
+    def _path(self, file_id: str) -> Path:
+        return self.root / self.tenant_id / file_id
+
+    async def create(self, filename: str, purpose: str, content: bytes) -> StoredFile:
+        if len(content) > MAX_FILE_BYTES:
+            raise InvalidInputError(f"a file is at most {MAX_FILE_BYTES} bytes")
+        stored = StoredFile(
+            id="file-" + secrets.token_hex(12),
+            tenant_id=self.tenant_id,
+            filename=filename[:255] or "upload.jsonl",
+            purpose=purpose,
+            bytes=len(content),
+            created_at=utcnow(),
+        )
+        path = self._path(stored.id)
+        path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+        temporary = path.with_suffix(".part")
+        temporary.write_bytes(content)
+        os.replace(temporary, path)  # whole or absent: a crash leaves no half file
+        self.session.add(stored)
+        await self.session.flush()
+        return stored
+
+    async def get(self, file_id: str) -> StoredFile:
+        stored = await self.session.scalar(
+            select(StoredFile).where(
+                StoredFile.id == file_id,
+                StoredFile.tenant_id == self.tenant_id,
+                StoredFile.deleted_at.is_(None),
+            )
+        )
+        if stored is None:
+            raise NotFoundError(f"no file {file_id!r}")
+        return stored
+
+    async def list(self, purpose: str | None = None, limit: int = 10_000) -> list[StoredFile]:
+        query = select(StoredFile).where(
+            StoredFile.tenant_id == self.tenant_id, StoredFile.deleted_at.is_(None)
+        )
+        if purpose is not None:
+            query = query.where(StoredFile.purpose == purpose)
+        rows = await self.session.scalars(query.order_by(StoredFile.created_at.desc()).limit(limit))
+        return list(rows)
+
+    async def content(self, file_id: str) -> bytes:
+        await self.get(file_id)
+        return self._path(file_id).read_bytes()
+
+    async def delete(self, file_id: str) -> StoredFile:
+        stored = await self.get(file_id)
+        stored.deleted_at = utcnow()
+        self._path(file_id).unlink(missing_ok=True)
+        return stored

@@ -1,0 +1,255 @@
+"""/v1/files and /v1/batches with the official `openai` client against a real server
+(in-process engine): the whole round trip, a malformed line, tenant isolation, cancel,
+expiry, the budget's refusal, and a gateway stopped mid-batch that resumes with exactly
+one result per line."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import openai
+import pytest
+from sqlalchemy import func, select, update
+from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
+
+from gateway.app import create_app
+from gateway.dispatch.engine_client import InProcessEngineClient
+from gateway.settings import Settings
+from tenants.batches import Batch
+from tenants.limits import LimitSet, PlanTerms
+from tenants.models import KeyRole, UsageEvent, utcnow
+from tenants.pricing import DEFAULT_PRICE
+from tenants.services import ApiKeyService, PlanService, TenantService
+from tests.conftest import eventually, serving
+
+
+def _jsonl(model: str, count: int, max_tokens: int = 4) -> bytes:
+    lines = [
+        {
+            "custom_id": f"line-{i}",
+            "method": "POST",
+            "url": "/v1/chat/completions",
+            "body": {
+                "model": model,
+                "messages": [{"role": "user", "content": f"Count to {i}."}],
+                "max_tokens": max_tokens,
+                "temperature": 0,
+            },
+        }
+        for i in range(count)
+    ]
+    return b"".join(json.dumps(line).encode() + b"\n" for line in lines)
+
+
+async def _batch(client: openai.AsyncOpenAI, content: bytes) -> Any:
+    uploaded = await client.files.create(file=("requests.jsonl", content), purpose="batch")
+    return await client.batches.create(
+        input_file_id=uploaded.id,
+        endpoint="/v1/chat/completions",
+        completion_window="24h",
+        metadata={"job": "test"},
+    )
+
+
+async def _until(client: openai.AsyncOpenAI, batch_id: str, *statuses: str) -> Any:
+    found: dict[str, Any] = {}
+
+    async def reached() -> bool:
+        found["batch"] = await client.batches.retrieve(batch_id)
+        return found["batch"].status in statuses
+
+    await eventually(reached, timeout_s=120)
+    return found["batch"]
+
+
+async def _records(client: openai.AsyncOpenAI, file_id: str | None) -> list[dict[str, Any]]:
+    if file_id is None:
+        return []
+    content = await client.files.content(file_id)
+    return [json.loads(line) for line in content.text.splitlines()]
+
+
+async def _key(sessions: async_sessionmaker[AsyncSession], tenant: str, plan: str | None) -> str:
+    async with sessions.begin() as session:
+        created = await TenantService(session).create(tenant, plan)
+        return (await ApiKeyService(session).create(created, "test", KeyRole.TENANT)).secret
+
+
+async def test_a_batch_runs_every_line_once_at_the_batch_price(
+    client: openai.AsyncOpenAI,
+    engine_client: InProcessEngineClient,
+    sessions: async_sessionmaker[AsyncSession],
+) -> None:
+    model = engine_client.model_name
+    batch = await _batch(client, _jsonl(model, 5))
+    assert batch.status == "in_progress" and batch.request_counts.total == 5
+    done = await _until(client, batch.id, "completed", "failed")
+    assert done.status == "completed", done
+    counts = (done.request_counts.completed, done.request_counts.failed)
+    assert counts == (5, 0), await _records(client, done.error_file_id)
+    assert done.error_file_id is None and done.metadata == {"job": "test"}
+    records = await _records(client, done.output_file_id)
+    assert sorted(r["custom_id"] for r in records) == [f"line-{i}" for i in range(5)]
+    for record in records:
+        assert record["error"] is None and record["response"]["status_code"] == 200
+        assert record["response"]["body"]["object"] == "chat.completion"
+    async with sessions() as session:
+        events = list(await session.scalars(select(UsageEvent)))
+    assert {e.endpoint for e in events} == {"batch.chat.completions"} and len(events) == 5
+    batch_price = DEFAULT_PRICE.for_batch()
+    assert batch_price.output_micros_per_mtok == DEFAULT_PRICE.output_micros_per_mtok // 2
+    for event in events:
+        cost = batch_price.cost_micros(
+            event.prompt_tokens, event.cached_tokens, event.completion_tokens
+        )
+        assert event.cost_micros == cost > 0
+        assert event.priority is not None and event.priority > 5  # the batch class
+    listed = await client.batches.list()
+    assert [b.id for b in listed.data] == [batch.id]
+    files = await client.files.list()
+    assert {f.purpose for f in files.data} == {"batch", "batch_output"}
+    deleted = await client.files.delete(batch.input_file_id)
+    assert deleted.deleted
+    with pytest.raises(openai.NotFoundError):
+        await client.files.retrieve(batch.input_file_id)
+
+
+async def test_a_malformed_line_is_refused_naming_its_number(client: openai.AsyncOpenAI) -> None:
+    content = b'{"custom_id": "a", "body": {}}\n{"custom_id": "b", "body": \n'
+    with pytest.raises(openai.BadRequestError, match="line 2"):
+        await client.files.create(file=("bad.jsonl", content), purpose="batch")
+    with pytest.raises(openai.BadRequestError, match="purpose"):
+        await client.files.create(file=("a.jsonl", b"{}\n"), purpose="fine-tune")
+
+
+async def test_duplicate_custom_ids_and_other_endpoints_are_refused_at_creation(
+    client: openai.AsyncOpenAI, engine_client: InProcessEngineClient
+) -> None:
+    line = _jsonl(engine_client.model_name, 1)
+    uploaded = await client.files.create(file=("dup.jsonl", line + line), purpose="batch")
+    with pytest.raises(openai.BadRequestError, match="not unique"):
+        await client.batches.create(
+            input_file_id=uploaded.id, endpoint="/v1/chat/completions", completion_window="24h"
+        )
+    with pytest.raises(openai.BadRequestError, match="url must be"):
+        await client.batches.create(
+            input_file_id=uploaded.id, endpoint="/v1/completions", completion_window="24h"
+        )
+
+
+async def test_one_tenant_never_sees_another_tenants_files_or_batches(
+    client: openai.AsyncOpenAI,
+    base_url: str,
+    engine_client: InProcessEngineClient,
+    sessions: async_sessionmaker[AsyncSession],
+) -> None:
+    batch = await _batch(client, _jsonl(engine_client.model_name, 1))
+    other = openai.AsyncOpenAI(
+        base_url=base_url, api_key=await _key(sessions, "globex", None), max_retries=0
+    )
+    with pytest.raises(openai.NotFoundError):
+        await other.files.retrieve(batch.input_file_id)
+    with pytest.raises(openai.NotFoundError):
+        await other.files.content(batch.input_file_id)
+    with pytest.raises(openai.NotFoundError):
+        await other.batches.retrieve(batch.id)
+    with pytest.raises(openai.NotFoundError):
+        await other.batches.cancel(batch.id)
+    with pytest.raises(openai.NotFoundError):
+        await other.batches.create(
+            input_file_id=batch.input_file_id,
+            endpoint="/v1/chat/completions",
+            completion_window="24h",
+        )
+    assert (await other.batches.list()).data == [] and (await other.files.list()).data == []
+    await _until(client, batch.id, "completed")
+
+
+async def test_cancel_keeps_what_ran_and_reports_the_rest(
+    client: openai.AsyncOpenAI, engine_client: InProcessEngineClient
+) -> None:
+    batch = await _batch(client, _jsonl(engine_client.model_name, 400, max_tokens=32))
+    cancelling = await client.batches.cancel(batch.id)
+    assert cancelling.status in ("cancelling", "cancelled")
+    done = await _until(client, batch.id, "cancelled")
+    counts = done.request_counts
+    errors = await _records(client, done.error_file_id)
+    outputs = await _records(client, done.output_file_id)
+    assert len(outputs) == counts.completed and counts.completed < 400
+    cancelled = [r for r in errors if r["error"] and r["error"]["code"] == "batch_cancelled"]
+    assert len(outputs) + len(errors) == 400 and cancelled
+    assert done.cancelled_at is not None
+
+
+async def test_a_batch_expires_at_its_window_with_what_is_done(
+    client: openai.AsyncOpenAI,
+    engine_client: InProcessEngineClient,
+    sessions: async_sessionmaker[AsyncSession],
+) -> None:
+    batch = await _batch(client, _jsonl(engine_client.model_name, 400, max_tokens=32))
+    async with sessions.begin() as session:
+        await session.execute(update(Batch).where(Batch.id == batch.id).values(expires_at=utcnow()))
+    done = await _until(client, batch.id, "expired")
+    errors = await _records(client, done.error_file_id)
+    assert errors and all(r["error"]["code"] == "batch_expired" for r in errors)
+    assert done.request_counts.completed + len(errors) == 400
+    assert done.expired_at is not None
+
+
+async def test_a_batch_over_the_budget_is_refused_at_creation(
+    base_url: str,
+    engine_client: InProcessEngineClient,
+    sessions: async_sessionmaker[AsyncSession],
+) -> None:
+    async with sessions.begin() as session:
+        terms = PlanTerms(name="small", limits=LimitSet(monthly_budget_micros=50))
+        await PlanService(session).create("small", terms)
+    poor = openai.AsyncOpenAI(
+        base_url=base_url, api_key=await _key(sessions, "poor", "small"), max_retries=0
+    )
+    with pytest.raises(openai.APIStatusError) as refused:
+        await _batch(poor, _jsonl(engine_client.model_name, 50))
+    assert refused.value.status_code == 402
+    assert "batch_over_budget" in str(refused.value.body)
+    assert (await poor.batches.list()).data == []
+
+
+async def test_a_gateway_stopped_mid_batch_resumes_with_one_result_per_line(
+    settings: Settings,
+    engine_client: InProcessEngineClient,
+    tenant_key: str,
+    sessions: async_sessionmaker[AsyncSession],
+) -> None:
+    total = 150
+    async with serving(create_app(settings, engine_client=engine_client)) as url:
+        client = openai.AsyncOpenAI(base_url=url + "/v1", api_key=tenant_key, max_retries=0)
+        batch = await _batch(client, _jsonl(engine_client.model_name, total, max_tokens=24))
+
+        async def partly_done() -> bool:
+            counts = (await client.batches.retrieve(batch.id)).request_counts
+            return bool(counts.completed >= 3)
+
+        await eventually(partly_done, timeout_s=120)
+    stopped = (await _stored(sessions, batch.id)).completed
+    assert stopped < total  # stopped mid-batch
+    async with serving(create_app(settings, engine_client=engine_client)) as url:
+        client = openai.AsyncOpenAI(base_url=url + "/v1", api_key=tenant_key, max_retries=0)
+        done = await _until(client, batch.id, "completed")
+        records = await _records(client, done.output_file_id)
+    assert done.request_counts.completed == total and done.request_counts.failed == 0
+    assert sorted(r["custom_id"] for r in records) == sorted(f"line-{i}" for i in range(total))
+    async with sessions() as session:
+        billed = await session.scalar(
+            select(func.count()).where(
+                UsageEvent.endpoint == "batch.chat.completions", UsageEvent.status == "completed"
+            )
+        )
+    assert billed == total  # no line billed twice
+
+
+async def _stored(sessions: async_sessionmaker[AsyncSession], batch_id: str) -> Batch:
+    async with sessions() as session:
+        batch = await session.get(Batch, batch_id)
+        assert batch is not None
+        return batch
