@@ -10,11 +10,10 @@ from datetime import datetime
 from typing import Protocol
 
 from backend import SamplingParams
+from tenants.batches import BATCH_ENDPOINT_PREFIX
 from tenants.models import UsageStatus, utcnow
 from tenants.quota import Reservation
 from tenants.services import Principal
-
-BATCH_ENDPOINT_PREFIX = "batch."  # a batch line's endpoint in the ledger: batch spend apart
 
 
 @dataclass

@@ -31,6 +31,7 @@ from tenants.limits import LimitSet, PlanTerms
 from tenants.models import ApiKey, Base, KeyRole, KeyStatus, Plan, Tenant, as_utc, utcnow
 from tenants.services import Principal
 
+BATCH_ENDPOINT_PREFIX = "batch."  # a batch line's endpoint in the ledger: batch spend apart
 ENDPOINTS = ("/v1/chat/completions", "/v1/completions", "/v1/embeddings")
 WINDOWS = {"24h": timedelta(hours=24)}
 

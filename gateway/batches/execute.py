@@ -20,7 +20,7 @@ from gateway.api.openai import chat, complete
 from gateway.api.schemas import ChatCompletionRequest, CompletionRequest, decode
 from gateway.errors import ApiError, InvalidRequest
 from gateway.runtime import Runtime
-from gateway.usage import BATCH_ENDPOINT_PREFIX
+from tenants.batches import BATCH_ENDPOINT_PREFIX
 from tenants.services import Principal
 
 RETRY_STATUSES = frozenset({409, 429, 499, 503})  # busy, not wrong: the line runs later

@@ -192,6 +192,7 @@ class BillingAdminController(Controller):
                 price.input_micros_per_mtok,
                 price.cached_input_micros_per_mtok,
                 price.output_micros_per_mtok,
+                price.batch_discount_pct,
             ),
             price.effective(),
         )

@@ -26,6 +26,7 @@ class PriceBody(Struct, kw_only=True, forbid_unknown_fields=True):
     cached_input_micros_per_mtok: MicrosPerMtok
     output_micros_per_mtok: MicrosPerMtok
     effective_from: str | None = None
+    batch_discount_pct: Annotated[int, Meta(ge=0, le=100)] = 50  # off a batch line's price
 
     def effective(self) -> datetime:
         return utcnow() if self.effective_from is None else parse_moment(self.effective_from)
@@ -69,6 +70,7 @@ def price_view(version: PriceVersion) -> dict[str, Any]:
         "input_micros_per_mtok": version.input_micros_per_mtok,
         "cached_input_micros_per_mtok": version.cached_input_micros_per_mtok,
         "output_micros_per_mtok": version.output_micros_per_mtok,
+        "batch_discount_pct": version.batch_discount_pct,
         "effective_from": as_utc(version.effective_from).isoformat(),
         "created_by": version.created_by,
         "created_at": as_utc(version.created_at).isoformat(),

@@ -283,6 +283,7 @@ class Report(Struct, kw_only=True):
     from_: str = msgspec.field(name="from")
     to: str
     totals: Totals
+    batch: Totals  # the part of the totals that batch lines (the Batch API) used
     by_status: dict[str, int]
     by_model: list[ModelTotals]
     daily: list[DayTotals]
@@ -434,6 +435,7 @@ class PriceVersion(Struct):
     input_micros_per_mtok: int
     cached_input_micros_per_mtok: int
     output_micros_per_mtok: int
+    batch_discount_pct: int  # off each rate for a batch line (the Batch API)
     effective_from: str
     created_by: str
     created_at: str

@@ -99,6 +99,7 @@ class PriceService(Audited):
             input_micros_per_mtok=price.input_micros_per_mtok,
             cached_input_micros_per_mtok=price.cached_input_micros_per_mtok,
             output_micros_per_mtok=price.output_micros_per_mtok,
+            batch_discount_pct=price.batch_discount_pct,
             effective_from=effective_from,
             created_by=created_by or self.actor.name[:100],
         )
@@ -113,6 +114,7 @@ class PriceService(Audited):
             input_micros_per_mtok=price.input_micros_per_mtok,
             cached_input_micros_per_mtok=price.cached_input_micros_per_mtok,
             output_micros_per_mtok=price.output_micros_per_mtok,
+            batch_discount_pct=price.batch_discount_pct,
         )
         return version
 
@@ -127,6 +129,8 @@ def _check(model: str, price: Price) -> None:
     ):
         if not 0 <= value <= MAX_MICROS_PER_MTOK:
             raise InvalidInputError(f"the {name} price must be between 0 and {MAX_MICROS_PER_MTOK}")
+    if not 0 <= price.batch_discount_pct <= 100:
+        raise InvalidInputError("the batch discount must be between 0 and 100 percent")
 
 
 class PriceBook:

@@ -23,6 +23,7 @@ from sqlalchemy.sql.elements import ColumnElement
 
 from tenants import audit
 from tenants.audit import Actor
+from tenants.batches import BATCH_ENDPOINT_PREFIX
 from tenants.errors import InvalidInputError
 from tenants.models import Tenant, UsageEvent, utcnow
 
@@ -94,6 +95,7 @@ class Report:
     by_model: dict[str, Totals] = field(default_factory=dict)
     by_status: dict[str, int] = field(default_factory=dict)
     by_day_model: dict[tuple[date, str], Totals] = field(default_factory=dict)
+    batch: Totals = field(default_factory=Totals)  # of the totals: batch lines (Batch API)
 
     def daily(self) -> list[tuple[date, Totals]]:
         days: dict[date, Totals] = defaultdict(Totals)
@@ -108,6 +110,7 @@ class Report:
             "from": self.period.start.isoformat(),
             "to": self.period.end.isoformat(),
             "totals": self.totals.view(),
+            "batch": self.batch.view(),
             "by_status": dict(sorted(self.by_status.items())),
             "by_model": [
                 {"model": model, **totals.view()} for model, totals in sorted(self.by_model.items())
@@ -164,11 +167,13 @@ def utc_day(column: InstrumentedAttribute[datetime], dialect: str) -> ColumnElem
 async def build_report(session: AsyncSession, tenant: Tenant, period: Period) -> Report:
     dialect = session.get_bind().dialect.name
     day = utc_day(UsageEvent.created_at, dialect).label("day")
+    batch = UsageEvent.endpoint.startswith(BATCH_ENDPOINT_PREFIX).label("batch")
     query = (
         select(
             day,
             UsageEvent.model,
             UsageEvent.status,
+            batch,
             func.count().label("requests"),
             func.coalesce(func.sum(UsageEvent.prompt_tokens), 0).label("prompt"),
             func.coalesce(func.sum(UsageEvent.cached_tokens), 0).label("cached"),
@@ -177,7 +182,7 @@ async def build_report(session: AsyncSession, tenant: Tenant, period: Period) ->
         )
         .where(UsageEvent.tenant_id == tenant.id)
         .where(UsageEvent.created_at >= period.start, UsageEvent.created_at < period.end)
-        .group_by(day, UsageEvent.model, UsageEvent.status)
+        .group_by(day, UsageEvent.model, UsageEvent.status, batch)
     )
     report = Report(tenant.id, tenant.name, period)
     for row in await session.execute(query):
@@ -190,6 +195,8 @@ async def build_report(session: AsyncSession, tenant: Tenant, period: Period) ->
         )
         on = row.day if isinstance(row.day, date) else date.fromisoformat(row.day)
         report.totals.add(totals)
+        if row.batch:
+            report.batch.add(totals)
         report.by_model.setdefault(row.model, Totals()).add(totals)
         report.by_day_model.setdefault((on, row.model), Totals()).add(totals)
         report.by_status[row.status] = report.by_status.get(row.status, 0) + totals.requests

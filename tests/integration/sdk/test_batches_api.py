@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
+import httpx
 import openai
 import pytest
 from sqlalchemy import func, select, update
@@ -78,6 +79,8 @@ async def _key(sessions: async_sessionmaker[AsyncSession], tenant: str, plan: st
 
 async def test_a_batch_runs_every_line_once_at_the_batch_price(
     client: openai.AsyncOpenAI,
+    base_url: str,
+    tenant_key: str,
     engine_client: InProcessEngineClient,
     sessions: async_sessionmaker[AsyncSession],
 ) -> None:
@@ -105,6 +108,14 @@ async def test_a_batch_runs_every_line_once_at_the_batch_price(
         )
         assert event.cost_micros == cost > 0
         assert event.priority is not None and event.priority > 5  # the batch class
+    async with httpx.AsyncClient() as http:
+        answer = await http.get(
+            f"{base_url}/usage", headers={"Authorization": f"Bearer {tenant_key}"}
+        )
+    report = answer.json()
+    spent = sum(e.cost_micros for e in events)
+    assert report["batch"]["cost_micros"] == report["totals"]["cost_micros"] == spent
+    assert report["batch"]["requests"] == 5
     listed = await client.batches.list()
     assert [b.id for b in listed.data] == [batch.id]
     files = await client.files.list()
