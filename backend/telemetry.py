@@ -320,6 +320,11 @@ def _step_cost_metrics(stats: EngineStats) -> Iterator[Metric]:
     """The step-cost fit (backend/engine/step_cost.py): predicted against measured time
     of the last step, the fit's terms, and the budget it set."""
     yield _gauge(
+        "tollgate_engine_busy_seconds",
+        "Seconds the engine spent stepping since it started (a counter: rate() is the busy share)",
+        stats.busy_s,
+    )
+    yield _gauge(
         "tollgate_engine_step_time_predicted_seconds",
         "The last step's time as the step-cost fit predicted it",
         stats.step_time_predicted_s,

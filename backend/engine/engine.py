@@ -104,6 +104,7 @@ class Engine:
         )
         log.info("%s", self.describe())
         self.num_steps = 0
+        self.busy_s = 0.0  # seconds spent in step(), cumulative
         self.num_failed_requests = 0  # failed by a fault while stepping them
         self._failed_steps = 0  # in a row
         self._step_tokens = (0, 0)  # prefill, decode tokens of the last step
@@ -260,6 +261,7 @@ class Engine:
             kv_blocks_free=bm.num_free_blocks - bm.num_cached_blocks,
             block_size=bm.block_size,
             num_steps=self.num_steps,
+            busy_s=self.busy_s,
             kv_blocks_cached=bm.num_cached_blocks,
             prefix_cache_queries=sched.prefix_cache_queries,
             prefix_cache_hits=sched.prefix_cache_hits,
@@ -310,6 +312,12 @@ class Engine:
 
     def step(self) -> list[RequestOutput]:
         step_started = time.perf_counter()
+        try:
+            return self._step(step_started)
+        finally:  # the engine's busy time: its share of the wall clock is its load
+            self.busy_s += time.perf_counter() - step_started
+
+    def _step(self, step_started: float) -> list[RequestOutput]:
         with self._lock:
             inbox, self._inbox, self._inbox_tokens = self._inbox, [], 0
         for req in inbox:

@@ -11,6 +11,7 @@ from litestar.static_files import create_static_files_router
 
 from gateway.console.actions import ActionsController
 from gateway.console.auth import MAX_FORM_BYTES, ConsoleForbidden, SignInRequired
+from gateway.console.batches import BatchesController
 from gateway.console.capacity import CapacityController
 from gateway.console.context import CONSOLE_DEPENDENCIES
 from gateway.console.ledger import LedgerController
@@ -46,6 +47,7 @@ def console_router() -> Router:
             LedgerController,
             CapacityController,
             ModelsController,
+            BatchesController,
             create_static_files_router(path="/static", directories=[STATIC_DIR]),
         ],
         dependencies=CONSOLE_DEPENDENCIES,

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import csv
 import io
-from datetime import UTC, datetime
+from datetime import UTC, datetime, timedelta
 from typing import Any
 
 from litestar import Controller, MediaType, Response, get
@@ -31,12 +31,14 @@ from gateway.deps import month_usage
 from gateway.telemetry.request import workload_class
 from tenants import audit
 from tenants.admins import AdminService
+from tenants.batches import batch_token_share
 from tenants.limits import LIMIT_NAMES, PlanTerms
 from tenants.models import UsageStatus, parse_utc
 from tenants.quota import QuotaStore
 from tenants.services import ApiKeyService, PlanService, TenantService, UsageService
 
 RECENT_REQUESTS = 20
+BATCH_SHARE_WINDOW = timedelta(hours=24)
 
 
 def parse_moment(text: str | None) -> datetime | None:
@@ -68,7 +70,9 @@ class PagesController(Controller):
 
     @get("/")
     async def overview(self, ctx: NamedDependency[ConsolePage]) -> Response[str]:
-        return ctx.render("overview.html", title="Overview")
+        since = datetime.now(UTC) - BATCH_SHARE_WINDOW
+        share = await batch_token_share(ctx.db, since)
+        return ctx.render("overview.html", title="Overview", batch_share=share)
 
     @get("/overview.json", media_type=MediaType.JSON)
     async def overview_data(self, ctx: NamedDependency[ConsolePage]) -> dict[str, Any]:
