@@ -310,38 +310,36 @@ class BatchQueue:
 
     async def claim(self, batch_id: str, count: int, lease: timedelta) -> list[BatchLine]:
         """Up to `count` lines of the batch to run now: pending ones, and running ones
-        whose runner's lease lapsed (a gateway that died). Claimed by a conditional
-        update, so two runners never take the same line."""
+        whose runner's lease lapsed (a gateway that died). Claimed by one conditional
+        update stamped with this claim's time, so two runners never take the same line."""
         now = utcnow()
-        candidates = await self.session.scalars(
-            select(BatchLine)
-            .where(
-                BatchLine.batch_id == batch_id,
-                (BatchLine.status == LineStatus.PENDING)
-                | ((BatchLine.status == LineStatus.RUNNING) & (BatchLine.claimed_at < now - lease)),
-            )
+        claimable = (BatchLine.status == LineStatus.PENDING) | (
+            (BatchLine.status == LineStatus.RUNNING) & (BatchLine.claimed_at < now - lease)
+        )
+        wanted = (
+            select(BatchLine.line)
+            .where(BatchLine.batch_id == batch_id, claimable)
             .order_by(BatchLine.line)
             .limit(count)
         )
-        claimed = []
-        for line in list(candidates):
-            taken = await self.session.execute(
-                update(BatchLine)
-                .where(
-                    BatchLine.batch_id == batch_id,
-                    BatchLine.line == line.line,
-                    BatchLine.status == line.status,
-                    BatchLine.claimed_at.is_(None)
-                    if line.claimed_at is None
-                    else BatchLine.claimed_at == line.claimed_at,
-                )
-                .values(status=LineStatus.RUNNING, claimed_at=now)
-                .execution_options(synchronize_session=False)
+        numbers = list(await self.session.scalars(wanted))
+        if not numbers:
+            return []
+        await self.session.execute(
+            update(BatchLine)
+            .where(BatchLine.batch_id == batch_id, BatchLine.line.in_(numbers), claimable)
+            .values(status=LineStatus.RUNNING, claimed_at=now)
+            .execution_options(synchronize_session=False)
+        )
+        claimed = await self.session.scalars(
+            select(BatchLine).where(
+                BatchLine.batch_id == batch_id,
+                BatchLine.line.in_(numbers),
+                BatchLine.status == LineStatus.RUNNING,
+                BatchLine.claimed_at == now,
             )
-            if taken.rowcount == 1:  # type: ignore[attr-defined]
-                line.status, line.claimed_at = LineStatus.RUNNING, now
-                claimed.append(line)
-        return claimed
+        )
+        return list(claimed)
 
     async def renew(self, batch_id: str, lines: list[int]) -> None:
         """The runner still works on these lines: their lease starts again."""

@@ -186,7 +186,8 @@ class BatchRunner:
 
     def _done(self, key: tuple[str, int], _: asyncio.Task[None]) -> None:
         self._running.pop(key, None)
-        self._wakeup.set()
+        if len(self._running) <= self.concurrency // 2:  # claim in bulk, not line by line
+            self._wakeup.set()
 
     async def _line(self, batch: Batch, line: BatchLine) -> None:
         outcome = await self._outcome(batch, line)
