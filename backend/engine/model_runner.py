@@ -38,7 +38,7 @@ from backend.layers.sampler import (
     sample_tokens,
     sampling_probs,
 )
-from backend.layers.staging import Staging, to_device, to_host
+from backend.layers.staging import Readback, Staging, to_device, to_host
 from backend.loader import load_model, resolve_device, resolve_dtype
 from backend.models.config import ModelConfig
 from backend.outputs import TokenLogprobs
@@ -554,8 +554,10 @@ class Launched:
         lps: tuple[torch.Tensor, ...] | list[torch.Tensor],
         result: ModelRunnerOutput | None = None,
     ) -> None:
-        self.reqs, self.tokens, self.want, self.lps = reqs, tokens, want, lps
+        self.reqs, self.tokens, self.want = reqs, tokens, want
         self._result = result
+        # Started now: under async scheduling the next step is enqueued behind it.
+        self._readback = Readback(tokens, *lps) if tokens is not None else None
         # Each sampled request's row in `tokens`: where the next step finds its input.
         self.rows = {r.request_id: i for i, r in enumerate(reqs)} if tokens is not None else {}
 
@@ -567,10 +569,10 @@ class Launched:
     def collect(self) -> ModelRunnerOutput:
         if self._result is not None:
             return self._result
-        assert self.tokens is not None
+        assert self._readback is not None
         reqs, want = self.reqs, self.want
-        # Over every row (one kernel each), read back with the tokens: one wait per step.
-        host_tokens, *lps = to_host(self.tokens, *self.lps)
+        # Logprobs over every row (one kernel each), read back with the tokens: one wait.
+        host_tokens, *lps = self._readback.wait()
         sampled = host_tokens.tolist()
         found: list[TokenLogprobs] = []
         if want:

@@ -56,3 +56,26 @@ def to_host(*tensors: torch.Tensor) -> list[torch.Tensor]:
     host = [t.to("cpu", non_blocking=True) for t in tensors]
     torch.cuda.current_stream(tensors[0].device).synchronize()
     return host
+
+
+class Readback:
+    """Device tensors on their way to the host: the copies start at once (into pinned
+    memory) and `wait` waits for them alone, by an event recorded after them, not for the
+    stream: work enqueued later (the next step, under async scheduling) keeps running."""
+
+    def __init__(self, *tensors: torch.Tensor) -> None:
+        self._event: torch.cuda.Event | None = None
+        if not tensors or tensors[0].device.type != "cuda":
+            self._host = list(tensors)
+            return
+        self._host = [
+            torch.empty(t.shape, dtype=t.dtype, pin_memory=True).copy_(t, non_blocking=True)
+            for t in tensors
+        ]
+        self._event = torch.cuda.Event()  # type: ignore[no-untyped-call]
+        self._event.record(torch.cuda.current_stream(tensors[0].device))
+
+    def wait(self) -> list[torch.Tensor]:
+        if self._event is not None:
+            self._event.synchronize()
+        return self._host
