@@ -46,6 +46,7 @@ import platform
 import random
 import shutil
 import signal
+import statistics
 import tempfile
 import time
 import traceback
@@ -631,6 +632,7 @@ def section_throughput(run: Run) -> dict[str, Any]:
     drain(engine)
     for n, work in works.items():
         result[f"engine_{n}"] = _engine_rate(engine, work)
+    result["async"] = _async_step_times(engine, max(plan.concurrency), plan, shape.vocab)
     del engine
     release()
     model = hf_model(run, "1b")
@@ -640,6 +642,42 @@ def section_throughput(run: Run) -> dict[str, Any]:
         result[f"ratio_{n}"] = round(
             result[f"engine_{n}"]["tokens_per_s"] / static["tokens_per_s"], 2
         )
+    return result
+
+
+def _async_step_times(engine: Engine, num: int, plan: Plan, vocab: int) -> dict[str, Any]:
+    """Median decode step time of `num` rows, async scheduling off then on (the same
+    engine, idle between), and whether both gave the same greedy tokens: the host's
+    share of a step is what async scheduling hides."""
+    rng = random.Random(7)
+    prompts = [random_prompt(rng, 64, vocab) for _ in range(num)]
+    default = engine.async_scheduling
+    result: dict[str, Any] = {}
+    tokens: dict[bool, list[list[int]]] = {}
+    for mode in (False, True):
+        engine.async_scheduling = mode
+        for i, prompt in enumerate(prompts):
+            engine.add_request(
+                EngineRequest(prompt, greedy(max(16, plan.decode_tokens // 4)), f"a{i}")
+            )
+        outputs: dict[str, list[RequestOutput]] = {}
+        times = []
+        while engine.has_work():
+            started = time.perf_counter()
+            for out in engine.step():
+                outputs.setdefault(out.request_id, []).append(out)
+            stats = engine.stats()
+            if stats.step_decode_tokens == num and not stats.step_prefill_tokens:
+                times.append(time.perf_counter() - started)
+        tokens[mode] = [tokens_of(outputs[f"a{i}"]) for i in range(num)]
+        result["on" if mode else "off"] = {
+            "step_ms": round(statistics.median(times) * 1e3, 3) if times else None,
+            "steps": len(times),
+        }
+    engine.async_scheduling = default
+    off, on = result["off"]["step_ms"], result["on"]["step_ms"]
+    result["speedup"] = round(off / on, 3) if off and on else None
+    result["greedy_equal"] = tokens[False] == tokens[True]
     return result
 
 
@@ -840,6 +878,11 @@ def _figures(name: str, e: dict[str, Any]) -> Iterator[tuple[str, str]]:
                 n = key[6:]
                 ours, theirs = e[f"engine_{n}"]["tokens_per_s"], e[f"static_{n}"]["tokens_per_s"]
                 yield f"{n} concurrent: engine / static tok/s", f"{ours} / {theirs} = {e[key]}x"
+        if "async" in e:
+            a = e["async"]
+            steps = f"{a['off']['step_ms']} / {a['on']['step_ms']} ms = {a['speedup']}x"
+            yield "decode step, async scheduling off / on", steps
+            yield "async scheduling: greedy equal to sync", str(a["greedy_equal"])
     elif name == "speculative_1b":
         yield "speculative: greedy equal to plain", str(e["greedy_equal"])
         for c in ("c1", "c8"):

@@ -70,6 +70,9 @@ def test_the_dry_run_runs_every_section(tmp_path: Path) -> None:
     for n in (8, 16):
         assert throughput[f"engine_{n}"]["output_tokens"] > 0
         assert throughput[f"ratio_{n}"] > 0
+    steps = throughput["async"]
+    assert steps["greedy_equal"] is True
+    assert steps["off"]["step_ms"] > 0 and steps["on"]["step_ms"] > 0 and steps["speedup"] > 0
     spec = sections["speculative_1b"]
     assert spec["greedy_equal"] is True
     assert spec["ngram"]["c8"]["tokens_per_s"] > 0 and spec["speedup_c1"] > 0
