@@ -9,6 +9,9 @@ from pathlib import Path
 
 DTYPES = ("auto", "float32", "float16", "bfloat16")
 QUANTIZATIONS = ("none", "int8", "fp8")  # weight-only (backend/layers/quant.py)
+# auto: the model's compute dtype; int8, fp8: one byte per value plus a float32 scale per
+# token and KV head (backend/layers/kv_quant.py)
+KV_CACHE_DTYPES = ("auto", "int8", "fp8")
 ATTENTION_BACKENDS = ("auto", "torch", "triton")  # auto: triton on CUDA, torch on the CPU
 # off; ngram: drafts looked up in the request's own tokens; draft: a small second model
 SPECULATIVE_METHODS = ("off", "ngram", "draft")
@@ -45,6 +48,7 @@ class EngineConfig:
     max_model_len: int | None = None
     dtype: str = "auto"  # "auto": see backend.loader.resolve_dtype
     quantization: str = "none"  # one of QUANTIZATIONS: the decoder's weights in one byte
+    kv_cache_dtype: str = "auto"  # one of KV_CACHE_DTYPES: int8/fp8 hold ~twice the tokens
     device: str = "auto"  # "auto": CUDA when torch sees a GPU, else the CPU
     # CPU threads for torch ops (process-wide). None keeps torch's default; on a small
     # machine one thread fewer than the cores leaves the event loop room to stream.
@@ -104,6 +108,10 @@ class EngineConfig:
         if self.quantization not in QUANTIZATIONS:
             raise ValueError(
                 f"quantization must be one of {QUANTIZATIONS}, got {self.quantization!r}"
+            )
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ValueError(
+                f"kv_cache_dtype must be one of {KV_CACHE_DTYPES}, got {self.kv_cache_dtype!r}"
             )
         if self.attention_backend not in ATTENTION_BACKENDS:
             raise ValueError(

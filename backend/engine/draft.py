@@ -22,6 +22,7 @@ import torch
 from backend.attention_metadata import AttentionMetadata
 from backend.engine.batch import ScheduledRequest, SchedulerOutput
 from backend.errors import CheckpointError
+from backend.layers import kv_quant
 from backend.layers.attention import AttentionBackend
 from backend.layers.sampler import SamplingTensors, inverse_cdf, sampling_probs, uniforms
 from backend.layers.staging import to_host
@@ -63,13 +64,10 @@ class DraftModel:
         self.dtype = dtype
         self.kv_cache: torch.Tensor | None = None  # sized by the runner: allocate()
 
-    def allocate(self, num_blocks: int, block_size: int) -> None:
+    def allocate(self, num_blocks: int, block_size: int, kv_dtype: torch.dtype) -> None:
+        """Its pool, in the target's KV dtype (a quantized cache quantizes both)."""
         cfg = self.config
-        self.kv_cache = torch.zeros(
-            (cfg.num_layers, 2, num_blocks, block_size, cfg.num_kv_heads, cfg.head_dim),
-            dtype=self.dtype,
-            device=self.device,
-        )
+        self.kv_cache = kv_quant.allocate(cfg, num_blocks, block_size, kv_dtype, self.device)
 
     def propose(
         self,

@@ -31,6 +31,7 @@ from backend.errors import (
     UnknownAdapterError,
 )
 from backend.grammar import GrammarCompiler
+from backend.layers.kv_quant import kv_bytes_per_token
 from backend.loader import resolve_device
 from backend.models.config import load_model_config
 from backend.outputs import EngineStats, RequestOutput, TokenLogprobs
@@ -151,6 +152,8 @@ class Engine:
         return (
             f"engine: device={runner.device} dtype={str(runner.dtype).removeprefix('torch.')} "
             f"quantization={self.config.quantization} "
+            f"kv_cache_dtype={str(runner.kv_dtype).removeprefix('torch.')} "
+            f"kv_bytes_per_token={kv_bytes_per_token(self.model_config, runner.kv_dtype)} "
             f"attention={runner.attention_name} kv_blocks={runner.num_blocks} "
             f"kv_bytes={kv_bytes} ({kv_bytes / 2**30:.2f} GiB) "
             f"max_seqs_at_max_model_len={runner.num_blocks // per_seq} "

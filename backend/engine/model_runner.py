@@ -25,6 +25,7 @@ from backend.engine.cuda_graphs import DecodeGraphs, GraphableBackend, can_captu
 from backend.engine.draft import DraftModel
 from backend.errors import RequestStepError
 from backend.grammar import fill_bitmasks
+from backend.layers import kv_quant
 from backend.layers.attention import AttentionBackend, attention_backend
 from backend.layers.lora import LoRALinear, add_lora_layers, rows_of
 from backend.layers.quant import check_quantization, quantize
@@ -69,6 +70,9 @@ class ModelRunner:
         self.dtype = resolve_dtype(config.dtype, self.device, model_config)
         self.attention: AttentionBackend = attention_backend(config.attention_backend, self.device)
         check_quantization(config.quantization, self.device)  # before the load: fail fast
+        kv_quant.check_kv_cache_dtype(config.kv_cache_dtype, self.device)
+        # The KV cache's own dtype: the compute dtype, or one byte plus scales per value.
+        self.kv_dtype = kv_quant.cache_dtype(config.kv_cache_dtype, self.dtype)
         self.model = load_model(
             model_dir,
             model_config,
@@ -82,7 +86,7 @@ class ModelRunner:
         if config.max_loras:
             self.lora_layers = add_lora_layers(self.model, config.max_loras, config.max_lora_rank)
         self.drafter: DraftModel | None = None
-        per_block = kv_bytes_per_block(model_config, config.block_size, self.dtype)
+        per_block = kv_bytes_per_block(model_config, config.block_size, self.kv_dtype)
         if config.speculative_method == "draft" and config.speculative_model:
             self.drafter = DraftModel(
                 Path(config.speculative_model),
@@ -93,20 +97,13 @@ class ModelRunner:
                 backend=self.attention,
             )
             # Its pool mirrors the target's block for block: the budget holds both.
-            per_block += kv_bytes_per_block(self.drafter.config, config.block_size, self.dtype)
+            per_block += kv_bytes_per_block(self.drafter.config, config.block_size, self.kv_dtype)
         self.num_blocks = config.num_kv_blocks or self._kv_budget(max_model_len) // per_block
         if self.drafter is not None:
-            self.drafter.allocate(self.num_blocks, config.block_size)
-        # [layers][2 (K, V)][num_blocks, block_size, kv_heads, head_dim]
-        self.kv_cache = torch.zeros(
-            model_config.num_layers,
-            2,
-            self.num_blocks,
-            config.block_size,
-            model_config.num_kv_heads,
-            model_config.head_dim,
-            dtype=self.dtype,
-            device=self.device,
+            self.drafter.allocate(self.num_blocks, config.block_size, self.kv_dtype)
+        # [layers][2 (K, V)][num_blocks, block_size, kv_heads, head_dim (+ scale bytes)]
+        self.kv_cache = kv_quant.allocate(
+            model_config, self.num_blocks, config.block_size, self.kv_dtype, self.device
         )
         self._generators: dict[str, torch.Generator] = {}
         self._prompt_masks: dict[str, torch.Tensor] = {}  # penalised requests' prompts
@@ -430,11 +427,8 @@ class ModelRunner:
         length = min(cfg.max_num_batched_tokens, max_model_len)
         count = -(-cfg.max_num_batched_tokens // length)
         per_seq = -(-length // bs)
-        mc = self.model.cfg
-        scratch = torch.zeros(
-            (mc.num_layers, 2, per_seq * count, bs, mc.num_kv_heads, mc.head_dim),
-            dtype=self.dtype,
-            device=self.device,
+        scratch = kv_quant.allocate(
+            self.model.cfg, per_seq * count, bs, self.kv_dtype, self.device
         )
         ids = [1] * length
         pieces = [(ids, 0, ids, list(range(i * per_seq, (i + 1) * per_seq))) for i in range(count)]
@@ -724,6 +718,6 @@ def gpu_kv_budget(total: int, free: int, utilization: float, activations: int = 
 
 
 def kv_bytes_per_block(cfg: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
-    """2 (K and V) x layers x block_size x kv_heads x head_dim x bytes per element."""
-    elem = torch.empty((), dtype=dtype).element_size()
-    return 2 * cfg.num_layers * block_size * cfg.num_kv_heads * cfg.head_dim * elem
+    """block_size x 2 (K and V) x layers x kv_heads x head_dim x bytes per element, a
+    one-byte (int8, fp8) cache's scale bytes included (backend/layers/kv_quant.py)."""
+    return block_size * kv_quant.kv_bytes_per_token(cfg, dtype)

@@ -16,6 +16,7 @@ from torch.nn import functional
 from backend.attention_metadata import AttentionMetadata, DecodeGroup
 from backend.config import ATTENTION_BACKENDS
 from backend.kernels import triton_available
+from backend.layers import kv_quant
 
 
 class AttentionBackend(Protocol):
@@ -63,6 +64,10 @@ class TorchPagedAttention:
     def write_kv(
         self, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata
     ) -> None:
+        if kv_quant.is_quantized(kv_cache):
+            kv_quant.write(k, kv_cache, 0, meta.slot_mapping)
+            kv_quant.write(v, kv_cache, 1, meta.slot_mapping)
+            return
         k_cache, v_cache = kv_cache[0], kv_cache[1]
         k_cache.view(-1, *k.shape[1:]).index_copy_(0, meta.slot_mapping, k)
         v_cache.view(-1, *v.shape[1:]).index_copy_(0, meta.slot_mapping, v)
@@ -93,8 +98,8 @@ def _attend_decodes(
     num, heads, dim = q.shape
     kv_heads, length = kv_cache.shape[-2], d.bias.shape[-1]
     # Two gathers along dim 0: torch parallelises those, not one along dim 1 of both.
-    k = kv_cache[0].index_select(0, d.blocks).view(num, length, kv_heads, dim).transpose(1, 2)
-    v = kv_cache[1].index_select(0, d.blocks).view(num, length, kv_heads, dim).transpose(1, 2)
+    k = _blocks(kv_cache[0], d.blocks, q.dtype).view(num, length, kv_heads, dim).transpose(1, 2)
+    v = _blocks(kv_cache[1], d.blocks, q.dtype).view(num, length, kv_heads, dim).transpose(1, 2)
     qg = q.view(num, kv_heads, heads // kv_heads, dim)
     bias = d.bias.to(q.dtype)  # as SDPA's CUDA kernels want it; free in float32
     o = functional.scaled_dot_product_attention(qg, k, v, attn_mask=bias, scale=scale)
@@ -117,8 +122,8 @@ def _attend_one(
     # Grouped-query attention without copying K/V per query head: the query heads that
     # share a KV head form one batch row, the KV head is broadcast (stride 0).
     shape = (kv_heads, group, seq_len, dim)
-    k = _gather(kv_cache[0], blocks, seq_len)[:, None].expand(shape)
-    v = _gather(kv_cache[1], blocks, seq_len)[:, None].expand(shape)
+    k = _gather(kv_cache[0], blocks, seq_len, q.dtype)[:, None].expand(shape)
+    v = _gather(kv_cache[1], blocks, seq_len, q.dtype)[:, None].expand(shape)
     qg = q[start:end].view(n, kv_heads, group, dim).permute(1, 2, 0, 3)
     # A whole prompt is plain causal attention (SDPA skips the masked half itself); a
     # chunk over cached keys needs its offset mask.
@@ -130,10 +135,20 @@ def _attend_one(
     out[start:end] = o.permute(2, 0, 1, 3).reshape(n, heads, dim)
 
 
-def _gather(cache: torch.Tensor, blocks: torch.Tensor, seq_len: int) -> torch.Tensor:
-    """[kv_heads, seq_len, dim] from the blocks (index_select: several times faster than
-    advanced indexing for this copy on CPU)."""
-    return cache.index_select(0, blocks).flatten(0, 1)[:seq_len].transpose(0, 1)
+def _blocks(cache: torch.Tensor, blocks: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """The blocks' [n, block_size, kv_heads, dim] in `dtype` (index_select: several times
+    faster than advanced indexing for this copy on CPU); a quantized cache is dequantized
+    after the gather, so only the blocks read pay for it."""
+    if kv_quant.is_quantized(cache):
+        return kv_quant.read(cache, blocks, dtype)
+    return cache.index_select(0, blocks)
+
+
+def _gather(
+    cache: torch.Tensor, blocks: torch.Tensor, seq_len: int, dtype: torch.dtype
+) -> torch.Tensor:
+    """[kv_heads, seq_len, dim] from the blocks."""
+    return _blocks(cache, blocks, dtype).flatten(0, 1)[:seq_len].transpose(0, 1)
 
 
 def _causal_mask(n: int, seq_len: int, device: torch.device) -> torch.Tensor:
