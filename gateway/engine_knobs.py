@@ -30,6 +30,8 @@ HELP = {
     "device": "auto, cpu, cuda or cuda:N (auto: CUDA when torch sees a GPU)",
     "quantization": "none, int8 or fp8: the decoder's weights in one byte (int8 per-channel; "
     "fp8 on GPUs of compute capability 8.9+ only)",
+    "kv_cache_dtype": "auto, int8 or fp8: the KV cache in one byte a value plus a scale per "
+    "token and head, ~twice the tokens (auto: the compute dtype; fp8 on GPUs of 8.9+)",
     "cpu_threads": "torch threads on the CPU; 'none': torch's default",
     "enable_prefix_caching": "reuse the KV of identical prompt prefixes",
     "share_prefix_cache": "let all tenants share one prefix cache",

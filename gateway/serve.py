@@ -145,17 +145,25 @@ def serve_backend(settings: Settings) -> int:
 
 def check_engine_device(settings: Settings) -> None:
     """Refuse, before anything starts, an engine setting this machine cannot run (fp8
-    weights without an fp8 GPU): one line and exit 2, not a traceback from the engine's
-    load. Only fp8 depends on the device; torch is imported only then."""
-    if settings.engine.quantization != "fp8":
+    weights, or an fp8 KV cache on a GPU, without an fp8 GPU): one line and exit 2, not a
+    traceback from the engine's load. Only fp8 depends on the device; torch is imported
+    only then."""
+    engine = settings.engine
+    if "fp8" not in (engine.quantization, engine.kv_cache_dtype):
         return
+    from backend.layers.kv_quant import check_kv_cache_dtype
     from backend.layers.quant import QuantizationError, check_quantization
     from backend.loader import resolve_device
 
+    device = resolve_device(engine.device)
     try:
-        check_quantization("fp8", resolve_device(settings.engine.device))
+        check_quantization(engine.quantization, device)
     except QuantizationError as exc:
         raise KnobError(f"--quantization / TOLLGATE_QUANTIZATION: {exc}") from None
+    try:
+        check_kv_cache_dtype(engine.kv_cache_dtype, device)
+    except QuantizationError as exc:
+        raise KnobError(f"--kv-cache-dtype / TOLLGATE_KV_CACHE_DTYPE: {exc}") from None
 
 
 def _migrate_or_explain(settings: Settings) -> None:

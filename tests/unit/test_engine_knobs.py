@@ -24,6 +24,7 @@ TEXT_SAMPLES = {
     "device": "cpu",
     "attention_backend": "torch",
     "quantization": "int8",
+    "kv_cache_dtype": "int8",
     "speculative_method": "ngram",
     "async_scheduling": "on",
     "speculative_model": str(BUILTIN_MODEL_DIR),  # a checkpoint folder that exists
