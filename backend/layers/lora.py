@@ -34,30 +34,34 @@ class LoRARows:
 
     def __init__(self) -> None:
         self.slots: torch.Tensor | None = None  # [T] int64; None: no row has an adapter
-        self._masks: dict[tuple[int, int, torch.dtype], torch.Tensor] = {}
+        self._masks: dict[tuple[int, int, int, torch.dtype], torch.Tensor] = {}
 
     def set(self, slots: torch.Tensor | None) -> None:
         self.slots = slots
         self._masks.clear()
 
-    def mask(self, num_slots: int, width: int, dtype: torch.dtype) -> torch.Tensor:
-        """[T, num_slots * width]: 1 in the columns of each row's own slot. Built once a
-        step per layer shape, shared by every layer of that shape."""
-        key = (num_slots, width, dtype)
+    def mask(self, shards: int, num_slots: int, rank: int, dtype: torch.dtype) -> torch.Tensor:
+        """[T, shards * num_slots * rank]: 1 in the columns of each row's own slot (in
+        every shard). Built once a step per layer shape, shared by the layers."""
+        key = (shards, num_slots, rank, dtype)
         mask = self._masks.get(key)
         if mask is None:
             assert self.slots is not None
-            owner = torch.arange(num_slots * width, device=self.slots.device) // width
+            columns = torch.arange(shards * num_slots * rank, device=self.slots.device)
+            owner = columns // rank % num_slots
             mask = self._masks[key] = (owner[None, :] == self.slots[:, None]).to(dtype)
         return mask
 
 
 class LoRALinear(nn.Module):
     """y = base(x) + (x @ A[s].T) @ B[s] for each row's slot s, shard by shard of a fused
-    output: A_i [L, max_rank, in] and B_i [L, max_rank, out_i] for shard i. On CUDA one
-    Triton launch pair per shard covers the batch (backend/kernels/lora.py); on the CPU
-    two dense matmuls over every slot, masked to each row's own (for a few slots of small
-    rank, cheaper than gathering weights per row)."""
+    output: A [shards, L, max_rank, in], and B_i [L, max_rank, out_i] for shard i. On
+    CUDA one Triton launch pair per shard covers the batch (backend/kernels/lora.py); on
+    the CPU one matmul over every slot and shard, masked to each row's own slot, then one
+    per shard into its columns (for a few slots of small rank, cheaper than gathering
+    weights per row)."""
+
+    lora_a: torch.Tensor
 
     def __init__(
         self,
@@ -77,15 +81,15 @@ class LoRALinear(nn.Module):
         self.out_features: int = base.out_features  # type: ignore[assignment]
         starts = [sum(shard_sizes[:i]) for i in range(len(shard_sizes))]
         self.columns = [slice(a, a + n) for a, n in zip(starts, shard_sizes, strict=True)]
-        for i, size in enumerate(shard_sizes):  # like: the model's dtype and device
-            self.register_buffer(
-                f"lora_a{i}", like.new_zeros(max_loras, max_rank, self.in_features)
-            )
+        shards = len(shard_sizes)  # like: the model's dtype and device
+        a = like.new_zeros(shards, max_loras, max_rank, self.in_features)
+        self.register_buffer("lora_a", a)
+        for i, size in enumerate(shard_sizes):
             self.register_buffer(f"lora_b{i}", like.new_zeros(max_loras, max_rank, size))
 
     def shard(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Shard i's (A [L, R, in], B [L, R, out_i])."""
-        return self.get_buffer(f"lora_a{i}"), self.get_buffer(f"lora_b{i}")
+        return self.lora_a[i], self.get_buffer(f"lora_b{i}")
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y: torch.Tensor = self.base(x)
@@ -98,12 +102,13 @@ class LoRALinear(nn.Module):
             for i, columns in enumerate(self.columns):
                 lora_add(y[:, columns], x, *self.shard(i), slots)
             return y
-        num_slots, rank = self.shard(0)[0].shape[:2]
-        mask = self.rows.mask(num_slots, rank, x.dtype)
+        shards, num_slots, rank, _ = self.lora_a.shape
+        width = num_slots * rank
+        shrunk = x @ self.lora_a.view(shards * width, -1).T
+        shrunk.mul_(self.rows.mask(shards, num_slots, rank, shrunk.dtype))
         for i, columns in enumerate(self.columns):
-            a, b = self.shard(i)
-            shrunk = (x @ a.view(num_slots * rank, -1).T).mul_(mask)
-            y[:, columns] += shrunk @ b.view(num_slots * rank, -1)
+            b = self.get_buffer(f"lora_b{i}").view(width, -1)
+            y[:, columns] += shrunk[:, i * width : (i + 1) * width] @ b
         return y
 
     def fill(

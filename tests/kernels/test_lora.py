@@ -77,3 +77,34 @@ def test_rows_of_a_wider_tensor_are_read_and_written_in_place() -> None:
     want = _definition(y, x, a, b, slots)
     lora_add(y, x, a, b, torch.tensor(slots))
     torch.testing.assert_close(wide_y[:, 20:44].double(), want, atol=1e-4, rtol=1e-4)
+
+
+def test_a_fused_lora_layer_on_the_kernels_equals_its_cpu_path(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """LoRALinear over a fused projection (three shards) as CUDA runs it (the kernels,
+    one launch pair per shard into its columns) and as the CPU runs it (masked matmuls)."""
+    from torch import nn
+
+    from backend.layers import lora as layer_module
+    from backend.layers.lora import LoRALinear, LoRARows
+
+    gen = torch.Generator().manual_seed(2)
+    torch.manual_seed(2)
+    base = nn.Linear(32, 48)
+    rows = LoRARows()
+    layer = LoRALinear(base, [32, 8, 8], 3, 8, rows, base.weight.detach())
+    for slot, rank in ((0, 8), (2, 3)):
+        shards = {i: (torch.randn(rank, 32, generator=gen), torch.randn(n, rank, generator=gen))
+                  for i, n in ((0, 32), (2, 8))}  # fmt: skip
+        layer.fill(slot, shards, 0.5)
+    x = torch.randn(6, 32, generator=gen)
+    rows.set(torch.tensor([0, -1, 2, 2, 0, -1]))
+    with torch.no_grad():
+        cpu = layer(x)
+        monkeypatch.setattr(layer_module, "use_fused", lambda _: True)
+        kernels = layer(x)
+        plain = base(x)
+    torch.testing.assert_close(kernels, cpu, atol=1e-4, rtol=1e-4)
+    assert torch.equal(cpu[[1, 5]], plain[[1, 5]])
+    assert not torch.allclose(cpu[[0, 2]], plain[[0, 2]])
