@@ -108,7 +108,7 @@ class LoRALinear(nn.Module):
         shrunk.mul_(self.rows.mask(shards, num_slots, rank, shrunk.dtype))
         for i, columns in enumerate(self.columns):
             b = self.get_buffer(f"lora_b{i}").view(width, -1)
-            y[:, columns] += shrunk[:, i * width : (i + 1) * width] @ b
+            y[:, columns].addmm_(shrunk[:, i * width : (i + 1) * width], b)
         return y
 
     def fill(
