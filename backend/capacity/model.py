@@ -99,6 +99,15 @@ class Architecture:
         head = 0 if self.tie_word_embeddings else self.vocab_size * h
         return embeddings + self.num_layers * layer + h + head
 
+    def lora_bytes_per_slot(self, rank: int, dtype: str) -> float:
+        """One LoRA adapter slot as the engine holds it (backend/layers/lora.py): every
+        layer's q/k/v/o/gate/up/down A [rank, in] and B [rank, out], at max_lora_rank."""
+        q, kv = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        h, inter = self.hidden_size, self.intermediate_size
+        ins = 3 * h + q + 2 * h + inter  # A: qkv's three shards, o, gate and up, down
+        outs = q + 2 * kv + h + 2 * inter + h  # B: q, k, v, o, gate, up, down
+        return self.num_layers * rank * (ins + outs) * DTYPE_BYTES[dtype]
+
     def kv_bytes_per_token(self, kv_dtype: str) -> float:
         """2 (K and V) x layers x kv_heads x head_dim x bytes per element."""
         return 2 * self.num_layers * self.num_kv_heads * self.head_dim * DTYPE_BYTES[kv_dtype]

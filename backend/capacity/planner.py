@@ -72,6 +72,10 @@ class Inputs:
     # computing 1 + num_speculative_tokens tokens per sequence. None: one token a step.
     spec_tokens_per_step: float | None = None
     num_speculative_tokens: int = 4
+    # LoRA adapter slots resident on the device (the engine's max_loras, max_lora_rank):
+    # their weights come off the KV budget.
+    max_loras: int = 0
+    max_lora_rank: int = 16
 
     @property
     def weights_dtype(self) -> str:
@@ -134,6 +138,8 @@ def describe_inputs(i: Inputs, context: int) -> dict[str, object]:
         "seq_overhead_s": i.efficiency.seq_overhead_s,
         "spec_tokens_per_step": i.spec_tokens_per_step,
         "num_speculative_tokens": i.num_speculative_tokens,
+        "max_loras": i.max_loras,
+        "max_lora_rank": i.max_lora_rank,
     }
 
 
@@ -169,6 +175,10 @@ def check(i: Inputs) -> None:
     _check_reserve(i)
     _check_efficiency(i.efficiency)
     _check_speculative(i)
+    non_negative("--max-loras", i.max_loras)
+    positive("--max-lora-rank", i.max_lora_rank)
+    if i.max_loras and i.arch is None:
+        raise CapacityInputError("--max-loras", "--max-loras needs the model's shape, not --params")
     if i.rate is not None and i.duration_s is None and i.output_tokens is None:
         raise CapacityInputError("--rate", "--rate needs --duration-s or --output-tokens")
 
@@ -288,16 +298,13 @@ def plan(i: Inputs) -> Plan:
     weights = cost.model.weight_bytes
     if weights >= usable:
         raise _does_not_fit(i, weights, usable, how, context)
-    budget = usable - weights
-    lines.append(
-        Line(
-            "kv_budget_bytes",
-            "KV budget",
-            budget,
-            "bytes",
-            f"{how} - weights = {_gib(usable)} - {_gib(weights)}",
-        )
-    )
+    lora = _lora_bytes(i)
+    budget = usable - weights - lora
+    formula = f"{how} - weights = {_gib(usable)} - {_gib(weights)}"
+    if lora:
+        lines.append(_lora_line(i, lora))
+        formula = f"{how} - weights - LoRA slots = {_gib(usable)} - {_gib(weights)} - {_gib(lora)}"
+    lines.append(Line("kv_budget_bytes", "KV budget", budget, "bytes", formula))
     max_seqs = _kv_lines(i, cost, context, budget, lines) if i.arch else None
     _decode_lines(i, cost, context, max_seqs, lines)
     prompt = i.prompt_tokens or context
@@ -368,6 +375,25 @@ def _weights_line(i: Inputs, params: int) -> Line:
         params * per,
         "bytes",
         f"params x bytes per weight = {params:,} x {per:g} ({i.weights_dtype})",
+    )
+
+
+def _lora_bytes(i: Inputs) -> float:
+    """The LoRA slots, in the model's activation dtype (bf16 under quantized weights)."""
+    if not i.max_loras or i.arch is None:
+        return 0.0
+    dtype = i.weights_dtype if i.weights_dtype in ("fp32", "fp16", "bf16") else "bf16"
+    return i.max_loras * i.arch.lora_bytes_per_slot(i.max_lora_rank, dtype)
+
+
+def _lora_line(i: Inputs, total: float) -> Line:
+    return Line(
+        "lora_bytes",
+        f"LoRA slots ({i.max_loras} of rank {i.max_lora_rank})",
+        total,
+        "bytes",
+        "max_loras x layers x rank x (A inputs + B outputs of q/k/v/o/gate/up/down) x bytes "
+        f"= {i.max_loras} x {_size(total / i.max_loras)}",
     )
 
 

@@ -420,3 +420,26 @@ def test_speculative_decoding_multiplies_tokens_per_step_at_the_verify_steps_cos
     assert spec["inputs"]["spec_tokens_per_step"] == 2.5  # type: ignore[index]
     err = failure(capsys, *flags, "--spec-tokens-per-step", "6")
     assert "--spec-tokens-per-step" in err
+
+
+@pytest.mark.parametrize("name", model_presets())
+def test_lora_slots_are_counted_as_the_engine_allocates_them(name: str) -> None:
+    from backend.layers.lora import add_lora_layers
+
+    cfg = load_model_config(MODELS_DIR / name)
+    with torch.device("meta"):
+        model = LlamaForCausalLM(cfg, 16, TorchPagedAttention()).to(torch.bfloat16)
+    layers = add_lora_layers(model, 3, 16)
+    held = sum(
+        b.numel() * b.element_size()
+        for layer in layers.values()
+        for key, b in layer.named_buffers()
+        if key.startswith("lora_")
+    )
+    assert model_preset(name).lora_bytes_per_slot(16, "bf16") * 3 == held
+    base = plan(Inputs(gpu_preset("H200"), model_preset(name), context=1024, tensor_parallel=4))
+    slots = plan(
+        Inputs(gpu_preset("H200"), model_preset(name), context=1024, tensor_parallel=4, max_loras=3)
+    )
+    assert slots.number("lora_bytes") == held
+    assert slots.number("kv_budget_bytes") == base.number("kv_budget_bytes") - held
