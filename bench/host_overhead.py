@@ -24,7 +24,7 @@ the two engines (async off, on) step in turn, one step each, so a neighbour's lo
 shared machine falls on both alike.
 
     .venv/bin/python -m bench.host_overhead [--requests 256] [--steps 40] [--threads 1] [--wide]
-        [--prompt 32]
+        [--prompt 32] [--no-adaptive]
 """
 
 from __future__ import annotations
@@ -171,6 +171,13 @@ def main() -> None:
     parser.add_argument(
         "--prompt", type=int, default=32, help="mean prompt tokens (from half to 1.5x)"
     )
+    parser.add_argument(
+        "--no-adaptive",
+        dest="adaptive",
+        action="store_false",
+        help="no adaptive step budget (with long prompts it admits them at the floor, "
+        "32 tokens a step, while the first ones decode)",
+    )
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     if args.wide:
@@ -189,6 +196,7 @@ def main() -> None:
                 num_kv_blocks=blocks,
                 max_model_len=longest,
                 max_waiting_tokens=2**30,
+                adaptive_step_budget=args.adaptive,
                 device="cpu",
                 async_scheduling=mode,
             ),

@@ -20,9 +20,9 @@ GREEDY = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
 LONG = SamplingParams(max_tokens=80, temperature=0, ignore_eos=True)
 
 
-@pytest.fixture
-async def engine(llama_dir: Path) -> AsyncIterator[AsyncEngine]:
-    engine = AsyncEngine(make_engine(llama_dir))
+@pytest.fixture(params=["off", "on"], ids=["sync", "async_scheduling"])
+async def engine(llama_dir: Path, request: pytest.FixtureRequest) -> AsyncIterator[AsyncEngine]:
+    engine = AsyncEngine(make_engine(llama_dir, async_scheduling=request.param))
     yield engine
     await engine.shutdown()
 
