@@ -6,6 +6,7 @@ by slot when the step is built."""
 from __future__ import annotations
 
 import json
+import logging
 import re
 from collections import OrderedDict
 from dataclasses import dataclass
@@ -18,6 +19,7 @@ from backend.errors import AdapterRankError, UnknownAdapterError
 from backend.layers.lora import TARGETS, LoRALinear
 from backend.requests import LoRARequest
 
+log = logging.getLogger(__name__)
 CONFIG_FILE, WEIGHTS_FILE = "adapter_config.json", "adapter_model.safetensors"
 # base_model.model.model.layers.3.self_attn.q_proj.lora_A[.default].weight
 _KEY = re.compile(r"layers\.(\d+)\.(?:self_attn|mlp)\.(\w+)\.lora_([AB])(?:\.\w+)?\.weight$")
@@ -102,7 +104,8 @@ class AdapterSlots:
 
     def make_resident(self, lora: LoRARequest, in_use: set[LoRARequest]) -> bool:
         """Load `lora` if it is not resident, into a free slot or the least recently used
-        one no adapter in `in_use` holds; False when every slot is in use."""
+        one no adapter in `in_use` holds; False when every slot is in use. Raises
+        UnknownAdapterError when its files no longer load."""
         if lora in self.resident:
             self.resident.move_to_end(lora)
             return True
@@ -115,7 +118,11 @@ class AdapterSlots:
             if victim is None:
                 return False
             slot = self.resident.pop(victim)
-        self._load(lora, slot)
+        try:
+            self._load(lora, slot)
+        except Exception as exc:  # changed on disk since it was checked: the slot stays free
+            log.exception("LoRA adapter %s could not be loaded", lora.name)
+            raise UnknownAdapterError(f"adapter {lora.name} could not be loaded") from exc
         self.resident[lora] = slot
         return True
 

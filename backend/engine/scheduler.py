@@ -46,7 +46,12 @@ from backend.engine.policy import (
 )
 from backend.engine.request import Request, RequestStatus
 from backend.engine.step_cost import StepCostModel, StepShape
-from backend.errors import DeadlineExceededError, OverloadedError
+from backend.errors import (
+    DeadlineExceededError,
+    OverloadedError,
+    RequestFailedError,
+    UnknownAdapterError,
+)
 
 # An express prompt's first chunk may stretch its step to this multiple of the step's
 # time limit: its TTFT against one longer gap for the streams beside it.
@@ -767,7 +772,11 @@ class Scheduler:
         if lora is None or self.adapters is None:
             return True
         in_use = {r.caller.lora for r in self.running if r.caller.lora is not None}
-        return self.adapters.make_resident(lora, in_use)
+        try:
+            return self.adapters.make_resident(lora, in_use)
+        except UnknownAdapterError:
+            self._reject(req, RequestFailedError.kind)  # it fails; the engine goes on
+            return False
 
     def _note_adapters(self) -> None:
         """The adapters of running and of waiting requests, by name, as of this step (for

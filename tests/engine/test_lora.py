@@ -225,3 +225,19 @@ def test_lora_requests_info_reaches_the_gateway_metrics(
     plain = GatewayMetrics()
     plain.watch_engine(make_engine(llama_dir).stats)
     assert "lora" not in plain.exposition().decode()
+
+
+def test_an_adapter_gone_from_disk_fails_its_request_alone(
+    llama_dir: Path, adapters: dict[str, Path], tmp_path: Path
+) -> None:
+    """Checked at submission, removed before its load: that request fails
+    (request_failed), the engine and the other requests go on."""
+    folder = shutil.copytree(adapters["qv4"], tmp_path / "doomed")
+    engine = make_engine(llama_dir, max_loras=2, **LARGE)
+    engine.add_request(EngineRequest([3, 4, 5], GREEDY, "gone", lora=LoRARequest("d", str(folder))))
+    engine.add_request(EngineRequest([3, 4, 5], GREEDY, "base"))
+    (folder / "adapter_model.safetensors").unlink()
+    outputs = run_to_completion(engine)
+    assert outputs["gone"][-1].error == "request_failed"
+    assert len(tokens_of(outputs["base"])) == GREEDY.max_tokens
+    assert run(engine, [([3, 4, 5], lora("qv4", adapters))])[0]
