@@ -287,14 +287,6 @@ class BatchStore:
         )
         return int(total or 0)
 
-    async def token_cap(self) -> int | None:
-        """The tenant's plan's limit on enqueued batch tokens (None: none)."""
-        return await self.session.scalar(
-            select(Plan.max_batch_tokens)
-            .join(Tenant, Tenant.plan_id == Plan.id)
-            .where(Tenant.id == self.tenant_id)
-        )
-
 
 class BatchQueue:
     """The runner's view: lines to claim and results to keep, across tenants."""

@@ -48,6 +48,7 @@ class PlanTerms:
     default_priority: int = 4
     max_priority: int = 0  # the most urgent priority this plan may ask for
     weight: int = 1
+    max_batch_tokens: int | None = None  # worst-case tokens of unfinished batches; None: any
 
     @classmethod
     def of(cls, plan: Plan | None) -> PlanTerms:
@@ -60,6 +61,7 @@ class PlanTerms:
             default_priority=plan.default_priority,
             max_priority=plan.max_priority,
             weight=plan.weight,
+            max_batch_tokens=plan.max_batch_tokens,
         )
 
     def allows_model(self, model: str) -> bool:

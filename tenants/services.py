@@ -69,6 +69,7 @@ def _terms_view(terms: PlanTerms) -> dict[str, object]:
         "default_priority": terms.default_priority,
         "max_priority": terms.max_priority,
         "weight": terms.weight,
+        "max_batch_tokens": terms.max_batch_tokens,
     }
 
 
@@ -211,6 +212,9 @@ class PlanService(Audited):
         plan.default_priority = terms.default_priority
         plan.max_priority = terms.max_priority
         plan.weight = terms.weight
+        if terms.max_batch_tokens is not None and terms.max_batch_tokens < 0:
+            raise InvalidInputError("max_batch_tokens must be a whole number >= 0 or unset")
+        plan.max_batch_tokens = terms.max_batch_tokens
 
     async def find(self, name: str) -> Plan | None:
         return await self.session.scalar(select(Plan).where(Plan.name == name))

@@ -38,6 +38,7 @@ class PlanBody(LimitsBody, kw_only=True, forbid_unknown_fields=True):
     default_priority: Priority | msgspec.UnsetType = UNSET
     max_priority: Priority | msgspec.UnsetType = UNSET
     weight: Annotated[int, Meta(ge=1, le=MAX_WHOLE)] | msgspec.UnsetType = UNSET
+    max_batch_tokens: Annotated[int, Meta(ge=0, le=MAX_WHOLE)] | msgspec.UnsetType | None = UNSET
 
     def terms(self, current: PlanTerms) -> PlanTerms:
         models = current.allowed_models
@@ -52,6 +53,9 @@ class PlanBody(LimitsBody, kw_only=True, forbid_unknown_fields=True):
             default_priority=_or(self.default_priority, current.default_priority),
             max_priority=_or(self.max_priority, current.max_priority),
             weight=_or(self.weight, current.weight),
+            max_batch_tokens=current.max_batch_tokens
+            if isinstance(self.max_batch_tokens, msgspec.UnsetType)
+            else self.max_batch_tokens,
         )
 
 
@@ -132,6 +136,7 @@ def plan_view(plan: Plan) -> dict[str, Any]:
         "default_priority": terms.default_priority,
         "max_priority": terms.max_priority,
         "weight": terms.weight,
+        "max_batch_tokens": terms.max_batch_tokens,
     }
 
 

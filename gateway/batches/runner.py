@@ -20,9 +20,11 @@ from typing import Any
 
 from gateway.batches.execute import LineOutcome, Retry, batch_priority, run_line
 from gateway.batches.service import files_root
+from gateway.dispatch.engine_client import InProcessEngineClient
 from gateway.errors import AuthenticationFailed, InternalError
 from gateway.runtime import Runtime
 from tenants.batches import (
+    ACTIVE,
     Batch,
     BatchLine,
     BatchQueue,
@@ -36,18 +38,20 @@ from tenants.models import as_utc, utcnow
 
 log = logging.getLogger(__name__)
 
+REMOTE_SLOTS = 128  # replicas do not say their max_num_seqs: a GPU's default is 256
+
 
 class BatchRunner:
     def __init__(
         self,
         runtime: Runtime,
-        concurrency: int = 64,
+        concurrency: int | None = None,  # None: half the engine's slots (engine_slots)
         poll_s: float = 0.25,
         lease: timedelta = timedelta(seconds=60),
         drain_s: float = 30.0,
     ) -> None:
         self.runtime = runtime
-        self.concurrency = concurrency  # lines in the engine at once, all batches together
+        self._concurrency = concurrency
         self.poll_s = poll_s
         self.lease = lease
         self.drain_s = drain_s  # how long a stop waits for the lines under way
@@ -55,6 +59,11 @@ class BatchRunner:
         self._wakeup = asyncio.Event()
         self._loop: asyncio.Task[None] | None = None
         self._renewed_at = utcnow()
+
+    @property
+    def concurrency(self) -> int:
+        """Lines in the engine at once, all batches together."""
+        return self._concurrency or engine_slots(self.runtime) // 2 or 1
 
     def start(self) -> None:
         self._loop = asyncio.get_running_loop().create_task(self._run(), name="batch-runner")
@@ -117,8 +126,12 @@ class BatchRunner:
         now = utcnow()
         async with self.runtime.sessions.begin() as session:
             queue = BatchQueue(session)
-            current = await session.get(Batch, batch.id, populate_existing=True)
-            assert current is not None
+            # Locked (PostgreSQL): of two gateways, one finalizes, the other then sees it final.
+            current = await session.get(
+                Batch, batch.id, populate_existing=True, with_for_update=True
+            )
+            if current is None or current.status not in ACTIVE:
+                return False
             ending = current.status == BatchStatus.CANCELLING or now >= as_utc(current.expires_at)
             if ending:
                 await queue.expire_pending(batch.id)
@@ -223,6 +236,16 @@ class BatchRunner:
             log.exception("batch line failed")
             failed = InternalError("the line failed on the server")
             return LineOutcome(failed.status, failed.body(), None)
+
+
+def engine_slots(runtime: Runtime) -> int:
+    """The in-process engine's running slots (max_num_seqs); 128 for remote replicas.
+    Batch lines hold half of them at most, so interactive work always finds a free slot
+    instead of waiting for a line to finish or preempting one."""
+    client = runtime.engine_client
+    if isinstance(client, InProcessEngineClient):
+        return client.engine.engine.config.seqs_limit
+    return REMOTE_SLOTS
 
 
 def _record(batch: Batch, line: BatchLine, cancelled: bool) -> dict[str, Any]:

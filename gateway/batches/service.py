@@ -99,7 +99,7 @@ class BatchService:
         return WorstCase(tokens, micros)
 
     async def _check_token_cap(self, tokens: int) -> None:
-        cap = await self.batches.token_cap()
+        cap = self.principal.plan.max_batch_tokens
         if cap is None:
             return
         enqueued = await self.batches.enqueued_tokens()

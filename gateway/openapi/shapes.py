@@ -330,6 +330,7 @@ class Plan(Struct):
     default_priority: int
     max_priority: int
     weight: int
+    max_batch_tokens: int | None  # worst-case tokens of unfinished batches (None: any)
 
 
 class Tenant(Struct):

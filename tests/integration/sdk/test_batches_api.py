@@ -1,11 +1,13 @@
 """/v1/files and /v1/batches with the official `openai` client against a real server
-(in-process engine): the whole round trip, a malformed line, tenant isolation, cancel,
-expiry, the budget's refusal, and a gateway stopped mid-batch that resumes with exactly
-one result per line."""
+(in-process engine), on SQLite (embedded) and PostgreSQL (stack): the whole round trip,
+a malformed line, tenant isolation, cancel, expiry, the budget's refusal, the plan's cap
+on enqueued batch tokens, and a gateway stopped mid-batch that resumes with exactly one
+result per line."""
 
 from __future__ import annotations
 
 import json
+from pathlib import Path
 from typing import Any
 
 import httpx
@@ -22,7 +24,15 @@ from tenants.limits import LimitSet, PlanTerms
 from tenants.models import KeyRole, UsageEvent, utcnow
 from tenants.pricing import DEFAULT_PRICE
 from tenants.services import ApiKeyService, PlanService, TenantService
-from tests.conftest import eventually, serving
+from tests.conftest import eventually, migrated_postgres, migrated_sqlite, serving
+
+
+@pytest.fixture(params=["sqlite", "postgresql"])
+def database_url(request: pytest.FixtureRequest, tmp_path: Path) -> str:
+    """Batches run on both: the embedded default and stack mode's database."""
+    if request.param == "sqlite":
+        return migrated_sqlite(tmp_path / "sdk.db")
+    return migrated_postgres()
 
 
 def _jsonl(model: str, count: int, max_tokens: int = 4) -> bytes:
@@ -224,6 +234,27 @@ async def test_a_batch_over_the_budget_is_refused_at_creation(
     assert refused.value.status_code == 402
     assert "batch_over_budget" in str(refused.value.body)
     assert (await poor.batches.list()).data == []
+
+
+async def test_the_plans_cap_on_enqueued_batch_tokens_refuses_a_batch_past_it(
+    base_url: str,
+    engine_client: InProcessEngineClient,
+    sessions: async_sessionmaker[AsyncSession],
+) -> None:
+    async with sessions.begin() as session:
+        terms = PlanTerms(name="capped", max_batch_tokens=200)
+        await PlanService(session).create("capped", terms)
+    capped = openai.AsyncOpenAI(
+        base_url=base_url, api_key=await _key(sessions, "capped", "capped"), max_retries=0
+    )
+    first = await _batch(capped, _jsonl(engine_client.model_name, 2))  # 48 tokens a line at most
+    with pytest.raises(openai.RateLimitError) as refused:
+        await _batch(capped, _jsonl(engine_client.model_name, 3))  # past 200 with the first
+    assert "token_limit_exceeded" in str(refused.value.body)
+    await _until(capped, first.id, "completed")
+    await _until(
+        capped, (await _batch(capped, _jsonl(engine_client.model_name, 2))).id, "completed"
+    )
 
 
 async def test_a_gateway_stopped_mid_batch_resumes_with_one_result_per_line(
