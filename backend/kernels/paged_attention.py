@@ -9,13 +9,18 @@ sequence's keys tile by tile with an online softmax.
 
 Split mode (flash-decoding) gives each program one of NUM_SEGMENTS contiguous ranges of
 the key tiles; a second kernel merges the partial results by their log-sum-exp. It pays
-when a few long sequences would otherwise leave most of the GPU idle."""
+when a few long sequences would otherwise leave most of the GPU idle.
+
+A one-byte cache (int8, fp8: backend/layers/kv_quant.py) is dequantized as each tile is
+loaded: values times their (token, KV head) float32 scale, then the compute dtype."""
 
 from __future__ import annotations
 
 import torch
 import triton
 import triton.language as tl
+
+from backend.layers import kv_quant
 
 
 @triton.jit
@@ -43,6 +48,8 @@ def _paged_attention_kernel(
     q_ptr,
     k_cache_ptr,
     v_cache_ptr,
+    k_scale_ptr,
+    v_scale_ptr,
     block_tables_ptr,
     seq_lens_ptr,
     query_start_ptr,
@@ -58,6 +65,9 @@ def _paged_attention_kernel(
     stride_vb,
     stride_vs,
     stride_vh,
+    stride_sb,
+    stride_ss,
+    stride_sh,
     stride_bt,
     stride_ot,
     stride_oh,
@@ -74,6 +84,7 @@ def _paged_attention_kernel(
     NUM_SEGMENTS: tl.constexpr,
     DOT_DTYPE: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
+    KV_QUANT: tl.constexpr,
 ):
     q_block = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -100,7 +111,9 @@ def _paged_attention_kernel(
         q_ptr + token[:, None] * stride_qt + head[:, None] * stride_qh + dims[None, :],
         mask=q_mask,
         other=0.0,
-    ).to(DOT_DTYPE)
+    )
+    compute_dtype = q.dtype  # the model's: p is rounded to it below, as on the GPU
+    q = q.to(DOT_DTYPE)
 
     # Keys up to the last query of this program; this segment's share of their tiles.
     kv_len = seq_len - num_new + tl.minimum((local + 1) * BLOCK_Q, num_new)
@@ -129,7 +142,7 @@ def _paged_attention_kernel(
             + dims[None, :],
             mask=kv_mask,
             other=0.0,
-        ).to(DOT_DTYPE)
+        )
         v = tl.load(
             v_cache_ptr
             + block[:, None] * stride_vb
@@ -139,6 +152,13 @@ def _paged_attention_kernel(
             mask=kv_mask,
             other=0.0,
         )
+        if KV_QUANT:
+            scale_off = block * stride_sb + offset * stride_ss + kv_head * stride_sh
+            k_scale = tl.load(k_scale_ptr + scale_off, mask=key_ok, other=0.0)
+            v_scale = tl.load(v_scale_ptr + scale_off, mask=key_ok, other=0.0)
+            k = (k.to(tl.float32) * k_scale[:, None]).to(compute_dtype)
+            v = (v.to(tl.float32) * v_scale[:, None]).to(compute_dtype)
+        k = k.to(DOT_DTYPE)
         s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale
         visible = row_ok[:, None] & key_ok[None, :] & (key_pos[None, :] <= q_pos[:, None])
         s = tl.where(visible, s, float("-inf"))
@@ -148,8 +168,8 @@ def _paged_attention_kernel(
         p = tl.exp2(s - m_safe[:, None])
         alpha = tl.exp2(m - m_safe)
         l_sum = l_sum * alpha + tl.sum(p, 1)
-        # p is rounded to the cache dtype as on the GPU, even where DOT_DTYPE is wider.
-        p = p.to(v_cache_ptr.dtype.element_ty, fp_downcast_rounding="rtne").to(DOT_DTYPE)
+        # p is rounded to the compute dtype as on the GPU, even where DOT_DTYPE is wider.
+        p = p.to(compute_dtype, fp_downcast_rounding="rtne").to(DOT_DTYPE)
         acc = acc * alpha[:, None] + tl.dot(p, v.to(DOT_DTYPE), input_precision=DOT_PRECISION)
         m = m_new
 
@@ -237,11 +257,18 @@ def paged_attention(
     num_segments: int = 1,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """q: [T, heads, D]; k_cache, v_cache: [num_blocks, block_size, kv_heads, D] (any
-    strides but a contiguous last dim); block_tables: [B, max_blocks]; seq_lens: [B];
-    query_start_loc: [B + 1]. Returns (out [T, heads, D] in q's dtype, lse [T, heads]
-    float32, natural log). num_segments > 1 (a power of two) takes the split path."""
+    strides but a contiguous last dim) in q's dtype, or one byte a value with 4 scale
+    bytes after each head's D (kv_quant's layout); block_tables: [B, max_blocks];
+    seq_lens: [B]; query_start_loc: [B + 1]. Returns (out [T, heads, D] in q's dtype, lse
+    [T, heads] float32, natural log). num_segments > 1 (a power of two) takes the split
+    path."""
     tokens, heads, head_dim = q.shape
     _, block_size, kv_heads, _ = k_cache.shape
+    quantized = kv_quant.is_quantized(k_cache)
+    if quantized:
+        (k_cache, k_scales), (v_cache, v_scales) = kv_quant.split(k_cache), kv_quant.split(v_cache)
+    else:
+        k_scales = v_scales = k_cache  # unread
     group = heads // kv_heads
     group_p = triton.next_power_of_2(group)
     # At least 16 rows per program (tl.dot's minimum); decode-only batches use the fewest.
@@ -264,6 +291,8 @@ def paged_attention(
         q,
         k_cache,
         v_cache,
+        k_scales,
+        v_scales,
         block_tables,
         seq_lens,
         query_start_loc,
@@ -279,6 +308,9 @@ def paged_attention(
         v_cache.stride(0),
         v_cache.stride(1),
         v_cache.stride(2),
+        k_scales.stride(0),
+        k_scales.stride(1),
+        k_scales.stride(2),
         block_tables.stride(0),
         part_out.stride(0),
         part_out.stride(1),
@@ -295,6 +327,7 @@ def paged_attention(
         NUM_SEGMENTS=num_segments,
         DOT_DTYPE=tl.float32 if _interpreted() else _TL_DTYPES[q.dtype],
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else None,  # None: the default
+        KV_QUANT=quantized,
     )
     if num_segments > 1:
         _merge_segments_kernel[(tokens, heads)](
@@ -328,7 +361,13 @@ def paged_attention_reference(
     scale: float,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The same contract in plain torch, one sequence at a time, in float32: gather the
-    sequence's keys by its block table, repeat them per query head, mask causally."""
+    sequence's keys by its block table, repeat them per query head, mask causally. A
+    one-byte cache is dequantized first, to q's dtype as the kernel does."""
+    if kv_quant.is_quantized(k_cache):
+        k_cache, v_cache = (
+            kv_quant.dequantize(k_cache, q.dtype),
+            kv_quant.dequantize(v_cache, q.dtype),
+        )
     heads = q.shape[1]
     block_size, kv_heads = k_cache.shape[1], k_cache.shape[2]
     out = torch.empty_like(q)

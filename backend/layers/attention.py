@@ -65,8 +65,8 @@ class TorchPagedAttention:
         self, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata
     ) -> None:
         if kv_quant.is_quantized(kv_cache):
-            kv_quant.write(k, kv_cache, 0, meta.slot_mapping)
-            kv_quant.write(v, kv_cache, 1, meta.slot_mapping)
+            kv_quant.write(k, kv_cache[0], meta.slot_mapping)
+            kv_quant.write(v, kv_cache[1], meta.slot_mapping)
             return
         k_cache, v_cache = kv_cache[0], kv_cache[1]
         k_cache.view(-1, *k.shape[1:]).index_copy_(0, meta.slot_mapping, k)

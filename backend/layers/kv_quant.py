@@ -99,11 +99,11 @@ def dequantize(cache: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return (values.float() * scales[..., None]).to(dtype)
 
 
-def write(k: torch.Tensor, kv_cache: torch.Tensor, side: int, slots: torch.Tensor) -> None:
-    """Quantize k [T, kv_heads, head_dim] into kv_cache[side] (0: K, 1: V) at `slots`."""
-    cache = kv_cache[side]
+def write(x: torch.Tensor, cache: torch.Tensor, slots: torch.Tensor) -> None:
+    """Quantize x [T, kv_heads, head_dim] into one side (K or V) of a quantized cache,
+    [num_blocks, block_size, kv_heads, head_dim + 4], at `slots`."""
     values, scales = split(cache)
-    q, s = quantize(k, cache.dtype)
+    q, s = quantize(x, cache.dtype)
     # As bytes: torch's CPU index ops have no fp8 kernels; the bits are what is stored.
     values.flatten(0, 1).view(torch.uint8).index_copy_(0, slots, q.view(torch.uint8))
     scales.flatten(0, 1).index_copy_(0, slots, s)

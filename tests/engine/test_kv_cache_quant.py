@@ -12,6 +12,7 @@ import torch
 
 from backend.attention_metadata import AttentionMetadata
 from backend.builtin import BUILTIN_MODEL_DIR
+from backend.capacity.check import check_config, facts
 from backend.config import EngineConfig
 from backend.engine.engine import Engine
 from backend.engine.model_runner import kv_bytes_per_block
@@ -58,7 +59,7 @@ def test_a_written_row_reads_back_through_the_layout(name: str) -> None:
     assert cache.shape[-1] == cfg.head_dim + 4 and cache.element_size() == 1
     k = torch.randn(5, cfg.num_kv_heads, cfg.head_dim)
     slots = torch.tensor([3, 0, 22, 9, 17])
-    kv_quant.write(k, cache[1], 0, slots)
+    kv_quant.write(k, cache[1, 0], slots)
     back = kv_quant.dequantize(cache[1, 0], torch.float32).flatten(0, 1)[slots]
     step = k.abs().amax(-1, keepdim=True) / (127 if name == "int8" else 16)
     assert ((back - k).abs() <= step).all()
@@ -181,3 +182,14 @@ def test_fp8_is_refused_on_a_gpu_without_fp8(monkeypatch: pytest.MonkeyPatch) ->
     kv_quant.check_kv_cache_dtype("fp8", torch.device("cpu"))  # the torch path converts
     with pytest.raises(ValueError, match="kv_cache_dtype must be one of"):
         EngineConfig(kv_cache_dtype="int4")
+
+
+@pytest.mark.parametrize("name", ["int8", "fp8"])
+def test_capacity_check_and_the_planner_count_the_engine_bytes(name: str) -> None:
+    """`tollgate capacity check --kv-cache-dtype int8`: the planner's block (scales
+    included) is the engine's, and so is the number of blocks the budget buys."""
+    engine = Engine(BUILTIN_MODEL_DIR, check_config("cpu", kv_cache_dtype=name))
+    f = facts(engine)
+    assert f.kv_dtype == name
+    assert f.bytes_per_block == f.planner_bytes_per_block
+    assert f.num_blocks == f.planner_num_blocks
