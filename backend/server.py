@@ -162,6 +162,7 @@ async def kv(request: Request[Any, Any, Any]) -> dict[str, Any]:
         "config": msgspec.to_builtins(inner.model_config),
         "device": str(runner.device),
         "dtype": str(runner.dtype).removeprefix("torch."),
+        "kv_dtype": str(runner.kv_dtype).removeprefix("torch."),
         "block_size": inner.config.block_size,
         "num_blocks": runner.num_blocks,
         "tensor_bytes": cache.numel() * cache.element_size(),

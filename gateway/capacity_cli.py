@@ -14,6 +14,8 @@ from backend.capacity.errors import CapacityInputError
 from backend.capacity.model import DTYPE_BYTES, GIB
 
 SHAPE_FLAGS = ("layers", "hidden", "heads", "kv_heads", "head_dim", "intermediate", "vocab")
+# The engine's --kv-cache-dtype: int8 / fp8 add a float32 scale per token and KV head.
+KV_DTYPE_HELP = "KV cache (default: the compute dtype, bf16 under one-byte weights)"
 
 
 def add_commands(commands: Any) -> None:
@@ -71,7 +73,7 @@ def model_flags(p: argparse.ArgumentParser) -> None:
     gpu.add_argument("--tensor-parallel", type=int, default=1, metavar="N")
     mem = p.add_argument_group("precision and memory")
     mem.add_argument("--dtype", choices=list(DTYPE_BYTES), help="weights (default: checkpoint's)")
-    mem.add_argument("--kv-dtype", choices=list(DTYPE_BYTES), help="KV cache (default: --dtype)")
+    mem.add_argument("--kv-dtype", choices=list(DTYPE_BYTES), help=KV_DTYPE_HELP)
     mem.add_argument("--context", type=int, help="tokens per sequence (default: model's)")
     mem.add_argument("--gpu-memory-utilization", type=float, help="as the engine: default 0.9")
     mem.add_argument("--activation-gb", type=float, help="GiB per GPU kept for activations")
@@ -120,6 +122,7 @@ def check_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", type=Path, help="in-process checkpoint (default: built-in)")
     p.add_argument("--device", default="cpu", help="in-process: cpu or cuda")
     p.add_argument("--cpu-threads", type=int, default=1, help="in-process on the CPU (default 1)")
+    p.add_argument("--kv-cache-dtype", default="auto", help="in-process: auto, int8 or fp8")
     p.add_argument("--save", type=Path, help="write the calibration here, for `plan`")
     p.add_argument("--json", action="store_true")
 
@@ -414,7 +417,7 @@ def _check(settings: Any, args: argparse.Namespace) -> int:
 
         try:
             facts, peaks, cal = check_in_process(
-                args.model or BUILTIN_MODEL_DIR, args.device, args.cpu_threads
+                args.model or BUILTIN_MODEL_DIR, args.device, args.cpu_threads, args.kv_cache_dtype
             )
         except (CheckpointError, RuntimeError, ValueError) as exc:
             return _fail(exc)
@@ -433,7 +436,8 @@ def _check(settings: Any, args: argparse.Namespace) -> int:
 def _check_text(facts: Any, peaks: Any, cal: Any, saved: Path | None) -> str:
     planned_blocks = facts.planner_num_blocks
     rows = [
-        f"engine: {facts.model} on {facts.device} ({facts.dtype}), max_model_len "
+        f"engine: {facts.model} on {facts.device} ({facts.dtype}, KV {facts.kv_dtype}), "
+        "max_model_len "
         f"{facts.max_model_len:,}",
         f"KV block: {facts.block_size} tokens, {facts.bytes_per_block:,} B (planner: "
         f"{facts.planner_bytes_per_block:,.0f} B)",

@@ -19,7 +19,7 @@ from pathlib import Path
 import torch
 
 from backend.capacity.calibration import Calibration, Point
-from backend.capacity.model import DTYPE_BYTES, TORCH_NAMES, Architecture
+from backend.capacity.model import DTYPE_BYTES, KV_SCALE_BYTES, TORCH_NAMES, Architecture
 from backend.config import EngineConfig
 from backend.engine.engine import Engine
 from backend.engine.model_runner import kv_bytes_per_block
@@ -62,6 +62,7 @@ class EngineFacts:
     model: str
     device: str
     dtype: str
+    kv_dtype: str  # the KV cache's: dtype, or int8 / fp8 (--kv-cache-dtype)
     block_size: int
     num_blocks: int
     bytes_per_block: int
@@ -105,7 +106,9 @@ def calibrate(device: torch.device, dtype: torch.dtype = torch.float32) -> Peaks
     return Peaks(flops, bandwidth, how)
 
 
-def check_config(device: str, cpu_threads: int | None = 1) -> EngineConfig:
+def check_config(
+    device: str, cpu_threads: int | None = 1, kv_cache_dtype: str = "auto"
+) -> EngineConfig:
     """Room for the largest batch and prompt in one step, no prefix cache hits, no prefill
     capping: each timed step is exactly the shape it is compared with. One CPU thread by
     default: on a shared machine, threads waiting on a descheduled sibling swamp the
@@ -118,22 +121,25 @@ def check_config(device: str, cpu_threads: int | None = 1) -> EngineConfig:
         enable_prefix_caching=False,
         long_prefill_token_threshold=0,
         prefill_reserve_share=0.0,
+        kv_cache_dtype=kv_cache_dtype,
     )
 
 
 def facts(engine: Engine) -> EngineFacts:
     runner = engine.runner
     bs = engine.config.block_size
-    per_block = kv_bytes_per_block(engine.model_config, bs, runner.dtype)
+    per_block = kv_bytes_per_block(engine.model_config, bs, runner.kv_dtype)
     dtype = TORCH_NAMES[str(runner.dtype).removeprefix("torch.")]
+    kv_dtype = TORCH_NAMES[str(runner.kv_dtype).removeprefix("torch.")]
     arch = Architecture.of(engine.model_dir.name, engine.model_config)
-    planned = arch.kv_bytes_per_token(dtype) * bs
+    planned = arch.kv_bytes_per_token(kv_dtype) * bs
     budget = engine.config.kv_cache_bytes
     cpu = runner.device.type == "cpu" and engine.config.num_kv_blocks is None
     return EngineFacts(
         model=engine.model_dir.name,
         device=str(runner.device),
         dtype=dtype,
+        kv_dtype=kv_dtype,
         block_size=bs,
         num_blocks=runner.num_blocks,
         bytes_per_block=per_block,
@@ -219,9 +225,13 @@ def _prefill_sample(driver: _Driver, length: int) -> Sample:
     return Sample("prefill", 1, length, [(0, length)], min(times))
 
 
-def floor_model(arch: Architecture, dtype: str, peaks: Peaks, device: str) -> CostModel:
-    """The roofline floor of a model (weights and KV in `dtype`) on the calibrated device."""
+def floor_model(
+    arch: Architecture, dtype: str, peaks: Peaks, device: str, kv_dtype: str | None = None
+) -> CostModel:
+    """The roofline floor of a model (weights in `dtype`, KV in `kv_dtype`, default the
+    same) on the calibrated device."""
     elem = DTYPE_BYTES[dtype]
+    kv = kv_dtype or dtype
     spec = ModelSpec(
         arch.name,
         arch.param_count(),
@@ -230,7 +240,8 @@ def floor_model(arch: Architecture, dtype: str, peaks: Peaks, device: str) -> Co
         arch.num_kv_heads,
         arch.head_dim,
         bytes_per_param=elem,
-        kv_bytes_per_element=elem,
+        kv_bytes_per_element=DTYPE_BYTES[kv],
+        kv_scale_bytes=KV_SCALE_BYTES.get(kv, 0),
     )
     gpu = GpuSpec(device, peaks.flops, peaks.bandwidth, memory_bytes=0.0)
     return CostModel(spec, gpu, mfu=1.0, mbu=1.0, step_overhead_s=0.0)
@@ -323,12 +334,12 @@ def device_name(device: torch.device) -> str:
 
 
 def check_in_process(
-    model_dir: Path, device: str, cpu_threads: int | None = 1
+    model_dir: Path, device: str, cpu_threads: int | None = 1, kv_cache_dtype: str = "auto"
 ) -> tuple[EngineFacts, Peaks, Calibration]:
-    engine = Engine(model_dir, check_config(device, cpu_threads))
+    engine = Engine(model_dir, check_config(device, cpu_threads, kv_cache_dtype))
     peaks = calibrate(engine.runner.device, engine.runner.dtype)
     samples = measure(engine)
     f = facts(engine)
     arch = Architecture.of(f.model, engine.model_config)
-    floor = floor_model(arch, f.dtype, peaks, f.device)
+    floor = floor_model(arch, f.dtype, peaks, f.device, f.kv_dtype)
     return f, peaks, calibration(floor, peaks, samples, device_name(engine.runner.device))

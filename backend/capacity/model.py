@@ -17,8 +17,17 @@ DTYPE_BYTES: dict[str, float] = {
     "int8": 1,
     "int4": 0.5,
 }
+# A one-byte KV cache's float32 scale per token and KV head, of K and of V, stored beside
+# the values (the engine's --kv-cache-dtype int8|fp8: backend/layers/kv_quant.py).
+KV_SCALE_BYTES: dict[str, float] = {"fp8": 4, "int8": 4}
 # config.json's torch_dtype, and the engine's dtype names, in the planner's terms.
-TORCH_NAMES = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}
+TORCH_NAMES = {
+    "float32": "fp32",
+    "bfloat16": "bf16",
+    "float16": "fp16",
+    "int8": "int8",
+    "float8_e4m3fn": "fp8",
+}
 GIB = 2**30
 
 
@@ -109,8 +118,10 @@ class Architecture:
         return self.num_layers * rank * (ins + outs) * DTYPE_BYTES[dtype]
 
     def kv_bytes_per_token(self, kv_dtype: str) -> float:
-        """2 (K and V) x layers x kv_heads x head_dim x bytes per element."""
-        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * DTYPE_BYTES[kv_dtype]
+        """2 (K and V) x layers x kv_heads x (head_dim x bytes per element + the scale's
+        bytes of a one-byte cache)."""
+        per_head = self.head_dim * DTYPE_BYTES[kv_dtype] + KV_SCALE_BYTES.get(kv_dtype, 0)
+        return 2 * self.num_layers * self.num_kv_heads * per_head
 
 
 @dataclass(frozen=True)

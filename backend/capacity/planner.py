@@ -13,7 +13,15 @@ import math
 from dataclasses import dataclass, field, replace
 
 from backend.capacity.errors import CapacityInputError
-from backend.capacity.model import DTYPE_BYTES, GIB, Architecture, Hardware, non_negative, positive
+from backend.capacity.model import (
+    DTYPE_BYTES,
+    GIB,
+    KV_SCALE_BYTES,
+    Architecture,
+    Hardware,
+    non_negative,
+    positive,
+)
 from backend.sim.cost import CostModel, GpuSpec, ModelSpec
 
 ENGINE_UTILIZATION = 0.9  # EngineConfig.gpu_memory_utilization's default
@@ -57,7 +65,7 @@ class Inputs:
     params: int | None = None  # overrides the count from `arch`
     tensor_parallel: int = 1
     dtype: str | None = None  # weights; None: the checkpoint's, else bf16
-    kv_dtype: str | None = None  # None: the weights' (bf16 under int4 weights)
+    kv_dtype: str | None = None  # None: the compute dtype (bf16 under one-byte weights)
     context: int | None = None  # None: prompt + output, else the model's context
     gpu_memory_utilization: float | None = None  # the engine's way to reserve memory ...
     activation_gib: float | None = None  # ... or these two
@@ -83,9 +91,11 @@ class Inputs:
 
     @property
     def cache_dtype(self) -> str:
+        """As the engine's --kv-cache-dtype auto: the compute dtype, which is bf16 under
+        weight-only int8, fp8 and int4 (their KV stays 16-bit unless asked)."""
         if self.kv_dtype:
             return self.kv_dtype
-        return "bf16" if self.weights_dtype == "int4" else self.weights_dtype
+        return "bf16" if DTYPE_BYTES[self.weights_dtype] < 2 else self.weights_dtype
 
 
 @dataclass(frozen=True)
@@ -257,6 +267,7 @@ def cost_model(i: Inputs, params: int) -> CostModel:
         head_dim=a.head_dim if a else 0,
         bytes_per_param=DTYPE_BYTES[i.weights_dtype],
         kv_bytes_per_element=DTYPE_BYTES[i.cache_dtype],
+        kv_scale_bytes=KV_SCALE_BYTES.get(i.cache_dtype, 0),
     )
     gpu = GpuSpec(
         f"{n} x {i.gpu.name}" if n > 1 else i.gpu.name,
@@ -417,8 +428,7 @@ def _kv_lines(i: Inputs, cost: CostModel, context: int, budget: float, lines: li
             "KV per token",
             per_token,
             "bytes",
-            f"2 x layers x kv_heads x head_dim x bytes = 2 x {a.num_layers} x {a.num_kv_heads} x "
-            f"{a.head_dim} x {DTYPE_BYTES[i.cache_dtype]:g} ({i.cache_dtype})",
+            _kv_formula(i),
         ),
         Line(
             "kv_bytes_per_sequence",
@@ -561,6 +571,22 @@ def _service_time(
             )
         batch = grown
     return service, f"TTFT + {i.output_tokens - 1:,} decode steps at batch {batch:,}"
+
+
+def _kv_formula(i: Inputs) -> str:
+    a, dtype = i.arch, i.cache_dtype
+    assert a is not None
+    shape = f"2 x {a.num_layers} x {a.num_kv_heads} x "
+    if dtype in KV_SCALE_BYTES:
+        return (
+            "2 x layers x kv_heads x (head_dim x bytes + scale bytes) = "
+            f"{shape}({a.head_dim} x {DTYPE_BYTES[dtype]:g} + {KV_SCALE_BYTES[dtype]:g}) ({dtype}, "
+            "a float32 scale per token and KV head)"
+        )
+    return (
+        f"2 x layers x kv_heads x head_dim x bytes = {shape}{a.head_dim} x "
+        f"{DTYPE_BYTES[dtype]:g} ({dtype})"
+    )
 
 
 def _notes(i: Inputs) -> list[str]:

@@ -46,13 +46,15 @@ DECODE_TOKENS = (16, 64, 256)  # output lengths tried until a batch overlaps lon
 def _facts(kv: dict[str, Any]) -> tuple[EngineFacts, Architecture]:
     arch = Architecture.of(str(kv["model"]), ModelConfig(**kv["config"]))
     dtype = TORCH_NAMES[kv["dtype"]]
-    planned = arch.kv_bytes_per_token(dtype) * kv["block_size"]
+    kv_dtype = TORCH_NAMES[kv.get("kv_dtype", kv["dtype"])]  # an older backend: the compute's
+    planned = arch.kv_bytes_per_token(kv_dtype) * kv["block_size"]
     engine_per_block = kv["tensor_bytes"] // kv["num_blocks"]
     sized_by_bytes = kv["device"] == "cpu" and kv["num_kv_blocks"] is None
     facts = EngineFacts(
         model=str(kv["model"]),
         device=kv["device"],
         dtype=dtype,
+        kv_dtype=kv_dtype,
         block_size=kv["block_size"],
         num_blocks=kv["num_blocks"],
         bytes_per_block=engine_per_block,
@@ -155,7 +157,7 @@ async def check_remote_async(
     else:
         here = await asyncio.to_thread(calibrate, torch.device("cpu"), torch.float32)
         peaks = Peaks(here.flops, here.bandwidth, here.how + " here, not on the backend's host")
-    floor = floor_model(arch, facts.dtype, peaks, facts.device)
+    floor = floor_model(arch, facts.dtype, peaks, facts.device, facts.kv_dtype)
     return facts, peaks, calibration(floor, peaks, samples, f"{facts.device} at {url}")
 
 

@@ -27,6 +27,7 @@ class ModelSpec:
     head_dim: int
     bytes_per_param: float = 2  # weights: bf16 2, fp8/int8 1, int4 0.5
     kv_bytes_per_element: float = 2  # the KV cache's own dtype
+    kv_scale_bytes: float = 0  # per token and KV head of K and of V (a one-byte cache's)
 
     @property
     def weight_bytes(self) -> float:
@@ -34,7 +35,8 @@ class ModelSpec:
 
     @property
     def kv_bytes_per_token(self) -> float:
-        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * self.kv_bytes_per_element
+        per_head = self.head_dim * self.kv_bytes_per_element + self.kv_scale_bytes
+        return 2 * self.num_layers * self.num_kv_heads * per_head
 
     def flops_per_token(self, context: float) -> float:
         """One new token attending to `context` positions."""

@@ -23,7 +23,13 @@ from backend.sim.cost import CostModel
 from backend.sim.simulator import Simulator
 from gateway.cli import main
 
-TORCH_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+TORCH_DTYPES = {
+    "fp32": torch.float32,
+    "bf16": torch.bfloat16,
+    "fp16": torch.float16,
+    "int8": torch.int8,  # the engine's --kv-cache-dtype: one byte plus a float32 scale
+    "fp8": torch.float8_e4m3fn,
+}
 
 
 def capacity(capsys: pytest.CaptureFixture[str], *flags: str) -> dict[str, object]:
@@ -236,7 +242,24 @@ def test_fp8_weights_use_the_fp8_peak_and_half_the_bytes() -> None:
     assert fp8.value("weights_bytes") == bf16.number("weights_bytes") / 2
     assert fp8.cost.gpu.peak_flops == gpu_preset("H100-SXM").fp8_flops
     assert fp8.cost.gpu.peak_flops > bf16.cost.gpu.peak_flops
-    assert fp8.value("kv_bytes_per_token") == bf16.number("kv_bytes_per_token") / 2
+    # Weight-only: the KV cache stays in the compute dtype, as the engine keeps it.
+    assert fp8.value("kv_bytes_per_token") == bf16.number("kv_bytes_per_token")
+
+
+@pytest.mark.parametrize("kv_dtype", ["int8", "fp8"])
+def test_a_one_byte_kv_cache_counts_its_scales(kv_dtype: str) -> None:
+    """Llama 3 8B (head_dim 128): 2 x 32 x 8 x (128 + 4) = 67,584 B a token against
+    131,072 in bf16, so 2 x 128 / 132 = 1.94x the sequences at a context."""
+    arch = model_preset("llama-3-8b")
+    bf16 = plan(Inputs(gpu_preset("H100-SXM"), arch, context=2048))
+    one = plan(Inputs(gpu_preset("H100-SXM"), arch, context=2048, kv_dtype=kv_dtype))
+    assert one.value("kv_bytes_per_token") == 2 * 32 * 8 * (128 + 4) == 67_584
+    assert bf16.value("kv_bytes_per_token") == 131_072
+    ratio = one.number("max_concurrent_sequences") / bf16.number("max_concurrent_sequences")
+    assert ratio == pytest.approx(2 * 128 / 132, rel=0.01)
+    assert (
+        "scale bytes" in one.lines[[x.key for x in one.lines].index("kv_bytes_per_token")].formula
+    )
 
 
 def test_text_output_shows_each_formula_with_its_inputs(capsys: pytest.CaptureFixture[str]) -> None:
