@@ -28,6 +28,7 @@ from sqlalchemy.ext.asyncio import AsyncSession
 from sqlalchemy.orm import Mapped, mapped_column
 
 from tenants.errors import ConflictError, InvalidInputError, NotFoundError
+from tenants.files import is_stored_id
 from tenants.limits import LimitSet, PlanTerms
 from tenants.models import (
     ApiKey,
@@ -242,6 +243,8 @@ class BatchStore:
         return batch
 
     async def get(self, batch_id: str) -> Batch:
+        if not is_stored_id(batch_id):  # no query for what no id looks like (a NUL, say)
+            raise NotFoundError(f"no batch {batch_id[:64]!r}")
         batch = await self.session.scalar(
             select(Batch).where(Batch.id == batch_id, Batch.tenant_id == self.tenant_id)
         )

@@ -21,6 +21,11 @@ MAX_FILE_BYTES = 200 * 2**20  # OpenAI's limit for a batch input file
 MAX_LINES = 50_000  # requests in one batch, as OpenAI's
 
 
+def is_stored_id(text: str) -> bool:
+    """What a file's or a batch's id can be: short and printable."""
+    return len(text) <= 64 and text.isprintable()
+
+
 class StoredFile(Base):
     __tablename__ = "files"
     __table_args__ = (Index("ix_files_tenant_created", "tenant_id", "created_at"),)
@@ -104,6 +109,8 @@ class FileStore:
         return stored
 
     async def get(self, file_id: str) -> StoredFile:
+        if not is_stored_id(file_id):  # no query for what no id looks like (a NUL, say)
+            raise NotFoundError(f"no file {file_id[:64]!r}")
         stored = await self.session.scalar(
             select(StoredFile).where(
                 StoredFile.id == file_id,
@@ -120,6 +127,8 @@ class FileStore:
             StoredFile.tenant_id == self.tenant_id, StoredFile.deleted_at.is_(None)
         )
         if purpose is not None:
+            if not is_stored_id(purpose):
+                return []
             query = query.where(StoredFile.purpose == purpose)
         rows = await self.session.scalars(query.order_by(StoredFile.created_at.desc()).limit(limit))
         return list(rows)

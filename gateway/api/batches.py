@@ -24,6 +24,7 @@ from tenants.services import Principal
 
 FILE_ERRORS = (*AUTHENTICATED, 404)
 CREATE_ERRORS = (*FILE_ERRORS, 402, 409, 413, 429)
+MAX_LIST = 100  # batches a page of the list holds at most
 
 
 class FileObject(Struct):
@@ -200,13 +201,15 @@ class BatchesController(Controller):
         runner.wake()
         return answer
 
-    @get("/", operation_class=documented(BatchList, errors=AUTHENTICATED))
+    @get("/", operation_class=documented(BatchList, errors=FILE_ERRORS))  # 404: `after`
     async def list_batches(
         self,
         service: NamedDependency[BatchService],
         after: FromQuery[str | None] = None,
-        limit: FromQuery[Annotated[int, Meta(ge=1, le=100)]] = 20,
+        limit: FromQuery[int] = 20,
     ) -> dict[str, Any]:
+        if not 1 <= limit <= MAX_LIST:
+            raise InvalidRequest(f"limit must be between 1 and {MAX_LIST}", param="limit")
         batches = await service.batches.list(after, limit + 1)
         data = [b.as_openai() for b in batches[:limit]]
         return {
