@@ -7,6 +7,7 @@ result per line."""
 from __future__ import annotations
 
 import json
+from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
@@ -19,7 +20,7 @@ from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
 from gateway.app import create_app
 from gateway.dispatch.engine_client import InProcessEngineClient
 from gateway.settings import Settings
-from tenants.batches import Batch
+from tenants.batches import Batch, BatchLine, LineStatus
 from tenants.limits import LimitSet, PlanTerms
 from tenants.models import KeyRole, UsageEvent, utcnow
 from tenants.pricing import DEFAULT_PRICE
@@ -295,3 +296,41 @@ async def _stored(sessions: async_sessionmaker[AsyncSession], batch_id: str) -> 
         batch = await session.get(Batch, batch_id)
         assert batch is not None
         return batch
+
+
+async def test_lines_left_running_by_a_killed_gateway_answer_from_their_first_run(
+    settings: Settings,
+    engine_client: InProcessEngineClient,
+    tenant_key: str,
+    sessions: async_sessionmaker[AsyncSession],
+) -> None:
+    """The worst moment to die: every line answered and billed, no result kept yet. The
+    next gateway takes the lines back, and each line's Idempotency-Key replays its
+    stored answer: the same results, and no second ledger row."""
+    total = 8
+    async with serving(create_app(settings, engine_client=engine_client)) as url:
+        client = openai.AsyncOpenAI(base_url=url + "/v1", api_key=tenant_key, max_retries=0)
+        batch = await _batch(client, _jsonl(engine_client.model_name, total))
+        first = await _records(client, (await _until(client, batch.id, "completed")).output_file_id)
+    # As a gateway killed before keeping them, two minutes ago: its lease has lapsed.
+    died = utcnow() - timedelta(minutes=2)
+    async with sessions.begin() as session:
+        await session.execute(
+            update(BatchLine)
+            .where(BatchLine.batch_id == batch.id)
+            .values(status=LineStatus.RUNNING, claimed_at=died, result=None)
+        )
+        await session.execute(
+            update(Batch)
+            .where(Batch.id == batch.id)
+            .values(status="in_progress", completed=0, output_file_id=None, completed_at=None)
+        )
+    async with serving(create_app(settings, engine_client=engine_client)) as url:
+        client = openai.AsyncOpenAI(base_url=url + "/v1", api_key=tenant_key, max_retries=0)
+        again = await _records(client, (await _until(client, batch.id, "completed")).output_file_id)
+    assert len(again) == total
+    bodies = {r["custom_id"]: r["response"]["body"] for r in first}
+    assert {r["custom_id"]: r["response"]["body"] for r in again} == bodies
+    async with sessions() as session:
+        billed = await session.scalar(select(func.count()).select_from(UsageEvent))
+    assert billed == total
