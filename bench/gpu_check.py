@@ -18,6 +18,10 @@ bfloat16 checkpoints shaped like Llama-3.2-1B and Llama-3-8B are built on the GP
 - speculative_1b: n-gram speculative decoding against plain decoding on prompts that
   repeat themselves: greedy tokens equal, output tokens/s at 1 and 8 concurrent, and
   the acceptance (a random-weight model copies little, so read the rates beside it);
+- kv_quant_1b: the KV cache in int8 (and fp8 where the GPU has it) against bf16 at the
+  same gpu_memory_utilization: KV blocks and their ratio (2 x head_dim / (head_dim + 4)
+  expected), greedy agreement, decode tok/s at 16 concurrent, and the Triton KV write
+  equal to the torch quantizer (exactly for fp8: the interpreter's e4m3 rounding is off);
 - serving_mix_8b: issue 15's serving mix (bench/serving_mix.py's phases) on the 8B shape,
   default engine settings, in process (an AsyncEngine; the device image has no web
   stack, so no HTTP server): chat TTFT and inter-token gaps alone and beside a tenant
@@ -144,7 +148,7 @@ class Plan:
     # The whole check within 6 minutes, so 15 minutes of GPU time hold a machine start,
     # the 2-minute smoke (--only kernels,greedy_1b) and one rerun. Each budget is about
     # twice the section's expected time (bench/README.md, "The device check").
-    total_s: float = 365.0  # the budgets sum to 360; Python's start-up comes on top
+    total_s: float = 395.0  # the budgets sum to 390; Python's start-up comes on top
     budgets: dict[str, float] = field(
         default_factory=lambda: {
             "build_1b": 20,
@@ -156,6 +160,7 @@ class Plan:
             "ttft_1b": 20,
             "throughput_1b": 70,  # the engine, then 2 static workloads of 25 s
             "speculative_1b": 20,
+            "kv_quant_1b": 30,  # three engines of the 1B shape (bf16, int8, fp8)
             "serving_mix_8b": 60,
         }
     )
@@ -824,6 +829,82 @@ def section_speculative(run: Run) -> dict[str, Any]:
     return result
 
 
+def section_kv_quant(run: Run) -> dict[str, Any]:
+    """The 1B shape with its KV cache in bf16, int8 and (on an fp8 GPU, or the CPU) fp8 at
+    the same memory share: blocks, the start-up line, greedy agreement with bf16 (each
+    prompt to its first divergence) and decode tok/s of 16 requests at once."""
+    plan, shape = run.plan, run.shapes["1b"]
+    rng = random.Random(9)
+    prompts = [random_prompt(rng, plan.decode_prompt, shape.vocab) for _ in range(16)]
+    names = ["auto", "int8"]
+    if run.device.type != "cuda" or torch.cuda.get_device_capability(run.device) >= (8, 9):
+        names.append("fp8")
+    result = run.partial
+    tokens: dict[str, list[list[int]]] = {}
+    for name in names:
+        engine = make_engine(
+            run,
+            checkpoint(run, "1b"),
+            kv_cache_dtype=name,
+            max_num_seqs=16,
+            max_model_len=plan.decode_prompt + plan.decode_tokens + 16,
+            max_num_batched_tokens=plan.max_num_batched_tokens,
+            gpu_memory_utilization=0.5,
+        )
+        engine.add_request(EngineRequest(prompts[0][:32], greedy(4), "warm"))
+        drain(engine)
+        started = time.perf_counter()
+        for i, prompt in enumerate(prompts):
+            engine.add_request(EngineRequest(prompt, greedy(plan.decode_tokens), f"k{i}"))
+        outputs = drain(engine)
+        seconds = time.perf_counter() - started
+        tokens[name] = [tokens_of(outputs[f"k{i}"]) for i in range(len(prompts))]
+        made = sum(len(t) for t in tokens[name])
+        result[name] = {**engine_facts(engine), "tokens_per_s_16": round(made / seconds, 1)}
+        del engine
+        release()
+    base = tokens["auto"]
+    for name in names[1:]:
+        agreed = sum(_agreed(got, want) for got, want in zip(tokens[name], base, strict=True))
+        result[name]["greedy_agreement"] = round(agreed / sum(len(t) for t in base), 3)
+        result[name]["blocks_ratio"] = round(
+            result[name]["kv_blocks"] / result["auto"]["kv_blocks"], 3
+        )
+    head_dim = shape.hidden // shape.heads
+    result["expected_ratio"] = round(2 * head_dim / (head_dim + 4), 3)
+    if run.device.type == "cuda":
+        result["write_equal"] = _kv_write_equal(run.device, names[1:])
+    return result
+
+
+def _agreed(got: list[int], want: list[int]) -> int:
+    return next((i for i, (a, b) in enumerate(zip(got, want, strict=True)) if a != b), len(want))
+
+
+def _kv_write_equal(device: torch.device, names: list[str]) -> dict[str, bool]:
+    """The Triton KV write against the torch quantizer: the same bytes (int8 may differ
+    by one step on an exact half: the kernel rounds halves away from zero)."""
+    from backend.kernels.kv_cache import write_kv, write_kv_reference
+    from backend.layers import kv_quant
+
+    equal = {}
+    gen = torch.Generator(device=device).manual_seed(0)
+    k, v = torch.randn(2, 64, 8, 128, generator=gen, device=device, dtype=torch.bfloat16) * 3
+    slots = torch.randperm(64 * 16, device=device)[:64]
+    for name in names:
+        dtype = kv_quant.STORAGE[name]
+        cache = torch.zeros(2, 64, 16, 8, 128 + kv_quant.SCALE_BYTES, dtype=dtype, device=device)
+        want = cache.clone()
+        write_kv(k, v, cache[0], cache[1], slots)
+        write_kv_reference(k, v, want[0], want[1], slots)
+        got_v, got_s = kv_quant.split(cache)
+        want_v, want_s = kv_quant.split(want)
+        gap = float((got_v.float() - want_v.float()).abs().max())
+        close = gap <= (1 if name == "int8" else 0)
+        equal[name] = close and bool(torch.allclose(got_s, want_s, rtol=1e-6, atol=0))
+    return equal
+
+
 SECTIONS: list[tuple[str, Callable[[Run], dict[str, Any]]]] = [
     ("build_1b", section_build("1b")),
     ("kernels", section_kernels),
@@ -834,6 +915,7 @@ SECTIONS: list[tuple[str, Callable[[Run], dict[str, Any]]]] = [
     ("ttft_1b", section_ttft),
     ("throughput_1b", section_throughput),
     ("speculative_1b", section_speculative),
+    ("kv_quant_1b", section_kv_quant),
     ("serving_mix_8b", section_serving_mix),
 ]
 
@@ -892,6 +974,17 @@ def _figures(name: str, e: dict[str, Any]) -> Iterator[tuple[str, str]]:
             "speculative acceptance, tokens/step",
             (f"{e['ngram']['acceptance']}, {e['ngram']['tokens_per_step']}"),
         )
+    elif name == "kv_quant_1b":
+        for kv in ("int8", "fp8"):
+            if kv in e:
+                d = e[kv]
+                blocks = f"{d['kv_blocks']} = {d['blocks_ratio']}x (~{e['expected_ratio']}x)"
+                yield f"KV {kv}: blocks vs auto (bf16 on a GPU)", blocks
+                yield f"KV {kv}: greedy agreement with auto", str(d["greedy_agreement"])
+                rates = f"{e['auto']['tokens_per_s_16']} / {d['tokens_per_s_16']}"
+                yield f"KV {kv}: 16 concurrent tok/s auto / {kv}", rates
+        if "write_equal" in e:
+            yield "KV write kernel == torch quantizer", str(e["write_equal"])
     elif name == "serving_mix_8b":
         yield from _mix_figures(e)
 

@@ -51,6 +51,7 @@ def test_the_dry_run_runs_every_section(tmp_path: Path) -> None:
         "ttft_1b",
         "throughput_1b",
         "speculative_1b",
+        "kv_quant_1b",
         "serving_mix_8b",
     ]
     if has_kernels:

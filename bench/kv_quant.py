@@ -1,0 +1,187 @@
+"""An int8 KV cache against bf16 (issue 34 item 2), through the HTTP API: two `tollgate
+serve` (embedded default) on loopback, the same checkpoint and the same KV budget
+(--kv-cache-bytes), bf16 compute, one with `--kv-cache-dtype int8`, measured in the same
+run. The checkpoint is a random Llama the script builds with head_dim 128 (as Llama 3's:
+the scales cost 4 / 128 of the values): 4 layers, 512 wide, 4 heads, 2 KV heads.
+
+- Max concurrent sequences at 2k context: `--flood` requests of a 1,984-token prompt and
+  64 output tokens (2,048 tokens each) sent at once; the most the engine runs at once
+  (the vllm:num_requests_running gauge, polled), against what its start-up line says
+  (max_seqs_at_max_model_len, max_model_len 2,048) and its KV blocks.
+- Decode tok/s of streamed completions (32-token prompt, `--tokens` out) at 1 and 8
+  concurrent.
+
+    python -m bench.kv_quant [--repeat 2] [--kv-cache-bytes 64MiB] [--flood 24]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import re
+import secrets
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+from bench._common import build_random_llama
+from bench.hostile_load import tenant_key, wait_ready
+from bench.quantization import decode_rate
+from tenants import keys
+
+CHECKPOINT = {"layers": 4, "hidden": 512, "heads": 4, "kv_heads": 2, "intermediate": 1024}
+VOCAB = 4096
+CONTEXT = 2048
+OUTPUT = 64
+RUNNING = re.compile(r"^vllm:num_requests_running\{[^}]*\} (\S+)$", re.MULTILINE)
+STARTUP = re.compile(r"engine: [^\"\n]*")
+
+
+def launch(folder: Path, admin: str, port: int, env: dict[str, str]) -> subprocess.Popen[str]:
+    """hostile_load.start_server's environment, with the engine's log kept (its start-up
+    line) in folder/serve.log."""
+    full = {
+        **os.environ,
+        **env,
+        "TOLLGATE_DATA_DIR": str(folder),
+        "TOLLGATE_DATABASE_URL": "",
+        "TOLLGATE_REDIS_URL": "",
+        "TOLLGATE_ADMIN_KEY": admin,
+        "PYTHONUNBUFFERED": "1",
+    }
+    tollgate = str(Path(sys.executable).parent / "tollgate")
+    log = (folder / "serve.log").open("w")
+    return subprocess.Popen(
+        [tollgate, "serve", "--port", str(port)],
+        env=full,
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+
+
+async def start(
+    folder: Path, model_dir: Path, kv: str, budget: str, http: httpx.AsyncClient
+) -> tuple[subprocess.Popen[str], dict[str, str]]:
+    admin, _ = keys.generate_key()
+    port = 18000 + secrets.randbelow(2000)
+    base = f"http://127.0.0.1:{port}"
+    env = {
+        "TOLLGATE_MODEL": str(model_dir),
+        "TOLLGATE_DTYPE": "bfloat16",
+        "TOLLGATE_KV_CACHE_DTYPE": kv,
+        "TOLLGATE_KV_CACHE_BYTES": budget,
+        "TOLLGATE_MAX_MODEL_LEN": str(CONTEXT),
+        "TOLLGATE_MAX_NUM_SEQS": "64",  # the KV pool, not this cap, bounds the batch
+    }
+    process = launch(folder, admin, port, env)
+    await wait_ready(http, base, timeout_s=300)
+    auth = {"Authorization": f"Bearer {admin}"}
+    model = (await http.get(f"{base}/v1/models", headers=auth)).json()["data"][0]["id"]
+    key = await tenant_key(http, base, admin, None)
+    found = STARTUP.search((folder / "serve.log").read_text())
+    line = found.group(0) if found else "(no start-up line in the log)"
+    return process, {"base": base, "key": key, "model": model, "startup": line}
+
+
+async def long_request(http: httpx.AsyncClient, server: dict[str, str], seed: int) -> None:
+    prompt = [(seed * 7919 + i * 31) % (VOCAB - 10) + 5 for i in range(CONTEXT - OUTPUT)]
+    body = {
+        "model": server["model"],
+        "prompt": prompt,
+        "max_tokens": OUTPUT,
+        "ignore_eos": True,
+    }
+    headers = {"Authorization": f"Bearer {server['key']}"}
+    reply = await http.post(f"{server['base']}/v1/completions", json=body, headers=headers)
+    reply.raise_for_status()
+
+
+async def max_running(http: httpx.AsyncClient, server: dict[str, str], flood: int) -> int:
+    """The most requests the engine ran at once while `flood` 2k-token requests were in
+    flight, from its running gauge polled every 50 ms."""
+    done = asyncio.Event()
+    most = 0
+
+    async def poll() -> None:
+        nonlocal most
+        while not done.is_set():
+            text = (await http.get(f"{server['base']}/metrics")).text
+            most = max([most, *(int(float(v)) for v in RUNNING.findall(text))])
+            await asyncio.sleep(0.05)
+
+    poller = asyncio.create_task(poll())
+    try:
+        await asyncio.gather(*(long_request(http, server, i) for i in range(flood)))
+    finally:
+        done.set()
+        await poller
+    return most
+
+
+def startup_figure(line: str, name: str) -> int | None:
+    found = re.search(rf"\b{name}=(\d+)", line)
+    return int(found.group(1)) if found else None
+
+
+async def run(args: argparse.Namespace) -> None:
+    folder = Path(tempfile.gettempdir()) / "tollgate-bench-kvq"
+    model_dir = build_random_llama(folder, **CHECKPOINT, vocab=VOCAB, max_positions=CONTEXT)
+    with tempfile.TemporaryDirectory() as a, tempfile.TemporaryDirectory() as b:
+        async with httpx.AsyncClient(timeout=1800) as http:
+            servers, processes = {}, []
+            try:
+                for name, tmp in (("bf16", a), ("int8", b)):
+                    kv = "auto" if name == "bf16" else "int8"
+                    process, servers[name] = await start(
+                        Path(tmp), model_dir, kv, args.kv_cache_bytes, http
+                    )
+                    processes.append(process)
+                    print(f"{name}: {servers[name]['startup']}", flush=True)
+                for server in servers.values():  # warm-up: first steps, allocator
+                    await decode_rate(http, server, 2, 16)
+                for attempt in range(args.repeat):
+                    report: dict[str, Any] = {"run": attempt + 1, "context": CONTEXT}
+                    report["startup_max_seqs"] = {
+                        n: startup_figure(s["startup"], "max_seqs_at_max_model_len")
+                        for n, s in servers.items()
+                    }
+                    report["kv_blocks"] = {
+                        n: startup_figure(s["startup"], "kv_blocks") for n, s in servers.items()
+                    }
+                    report["max_running_measured"] = {
+                        n: await max_running(http, s, args.flood) for n, s in servers.items()
+                    }
+                    for concurrency in (1, 8):
+                        rates = {
+                            n: round(await decode_rate(http, s, concurrency, args.tokens), 1)
+                            for n, s in servers.items()
+                        }
+                        report[f"decode_{concurrency}_tok_s"] = rates
+                        report[f"decode_{concurrency}_ratio"] = round(
+                            rates["int8"] / rates["bf16"], 2
+                        )
+                    print(json.dumps(report), flush=True)
+            finally:
+                for process in processes:
+                    process.terminate()
+                    process.wait(timeout=30)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--repeat", type=int, default=2)
+    parser.add_argument("--tokens", type=int, default=64, help="per decode completion")
+    parser.add_argument("--kv-cache-bytes", default="64MiB", help="both servers' KV budget")
+    parser.add_argument("--flood", type=int, default=24, help="2k-token requests sent at once")
+    asyncio.run(run(parser.parse_args()))
+
+
+if __name__ == "__main__":
+    main()
