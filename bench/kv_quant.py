@@ -6,7 +6,7 @@ the scales cost 4 / 128 of the values): 4 layers, 512 wide, 4 heads, 2 KV heads.
 
 - Max concurrent sequences at 2k context: `--flood` requests of a 1,984-token prompt and
   64 output tokens (2,048 tokens each) sent at once; the most the engine runs at once
-  (the vllm:num_requests_running gauge, polled), against what its start-up line says
+  (the tollgate_engine_requests_running gauge, polled), against what its start-up line says
   (max_seqs_at_max_model_len, max_model_len 2,048) and its KV blocks.
 - Decode tok/s of streamed completions (32-token prompt, `--tokens` out) at 1 and 8
   concurrent.
@@ -39,7 +39,7 @@ CHECKPOINT = {"layers": 4, "hidden": 512, "heads": 4, "kv_heads": 2, "intermedia
 VOCAB = 4096
 CONTEXT = 2048
 OUTPUT = 64
-RUNNING = re.compile(r"^vllm:num_requests_running\{[^}]*\} (\S+)$", re.MULTILINE)
+RUNNING = re.compile(r"^tollgate_engine_requests_running (\S+)$", re.MULTILINE)
 STARTUP = re.compile(r"engine: [^\"\n]*")
 
 
