@@ -158,7 +158,8 @@ def report(label: str, series: dict[str, list[float]]) -> dict[str, float]:
     medians = {name: statistics.median(series[name]) for name in PHASES}
     host = medians["schedule"] + medians["prepare"] + medians["outputs"]
     cells = "  ".join(f"{name} {medians[name]:6.2f}" for name in PHASES)
-    print(f"  {label:<22} {cells}  host {host:5.2f} ms  (medians of {len(series['step'])})")
+    steps = len(series["step"])
+    print(f"  {label:<22} {cells}  host {host:5.2f} ms  (medians of {steps})", flush=True)
     return {**medians, "host": host}
 
 
@@ -204,7 +205,9 @@ def main() -> None:
         for mode in ("off", "on")
     }
     timed = {mode: (engine, instrument(engine)) for mode, engine in engines.items()}
-    print(f"host overhead per step, {args.requests} decoding rows, ms (in process, CPU):")
+    print(
+        f"host overhead per step, {args.requests} decoding rows, ms (in process, CPU):", flush=True
+    )
     results: dict[str, list[dict[str, float]]] = defaultdict(list)
     with sampling_staging_timed():
         measure(timed, args.requests, 5, 0, args.prompt)  # warm-up: first-touch, allocator
