@@ -1,7 +1,7 @@
 """A KV cache in int8 or fp8 (`--kv-cache-dtype`, issue 34 item 2): the quantizer and its
 layout, logits within a stated tolerance of the unquantized cache on the oracle prompts,
-greedy agreement, prefix caching / chunking / preemption unchanged in effect, the blocks
-a budget buys, and the start-up line."""
+greedy agreement, prefix caching / chunking / preemption and the draft model unchanged in
+effect, the blocks a budget buys, the start-up line and the capacity figures."""
 
 from __future__ import annotations
 
@@ -24,6 +24,7 @@ from backend.sampling import SamplingParams
 from tests.engine.engine_support import make_engine, run_to_completion, tokens_of
 from tests.engine.test_engine_oracle import BASE, TIGHT_BLOCKS, oracle_prompts, run_batched
 from tests.engine.test_quantization import PYTHON_PROMPTS, _common_prefix
+from tests.engine.test_speculative import spec_engine
 
 # The last position's logits, relative to their largest magnitude, against a float32
 # cache, over the 20 oracle prompts. int8 keeps each value within half a step (1/254 of
@@ -193,3 +194,23 @@ def test_capacity_check_and_the_planner_count_the_engine_bytes(name: str) -> Non
     assert f.kv_dtype == name
     assert f.bytes_per_block == f.planner_bytes_per_block
     assert f.num_blocks == f.planner_num_blocks
+
+
+def test_the_draft_model_shares_the_quantized_layout(llama_dir: Path) -> None:
+    """Speculative decoding with a draft model over an int8 cache: the draft's pool is
+    int8 too (the budget counts both), and greedy tokens equal the int8 engine's alone."""
+    prompts = oracle_prompts(make_engine(llama_dir, **BASE).model_config.vocab_size)[:6]
+    plain = make_engine(llama_dir, **BASE, kv_cache_dtype="int8")
+    expected = run_batched(plain, prompts)
+    spec = spec_engine(
+        llama_dir,
+        **BASE,
+        kv_cache_dtype="int8",
+        speculative_method="draft",
+        speculative_model=str(llama_dir),
+    )
+    drafter = spec.runner.drafter
+    assert drafter is not None and drafter.kv_cache is not None
+    assert drafter.kv_cache.dtype == torch.int8
+    assert run_batched(spec, prompts) == expected
+    assert spec.stats().spec_decode_num_drafts > 0
