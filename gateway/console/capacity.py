@@ -74,7 +74,7 @@ def _in_process(client: InProcessEngineClient) -> ReplicaCapacity:
 
     engine = client.engine.engine
     stats = engine.stats()
-    per_block = kv_bytes_per_block(engine.model_config, stats.block_size, engine.runner.dtype)
+    per_block = kv_bytes_per_block(engine.model_config, stats.block_size, engine.runner.kv_dtype)
     return ReplicaCapacity(
         name=IN_PROCESS,
         model=client.engine.model_name,
