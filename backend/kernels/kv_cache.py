@@ -52,8 +52,13 @@ def _write_kv_kernel(
     heads = tl.arange(0, KV_HEADS_P)
     dims = tl.arange(0, HEAD_DIM_P)
     mask = (heads[:, None] < KV_HEADS) & (dims[None, :] < HEAD_DIM)
-    k = tl.load(k_ptr + token * stride_kt + heads[:, None] * stride_kh + dims[None, :], mask=mask)
-    v = tl.load(v_ptr + token * stride_vt + heads[:, None] * stride_vh + dims[None, :], mask=mask)
+    # Padding lanes read as 0: they must not count in a quantized row's peak.
+    k = tl.load(
+        k_ptr + token * stride_kt + heads[:, None] * stride_kh + dims[None, :], mask=mask, other=0.0
+    )
+    v = tl.load(
+        v_ptr + token * stride_vt + heads[:, None] * stride_vh + dims[None, :], mask=mask, other=0.0
+    )
     k_dst = k_cache_ptr + block * stride_kb + offset * stride_ks
     v_dst = v_cache_ptr + block * stride_vb + offset * stride_vs
     if QUANT_MAX > 0:
