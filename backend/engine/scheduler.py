@@ -22,6 +22,7 @@ import math
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from backend.config import EngineConfig
 from backend.engine.batch import (
@@ -31,7 +32,6 @@ from backend.engine.batch import (
     SchedulerOutput,
 )
 from backend.engine.block_manager import BlockManager
-from backend.engine.lora import AdapterSlots
 from backend.engine.policy import (
     FairShare,
     Ranking,
@@ -52,6 +52,9 @@ from backend.errors import (
     RequestFailedError,
     UnknownAdapterError,
 )
+
+if TYPE_CHECKING:  # torch-free at import: the gateway imports the scheduler's types
+    from backend.engine.lora import AdapterSlots
 
 # An express prompt's first chunk may stretch its step to this multiple of the step's
 # time limit: its TTFT against one longer gap for the streams beside it.
