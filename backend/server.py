@@ -205,7 +205,7 @@ async def readyz(request: Request[Any, Any, Any]) -> Response[dict[str, str]]:
 
 
 def _draining(request: Request[Any, Any, Any]) -> bool:
-    """Set by `tollgate backend serve` (gateway/drain.py) on SIGTERM."""
+    """Set by `tollgate backend serve` (gateway/cli/drain.py) on SIGTERM."""
     drain = request.app.state.get("drain")
     return drain is not None and bool(drain.draining)
 

@@ -220,7 +220,7 @@ def backend_server(model_dir: Path, config: EngineConfig) -> Iterator[Server]:
     env = {**os.environ, "TOLLGATE_BACKEND_SECRET": SECRET, "TOLLGATE_LOG_LEVEL": "warning"}
     args = ["backend", "serve", "--model", str(model_dir), "--port", str(port)]
     process = subprocess.Popen(
-        [sys.executable, "-m", "gateway.launch", *args, *server_flags(config)],
+        [sys.executable, "-m", "gateway.cli", *args, *server_flags(config)],
         env=env,
         stdout=subprocess.DEVNULL,
     )

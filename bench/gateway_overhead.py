@@ -997,19 +997,19 @@ async def profile(processes: Processes, args: argparse.Namespace, plan: Plan) ->
 # The process's own frames around every request: not the request path.
 _ENTRY_POINTS = frozenset(
     {
-        "main (gateway/launch.py)",
-        "main (gateway/cli.py)",
-        "_serve (gateway/cli.py)",
-        "serve (gateway/serve.py)",
+        "main (gateway/cli/__init__.py)",
+        "main (gateway/cli/commands.py)",
+        "_serve (gateway/cli/commands.py)",
+        "serve (gateway/cli/serve.py)",
     }
 )
 # Starting and stopping (imports, the app, migrations, the engine's connection): left out.
 _START_UP = frozenset(
     {
-        "<module> (gateway/cli.py)",
-        "<module> (gateway/serve.py)",
+        "<module> (gateway/cli/commands.py)",
+        "<module> (gateway/cli/serve.py)",
         "create_app (gateway/app.py)",
-        "_migrate_or_explain (gateway/serve.py)",
+        "_migrate_or_explain (gateway/cli/serve.py)",
         "lifespan (gateway/app.py)",
     }
 )

@@ -18,8 +18,8 @@ from sqlalchemy.orm import Session
 from backend import EngineConfig
 from backend.builtin import BUILTIN_MODEL_DIR
 from gateway.admin.audit import AuditController
+from gateway.admin.billing import BillingAdminController, UsageController
 from gateway.admin.controllers import AdminController
-from gateway.admission.auth import echo_request_id
 from gateway.admission.auth_failures import AuthFailureLog
 from gateway.admission.idempotency import Idempotency
 from gateway.admission.key_generation import GenerationListener, SqliteGeneration
@@ -31,23 +31,23 @@ from gateway.api.health import healthz, readyz
 from gateway.api.openai import OpenAIController
 from gateway.api.responses import ResponsesController
 from gateway.batches.runner import BatchRunner
-from gateway.billing.controllers import BillingAdminController, UsageController
 from gateway.billing.jobs import BillingJobs
 from gateway.console import console_router
-from gateway.cors import Cors
-from gateway.deps import REQUEST_DEPENDENCIES
+from gateway.core.errors import exception_handlers
+from gateway.core.tasks import Periodic, TaskSet
 from gateway.dispatch import discovery
 from gateway.dispatch.builder import client_builder
 from gateway.dispatch.directory import ModelDirectory
 from gateway.dispatch.engine_client import EngineClient, InProcessEngineClient
-from gateway.errors import exception_handlers
-from gateway.metering import UsageRecorder
+from gateway.http.auth import echo_request_id
+from gateway.http.cors import Cors
+from gateway.http.deps import REQUEST_DEPENDENCIES
+from gateway.http.metrics import metrics
+from gateway.metering.recorder import UsageRecorder
 from gateway.openapi import openapi_config
 from gateway.runtime import Runtime, provide_runtime
 from gateway.settings import Settings
-from gateway.tasks import Periodic, TaskSet
 from gateway.telemetry import Telemetry
-from gateway.telemetry.endpoint import metrics
 from tenants.billing.prices import PriceBook
 from tenants.db import (
     create_direct_engine,

@@ -1,23 +1,6 @@
-"""The `tollgate` command's entry point. `tollgate backend serve` (an engine replica) starts
-without importing the gateway's database, quota and billing modules, which would cost it
-~1.5 s at every start and restart; every other command is gateway/cli.py's."""
+"""The entry point an install made before the CLI became a package names; pyproject.toml's
+`tollgate` script is gateway.cli:main now (drop this file once every venv is reinstalled)."""
 
-from __future__ import annotations
+from gateway.cli import main
 
-import sys
-from collections.abc import Sequence
-
-
-def main(argv: Sequence[str] | None = None) -> int:
-    args = list(sys.argv[1:] if argv is None else argv)
-    if args[:2] == ["backend", "serve"]:
-        from gateway.backend_cli import main as serve_replica
-
-        return serve_replica(args[2:])
-    from gateway.cli import main as gateway_command
-
-    return gateway_command(args)
-
-
-if __name__ == "__main__":
-    sys.exit(main())
+__all__ = ["main"]

@@ -12,12 +12,12 @@ from gateway.admission.idempotency import Idempotency
 from gateway.admission.key_cache import KeyCache
 from gateway.admission.key_generation import GenerationListener, SqliteGeneration
 from gateway.admission.quota import Admission
+from gateway.core.errors import EngineUnavailable
+from gateway.core.tasks import TaskSet
 from gateway.dispatch.directory import ModelDirectory
 from gateway.dispatch.engine_client import EngineClient
-from gateway.errors import EngineUnavailable
-from gateway.metering import UsageRecorder
+from gateway.metering.recorder import UsageRecorder
 from gateway.settings import Settings
-from gateway.tasks import TaskSet
 
 
 @dataclass

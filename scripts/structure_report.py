@@ -80,7 +80,9 @@ def cycles(edges: dict[str, set[str]]) -> list[list[str]]:
 def against_layers(a: str, b: str) -> bool:
     if LAYER[b.split(".")[0]] > LAYER[a.split(".")[0]]:
         return True
-    return a.startswith("gateway.telemetry") and b.startswith(("gateway.api", "gateway.metering"))
+    return a.startswith("gateway.telemetry") and b.startswith(
+        ("gateway.api", "gateway.metering.recorder")
+    )
 
 
 def main() -> None:

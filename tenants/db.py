@@ -73,7 +73,7 @@ def create_direct_engine(url: str) -> AsyncEngine:
     use (another round trip). A read found dead is replaced by its caller's one retry
     (gateway.admission.key_cache); the ledger's commit is one pipeline, an implicit
     transaction, retried after a lost connection only for what it had not written
-    (gateway.metering)."""
+    (gateway.metering.recorder)."""
     parsed = async_url(url)
     if parsed.get_backend_name() == "sqlite":
         return create_async_engine(

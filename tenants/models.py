@@ -175,7 +175,7 @@ class UsageEvent(Base):
 class UsageCheckpoint(Base):
     """A running stream's delivered tokens, rewritten every few seconds by its gateway and
     deleted with the ledger write; one left stale is a dead gateway's, billed by another
-    (gateway.metering.bill_orphans)."""
+    (gateway.metering.recorder.bill_orphans)."""
 
     __tablename__ = "usage_checkpoints"
 

@@ -11,7 +11,7 @@ from litestar.params import FromQuery, QueryParameter
 from sqlalchemy.ext.asyncio import AsyncSession
 
 from gateway.admin.controllers import require_admin
-from gateway.errors import InvalidRequest
+from gateway.core.errors import InvalidRequest
 from gateway.openapi import ADMIN, documented
 from gateway.openapi.shapes import AuditPage, AuditVerification
 from tenants import audit

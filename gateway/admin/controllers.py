@@ -22,11 +22,11 @@ from gateway.admin.schemas import (
     plan_view,
     tenant_view,
 )
-from gateway.admission.auth import audit_context, authenticate, note_failure
 from gateway.api.schemas import decode
-from gateway.deps import month_usage
+from gateway.core.errors import InvalidRequest, PermissionDenied
 from gateway.dispatch.upstream import OpenAIUpstreamClient
-from gateway.errors import InvalidRequest, PermissionDenied
+from gateway.http.auth import audit_context, authenticate, note_failure
+from gateway.http.deps import month_usage
 from gateway.openapi import ADMIN, ADMIN_WRITE, documented
 from gateway.openapi.shapes import CreatedKey, Key, Plan, ServedModel, Tenant, TenantQuota
 from gateway.runtime import Runtime

@@ -14,7 +14,7 @@ from datetime import datetime
 
 from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
 
-from gateway.tasks import Periodic
+from gateway.core.tasks import Periodic
 from tenants import audit
 from tenants.audit import AuditEvent
 from tenants.models import utcnow

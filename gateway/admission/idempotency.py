@@ -13,7 +13,7 @@ from datetime import timedelta
 import msgspec
 from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
 
-from gateway.errors import ApiError, Conflict, InvalidRequest
+from gateway.core.errors import ApiError, Conflict, InvalidRequest
 from tenants.idempotency import Held, IdempotencyService, InFlightLocks
 from tenants.models import IdempotencyRecord
 from tenants.services import Principal

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from gateway.errors import ContextLengthExceeded, InvalidRequest, PermissionDenied
+from gateway.core.errors import ContextLengthExceeded, InvalidRequest, PermissionDenied
 from gateway.telemetry import current_request
 from tenants.billing.prices import Quote
 from tenants.services import Principal

@@ -21,8 +21,8 @@ import math
 from dataclasses import dataclass, field
 from typing import Protocol
 
-from gateway.errors import QuotaStoreUnavailable, RateLimited
-from gateway.tasks import Periodic
+from gateway.core.errors import QuotaStoreUnavailable, RateLimited
+from gateway.core.tasks import Periodic
 from gateway.telemetry import current_request
 from tenants.limits import LimitSet
 from tenants.pricing import Price

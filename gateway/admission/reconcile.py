@@ -27,7 +27,7 @@ from typing import Any
 from sqlalchemy import func, select
 from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
 
-from gateway.tasks import Periodic
+from gateway.core.tasks import Periodic
 from tenants.idempotency import IdempotencyService
 from tenants.models import UsageEvent, as_utc, utcnow
 from tenants.quota import QuotaStore, key_scope, month_period, tenant_scope

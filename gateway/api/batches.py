@@ -12,11 +12,11 @@ from litestar.params import FromPath, FromQuery
 from msgspec import Meta, Struct
 from sqlalchemy.ext.asyncio import AsyncSession
 
-from gateway.admission.auth import authenticate
 from gateway.api.schemas import decode
 from gateway.batches.runner import BatchRunner
 from gateway.batches.service import BatchService
-from gateway.errors import InvalidRequest
+from gateway.core.errors import InvalidRequest
+from gateway.http.auth import authenticate
 from gateway.openapi import AUTHENTICATED, documented
 from gateway.runtime import Runtime
 from tenants.files import MAX_FILE_BYTES

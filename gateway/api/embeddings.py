@@ -21,17 +21,17 @@ from msgspec import Meta, Struct
 
 from backend import SamplingParams
 from gateway.admission import policy
-from gateway.admission.auth import authenticate, new_request_id
 from gateway.api.generation import api_error
 from gateway.api.openai import admit, respond_whole, tokenize
 from gateway.api.schemas import PositiveInt, TokenId, decode
+from gateway.core.errors import InvalidRequest, Overloaded
 from gateway.dispatch.engine_client import EngineClient
-from gateway.errors import InvalidRequest, Overloaded
+from gateway.http.auth import authenticate, new_request_id
+from gateway.metering.usage import Charge, RequestUsage
 from gateway.openapi import GENERATION, documented
 from gateway.openapi.shapes import EmbeddingList
 from gateway.runtime import Runtime
 from gateway.telemetry import current_request
-from gateway.usage import Charge, RequestUsage
 from tenants.models import UsageStatus
 from tenants.services import Principal
 
@@ -81,7 +81,7 @@ class EmbeddingRequest(Struct, kw_only=True):
 
 @dataclass
 class Embedding:
-    """One admitted embeddings request, as telemetry reads it (gateway.usage.Metered)."""
+    """One admitted embeddings request, as telemetry reads it (gateway.metering.usage.Metered)."""
 
     charge: Charge
     inputs: list[list[int]]

@@ -26,18 +26,18 @@ from gateway.api.formats import (
 )
 from gateway.api.schemas import encode
 from gateway.api.tools import ToolCall, ToolPlan, ToolStream, assembled
-from gateway.dispatch.engine_client import RESTART, ClientPrompt, EngineClient, GenerateRequest
-from gateway.errors import (
+from gateway.core.errors import (
     ApiError,
     DeadlineExceeded,
     EngineUnavailable,
     InternalError,
     Overloaded,
 )
-from gateway.metering import FIRST_CHECKPOINT_WAIT_S, UsageRecorder
-from gateway.tasks import Interrupt
+from gateway.core.tasks import Interrupt
+from gateway.dispatch.engine_client import RESTART, ClientPrompt, EngineClient, GenerateRequest
+from gateway.metering.recorder import FIRST_CHECKPOINT_WAIT_S, UsageRecorder
+from gateway.metering.usage import Charge, RequestUsage
 from gateway.telemetry import current_request
-from gateway.usage import Charge, RequestUsage
 from tenants.models import UsageStatus
 
 T = TypeVar("T")

@@ -33,7 +33,7 @@ async def healthz(runtime: NamedDependency[Runtime]) -> Response[dict[str, str]]
 async def readyz(
     request: Request[Any, Any, Any], runtime: NamedDependency[Runtime]
 ) -> Response[dict[str, Any]]:
-    """Ready for traffic: not draining (SIGTERM, gateway/drain.py), the database answers
+    """Ready for traffic: not draining (SIGTERM, gateway/cli/drain.py), the database answers
     and the engine is running."""
     checks = {"database": await _database_ok(runtime), "engine": _engine_ok(runtime)}
     drain = request.app.state.get("drain")

@@ -16,7 +16,6 @@ from litestar.response import Stream
 from backend import InvalidParameterError, SamplingParams
 from backend.constraint import Constraint
 from gateway.admission import idempotency, policy
-from gateway.admission.auth import authenticate, new_request_id
 from gateway.admission.idempotency import Claim, Replay
 from gateway.api import generation
 from gateway.api.formats import CHAT_FORMAT, TEXT_FORMAT, Format
@@ -28,19 +27,20 @@ from gateway.api.schemas import (
     decode,
     encode,
 )
+from gateway.core.errors import Cancelled, InvalidRequest, NotFound
+from gateway.core.tasks import Interrupt
 from gateway.dispatch.engine_client import (
     INLINE_TOKENIZE_CHARS,
     ClientPrompt,
     EngineClient,
     chat_chars,
 )
-from gateway.errors import Cancelled, InvalidRequest, NotFound
+from gateway.http.auth import authenticate, new_request_id
+from gateway.metering.usage import Charge
 from gateway.openapi import AUTHENTICATED, GENERATION, documented
 from gateway.openapi.shapes import ChatCompletion, ChatCompletionChunk, Completion, Model, ModelList
 from gateway.runtime import Runtime
-from gateway.tasks import Interrupt
 from gateway.telemetry import current_request
-from gateway.usage import Charge
 from tenants.models import IdempotencyRecord
 from tenants.registry import ModelKind
 from tenants.services import Principal

@@ -18,7 +18,6 @@ from litestar import Controller, Request, Response, post
 from litestar.di import NamedDependency, Provide
 from msgspec import Meta, Struct
 
-from gateway.admission.auth import authenticate
 from gateway.api.generation import DONE
 from gateway.api.openai import chat
 from gateway.api.schemas import (
@@ -36,7 +35,8 @@ from gateway.api.schemas import (
     decode,
     encode,
 )
-from gateway.errors import InvalidRequest
+from gateway.core.errors import InvalidRequest
+from gateway.http.auth import authenticate
 from gateway.openapi import GENERATION, documented
 from gateway.openapi.shapes import ResponseEvent, ResponseObject
 from gateway.runtime import Runtime

@@ -37,7 +37,7 @@ from gateway.api.tools import (
     plan,
     template_tools,
 )
-from gateway.errors import InvalidRequest
+from gateway.core.errors import InvalidRequest
 from tenants.limits import LOWEST_PRIORITY
 
 # Every number is bounded: an unbounded integer reaches torch (tensors, generator seeds)

@@ -20,8 +20,8 @@ from typing import Any, Literal
 
 from msgspec import Struct
 
+from gateway.core.errors import InvalidRequest
 from gateway.dispatch.engine_client import TARGET_PARSES
-from gateway.errors import InvalidRequest
 
 
 class FunctionDef(Struct, kw_only=True, omit_defaults=True):

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from gateway.errors import ApiError
+from gateway.core.errors import ApiError
 
 
 class BatchOverBudget(ApiError):

@@ -18,7 +18,7 @@ from gateway.admission.idempotency import HEADER
 from gateway.api.embeddings import EmbeddingRequest, embed
 from gateway.api.openai import chat, complete
 from gateway.api.schemas import ChatCompletionRequest, CompletionRequest, decode
-from gateway.errors import ApiError, InvalidRequest
+from gateway.core.errors import ApiError, InvalidRequest
 from gateway.runtime import Runtime
 from tenants.batches import BATCH_ENDPOINT_PREFIX
 from tenants.services import Principal

@@ -20,8 +20,8 @@ from typing import Any
 
 from gateway.batches.execute import LineOutcome, Retry, batch_priority, run_line
 from gateway.batches.service import files_root
+from gateway.core.errors import AuthenticationFailed, InternalError
 from gateway.dispatch.engine_client import InProcessEngineClient
-from gateway.errors import AuthenticationFailed, InternalError
 from gateway.runtime import Runtime
 from tenants.batches import (
     ACTIVE,

@@ -12,7 +12,7 @@ from typing import Any
 from sqlalchemy.ext.asyncio import AsyncSession
 
 from gateway.batches.errors import BatchOverBudget, BatchTokenLimit
-from gateway.errors import InvalidRequest
+from gateway.core.errors import InvalidRequest
 from gateway.runtime import Runtime
 from tenants.batches import ENDPOINTS, WINDOWS, Batch, BatchStore, NewLine, batch_lines
 from tenants.files import FileStore, StoredFile, parse_jsonl

@@ -11,8 +11,8 @@ from prometheus_client import CollectorRegistry, Gauge
 from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
 
 from gateway.billing.stripe import export_once
+from gateway.core.tasks import Periodic
 from gateway.settings import Settings
-from gateway.tasks import Periodic
 from tenants.billing.export_lock import ExportBusy
 from tenants.billing.outbox import ExportStatus, OutboxService
 from tenants.billing.rollups import ROLLUP_EVERY_S, rebuild_recent

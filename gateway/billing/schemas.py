@@ -7,7 +7,7 @@ from typing import Annotated, Any
 
 from msgspec import Meta, Struct
 
-from gateway.errors import InvalidRequest
+from gateway.core.errors import InvalidRequest
 from tenants.billing.models import PriceVersion
 from tenants.billing.reports import Period
 from tenants.errors import InvalidInputError

@@ -18,7 +18,7 @@ from litestar import Request, Response
 from litestar.datastructures import Cookie, FormMultiDict
 from litestar.di import NamedDependency
 
-from gateway.admission.auth import audit_context
+from gateway.http.auth import audit_context
 from gateway.runtime import Runtime
 from tenants.admins import AdminService, ConsoleAdmin
 from tenants.audit import Actor

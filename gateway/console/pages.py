@@ -27,7 +27,7 @@ from gateway.console.queries import (
     traffic,
 )
 from gateway.console.render import csv_download
-from gateway.deps import month_usage
+from gateway.http.deps import month_usage
 from gateway.telemetry.request import workload_class
 from tenants import audit
 from tenants.admins import AdminService

@@ -11,7 +11,6 @@ from litestar.di import NamedDependency
 from litestar.response import Redirect
 from sqlalchemy.ext.asyncio import AsyncSession
 
-from gateway.admission.auth import audit_context
 from gateway.console.auth import (
     CSRF_FIELD,
     LOGIN_CSRF_COOKIE,
@@ -24,6 +23,7 @@ from gateway.console.auth import (
 )
 from gateway.console.context import ConsoleAction
 from gateway.console.render import page
+from gateway.http.auth import audit_context
 from gateway.runtime import Runtime
 from tenants import audit
 from tenants.admins import AdminService

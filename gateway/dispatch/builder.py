@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import secrets
 
+from gateway.core.errors import EngineUnavailable
 from gateway.dispatch.directory import Builder
 from gateway.dispatch.engine_client import EngineClient
 from gateway.dispatch.remote import RemoteEngineClient
@@ -15,7 +16,6 @@ from gateway.dispatch.upstream import (
     Overclaim,
     UpstreamOptions,
 )
-from gateway.errors import EngineUnavailable
 from gateway.settings import Settings
 from tenants.registry import ModelKind, ModelSpec
 

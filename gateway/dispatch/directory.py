@@ -11,9 +11,9 @@ from collections.abc import Awaitable, Callable
 
 from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
 
+from gateway.core.errors import ApiError, EngineUnavailable, NotFound
+from gateway.core.tasks import Periodic
 from gateway.dispatch.engine_client import EngineClient
-from gateway.errors import ApiError, EngineUnavailable, NotFound
-from gateway.tasks import Periodic
 from tenants.registry import ModelService, ModelSpec, spec_of
 
 log = logging.getLogger(__name__)

@@ -20,10 +20,10 @@ from collections.abc import Awaitable, Callable, Sequence
 from pathlib import Path
 from urllib.parse import urlsplit
 
-from gateway.config_error import ConfigError
+from gateway.core.errors import EngineUnavailable
 from gateway.dispatch.remote import RemoteEngineClient
 from gateway.dispatch.routing import Replica
-from gateway.errors import EngineUnavailable
+from gateway.settings.errors import ConfigError
 
 log = logging.getLogger(__name__)
 

@@ -24,7 +24,13 @@ from backend.errors import (
 )
 from backend.telemetry import traced
 from backend.tokenizer import Tokenizer
-from gateway.errors import ApiError, DeadlineExceeded, InternalError, InvalidRequest, Overloaded
+from gateway.core.errors import (
+    ApiError,
+    DeadlineExceeded,
+    InternalError,
+    InvalidRequest,
+    Overloaded,
+)
 from gateway.telemetry.request import current_request
 
 if TYPE_CHECKING:  # torch comes with it: a gateway fronting replicas never loads it

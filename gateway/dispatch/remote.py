@@ -42,6 +42,8 @@ from backend.wire import (
     OutputLine,
     StatsReply,
 )
+from gateway.core.errors import EngineUnavailable, InvalidRequest, Overloaded
+from gateway.core.tasks import Periodic, TaskSet
 from gateway.dispatch.engine_client import (
     ENGINE_REFUSALS,
     RESTART,
@@ -50,8 +52,6 @@ from gateway.dispatch.engine_client import (
     refusal,
 )
 from gateway.dispatch.routing import Replica, affinity_key, pick
-from gateway.errors import EngineUnavailable, InvalidRequest, Overloaded
-from gateway.tasks import Periodic, TaskSet
 from gateway.telemetry import tracing
 from gateway.telemetry.request import current_request
 

@@ -49,11 +49,7 @@ import msgspec
 
 from backend import RequestOutput, SamplingParams
 from backend.tokenizer import Tokenizer
-from gateway.dispatch import load
-from gateway.dispatch.engine_client import TARGET_PARSES, GenerateRequest, LocalTokens
-from gateway.dispatch.http1 import Http1Pool, Response, TransportError
-from gateway.dispatch.routing import Replica, affinity_key, pick
-from gateway.errors import (
+from gateway.core.errors import (
     ApiError,
     EngineUnavailable,
     InvalidRequest,
@@ -61,8 +57,12 @@ from gateway.errors import (
     RateLimited,
     UpstreamFailed,
 )
+from gateway.core.tasks import Periodic
+from gateway.dispatch import load
+from gateway.dispatch.engine_client import TARGET_PARSES, GenerateRequest, LocalTokens
+from gateway.dispatch.http1 import Http1Pool, Response, TransportError
+from gateway.dispatch.routing import Replica, affinity_key, pick
 from gateway.settings import PriorityOrder
-from gateway.tasks import Periodic
 from gateway.telemetry.request import current_request
 from tenants.registry import UPSTREAM_KEY_PREFIX, ModelSpec, is_upstream_key_env
 

@@ -42,8 +42,8 @@ from gateway.telemetry.logs import client_request_id_var, request_id_var
 from gateway.telemetry.metrics import GatewayMetrics, RequestObservation
 
 if TYPE_CHECKING:
+    from gateway.metering.usage import Metered, RequestUsage
     from gateway.settings import Settings
-    from gateway.usage import Metered, RequestUsage
     from tenants.services import Principal
 
 log = logging.getLogger("tollgate.requests")
@@ -192,7 +192,7 @@ async def _serve_plain(app: ASGIApp, scope: Scope, receive: Receive, send: Send)
             status = message["status"]
         await send(message)
         if message["type"] == "http.response.start":
-            # The app's before_send hook (gateway.admission.auth.echo_request_id), outside
+            # The app's before_send hook (gateway.http.auth.echo_request_id), outside
             # this middleware, gave the answer its id in place as it went out.
             headers = dict(message.get("headers", ()))
             ours = headers.get(b"x-tollgate-request-id") or headers.get(b"x-request-id")

@@ -40,7 +40,7 @@ async def record_all(session: AsyncSession | AsyncConnection, events: Sequence[U
 async def record_all_direct(
     connection: psycopg.AsyncConnection[Any], events: Sequence[UsageEvent]
 ) -> None:
-    """record_all's rows on PostgreSQL, straight through psycopg (gateway.metering): one
+    """record_all's rows on PostgreSQL, straight through psycopg (gateway.metering.recorder): one
     statement per DIRECT_BATCH events, their usage rows and, in a data-modifying WITH, their
     outbox rows, so on an autocommit connection a group of up to DIRECT_BATCH is one
     statement and one implicit transaction. Rows as parameters, every column that the
@@ -60,7 +60,7 @@ async def record_all_direct(
 
 def record_all_sqlite(connection: sqlite3.Connection, events: Sequence[UsageEvent]) -> None:
     """record_all's rows on SQLite, straight through the stdlib driver, in the caller's
-    transaction (gateway.metering's SqliteLedger): one executemany per table, every
+    transaction (gateway.metering.recorder's SqliteLedger): one executemany per table, every
     column that the database does not fill given its value, else its Python-side default,
     else NULL, each bound as SQLAlchemy binds it for SQLite (its type's bind processor:
     times, enums). Through aiosqlite and SQLAlchemy a one-row group cost ~0.9 ms of CPU."""
@@ -155,7 +155,7 @@ _USAGE_COLUMNS = tuple(
 _USAGE_TABLE = cast(Table, UsageEvent.__table__)
 _OUTBOX_TABLE = cast(Table, OutboxRow.__table__)
 # inline: nothing read back (no RETURNING of generated keys), so on PostgreSQL the rows can
-# go in a pipeline that waits for no answer before its Sync (gateway.metering)
+# go in a pipeline that waits for no answer before its Sync (gateway.metering.recorder)
 _INSERT_USAGE = insert(_USAGE_TABLE).inline()
 _INSERT_OUTBOX = insert(_OUTBOX_TABLE).inline()
 # Events per statement on PostgreSQL: a usage row takes a parameter a column (and its

@@ -16,7 +16,7 @@ import httpx
 import pytest
 from sqlalchemy import func, select
 
-from gateway.metering import ORPHAN_SWEEP_S, STALE_AFTER_S
+from gateway.metering.recorder import ORPHAN_SWEEP_S, STALE_AFTER_S
 from tenants import db, keys
 from tenants.limits import LimitSet, PlanTerms
 from tenants.models import UsageEvent

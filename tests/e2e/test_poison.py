@@ -19,7 +19,7 @@ import pytest
 
 from backend.wire import SECRET_HEADER
 from gateway.app import create_app
-from gateway.bootstrap import ensure_admin_key
+from gateway.cli.bootstrap import ensure_admin_key
 from gateway.dispatch.engine_client import InProcessEngineClient
 from gateway.settings import Settings
 from tenants import db, keys

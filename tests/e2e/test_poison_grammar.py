@@ -21,7 +21,7 @@ import pytest
 from backend.grammar_limits import GrammarLimits
 from gateway.api.schemas import closed
 from gateway.app import create_app
-from gateway.bootstrap import ensure_admin_key
+from gateway.cli.bootstrap import ensure_admin_key
 from gateway.dispatch.engine_client import InProcessEngineClient
 from gateway.settings import Settings
 from tenants import db, keys

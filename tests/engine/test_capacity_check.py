@@ -25,7 +25,7 @@ from backend.config import EngineConfig
 from backend.engine.async_engine import AsyncEngine
 from backend.server import create_backend_app
 from backend.sim.cost import CostModel, GpuSpec, ModelSpec
-from gateway.cli import main
+from gateway.cli.commands import main
 from tests.conftest import serving
 from tests.engine.engine_support import builtin_kv_block
 

@@ -28,9 +28,9 @@ from backend.sampling import SamplingParams
 from backend.server import create_backend_app
 from backend.tokenizer import Tokenizer
 from backend.wire import GenerateBody
+from gateway.core.errors import InvalidRequest
 from gateway.dispatch.engine_client import GenerateRequest
 from gateway.dispatch.remote import RemoteEngineClient
-from gateway.errors import InvalidRequest
 from tests.conftest import serving
 from tests.engine.engine_support import run_to_completion, text_of, tokens_of
 

@@ -9,7 +9,7 @@ import threading
 from functools import cache
 from pathlib import Path
 
-from gateway import engine_knobs
+from gateway.settings import engine_knobs
 from tests.e2e.processes import Process
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -23,7 +23,7 @@ def known_env_vars() -> frozenset[str]:
     for package in ("gateway", "backend", "tenants"):
         for path in (ROOT / package).rglob("*.py"):
             names.update(re.findall(r"[\"'](TOLLGATE_[A-Z0-9_]+)[\"']", path.read_text()))
-    # Engine knobs are read by name from EngineConfig's fields (gateway/engine_knobs.py).
+    # Engine knobs are read by name from EngineConfig's fields (gateway/settings/engine_knobs.py).
     names.update(knob.env for knob in engine_knobs.knobs())
     names.update(alias for aliases in engine_knobs.ALIASES.values() for alias in aliases)
     return frozenset(names)

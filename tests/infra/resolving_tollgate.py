@@ -13,7 +13,7 @@ import socket
 import sys
 from pathlib import Path
 
-from gateway import cli
+from gateway.cli import commands as cli
 from gateway.dispatch import discovery
 
 

@@ -367,7 +367,7 @@ def test_backends_are_found_through_a_headless_service() -> None:
 
 @WITH_BUDGETS
 def test_grace_period_outlasts_prestop_drain_and_settling(values: str) -> None:
-    from gateway.drain import SETTLE_S
+    from gateway.cli.drain import SETTLE_S
 
     docs = _docs(values)
     for component in ("gateway", "backend"):

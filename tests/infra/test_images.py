@@ -183,7 +183,7 @@ def test_prometheus_and_nginx_point_at_the_compose_services() -> None:
 
 
 def test_compose_stops_gateways_and_backends_after_their_drain() -> None:
-    from gateway.drain import SETTLE_S
+    from gateway.cli.drain import SETTLE_S
 
     for name, service in _compose()["services"].items():
         drain = _env(service).get("TOLLGATE_DRAIN_S")

@@ -18,8 +18,8 @@ from sqlalchemy import create_engine, text
 from sqlalchemy.exc import DBAPIError
 from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
 
-from gateway import cli
-from gateway.bootstrap import ensure_admin_key
+from gateway.cli import commands as cli
+from gateway.cli.bootstrap import ensure_admin_key
 from gateway.settings import Settings
 from tenants import audit, db, keys
 from tenants.audit import Actor, AuditContext, AuditEvent

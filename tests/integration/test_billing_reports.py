@@ -15,7 +15,7 @@ from litestar.testing import AsyncTestClient
 from sqlalchemy import func, select
 from sqlalchemy.orm import Session
 
-from gateway import cli
+from gateway.cli import commands as cli
 from tenants import audit, db
 from tenants.billing.export import sync_engine
 from tenants.billing.export_lock import ExportLock

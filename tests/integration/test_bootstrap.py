@@ -7,8 +7,8 @@ from pathlib import Path
 import pytest
 from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
 
-from gateway.bootstrap import AdminKey, ConsoleOwner, ensure_admin_key, ensure_console_owner
-from gateway.serve import _banner
+from gateway.cli.bootstrap import AdminKey, ConsoleOwner, ensure_admin_key, ensure_console_owner
+from gateway.cli.serve import _banner
 from gateway.settings import Settings, SettingsError
 from tenants import db, keys
 from tenants.admins import AdminService

@@ -15,7 +15,7 @@ from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
 
 from gateway.app import create_app
 from gateway.dispatch.engine_client import InProcessEngineClient
-from gateway.metering import STALE_AFTER_S
+from gateway.metering.recorder import STALE_AFTER_S
 from gateway.runtime import Runtime
 from gateway.settings import Settings
 from tenants.models import UsageCheckpoint, UsageEvent, utcnow

@@ -14,7 +14,7 @@ from sqlalchemy import select
 from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
 
 from gateway.app import create_app
-from gateway.bootstrap import ensure_console_owner
+from gateway.cli.bootstrap import ensure_console_owner
 from gateway.console.auth import MAX_FORM_FIELDS
 from gateway.console.session import MAX_FAILURES
 from gateway.dispatch.engine_client import InProcessEngineClient

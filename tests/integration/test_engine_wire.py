@@ -12,9 +12,9 @@ import pytest
 from backend import AsyncEngine, EngineConfig, SamplingParams
 from backend.builtin import BUILTIN_MODEL_DIR
 from backend.server import create_backend_app
+from gateway.core.errors import InternalError, InvalidRequest
 from gateway.dispatch.engine_client import GenerateRequest
 from gateway.dispatch.remote import RemoteEngineClient
-from gateway.errors import InternalError, InvalidRequest
 from tests.conftest import serving
 
 pytestmark = pytest.mark.integration

@@ -247,7 +247,7 @@ def constrained_body(draw: st.DrawFn, model: str) -> bytes:
 def test_structured_outputs_survive_hostile_grammars(server: Server, data: st.DataObject) -> None:
     """A grammar the limits miss would crash this very process (the engine is in it). The
     engine refuses a grammar after admission, and such a refusal writes a free usage row
-    by design (gateway/metering.py), so no ledger check here: no 5xx, and still serving."""
+    by design (gateway/metering/recorder.py), so no ledger check here: no 5xx, and still serving."""
     body = data.draw(constrained_body(server.model))
     headers = {"Authorization": f"Bearer {server.keys['tenant']}"}
     response = server.client.post("/v1/chat/completions", content=body, headers=headers, timeout=30)

@@ -12,8 +12,8 @@ import pytest
 from sqlalchemy import event
 from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
 
-from gateway import cli
 from gateway.admission.key_generation import APPLICATION_NAME, GenerationListener
+from gateway.cli import commands as cli
 from gateway.dispatch.engine_client import InProcessEngineClient
 from gateway.settings import Settings
 from tenants.models import KeyRole

@@ -17,9 +17,9 @@ from sqlalchemy import func, select, text
 from sqlalchemy.exc import IntegrityError, OperationalError
 from sqlalchemy.ext.asyncio import AsyncEngine
 
-from gateway import metering
 from gateway.dispatch.engine_client import InProcessEngineClient
-from gateway.metering import Settled, UsageRecorder, Write
+from gateway.metering import recorder as metering
+from gateway.metering.recorder import Settled, UsageRecorder, Write
 from gateway.runtime import Runtime
 from tenants.billing import ledger
 from tenants.billing.models import OutboxRow
@@ -160,7 +160,7 @@ async def test_requests_are_billed_after_the_direct_pools_connections_die(
     acme = await owner(sessions, "acme")
     body = {"model": engine_client.model_name, "prompt": "The", "max_tokens": 2}
     ids, killed = [], []
-    with caplog.at_level(logging.WARNING, logger="gateway.metering"):
+    with caplog.at_level(logging.WARNING, logger="gateway.metering.recorder"):
         for stream in (False, True, False, False):
             killed.append(await _kill_direct_connections(sessions))  # those pooled now
             response = await client.post(
@@ -205,7 +205,7 @@ def _row(model: Any, varying: set[str]) -> dict[str, Any]:
 
 
 async def _write_direct(engine: AsyncEngine, event: UsageEvent) -> None:
-    """As gateway.metering's pipeline writes it."""
+    """As gateway.metering.recorder's pipeline writes it."""
     async with engine.connect() as connection:
         driver = (await connection.get_raw_connection()).driver_connection
         assert isinstance(driver, psycopg.AsyncConnection)

@@ -1,5 +1,5 @@
 """On SQLite the recorder writes a group of ledger rows through the stdlib driver
-(gateway.metering.SqliteLedger): committed on the event loop's connection and synced on a
+(gateway.metering.recorder.SqliteLedger): committed on the event loop's connection and synced on a
 thread, or on the thread alone while another writer holds the lock. The rows are those
 SQLAlchemy writes, a bad write still fails alone, and the WAL is checkpointed."""
 
@@ -19,7 +19,7 @@ from sqlalchemy import func, select
 
 from gateway.app import create_app
 from gateway.dispatch.engine_client import InProcessEngineClient
-from gateway.metering import (
+from gateway.metering.recorder import (
     _CHECKPOINT_UPSERTS,
     GroupRows,
     Settled,

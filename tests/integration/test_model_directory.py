@@ -8,9 +8,9 @@ from dataclasses import dataclass
 import pytest
 from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
 
+from gateway.core.errors import EngineUnavailable, NotFound
 from gateway.dispatch.directory import ModelDirectory
 from gateway.dispatch.engine_client import EngineClient
-from gateway.errors import EngineUnavailable, NotFound
 from tenants.registry import ModelKind, ModelService, ModelSpec, Target
 
 Sessions = async_sessionmaker[AsyncSession]

@@ -22,9 +22,9 @@ from backend.builtin import BUILTIN_MODEL_DIR
 from backend.errors import RequestStepError
 from backend.server import create_backend_app
 from gateway.app import create_app
+from gateway.core.errors import InternalError, Overloaded
 from gateway.dispatch.engine_client import GenerateRequest, InProcessEngineClient
 from gateway.dispatch.remote import RemoteEngineClient
-from gateway.errors import InternalError, Overloaded
 from gateway.settings import Settings
 from tenants.models import UsageEvent, UsageStatus
 from tests.conftest import eventually, serving

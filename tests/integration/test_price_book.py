@@ -12,10 +12,10 @@ from litestar import Litestar
 from litestar.testing import AsyncTestClient
 from sqlalchemy import select
 
-from gateway import cli
+from gateway.cli import commands as cli
 from gateway.dispatch.engine_client import InProcessEngineClient
+from gateway.metering.usage import Charge, RequestUsage
 from gateway.runtime import Runtime
-from gateway.usage import Charge, RequestUsage
 from tenants import audit
 from tenants.billing.models import PriceVersion
 from tenants.billing.prices import ANY_MODEL, PriceService, quote

@@ -18,9 +18,9 @@ from litestar import Litestar
 from sqlalchemy import func, select
 from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
 
-from gateway import cli
 from gateway.admission.reconcile import period_bounds, rebuild
 from gateway.app import create_app
+from gateway.cli import commands as cli
 from gateway.dispatch.engine_client import InProcessEngineClient
 from gateway.runtime import Runtime
 from gateway.settings import Settings

@@ -17,9 +17,9 @@ from backend import RequestOutput, SamplingParams
 from backend.builtin import BUILTIN_MODEL_DIR
 from backend.tokenizer import Tokenizer
 from backend.wire import ErrorLine, OutputLine
+from gateway.core.errors import EngineUnavailable, InvalidRequest
 from gateway.dispatch.engine_client import RESTART, GenerateRequest
 from gateway.dispatch.remote import MAX_REPLICA_FAILURES, RemoteEngineClient
-from gateway.errors import EngineUnavailable, InvalidRequest
 from tests.conftest import serving
 from tests.e2e.processes import free_port
 

@@ -15,8 +15,8 @@ from litestar import Litestar
 from litestar.testing import AsyncTestClient
 
 from gateway.app import create_app
+from gateway.cli.serve import gateway_config
 from gateway.dispatch.engine_client import InProcessEngineClient
-from gateway.serve import gateway_config
 from gateway.settings import Settings
 from gateway.telemetry.logs import TextFormatter
 from tests.conftest import eventually

@@ -13,10 +13,10 @@ from sqlalchemy import select
 from backend import SamplingParams
 from gateway.api.formats import CHAT_FORMAT
 from gateway.api.generation import Generation, Settlement
+from gateway.core.errors import Overloaded
 from gateway.dispatch.engine_client import InProcessEngineClient
-from gateway.errors import Overloaded
+from gateway.metering.usage import Charge
 from gateway.runtime import Runtime
-from gateway.usage import Charge
 from tenants.models import UsageEvent, UsageStatus
 from tenants.services import ApiKeyService
 from tests.integration.billing_support import Sessions, owner

@@ -14,8 +14,8 @@ from sqlalchemy import Engine, select
 from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
 from sqlalchemy.orm import Session
 
-from gateway import cli
 from gateway.billing.jobs import BillingJobs
+from gateway.cli import commands as cli
 from gateway.settings import Settings
 from tenants import audit, db
 from tenants.audit import Actor

@@ -6,8 +6,8 @@ import uuid
 
 import pytest
 
+from gateway.metering.usage import RequestUsage
 from gateway.settings import Settings, SettingsError
-from gateway.usage import RequestUsage
 from tenants.billing.reports import format_micros
 from tenants.billing.stripe_meters import Retry, event_identifier
 

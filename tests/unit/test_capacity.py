@@ -21,7 +21,7 @@ from backend.models.config import load_model_config
 from backend.models.llama import LlamaForCausalLM
 from backend.sim.cost import CostModel
 from backend.sim.simulator import Simulator
-from gateway.cli import main
+from gateway.cli.commands import main
 
 TORCH_DTYPES = {
     "fp32": torch.float32,

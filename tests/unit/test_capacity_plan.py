@@ -15,7 +15,7 @@ from backend.capacity.cluster import deal, parse_class
 from backend.capacity.planner import Efficiency, Inputs, plan
 from backend.capacity.presets import gpu_preset, model_preset
 from backend.sim.trace import load_trace, make_trace, save_trace
-from gateway.cli import main
+from gateway.cli.commands import main
 
 MODEL = ["--preset", "llama-3-8b", "--gpu", "H100-SXM"]
 CHAT = "chat:rate=40,prompt=100-300,output=50-150,ttft=0.5,itl=0.05"

@@ -8,7 +8,7 @@ from typing import Any
 
 import pytest
 
-from gateway.cli import main
+from gateway.cli.commands import main
 from tenants import db
 
 

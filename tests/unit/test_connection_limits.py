@@ -1,4 +1,4 @@
-"""`tollgate serve`'s connection limits (gateway/connections.py) on real sockets: uvicorn
+"""`tollgate serve`'s connection limits (gateway/cli/connections.py) on real sockets: uvicorn
 configured as gateway_config configures it, on 127.0.0.1, in front of a small app."""
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ from typing import Any
 
 import uvicorn
 
-from gateway.serve import gateway_config
+from gateway.cli.serve import gateway_config
 from gateway.settings import Settings
 from tests.conftest import eventually
 

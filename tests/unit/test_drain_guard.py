@@ -1,4 +1,4 @@
-"""gateway.drain.DrainGuard: a request waiting for its client's next message when the
+"""gateway.cli.drain.DrainGuard: a request waiting for its client's next message when the
 drain's grace period ends sees a disconnect; other cancellations stay cancellations."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ from typing import Any
 
 import pytest
 
-from gateway.drain import DISCONNECT, Drain, DrainGuard
+from gateway.cli.drain import DISCONNECT, Drain, DrainGuard
 
 Message = dict[str, Any]
 

@@ -1,5 +1,5 @@
 """Every EngineConfig field is a flag of `tollgate serve` and `tollgate backend serve` (run
-through the command's entry point, gateway/launch.py, as a user runs them), an
+through the command's entry point, gateway/cli/__init__.py, as a user runs them), an
 environment variable and a README row; bad values exit 2 with one line."""
 
 from __future__ import annotations
@@ -12,9 +12,10 @@ import pytest
 
 from backend.builtin import BUILTIN_MODEL_DIR
 from backend.config import EngineConfig
-from gateway import cli, engine_knobs, launch
-from gateway.engine_knobs import Knob, knobs, parse_size
-from gateway.settings import Settings, SettingsError
+from gateway import cli as launch
+from gateway.cli import commands as cli
+from gateway.settings import Settings, SettingsError, engine_knobs
+from gateway.settings.engine_knobs import Knob, knobs, parse_size
 
 README = Path(__file__).resolve().parents[2] / "README.md"
 COMMANDS = (["serve"], ["backend", "serve"])
@@ -57,7 +58,7 @@ def _sample(knob: Knob) -> tuple[str, object]:
 @pytest.fixture
 def started(monkeypatch: pytest.MonkeyPatch) -> list[Settings]:
     """The settings `tollgate serve` / `backend serve` would start with; nothing starts."""
-    import gateway.serve
+    import gateway.cli.serve
 
     calls: list[Settings] = []
 
@@ -66,7 +67,7 @@ def started(monkeypatch: pytest.MonkeyPatch) -> list[Settings]:
         return 0
 
     for name in ("serve", "serve_backend"):
-        monkeypatch.setattr(gateway.serve, name, record)
+        monkeypatch.setattr(gateway.cli.serve, name, record)
     for knob in knobs():
         monkeypatch.delenv(knob.env, raising=False)
     monkeypatch.delenv("TOLLGATE_ENGINE_THREADS", raising=False)
@@ -178,12 +179,12 @@ def test_fp8_weights_without_an_fp8_gpu_exit_2_before_anything_starts(
     started: list[Settings],
 ) -> None:
     """Issue 34: fp8 needs compute capability 8.9+; on this machine (no GPU) both commands
-    refuse it with one line, before the engine loads (checked in gateway.serve)."""
-    import gateway.serve
+    refuse it with one line, before the engine loads (checked in gateway.cli.serve)."""
+    import gateway.cli.serve
 
     for path in COMMANDS:
         settings = Settings.from_env({"TOLLGATE_QUANTIZATION": "fp8", "TOLLGATE_DEVICE": "cpu"})
         with pytest.raises(engine_knobs.KnobError, match="fp8 needs a GPU"):
-            gateway.serve.check_engine_device(settings)
+            gateway.cli.serve.check_engine_device(settings)
         assert launch.main([*path, "--quantization", "fp8"]) == 0  # parsing accepts it
     assert [s.engine.quantization for s in started] == ["fp8", "fp8"]

@@ -8,8 +8,8 @@ import asyncio
 
 import pytest
 
-from gateway.metering import Checkpoint, GroupCommit, Write
-from gateway.tasks import TaskSet
+from gateway.core.tasks import TaskSet
+from gateway.metering.recorder import Checkpoint, GroupCommit, Write
 
 
 def _write(name: str) -> Checkpoint:

@@ -8,7 +8,7 @@ from typing import Any
 import pytest
 import uvicorn
 
-from gateway.serve import proxy_options
+from gateway.cli.serve import proxy_options
 from gateway.settings import Settings
 
 

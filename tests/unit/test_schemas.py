@@ -7,7 +7,7 @@ import pytest
 
 from backend.constraint import Constraint
 from gateway.api.schemas import ChatCompletionRequest, CompletionRequest, closed, decode
-from gateway.errors import InvalidRequest
+from gateway.core.errors import InvalidRequest
 
 
 def _error(body: bytes) -> InvalidRequest:

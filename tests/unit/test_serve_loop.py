@@ -6,7 +6,7 @@ from typing import Any
 
 import pytest
 
-from gateway.serve import _uvicorn_config
+from gateway.cli.serve import _uvicorn_config
 from gateway.settings import Settings
 
 

@@ -8,8 +8,8 @@ from collections.abc import AsyncIterator
 from backend import RequestOutput, SamplingParams
 from gateway.api.formats import CHAT_FORMAT
 from gateway.api.generation import Generation
+from gateway.metering.usage import Charge
 from gateway.telemetry import RequestScope, current_request
-from gateway.usage import Charge
 from tenants.models import KeyRole
 from tenants.services import Principal
 from tests.unit.test_telemetry_tracing import _output

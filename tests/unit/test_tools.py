@@ -16,8 +16,8 @@ from gateway.api.tools import (
     assembled,
     plan,
 )
+from gateway.core.errors import InvalidRequest
 from gateway.dispatch.engine_client import TARGET_PARSES
-from gateway.errors import InvalidRequest
 
 WEATHER: dict[str, Any] = {
     "type": "function",

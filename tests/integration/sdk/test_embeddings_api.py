@@ -16,9 +16,9 @@ from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
 from backend import AsyncEngine, EngineConfig
 from backend.builtin import BUILTIN_MODEL_DIR
 from backend.server import create_backend_app
+from gateway.core.errors import InvalidRequest
 from gateway.dispatch.engine_client import InProcessEngineClient
 from gateway.dispatch.remote import RemoteEngineClient
-from gateway.errors import InvalidRequest
 from tenants.models import UsageEvent
 from tests.conftest import serving
 

@@ -87,7 +87,8 @@ def test_a_gateway_loads_torch_only_to_run_an_engine() -> None:
     """A gateway that fronts replicas or upstreams starts without torch (seconds of CPU
     per start, hundreds of MB resident); the in-process engine brings it in."""
     code = (
-        "import sys, gateway.app, gateway.cli, backend.tokenizer, backend.capacity.presets; "
+        "import sys, gateway.app, gateway.cli.commands, backend.tokenizer; "
+        "import backend.capacity.presets; "
         "assert 'torch' not in sys.modules, 'torch imported'; "
         "from backend.models.config import load_model_config; "
         "from backend.builtin import BUILTIN_MODEL_DIR; "
@@ -98,12 +99,13 @@ def test_a_gateway_loads_torch_only_to_run_an_engine() -> None:
 
 
 def test_a_replica_starts_without_the_gateway_or_torch_dynamo() -> None:
-    """`tollgate backend serve` (gateway/launch.py) imports none of the gateway's database,
+    """`tollgate backend serve` (gateway/cli/__init__.py) imports none of the gateway's database,
     quota and billing modules, and building the engine never imports torch._dynamo (a
     random init of the embedding on the meta device did): ~3 s less at every start."""
     code = (
-        "import sys, gateway.launch, gateway.backend_cli, gateway.serve; "
-        "heavy = {'gateway.app', 'gateway.cli', 'tenants.db', 'sqlalchemy.orm', 'alembic'}; "
+        "import sys, gateway.cli, gateway.cli.backend, gateway.cli.serve; "
+        "heavy = {'gateway.app', 'gateway.cli.commands', 'tenants.db', 'sqlalchemy.orm'}; "
+        "heavy.add('alembic'); "
         "assert not heavy & set(sys.modules), heavy & set(sys.modules); "
         "from backend import AsyncEngine; "
         "from backend.builtin import BUILTIN_MODEL_DIR; "

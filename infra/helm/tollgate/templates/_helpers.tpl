@@ -49,7 +49,7 @@ app.kubernetes.io/component: {{ .component }}
 {{- end -}}
 
 {{/* Seconds Kubernetes gives a terminating pod: preStop, the drain, the settling after
-it (gateway/drain.py SETTLE_S, 5 s), a margin. */}}
+it (gateway/cli/drain.py SETTLE_S, 5 s), a margin. */}}
 {{- define "tollgate.gracePeriod" -}}
 {{- add (int .Values.config.preStopSeconds) (int .Values.config.drainSeconds) 10 -}}
 {{- end -}}

@@ -17,7 +17,6 @@ from sqlalchemy import select
 from sqlalchemy.ext.asyncio import AsyncSession
 
 from gateway.admin.controllers import admin_actor, require_admin
-from gateway.admission.auth import authenticate
 from gateway.api.schemas import decode
 from gateway.billing.schemas import (
     CustomerBody,
@@ -28,7 +27,8 @@ from gateway.billing.schemas import (
     usage_row_view,
 )
 from gateway.billing.stripe import export_once
-from gateway.errors import Conflict, InvalidRequest, NotFound
+from gateway.core.errors import Conflict, InvalidRequest, NotFound
+from gateway.http.auth import authenticate
 from gateway.openapi import ADMIN, ADMIN_WRITE, AUTHENTICATED, documented
 from gateway.openapi.shapes import (
     ExportRun,

@@ -13,7 +13,7 @@ from litestar.di import NamedDependency
 from litestar.types import Message, Scope
 
 from gateway.admission.key_cache import read_key_generation
-from gateway.errors import AuthenticationFailed
+from gateway.core.errors import AuthenticationFailed
 from gateway.runtime import Runtime
 from gateway.telemetry import current_request
 from gateway.telemetry.request import client_request_id

@@ -11,7 +11,7 @@ from typing import Any
 from sqlalchemy.ext.asyncio import AsyncSession
 
 from gateway.billing.stripe import export_once
-from gateway.cli_support import actor, in_session, micros
+from gateway.cli.support import actor, in_session, micros
 from gateway.settings import Settings
 from tenants.billing.customers import StripeCustomerService
 from tenants.billing.models import PriceVersion

@@ -16,8 +16,8 @@ from typing import Any
 from litestar import Request, Response, get
 from litestar.di import NamedDependency
 
-from gateway.admission.auth import bearer_token
-from gateway.errors import AuthenticationFailed, PermissionDenied
+from gateway.core.errors import AuthenticationFailed, PermissionDenied
+from gateway.http.auth import bearer_token
 from gateway.runtime import Runtime
 from gateway.telemetry.request import Telemetry
 from tenants.quota import QuotaStore, month_period, tenant_scope

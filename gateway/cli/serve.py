@@ -12,14 +12,14 @@ from typing import TYPE_CHECKING, Any
 
 import uvicorn
 
-from gateway.drain import PROBES, SETTLE_S, Drain, DrainGuard, DrainingServer
-from gateway.engine_knobs import KnobError
+from gateway.cli.drain import PROBES, SETTLE_S, Drain, DrainGuard, DrainingServer
 from gateway.settings import Settings
+from gateway.settings.engine_knobs import KnobError
 from gateway.telemetry.logs import configure_logging
 from gateway.telemetry.tracing import setup_tracing
 
 if TYPE_CHECKING:
-    from gateway.bootstrap import AdminKey, ConsoleOwner
+    from gateway.cli.bootstrap import AdminKey, ConsoleOwner
 
 log = logging.getLogger(__name__)
 
@@ -53,7 +53,7 @@ def gateway_config(app: Any, settings: Settings) -> uvicorn.Config:
     """uvicorn's settings for the gateway. The gateway logs every request itself (one
     "request finished" line: method, path, status, duration, client address), so
     uvicorn's access line, which would only repeat it, is off. Connections get a header
-    deadline and a per-client cap (gateway/connections.py)."""
+    deadline and a per-client cap (gateway/cli/connections.py)."""
     options = proxy_options(settings) | connection_limits(settings)
     return _uvicorn_config(app, settings, access_log=False, **options)
 
@@ -62,7 +62,7 @@ def connection_limits(settings: Settings) -> dict[str, Any]:
     """uvicorn's `http` option: its httptools protocol with the limits, where httptools
     is installed (a dependency); else uvicorn's own choice, without them."""
     try:
-        from gateway.connections import guarded
+        from gateway.cli.connections import guarded
     except ImportError:
         log.warning("httptools is not installed: no header timeout nor per-client cap")
         return {}
@@ -95,7 +95,7 @@ def _uvicorn_config(app: Any, settings: Settings, **options: Any) -> uvicorn.Con
         log_level=settings.log_level,
         log_config=None,  # uvicorn's loggers go through ours (JSON lines)
         lifespan="on",
-        timeout_graceful_shutdown=SETTLE_S,  # after the drain (gateway/drain.py)
+        timeout_graceful_shutdown=SETTLE_S,  # after the drain (gateway/cli/drain.py)
         **options,
     )
 
@@ -181,7 +181,7 @@ def _migrate_or_explain(settings: Settings) -> None:
 
 
 async def _bootstrap(settings: Settings) -> AdminKey:
-    from gateway.bootstrap import ensure_admin_key
+    from gateway.cli.bootstrap import ensure_admin_key
     from tenants import db
 
     engine = db.create_engine(settings.database_url)
@@ -192,7 +192,7 @@ async def _bootstrap(settings: Settings) -> AdminKey:
 
 
 async def _bootstrap_console(settings: Settings) -> ConsoleOwner | None:
-    from gateway.bootstrap import ensure_console_owner
+    from gateway.cli.bootstrap import ensure_console_owner
     from tenants import db
 
     engine = db.create_engine(settings.database_url)

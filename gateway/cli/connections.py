@@ -10,7 +10,7 @@ proxy is not one client, so it is not capped) holding `max_per_client` connectio
 its next one answered 429 and closed at once.
 
 Built on uvicorn's httptools protocol (a dependency); without httptools, `tollgate serve`
-runs uvicorn's defaults (gateway/serve.py says so in the log).
+runs uvicorn's defaults (gateway/cli/serve.py says so in the log).
 """
 
 from __future__ import annotations

@@ -16,7 +16,7 @@ from collections.abc import Mapping
 from dataclasses import MISSING, dataclass, fields, replace
 
 from backend.config import EngineConfig
-from gateway.config_error import ConfigError
+from gateway.settings.errors import ConfigError
 
 HELP = {
     "block_size": "tokens per KV block",

@@ -27,8 +27,8 @@ from typing import Any
 import msgspec
 import uvicorn
 
-from gateway.errors import ApiError
-from gateway.tasks import Interrupt
+from gateway.core.errors import ApiError
+from gateway.core.tasks import Interrupt
 
 log = logging.getLogger(__name__)
 

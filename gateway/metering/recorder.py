@@ -61,9 +61,9 @@ from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine, AsyncSession, a
 
 from gateway.admission.quota import Admission
 from gateway.admission.reconcile import to_us
-from gateway.tasks import Periodic, TaskSet
+from gateway.core.tasks import Periodic, TaskSet
+from gateway.metering.usage import Charge, RequestUsage
 from gateway.telemetry.tracing import REQUEST_ID, in_span
-from gateway.usage import Charge, RequestUsage
 from tenants.billing import ledger
 from tenants.billing.prices import PriceBook
 from tenants.db import sqlite_pragmas

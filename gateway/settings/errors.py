@@ -1,4 +1,4 @@
-"""The one error of start-up configuration, apart from the API's errors (gateway/errors.py):
+"""The one error of start-up configuration, apart from the API's errors (gateway/core/errors.py):
 settings are read by processes that serve no HTTP (the Celery worker), which should not
 import the web framework to learn of a bad setting."""
 

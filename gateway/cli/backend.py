@@ -1,6 +1,6 @@
 """`tollgate backend serve`: one engine replica behind the internal HTTP API. Its own
-parser, so that gateway/launch.py can start a replica without gateway/cli.py's imports;
-gateway/cli.py lists the same command, with the same flags, in `tollgate --help`."""
+parser, so that gateway/cli/__init__.py can start a replica without the imports of
+gateway/cli/commands.py, which lists the same command, with the same flags, in `tollgate --help`."""
 
 from __future__ import annotations
 
@@ -9,8 +9,7 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
-from gateway import engine_knobs
-from gateway.settings import Settings, SettingsError, gateway_engine_defaults
+from gateway.settings import Settings, SettingsError, engine_knobs, gateway_engine_defaults
 
 HELP = "run the engine behind the internal HTTP API (TOLLGATE_BACKEND_SECRET)"
 
@@ -23,7 +22,7 @@ def add_flags(parser: argparse.ArgumentParser) -> None:
 
 
 def run(settings: Settings, args: argparse.Namespace) -> int:
-    from gateway.serve import serve_backend
+    from gateway.cli.serve import serve_backend
 
     model = args.model or settings.model_path
     engine = engine_knobs.from_flags(settings.engine, args)

@@ -10,8 +10,8 @@ from pathlib import Path
 from typing import Literal
 
 from backend.config import EngineConfig
-from gateway import engine_knobs
-from gateway.config_error import ConfigError
+from gateway.settings import engine_knobs
+from gateway.settings.errors import ConfigError
 
 PriorityOrder = Literal["lower-first", "higher-first"]
 PRIORITY_ORDERS: tuple[PriorityOrder, ...] = ("lower-first", "higher-first")

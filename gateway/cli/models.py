@@ -10,7 +10,7 @@ from typing import Any
 
 from sqlalchemy.ext.asyncio import AsyncSession
 
-from gateway.cli_support import actor, in_session
+from gateway.cli.support import actor, in_session
 from gateway.settings import Settings
 from tenants.billing.prices import ANY_MODEL, PriceService
 from tenants.errors import InvalidInputError

@@ -15,11 +15,13 @@ from typing import Any
 
 from sqlalchemy.ext.asyncio import AsyncSession
 
-from gateway import backend_cli, capacity_cli, engine_knobs, models_cli
-from gateway.admission import cli as quota_cli
-from gateway.billing import cli as billing_cli
-from gateway.cli_support import actor, in_session, micros
-from gateway.settings import Settings, SettingsError, gateway_engine_defaults
+from gateway.cli import backend as backend_cli
+from gateway.cli import billing as billing_cli
+from gateway.cli import capacity as capacity_cli
+from gateway.cli import models as models_cli
+from gateway.cli import quota as quota_cli
+from gateway.cli.support import actor, in_session, micros
+from gateway.settings import Settings, SettingsError, engine_knobs, gateway_engine_defaults
 from tenants import audit, db
 from tenants.admins import AdminService
 from tenants.errors import DomainError, InvalidInputError
@@ -271,7 +273,7 @@ def _anchor(text: str) -> audit.Anchor:
 
 
 def _serve(settings: Settings, args: argparse.Namespace) -> int:
-    from gateway.serve import serve
+    from gateway.cli.serve import serve
 
     engine = engine_knobs.from_flags(settings.engine, args)
     settings = settings.with_overrides(
