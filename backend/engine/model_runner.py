@@ -427,9 +427,7 @@ class ModelRunner:
         length = min(cfg.max_num_batched_tokens, max_model_len)
         count = -(-cfg.max_num_batched_tokens // length)
         per_seq = -(-length // bs)
-        scratch = kv_quant.allocate(
-            self.model.cfg, per_seq * count, bs, self.kv_dtype, self.device
-        )
+        scratch = kv_quant.allocate(self.model.cfg, per_seq * count, bs, self.kv_dtype, self.device)
         ids = [1] * length
         pieces = [(ids, 0, ids, list(range(i * per_seq, (i + 1) * per_seq))) for i in range(count)]
         kept, self.kv_cache = getattr(self, "kv_cache", None), scratch
