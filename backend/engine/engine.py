@@ -97,6 +97,9 @@ class Engine:
             config.async_scheduling == "on"
             or (config.async_scheduling == "auto" and self.runner.device.type == "cuda")
         )
+        if config.async_scheduling == "on" and self.speculator is not None:
+            # A verify step needs its accepted count before the next step is scheduled.
+            log.warning("async scheduling is off: speculative decoding runs steps in turn")
         self.grammars = GrammarCompiler(
             self.model_dir / "tokenizer.json",
             max(self.model_config.vocab_size, self.tokenizer.vocab_size),
