@@ -29,11 +29,9 @@ from sqlalchemy.orm import Mapped, mapped_column
 
 from tenants.errors import ConflictError, InvalidInputError, NotFoundError
 from tenants.files import is_stored_id
-from tenants.limits import LimitSet, PlanTerms
 from tenants.models import (
     ApiKey,
     Base,
-    KeyRole,
     KeyStatus,
     Plan,
     Tenant,
@@ -437,15 +435,7 @@ async def key_principal(session: AsyncSession, key_id: str) -> Principal | None:
     if row is None or row[0].status != KeyStatus.ACTIVE:
         return None
     key, tenant_name, plan = row
-    return Principal(
-        tenant_id=key.tenant_id,
-        tenant_name=tenant_name,
-        key_id=key.id,
-        role=KeyRole(key.role),
-        plan=PlanTerms.of(plan),
-        key_limits=LimitSet.of(key),
-        key_prefix=key.prefix,
-    )
+    return Principal.of(key, tenant_name, plan)
 
 
 async def batch_token_share(session: AsyncSession, since: datetime) -> float | None:

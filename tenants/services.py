@@ -50,6 +50,19 @@ class Principal:
         """How the audit log names this caller."""
         return f"key:{self.key_prefix or self.key_id}"
 
+    @classmethod
+    def of(cls, key: ApiKey, tenant_name: str, plan: Plan | None) -> Principal:
+        """The principal of an active key, its tenant's name and its plan (None: defaults)."""
+        return cls(
+            tenant_id=key.tenant_id,
+            tenant_name=tenant_name,
+            key_id=key.id,
+            role=KeyRole(key.role),
+            plan=PlanTerms.of(plan),
+            key_limits=LimitSet.of(key),
+            key_prefix=key.prefix,
+        )
+
 
 @dataclass(frozen=True)
 class CreatedKey:
@@ -324,15 +337,7 @@ class ApiKeyService(Audited):
         last_used = None if key.last_used_at is None else as_utc(key.last_used_at)
         if last_used is None or now - last_used >= LAST_USED_GRANULARITY:
             key.last_used_at = now  # one write a minute per key, not one per request
-        return Principal(
-            tenant_id=key.tenant_id,
-            tenant_name=tenant_name,
-            key_id=key.id,
-            role=KeyRole(key.role),
-            plan=PlanTerms.of(plan),
-            key_limits=LimitSet.of(key),
-            key_prefix=key.prefix,
-        )
+        return Principal.of(key, tenant_name, plan)
 
     async def count_admin_keys(self) -> int:
         result = await self.session.execute(
