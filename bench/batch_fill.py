@@ -18,17 +18,13 @@ import asyncio
 import itertools
 import json
 import re
-import secrets
-import tempfile
 import time
-from pathlib import Path
 from typing import Any
 
 import httpx
 
 from bench._common import percentile
-from bench.hostile_load import start_server, tenant_key, wait_ready
-from tenants import keys
+from bench.serve import serving
 
 CHAT = [{"role": "user", "content": "Write a haiku about the sea."}]
 BUSY = re.compile(r"^tollgate_engine_busy_seconds(?:\{[^}]*\})? ([0-9.e+-]+)$", re.M)
@@ -143,24 +139,12 @@ async def phase(
 
 
 async def run(args: argparse.Namespace) -> None:
-    admin, _ = keys.generate_key()
-    port = 18000 + secrets.randbelow(2000)
-    base = f"http://127.0.0.1:{port}"
-    with tempfile.TemporaryDirectory() as folder:
-        server = start_server(Path(folder), admin, port)
-        try:
-            limits = httpx.Limits(max_connections=1000)
-            async with httpx.AsyncClient(timeout=600, limits=limits) as http:
-                await wait_ready(http, base)
-                auth = {"Authorization": f"Bearer {admin}"}
-                model = (await http.get(f"{base}/v1/models", headers=auth)).json()["data"][0]["id"]
-                for attempt in range(args.repeat):
-                    keys_ab = [await tenant_key(http, base, admin, None) for _ in range(2)]
-                    batch_key = await tenant_key(http, base, admin, None)
-                    await measure(http, base, keys_ab, batch_key, model, args, attempt)
-        finally:
-            server.terminate()
-            server.wait(timeout=60)
+    limits = httpx.Limits(max_connections=1000)
+    async with httpx.AsyncClient(timeout=600, limits=limits) as http, serving(http) as server:
+        for attempt in range(args.repeat):
+            keys_ab = [await server.tenant_key() for _ in range(2)]
+            batch_key = await server.tenant_key()
+            await measure(http, server.base, keys_ab, batch_key, server.model, args, attempt)
 
 
 async def measure(

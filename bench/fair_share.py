@@ -15,17 +15,14 @@ import argparse
 import asyncio
 import contextlib
 import json
-import secrets
-import tempfile
 import time
-from pathlib import Path
 from typing import Any
 
 import httpx
 
 from bench._common import percentile
-from bench.hostile_load import open_loop, start_server, tenant_key, ttft, wait_ready
-from tenants import keys
+from bench.hostile_load import open_loop, ttft
+from bench.serve import serving
 
 
 async def hold_stream(http: httpx.AsyncClient, base: str, key: str, model: str) -> None:
@@ -86,27 +83,13 @@ async def measure(
 
 
 async def run(args: argparse.Namespace) -> None:
-    admin, _ = keys.generate_key()
-    port = 18000 + secrets.randbelow(2000)
-    base = f"http://127.0.0.1:{port}"
-    with tempfile.TemporaryDirectory() as folder:
-        server = start_server(Path(folder), admin, port)
-        try:
-            limits = httpx.Limits(max_connections=args.backlog + 100)
-            async with httpx.AsyncClient(timeout=600, limits=limits) as http:
-                await wait_ready(http, base)
-                auth = {"Authorization": f"Bearer {admin}"}
-                backlog_key = await tenant_key(http, base, admin, None)
-                chat_key = await tenant_key(http, base, admin, None)
-                model = (await http.get(f"{base}/v1/models", headers=auth)).json()["data"][0]["id"]
-                for attempt in range(args.repeat):
-                    report = await measure(
-                        http, base, (backlog_key, chat_key), model, args, attempt + 1
-                    )
-                    print(json.dumps(report), flush=True)
-        finally:
-            server.terminate()
-            server.wait(timeout=30)
+    limits = httpx.Limits(max_connections=args.backlog + 100)
+    async with httpx.AsyncClient(timeout=600, limits=limits) as http, serving(http) as server:
+        backlog_key = await server.tenant_key()
+        for attempt in range(args.repeat):
+            keys_bc = (backlog_key, server.key)
+            report = await measure(http, server.base, keys_bc, server.model, args, attempt + 1)
+            print(json.dumps(report), flush=True)
 
 
 def main() -> None:

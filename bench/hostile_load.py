@@ -11,64 +11,17 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import os
 import random
-import secrets
-import subprocess
-import sys
-import tempfile
 import time
-from pathlib import Path
 from typing import Any
 
 import httpx
 
 from bench._common import percentile
-from tenants import keys
+from bench.serve import serving
 
 QUOTA_RPM = 60  # the hostile tenant's plan: one request a second
 CHAT = [{"role": "user", "content": "Write a haiku about the sea."}]
-
-
-def start_server(folder: Path, admin: str, port: int) -> subprocess.Popen[str]:
-    env = {
-        **os.environ,
-        "TOLLGATE_DATA_DIR": str(folder),
-        "TOLLGATE_DATABASE_URL": "",
-        "TOLLGATE_REDIS_URL": "",
-        "TOLLGATE_ADMIN_KEY": admin,
-        "TOLLGATE_MAX_CONNECTIONS_PER_CLIENT": "2000",  # the flood is many clients on one host
-        "PYTHONUNBUFFERED": "1",
-    }
-    tollgate = str(Path(sys.executable).parent / "tollgate")
-    return subprocess.Popen(
-        [tollgate, "serve", "--port", str(port)],
-        env=env,
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-        text=True,
-    )
-
-
-async def wait_ready(http: httpx.AsyncClient, base: str, timeout_s: float = 120) -> None:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        try:
-            if (await http.get(f"{base}/readyz")).status_code == 200:
-                return
-        except httpx.TransportError:
-            pass
-        await asyncio.sleep(0.2)
-    raise RuntimeError("tollgate serve did not become ready")
-
-
-async def tenant_key(http: httpx.AsyncClient, base: str, admin: str, plan: str | None) -> str:
-    auth = {"Authorization": f"Bearer {admin}"}
-    name = f"t-{secrets.token_hex(4)}"
-    body: dict[str, Any] = {"name": name} | ({"plan": plan} if plan else {})
-    (await http.post(f"{base}/admin/api/tenants", json=body, headers=auth)).raise_for_status()
-    key = await http.post(f"{base}/admin/api/tenants/{name}/keys", json={}, headers=auth)
-    return str(key.json()["key"])
 
 
 async def ttft(http: httpx.AsyncClient, base: str, key: str, model: str) -> float | None:
@@ -103,28 +56,16 @@ async def hostile(http: httpx.AsyncClient, base: str, key: str, model: str) -> i
 
 
 async def run(args: argparse.Namespace) -> None:
-    admin, _ = keys.generate_key()
-    port = 18000 + secrets.randbelow(2000)
-    base = f"http://127.0.0.1:{port}"
-    with tempfile.TemporaryDirectory() as folder:
-        server = start_server(Path(folder), admin, port)
-        try:
-            limits = httpx.Limits(max_connections=1000)
-            async with httpx.AsyncClient(timeout=300, limits=limits) as http:
-                await wait_ready(http, base)
-                auth = {"Authorization": f"Bearer {admin}"}
-                plan = {"name": "capped", "rpm": QUOTA_RPM}
-                (
-                    await http.post(f"{base}/admin/api/plans", json=plan, headers=auth)
-                ).raise_for_status()
-                chat_key = await tenant_key(http, base, admin, None)
-                flood_key = await tenant_key(http, base, admin, "capped")
-                model = (await http.get(f"{base}/v1/models", headers=auth)).json()["data"][0]["id"]
-                for attempt in range(args.repeat):
-                    await measure(http, base, chat_key, flood_key, model, args, attempt)
-        finally:
-            server.terminate()
-            server.wait(timeout=30)
+    limits = httpx.Limits(max_connections=1000)
+    async with httpx.AsyncClient(timeout=300, limits=limits) as http, serving(http) as server:
+        plan = {"name": "capped", "rpm": QUOTA_RPM}
+        reply = await http.post(
+            f"{server.base}/admin/api/plans", json=plan, headers=server.admin_headers
+        )
+        reply.raise_for_status()
+        flood_key = await server.tenant_key("capped")
+        for attempt in range(args.repeat):
+            await measure(http, server.base, server.key, flood_key, server.model, args, attempt)
 
 
 async def measure(

@@ -20,12 +20,9 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
-import os
 import re
-import secrets
-import subprocess
-import sys
 import tempfile
 from pathlib import Path
 from typing import Any
@@ -33,48 +30,18 @@ from typing import Any
 import httpx
 
 from bench._common import build_random_llama
-from bench.hostile_load import tenant_key, wait_ready
-from bench.quantization import decode_rate
-from tenants import keys
+from bench.quantization import compare_rates, decode_rate
+from bench.serve import Server, serving
 
 CHECKPOINT = {"layers": 4, "hidden": 512, "heads": 4, "kv_heads": 2, "intermediate": 1024}
 VOCAB = 4096
 CONTEXT = 2048
 OUTPUT = 48  # a 2,000-token prompt: 125 blocks of 16, 128 once its output is in
 RUNNING = re.compile(r"^tollgate_engine_requests_running (\S+)$", re.MULTILINE)
-STARTUP = re.compile(r"engine: [^\"\n]*")
 
 
-def launch(folder: Path, admin: str, port: int, env: dict[str, str]) -> subprocess.Popen[str]:
-    """hostile_load.start_server's environment, with the engine's log kept (its start-up
-    line) in folder/serve.log."""
-    full = {
-        **os.environ,
-        **env,
-        "TOLLGATE_DATA_DIR": str(folder),
-        "TOLLGATE_DATABASE_URL": "",
-        "TOLLGATE_REDIS_URL": "",
-        "TOLLGATE_ADMIN_KEY": admin,
-        "PYTHONUNBUFFERED": "1",
-    }
-    tollgate = str(Path(sys.executable).parent / "tollgate")
-    log = (folder / "serve.log").open("w")
-    return subprocess.Popen(
-        [tollgate, "serve", "--port", str(port)],
-        env=full,
-        stdout=log,
-        stderr=subprocess.STDOUT,
-        text=True,
-    )
-
-
-async def start(
-    folder: Path, model_dir: Path, kv: str, budget: str, http: httpx.AsyncClient
-) -> tuple[subprocess.Popen[str], dict[str, str]]:
-    admin, _ = keys.generate_key()
-    port = 18000 + secrets.randbelow(2000)
-    base = f"http://127.0.0.1:{port}"
-    env = {
+def settings(model_dir: Path, kv: str, budget: str) -> dict[str, str]:
+    return {
         "TOLLGATE_MODEL": str(model_dir),
         "TOLLGATE_DTYPE": "bfloat16",
         "TOLLGATE_KV_CACHE_DTYPE": kv,
@@ -86,30 +53,22 @@ async def start(
         "TOLLGATE_LONG_PREFILL_TOKEN_THRESHOLD": "0",
         "TOLLGATE_ADAPTIVE_STEP_BUDGET": "false",
     }
-    process = launch(folder, admin, port, env)
-    await wait_ready(http, base, timeout_s=300)
-    auth = {"Authorization": f"Bearer {admin}"}
-    model = (await http.get(f"{base}/v1/models", headers=auth)).json()["data"][0]["id"]
-    key = await tenant_key(http, base, admin, None)
-    found = STARTUP.search((folder / "serve.log").read_text())
-    line = found.group(0) if found else "(no start-up line in the log)"
-    return process, {"base": base, "key": key, "model": model, "startup": line}
 
 
-async def long_request(http: httpx.AsyncClient, server: dict[str, str], seed: int) -> None:
+async def long_request(server: Server, seed: int) -> None:
     prompt = [(seed * 7919 + i * 31) % (VOCAB - 10) + 5 for i in range(CONTEXT - OUTPUT)]
     body = {
-        "model": server["model"],
+        "model": server.model,
         "prompt": prompt,
         "max_tokens": OUTPUT,
         "ignore_eos": True,
     }
-    headers = {"Authorization": f"Bearer {server['key']}"}
-    reply = await http.post(f"{server['base']}/v1/completions", json=body, headers=headers)
+    headers = {"Authorization": f"Bearer {server.key}"}
+    reply = await server.http.post(f"{server.base}/v1/completions", json=body, headers=headers)
     reply.raise_for_status()
 
 
-async def max_running(http: httpx.AsyncClient, server: dict[str, str], flood: int, run: int) -> int:
+async def max_running(server: Server, flood: int, run: int) -> int:
     """The most requests the engine ran at once while `flood` 2k-token requests were in
     flight, from its running gauge polled every 50 ms."""
     done = asyncio.Event()
@@ -118,14 +77,14 @@ async def max_running(http: httpx.AsyncClient, server: dict[str, str], flood: in
     async def poll() -> None:
         nonlocal most
         while not done.is_set():
-            text = (await http.get(f"{server['base']}/metrics")).text
+            text = (await server.http.get(f"{server.base}/metrics")).text
             most = max([most, *(int(float(v)) for v in RUNNING.findall(text))])
             await asyncio.sleep(0.05)
 
     poller = asyncio.create_task(poll())
     try:
         # Prompts new to each run: no prefix-cache hit from the run before.
-        await asyncio.gather(*(long_request(http, server, run * flood + i) for i in range(flood)))
+        await asyncio.gather(*(long_request(server, run * flood + i) for i in range(flood)))
     finally:
         done.set()
         await poller
@@ -140,46 +99,31 @@ def startup_figure(line: str, name: str) -> int | None:
 async def run(args: argparse.Namespace) -> None:
     folder = Path(tempfile.gettempdir()) / "tollgate-bench-kvq"
     model_dir = build_random_llama(folder, **CHECKPOINT, vocab=VOCAB, max_positions=CONTEXT)
-    with tempfile.TemporaryDirectory() as a, tempfile.TemporaryDirectory() as b:
-        async with httpx.AsyncClient(timeout=1800) as http:
-            servers, processes = {}, []
-            try:
-                for name, tmp in (("bf16", a), ("int8", b)):
-                    kv = "auto" if name == "bf16" else "int8"
-                    process, servers[name] = await start(
-                        Path(tmp), model_dir, kv, args.kv_cache_bytes, http
-                    )
-                    processes.append(process)
-                    print(f"{name}: {servers[name]['startup']}", flush=True)
-                for server in servers.values():  # warm-up: first steps, allocator
-                    await decode_rate(http, server, 2, 16)
-                for attempt in range(args.repeat):
-                    report: dict[str, Any] = {"run": attempt + 1, "context": CONTEXT}
-                    report["startup_max_seqs"] = {
-                        n: startup_figure(s["startup"], "max_seqs_at_max_model_len")
-                        for n, s in servers.items()
-                    }
-                    report["kv_blocks"] = {
-                        n: startup_figure(s["startup"], "kv_blocks") for n, s in servers.items()
-                    }
-                    report["max_running_measured"] = {
-                        n: await max_running(http, s, args.flood, attempt)
-                        for n, s in servers.items()
-                    }
-                    for concurrency in (1, 8):
-                        rates = {
-                            n: round(await decode_rate(http, s, concurrency, args.tokens), 1)
-                            for n, s in servers.items()
-                        }
-                        report[f"decode_{concurrency}_tok_s"] = rates
-                        report[f"decode_{concurrency}_ratio"] = round(
-                            rates["int8"] / rates["bf16"], 2
-                        )
-                    print(json.dumps(report), flush=True)
-            finally:
-                for process in processes:
-                    process.terminate()
-                    process.wait(timeout=30)
+    async with httpx.AsyncClient(timeout=1800) as http, contextlib.AsyncExitStack() as stack:
+        servers: dict[str, Server] = {}
+        for name, kv in (("bf16", "auto"), ("int8", "int8")):
+            env = settings(model_dir, kv, args.kv_cache_bytes)
+            servers[name] = await stack.enter_async_context(serving(http, env))
+            print(f"{name}: {servers[name].startup_line()}", flush=True)
+        for server in servers.values():  # warm-up: first steps, allocator
+            await decode_rate(server, 2, 16)
+        for attempt in range(args.repeat):
+            report: dict[str, Any] = {"run": attempt + 1, "context": CONTEXT}
+            lines = {n: s.startup_line() for n, s in servers.items()}
+            report["startup_max_seqs"] = {
+                n: startup_figure(line, "max_seqs_at_max_model_len") for n, line in lines.items()
+            }
+            report["kv_blocks"] = {
+                n: startup_figure(line, "kv_blocks") for n, line in lines.items()
+            }
+            report["max_running_measured"] = {
+                n: await max_running(s, args.flood, attempt) for n, s in servers.items()
+            }
+            for concurrency in (1, 8):
+                rates = await compare_rates(servers, concurrency, args.tokens)
+                report[f"decode_{concurrency}_tok_s"] = rates
+                report[f"decode_{concurrency}_ratio"] = round(rates["int8"] / rates["bf16"], 2)
+            print(json.dumps(report), flush=True)
 
 
 def main() -> None:

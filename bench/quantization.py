@@ -13,9 +13,8 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
-import os
-import secrets
 import tempfile
 import time
 from pathlib import Path
@@ -24,8 +23,7 @@ from typing import Any
 import httpx
 
 from bench._common import build_random_llama
-from bench.hostile_load import start_server, tenant_key, wait_ready
-from tenants import keys
+from bench.serve import Server, serving
 
 CHECKPOINT = {"layers": 12, "hidden": 1024, "heads": 16, "kv_heads": 4, "intermediate": 2816}
 
@@ -53,12 +51,10 @@ async def stream_tokens(
     return len(times) - 1, times[-1] - times[0]
 
 
-async def decode_rate(
-    http: httpx.AsyncClient, server: dict[str, str], concurrency: int, tokens: int
-) -> float:
+async def decode_rate(server: Server, concurrency: int, tokens: int) -> float:
     """Output tok/s of `concurrency` streams decoding together (first token excluded)."""
     runs = [
-        stream_tokens(http, server["base"], server["key"], server["model"], tokens)
+        stream_tokens(server.http, server.base, server.key, server.model, tokens)
         for _ in range(concurrency)
     ]
     started = time.monotonic()
@@ -68,49 +64,31 @@ async def decode_rate(
     return total / decoding
 
 
-async def start(
-    folder: Path, model_dir: Path, quantization: str, http: httpx.AsyncClient
-) -> tuple[Any, dict[str, str]]:
-    admin, _ = keys.generate_key()
-    port = 18000 + secrets.randbelow(2000)
-    base = f"http://127.0.0.1:{port}"
-    os.environ["TOLLGATE_MODEL"] = str(model_dir)
-    os.environ["TOLLGATE_QUANTIZATION"] = quantization
-    process = start_server(folder, admin, port)
-    await wait_ready(http, base, timeout_s=300)
-    auth = {"Authorization": f"Bearer {admin}"}
-    model = (await http.get(f"{base}/v1/models", headers=auth)).json()["data"][0]["id"]
-    key = await tenant_key(http, base, admin, None)
-    return process, {"base": base, "key": key, "model": model}
-
-
 async def run(args: argparse.Namespace) -> None:
     model_dir = build_random_llama(Path(tempfile.gettempdir()) / "tollgate-bench-q", **CHECKPOINT)
-    with tempfile.TemporaryDirectory() as a, tempfile.TemporaryDirectory() as b:
-        async with httpx.AsyncClient(timeout=600) as http:
-            servers, processes = {}, []
-            try:
-                for name, folder in (("none", a), ("int8", b)):
-                    process, servers[name] = await start(Path(folder), model_dir, name, http)
-                    processes.append(process)
-                for server in servers.values():  # warm-up: first steps, allocator
-                    await decode_rate(http, server, 2, 16)
-                for attempt in range(args.repeat):
-                    report: dict[str, Any] = {"run": attempt + 1, "tokens": args.tokens}
-                    for concurrency in (1, 16):
-                        rates = {
-                            name: round(await decode_rate(http, s, concurrency, args.tokens), 1)
-                            for name, s in servers.items()
-                        }
-                        report[f"batch_{concurrency}_tok_s"] = rates
-                        report[f"batch_{concurrency}_ratio"] = round(
-                            rates["int8"] / rates["none"], 2
-                        )
-                    print(json.dumps(report), flush=True)
-            finally:
-                for process in processes:
-                    process.terminate()
-                    process.wait(timeout=30)
+    async with httpx.AsyncClient(timeout=600) as http, contextlib.AsyncExitStack() as stack:
+        servers = {
+            name: await stack.enter_async_context(
+                serving(http, {"TOLLGATE_MODEL": str(model_dir), "TOLLGATE_QUANTIZATION": name})
+            )
+            for name in ("none", "int8")
+        }
+        for server in servers.values():  # warm-up: first steps, allocator
+            await decode_rate(server, 2, 16)
+        for attempt in range(args.repeat):
+            report: dict[str, Any] = {"run": attempt + 1, "tokens": args.tokens}
+            for concurrency in (1, 16):
+                rates = await compare_rates(servers, concurrency, args.tokens)
+                report[f"batch_{concurrency}_tok_s"] = rates
+                report[f"batch_{concurrency}_ratio"] = round(rates["int8"] / rates["none"], 2)
+            print(json.dumps(report), flush=True)
+
+
+async def compare_rates(
+    servers: dict[str, Server], concurrency: int, tokens: int
+) -> dict[str, float]:
+    """decode_rate on each server in turn, rounded."""
+    return {n: round(await decode_rate(s, concurrency, tokens), 1) for n, s in servers.items()}
 
 
 def main() -> None:

@@ -22,23 +22,19 @@ from __future__ import annotations
 import argparse
 import asyncio
 import collections
+import contextlib
 import functools
 import inspect
 import json
-import os
 import random
-import secrets
-import tempfile
 import textwrap
 import time
-from pathlib import Path
 from typing import Any
 
 import httpx
 
 from bench._common import long_tailed
-from bench.hostile_load import start_server, tenant_key, wait_ready
-from tenants import keys
+from bench.serve import Server, serving
 
 Request = dict[str, Any]  # a /v1/completions body without "model"
 
@@ -73,23 +69,21 @@ def long_tailed_work(num: int, seed: int = 0) -> list[Request]:
     return work
 
 
-async def complete(
-    http: httpx.AsyncClient, server: dict[str, str], body: Request
-) -> tuple[int, float]:
+async def complete(server: Server, body: Request) -> tuple[int, float]:
     """One streamed completion: its completion tokens, and the seconds from its first
     streamed token to its last (its decode time)."""
-    headers = {"Authorization": f"Bearer {server['key']}"}
+    headers = {"Authorization": f"Bearer {server.key}"}
     full = {
         **body,
-        "model": server["model"],
+        "model": server.model,
         "ignore_eos": True,
         "stream": True,
         "stream_options": {"include_usage": True},
     }
     times: list[float] = []
     tokens = 0
-    url = f"{server['base']}/v1/completions"
-    async with http.stream("POST", url, json=full, headers=headers) as reply:
+    url = f"{server.base}/v1/completions"
+    async with server.http.stream("POST", url, json=full, headers=headers) as reply:
         reply.raise_for_status()
         async for line in reply.aiter_lines():
             if not line.startswith("data: {"):
@@ -102,9 +96,7 @@ async def complete(
     return tokens, times[-1] - times[0]
 
 
-async def rates(
-    http: httpx.AsyncClient, server: dict[str, str], work: list[Request], concurrency: int
-) -> tuple[float, float]:
+async def rates(server: Server, work: list[Request], concurrency: int) -> tuple[float, float]:
     """`work` with `concurrency` requests in flight at a time: output tok/s (completion
     tokens over the wall time, prefill included) and decode tok/s per stream (tokens
     after the first over the time from the first to the last, summed over requests)."""
@@ -115,7 +107,7 @@ async def rates(
     async def worker() -> None:
         nonlocal total, after_first, decoding
         while queue:
-            tokens, seconds = await complete(http, server, queue.pop())
+            tokens, seconds = await complete(server, queue.pop())
             total += tokens
             after_first += tokens - 1
             decoding += seconds
@@ -125,9 +117,9 @@ async def rates(
     return total / (time.monotonic() - started), after_first / decoding
 
 
-async def spec_stats(http: httpx.AsyncClient, server: dict[str, str]) -> dict[str, float]:
+async def spec_stats(server: Server) -> dict[str, float]:
     """Acceptance figures from the server's /metrics (the engine's own names)."""
-    text = (await http.get(f"{server['base']}/metrics")).text
+    text = (await server.http.get(f"{server.base}/metrics")).text
     found = {}
     for line in text.splitlines():
         for name in ("acceptance_ratio", "tokens_per_step"):
@@ -136,59 +128,37 @@ async def spec_stats(http: httpx.AsyncClient, server: dict[str, str]) -> dict[st
     return found
 
 
-async def start(
-    folder: Path, method: str, k: int, http: httpx.AsyncClient
-) -> tuple[Any, dict[str, str]]:
-    admin, _ = keys.generate_key()
-    port = 18000 + secrets.randbelow(2000)
-    base = f"http://127.0.0.1:{port}"
-    os.environ["TOLLGATE_SPECULATIVE_METHOD"] = method
-    os.environ["TOLLGATE_NUM_SPECULATIVE_TOKENS"] = str(k)
-    process = start_server(folder, admin, port)
-    await wait_ready(http, base, timeout_s=300)
-    auth = {"Authorization": f"Bearer {admin}"}
-    model = (await http.get(f"{base}/v1/models", headers=auth)).json()["data"][0]["id"]
-    key = await tenant_key(http, base, admin, None)
-    return process, {"base": base, "key": key, "model": model}
-
-
 async def run(args: argparse.Namespace) -> None:
     workloads = {
         "repetitive": repetitive_work(args.tokens),
         "long_tailed": long_tailed_work(16),
     }
-    with tempfile.TemporaryDirectory() as a, tempfile.TemporaryDirectory() as b:
-        async with httpx.AsyncClient(timeout=600) as http:
-            servers, processes = {}, []
-            try:
-                for name, folder in (("off", a), ("ngram", b)):
-                    process, servers[name] = await start(Path(folder), name, args.k, http)
-                    processes.append(process)
-                for server in servers.values():  # warm-up: first steps, allocator
-                    await rates(http, server, workloads["repetitive"][:2], 2)
-                for attempt in range(args.repeat):
-                    report: dict[str, Any] = {"run": attempt + 1, "k": args.k}
-                    for workload, work in workloads.items():
-                        for concurrency in (1, 8):
-                            output, decode = {}, {}
-                            for name, server in servers.items():
-                                got = await rates(http, server, work, concurrency)
-                                output[name], decode[name] = round(got[0], 1), round(got[1], 1)
-                            key = f"{workload}_c{concurrency}"
-                            report[f"{key}_output_tok_s"] = output
-                            report[f"{key}_output_ratio"] = round(
-                                output["ngram"] / output["off"], 2
-                            )
-                            report[f"{key}_decode_tok_s"] = decode
-                            report[f"{key}_decode_ratio"] = round(
-                                decode["ngram"] / decode["off"], 2
-                            )
-                    report["ngram_metrics"] = await spec_stats(http, servers["ngram"])
-                    print(json.dumps(report), flush=True)
-            finally:
-                for process in processes:
-                    process.terminate()
-                    process.wait(timeout=30)
+    async with httpx.AsyncClient(timeout=600) as http, contextlib.AsyncExitStack() as stack:
+        servers = {
+            method: await stack.enter_async_context(serving(http, settings(method, args.k)))
+            for method in ("off", "ngram")
+        }
+        for server in servers.values():  # warm-up: first steps, allocator
+            await rates(server, workloads["repetitive"][:2], 2)
+        for attempt in range(args.repeat):
+            report: dict[str, Any] = {"run": attempt + 1, "k": args.k}
+            for workload, work in workloads.items():
+                for concurrency in (1, 8):
+                    output, decode = {}, {}
+                    for name, server in servers.items():
+                        got = await rates(server, work, concurrency)
+                        output[name], decode[name] = round(got[0], 1), round(got[1], 1)
+                    key = f"{workload}_c{concurrency}"
+                    report[f"{key}_output_tok_s"] = output
+                    report[f"{key}_output_ratio"] = round(output["ngram"] / output["off"], 2)
+                    report[f"{key}_decode_tok_s"] = decode
+                    report[f"{key}_decode_ratio"] = round(decode["ngram"] / decode["off"], 2)
+            report["ngram_metrics"] = await spec_stats(servers["ngram"])
+            print(json.dumps(report), flush=True)
+
+
+def settings(method: str, k: int) -> dict[str, str]:
+    return {"TOLLGATE_SPECULATIVE_METHOD": method, "TOLLGATE_NUM_SPECULATIVE_TOKENS": str(k)}
 
 
 def main() -> None:
