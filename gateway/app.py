@@ -31,6 +31,7 @@ from gateway.api.health import healthz, readyz
 from gateway.api.openai import OpenAIController
 from gateway.api.responses import ResponsesController
 from gateway.batches.runner import BatchRunner
+from gateway.batches.service import open_blob_store
 from gateway.billing.jobs import BillingJobs
 from gateway.console import console_router
 from gateway.core.errors import exception_handlers
@@ -215,6 +216,7 @@ def open_runtime(settings: Settings, telemetry: Telemetry, stack: AsyncExitStack
         idempotency=idempotency,
         tasks=tasks,
         auth_failures=auth_failures,
+        blobs=open_blob_store(settings),
     )
 
 

@@ -18,6 +18,7 @@ from gateway.dispatch.directory import ModelDirectory
 from gateway.dispatch.engine_client import EngineClient
 from gateway.metering.recorder import UsageRecorder
 from gateway.settings import Settings
+from tenants.blobs import BlobStore
 
 
 @dataclass
@@ -37,6 +38,7 @@ class Runtime:
     generations: GenerationListener | None = None  # the key generation, notified (PostgreSQL)
     sqlite_generation: SqliteGeneration | None = None  # read on the loop's connection (SQLite)
     models: ModelDirectory | None = None  # every model served: the default and the registry's
+    blobs: BlobStore | None = None  # uploaded files' bytes (data folder or S3); set at start
 
     @property
     def engine(self) -> EngineClient:
@@ -50,6 +52,12 @@ class Runtime:
         if self.models is None:
             raise EngineUnavailable("the models are not loaded yet", headers={"Retry-After": "1"})
         return self.models
+
+    @property
+    def file_blobs(self) -> BlobStore:
+        if self.blobs is None:
+            raise RuntimeError("the runtime was opened without its file store")
+        return self.blobs
 
     def engine_for(self, model: str) -> EngineClient:
         """The client serving `model` (404 when none does), 503 until it is ready."""

@@ -1,18 +1,18 @@
-"""Uploaded files (the Files API): the row here, the bytes on the data folder, one folder per
-tenant. Every query names the tenant: one tenant never sees another's file."""
+"""Uploaded files (the Files API): the row here, the bytes in a blob store (tenants/blobs.py:
+the data folder, or an S3-compatible bucket in stack mode) under `<tenant id>/<file id>`.
+Every query names the tenant: one tenant never sees another's file."""
 
 from __future__ import annotations
 
 import json
-import os
 import secrets
 from datetime import datetime
-from pathlib import Path
 
 from sqlalchemy import BigInteger, DateTime, ForeignKey, Index, String, select
 from sqlalchemy.ext.asyncio import AsyncSession
 from sqlalchemy.orm import Mapped, mapped_column
 
+from tenants.blobs import BlobStore
 from tenants.errors import InvalidInputError, NotFoundError
 from tenants.models import Base, as_utc, utcnow
 
@@ -78,15 +78,15 @@ def parse_jsonl(content: bytes) -> list[dict[str, object]]:
 
 
 class FileStore:
-    """Files of one tenant: rows in the database, bytes under `root/<tenant>/<file id>`."""
+    """Files of one tenant: rows in the database, bytes in `blobs` as `<tenant>/<file id>`."""
 
-    def __init__(self, session: AsyncSession, root: Path, tenant_id: str) -> None:
+    def __init__(self, session: AsyncSession, blobs: BlobStore, tenant_id: str) -> None:
         self.session = session
-        self.root = root
+        self.blobs = blobs
         self.tenant_id = tenant_id
 
-    def _path(self, file_id: str) -> Path:
-        return self.root / self.tenant_id / file_id
+    def _blob(self, file_id: str) -> str:
+        return f"{self.tenant_id}/{file_id}"
 
     async def create(self, filename: str, purpose: str, content: bytes) -> StoredFile:
         if len(content) > MAX_FILE_BYTES:
@@ -99,11 +99,8 @@ class FileStore:
             bytes=len(content),
             created_at=utcnow(),
         )
-        path = self._path(stored.id)
-        path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
-        temporary = path.with_suffix(".part")
-        temporary.write_bytes(content)
-        os.replace(temporary, path)  # whole or absent: a crash leaves no half file
+        # Bytes first: a crash between the two leaves an orphan blob, never a row without bytes.
+        await self.blobs.put(self._blob(stored.id), content)
         self.session.add(stored)
         await self.session.flush()
         return stored
@@ -135,10 +132,10 @@ class FileStore:
 
     async def content(self, file_id: str) -> bytes:
         await self.get(file_id)
-        return self._path(file_id).read_bytes()
+        return await self.blobs.get(self._blob(file_id))
 
     async def delete(self, file_id: str) -> StoredFile:
         stored = await self.get(file_id)
         stored.deleted_at = utcnow()
-        self._path(file_id).unlink(missing_ok=True)
+        await self.blobs.delete(self._blob(file_id))
         return stored

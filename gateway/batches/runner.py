@@ -19,7 +19,6 @@ from functools import partial
 from typing import Any
 
 from gateway.batches.execute import LineOutcome, Retry, batch_priority, run_line
-from gateway.batches.service import files_root
 from gateway.core.errors import AuthenticationFailed, InternalError
 from gateway.dispatch.engine_client import InProcessEngineClient
 from gateway.runtime import Runtime
@@ -148,7 +147,7 @@ class BatchRunner:
         outputs = [_record(batch, line, cancelled) for line in lines]
         ok = [r for r, line in zip(outputs, lines, strict=True) if line.status == "succeeded"]
         bad = [r for r, line in zip(outputs, lines, strict=True) if line.status != "succeeded"]
-        files = FileStore(session, files_root(self.runtime), batch.tenant_id)
+        files = FileStore(session, self.runtime.file_blobs, batch.tenant_id)
         batch.finalizing_at = now
         if ok:
             batch.output_file_id = (

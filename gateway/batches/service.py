@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 from sqlalchemy.ext.asyncio import AsyncSession
@@ -14,7 +13,9 @@ from sqlalchemy.ext.asyncio import AsyncSession
 from gateway.batches.errors import BatchOverBudget, BatchTokenLimit
 from gateway.core.errors import InvalidRequest
 from gateway.runtime import Runtime
+from gateway.settings import Settings
 from tenants.batches import ENDPOINTS, WINDOWS, Batch, BatchStore, NewLine, batch_lines
+from tenants.blobs import BlobStore, FolderBlobStore, S3BlobStore
 from tenants.files import FileStore, StoredFile, parse_jsonl
 from tenants.models import utcnow
 from tenants.quota import month_period, tenant_scope
@@ -35,7 +36,7 @@ class BatchService:
     def __init__(self, runtime: Runtime, session: AsyncSession, principal: Principal) -> None:
         self.runtime = runtime
         self.principal = principal
-        self.files = FileStore(session, files_root(runtime), principal.tenant_id)
+        self.files = FileStore(session, runtime.file_blobs, principal.tenant_id)
         self.batches = BatchStore(session, principal.tenant_id)
 
     async def upload(self, filename: str, purpose: str, content: bytes) -> StoredFile:
@@ -126,8 +127,12 @@ class BatchService:
             )
 
 
-def files_root(runtime: Runtime) -> Path:
-    return runtime.settings.data_dir / "files"
+def open_blob_store(settings: Settings) -> BlobStore:
+    """Uploaded files' bytes: in the S3 bucket when TOLLGATE_S3_BUCKET is set, otherwise
+    under the data folder's files/."""
+    if settings.s3 is not None:
+        return S3BlobStore(settings.s3)
+    return FolderBlobStore(settings.data_dir / "files")
 
 
 def _line_tokens(body: dict[str, Any], endpoint: str, context: int) -> tuple[int, int]:

@@ -10,7 +10,6 @@ from litestar import Controller, Response, get, post
 from litestar.di import NamedDependency
 from litestar.params import FromPath
 
-from gateway.batches.service import files_root
 from gateway.console.context import ConsoleAction, ConsolePage
 from gateway.console.render import or_back_to
 from tenants.batches import BatchStore
@@ -51,7 +50,7 @@ class BatchesController(Controller):
         file_id = {"output": batch.output_file_id, "errors": batch.error_file_id}.get(which)
         if file_id is None:
             raise NotFoundError(f"batch {batch_id} has no {which} file")
-        content = await FileStore(ctx.db, files_root(ctx.runtime), tenant.id).content(file_id)
+        content = await FileStore(ctx.db, ctx.runtime.file_blobs, tenant.id).content(file_id)
         disposition = f'attachment; filename="{batch_id}_{which}.jsonl"'
         return Response(
             content,

@@ -12,6 +12,7 @@ from typing import Literal
 from backend.config import EngineConfig
 from gateway.settings import engine_knobs
 from gateway.settings.errors import ConfigError
+from tenants.blobs import S3Location
 
 PriorityOrder = Literal["lower-first", "higher-first"]
 PRIORITY_ORDERS: tuple[PriorityOrder, ...] = ("lower-first", "higher-first")
@@ -90,6 +91,14 @@ class Settings:
     # Models whose tenants share the upstream's prefix cache: no cache_salt is sent.
     upstream_shared_cache_models: frozenset[str] = frozenset()
     upstream_probe_s: float = 1.0  # how often each upstream's /health and /metrics are read
+    # Where uploaded files' bytes live: None, the data folder; a bucket (TOLLGATE_S3_*), an
+    # S3-compatible store every gateway and Celery worker reaches (stack mode).
+    s3: S3Location | None = None
+    # Batches (stack mode: Celery workers run them). A line's claim lapses this long after
+    # its runner last renewed it (a runner that died): another runner takes the line over.
+    batch_lease_s: int = 60
+    batch_task_s: int = 300  # one Celery task runs a batch this long, then queues its sequel
+    batch_sweep_s: int = 10  # beat queues a task for every unfinished batch this often
 
     @classmethod
     def from_env(cls, env: Mapping[str, str] | None = None) -> Settings:
@@ -154,6 +163,10 @@ class Settings:
             ),
             upstream_probe_s=_int(env, "TOLLGATE_UPSTREAM_PROBE_MS", 1000, low=100, high=60000)
             / 1000,
+            s3=_s3(env),
+            batch_lease_s=_int(env, "TOLLGATE_BATCH_LEASE_S", 60, low=1, high=3600),
+            batch_task_s=_int(env, "TOLLGATE_BATCH_TASK_S", 300, low=1, high=3000),
+            batch_sweep_s=_int(env, "TOLLGATE_BATCH_SWEEP_S", 10, low=1, high=3600),
         )
 
     def with_overrides(self, **changes: object) -> Settings:
@@ -174,6 +187,39 @@ def _engine(env: Mapping[str, str]) -> EngineConfig:
         return engine_knobs.from_env(env, gateway_engine_defaults())
     except engine_knobs.KnobError as exc:
         raise SettingsError(str(exc)) from None
+
+
+S3_VARIABLES = (
+    "TOLLGATE_S3_ENDPOINT_URL",
+    "TOLLGATE_S3_REGION",
+    "TOLLGATE_S3_PREFIX",
+    "TOLLGATE_S3_ACCESS_KEY_ID",
+    "TOLLGATE_S3_SECRET_ACCESS_KEY",
+)
+
+
+def _s3(env: Mapping[str, str]) -> S3Location | None:
+    """TOLLGATE_S3_BUCKET selects the S3 file store; the other TOLLGATE_S3_* refine it."""
+    values = {name: env.get(name, "").strip() for name in ("TOLLGATE_S3_BUCKET", *S3_VARIABLES)}
+    if not values["TOLLGATE_S3_BUCKET"]:
+        stray = [name for name in S3_VARIABLES if values[name]]
+        if stray:
+            raise SettingsError(f"{stray[0]} is set without TOLLGATE_S3_BUCKET")
+        return None
+    key_id, secret = values["TOLLGATE_S3_ACCESS_KEY_ID"], values["TOLLGATE_S3_SECRET_ACCESS_KEY"]
+    if bool(key_id) != bool(secret):
+        raise SettingsError(
+            "TOLLGATE_S3_ACCESS_KEY_ID and TOLLGATE_S3_SECRET_ACCESS_KEY go together"
+        )
+    prefix = values["TOLLGATE_S3_PREFIX"] or "files/"
+    return S3Location(
+        bucket=values["TOLLGATE_S3_BUCKET"],
+        endpoint_url=values["TOLLGATE_S3_ENDPOINT_URL"].rstrip("/") or None,
+        region=values["TOLLGATE_S3_REGION"] or "us-east-1",
+        prefix=prefix if prefix.endswith("/") else prefix + "/",
+        access_key_id=key_id or None,
+        secret_access_key=secret or None,
+    )
 
 
 def _log_format(env: Mapping[str, str]) -> str:

@@ -71,3 +71,32 @@ def test_upstream_priority_models_name_their_convention() -> None:
     assert Settings.from_env(shared).upstream_shared_cache_models == {"a", "b"}
     with pytest.raises(SettingsError, match=r"TOLLGATE_UPSTREAM_PRIORITY_MODELS: 'b:first'"):
         Settings.from_env({"TOLLGATE_UPSTREAM_PRIORITY_MODELS": "a,b:first"})
+
+
+def test_the_s3_file_store_is_chosen_by_its_bucket() -> None:
+    assert Settings.from_env({}).s3 is None
+    settings = Settings.from_env(
+        {
+            "TOLLGATE_S3_BUCKET": "tollgate-files",
+            "TOLLGATE_S3_ENDPOINT_URL": "http://minio:9000/",
+            "TOLLGATE_S3_PREFIX": "prod",
+            "TOLLGATE_S3_ACCESS_KEY_ID": "id",
+            "TOLLGATE_S3_SECRET_ACCESS_KEY": "hush-hush",
+        }
+    )
+    assert settings.s3 is not None
+    assert (settings.s3.bucket, settings.s3.endpoint_url) == ("tollgate-files", "http://minio:9000")
+    assert (settings.s3.prefix, settings.s3.region) == ("prod/", "us-east-1")
+    assert "hush-hush" not in repr(settings)
+
+
+@pytest.mark.parametrize(
+    ("env", "fragment"),
+    [
+        ({"TOLLGATE_S3_ENDPOINT_URL": "http://minio:9000"}, "without TOLLGATE_S3_BUCKET"),
+        ({"TOLLGATE_S3_BUCKET": "b", "TOLLGATE_S3_ACCESS_KEY_ID": "id"}, "go together"),
+    ],
+)
+def test_half_an_s3_setting_is_refused(env: dict[str, str], fragment: str) -> None:
+    with pytest.raises(SettingsError, match=fragment):
+        Settings.from_env(env)
