@@ -55,6 +55,7 @@ from backend.errors import (
 
 if TYPE_CHECKING:  # torch-free at import: the gateway imports the scheduler's types
     from backend.engine.lora import AdapterSlots
+    from backend.requests import LoRARequest
 
 # An express prompt's first chunk may stretch its step to this multiple of the step's
 # time limit: its TTFT against one longer gap for the streams beside it.
@@ -144,6 +145,7 @@ class Scheduler:
         self.weigh_drafts = True  # False: every proposed draft runs (tests of acceptance)
         self.adapters: AdapterSlots | None = None  # LoRA slots (set by the engine)
         self.adapters_in_use: tuple[list[str], list[str]] = ([], [])  # running, waiting
+        self._draining: LoRARequest | None = None  # takes no new request (see _park)
 
     def check_admission(
         self,
@@ -679,17 +681,28 @@ class Scheduler:
         return more * seconds > DRAFT_MARGIN * tokens * longer_s
 
     def _admit_waiting(self, plan: _Plan, now: float) -> None:
-        """Admit in policy order; the best request is never overtaken. When it cannot
-        start (no slot, budget or blocks), it may preempt a running request it outranks,
-        or, when its tenant runs fewer than its share of the slots, one of a tenant
-        running more than its share."""
+        """Admit in policy order. A LoRA request whose adapter finds no slot is set aside
+        for this step, so the requests behind it go on (no head-of-line blocking)."""
+        parked: list[Request] = []
+        try:
+            self._admit_in_order(plan, now, parked)
+        finally:
+            self._unpark(parked)
+
+    def _admit_in_order(self, plan: _Plan, now: float, parked: list[Request]) -> None:
+        """The best request is never overtaken (but by those behind a parked one). When it
+        cannot start (no slot, budget or blocks), it may preempt a running request it
+        outranks, or, when its tenant runs fewer than its share of the slots, one of a
+        tenant running more than its share."""
         cfg = self.config
         while True:
             req = self._next_waiting(now)
             if req is None or not self._fork_ready(req):
                 return
             if not self._adapter_resident(req):
-                return  # it waits, and the queue behind it, until a slot's adapter is idle
+                if self.requests.get(req.request_id) is req:  # not failed: it waits a slot
+                    self._park(req, parked)
+                continue
             slots_full = len(self.running) >= self._max_running
             if not slots_full and plan.budget > 0 and self._admit(req, plan, now):
                 if plan.outranked:
@@ -770,16 +783,43 @@ class Scheduler:
 
     def _adapter_resident(self, req: Request) -> bool:
         """Its LoRA adapter is on the device, loaded now if a slot is free or holds one
-        that no running request uses (the least recently used of those)."""
+        that no running request uses (the least recently used of those). The adapter
+        being drained for a parked request starts no new request."""
         lora = req.caller.lora
         if lora is None or self.adapters is None:
             return True
+        if lora == self._draining:
+            return False
         in_use = {r.caller.lora for r in self.running if r.caller.lora is not None}
         try:
             return self.adapters.make_resident(lora, in_use)
         except UnknownAdapterError:
             self._reject(req, RequestFailedError.kind)  # it fails; the engine goes on
             return False
+
+    def _park(self, req: Request, parked: list[Request]) -> None:
+        """Out of the queue for this step. So that requests on the resident adapters
+        cannot keep every slot busy forever, the one with the fewest running requests
+        (the least recently used of those) takes no new request until it is idle and a
+        parked request can take its slot."""
+        self.waiting.remove(req)
+        parked.append(req)
+        resident = self.adapters.resident if self.adapters is not None else {}
+        if self._draining is None or self._draining not in resident:
+            running = [r.caller.lora for r in self.running]
+            self._draining = min(resident, key=running.count, default=None)
+
+    def _unpark(self, parked: list[Request]) -> None:
+        """Parked requests back in the queue, in their places; a tenant's fair-share
+        account unchanged by its queue having been empty for a moment."""
+        if not parked:
+            self._draining = None
+            return
+        served = {} if self.fair is None else dict(self.fair.served)
+        for req in parked:
+            self.waiting.add(req)
+            if req.tenant in served and self.fair is not None:
+                self.fair.served[req.tenant] = served[req.tenant]
 
     def _note_adapters(self) -> None:
         """The adapters of running and of waiting requests, by name, as of this step (for

@@ -241,3 +241,35 @@ def test_an_adapter_gone_from_disk_fails_its_request_alone(
     assert outputs["gone"][-1].error == "request_failed"
     assert len(tokens_of(outputs["base"])) == GREEDY.max_tokens
     assert run(engine, [([3, 4, 5], lora("qv4", adapters))])[0]
+
+
+def _running(engine: Engine) -> set[str]:
+    return {r.request_id for r in engine.scheduler.running}
+
+
+def test_a_request_waiting_for_an_adapter_slot_does_not_hold_back_the_queue(
+    llama_dir: Path, adapters: dict[str, Path]
+) -> None:
+    """One slot, held by a running adapter: a request on another adapter waits for it,
+    the base-model request behind it starts at once; a request on the running adapter
+    that arrives then waits too (that adapter drains for the parked one), and the parked
+    one runs next."""
+    # No express lane (it would start the short prompts before the queue is walked).
+    engine = make_engine(llama_dir, max_loras=1, adaptive_step_budget=False, **LARGE)
+    long = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
+    engine.add_request(EngineRequest([3, 4, 5], long, "holder", lora=lora("all8", adapters)))
+    engine.step()
+    engine.add_request(EngineRequest([6, 7, 8], GREEDY, "parked", lora=lora("qv4", adapters)))
+    engine.add_request(EngineRequest([9, 10, 11], GREEDY, "base"))
+    engine.step()
+    assert _running(engine) == {"holder", "base"}
+    engine.add_request(EngineRequest([9, 10], GREEDY, "same", lora=lora("all8", adapters)))
+    engine.step()
+    assert _running(engine) == {"holder", "base"}
+    order: list[str] = []
+    while engine.has_work():
+        for out in engine.step():
+            if out.finished:
+                order.append(out.request_id)
+    assert order.index("holder") < order.index("parked") < order.index("same")
+    assert order.index("base") < order.index("holder")
