@@ -7,6 +7,12 @@ from typing import Any
 
 from backend.sampling import SamplingParams
 
+# The PEFT target modules the engine adapts (backend/layers/lora.py TARGETS), here without
+# torch so that the gateway checks an adapter's folder with the engine's own list.
+LORA_TARGET_MODULES = frozenset(
+    ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+)
+
 
 @dataclass(frozen=True)
 class LoRARequest:

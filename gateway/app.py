@@ -17,6 +17,7 @@ from sqlalchemy.orm import Session
 
 from backend import EngineConfig
 from backend.builtin import BUILTIN_MODEL_DIR
+from gateway.admin.adapters import AdapterAdminController
 from gateway.admin.audit import AuditController
 from gateway.admin.billing import BillingAdminController, UsageController
 from gateway.admin.controllers import AdminController
@@ -116,6 +117,7 @@ def create_app(
             FilesController,
             BatchesController,
             AdminController,
+            AdapterAdminController,
             UsageController,
             BillingAdminController,
             AuditController,

@@ -18,6 +18,7 @@ from gateway.dispatch.directory import ModelDirectory
 from gateway.dispatch.engine_client import EngineClient
 from gateway.metering.recorder import UsageRecorder
 from gateway.settings import Settings
+from tenants.adapters import Adapter
 from tenants.blobs import BlobStore
 
 
@@ -61,12 +62,22 @@ class Runtime:
 
     def engine_for(self, model: str) -> EngineClient:
         """The client serving `model` (404 when none does), 503 until it is ready."""
-        client = self.directory.get(model)
-        if not client.is_ready():
-            raise EngineUnavailable(
-                f"the model {model!r} is not ready yet", headers={"Retry-After": "1"}
-            )
-        return client
+        return _ready(model, self.directory.get(model))
+
+    def serving(self, model: str, tenant_id: str) -> tuple[EngineClient, Adapter | None]:
+        """The client serving `model` for this tenant, and its LoRA adapter when `model`
+        names one of the tenant's own (another tenant's is a 404, as an unknown model)."""
+        client, adapter = self.directory.resolve(model, tenant_id)
+        return _ready(model, client), adapter
+
+
+def _ready(model: str, client: EngineClient) -> EngineClient:
+    """503 until the client is ready."""
+    if not client.is_ready():
+        raise EngineUnavailable(
+            f"the model {model!r} is not ready yet", headers={"Retry-After": "1"}
+        )
+    return client
 
 
 def provide_runtime(state: State) -> Runtime:

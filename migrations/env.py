@@ -3,6 +3,7 @@
 from alembic import context
 from sqlalchemy import engine_from_config, pool
 
+import tenants.adapters
 import tenants.admins
 import tenants.audit
 import tenants.batches

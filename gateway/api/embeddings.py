@@ -129,7 +129,13 @@ async def embed(
     endpoint: str = "embeddings",
     priority: int | None = None,  # None: the plan's default
 ) -> Response[Any]:
-    engine = runtime.engine_for(body.model)
+    engine, adapter = runtime.serving(body.model, principal.tenant_id)
+    if adapter is not None:  # the tenant's own: it may know the adapter exists
+        raise InvalidRequest(
+            f"{body.model!r} is a LoRA adapter; embeddings come from base models only",
+            param="model",
+            code="model_not_supported",
+        )
     policy.check_model(principal, body.model)
     body.check_dimensions(engine.hidden_size)
     inputs = await _inputs(body, engine, runtime, principal)

@@ -15,7 +15,7 @@ from dataclasses import dataclass, field, replace
 from functools import partial
 from typing import Any, TypeVar
 
-from backend import EngineDeadError, RequestOutput, SamplingParams, TokenLogprobs
+from backend import EngineDeadError, LoRARequest, RequestOutput, SamplingParams, TokenLogprobs
 from gateway.api.formats import (
     Format,
     call_deltas,
@@ -61,6 +61,7 @@ class Generation:
     batch: list[list[int]] = field(default_factory=list)
     tools: ToolPlan | None = None  # chat: how the output's tool calls are found
     source: ClientPrompt | None = None  # the prompt as sent, for an upstream that templates
+    lora: LoRARequest | None = None  # the tenant's adapter `model` named; None: the base
     created: int = field(default_factory=lambda: int(time.time()))
     started: float = field(default_factory=time.monotonic)
 
@@ -260,6 +261,7 @@ async def _outputs(
                 restartable=restartable and not gen.batch,
                 # A batch's prompts go as token ids; one prompt as the client sent it.
                 source=None if gen.batch else gen.source,
+                lora=gen.lora,
             )
         )
         for prompt, engine_id in zip(gen.prompts, gen.engine_ids, strict=True)

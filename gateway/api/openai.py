@@ -13,7 +13,7 @@ from litestar.di import NamedDependency, Provide
 from litestar.params import FromPath
 from litestar.response import Stream
 
-from backend import InvalidParameterError, SamplingParams
+from backend import InvalidParameterError, LoRARequest, SamplingParams
 from backend.constraint import Constraint
 from gateway.admission import idempotency, policy
 from gateway.admission.idempotency import Claim, Replay
@@ -27,8 +27,9 @@ from gateway.api.schemas import (
     decode,
     encode,
 )
-from gateway.core.errors import Cancelled, InvalidRequest, NotFound
+from gateway.core.errors import Cancelled, InvalidRequest
 from gateway.core.tasks import Interrupt
+from gateway.dispatch.directory import not_found
 from gateway.dispatch.engine_client import (
     INLINE_TOKENIZE_CHARS,
     ClientPrompt,
@@ -41,6 +42,7 @@ from gateway.openapi import AUTHENTICATED, GENERATION, documented
 from gateway.openapi.shapes import ChatCompletion, ChatCompletionChunk, Completion, Model, ModelList
 from gateway.runtime import Runtime
 from gateway.telemetry import current_request
+from tenants.adapters import Adapter
 from tenants.models import IdempotencyRecord
 from tenants.registry import ModelKind
 from tenants.services import Principal
@@ -142,7 +144,11 @@ class OpenAIController(Controller):
     ) -> dict[str, Any]:
         models = runtime.directory
         names = policy.visible_models(principal, models.names())
-        return {"object": "list", "data": [_model_card(runtime, name) for name in names]}
+        cards = [_model_card(runtime, name) for name in names]
+        for adapter in models.adapters_of(principal.tenant_id):
+            if adapter.base_model in names:  # the tenant's own, on a base it may use
+                cards.append(_adapter_card(runtime, adapter))
+        return {"object": "list", "data": cards}
 
     @get(
         "/models/{model_id:path}",  # ids may hold '/' (meta-llama/Llama-3.1-8B)
@@ -155,12 +161,12 @@ class OpenAIController(Controller):
         principal: NamedDependency[Principal],
     ) -> dict[str, Any]:
         models, name = runtime.directory, model_id.lstrip("/")
-        if name not in models.names():
-            raise NotFound(
-                f"the model {name!r} does not exist", param="model", code="model_not_found"
-            )
-        policy.check_model(principal, name)
-        return _model_card(runtime, name)
+        adapter = models.adapter(name, principal.tenant_id)
+        base = name if adapter is None else adapter.base_model
+        if base not in models.names():
+            raise not_found(name)
+        policy.check_model(principal, base)
+        return _model_card(runtime, name) if adapter is None else _adapter_card(runtime, adapter)
 
 
 async def complete(
@@ -171,13 +177,13 @@ async def complete(
     endpoint: str = "completions",
 ) -> Response[Any]:
     """A text completion (of each prompt when there are several)."""
-    engine = runtime.engine_for(body.model)
-    policy.check_model(principal, body.model)
+    engine, adapter = runtime.serving(body.model, principal.tenant_id)
+    policy.check_model(principal, body.model if adapter is None else adapter.base_model)
     given = body.prompts()
     prompts = await _completion_prompts(runtime, principal, engine, given)
     longest = max(prompts, key=len)
     params = _params(principal, body, longest, engine, "prompt", body.constraint())
-    gen = _generation(runtime, principal, body, TEXT_FORMAT, endpoint, prompts[0], params)
+    gen = _generation(runtime, principal, body, TEXT_FORMAT, endpoint, prompts[0], params, adapter)
     if len(prompts) > 1:
         gen.batch = prompts
     elif isinstance(given[0], str):
@@ -228,8 +234,8 @@ async def chat(
     param: str = "messages",  # what the messages are called in errors
 ) -> Response[Any]:
     """A chat completion, or another API's answer (`reshape`) made from one."""
-    engine = runtime.engine_for(body.model)
-    policy.check_model(principal, body.model)
+    engine, adapter = runtime.serving(body.model, principal.tenant_id)
+    policy.check_model(principal, body.model if adapter is None else adapter.base_model)
     tools = body.tool_plan(engine.tool_call_parser)
     constraint = body.constraint(tools)
     chars, turns = body.prompt_chars(), len(body.messages)
@@ -238,7 +244,7 @@ async def chat(
     count = partial(_count_chat, engine, messages, body.template_tools(), param)
     prompt = await tokenize(runtime, principal, chat_chars(chars, turns), count)
     params = _params(principal, body, prompt, engine, param, constraint)
-    gen = _generation(runtime, principal, body, CHAT_FORMAT, endpoint, prompt, params)
+    gen = _generation(runtime, principal, body, CHAT_FORMAT, endpoint, prompt, params, adapter)
     gen.tools = tools
     gen.source = ClientPrompt(messages=messages, fields=body.forwarded())
     return await _respond(
@@ -288,6 +294,16 @@ def _model_card(runtime: Runtime, name: str) -> dict[str, Any]:
     }
 
 
+def _adapter_card(runtime: Runtime, adapter: Adapter) -> dict[str, Any]:
+    """A tenant's LoRA adapter as vLLM lists one: its base model as `parent` (its folder,
+    vLLM's `root`, is the operator's business, not the tenant's)."""
+    return {
+        **_model_card(runtime, adapter.base_model),
+        "id": adapter.name,
+        "parent": adapter.base_model,
+    }
+
+
 def _generation(
     runtime: Runtime,
     principal: Principal,
@@ -296,10 +312,16 @@ def _generation(
     endpoint: str,
     prompt: list[int],
     params: SamplingParams,
+    adapter: Adapter | None = None,
 ) -> Generation:
     priority = policy.priority(principal, body.priority)
+    base = None if adapter is None else adapter.base_model
+    charge = Charge(
+        new_request_id(), principal, body.model, endpoint, priority=priority, base_model=base
+    )
     return Generation(
-        charge=Charge(new_request_id(), principal, body.model, endpoint, priority=priority),
+        charge=charge,
+        lora=None if adapter is None else LoRARequest(adapter.name, adapter.path),
         format=fmt,
         prompt=prompt,
         params=params,
@@ -354,8 +376,10 @@ async def admit(
     try:
         with scope.span("admission"):
             # Reserve at the price the request will be charged (the book's version now).
-            quote = await runtime.recorder.prices.quote(charge.model, charge.started_at)
-            registered = runtime.directory.spec(charge.model) is not None
+            quote = await runtime.recorder.prices.quote(
+                charge.model, charge.started_at, charge.base_model
+            )
+            registered = runtime.directory.spec(charge.base_model or charge.model) is not None
             policy.check_priced(quote, charge.model, registered)
             price = quote.price.for_batch() if charge.batch else quote.price
             ticket = await runtime.admission.reserve(

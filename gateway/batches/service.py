@@ -90,8 +90,11 @@ class BatchService:
                     f"request {line.line} of the file names no model", param="model"
                 )
             if model not in prices:
-                context = self.runtime.engine_for(model).max_model_len  # 404: no such model
-                quote = await self.runtime.recorder.prices.quote(model, utcnow())
+                # 404: no such model, or another tenant's adapter
+                engine, adapter = self.runtime.serving(model, self.principal.tenant_id)
+                base = None if adapter is None else adapter.base_model
+                quote = await self.runtime.recorder.prices.quote(model, utcnow(), base)
+                context = engine.max_model_len
                 prices[model] = (context, quote.price.for_batch())
             context, price = prices[model]
             prompt, output = _line_tokens(line.body, endpoint, context)

@@ -15,6 +15,7 @@ from typing import Any
 
 from sqlalchemy.ext.asyncio import AsyncSession
 
+from gateway.cli import adapters as adapters_cli
 from gateway.cli import backend as backend_cli
 from gateway.cli import billing as billing_cli
 from gateway.cli import capacity as capacity_cli
@@ -52,6 +53,7 @@ def _parser() -> argparse.ArgumentParser:
     _add_key_commands(commands)
     _add_admin_commands(commands)
     models_cli.add_commands(commands)
+    adapters_cli.add_commands(commands)
     billing_cli.add_commands(commands)
     capacity_cli.add_commands(commands)
     quota_cli.add_commands(commands)

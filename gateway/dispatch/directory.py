@@ -1,7 +1,9 @@
 """Which client serves each model name: the default entry (the in-process engine, or the
 replicas of TOLLGATE_BACKENDS) and the registry's models. Every gateway replica re-reads
 the registry every `refresh_s` seconds, so adding, changing or removing a model takes
-effect everywhere within a few seconds, without a restart."""
+effect everywhere within a few seconds, without a restart. The tenants' LoRA adapters are
+re-read with it: a tenant names its own adapter in `model` and is served by the adapter's
+base model; to every other tenant the name is a model that does not exist."""
 
 from __future__ import annotations
 
@@ -14,6 +16,7 @@ from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
 from gateway.core.errors import ApiError, EngineUnavailable, NotFound
 from gateway.core.tasks import Periodic
 from gateway.dispatch.engine_client import EngineClient
+from tenants.adapters import Adapter, AdapterService
 from tenants.registry import ModelService, ModelSpec, spec_of
 
 log = logging.getLogger(__name__)
@@ -35,6 +38,7 @@ class ModelDirectory:
         self._specs: dict[str, ModelSpec] = {}  # what the registry says
         self._clients: dict[str, EngineClient] = {}  # what is built of it
         self._opened: dict[str, int] = {}  # when each client opened (unix seconds)
+        self._adapters: dict[str, Adapter] = {}  # every tenant's, by name
 
     def get(self, name: str) -> EngineClient:
         """The client for `name`; 404 when no such model is served, 503 while its client
@@ -48,11 +52,27 @@ class ModelDirectory:
             )
         if self.default is not None and name == self.default.model_name:
             return self.default
-        raise NotFound(
-            f"the model {name!r} does not exist; GET /v1/models lists the available ones",
-            param="model",
-            code="model_not_found",
-        )
+        raise not_found(name)
+
+    def resolve(self, name: str, tenant_id: str) -> tuple[EngineClient, Adapter | None]:
+        """The client for `name` as `tenant_id` asks for it, and the adapter when it names
+        one of the tenant's own: another tenant's adapter is not found, word for word as
+        a model that does not exist."""
+        adapter = self.adapter(name, tenant_id)
+        return self.get(name if adapter is None else adapter.base_model), adapter
+
+    def adapter(self, name: str, tenant_id: str) -> Adapter | None:
+        """The tenant's adapter of that name; None when `name` names no adapter; 404 for
+        another tenant's."""
+        adapter = self._adapters.get(name)
+        if adapter is not None and adapter.tenant_id != tenant_id:
+            raise not_found(name)
+        return adapter
+
+    def adapters_of(self, tenant_id: str) -> list[Adapter]:
+        """The tenant's adapters, by name."""
+        mine = [a for a in self._adapters.values() if a.tenant_id == tenant_id]
+        return sorted(mine, key=lambda a: a.name)
 
     def names(self) -> list[str]:
         """Every model served, the default entry first."""
@@ -73,6 +93,8 @@ class ModelDirectory:
     async def refresh(self) -> None:
         async with self.sessions() as session:
             rows = await ModelService(session).list()
+            adapters = await AdapterService(session).routes()
+        self._adapters = {a.name: a for a in adapters}
         specs = {row.name: spec_of(row) for row in rows}
         for name in [n for n in self._specs if specs.get(n) != self._specs[n]]:
             await self._drop(name)  # removed or changed: the old client goes
@@ -110,3 +132,12 @@ class ModelDirectory:
         client = self._clients.pop(name, None)
         if client is not None:
             await client.close()
+
+
+def not_found(name: str) -> NotFound:
+    """The one answer for a model that is not there, or is another tenant's adapter."""
+    return NotFound(
+        f"the model {name!r} does not exist; GET /v1/models lists the available ones",
+        param="model",
+        code="model_not_found",
+    )

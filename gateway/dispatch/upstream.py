@@ -327,7 +327,9 @@ class OpenAIUpstreamClient:
         constraint = params.constraint  # from a forwarded field: the upstream enforces it
         if constraint is not None and constraint.field not in forwarded:
             refuse(self.model_name, constraint.field)  # vLLM's guided_* extras
-        body: dict[str, Any] = {"model": self.upstream_model}
+        # A LoRA adapter goes by its name, as vLLM's --lora-modules serve one.
+        model = self.upstream_model if request.lora is None else request.lora.name
+        body: dict[str, Any] = {"model": model}
         top = params.logprobs  # the alternatives asked for per token; None: no logprobs
         if source is not None and source.messages is not None:
             body["messages"] = as_sent(source.messages)

@@ -147,7 +147,7 @@ class UsageRecorder:
         return task
 
     async def _event(self, charge: Charge, outcome: RequestUsage) -> UsageEvent:
-        quote = await self.prices.quote(charge.model, charge.started_at)
+        quote = await self.prices.quote(charge.model, charge.started_at, charge.base_model)
         # A request refused by the engine, or that failed on our side before sending
         # anything, costs the tenant nothing.
         free = outcome.status == UsageStatus.REJECTED or (

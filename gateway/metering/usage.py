@@ -54,6 +54,8 @@ class Charge:
     reservation: Reservation | None = None  # released by settling, after the ledger write
     priority: int = 0  # the class it runs at, the plan's terms applied (0: most urgent)
     started_at: datetime = field(default_factory=utcnow)  # prices in force then apply
+    # A LoRA adapter's base model: priced as it unless the book prices `model` itself.
+    base_model: str | None = None
 
     @property
     def batch(self) -> bool:

@@ -152,6 +152,7 @@ class Model(Struct):
     owned_by: str  # "tollgate": Tollgate's own engines; "upstream": an OpenAI-compatible one
     max_model_len: int | None  # null while an upstream's context is not known yet
     context_length: int | None = None
+    parent: str | None = None  # a LoRA adapter's base model (as vLLM lists its adapters)
 
 
 class ModelList(Struct):
@@ -428,6 +429,18 @@ class ServedModel(Struct):
     created_at: str
     updated_at: str
     upstreams: list[UpstreamState]  # empty unless an `openai` model is open on this replica
+
+
+class LoRAAdapter(Struct):
+    """A tenant's LoRA adapter (tenants/adapters.py), addressed by `name` in `model`."""
+
+    name: str
+    tenant: str
+    base_model: str
+    path: str  # the PEFT folder on the engines' hosts
+    rank: int
+    target_modules: list[str]
+    created_at: str
 
 
 class PriceVersion(Struct):

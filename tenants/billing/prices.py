@@ -61,8 +61,11 @@ class PriceIndex:
             entry = (as_utc(version.effective_from), Quote(price_of(version), version.id))
             self._by_model.setdefault(version.model, []).append(entry)
 
-    def quote(self, model: str, moment: datetime) -> Quote:
-        for name in (model, ANY_MODEL):
+    def quote(self, model: str, moment: datetime, base: str | None = None) -> Quote:
+        """`base`: a LoRA adapter's base model, whose price the adapter pays unless the
+        book has one for the adapter's own name."""
+        names = (model, ANY_MODEL) if base is None else (model, base, ANY_MODEL)
+        for name in names:
             for effective_from, in_force in reversed(self._by_model.get(name, ())):
                 if effective_from <= moment:
                     return in_force
@@ -143,12 +146,12 @@ class PriceBook:
         self._loaded_at: float | None = None
         self._lock = asyncio.Lock()
 
-    async def quote(self, model: str, moment: datetime) -> Quote:
+    async def quote(self, model: str, moment: datetime, base: str | None = None) -> Quote:
         if self._stale():
             async with self._lock:
                 if self._stale():  # another caller may have refreshed while we waited
                     await self.refresh()
-        return self._index.quote(model, as_utc(moment))
+        return self._index.quote(model, as_utc(moment), base)
 
     async def refresh(self) -> None:
         async with self.sessions() as session:

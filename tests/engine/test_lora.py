@@ -273,3 +273,11 @@ def test_a_request_waiting_for_an_adapter_slot_does_not_hold_back_the_queue(
                 order.append(out.request_id)
     assert order.index("holder") < order.index("parked") < order.index("same")
     assert order.index("base") < order.index("holder")
+
+
+def test_the_gateways_list_of_target_modules_is_the_engines() -> None:
+    """tenants/adapters.py checks a folder with the torch-free copy of TARGETS."""
+    from backend.layers.lora import TARGETS
+    from backend.requests import LORA_TARGET_MODULES
+
+    assert set(TARGETS) == LORA_TARGET_MODULES

@@ -4,6 +4,7 @@ from alembic.autogenerate import compare_metadata
 from alembic.migration import MigrationContext
 from sqlalchemy import create_engine, inspect
 
+import tenants.adapters
 import tenants.admins
 import tenants.audit
 import tenants.batches
@@ -15,7 +16,7 @@ from tenants import db
 from tenants.models import Base
 
 HEAD = db.head_revision()
-TABLES = {"tenants", "plans", "api_keys", "usage_events", "served_models"}
+TABLES = {"tenants", "plans", "api_keys", "usage_events", "served_models", "lora_adapters"}
 
 
 def _tables(url: str) -> set[str]:
