@@ -78,6 +78,12 @@ def model_flags(p: argparse.ArgumentParser) -> None:
     mem.add_argument("--gpu-memory-utilization", type=float, help="as the engine: default 0.9")
     mem.add_argument("--activation-gb", type=float, help="GiB per GPU kept for activations")
     mem.add_argument("--margin-gb", type=float, help="GiB per GPU kept as a safety margin")
+    mem.add_argument(
+        "--max-loras", type=int, default=0, help="LoRA adapter slots on the device (engine's)"
+    )
+    mem.add_argument(
+        "--max-lora-rank", type=int, default=16, help="the rank each slot is sized for (16)"
+    )
     load = p.add_argument_group("workload and efficiency")
     load.add_argument("--prompt-tokens", type=int, help="for prefill/TTFT (default: context)")
     load.add_argument(
@@ -176,6 +182,8 @@ def inputs_from(args: argparse.Namespace, default_efficiency: Any = None) -> Any
         efficiency=efficiency,
         spec_tokens_per_step=args.spec_tokens_per_step,
         num_speculative_tokens=args.num_speculative_tokens,
+        max_loras=args.max_loras,
+        max_lora_rank=args.max_lora_rank,
     )
 
 

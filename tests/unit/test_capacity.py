@@ -466,3 +466,16 @@ def test_lora_slots_are_counted_as_the_engine_allocates_them(name: str) -> None:
     )
     assert slots.number("lora_bytes") == held
     assert slots.number("kv_budget_bytes") == base.number("kv_budget_bytes") - held
+
+
+def test_the_lora_flags_take_the_slots_off_the_kv_budget(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    flags = ("--preset", "llama-3-8b", "--gpu", "H100-SXM", "--context", "4096")
+    plain = capacity(capsys, *flags)
+    slots = capacity(capsys, *flags, "--max-loras", "8", "--max-lora-rank", "32")
+    held = model_preset("llama-3-8b").lora_bytes_per_slot(32, "bf16") * 8
+    assert slots["lora_bytes"] == held
+    assert slots["kv_budget_bytes"] == plain["kv_budget_bytes"] - held  # type: ignore[operator]
+    assert slots["max_concurrent_sequences"] < plain["max_concurrent_sequences"]  # type: ignore[operator]
+    assert "--max-loras" in failure(capsys, *flags, "--max-loras", "-1")
