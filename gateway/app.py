@@ -33,6 +33,7 @@ from gateway.api.openai import OpenAIController
 from gateway.api.responses import ResponsesController
 from gateway.batches.runner import BatchRunner
 from gateway.batches.service import open_blob_store
+from gateway.batches.tasks import CeleryBatches, runs_in_celery
 from gateway.billing.jobs import BillingJobs
 from gateway.console import console_router
 from gateway.core.errors import exception_handlers
@@ -106,7 +107,7 @@ def create_app(
             # Closed first: what requests left behind (ledger writes, lock releases)
             # finishes while everything it needs is still open.
             stack.push_async_callback(runtime.tasks.drain)
-            app.state.batch_runner = _started(stack, BatchRunner(runtime))  # stops first
+            app.state.batch_runner = _started(stack, batch_runner(runtime))  # stops first
             yield
 
     app = Litestar(
@@ -159,6 +160,23 @@ def _started(stack: AsyncExitStack, service: S) -> S:
     stack.push_async_callback(service.close)
     service.start()
     return service
+
+
+def batch_runner(runtime: Runtime) -> BatchRunner | CeleryBatches:
+    """Who runs batches: this gateway (embedded), or Celery workers (stack mode)."""
+    if runs_in_celery(runtime.settings):
+        return CeleryBatches(runtime.settings)
+    return BatchRunner(runtime)
+
+
+async def open_worker_runtime(settings: Settings, stack: AsyncExitStack) -> Runtime:
+    """A gateway's runtime without its HTTP side, for a Celery worker's batch tasks."""
+    telemetry = Telemetry.from_settings(settings)
+    runtime = open_runtime(settings, telemetry, stack)
+    await attach_engine(runtime, telemetry, stack, None)
+    await attach_models(runtime, telemetry, stack)
+    stack.push_async_callback(runtime.tasks.drain)
+    return runtime
 
 
 def open_runtime(settings: Settings, telemetry: Telemetry, stack: AsyncExitStack) -> Runtime:

@@ -295,11 +295,12 @@ class BatchQueue:
     def __init__(self, session: AsyncSession) -> None:
         self.session = session
 
-    async def active(self) -> list[Batch]:
-        rows = await self.session.scalars(
-            select(Batch).where(Batch.status.in_(ACTIVE)).order_by(Batch.created_at)
-        )
-        return list(rows)
+    async def active(self, batch_id: str | None = None) -> list[Batch]:
+        """The batches not final yet (of them, `batch_id` alone when given)."""
+        query = select(Batch).where(Batch.status.in_(ACTIVE))
+        if batch_id is not None:
+            query = query.where(Batch.id == batch_id)
+        return list(await self.session.scalars(query.order_by(Batch.created_at)))
 
     async def claim(self, batch_id: str, count: int, lease: timedelta) -> list[BatchLine]:
         """Up to `count` lines of the batch to run now: pending ones, and running ones

@@ -13,8 +13,8 @@ from msgspec import Meta, Struct
 from sqlalchemy.ext.asyncio import AsyncSession
 
 from gateway.api.schemas import decode
-from gateway.batches.runner import BatchRunner
 from gateway.batches.service import BatchService
+from gateway.batches.tasks import BatchWaker
 from gateway.core.errors import InvalidRequest
 from gateway.http.auth import authenticate
 from gateway.openapi import AUTHENTICATED, documented
@@ -94,8 +94,8 @@ class CreateBatch(Struct, kw_only=True):
     metadata: dict[str, str] | None = None
 
 
-def provide_batch_runner(state: State) -> BatchRunner:
-    runner: BatchRunner = state.batch_runner
+def provide_batch_runner(state: State) -> BatchWaker:
+    runner: BatchWaker = state.batch_runner
     return runner
 
 
@@ -189,7 +189,7 @@ class BatchesController(Controller):
         self,
         request: Request[Any, Any, Any],
         service: NamedDependency[BatchService],
-        runner: NamedDependency[BatchRunner],
+        runner: NamedDependency[BatchWaker],
         db_session: NamedDependency[AsyncSession],
     ) -> dict[str, Any]:
         body = decode(await request.body(), CreateBatch)
@@ -198,7 +198,7 @@ class BatchesController(Controller):
         )
         answer = batch.as_openai()
         await db_session.commit()  # the runner sees it once committed
-        runner.wake()
+        runner.wake(batch.id)
         return answer
 
     @get("/", operation_class=documented(BatchList, errors=FILE_ERRORS))  # 404: `after`
@@ -235,11 +235,11 @@ class BatchesController(Controller):
         self,
         batch_id: FromPath[str],
         service: NamedDependency[BatchService],
-        runner: NamedDependency[BatchRunner],
+        runner: NamedDependency[BatchWaker],
         db_session: NamedDependency[AsyncSession],
     ) -> dict[str, Any]:
         batch = await service.batches.cancel(batch_id)
         answer = batch.as_openai()
         await db_session.commit()
-        runner.wake()
+        runner.wake(batch.id)
         return answer

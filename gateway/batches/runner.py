@@ -1,4 +1,5 @@
-"""Runs batches in the gateway's background: claims lines fairly between tenants, runs
+"""Runs batches in the gateway's background (embedded mode), or one batch in a Celery task
+(stack mode, gateway/batches/worker.py): claims lines fairly between tenants, runs
 each at the batch class (gateway.batches.execute), keeps each result as it comes, expires
 a batch at its window with what is done, and writes its output and error files.
 
@@ -46,14 +47,17 @@ class BatchRunner:
         runtime: Runtime,
         concurrency: int | None = None,  # None: half the engine's slots (engine_slots)
         poll_s: float = 0.25,
-        lease: timedelta = timedelta(seconds=60),
+        lease: timedelta | None = None,  # None: TOLLGATE_BATCH_LEASE_S
         drain_s: float = 30.0,
+        only: str | None = None,
     ) -> None:
         self.runtime = runtime
         self._concurrency = concurrency
         self.poll_s = poll_s
-        self.lease = lease
+        self.lease = lease or timedelta(seconds=runtime.settings.batch_lease_s)
         self.drain_s = drain_s  # how long a stop waits for the lines under way
+        self.only = only  # one batch (a Celery task's runner), or all of them (a gateway's)
+        self.idle = asyncio.Event()  # a round found nothing to run: every batch is final
         self._running: dict[tuple[str, int], asyncio.Task[None]] = {}
         self._wakeup = asyncio.Event()
         self._loop: asyncio.Task[None] | None = None
@@ -67,7 +71,7 @@ class BatchRunner:
     def start(self) -> None:
         self._loop = asyncio.get_running_loop().create_task(self._run(), name="batch-runner")
 
-    def wake(self) -> None:
+    def wake(self, batch_id: str | None = None) -> None:
         """A batch was created or cancelled: look now, not at the next poll."""
         self._wakeup.set()
 
@@ -92,7 +96,7 @@ class BatchRunner:
                 await BatchQueue(session).release(batch_id, numbers)
 
     async def _run(self) -> None:
-        if not is_postgres(self.runtime.settings.database_url):
+        if self.only is None and not is_postgres(self.runtime.settings.database_url):
             await self._take_back_all()
         while True:
             try:
@@ -112,7 +116,9 @@ class BatchRunner:
     async def round(self) -> None:
         """One look at every active batch: renew, expire, finish, and start more lines."""
         async with self.runtime.sessions.begin() as session:
-            batches = await BatchQueue(session).active()
+            batches = await BatchQueue(session).active(self.only)
+        if not batches and not self._running:
+            self.idle.set()
         await self._renew()
         startable = []
         for batch in batches:

@@ -1,4 +1,5 @@
-"""The Celery worker's entry point for the stack mode (tasks: tenants/billing/worker.py).
+"""The Celery worker's entry point for the stack mode (tasks: tenants/billing/worker.py,
+and the batches' in gateway/batches/worker.py).
 
     celery -A gateway.billing.worker worker -Q tollgate      # TOLLGATE_CELERY_QUEUE
     celery -A gateway.billing.worker beat
@@ -14,13 +15,15 @@ from typing import Any
 
 from celery import Celery
 
+from gateway.batches.worker import register_batch_tasks
 from gateway.billing.stripe import export_once
 from gateway.settings import Settings
 from tenants.billing.worker import WorkerConfig, create_celery
 
 
 def create_worker(settings: Settings) -> Celery:
-    """The worker's app; each relay run opens its own engine pool (a forked child too)."""
+    """The worker's app; each relay run opens its own engine pool (a forked child too), and
+    each worker process its batch tasks' runtime at their first run."""
     if settings.redis_url is None:
         raise RuntimeError("the Celery worker needs TOLLGATE_REDIS_URL (its broker)")
     config = WorkerConfig(
@@ -29,7 +32,9 @@ def create_worker(settings: Settings) -> Celery:
         export_interval_s=float(settings.export_interval_s),
         database_url=settings.database_url,
     )
-    return create_celery(config, partial(export_once, settings))
+    celery = create_celery(config, partial(export_once, settings))
+    register_batch_tasks(celery, settings)
+    return celery
 
 
 @cache

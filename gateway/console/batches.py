@@ -67,5 +67,5 @@ class BatchesController(Controller):
             tenant = await TenantService(action.db).get(name)
             await BatchStore(action.db, tenant.id).cancel(batch_id)
         await action.db.commit()
-        action.request.app.state.batch_runner.wake()
+        action.request.app.state.batch_runner.wake(batch_id)
         return action.back(here, f"Cancelling {batch_id}: lines under way finish, the rest stop.")
