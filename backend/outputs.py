@@ -97,6 +97,7 @@ class EngineStats:
     max_lora: int = 0
     running_lora_adapters: list[str] = field(default_factory=list)
     waiting_lora_adapters: list[str] = field(default_factory=list)
+    loaded_lora_adapters: list[str] = field(default_factory=list)  # resident in a slot
     lora_loads: int = 0
 
     @property

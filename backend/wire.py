@@ -129,6 +129,8 @@ class StatsReply(msgspec.Struct, frozen=True):
     kv_blocks_used: int = 0
     prefix_cache_queries: int = 0
     prefix_cache_hits: int = 0
+    running_lora_adapters: list[str] = msgspec.field(default_factory=list)
+    loaded_lora_adapters: list[str] = msgspec.field(default_factory=list)  # in a slot
 
 
 def stats_reply(running: bool, stats: EngineStats) -> dict[str, object]:

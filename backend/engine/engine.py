@@ -299,6 +299,7 @@ class Engine:
             "max_lora": self.adapters.max_loras,
             "running_lora_adapters": running,
             "waiting_lora_adapters": waiting,
+            "loaded_lora_adapters": list(self.adapters.loaded),
             "lora_loads": self.adapters.num_loads,
         }
 

@@ -71,6 +71,8 @@ class AdapterSlots:
         self.resident: OrderedDict[LoRARequest, int] = OrderedDict()  # least recent first
         self._specs: dict[LoRARequest, AdapterSpec] = {}
         self.num_loads = 0
+        # The resident adapters' names, replaced whole (read from other threads: stats).
+        self.loaded: tuple[str, ...] = ()
 
     def check(self, lora: LoRARequest) -> AdapterSpec:
         """Validate the adapter (once per name and path; any thread)."""
@@ -118,12 +120,14 @@ class AdapterSlots:
             if victim is None:
                 return False
             slot = self.resident.pop(victim)
+            self.loaded = tuple(sorted(r.name for r in self.resident))
         try:
             self._load(lora, slot)
         except Exception as exc:  # changed on disk since it was checked: the slot stays free
             log.exception("LoRA adapter %s could not be loaded", lora.name)
             raise UnknownAdapterError(f"adapter {lora.name} could not be loaded") from exc
         self.resident[lora] = slot
+        self.loaded = tuple(sorted(r.name for r in self.resident))
         return True
 
     def _load(self, lora: LoRARequest, slot: int) -> None:

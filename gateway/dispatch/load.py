@@ -13,6 +13,7 @@ from dataclasses import dataclass
 
 import httpx
 from prometheus_client.parser import text_string_to_metric_families
+from prometheus_client.samples import Sample
 
 from gateway.dispatch.routing import Replica
 
@@ -35,9 +36,10 @@ VLLM = Signals(
 )
 SGLANG = Signals("sglang:num_queue_reqs", "sglang:num_running_reqs", ("sglang:token_usage",))
 FAMILIES = (VLLM, SGLANG)
+LORA_INFO = "vllm:lora_requests_info"  # labels running_lora_adapters, waiting_lora_adapters
 WANTED = frozenset(
     name for s in FAMILIES for name in (s.waiting, s.running, *s.kv_usage)
-)  # fmt: skip
+) | {LORA_INFO}  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -45,6 +47,7 @@ class Load:
     waiting: int
     running: int
     kv_used_fraction: float
+    adapters: frozenset[str] = frozenset()  # LoRA adapters running or waiting there
 
 
 def parse_load(exposition: str) -> Load | None:
@@ -55,8 +58,11 @@ def parse_load(exposition: str) -> Load | None:
         line for line in exposition.splitlines() if line.split("{", 1)[0].split(" ", 1)[0] in WANTED
     )
     values: dict[str, list[float]] = {}
+    lora: list[Sample] = []
     for family in text_string_to_metric_families(wanted):
         values.setdefault(family.name, []).extend(sample.value for sample in family.samples)
+        if family.name == LORA_INFO:
+            lora += family.samples
     for signals in FAMILIES:
         if signals.waiting in values or signals.running in values:
             kv = next((values[n] for n in signals.kv_usage if n in values), [0.0])
@@ -64,8 +70,19 @@ def parse_load(exposition: str) -> Load | None:
                 waiting=round(sum(values.get(signals.waiting, []))),
                 running=round(sum(values.get(signals.running, []))),
                 kv_used_fraction=min(1.0, max(kv)),
+                adapters=_adapter_names(lora),
             )
     return None
+
+
+def _adapter_names(samples: list[Sample]) -> frozenset[str]:
+    """vLLM writes one sample per change, stamped with its time as the value: the latest
+    says which adapters are running and waiting now."""
+    if not samples:
+        return frozenset()
+    latest = max(samples, key=lambda sample: sample.value).labels
+    names = f"{latest.get('running_lora_adapters', '')},{latest.get('waiting_lora_adapters', '')}"
+    return frozenset(name for name in names.split(",") if name)
 
 
 async def probe(http: httpx.AsyncClient, target: Replica) -> None:
@@ -88,6 +105,7 @@ async def probe(http: httpx.AsyncClient, target: Replica) -> None:
     if load is not None:
         target.waiting, target.running = load.waiting, load.running
         target.kv_used_fraction = load.kv_used_fraction
+        target.adapters = load.adapters
 
 
 async def _get(http: httpx.AsyncClient, url: str) -> httpx.Response | httpx.HTTPError:

@@ -176,12 +176,13 @@ class RemoteEngineClient(LocalTokens):
         request_id = request.request_id
         body = msgspec.json.encode(GenerateBody.sent(request))
         key = affinity_key(request.tenant, request.prompt)
+        adapter = None if request.lora is None else request.lora.name
         tried: set[str] = set()
         shed: Overloaded | None = None  # every replica tried so far was overloaded
         failures = 0
         handed_back = False  # outputs of an earlier attempt reached the caller
         while True:
-            replica = self._next_replica(key, tried, shed)
+            replica = self._next_replica(key, tried, shed, adapter)
             started = False
             replica.in_flight += 1
             self._placements[request_id] = replica
@@ -212,9 +213,11 @@ class RemoteEngineClient(LocalTokens):
                 replica.in_flight -= 1
                 self._placements.pop(request_id, None)
 
-    def _next_replica(self, key: bytes, tried: set[str], shed: Overloaded | None) -> Replica:
+    def _next_replica(
+        self, key: bytes, tried: set[str], shed: Overloaded | None, adapter: str | None = None
+    ) -> Replica:
         """The next replica to try, routed to; none left: the last shedding, or 503."""
-        replica = pick(self.replicas, key, exclude=tried)
+        replica = pick(self.replicas, key, exclude=tried, adapter=adapter)
         if replica is None:
             raise shed or _no_replica()
         tried.add(replica.url)
@@ -349,6 +352,7 @@ class RemoteEngineClient(LocalTokens):
         replica.kv_used_fraction = stats.kv_blocks_used / max(1, stats.kv_blocks_total)
         queries = max(1, stats.prefix_cache_queries)
         replica.prefix_cache_hit_rate = stats.prefix_cache_hits / queries
+        replica.adapters = frozenset(stats.loaded_lora_adapters + stats.running_lora_adapters)
 
     async def close(self) -> None:
         await self._health.close()

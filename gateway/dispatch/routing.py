@@ -4,6 +4,10 @@ model's upstreams): prefix affinity, unless that target is clearly busier for it
 Affinity uses weighted rendezvous hashing of (tenant, prompt prefix), so requests that
 share a system prompt land where its KV blocks are already cached, each target gets keys
 in proportion to its weight, and only the keys of a target that goes away move.
+
+A LoRA adapter's requests go to a target that reports the adapter loaded (the same
+slack for load), else to the adapter's own rendezvous choice, so that one target loads
+it and the next requests find it there; any target serves when those are too busy.
 """
 
 from __future__ import annotations
@@ -33,6 +37,7 @@ class Replica:
     kv_used_fraction: float = 0.0
     prefix_cache_hit_rate: float = 0.0  # for the console; routing does not use it
     overclaims: int = 0  # answers whose usage exceeded what was reserved: suspect
+    adapters: frozenset[str] = frozenset()  # LoRA adapters it reports loaded or in use
 
     def load(self) -> float:
         """Queued work in requests, with a full KV cache counting like a few more."""
@@ -66,10 +71,25 @@ def _score(key: bytes, replica: Replica) -> float:
     return -replica.weight / math.log(uniform)
 
 
-def pick(replicas: Sequence[Replica], key: bytes, exclude: Collection[str] = ()) -> Replica | None:
+def pick(
+    replicas: Sequence[Replica],
+    key: bytes,
+    exclude: Collection[str] = (),
+    adapter: str | None = None,
+) -> Replica | None:
+    """`adapter`: the request's LoRA adapter, whose holders come first."""
     candidates = [r for r in replicas if r.healthy and r.url not in exclude]
     if not candidates:
         return None
-    preferred = max(candidates, key=lambda r: _score(key, r))
     least = min(candidates, key=Replica.pressure)
+    if adapter is not None:
+        holders = [r for r in candidates if adapter in r.adapters]
+        home = _preferred(holders, key) if holders else _preferred(candidates, adapter.encode())
+        if home.pressure() <= least.pressure() + AFFINITY_SLACK:
+            return home
+    preferred = _preferred(candidates, key)
     return preferred if preferred.pressure() <= least.pressure() + AFFINITY_SLACK else least
+
+
+def _preferred(candidates: Sequence[Replica], key: bytes) -> Replica:
+    return max(candidates, key=lambda r: _score(key, r))

@@ -289,7 +289,8 @@ class OpenAIUpstreamClient:
         tried: set[str] = set()
         refusal: ApiError | None = None  # what to answer if every target fails
         while True:
-            target = pick(self.targets, key, exclude=tried)
+            adapter = None if request.lora is None else request.lora.name
+            target = pick(self.targets, key, exclude=tried, adapter=adapter)
             if target is None:
                 raise refusal or EngineUnavailable(
                     f"no upstream of model {self.model_name!r} is available",

@@ -281,3 +281,18 @@ def test_the_gateways_list_of_target_modules_is_the_engines() -> None:
     from backend.requests import LORA_TARGET_MODULES
 
     assert set(TARGETS) == LORA_TARGET_MODULES
+
+
+def test_a_replicas_stats_name_its_loaded_adapters_for_routing(
+    llama_dir: Path, adapters: dict[str, Path]
+) -> None:
+    """What a gateway's affinity routing reads from GET /internal/stats."""
+    import msgspec
+
+    from backend.wire import StatsReply, stats_reply
+
+    engine = make_engine(llama_dir, max_loras=1, **LARGE)
+    run(engine, [([3, 4, 5], lora("qv4", adapters))])
+    run(engine, [([3, 4, 5], lora("all8", adapters))])  # evicts qv4: idle, one slot
+    reply = msgspec.convert(stats_reply(True, engine.stats()), StatsReply)
+    assert reply.loaded_lora_adapters == ["all8"]

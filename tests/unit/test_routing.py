@@ -46,3 +46,22 @@ def test_unhealthy_and_excluded_targets_are_never_picked() -> None:
     a, b = Replica("http://a", healthy=False), Replica("http://b")
     assert all(pick([a, b], key) is b for key in KEYS[:50])
     assert pick([a, b], KEYS[0], exclude={"http://b"}) is None
+
+
+def test_an_adapters_requests_go_where_it_is_loaded_unless_that_is_too_busy() -> None:
+    a, b, c = Replica("http://a"), Replica("http://b"), Replica("http://c")
+    pool = [a, b, c]
+    b.adapters = frozenset({"ft"})
+    assert all(pick(pool, key, adapter="ft") is b for key in KEYS[:200])
+    # Nowhere loaded: one home for the adapter, whatever the prompt (it loads there once).
+    homes = {_url(pick(pool, key, adapter="elsewhere")) for key in KEYS[:200]}
+    assert len(homes) == 1
+    # The holder too busy: any replica, by the prompt's affinity.
+    b.waiting = int(AFFINITY_SLACK) + 1
+    spread = {_url(pick(pool, key, adapter="ft")) for key in KEYS[:200]}
+    assert spread == {"http://a", "http://c"}
+    assert pick(pool, KEYS[0], exclude={"http://a", "http://c"}, adapter="ft") is b
+
+
+def _url(replica: Replica | None) -> str | None:
+    return None if replica is None else replica.url

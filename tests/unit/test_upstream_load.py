@@ -44,3 +44,18 @@ def test_older_vllm_kv_name_and_unknown_servers() -> None:
     assert parse_load(old) == Load(waiting=0, running=1, kv_used_fraction=0.5)
     assert parse_load("process_cpu_seconds_total 12.0\n") is None
     assert parse_load("") is None
+
+
+def test_the_adapters_vllm_reports_are_its_latest_lora_requests_info() -> None:
+    """vLLM adds a sample per change, its value the time: the latest one counts."""
+    info = (
+        "# TYPE vllm:lora_requests_info gauge\n"
+        'vllm:lora_requests_info{max_lora="4",running_lora_adapters="old",'
+        'waiting_lora_adapters=""} 1.7e9\n'
+        'vllm:lora_requests_info{max_lora="4",running_lora_adapters="a,b",'
+        'waiting_lora_adapters="c"} 1.8e9\n'
+    )
+    load = parse_load(VLLM + info)
+    assert load is not None and load.adapters == {"a", "b", "c"}
+    plain = parse_load(VLLM)
+    assert plain is not None and plain.adapters == frozenset()
