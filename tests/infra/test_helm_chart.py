@@ -64,9 +64,17 @@ VALUE_SETS["toggles"] = {
     },
     "worker": {"podDisruptionBudget": {"enabled": False}},
     "networkPolicy": {"enabled": False},
-    "config": {"preStopSeconds": 0, "otlpEndpoint": "http://otel-collector.monitoring:4318"},
+    "config": {
+        "preStopSeconds": 0,
+        "otlpEndpoint": "http://otel-collector.monitoring:4318",
+        "s3": {"bucket": "tollgate-files", "endpointUrl": "http://minio.storage:9000"},
+    },
     "imagePullSecrets": [{"name": "registry"}],
-    "secrets": {"adminKey": "tg-abcdefgh_" + "x" * 43},
+    "secrets": {
+        "adminKey": "tg-abcdefgh_" + "x" * 43,
+        "s3AccessKeyId": "files-id",
+        "s3SecretAccessKey": "files-secret",
+    },
 }
 WITH_BUDGETS = pytest.mark.parametrize("values", sorted(set(VALUE_SETS) - {"toggles"}))
 
@@ -260,6 +268,38 @@ def test_gateway_and_backend_env_is_accepted_by_settings(values: str) -> None:
         assert settings.admin_key and key_prefix(settings.admin_key)
 
 
+@pytest.mark.parametrize("values", ["defaults", "toggles"])
+def test_workers_reach_the_backends_and_the_file_store_the_gateways_use(values: str) -> None:
+    from gateway.settings import Settings
+
+    docs = _docs(values)
+    settings = {
+        component: Settings.from_env(
+            _container_env(
+                docs,
+                _one(docs, "Deployment", f"{FULLNAME}-{component}")["spec"]["template"]["spec"][
+                    "containers"
+                ][0],
+            )
+        )
+        for component in ("gateway", "worker", "beat")
+    }
+    gateway = settings["gateway"]
+    for component in ("worker", "beat"):
+        assert settings[component].backends == gateway.backends
+        assert settings[component].backend_secret == gateway.backend_secret
+        assert settings[component].s3 == gateway.s3
+    if values == "toggles":  # the bucket and its credentials, from the ConfigMap and Secret
+        assert gateway.s3 is not None and gateway.s3.bucket == "tollgate-files"
+        assert gateway.s3.endpoint_url == "http://minio.storage:9000"
+        assert (gateway.s3.access_key_id, gateway.s3.secret_access_key) == (
+            "files-id",
+            "files-secret",
+        )
+    else:
+        assert gateway.s3 is None
+
+
 @ALL
 def test_probes_point_at_real_routes(values: str) -> None:
     routes = _routes()
@@ -440,17 +480,20 @@ def test_disruption_budgets_cover_the_serving_pods(values: str) -> None:
         assert budget["spec"]["selector"]["matchLabels"].items() <= labels.items()
 
 
-def test_backends_are_reachable_only_from_gateways_and_monitoring() -> None:
+def test_backends_are_reachable_only_from_gateways_workers_and_monitoring() -> None:
     docs = _docs("defaults")
     policy = _one(docs, "NetworkPolicy", f"{FULLNAME}-backend")
-    gateway_labels = _one(docs, "Deployment", f"{FULLNAME}-gateway")["spec"]["template"][
-        "metadata"
-    ]["labels"]
+    clients = [  # gateways, and Celery workers (batch lines)
+        _one(docs, "Deployment", f"{FULLNAME}-{c}")["spec"]["template"]["metadata"]["labels"]
+        for c in ("gateway", "worker")
+    ]
     sources = [peer for rule in policy["spec"]["ingress"] for peer in rule["from"]]
-    assert len(sources) == 2
+    assert len(sources) == 3
     pods = [p["podSelector"]["matchLabels"] for p in sources if "podSelector" in p]
-    assert pods and all(selector.items() <= gateway_labels.items() for selector in pods)
-    assert pods[0]["app.kubernetes.io/component"] == "gateway"
+    assert len(pods) == 2
+    for selector, labels in zip(pods, clients, strict=True):
+        assert selector.items() <= labels.items()
+    assert [p["app.kubernetes.io/component"] for p in pods] == ["gateway", "worker"]
     namespaces = [
         p["namespaceSelector"]["matchLabels"] for p in sources if "namespaceSelector" in p
     ]

@@ -84,6 +84,13 @@ lifecycle:
       {{- end }}
 {{- end -}}
 
+{{/* The S3 file store's credentials (config.s3), for gateways and workers: optional keys,
+empty when the pods' cloud identity signs instead. */}}
+{{- define "tollgate.s3Env" -}}
+{{ include "tollgate.secretEnv" (dict "root" . "name" "TOLLGATE_S3_ACCESS_KEY_ID" "key" "s3-access-key-id" "optional" true) }}
+{{ include "tollgate.secretEnv" (dict "root" . "name" "TOLLGATE_S3_SECRET_ACCESS_KEY" "key" "s3-secret-access-key" "optional" true) }}
+{{- end -}}
+
 {{/* What the gateway, worker, beat and migration containers share. */}}
 {{- define "tollgate.databaseEnv" -}}
 {{ include "tollgate.secretEnv" (dict "root" . "name" "TOLLGATE_DATABASE_URL" "key" "database-url") }}
