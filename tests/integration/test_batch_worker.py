@@ -27,11 +27,13 @@ from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
 
 from gateway.app import create_app
 from gateway.batches.tasks import CeleryBatches
+from gateway.batches.worker import RunLock
 from gateway.dispatch.engine_client import InProcessEngineClient
 from gateway.settings import Settings
 from tenants.batches import Batch, BatchLine, BatchQueue, LineStatus
 from tenants.blobs import S3Location, s3_client
 from tenants.models import UsageEvent, as_utc, utcnow
+from tenants.quota.redis import connect as connect_redis
 from tests.conftest import POSTGRES_URL, REDIS_URL, eventually, migrated_postgres, serving
 from tests.support.s3 import s3_env, s3_server
 
@@ -245,3 +247,34 @@ async def test_a_worker_killed_mid_batch_leaves_one_result_per_line(
     assert len(kept) == total and kept <= billed.keys()
     lost = {request_id: at for request_id, at in billed.items() if request_id not in kept}
     assert all(at <= killed_at for at in lost.values()) and len(lost) <= in_flight
+
+
+async def test_one_task_holds_a_batch_and_a_dead_ones_hold_lapses() -> None:
+    redis = connect_redis(REDIS_URL)
+    lock, other = RunLock(redis, lease_s=0.3), RunLock(redis, lease_s=0.3)
+    key = lock.prefix + f"batch_{uuid.uuid4().hex}"
+    batch_id = key.removeprefix(lock.prefix)
+    ttls: list[int] = []
+
+    async def renewed() -> bool:  # the key's time to live went back up: a renewal
+        ttls.append(await redis.pttl(key))
+        return len(ttls) > 1 and ttls[-1] > ttls[-2]
+
+    async def lapsed() -> bool:
+        return not await redis.exists(key)
+
+    try:
+        async with lock.holding(batch_id) as ours:
+            assert ours
+            async with other.holding(batch_id) as theirs:
+                assert not theirs  # a duplicate task returns at once
+            await eventually(renewed, timeout_s=2)
+        async with other.holding(batch_id) as theirs:
+            assert theirs  # released on the way out
+        # A holder that died renews nothing: its key lapses within a lease.
+        await redis.set(key, "a-dead-worker", px=300)
+        async with other.holding(batch_id) as theirs:
+            assert not theirs
+        await eventually(lapsed, timeout_s=2)
+    finally:
+        await redis.aclose()
