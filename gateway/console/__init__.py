@@ -10,6 +10,7 @@ from litestar.response import Redirect
 from litestar.static_files import create_static_files_router
 
 from gateway.console.actions import ActionsController
+from gateway.console.adapters import AdaptersController
 from gateway.console.auth import MAX_FORM_BYTES, ConsoleForbidden, SignInRequired
 from gateway.console.batches import BatchesController
 from gateway.console.capacity import CapacityController
@@ -47,6 +48,7 @@ def console_router() -> Router:
             LedgerController,
             CapacityController,
             ModelsController,
+            AdaptersController,
             BatchesController,
             create_static_files_router(path="/static", directories=[STATIC_DIR]),
         ],
