@@ -350,6 +350,15 @@ def _step_cost_metrics(stats: EngineStats) -> Iterator[Metric]:
         "The time target that sized the last step's budget (0: none, the static budget)",
         stats.step_time_limit_s or 0.0,
     )
+    step = GaugeMetricFamily(
+        "tollgate_engine_step_tokens",
+        "Tokens the last step computed, by kind (decode: one per generating request, "
+        "plus its drafts under speculative decoding)",
+        labels=["kind"],
+    )
+    step.add_metric(["prefill"], stats.step_prefill_tokens)
+    step.add_metric(["decode"], stats.step_decode_tokens)
+    yield step
     yield _gauge(
         "tollgate_engine_step_prefill_budget_tokens",
         "Tokens the last step could spend after its decodes",

@@ -214,3 +214,23 @@ def test_the_draft_model_shares_the_quantized_layout(llama_dir: Path) -> None:
     assert drafter.kv_cache.dtype == torch.int8
     assert run_batched(spec, prompts) == expected
     assert spec.stats().spec_decode_num_drafts > 0
+
+
+def test_the_step_tokens_gauge_counts_the_decoding_sequences(llama_dir: Path) -> None:
+    """bench/kv_quant.py reads the most sequences decoding at once from this gauge (the
+    running gauge also counts a prompt started with a step's leftover budget)."""
+    from prometheus_client import CollectorRegistry, generate_latest
+
+    from backend.telemetry import EngineStatsCollector
+
+    engine = make_engine(llama_dir)
+    params = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True)
+    for i in range(3):
+        engine.add_request(EngineRequest([5 + i, 6, 7, 8], params, f"r{i}"))
+    engine.step()  # the three prompts
+    engine.step()  # their first decode
+    registry = CollectorRegistry()
+    registry.register(EngineStatsCollector(engine.stats))
+    text = generate_latest(registry).decode()
+    assert 'tollgate_engine_step_tokens{kind="decode"} 3.0' in text
+    assert 'tollgate_engine_step_tokens{kind="prefill"} 0.0' in text
