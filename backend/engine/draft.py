@@ -32,6 +32,9 @@ from backend.models.llama import LlamaForCausalLM
 
 # The runner's ModelRunner._prepare: a batch's input ids, positions and metadata.
 Prepare = Callable[[SchedulerOutput], tuple[torch.Tensor, torch.Tensor, AttentionMetadata]]
+# What writes the step in flight's sampled tokens over a batch's PLACEHOLDER input ids on
+# the device (async scheduling), for that batch; None when it has none.
+PatchFor = Callable[[SchedulerOutput], Callable[[torch.Tensor], object] | None]
 
 
 class DraftModel:
@@ -74,15 +77,18 @@ class DraftModel:
         batch: SchedulerOutput,
         prepare: Prepare,
         generators: dict[str, torch.Generator | None],
+        patch_for: PatchFor | None = None,
     ) -> torch.Tensor | None:
         """Mirror the step's tokens into the draft's cache, then fill each row's draft
         placeholders (the last num_drafts of its token_ids) with tokens drawn from the
         draft's distribution q (greedy rows: its argmax). Returns q of every draft token,
-        [rows with drafts, K, vocab], for the verifier; None when no row drafts."""
+        [rows with drafts, K, vocab], for the verifier; None when no row drafts.
+        `patch_for`: async scheduling's patch of input ids still on the device (rows
+        without drafts only: a row drafts only when all its tokens are known)."""
         assert self.kv_cache is not None
         spec = [r for r in batch.requests if r.num_drafts]
         first = SchedulerOutput([_mirrored(r) for r in batch.requests])
-        hidden = self._run(first, prepare)
+        hidden = self._run(first, prepare, None if patch_for is None else patch_for(first))
         if not spec:
             return None
         ends, end = [], 0
@@ -109,8 +115,15 @@ class DraftModel:
             logits = self.model.logits(self._run(step, prepare))
         return q
 
-    def _run(self, batch: SchedulerOutput, prepare: Prepare) -> torch.Tensor:
+    def _run(
+        self,
+        batch: SchedulerOutput,
+        prepare: Prepare,
+        patch: Callable[[torch.Tensor], object] | None = None,
+    ) -> torch.Tensor:
         input_ids, positions, meta = prepare(batch)
+        if patch is not None:
+            patch(input_ids)
         hidden: torch.Tensor = self.model(input_ids, positions, self.kv_cache, meta)
         return hidden
 

@@ -8,12 +8,13 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
 from backend.config import EngineConfig
-from backend.engine.batch import ModelRunnerOutput, ScheduledRequest, SchedulerOutput
+from backend.engine.batch import PLACEHOLDER, ModelRunnerOutput, ScheduledRequest, SchedulerOutput
 from backend.engine.block_manager import BlockManager
 from backend.engine.lora import AdapterSlots
 from backend.engine.model_runner import Launched, ModelRunner
@@ -55,7 +56,41 @@ class _InFlight:
     launched: Launched
     placed: list[tuple[Request, int]]  # its placeholders (scheduler.advance)
     started: float  # time.monotonic() at launch
-    overlappable: bool  # the next step may be scheduled before it is read back
+
+
+class _Landing:
+    """The step in flight, read back and processed once (a call): inside the next
+    step's launch when that step's sampling needs its tokens, else after the launch.
+    `failed`: what reading it back raised (the engine's own fault: not retried)."""
+
+    def __init__(
+        self, land: Callable[[_InFlight], list[RequestOutput]], flight: _InFlight | None
+    ) -> None:
+        self._land, self._flight = land, flight
+        self.outputs: list[RequestOutput] = []
+        self.failed: Exception | None = None
+
+    def __call__(self) -> None:
+        flight, self._flight = self._flight, None
+        if flight is None:
+            return
+        try:
+            self.outputs += self._land(flight)
+        except Exception as exc:
+            self.failed = exc
+            raise
+
+
+def _needs_tokens(batch: SchedulerOutput) -> bool:
+    """Whether a row samples with a grammar's mask or penalties while its last output
+    token is still on the device (a PLACEHOLDER in the request's own list)."""
+    return any(
+        r.sample
+        and (r.matcher is not None or r.params.penalized)
+        and r.output_token_ids
+        and r.output_token_ids[-1] == PLACEHOLDER
+        for r in batch.requests
+    )
 
 
 @dataclass
@@ -93,13 +128,10 @@ class Engine:
         self.speculator: Speculator | None = None
         if config.speculative_method != "off":
             self.speculator = Speculator(config.speculative_method, config.num_speculative_tokens)
-        self.async_scheduling = self.speculator is None and (
-            config.async_scheduling == "on"
-            or (config.async_scheduling == "auto" and self.runner.device.type == "cuda")
+        # With speculation, steps with drafts still run in turn (_step_async).
+        self.async_scheduling = config.async_scheduling == "on" or (
+            config.async_scheduling == "auto" and self.runner.device.type == "cuda"
         )
-        if config.async_scheduling == "on" and self.speculator is not None:
-            # A verify step needs its accepted count before the next step is scheduled.
-            log.warning("async scheduling is off: speculative decoding runs steps in turn")
         self.grammars = GrammarCompiler(
             self.model_dir / "tokenizer.json",
             max(self.model_config.vocab_size, self.tokenizer.vocab_size),
@@ -400,12 +432,20 @@ class Engine:
         host's work hides behind the device's. Rows still decoding take their input from
         the step in flight, on the device (PLACEHOLDER on the host until read back). A
         request that finishes on a token of the step in flight wasted its row in the next
-        one: that row's token is dropped. A step with rows that need their tokens on the
-        host before the next step (a grammar's mask, penalties, drafts) is read back
-        before the next one is scheduled."""
+        one: that row's token is dropped.
+
+        Rows whose sampling needs their last token on the host (a grammar's mask,
+        penalties over the output) do not stop the overlap: the new step's forward pass
+        is launched first, the step in flight is read back while it runs, and only then
+        are the new step's sampling inputs staged (ModelRunner.launch's `land`).
+        Speculative decoding is the exception: a step with drafts places a request's
+        next tokens by its accepted count, and drafts continue from the last token, so
+        while any running request has drafts proposed the step in flight is read back
+        before the next is scheduled, and a step with drafts runs synchronously. Steps
+        without drafts (speculation paused, or rows it cannot take) overlap."""
         outputs: list[RequestOutput] = []
         flight, self._in_flight = self._in_flight, None
-        if flight is not None and not flight.overlappable:
+        if flight is not None and self._drafting():
             outputs += self._land(flight, step_started)
             flight = None
         batch = self.scheduler.schedule()
@@ -413,18 +453,23 @@ class Engine:
         if not batch.requests:
             self.runner.execute(batch)  # the runner drops the finished requests' state
             return outputs + (self._land(flight, step_started) if flight else [])
+        if any(r.num_drafts for r in batch.requests):  # flight is None: see _drafting
+            return outputs + self._run_sync(batch, step_started)
+        landing = _Landing(lambda f: self._land(f, step_started), flight)
+        early = landing if flight is not None and _needs_tokens(batch) else None
         started = time.monotonic()
         try:
-            launched = self.runner.launch(batch, flight.launched if flight else None)
+            launched = self.runner.launch(batch, flight.launched if flight else None, early)
         except Exception as exc:
-            if flight is not None:
-                outputs += self._land(flight, step_started)
+            if exc is landing.failed:  # reading the step in flight back failed: as ever
+                raise
+            landing()
+            outputs += landing.outputs
             return outputs + self._recover(self._resolved(batch), exc, started, step_started)
-        if flight is not None:
-            outputs += self._land(flight, step_started)
+        landing()
         placed = self.scheduler.advance(batch)
-        self._in_flight = _InFlight(batch, launched, placed, started, self._overlappable(batch))
-        return outputs
+        self._in_flight = _InFlight(batch, launched, placed, started)
+        return outputs + landing.outputs
 
     def _land(self, flight: _InFlight, step_started: float) -> list[RequestOutput]:
         """Read a launched step back (the wait) and process its tokens."""
@@ -436,14 +481,10 @@ class Engine:
         run_s = time.monotonic() - flight.started
         return self._complete(flight.batch, result, run_s, step_started, flight.placed)
 
-    def _overlappable(self, batch: SchedulerOutput) -> bool:
-        """Whether the next step may be scheduled before this one's tokens are read back:
-        not when a sampled row's next step needs its token on the host first (a grammar's
-        mask, penalties over the output, drafts)."""
-        return self.speculator is None and not any(
-            r.sample and (r.matcher is not None or r.params.penalized or r.num_drafts)
-            for r in batch.requests
-        )
+    def _drafting(self) -> bool:
+        """Whether a running request has drafts proposed for its next step: it must see
+        its tokens of the step in flight first."""
+        return self.speculator is not None and any(r.spec_token_ids for r in self.scheduler.running)
 
     def _resolved(self, batch: SchedulerOutput) -> SchedulerOutput:
         """The batch with its placeholders replaced by the tokens read back since (rows of

@@ -144,11 +144,20 @@ class ModelRunner:
         return self.launch(batch).collect()
 
     @torch.inference_mode()
-    def launch(self, batch: SchedulerOutput, previous: Launched | None = None) -> Launched:
+    def launch(
+        self,
+        batch: SchedulerOutput,
+        previous: Launched | None = None,
+        land: Callable[[], object] | None = None,
+    ) -> Launched:
         """Enqueue the step's forward pass and sampling on the device and return without
         waiting (on a GPU; the CPU computes as it goes). `previous`: the step launched
         before it and not yet collected, whose sampled tokens fill this step's
-        PLACEHOLDER input ids on the device (async scheduling)."""
+        PLACEHOLDER input ids on the device (async scheduling). `land`: called once the
+        forward pass is enqueued and before the sampling inputs are staged, so the
+        caller can read `previous` back there: a grammar's mask and the penalties over
+        the output then see its tokens, while the device runs this step's forward
+        pass."""
         for request_id in batch.finished_request_ids:
             self._generators.pop(request_id, None)
             self._prompt_masks.pop(request_id, None)
@@ -159,9 +168,12 @@ class ModelRunner:
         reqs = [r for r in batch.requests if r.sample]
         generators = self._generators_for(reqs)  # first: a bad seed fails only its request
         draft_probs = None
+        patch = _placeholder_patch(batch, previous, self.device)
         if self.drafter is not None:  # fills the rows' draft placeholders
             by_id = {r.request_id: g for r, g in zip(reqs, generators, strict=True)}
-            draft_probs = self.drafter.propose(batch, self._prepare, by_id)
+            draft_probs = self.drafter.propose(
+                batch, self._prepare, by_id, lambda b: _placeholder_patch(b, previous, self.device)
+            )
         # One logits row per sampled position: a row with drafts samples at each of its
         # last num_drafts + 1 positions, with its parameters repeated.
         speculative = any(r.num_drafts for r in reqs)
@@ -169,13 +181,16 @@ class ModelRunner:
         stage = Staging(self.device)  # sampling's inputs, copied with one transfer
         stage.add("last", _sampled_rows(batch))
         SamplingTensors.stage(stage, [r.params for r in per_row], self.model.cfg.vocab_size)
-        self._stage_logit_work(stage, per_row)
         if speculative:
             _stage_drafts(stage, reqs)
-        hidden = self._forward(batch, _placeholder_patch(batch, previous, self.device))
+        hidden = self._forward(batch, patch)
+        if land is not None:
+            land()
         if not reqs:
             return Launched.done(ModelRunnerOutput({}))
-        _stage_grammar_masks(stage, per_row)  # host work while a GPU runs the forward pass
+        # Host work while a GPU runs the forward pass; after `land`, for the tokens.
+        self._stage_logit_work(stage, per_row)
+        _stage_grammar_masks(stage, per_row)
         staged = stage.upload()
         logits = self.model.logits(hidden[staged["last"]])
         if "grammar_rows" in staged:  # masked before logprobs: they describe what is sampled

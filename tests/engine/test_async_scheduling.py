@@ -1,17 +1,24 @@
 """Async scheduling (step N + 1 scheduled and launched before N is read back) changes
 nothing a client sees: greedy and seeded outputs equal the synchronous engine's over the
 oracle prompts (batched, chunked, preempting, with prefix hits) and over a mixed workload
-of stops, max_tokens, min_tokens, penalties (synchronous fallback), logprobs, n > 1 and
-cancellation mid-stream; the device block tables stay exact after every step."""
+of stops, max_tokens, min_tokens, penalties, grammars, logprobs, n > 1 and cancellation
+mid-stream; the device block tables stay exact after every step. Grammar and penalised
+rows keep the overlap (their step in flight is read back inside the next launch, after
+its forward pass); speculative decoding composes with it (steps with drafts run in
+turn, the others overlap)."""
 
 from __future__ import annotations
 
 import random
+import re
 from pathlib import Path
 from typing import Any
 
 import pytest
 
+from backend.constraint import Constraint
+from backend.engine import speculative
+from backend.engine.batch import PLACEHOLDER
 from backend.engine.engine import Engine
 from backend.outputs import RequestOutput
 from backend.requests import EngineRequest
@@ -21,6 +28,7 @@ from tests.engine.test_block_tables import _check_tables
 from tests.engine.test_engine_oracle import BASE, GREEDY, TIGHT_BLOCKS, oracle_prompts
 
 Outputs = dict[str, list[RequestOutput]]
+DIGITS = Constraint("regex", "[0-9]{1,40}")
 
 
 def _run(engine: Engine, abort_at: dict[str, int] | None = None) -> Outputs:
@@ -47,16 +55,19 @@ def _pair(path: Path, **config: Any) -> tuple[Engine, Engine]:
     return sync, overlapped
 
 
-def _count_overlaps(engine: Engine) -> list[int]:
-    """Counts launches given a step still in flight (a list, to read after the run)."""
+def _count_overlaps(engine: Engine, launches: list[Any] | None = None) -> list[int]:
+    """Counts launches given a step still in flight (a list, to read after the run);
+    `launches` gets (batch, previous is not None, land is not None) of each."""
     count = [0]
     launch = engine.runner.launch
 
-    def spy(batch: Any, previous: Any = None) -> Any:
+    def spy(batch: Any, previous: Any = None, land: Any = None) -> Any:
         count[0] += previous is not None
-        return launch(batch, previous)
+        if launches is not None:
+            launches.append((batch, previous is not None, land is not None))
+        return launch(batch, previous, land)
 
-    engine.runner.launch = spy  # type: ignore[method-assign]
+    engine.runner.launch = spy  # type: ignore[method-assign,assignment]
     return count
 
 
@@ -102,9 +113,8 @@ def _mixed(engine: Engine, vocab: int) -> None:
     stop_text = engine.tokenizer.decode([rng.randrange(40, vocab)])
     for i in range(24):
         own = [rng.randrange(2, vocab) for _ in range(rng.randrange(2, 70))]
-        kind = i % 6
-        # Penalised rows step synchronously: short, so the rest overlap for a while.
-        most = rng.randrange(1, 6 if kind == 4 else 30)
+        kind = i % 7
+        most = rng.randrange(1, 30)
         params = SamplingParams(
             max_tokens=most,
             temperature=0 if kind < 3 else 0.8,
@@ -113,9 +123,11 @@ def _mixed(engine: Engine, vocab: int) -> None:
             stop=[stop_text] if kind == 1 else [],
             stop_token_ids=[rng.randrange(2, vocab) for _ in range(20)] if kind == 2 else [],
             min_tokens=min(3, most) if kind == 3 else 0,
-            repetition_penalty=1.3 if kind == 4 else 1.0,  # synchronous steps
+            repetition_penalty=1.3 if kind == 4 else 1.0,
+            frequency_penalty=0.5 if kind == 4 and i % 2 else 0.0,
             logprobs=2 if kind == 5 else None,
             n=2 if i == 5 else 1,
+            constraint=DIGITS if kind == 6 else None,
         )
         prompt = shared + own if i % 2 else own
         engine.add_request(EngineRequest(prompt, params, f"m{i}"))
@@ -153,7 +165,10 @@ def test_mixed_workload_equals_sync(llama_dir: Path, blocks: int) -> None:
     assert summaries[0] == summaries[1]
     reasons = {s[2] for s in summaries[0].values()}
     assert {"stop", "length"} <= reasons
-    assert overlaps[0] > 5
+    grammar_rows = [f"m{i}/0" for i in range(24) if i % 7 == 6]
+    digits = [summaries[0][key][1] for key in grammar_rows]
+    assert digits and all(re.fullmatch("[0-9]*", text) for text in digits)
+    assert overlaps[0] > 20
     if blocks == 24:
         assert overlapped.stats().num_preemptions > 0
     for engine in (sync, overlapped):  # everything freed
@@ -207,3 +222,136 @@ def test_a_failed_launch_fails_only_its_request(llama_dir: Path) -> None:
         results.append({f"g{i}": tokens_of(outputs[f"g{i}"]) for i in range(3)})
     assert results[0] == results[1]
     assert all(len(tokens) == 12 for tokens in results[1].values())
+
+
+def test_a_grammar_row_keeps_the_overlap_for_the_whole_batch(llama_dir: Path) -> None:
+    """Greedy rows beside one grammar row and one penalised row: every decode step is
+    launched while the one before is still in flight, the constrained and penalised
+    rows included (their tokens are read back inside the launch, before their masks and
+    penalties are staged), and the tokens equal the synchronous engine's."""
+    sync, overlapped = _pair(llama_dir, block_size=16, num_kv_blocks=512, max_model_len=256)
+    launches: list[Any] = []
+    _count_overlaps(overlapped, launches)
+    inputs = _spy_inputs(overlapped.runner.model)
+    greedy = SamplingParams(max_tokens=16, temperature=0, ignore_eos=True)
+    special = {
+        "grammar": SamplingParams(max_tokens=16, temperature=0, constraint=DIGITS),
+        "penalty": SamplingParams(max_tokens=16, temperature=0, repetition_penalty=1.5),
+    }
+    results = []
+    for engine in (sync, overlapped):
+        for i in range(4):
+            engine.add_request(EngineRequest(f"plain {i} fox", greedy, f"g{i}"))
+        for name, params in special.items():
+            engine.add_request(EngineRequest(f"{name} row", params, name))
+        results.append(_summary(_run(engine)))
+    assert results[0] == results[1]
+    assert re.fullmatch("[0-9]+", results[1]["grammar/0"][1])
+    decode_steps = [
+        (previous, land)
+        for batch, previous, land in launches
+        if all(len(r.token_ids) == 1 for r in batch.requests)
+        and {"grammar", "penalty"} <= {r.request_id for r in batch.requests}
+    ]
+    assert len(decode_steps) >= 10
+    # In flight behind the step before, read back inside the launch: no step waited.
+    assert all(previous and land for previous, land in decode_steps)
+    placeholders = [
+        r
+        for batch, _, _ in launches
+        for r in batch.requests
+        if r.request_id == "grammar" and r.token_ids[-1] == PLACEHOLDER
+    ]
+    assert len(placeholders) >= 10  # its input came from the device, not the host
+    assert PLACEHOLDER not in inputs  # and was in place before the forward pass
+
+
+def _ngram_reference(
+    engine: Engine, prompts: list[list[int]], params: SamplingParams = GREEDY
+) -> dict[str, list[int]]:
+    for i, prompt in enumerate(prompts):
+        engine.add_request(EngineRequest(prompt, params, str(i)))
+    return {rid: tokens_of(outs) for rid, outs in _run(engine).items()}
+
+
+@pytest.mark.parametrize("drafts", ["accepted", "some_rejected", "none"])
+def test_speculation_composes_with_async_scheduling(
+    llama_dir: Path, drafts: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """N-gram speculation under async scheduling: the greedy tokens of the engine
+    without either. Steps with drafts run in turn (none of them launched beside a step
+    in flight); when no row drafts, steps overlap."""
+    from tests.engine.test_speculative import echo_proposer
+
+    config = {"block_size": 16, "num_kv_blocks": 512, "max_model_len": 1024}
+    prompts = oracle_prompts(320)[:8]
+    expected = _ngram_reference(make_engine(llama_dir, **config), prompts)
+    if drafts == "none":
+        monkeypatch.setattr(speculative, "ngram_drafts", lambda *_: [])
+    else:
+        wrong_every = 3 if drafts == "some_rejected" else 0
+        monkeypatch.setattr(speculative, "ngram_drafts", echo_proposer(expected, wrong_every))
+    engine = make_engine(llama_dir, **config, speculative_method="ngram", async_scheduling="on")
+    engine.scheduler.weigh_drafts = False  # every draft proposed runs
+    assert engine.async_scheduling and "async_scheduling=on" in engine.describe()
+    launches: list[Any] = []
+    overlaps = _count_overlaps(engine, launches)
+    assert _ngram_reference(engine, prompts) == expected
+    stats = engine.stats()
+    assert not any(previous for batch, previous, _ in launches if _has_drafts(batch))
+    if drafts == "none":  # as many overlaps as without speculation
+        plain = make_engine(llama_dir, **config, async_scheduling="on")
+        plain_overlaps = _count_overlaps(plain)
+        _ngram_reference(plain, prompts)
+        assert stats.spec_decode_num_drafts == 0
+        assert overlaps[0] == plain_overlaps[0] > 5
+    else:
+        assert stats.spec_decode_num_accepted_tokens > 0
+        assert engine.num_steps < len(prompts) * GREEDY.max_tokens
+
+
+def _has_drafts(batch: Any) -> bool:
+    return any(r.num_drafts for r in batch.requests)
+
+
+def test_draft_model_composes_with_async_scheduling(llama_dir: Path, tmp_path: Path) -> None:
+    """A draft model whose drafts are rarely accepted (unrelated weights): drafting
+    pauses, the steps between overlap, and the draft mirrors their rows with the input
+    token still on the device. The tokens equal the engine's without either."""
+    from tests.engine.engine_support import build_checkpoint
+
+    draft = build_checkpoint(tmp_path / "draft", "llama", num_hidden_layers=1, hidden_size=32)
+    config = {"block_size": 16, "num_kv_blocks": 512, "max_model_len": 1024}
+    prompts = oracle_prompts(320)[:6]
+    # Long enough for drafting to pause (7 rejected verifications) and the steps to overlap.
+    params = SamplingParams(max_tokens=40, temperature=0, ignore_eos=True)
+    expected = _ngram_reference(make_engine(llama_dir, **config), prompts, params)
+    engine = make_engine(
+        llama_dir,
+        **config,
+        speculative_method="draft",
+        speculative_model=str(draft),
+        async_scheduling="on",
+    )
+    engine.scheduler.weigh_drafts = False
+    overlaps = _count_overlaps(engine)
+    assert engine.runner.drafter is not None
+    draft_inputs = _spy_inputs(engine.runner.drafter.model)
+    assert _ngram_reference(engine, prompts, params) == expected
+    assert engine.stats().spec_decode_num_drafts > 0
+    assert overlaps[0] > 10
+    # Its input ids in the steps that overlapped came from the device: none is a PLACEHOLDER.
+    assert len(draft_inputs) > 20 and PLACEHOLDER not in draft_inputs
+
+
+def _spy_inputs(model: Any) -> set[int]:
+    """The input ids `model` is called with, collected (a set, to read after the run)."""
+    seen: set[int] = set()
+    forward = model.forward
+
+    def spy(input_ids: Any, *args: Any) -> Any:
+        seen.update(input_ids.tolist())
+        return forward(input_ids, *args)
+
+    model.forward = spy
+    return seen
