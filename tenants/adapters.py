@@ -117,14 +117,16 @@ class AdapterService(Audited):
     async def add(
         self, name: str, base_model: str, path: str, tenant: str, max_rank: int | None = None
     ) -> tuple[LoRAAdapter, Tenant]:
-        if not _NAME.match(name):
+        if not _NAME.fullmatch(name):
             raise InvalidInputError(
                 "adapter name must be 1-128 characters of letters, digits and . _ : / @ + -, "
                 "starting with a letter or digit",
                 param="name",
             )
-        if not base_model:
-            raise InvalidInputError("an adapter needs its base model", param="base_model")
+        if not _NAME.fullmatch(base_model):
+            raise InvalidInputError("base_model must be a model's name", param="base_model")
+        if not _storable(tenant):
+            raise NotFoundError(f"no tenant named {tenant[:100]!r}")
         owner = await TenantService(self.session).get(tenant)
         folder = read_folder(path, max_rank)
         if await self._find(name) is not None or await ModelService(self.session).find(name):
@@ -150,6 +152,8 @@ class AdapterService(Audited):
     async def list(self, tenant: str | None = None) -> list[tuple[LoRAAdapter, str]]:
         """Adapters with their tenant's name, optionally one tenant's alone."""
         query = select(LoRAAdapter, Tenant.name).join(Tenant, Tenant.id == LoRAAdapter.tenant_id)
+        if tenant is not None and not _storable(tenant):
+            return []
         if tenant is not None:
             query = query.where(Tenant.name == tenant)
         rows = await self.session.execute(query.order_by(Tenant.name, LoRAAdapter.name))
@@ -168,5 +172,12 @@ class AdapterService(Audited):
         await self._audit("adapter.remove", f"adapter:{name}", row.tenant_id)
 
     async def _find(self, name: str) -> LoRAAdapter | None:
+        if not _NAME.fullmatch(name):
+            return None  # no stored name is like it (and PostgreSQL refuses a NUL)
         rows = await self.session.execute(select(LoRAAdapter).where(LoRAAdapter.name == name))
         return rows.scalar_one_or_none()
+
+
+def _storable(text: str) -> bool:
+    """A name a stored row may have: PostgreSQL refuses a NUL in a query's text."""
+    return len(text) <= 100 and "\0" not in text

@@ -285,3 +285,26 @@ async def test_an_adapter_pays_its_base_models_price_unless_it_has_its_own(
     for name, price in (("ft-a", DEFAULT_PRICE), ("ft-b", own)):
         row = rows[name]
         assert row.cost_micros == price.cost_micros(row.prompt_tokens, row.cached_tokens, 4)
+
+
+async def test_names_no_stored_row_can_have_are_refused_not_queried(
+    gateway: tuple[Litestar, str], sessions: Sessions, folders: dict[str, Path]
+) -> None:
+    """A NUL (PostgreSQL refuses it in a query) or an overlong name: 400 or 404, never 500."""
+    _, url = gateway
+    admin = _auth(await _key(sessions, "ops", KeyRole.ADMIN))
+    async with httpx.AsyncClient(base_url=url) as http:
+        for name, base, tenant, status in (
+            ("ok", "m\u0000", "ops", 400),
+            ("ok", "m" * 200, "ops", 400),
+            ("ok", "m", "o\u0000ps", 404),
+            ("ok", "m", "o" * 300, 404),
+            ("x\n", "m", "ops", 400),
+        ):
+            body = {"name": name, "base_model": base, "path": str(folders["r4"]), "tenant": tenant}
+            reply = await http.post("/admin/api/adapters", json=body, headers=admin)
+            assert reply.status_code == status, (name, base, tenant, reply.text)
+        listed = await http.get("/admin/api/adapters", params={"tenant": "a\u0000"}, headers=admin)
+        assert listed.json() == []
+        gone = await http.delete("/admin/api/adapters/a%00b", headers=admin)
+        assert gone.status_code == 404
