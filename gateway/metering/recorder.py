@@ -64,6 +64,7 @@ from gateway.admission.reconcile import to_us
 from gateway.core.tasks import Periodic, TaskSet
 from gateway.metering.usage import Charge, RequestUsage
 from gateway.telemetry.tracing import REQUEST_ID, in_span
+from tenants.adapters import AdapterService
 from tenants.billing import ledger
 from tenants.billing.prices import PriceBook
 from tenants.db import sqlite_pragmas
@@ -320,18 +321,22 @@ class UsageRecorder:
                     .limit(ORPHAN_BATCH)
                 )
             ).all()
+            # A LoRA adapter's stream pays its base model's price (the checkpoint names
+            # the adapter alone).
+            bases = {a.name: a.base_model for a in await AdapterService(session).routes()}
         billed = 0
         for checkpoint in stale:
-            if checkpoint.request_id not in self._streams and await self._bill(checkpoint):
+            base = bases.get(checkpoint.model)
+            if checkpoint.request_id not in self._streams and await self._bill(checkpoint, base):
                 billed += 1
         if billed:
             log.warning("billed %d streams of a gateway that died, from checkpoints", billed)
         return billed
 
-    async def _bill(self, checkpoint: UsageCheckpoint) -> bool:
+    async def _bill(self, checkpoint: UsageCheckpoint, base: str | None = None) -> bool:
         """The orphan's ledger row, unless its own gateway wrote one or refreshed it (then
         it is alive), or another gateway billed it first."""
-        event = await self._orphan_event(checkpoint)
+        event = await self._orphan_event(checkpoint, base)
         try:
             async with self.sessions.begin() as session:
                 claimed = await session.execute(
@@ -363,9 +368,11 @@ class UsageRecorder:
             log.warning("orphan %s left to the reconciler", event.request_id)
         return True
 
-    async def _orphan_event(self, checkpoint: UsageCheckpoint) -> UsageEvent:
+    async def _orphan_event(
+        self, checkpoint: UsageCheckpoint, base: str | None = None
+    ) -> UsageEvent:
         started_at = as_utc(checkpoint.started_at)
-        quote = await self.prices.quote(checkpoint.model, started_at)
+        quote = await self.prices.quote(checkpoint.model, started_at, base)
         delivered = checkpoint.completion_tokens
         cost = quote.price.cost_micros(
             checkpoint.prompt_tokens, checkpoint.cached_tokens, delivered

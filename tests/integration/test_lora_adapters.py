@@ -28,10 +28,12 @@ from backend.requests import EngineRequest, LoRARequest
 from backend.sampling import SamplingParams
 from gateway.app import create_app, engine_config
 from gateway.dispatch.engine_client import InProcessEngineClient
+from gateway.metering.recorder import STALE_AFTER_S
 from gateway.settings import Settings
+from tenants.adapters import AdapterService
 from tenants.audit import AuditEvent
 from tenants.billing.prices import PriceService
-from tenants.models import KeyRole, UsageEvent, utcnow
+from tenants.models import KeyRole, UsageCheckpoint, UsageEvent, utcnow
 from tenants.pricing import DEFAULT_PRICE, Price
 from tenants.services import ApiKeyService, TenantService
 from tests.conftest import serving
@@ -308,3 +310,36 @@ async def test_names_no_stored_row_can_have_are_refused_not_queried(
         assert listed.json() == []
         gone = await http.delete("/admin/api/adapters/a%00b", headers=admin)
         assert gone.status_code == 404
+
+
+async def test_a_dead_gateways_adapter_stream_is_billed_at_its_base_models_price(
+    gateway: tuple[Litestar, str], sessions: Sessions, folders: dict[str, Path]
+) -> None:
+    """The checkpoint names the adapter alone; the orphan's row pays the base's price."""
+    app, _ = gateway
+    base_price = Price(3_000_000, 1_000_000, 5_000_000)
+    async with sessions.begin() as session:
+        tenant = await TenantService(session).create("acme")
+        key = (await ApiKeyService(session).create(tenant)).key
+        await AdapterService(session).add("ft", "base-m", str(folders["r4"]), "acme")
+        await PriceService(session).create("base-m", base_price, utcnow() - timedelta(seconds=200))
+        session.add(
+            UsageCheckpoint(
+                request_id="req_orphan",
+                tenant_id=tenant.id,
+                api_key_id=key.id,
+                model="ft",
+                endpoint="completions",
+                prompt_tokens=10,
+                cached_tokens=0,
+                completion_tokens=37,
+                started_at=utcnow() - timedelta(seconds=120),
+                updated_at=utcnow() - timedelta(seconds=STALE_AFTER_S + 5),
+            )
+        )
+    recorder = app.state.runtime.recorder
+    recorder.prices.invalidate()
+    assert await recorder.bill_orphans() == 1
+    async with sessions() as session:
+        row = await session.scalar(select(UsageEvent).where(UsageEvent.request_id == "req_orphan"))
+    assert row is not None and row.cost_micros == base_price.cost_micros(10, 0, 37)
