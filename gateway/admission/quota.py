@@ -18,6 +18,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -27,6 +28,7 @@ from gateway.telemetry import current_request
 from tenants.limits import LimitSet
 from tenants.pricing import Price
 from tenants.quota import (
+    CONCURRENCY_RETRY_HINT_S,
     KEY_SCOPE,
     Denied,
     DenyReason,
@@ -41,6 +43,7 @@ from tenants.quota import (
     SpendUnknownError,
     StoreUnavailableError,
     WindowStatus,
+    binding,
     key_scope,
     month_period,
     tenant_scope,
@@ -140,9 +143,10 @@ class Admission:
         price: Price | None = None,  # the price book's, for this model now
     ) -> Ticket:
         price = price or self.price
+        scoped = scopes(principal)
         request = ReserveRequest(
             reservation_id=request_id,
-            scopes=scopes(principal),
+            scopes=scoped,
             tokens=prompt_tokens + max_tokens,
             cost_micros=price.cost_micros(prompt_tokens, 0, max_tokens),
             period=month_period(),
@@ -151,7 +155,7 @@ class Admission:
         outcome = await self._reserve(request)
         if isinstance(outcome, Denied):
             current_request().reject(outcome.reason.value)  # rpm, tpm, concurrency, budget
-            raise _denial(outcome)
+            raise _denial(outcome, scoped)
         assert isinstance(outcome, Granted)
         deadline = asyncio.get_running_loop().time() + self.max_life_s
         self._live[request_id] = (outcome.reservation, deadline)
@@ -186,21 +190,19 @@ class Admission:
     async def refuse_if_exhausted(self, principal: Principal) -> None:
         """Before expensive work (tokenizing a long prompt), refuse a caller whose request
         window, concurrency or budget is already used up, without waiting for the token
-        count. Read-only and advisory: reserve() stays the one atomic check."""
+        count. Read-only and advisory: reserve() stays the one atomic check. The refusal
+        carries the binding x-ratelimit-* headers, as reserve()'s does."""
         period = month_period()
-        for scope in scopes(principal):
-            try:
-                usage = await self.store.usage(scope.key, period)
-            except (StoreUnavailableError, SpendUnknownError):
-                return  # reserve() answers these properly
+        scoped = scopes(principal)
+        try:
+            usages = [await self.store.usage(scope.key, period) for scope in scoped]
+        except (StoreUnavailableError, SpendUnknownError):
+            return  # reserve() answers these properly
+        for scope, usage in zip(scoped, usages, strict=True):
             reason = _exhausted(scope.limits, usage)
             if reason is not None:
                 current_request().reject(reason.value)
-                who = "key" if scope.key.startswith(KEY_SCOPE) else "tenant"
-                message = f"{_EXHAUSTED[reason]} for this {who}"
-                if reason is DenyReason.BUDGET:
-                    raise QuotaExceeded(message)
-                raise RateLimited(message, headers={"Retry-After": "1"})
+                raise _early_denial(reason, scope, usage, usage_headers(scoped, usages))
 
     @property
     def unsettled(self) -> int:
@@ -294,8 +296,54 @@ def _exhausted(limits: Limits, usage: ScopeUsage) -> DenyReason | None:
     return None
 
 
-def _denial(denied: Denied) -> RateLimited:
+def usage_headers(scoped: Sequence[Scope], usages: Sequence[ScopeUsage]) -> dict[str, str]:
+    """The x-ratelimit-* headers of the binding windows, from the scopes' usage."""
+
+    def status(limit: int | None, used: int, usage: ScopeUsage) -> WindowStatus:
+        remaining = None if limit is None else max(0, limit - used)
+        return WindowStatus(limit, remaining, usage.reset_s)
+
+    pairs = list(zip(scoped, usages, strict=True))
+    requests = binding([status(s.limits.rpm, u.requests_in_window, u) for s, u in pairs])
+    tokens = binding([status(s.limits.tpm, u.tokens_in_window, u) for s, u in pairs])
+    return rate_headers(requests, tokens)
+
+
+def concurrency_headers(limit: int | None) -> dict[str, str]:
+    """A concurrency refusal's limit (no OpenAI header names one: these are Tollgate's)."""
+    if limit is None:
+        return {}
+    return {
+        "x-ratelimit-limit-concurrent-requests": str(limit),
+        "x-ratelimit-remaining-concurrent-requests": "0",
+    }
+
+
+def _who(scope_key: str) -> str:
+    return "key" if scope_key.startswith(KEY_SCOPE) else "tenant"
+
+
+def _early_denial(
+    reason: DenyReason, scope: Scope, usage: ScopeUsage, headers: dict[str, str]
+) -> RateLimited:
+    """refuse_if_exhausted's refusal: `scope`'s `reason` limit is used up."""
+    message = f"{_EXHAUSTED[reason]} for this {_who(scope.key)}"
+    if reason is DenyReason.BUDGET:
+        return QuotaExceeded(message, headers=headers)
+    if reason is DenyReason.CONCURRENCY:
+        headers |= concurrency_headers(scope.limits.max_concurrent)
+        wait = CONCURRENCY_RETRY_HINT_S
+    else:  # the minute's requests: a place frees when the oldest leaves the window
+        wait = usage.oldest_leaves_s
+    headers["Retry-After"] = str(max(1, math.ceil(wait)))
+    return RateLimited(message, headers=headers)
+
+
+def _denial(denied: Denied, scoped: Sequence[Scope]) -> RateLimited:
     headers = rate_headers(denied.requests, denied.tokens)
+    if denied.reason is DenyReason.CONCURRENCY:
+        limits = next(s.limits for s in scoped if s.key == denied.scope_key)
+        headers |= concurrency_headers(limits.max_concurrent)
     if denied.reason is DenyReason.BUDGET:
         return QuotaExceeded(
             "this request's worst-case cost does not fit the remaining monthly budget; "
@@ -309,5 +357,6 @@ def _denial(denied: Denied) -> RateLimited:
         DenyReason.TPM: "tokens per minute",
         DenyReason.CONCURRENCY: "concurrent requests",
     }[denied.reason]
-    scope = "key" if denied.scope_key.startswith(KEY_SCOPE) else "tenant"
-    return RateLimited(f"rate limit reached: {limit} for this {scope}", headers=headers)
+    return RateLimited(
+        f"rate limit reached: {limit} for this {_who(denied.scope_key)}", headers=headers
+    )

@@ -112,6 +112,10 @@ class BatchService:
                 f"the batch would enqueue up to {tokens} tokens, with {enqueued} enqueued "
                 f"already; your plan allows {cap}",
                 param="input_file_id",
+                headers={  # the limit that refused; room comes back as batches finish
+                    "x-ratelimit-limit-tokens": str(cap),
+                    "x-ratelimit-remaining-tokens": str(max(0, cap - enqueued)),
+                },
             )
 
     async def _check_budget(self, micros: int) -> None:

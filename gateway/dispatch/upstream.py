@@ -729,8 +729,11 @@ def _refusal(status: int, headers: dict[str, str], content: bytes) -> TargetFail
     if status in REFUSALS:
         refused = message or f"the upstream refused the request (HTTP {status})"
         return TargetFailed(InvalidRequest(refused, param=param), retryable=False)
-    if status == 429:
-        limited = RateLimited(message or "the upstream is rate limiting", headers=passed)
+    if status == 429:  # the upstream's limit refused: its x-ratelimit-* headers say which
+        limits = {k: v for k, v in headers.items() if k.startswith("x-ratelimit-")}
+        limited = RateLimited(
+            message or "the upstream is rate limiting", headers={**limits, **passed}
+        )
         return TargetFailed(limited, retryable=True)
     if status == 503:
         overloaded = Overloaded(message or "the upstream is overloaded", headers=passed)

@@ -43,6 +43,8 @@ EXPOSED = ", ".join(
             for w in ("limit", "remaining", "reset")
             for k in ("requests", "tokens")
         ),
+        "x-ratelimit-limit-concurrent-requests",
+        "x-ratelimit-remaining-concurrent-requests",
         "retry-after",
         "x-should-retry",
         "idempotent-replayed",

@@ -39,7 +39,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from enum import StrEnum
 from typing import Protocol, runtime_checkable
@@ -292,6 +292,23 @@ class ScopeUsage:
     concurrent: int
     requests_in_window: int
     tokens_in_window: int
+    # The window's timing, for the headers of a refusal made from usage (not compared):
+    # seconds until it is empty again (x-ratelimit-reset-*) and until its oldest
+    # admission leaves (a request's place frees: Retry-After).
+    reset_s: float = field(default=0.0, compare=False)
+    oldest_leaves_s: float = field(default=0.0, compare=False)
+
+
+def window_timing(
+    oldest_us: int, newest_us: int, now_us: int, window_us: int
+) -> tuple[float, float]:
+    """(reset_s, oldest_leaves_s) of a window from its oldest and newest admissions (-1:
+    empty)."""
+    if newest_us < 0:
+        return 0.0, 0.0
+    return max(0, newest_us + window_us - now_us) / 1e6, max(
+        0, oldest_us + window_us - now_us
+    ) / 1e6
 
 
 Decision = Granted | Denied

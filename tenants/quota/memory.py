@@ -23,7 +23,7 @@ import time
 import uuid
 from collections import deque
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from tenants.quota.contract import (
     DEFAULT_SETTLED_TTL_S,
@@ -48,6 +48,7 @@ from tenants.quota.contract import (
     retry_after,
     wall_us,
     window_status,
+    window_timing,
 )
 
 
@@ -396,14 +397,18 @@ class MemoryQuotaStore:
 
     async def usage(self, scope_key: str, period: str) -> ScopeUsage:
         with self._lock:
-            state = self._scope(scope_key, self._now())
-            return ScopeUsage(
+            now = self._now()
+            state = self._scope(scope_key, now)
+            usage = ScopeUsage(
                 spent_micros=state.spent.get(period, 0),
                 reserved_micros=state.reserved.get(period, 0),
                 concurrent=len(state.leases),
                 requests_in_window=len(state.window),
                 tokens_in_window=state.tokens_total,
             )
+            oldest = state.window[0][0] if state.window else -1
+            reset_s, leaves_s = window_timing(oldest, state.newest(), now, self._window_us)
+            return replace(usage, reset_s=reset_s, oldest_leaves_s=leaves_s)
 
     async def expire_leases(self) -> int:
         with self._lock:

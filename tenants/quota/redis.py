@@ -74,6 +74,7 @@ from tenants.quota.contract import (
     retry_after,
     wall_us,
     window_status,
+    window_timing,
 )
 
 DEFAULT_PREFIX = "tollgate:quota:"
@@ -544,7 +545,8 @@ return 1
 # usage: counters of one scope, after releasing its expired leases.
 # KEYS[1] active ZSET   KEYS[2..6] the scope's st, lease, held, win, wtok
 # ARGV[1] scope name   ARGV[2] period   ARGV[3] window (us)
-# Returns {spent, reserved, concurrent, requests in window, tokens in window}.
+# Returns {spent, reserved, concurrent, requests in window, tokens in window, now (us),
+# oldest and newest admission in the window (us, -1: empty)}.
 USAGE_LUA = (
     _LUA_HELPERS
     + """
@@ -554,8 +556,11 @@ local now = now_us()
 if expire_scope(st, lease, held, now) > 0 then touch_active(KEYS[1], lease, ARGV[1]) end
 prune_window(st, win, wtok, now)
 local counters = redis.call('HMGET', st, 'spent:' .. ARGV[2], 'reserved:' .. ARGV[2], 'wtokens')
+local oldest = redis.call('ZRANGE', win, 0, 0, 'WITHSCORES')
+local newest = redis.call('ZRANGE', win, -1, -1, 'WITHSCORES')
 return {tonumber(counters[1] or 0), tonumber(counters[2] or 0), redis.call('ZCARD', lease),
-        redis.call('ZCARD', win), tonumber(counters[3] or 0)}
+        redis.call('ZCARD', win), tonumber(counters[3] or 0), now,
+        tonumber(oldest[2] or -1), tonumber(newest[2] or -1)}
 """
 )
 
@@ -839,10 +844,10 @@ class RedisQuotaStore:
 
     async def usage(self, scope_key: str, period: str) -> ScopeUsage:
         keys = [self._active, *self._scope_keys(scope_key)]
-        spent, reserved, concurrent, requests, tokens = await self._script(
-            self._usage, keys, [scope_key, period, self._window_us]
-        )
-        return ScopeUsage(int(spent), int(reserved), int(concurrent), int(requests), int(tokens))
+        counters = await self._script(self._usage, keys, [scope_key, period, self._window_us])
+        spent, reserved, concurrent, requests, tokens, now, oldest, newest = map(int, counters)
+        reset_s, leaves_s = window_timing(oldest, newest, now, self._window_us)
+        return ScopeUsage(spent, reserved, concurrent, requests, tokens, reset_s, leaves_s)
 
     async def begin_rebuild(self, period: str) -> str:
         token = uuid.uuid4().hex

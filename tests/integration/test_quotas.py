@@ -21,7 +21,15 @@ from gateway.settings import Settings
 from tenants.limits import LimitSet, PlanTerms
 from tenants.models import UsageEvent
 from tenants.pricing import DEFAULT_PRICE
-from tenants.quota import month_period, tenant_scope
+from tenants.quota import (
+    Granted,
+    Limits,
+    ReserveRequest,
+    Scope,
+    key_scope,
+    month_period,
+    tenant_scope,
+)
 from tenants.services import ApiKeyService, PlanService, TenantService
 from tests.conftest import REDIS_URL, serving
 
@@ -257,3 +265,66 @@ async def test_many_empty_messages_from_a_spent_key_are_not_rendered(
     assert refused.status_code == 429, refused.text
     assert refused.json()["error"]["code"] == "rate_limit_exceeded"
     assert rendered == []
+
+
+async def test_an_early_refusal_names_the_binding_limit_of_key_and_tenant(
+    app: Litestar, sessions: Sessions, engine_client: InProcessEngineClient
+) -> None:
+    """A long prompt refused before it is tokenized (the key's minute is used up) carries
+    the same x-ratelimit-* headers as reserve()'s refusal: the key's rpm 1, not the
+    plan's 100; the plan's tpm where the key has none; when the window frees."""
+    _, key = await _tenant_key(sessions, LimitSet(rpm=100, tpm=5000))
+    async with sessions.begin() as session:
+        await ApiKeyService(session).set_limits(key.split("_")[0], LimitSet(rpm=1))
+    headers = {"Authorization": f"Bearer {key}"}
+    body = _body(engine_client.model_name, max_tokens=1)
+    async with _client(app) as client:
+        spend = await client.post("/v1/completions", json=body, headers=headers)
+        assert spend.status_code == 200, spend.text
+        long = {**body, "prompt": "-" * 5000}
+        refused = await client.post("/v1/completions", json=long, headers=headers)
+    assert refused.status_code == 429, refused.text
+    limit = refused.headers
+    assert (limit["x-ratelimit-limit-requests"], limit["x-ratelimit-remaining-requests"]) == (
+        "1",
+        "0",
+    )
+    assert 0 < float(limit["x-ratelimit-reset-requests"].removesuffix("s")) <= 60
+    assert limit["x-ratelimit-limit-tokens"] == "5000"
+    assert 0 < int(limit["x-ratelimit-remaining-tokens"]) < 5000
+    assert 1 <= int(limit["retry-after"]) <= 60
+
+
+async def test_a_concurrency_refusal_names_the_concurrency_limit(
+    app: Litestar, sessions: Sessions, engine_client: InProcessEngineClient
+) -> None:
+    """A key whose one concurrent slot is taken is refused, at reserve() and before
+    tokenizing, with its concurrency limit, Retry-After and the binding windows."""
+    _, key = await _tenant_key(sessions, LimitSet(rpm=100))
+    async with sessions.begin() as session:
+        keys = ApiKeyService(session)
+        await keys.set_limits(key.split("_")[0], LimitSet(max_concurrent=1))
+        key_id = (await keys.get(key.split("_")[0])).id
+    runtime: Runtime = app.state.runtime
+    held = ReserveRequest(  # an in-flight request of this key holds its one slot
+        reservation_id=f"held{uuid.uuid4().hex[:8]}",
+        scopes=(Scope(key_scope(key_id), Limits(max_concurrent=1)),),
+        tokens=1,
+        cost_micros=0,
+        period=month_period(),
+        lease_s=60,
+    )
+    assert isinstance(await runtime.admission.store.reserve(held), Granted)
+    headers = {"Authorization": f"Bearer {key}"}
+    body = _body(engine_client.model_name, max_tokens=1)
+    async with _client(app) as client:
+        short = await client.post("/v1/completions", json=body, headers=headers)
+        long = {**body, "prompt": "-" * 5000}
+        early = await client.post("/v1/completions", json=long, headers=headers)
+    await runtime.admission.store.settle(held.reservation, 0, 0)
+    for refused in (short, early):
+        assert refused.status_code == 429, refused.text
+        assert refused.headers["x-ratelimit-limit-concurrent-requests"] == "1"
+        assert refused.headers["x-ratelimit-remaining-concurrent-requests"] == "0"
+        assert refused.headers["retry-after"] == "1"
+        assert refused.headers["x-ratelimit-limit-requests"] == "100"

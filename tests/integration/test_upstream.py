@@ -697,6 +697,10 @@ async def test_upstream_429_and_503_pass_through_with_their_retry_after(gateway:
         with pytest.raises(openai.RateLimitError) as limited:
             await sdk.completions.create(model=MODEL, prompt="hi", max_tokens=2)
         assert limited.value.response.headers["retry-after"] == "7"
+        passed = limited.value.response.headers  # the upstream's limit, the one that refused
+        assert passed["x-ratelimit-limit-requests"] == "60"
+        assert passed["x-ratelimit-remaining-requests"] == "0"
+        assert passed["x-ratelimit-reset-requests"] == "7s"
         assert limited.value.body["type"] == "rate_limit_error"  # type: ignore[index]
 
         await http.post(f"{url}/_test/fail", json={"status": 503, "retry_after": 3})

@@ -374,6 +374,12 @@ async def _admit(request: Request[Any, Any, Any]) -> tuple[State, Record, dict[s
     if failure is not None:
         record.status = failure[0]
         retry = {"Retry-After": str(failure[1])}
+        if failure[0] == 429:  # as OpenAI's: the limit that refused
+            retry |= {
+                "x-ratelimit-limit-requests": "60",
+                "x-ratelimit-remaining-requests": "0",
+                "x-ratelimit-reset-requests": f"{failure[1]}s",
+            }
         raise UpstreamError(failure[0], "the server is overloaded (test failure)", retry)
     if body.get("model") not in (None, state.config.model):
         raise UpstreamError(404, f"The model `{body.get('model')}` does not exist.")

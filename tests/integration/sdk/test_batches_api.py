@@ -252,6 +252,9 @@ async def test_the_plans_cap_on_enqueued_batch_tokens_refuses_a_batch_past_it(
     with pytest.raises(openai.RateLimitError) as refused:
         await _batch(capped, _jsonl(engine_client.model_name, 3))  # past 200 with the first
     assert "token_limit_exceeded" in str(refused.value.body)
+    limit = refused.value.response.headers  # the cap that refused, and what is left of it
+    assert limit["x-ratelimit-limit-tokens"] == "200"
+    assert 0 <= int(limit["x-ratelimit-remaining-tokens"]) < 200
     await _until(capped, first.id, "completed")
     await _until(
         capped, (await _batch(capped, _jsonl(engine_client.model_name, 2))).id, "completed"
