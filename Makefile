@@ -51,6 +51,7 @@ lint: setup
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
 	$(BIN)/mypy
+	$(BIN)/python scripts/structure_report.py --check  # the gateway's layers, no folder cycles
 
 format: setup
 	$(BIN)/ruff format .

@@ -7,10 +7,10 @@ import time
 from collections.abc import AsyncIterator
 from contextlib import AsyncExitStack, asynccontextmanager
 from datetime import timedelta
+from functools import partial
 from typing import Protocol, TypeVar
 
 from litestar import Litestar
-from litestar.di import Provide
 from sqlalchemy.exc import SQLAlchemyError
 from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
 from sqlalchemy.orm import Session
@@ -26,6 +26,7 @@ from gateway.admission.idempotency import Idempotency
 from gateway.admission.key_generation import GenerationListener, SqliteGeneration
 from gateway.admission.quota import Admission
 from gateway.admission.reconcile import Rebuilder, Upkeep
+from gateway.api.batch_lines import run_line
 from gateway.api.batches import BatchesController, FilesController
 from gateway.api.embeddings import EmbeddingsController
 from gateway.api.health import healthz, readyz
@@ -36,7 +37,6 @@ from gateway.batches.service import open_blob_store
 from gateway.batches.tasks import CeleryBatches, runs_in_celery
 from gateway.billing.jobs import BillingJobs
 from gateway.console import console_router
-from gateway.core.errors import exception_handlers
 from gateway.core.tasks import Periodic, TaskSet
 from gateway.dispatch import discovery
 from gateway.dispatch.builder import client_builder
@@ -44,11 +44,12 @@ from gateway.dispatch.directory import ModelDirectory
 from gateway.dispatch.engine_client import EngineClient, InProcessEngineClient
 from gateway.http.auth import echo_request_id
 from gateway.http.cors import Cors
-from gateway.http.deps import REQUEST_DEPENDENCIES
+from gateway.http.errors import exception_handlers
 from gateway.http.metrics import metrics
+from gateway.http.telemetry import observed
 from gateway.metering.recorder import UsageRecorder
 from gateway.openapi import openapi_config
-from gateway.runtime import Runtime, provide_runtime
+from gateway.runtime import Runtime, dependencies
 from gateway.settings import Settings
 from gateway.telemetry import Telemetry
 from tenants.billing.prices import PriceBook
@@ -127,10 +128,7 @@ def create_app(
             readyz,
             metrics,
         ],
-        dependencies={
-            "runtime": Provide(provide_runtime, sync_to_thread=False),
-            **REQUEST_DEPENDENCIES,
-        },
+        dependencies=dependencies(),
         exception_handlers=exception_handlers(),
         lifespan=[lifespan],
         before_send=[echo_request_id],
@@ -140,7 +138,7 @@ def create_app(
         debug=False,
     )
     # Around the router, not per route: a request no route takes (a 404) is observed too.
-    app.asgi_handler = telemetry.middleware(app.asgi_handler)
+    app.asgi_handler = observed(telemetry, app.asgi_handler)
     if settings.cors_origins:  # outermost: a preflight is answered, not counted as a request
         app.asgi_handler = Cors(settings.cors_origins).middleware(app.asgi_handler)
     return app
@@ -166,7 +164,15 @@ def batch_runner(runtime: Runtime) -> BatchRunner | CeleryBatches:
     """Who runs batches: this gateway (embedded), or Celery workers (stack mode)."""
     if runs_in_celery(runtime.settings):
         return CeleryBatches(runtime.settings)
-    return BatchRunner(runtime)
+    return embedded_runner(runtime)
+
+
+def embedded_runner(runtime: Runtime, only: str | None = None) -> BatchRunner:
+    """The batch runner, running each line through the generation routes' own path: all
+    the batches (a gateway's), or `only` one (a Celery task's, gateway/batches/worker.py)."""
+    lines = partial(run_line, runtime.generation_services())
+    services = (runtime.settings, lines, runtime.engine_client, runtime.file_blobs)
+    return BatchRunner(runtime.sessions, *services, only=only)
 
 
 async def open_worker_runtime(settings: Settings, stack: AsyncExitStack) -> Runtime:
@@ -280,7 +286,7 @@ async def attach_models(runtime: Runtime, telemetry: Telemetry, stack: AsyncExit
     registry's models, re-read every few seconds (their clients closed by `stack`)."""
     metrics = telemetry.metrics
     build = client_builder(runtime.settings, metrics.disagreement, metrics.overclaim)
-    models = ModelDirectory(runtime.sessions, build, runtime.engine_client)
+    models = ModelDirectory(runtime.sessions, build, runtime.engine_client, runtime.model_loaded_at)
     stack.push_async_callback(models.close)
     try:
         await models.refresh()

@@ -1,24 +1,32 @@
-"""What a running gateway holds: settings, database, engine client and the recorder."""
+"""The composition root: what a running gateway holds (settings, database, stores, engine
+clients, the recorder), wired once by the app factory, and the providers that hand each
+handler the services it asks for by name. Only the app factory and its start-up code
+import this module; routes and services receive what they use."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 from litestar.datastructures import State
+from litestar.di import Provide
 from sqlalchemy.ext.asyncio import AsyncEngine, AsyncSession, async_sessionmaker
 
 from gateway.admission.auth_failures import AuthFailureLog
+from gateway.admission.authentication import KeyAuthentication
 from gateway.admission.idempotency import Idempotency
 from gateway.admission.key_cache import KeyCache
 from gateway.admission.key_generation import GenerationListener, SqliteGeneration
 from gateway.admission.quota import Admission
+from gateway.api.services import GenerationServices
 from gateway.core.errors import EngineUnavailable
 from gateway.core.tasks import TaskSet
 from gateway.dispatch.directory import ModelDirectory
 from gateway.dispatch.engine_client import EngineClient
+from gateway.http.deps import provide_db_session
 from gateway.metering.recorder import UsageRecorder
 from gateway.settings import Settings
-from tenants.adapters import Adapter
 from tenants.blobs import BlobStore
 
 
@@ -60,26 +68,42 @@ class Runtime:
             raise RuntimeError("the runtime was opened without its file store")
         return self.blobs
 
-    def engine_for(self, model: str) -> EngineClient:
-        """The client serving `model` (404 when none does), 503 until it is ready."""
-        return _ready(model, self.directory.get(model))
-
-    def serving(self, model: str, tenant_id: str) -> tuple[EngineClient, Adapter | None]:
-        """The client serving `model` for this tenant, and its LoRA adapter when `model`
-        names one of the tenant's own (another tenant's is a 404, as an unknown model)."""
-        client, adapter = self.directory.resolve(model, tenant_id)
-        return _ready(model, client), adapter
-
-
-def _ready(model: str, client: EngineClient) -> EngineClient:
-    """503 until the client is ready."""
-    if not client.is_ready():
-        raise EngineUnavailable(
-            f"the model {model!r} is not ready yet", headers={"Retry-After": "1"}
+    def authentication(self) -> KeyAuthentication:
+        return KeyAuthentication(
+            self.sessions,
+            self.direct,
+            self.keys,
+            self.generations or self.sqlite_generation,
+            self.auth_failures,
         )
-    return client
+
+    def generation_services(self) -> GenerationServices:
+        services = (self.admission, self.idempotency, self.recorder, self.tasks)
+        return GenerationServices(self.settings, self.directory, *services)
 
 
-def provide_runtime(state: State) -> Runtime:
-    runtime: Runtime = state.runtime
-    return runtime
+def _from_runtime(read: Callable[[Runtime], Any]) -> Provide:
+    """A provider of what `read` takes from the app's runtime, read at each request: what
+    the start attaches later (the engine, the models) and a test's changes are seen."""
+
+    def provide(state: State) -> Any:
+        return read(state.runtime)
+
+    return Provide(provide, sync_to_thread=False)
+
+
+def dependencies() -> dict[str, Provide]:
+    """Every service a handler may ask for, by the name of its parameter."""
+    return {
+        "settings": _from_runtime(lambda r: r.settings),
+        "sessions": _from_runtime(lambda r: r.sessions),
+        "database": _from_runtime(lambda r: r.db),
+        "engine_client": _from_runtime(lambda r: r.engine_client),  # None until attached
+        "directory": _from_runtime(lambda r: r.directory),
+        "authentication": _from_runtime(Runtime.authentication),
+        "quota_store": _from_runtime(lambda r: r.admission.store),
+        "prices": _from_runtime(lambda r: r.recorder.prices),
+        "services": _from_runtime(Runtime.generation_services),
+        "file_blobs": _from_runtime(lambda r: r.file_blobs),
+        "db_session": Provide(provide_db_session),
+    }

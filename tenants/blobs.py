@@ -10,11 +10,12 @@ import asyncio
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any, Protocol, runtime_checkable
 
 from tenants.errors import NotFoundError
 
 
+@runtime_checkable  # Litestar checks a dependency against its type
 class BlobStore(Protocol):
     async def put(self, name: str, content: bytes) -> None:
         """Whole or absent: a crash halfway leaves no half blob under `name`."""

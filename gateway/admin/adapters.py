@@ -15,7 +15,7 @@ from gateway.admin.controllers import admin_actor, audited, require_admin
 from gateway.api.schemas import decode
 from gateway.openapi import ADMIN, ADMIN_WRITE, documented
 from gateway.openapi.shapes import LoRAAdapter
-from gateway.runtime import Runtime
+from gateway.settings import Settings
 from tenants.adapters import AdapterService, adapter_view
 
 
@@ -28,10 +28,10 @@ class AdapterBody(Struct, kw_only=True, forbid_unknown_fields=True):
     tenant: str  # the owner's name
 
 
-def max_lora_rank(runtime: NamedDependency[Runtime]) -> int:
+def max_lora_rank(settings: NamedDependency[Settings]) -> int:
     """The engine's largest adapter rank (the in-process engine's knob, which `tollgate
     backend serve` reads from the same variable)."""
-    return runtime.settings.engine.max_lora_rank
+    return settings.engine.max_lora_rank
 
 
 class AdapterAdminController(Controller):

@@ -41,12 +41,12 @@ from gateway.openapi.shapes import (
     TenantUsageReport,
     UsageRow,
 )
-from gateway.runtime import Runtime
+from gateway.settings import Settings
 from tenants.audit import Actor
 from tenants.billing.customers import StripeCustomerService
 from tenants.billing.export_lock import ExportBusy
 from tenants.billing.outbox import OutboxService
-from tenants.billing.prices import PriceService
+from tenants.billing.prices import PriceBook, PriceService
 from tenants.billing.reports import build_report, export_csv
 from tenants.models import UsageEvent
 from tenants.pricing import Price
@@ -181,7 +181,7 @@ class BillingAdminController(Controller):
     async def create_price(
         self,
         body: RawBody,
-        runtime: NamedDependency[Runtime],
+        prices: NamedDependency[PriceBook],
         db_session: NamedDependency[AsyncSession],
         actor: NamedDependency[Actor],
     ) -> dict[str, Any]:
@@ -197,18 +197,18 @@ class BillingAdminController(Controller):
             price.effective(),
         )
         await db_session.commit()  # before the book is re-read
-        runtime.recorder.prices.invalidate()  # this process sees it at once, others soon
+        prices.invalidate()  # this process sees it at once, others soon
         return price_view(version)
 
     @get("/billing/export", operation_class=documented(ExportStatus, errors=ADMIN))
     async def export_status(
         self,
-        runtime: NamedDependency[Runtime],
+        settings: NamedDependency[Settings],
         db_session: NamedDependency[AsyncSession],
         admin: NamedDependency[Principal],
     ) -> dict[str, Any]:
         status = (await OutboxService(db_session).status()).view()
-        return {"stripe": runtime.settings.stripe_api_key is not None, **status}
+        return {"stripe": settings.stripe_api_key is not None, **status}
 
     @post(
         "/billing/export/requeue",
@@ -245,13 +245,12 @@ class BillingAdminController(Controller):
     )
     async def export(
         self,
-        runtime: NamedDependency[Runtime],
+        settings: NamedDependency[Settings],
         db_session: NamedDependency[AsyncSession],
         actor: NamedDependency[Actor],
     ) -> dict[str, Any]:
         """Run the Stripe relay once, now (it also runs on its schedule); 409 while
         another run holds the export lock."""
-        settings = runtime.settings
         if settings.stripe_api_key is None:
             raise InvalidRequest(
                 "Stripe export is off: set TOLLGATE_STRIPE_API_KEY", code="stripe_disabled"

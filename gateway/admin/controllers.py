@@ -22,14 +22,15 @@ from gateway.admin.schemas import (
     plan_view,
     tenant_view,
 )
+from gateway.admission.authentication import KeyAuthentication
 from gateway.api.schemas import decode
 from gateway.core.errors import InvalidRequest, PermissionDenied
+from gateway.dispatch.directory import ModelDirectory
 from gateway.dispatch.upstream import OpenAIUpstreamClient
 from gateway.http.auth import audit_context, authenticate, note_failure
 from gateway.http.deps import month_usage
 from gateway.openapi import ADMIN, ADMIN_WRITE, documented
 from gateway.openapi.shapes import CreatedKey, Key, Plan, ServedModel, Tenant, TenantQuota
-from gateway.runtime import Runtime
 from tenants.audit import Actor
 from tenants.limits import PlanTerms
 from tenants.models import KeyRole
@@ -42,11 +43,11 @@ S = TypeVar("S", bound=Audited)
 
 
 async def require_admin(
-    request: Request[Any, Any, Any], runtime: NamedDependency[Runtime]
+    request: Request[Any, Any, Any], authentication: NamedDependency[KeyAuthentication]
 ) -> Principal:
-    principal = await authenticate(request, runtime)
+    principal = await authenticate(request, authentication)
     if principal.role != KeyRole.ADMIN:
-        note_failure(request, runtime, principal.key_prefix, "admin_required")
+        note_failure(request, authentication, principal.key_prefix, "admin_required")
         raise PermissionDenied("this needs an admin key", code="admin_required")
     return principal
 
@@ -65,10 +66,10 @@ def audited(service: type[S]) -> Provide:
     return Provide(provide, sync_to_thread=False)
 
 
-def served(row: RegistryRow, runtime: Runtime) -> dict[str, Any]:
+def served(row: RegistryRow, directory: ModelDirectory) -> dict[str, Any]:
     """A registry model, with its upstreams' health as this replica sees them (an
     upstream that claimed more usage than was reserved is `suspect`)."""
-    client = runtime.models.built(row.name) if runtime.models is not None else None
+    client = directory.built(row.name)
     upstreams = client.upstreams() if isinstance(client, OpenAIUpstreamClient) else []
     return {**model_view(row), "upstreams": upstreams}
 
@@ -207,18 +208,18 @@ class AdminController(Controller):
     # refresh), so nothing here touches this replica's clients. `path`: names may hold '/'.
     @get("/models", operation_class=documented(list[ServedModel], errors=ADMIN))
     async def list_models(
-        self, models: NamedDependency[ModelService], runtime: NamedDependency[Runtime]
+        self, models: NamedDependency[ModelService], directory: NamedDependency[ModelDirectory]
     ) -> list[dict[str, Any]]:
-        return [served(row, runtime) for row in await models.list()]
+        return [served(row, directory) for row in await models.list()]
 
     @get("/models/{name:path}", operation_class=documented(ServedModel, errors=ADMIN))
     async def get_model(
         self,
         name: FromPath[str],
         models: NamedDependency[ModelService],
-        runtime: NamedDependency[Runtime],
+        directory: NamedDependency[ModelDirectory],
     ) -> dict[str, Any]:
-        return served(await models.get(name.lstrip("/")), runtime)
+        return served(await models.get(name.lstrip("/")), directory)
 
     @post(
         "/models",

@@ -16,10 +16,13 @@ from gateway.api.schemas import decode
 from gateway.batches.service import BatchService
 from gateway.batches.tasks import BatchWaker
 from gateway.core.errors import InvalidRequest
+from gateway.dispatch.directory import ModelDirectory
 from gateway.http.auth import authenticate
 from gateway.openapi import AUTHENTICATED, documented
-from gateway.runtime import Runtime
+from tenants.billing.prices import PriceBook
+from tenants.blobs import BlobStore
 from tenants.files import MAX_FILE_BYTES
+from tenants.quota import QuotaStore
 from tenants.services import Principal
 
 FILE_ERRORS = (*AUTHENTICATED, 404)
@@ -100,11 +103,14 @@ def provide_batch_runner(state: State) -> BatchWaker:
 
 
 def provide_batch_service(
-    runtime: NamedDependency[Runtime],
     db_session: NamedDependency[AsyncSession],
     principal: NamedDependency[Principal],
+    file_blobs: NamedDependency[BlobStore],
+    directory: NamedDependency[ModelDirectory],
+    prices: NamedDependency[PriceBook],
+    quota_store: NamedDependency[QuotaStore],
 ) -> BatchService:
-    return BatchService(runtime, db_session, principal)
+    return BatchService(db_session, principal, file_blobs, directory, prices, quota_store)
 
 
 _DEPENDENCIES = {

@@ -24,13 +24,13 @@ from gateway.admission import policy
 from gateway.api.generation import api_error
 from gateway.api.openai import admit, respond_whole, tokenize
 from gateway.api.schemas import PositiveInt, TokenId, decode
+from gateway.api.services import GenerationServices
 from gateway.core.errors import InvalidRequest, Overloaded
+from gateway.core.usage import Charge, RequestUsage
 from gateway.dispatch.engine_client import EngineClient
 from gateway.http.auth import authenticate, new_request_id
-from gateway.metering.usage import Charge, RequestUsage
 from gateway.openapi import GENERATION, documented
 from gateway.openapi.shapes import EmbeddingList
-from gateway.runtime import Runtime
 from gateway.telemetry import current_request
 from tenants.models import UsageStatus
 from tenants.services import Principal
@@ -81,7 +81,7 @@ class EmbeddingRequest(Struct, kw_only=True):
 
 @dataclass
 class Embedding:
-    """One admitted embeddings request, as telemetry reads it (gateway.metering.usage.Metered)."""
+    """One admitted embeddings request, as telemetry reads it (gateway.core.usage.Metered)."""
 
     charge: Charge
     inputs: list[list[int]]
@@ -115,21 +115,21 @@ class EmbeddingsController(Controller):
         self,
         request: Request[Any, Any, Any],
         principal: NamedDependency[Principal],
-        runtime: NamedDependency[Runtime],
+        services: NamedDependency[GenerationServices],
     ) -> Response[Any]:
         body = decode(await request.body(), EmbeddingRequest)
-        return await embed(request, runtime, principal, body)
+        return await embed(request, services, principal, body)
 
 
 async def embed(
     request: Request[Any, Any, Any],
-    runtime: Runtime,
+    services: GenerationServices,
     principal: Principal,
     body: EmbeddingRequest,
     endpoint: str = "embeddings",
     priority: int | None = None,  # None: the plan's default
 ) -> Response[Any]:
-    engine, adapter = runtime.serving(body.model, principal.tenant_id)
+    engine, adapter = services.directory.ready(body.model, principal.tenant_id)
     if adapter is not None:  # the tenant's own: it may know the adapter exists
         raise InvalidRequest(
             f"{body.model!r} is a LoRA adapter; embeddings come from base models only",
@@ -138,23 +138,23 @@ async def embed(
         )
     policy.check_model(principal, body.model)
     body.check_dimensions(engine.hidden_size)
-    inputs = await _inputs(body, engine, runtime, principal)
+    inputs = await _inputs(body, engine, services, principal)
     if priority is None:
         priority = policy.priority(principal, None)
     charge = Charge(new_request_id(), principal, body.model, endpoint, priority=priority)
     job = Embedding(charge, inputs)
     current_request().describe(job, stream=False)
     tokens = sum(map(len, inputs))
-    admitted = await admit(request, runtime, principal, charge, tokens, 0)
+    admitted = await admit(request, services, principal, charge, tokens, 0)
     if isinstance(admitted, Response):
         return admitted
     job.charge = admitted.charge
-    embedded = _embed(job, engine, runtime, body)
-    return await respond_whole(request, runtime, admitted, embedded)
+    embedded = _embed(job, engine, services, body)
+    return await respond_whole(request, services, admitted, embedded)
 
 
 async def _inputs(
-    body: EmbeddingRequest, engine: EngineClient, runtime: Runtime, principal: Principal
+    body: EmbeddingRequest, engine: EngineClient, services: GenerationServices, principal: Principal
 ) -> list[list[int]]:
     """Each input's token ids, each within the model's context."""
     texts = body.texts()
@@ -166,14 +166,14 @@ async def _inputs(
                 len(text), engine.max_model_len, engine.max_token_chars, "input"
             )
         chars = sum(map(len, texts))
-        inputs = await tokenize(runtime, principal, chars, partial(_encode_all, engine, texts))
+        inputs = await tokenize(services, principal, chars, partial(_encode_all, engine, texts))
     for ids in inputs:
         policy.room_for_output(len(ids), engine.max_model_len, "input")
     return inputs
 
 
 async def _embed(
-    job: Embedding, engine: EngineClient, runtime: Runtime, body: EmbeddingRequest
+    job: Embedding, engine: EngineClient, services: GenerationServices, body: EmbeddingRequest
 ) -> dict[str, Any]:
     """The vectors, and the one ledger row: billed for the input, free if refused."""
     usage = RequestUsage(prompt_tokens=sum(map(len, job.inputs)))
@@ -181,18 +181,18 @@ async def _embed(
         vectors = await engine.embed(job.inputs)
     except asyncio.CancelledError:  # the client left: the work was asked for
         usage.status = UsageStatus.CANCELLED
-        _settle(job, runtime, usage)
+        _settle(job, services, usage)
         raise
     except Exception as exc:  # refused or failed: free (see UsageRecorder)
         error = api_error(exc)
         refused = isinstance(error, Overloaded)
         usage.status = UsageStatus.REJECTED if refused else UsageStatus.FAILED
         usage.error = error.code or error.type
-        _settle(job, runtime, usage)
+        _settle(job, services, usage)
         if isinstance(error, InvalidRequest):  # the engine names the input "prompt"
             raise InvalidRequest(error.message, param="input") from exc
         raise error from exc
-    await asyncio.shield(_settle(job, runtime, usage))
+    await asyncio.shield(_settle(job, services, usage))
     return {
         "object": "list",
         "data": [
@@ -208,10 +208,12 @@ async def _encode_all(engine: EngineClient, texts: list[str]) -> list[list[int]]
     return [await engine.tokenize(text) for text in texts]
 
 
-def _settle(job: Embedding, runtime: Runtime, usage: RequestUsage) -> asyncio.Task[None]:
+def _settle(
+    job: Embedding, services: GenerationServices, usage: RequestUsage
+) -> asyncio.Task[None]:
     usage.e2e_ms = (time.monotonic() - job.started) * 1000
     current_request().finish(job, usage)
-    return runtime.recorder.settle(job.charge, usage)
+    return services.recorder.settle(job.charge, usage)
 
 
 def _encoded(vector: list[float], encoding_format: str) -> list[float] | str:

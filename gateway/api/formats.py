@@ -9,7 +9,7 @@ from typing import Any
 import msgspec
 
 from backend import TokenLogprobs
-from gateway.api.tools import ToolCall
+from gateway.openapi.shapes import ToolCall
 
 TokenText = Callable[[int], str]
 

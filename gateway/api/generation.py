@@ -25,7 +25,7 @@ from gateway.api.formats import (
     with_tool_calls,
 )
 from gateway.api.schemas import encode
-from gateway.api.tools import ToolCall, ToolPlan, ToolStream, assembled
+from gateway.api.tools import ToolPlan, ToolStream, assembled
 from gateway.core.errors import (
     ApiError,
     DeadlineExceeded,
@@ -34,9 +34,10 @@ from gateway.core.errors import (
     Overloaded,
 )
 from gateway.core.tasks import Interrupt
+from gateway.core.usage import Charge, RequestUsage
 from gateway.dispatch.engine_client import RESTART, ClientPrompt, EngineClient, GenerateRequest
 from gateway.metering.recorder import FIRST_CHECKPOINT_WAIT_S, UsageRecorder
-from gateway.metering.usage import Charge, RequestUsage
+from gateway.openapi.shapes import ToolCall
 from gateway.telemetry import current_request
 from tenants.models import UsageStatus
 

@@ -27,9 +27,11 @@ from gateway.api.schemas import (
     decode,
     encode,
 )
+from gateway.api.services import GenerationServices
 from gateway.core.errors import Cancelled, InvalidRequest
 from gateway.core.tasks import Interrupt
-from gateway.dispatch.directory import not_found
+from gateway.core.usage import Charge
+from gateway.dispatch.directory import ModelDirectory, not_found
 from gateway.dispatch.engine_client import (
     INLINE_TOKENIZE_CHARS,
     ClientPrompt,
@@ -37,10 +39,8 @@ from gateway.dispatch.engine_client import (
     chat_chars,
 )
 from gateway.http.auth import authenticate, new_request_id
-from gateway.metering.usage import Charge
 from gateway.openapi import AUTHENTICATED, GENERATION, documented
 from gateway.openapi.shapes import ChatCompletion, ChatCompletionChunk, Completion, Model, ModelList
-from gateway.runtime import Runtime
 from gateway.telemetry import current_request
 from tenants.adapters import Adapter
 from tenants.models import IdempotencyRecord
@@ -113,10 +113,10 @@ class OpenAIController(Controller):
         self,
         request: Request[Any, Any, Any],
         principal: NamedDependency[Principal],
-        runtime: NamedDependency[Runtime],
+        services: NamedDependency[GenerationServices],
     ) -> Response[Any]:
         body = decode(await request.body(), ChatCompletionRequest)
-        return await chat(request, runtime, principal, body)
+        return await chat(request, services, principal, body)
 
     @post(
         "/completions",
@@ -133,21 +133,20 @@ class OpenAIController(Controller):
         self,
         request: Request[Any, Any, Any],
         principal: NamedDependency[Principal],
-        runtime: NamedDependency[Runtime],
+        services: NamedDependency[GenerationServices],
     ) -> Response[Any]:
         body = decode(await request.body(), CompletionRequest)
-        return await complete(request, runtime, principal, body)
+        return await complete(request, services, principal, body)
 
     @get("/models", operation_class=documented(ModelList, errors=AUTHENTICATED))
     async def list_models(
-        self, runtime: NamedDependency[Runtime], principal: NamedDependency[Principal]
+        self, directory: NamedDependency[ModelDirectory], principal: NamedDependency[Principal]
     ) -> dict[str, Any]:
-        models = runtime.directory
-        names = policy.visible_models(principal, models.names())
-        cards = [_model_card(runtime, name) for name in names]
-        for adapter in models.adapters_of(principal.tenant_id):
+        names = policy.visible_models(principal, directory.names())
+        cards = [_model_card(directory, name) for name in names]
+        for adapter in directory.adapters_of(principal.tenant_id):
             if adapter.base_model in names:  # the tenant's own, on a base it may use
-                cards.append(_adapter_card(runtime, adapter))
+                cards.append(_adapter_card(directory, adapter))
         return {"object": "list", "data": cards}
 
     @get(
@@ -157,40 +156,40 @@ class OpenAIController(Controller):
     async def get_model(
         self,
         model_id: FromPath[str],
-        runtime: NamedDependency[Runtime],
+        directory: NamedDependency[ModelDirectory],
         principal: NamedDependency[Principal],
     ) -> dict[str, Any]:
-        models, name = runtime.directory, model_id.lstrip("/")
+        models, name = directory, model_id.lstrip("/")
         adapter = models.adapter(name, principal.tenant_id)
         base = name if adapter is None else adapter.base_model
         if base not in models.names():
             raise not_found(name)
         policy.check_model(principal, base)
-        return _model_card(runtime, name) if adapter is None else _adapter_card(runtime, adapter)
+        return _model_card(models, name) if adapter is None else _adapter_card(models, adapter)
 
 
 async def complete(
     request: Request[Any, Any, Any],
-    runtime: Runtime,
+    services: GenerationServices,
     principal: Principal,
     body: CompletionRequest,
     endpoint: str = "completions",
 ) -> Response[Any]:
     """A text completion (of each prompt when there are several)."""
-    engine, adapter = runtime.serving(body.model, principal.tenant_id)
+    engine, adapter = services.directory.ready(body.model, principal.tenant_id)
     policy.check_model(principal, body.model if adapter is None else adapter.base_model)
     given = body.prompts()
-    prompts = await _completion_prompts(runtime, principal, engine, given)
+    prompts = await _completion_prompts(services, principal, engine, given)
     longest = max(prompts, key=len)
     params = _params(principal, body, longest, engine, "prompt", body.constraint())
-    gen = _generation(runtime, principal, body, TEXT_FORMAT, endpoint, prompts[0], params, adapter)
+    gen = _generation(services, principal, body, TEXT_FORMAT, endpoint, prompts[0], params, adapter)
     if len(prompts) > 1:
         gen.batch = prompts
     elif isinstance(given[0], str):
         gen.source = ClientPrompt(text=given[0])  # an upstream gets the text as sent
     if body.echo:
         gen.echo = [p if isinstance(p, str) else engine.decode(p) for p in given]
-    return await _respond(request, runtime, principal, gen, engine, stream=body.stream)
+    return await _respond(request, services, principal, gen, engine, stream=body.stream)
 
 
 # Characters in all the prompts of a batch together: each prompt is bounded by the context,
@@ -199,7 +198,10 @@ MAX_BATCH_CHARS = 2**20
 
 
 async def _completion_prompts(
-    runtime: Runtime, principal: Principal, engine: EngineClient, given: list[str] | list[list[int]]
+    services: GenerationServices,
+    principal: Principal,
+    engine: EngineClient,
+    given: list[str] | list[list[int]],
 ) -> list[list[int]]:
     """The token ids of each prompt, each text bounded before it is tokenized."""
     texts = [p for p in given if isinstance(p, str)]
@@ -214,7 +216,7 @@ async def _completion_prompts(
         )
     prompts = [p for p in given if isinstance(p, list)]
     if texts:
-        prompts = await tokenize(runtime, principal, chars, partial(_encode_all, engine, texts))
+        prompts = await tokenize(services, principal, chars, partial(_encode_all, engine, texts))
     if not all(prompts):
         raise InvalidRequest("the prompt is empty", param="prompt")
     return prompts  # the context check: the longest, in _params
@@ -226,7 +228,7 @@ async def _encode_all(engine: EngineClient, texts: list[str]) -> list[list[int]]
 
 async def chat(
     request: Request[Any, Any, Any],
-    runtime: Runtime,
+    services: GenerationServices,
     principal: Principal,
     body: ChatCompletionRequest,
     endpoint: str = "chat.completions",
@@ -234,7 +236,7 @@ async def chat(
     param: str = "messages",  # what the messages are called in errors
 ) -> Response[Any]:
     """A chat completion, or another API's answer (`reshape`) made from one."""
-    engine, adapter = runtime.serving(body.model, principal.tenant_id)
+    engine, adapter = services.directory.ready(body.model, principal.tenant_id)
     policy.check_model(principal, body.model if adapter is None else adapter.base_model)
     tools = body.tool_plan(engine.tool_call_parser)
     constraint = body.constraint(tools)
@@ -242,13 +244,13 @@ async def chat(
     policy.check_prompt_chars(chars, engine.max_model_len, engine.max_token_chars, param, turns)
     messages = body.template_messages()
     count = partial(_count_chat, engine, messages, body.template_tools(), param)
-    prompt = await tokenize(runtime, principal, chat_chars(chars, turns), count)
+    prompt = await tokenize(services, principal, chat_chars(chars, turns), count)
     params = _params(principal, body, prompt, engine, param, constraint)
-    gen = _generation(runtime, principal, body, CHAT_FORMAT, endpoint, prompt, params, adapter)
+    gen = _generation(services, principal, body, CHAT_FORMAT, endpoint, prompt, params, adapter)
     gen.tools = tools
     gen.source = ClientPrompt(messages=messages, fields=body.forwarded())
     return await _respond(
-        request, runtime, principal, gen, engine, stream=body.stream, reshape=reshape
+        request, services, principal, gen, engine, stream=body.stream, reshape=reshape
     )
 
 
@@ -267,45 +269,44 @@ async def _count_chat(
 
 
 async def tokenize(
-    runtime: Runtime, principal: Principal, chars: int, work: Callable[[], Awaitable[T]]
+    services: GenerationServices, principal: Principal, chars: int, work: Callable[[], Awaitable[T]]
 ) -> T:
     """The engine client counts the prompt (off the event loop when it is long); a long one
     is not counted for a key with nothing left to spend."""
     if chars > INLINE_TOKENIZE_CHARS:
-        await runtime.admission.refuse_if_exhausted(principal)
+        await services.admission.refuse_if_exhausted(principal)
     return await work()
 
 
-def _model_card(runtime: Runtime, name: str) -> dict[str, Any]:
+def _model_card(models: ModelDirectory, name: str) -> dict[str, Any]:
     """OpenAI's model object, with vLLM's `max_model_len` and OpenRouter's
     `context_length` (null while an upstream's is unknown). `owned_by` is "tollgate" for
     Tollgate's own engines and "upstream" for an OpenAI-compatible server."""
-    models = runtime.directory
     spec, client = models.spec(name), models.built(name)
     context = client.max_model_len if client is not None else spec and spec.context_length
     upstream = spec is not None and spec.kind is ModelKind.OPENAI
     return {
         "id": name,
         "object": "model",
-        "created": models.opened_at(name) or runtime.model_loaded_at,
+        "created": models.opened_at(name) or models.default_opened_at,
         "owned_by": "upstream" if upstream else "tollgate",
         "max_model_len": context,
         "context_length": context,
     }
 
 
-def _adapter_card(runtime: Runtime, adapter: Adapter) -> dict[str, Any]:
+def _adapter_card(models: ModelDirectory, adapter: Adapter) -> dict[str, Any]:
     """A tenant's LoRA adapter as vLLM lists one: its base model as `parent` (its folder,
     vLLM's `root`, is the operator's business, not the tenant's)."""
     return {
-        **_model_card(runtime, adapter.base_model),
+        **_model_card(models, adapter.base_model),
         "id": adapter.name,
         "parent": adapter.base_model,
     }
 
 
 def _generation(
-    runtime: Runtime,
+    services: GenerationServices,
     principal: Principal,
     body: SamplingFields,
     fmt: Format,
@@ -326,7 +327,7 @@ def _generation(
         prompt=prompt,
         params=params,
         include_usage=body.include_usage(),
-        timeout_s=runtime.settings.request_timeout_s,
+        timeout_s=services.settings.request_timeout_s,
         first_token_s=None if body.ttft_deadline_ms is None else body.ttft_deadline_ms / 1000,
     )
 
@@ -354,7 +355,7 @@ class Admitted:
 
 async def admit(
     request: Request[Any, Any, Any],
-    runtime: Runtime,
+    services: GenerationServices,
     principal: Principal,
     charge: Charge,
     prompt_tokens: int,
@@ -367,7 +368,7 @@ async def admit(
     raw_key = request.headers.get(idempotency.HEADER)
     if raw_key is not None:
         with scope.span("idempotency"):
-            begun = await runtime.idempotency.begin(
+            begun = await services.idempotency.begin(
                 principal, raw_key, charge.endpoint, await request.body()
             )
         if isinstance(begun, Replay):
@@ -376,18 +377,18 @@ async def admit(
     try:
         with scope.span("admission"):
             # Reserve at the price the request will be charged (the book's version now).
-            quote = await runtime.recorder.prices.quote(
+            quote = await services.recorder.prices.quote(
                 charge.model, charge.started_at, charge.base_model
             )
-            registered = runtime.directory.spec(charge.base_model or charge.model) is not None
+            registered = services.directory.spec(charge.base_model or charge.model) is not None
             policy.check_priced(quote, charge.model, registered)
             price = quote.price.for_batch() if charge.batch else quote.price
-            ticket = await runtime.admission.reserve(
+            ticket = await services.admission.reserve(
                 principal, charge.request_id, prompt_tokens, output_tokens, price
             )
     except BaseException:
         if claim is not None:  # rejected, not stored: a retry with this key runs afresh
-            runtime.tasks.spawn(runtime.idempotency.abandon(claim))
+            services.tasks.spawn(services.idempotency.abandon(claim))
         raise
     scope.admitted = True
     headers = {"x-request-id": charge.request_id, **ticket.headers}
@@ -396,19 +397,19 @@ async def admit(
 
 async def respond_whole(
     request: Request[Any, Any, Any],
-    runtime: Runtime,
+    services: GenerationServices,
     admitted: Admitted,
     work: Awaitable[dict[str, Any]],
 ) -> Response[Any]:
     """Answer with `work`'s body (stored for its Idempotency-Key), unless the client left."""
     claim = admitted.claim
-    result = await _abandon_on_failure(claim, runtime, _unless_disconnected(request, work))
+    result = await _abandon_on_failure(claim, services, _unless_disconnected(request, work))
     if claim is not None:
         held = current_request().take_hold()  # stored for replays only once on disk
         if held is not None:
-            await _abandon_on_failure(claim, runtime, asyncio.shield(held))
+            await _abandon_on_failure(claim, services, asyncio.shield(held))
         body = encode(result)
-        await runtime.idempotency.finish(
+        await services.idempotency.finish(
             claim, admitted.charge.request_id, 200, MediaType.JSON, body
         )
     return Response(result, media_type=MediaType.JSON, headers=admitted.headers)
@@ -416,7 +417,7 @@ async def respond_whole(
 
 async def _respond(
     request: Request[Any, Any, Any],
-    runtime: Runtime,
+    services: GenerationServices,
     principal: Principal,
     gen: Generation,
     engine: EngineClient,
@@ -427,7 +428,7 @@ async def _respond(
     current_request().describe(gen, stream)
     output_tokens = gen.params.max_tokens * gen.choice_count  # every prompt of a batch
     admitted = await admit(
-        request, runtime, principal, gen.charge, gen.prompt_tokens, output_tokens
+        request, services, principal, gen.charge, gen.prompt_tokens, output_tokens
     )
     if isinstance(admitted, Response):
         return admitted
@@ -435,22 +436,22 @@ async def _respond(
     if stream:
         # Until the first output a refusal is still an HTTP error; after it, Litestar
         # cancels the stream when the client disconnects, and generation aborts then.
-        opening = generation.stream(gen, engine, runtime.recorder)
-        events = await _abandon_on_failure(claim, runtime, _unless_disconnected(request, opening))
+        opening = generation.stream(gen, engine, services.recorder)
+        events = await _abandon_on_failure(claim, services, _unless_disconnected(request, opening))
         is_last = _is_done
         if reshape is not None:
             events, is_last = reshape.events(events), reshape.is_last
         if claim is not None:
-            events = _recorded(events, claim, runtime, gen.charge.request_id, is_last)
+            events = _recorded(events, claim, services, gen.charge.request_id, is_last)
         return Stream(events, media_type="text/event-stream", headers={**SSE_HEADERS, **headers})
-    whole = _whole(gen, engine, runtime, reshape)
-    return await respond_whole(request, runtime, admitted, whole)
+    whole = _whole(gen, engine, services, reshape)
+    return await respond_whole(request, services, admitted, whole)
 
 
 async def _whole(
-    gen: Generation, engine: EngineClient, runtime: Runtime, reshape: Reshape | None
+    gen: Generation, engine: EngineClient, services: GenerationServices, reshape: Reshape | None
 ) -> dict[str, Any]:
-    body = await generation.complete(gen, engine, runtime.recorder)
+    body = await generation.complete(gen, engine, services.recorder)
     return body if reshape is None else reshape.whole(body)
 
 
@@ -458,12 +459,14 @@ def _is_done(event: bytes) -> bool:
     return event == generation.DONE
 
 
-async def _abandon_on_failure(claim: Claim | None, runtime: Runtime, work: Awaitable[T]) -> T:
+async def _abandon_on_failure(
+    claim: Claim | None, services: GenerationServices, work: Awaitable[T]
+) -> T:
     try:
         return await work
     except BaseException:
         if claim is not None:  # not stored: a retry with this key runs afresh
-            runtime.tasks.spawn(runtime.idempotency.abandon(claim))
+            services.tasks.spawn(services.idempotency.abandon(claim))
         raise
 
 
@@ -482,7 +485,7 @@ def _replay(record: IdempotencyRecord) -> Response[Any]:
 async def _recorded(
     events: AsyncIterator[bytes],
     claim: Claim,
-    runtime: Runtime,
+    services: GenerationServices,
     request_id: str,
     is_last: Callable[[bytes], bool],
 ) -> AsyncIterator[bytes]:
@@ -496,13 +499,13 @@ async def _recorded(
                 sent.append(event)
                 stored = True
                 body = b"".join(sent)
-                await runtime.idempotency.finish(claim, request_id, 200, "text/event-stream", body)
+                await services.idempotency.finish(claim, request_id, 200, "text/event-stream", body)
             else:
                 sent.append(event)
             yield event
     finally:
         if not stored:  # cancelled or failed: a retry with this key runs afresh
-            runtime.tasks.spawn(runtime.idempotency.abandon(claim))
+            services.tasks.spawn(services.idempotency.abandon(claim))
 
 
 async def _unless_disconnected(request: Request[Any, Any, Any], work: Awaitable[T]) -> T:

@@ -35,11 +35,11 @@ from gateway.api.schemas import (
     decode,
     encode,
 )
+from gateway.api.services import GenerationServices
 from gateway.core.errors import InvalidRequest
 from gateway.http.auth import authenticate
 from gateway.openapi import GENERATION, documented
 from gateway.openapi.shapes import ResponseEvent, ResponseObject
-from gateway.runtime import Runtime
 from tenants.limits import LOWEST_PRIORITY
 from tenants.services import Principal
 
@@ -168,12 +168,12 @@ class ResponsesController(Controller):
         self,
         request: Request[Any, Any, Any],
         principal: NamedDependency[Principal],
-        runtime: NamedDependency[Runtime],
+        services: NamedDependency[GenerationServices],
     ) -> Response[Any]:
         body = decode(await request.body(), ResponsesRequest)
         body.refuse_what_needs_state()
         shape = ResponseShape(body)
-        return await chat(request, runtime, principal, body.as_chat(), "responses", shape, "input")
+        return await chat(request, services, principal, body.as_chat(), "responses", shape, "input")
 
 
 COMPLETED, INCOMPLETE = b"event: response.completed\n", b"event: response.incomplete\n"

@@ -30,7 +30,6 @@ from gateway.api.tools import (
     FunctionDef,
     FunctionName,
     NamedToolChoice,
-    ToolCall,
     ToolChoice,
     ToolDef,
     ToolPlan,
@@ -38,6 +37,7 @@ from gateway.api.tools import (
     template_tools,
 )
 from gateway.core.errors import InvalidRequest
+from gateway.openapi.shapes import ToolCall
 from tenants.limits import LOWEST_PRIORITY
 
 # Every number is bounded: an unbounded integer reaches torch (tensors, generator seeds)

@@ -22,6 +22,7 @@ from msgspec import Struct
 
 from gateway.core.errors import InvalidRequest
 from gateway.dispatch.engine_client import TARGET_PARSES
+from gateway.openapi.shapes import CalledFunction, ToolCall
 
 
 class FunctionDef(Struct, kw_only=True, omit_defaults=True):
@@ -49,17 +50,6 @@ class NamedToolChoice(Struct):
 
 
 ToolChoice = Literal["none", "auto", "required"] | NamedToolChoice
-
-
-class CalledFunction(Struct):
-    name: str
-    arguments: str  # JSON text, as OpenAI sends it
-
-
-class ToolCall(Struct):
-    id: str
-    function: CalledFunction
-    type: Literal["function"] = "function"
 
 
 def new_call_id() -> str:

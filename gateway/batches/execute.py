@@ -1,26 +1,15 @@
-"""One batch line through the same path as the request it stands for: admission (its
-reservation at the batch price), the engine (at the batch class), settlement (one ledger
-row). The line's Idempotency-Key makes a line run again after a restart answer with the
-stored result when the first run finished: no line is run, nor billed, twice."""
+"""What the batch runner knows of one line's run: its outcome, the refusal that makes it
+run later, and the engine class it runs at. The run itself goes through the same path as
+the request it stands for (gateway/api/batch_lines.py, given to the runner by the app)."""
 
 from __future__ import annotations
 
-import asyncio
-import json
 import math
+from collections.abc import Awaitable
 from dataclasses import dataclass
-from typing import Any, cast
+from typing import Any, Protocol
 
-import msgspec
-from litestar import Request, Response
-
-from gateway.admission.idempotency import HEADER
-from gateway.api.embeddings import EmbeddingRequest, embed
-from gateway.api.openai import chat, complete
-from gateway.api.schemas import ChatCompletionRequest, CompletionRequest, decode
-from gateway.core.errors import ApiError, InvalidRequest
-from gateway.runtime import Runtime
-from tenants.batches import BATCH_ENDPOINT_PREFIX
+from backend import EngineConfig
 from tenants.services import Principal
 
 RETRY_STATUSES = frozenset({409, 429, 499, 503})  # busy, not wrong: the line runs later
@@ -41,77 +30,18 @@ class Retry(Exception):
     """The line could not start now (the engine is busy, a rate limit): run it later."""
 
 
-class _LineRequest:
-    """What the request path reads of an HTTP request, for a line: its body, its
-    Idempotency-Key, and a client that never leaves."""
+class LineRunner(Protocol):
+    """Runs one line as the request it stands for; raises Retry when it cannot start now."""
 
-    def __init__(self, body: bytes, key: str) -> None:
-        self._body = body
-        self.headers = {HEADER: key}
-
-    async def body(self) -> bytes:
-        return self._body
-
-    async def receive(self) -> dict[str, Any]:
-        await asyncio.Event().wait()  # never: a batch has no connection to lose
-        raise AssertionError("unreachable")
+    def __call__(
+        self, principal: Principal, endpoint: str, body: dict[str, Any], key: str, priority: int
+    ) -> Awaitable[LineOutcome]: ...
 
 
-def batch_priority(runtime: Runtime, seconds_left: float) -> int:
+def batch_priority(config: EngineConfig, seconds_left: float) -> int:
     """The engine class of a line: below every interactive class, aging toward the batch
     class's floor exactly as the window closes (the engine raises a waiting request one
     class per aging interval), so batch work is ranked by its deadline and never above
     interactive work."""
-    config = runtime.settings.engine
     aging = config.aging_interval_s or 5.0
     return config.batch_priority + max(0, math.ceil(seconds_left / aging))
-
-
-async def run_line(
-    runtime: Runtime,
-    principal: Principal,
-    endpoint: str,
-    body: dict[str, Any],
-    key: str,
-    priority: int,
-) -> LineOutcome:
-    raw = msgspec.json.encode(body)
-    request = cast(Request[Any, Any, Any], _LineRequest(raw, key))
-    try:
-        response = await _dispatch(request, runtime, principal, endpoint, raw, priority)
-    except ApiError as exc:
-        if exc.status in RETRY_STATUSES and exc.retryable:
-            raise Retry from exc
-        return LineOutcome(exc.status, exc.body(), None)
-    content = response.content
-    result = json.loads(content) if isinstance(content, bytes) else content
-    status = response.status_code or 200  # a whole answer names no status: 200
-    return LineOutcome(status, result, response.headers.get("x-request-id"))
-
-
-async def _dispatch(
-    request: Request[Any, Any, Any],
-    runtime: Runtime,
-    principal: Principal,
-    endpoint: str,
-    raw: bytes,
-    priority: int,
-) -> Response[Any]:
-    name = BATCH_ENDPOINT_PREFIX + endpoint.removeprefix("/v1/").replace("/", ".")
-    if endpoint == "/v1/chat/completions":
-        chat_body = decode(raw, ChatCompletionRequest)
-        _refuse_stream(chat_body.stream)
-        chat_body.priority = priority
-        return await chat(request, runtime, principal, chat_body, endpoint=name)
-    if endpoint == "/v1/completions":
-        text_body = decode(raw, CompletionRequest)
-        _refuse_stream(text_body.stream)
-        text_body.priority = priority
-        return await complete(request, runtime, principal, text_body, endpoint=name)
-    embedding_body = decode(raw, EmbeddingRequest)
-    return await embed(request, runtime, principal, embedding_body, name, priority)
-
-
-def _refuse_stream(stream: bool) -> None:
-    if stream:
-        raise InvalidRequest("a batch line cannot stream", param="stream")

@@ -19,10 +19,12 @@ from datetime import timedelta
 from functools import partial
 from typing import Any
 
-from gateway.batches.execute import LineOutcome, Retry, batch_priority, run_line
+from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
+
+from gateway.batches.execute import LineOutcome, LineRunner, Retry, batch_priority
 from gateway.core.errors import AuthenticationFailed, InternalError
-from gateway.dispatch.engine_client import InProcessEngineClient
-from gateway.runtime import Runtime
+from gateway.dispatch.engine_client import EngineClient, InProcessEngineClient
+from gateway.settings import Settings
 from tenants.batches import (
     ACTIVE,
     Batch,
@@ -32,6 +34,7 @@ from tenants.batches import (
     LineStatus,
     key_principal,
 )
+from tenants.blobs import BlobStore
 from tenants.db import is_postgres
 from tenants.files import FileStore
 from tenants.models import as_utc, utcnow
@@ -44,17 +47,25 @@ REMOTE_SLOTS = 128  # replicas do not say their max_num_seqs: a GPU's default is
 class BatchRunner:
     def __init__(
         self,
-        runtime: Runtime,
+        sessions: async_sessionmaker[AsyncSession],
+        settings: Settings,
+        run_line: LineRunner,
+        engine_client: EngineClient | None,
+        blobs: BlobStore,
         concurrency: int | None = None,  # None: half the engine's slots (engine_slots)
         poll_s: float = 0.25,
         lease: timedelta | None = None,  # None: TOLLGATE_BATCH_LEASE_S
         drain_s: float = 30.0,
         only: str | None = None,
     ) -> None:
-        self.runtime = runtime
+        self.sessions = sessions
+        self.settings = settings
+        self.run_line = run_line
+        self.engine_client = engine_client
+        self.blobs = blobs
         self._concurrency = concurrency
         self.poll_s = poll_s
-        self.lease = lease or timedelta(seconds=runtime.settings.batch_lease_s)
+        self.lease = lease or timedelta(seconds=settings.batch_lease_s)
         self.drain_s = drain_s  # how long a stop waits for the lines under way
         self.only = only  # one batch (a Celery task's runner), or all of them (a gateway's)
         self.idle = asyncio.Event()  # a round found nothing to run: every batch is final
@@ -66,7 +77,7 @@ class BatchRunner:
     @property
     def concurrency(self) -> int:
         """Lines in the engine at once, all batches together."""
-        return self._concurrency or engine_slots(self.runtime) // 2 or 1
+        return self._concurrency or engine_slots(self.engine_client) // 2 or 1
 
     def start(self) -> None:
         self._loop = asyncio.get_running_loop().create_task(self._run(), name="batch-runner")
@@ -91,12 +102,12 @@ class BatchRunner:
         by_batch: dict[str, list[int]] = defaultdict(list)
         for batch_id, line in lines:
             by_batch[batch_id].append(line)
-        async with self.runtime.sessions.begin() as session:
+        async with self.sessions.begin() as session:
             for batch_id, numbers in by_batch.items():
                 await BatchQueue(session).release(batch_id, numbers)
 
     async def _run(self) -> None:
-        if self.only is None and not is_postgres(self.runtime.settings.database_url):
+        if self.only is None and not is_postgres(self.settings.database_url):
             await self._take_back_all()
         while True:
             try:
@@ -108,14 +119,14 @@ class BatchRunner:
                 await asyncio.wait_for(self._wakeup.wait(), self.poll_s)
 
     async def _take_back_all(self) -> None:
-        async with self.runtime.sessions.begin() as session:
+        async with self.sessions.begin() as session:
             queue = BatchQueue(session)
             for batch in await queue.active():
                 await queue.release(batch.id)
 
     async def round(self) -> None:
         """One look at every active batch: renew, expire, finish, and start more lines."""
-        async with self.runtime.sessions.begin() as session:
+        async with self.sessions.begin() as session:
             batches = await BatchQueue(session).active(self.only)
         if not batches and not self._running:
             self.idle.set()
@@ -129,7 +140,7 @@ class BatchRunner:
     async def _advance(self, batch: Batch) -> bool:
         """Move the batch on; True if it may start more lines."""
         now = utcnow()
-        async with self.runtime.sessions.begin() as session:
+        async with self.sessions.begin() as session:
             queue = BatchQueue(session)
             # Locked (PostgreSQL): of two gateways, one finalizes, the other then sees it final.
             current = await session.get(
@@ -153,7 +164,7 @@ class BatchRunner:
         outputs = [_record(batch, line, cancelled) for line in lines]
         ok = [r for r, line in zip(outputs, lines, strict=True) if line.status == "succeeded"]
         bad = [r for r, line in zip(outputs, lines, strict=True) if line.status != "succeeded"]
-        files = FileStore(session, self.runtime.file_blobs, batch.tenant_id)
+        files = FileStore(session, self.blobs, batch.tenant_id)
         batch.finalizing_at = now
         if ok:
             batch.output_file_id = (
@@ -178,7 +189,7 @@ class BatchRunner:
         by_batch: dict[str, list[int]] = defaultdict(list)
         for batch_id, line in self._running:
             by_batch[batch_id].append(line)
-        async with self.runtime.sessions.begin() as session:
+        async with self.sessions.begin() as session:
             for batch_id, numbers in by_batch.items():
                 await BatchQueue(session).renew(batch_id, numbers)
 
@@ -194,7 +205,7 @@ class BatchRunner:
         for tenant_batches in by_tenant.values():
             per_batch = max(1, per_tenant // len(tenant_batches))
             for batch in tenant_batches:
-                async with self.runtime.sessions.begin() as session:
+                async with self.sessions.begin() as session:
                     lines = await BatchQueue(session).claim(batch.id, per_batch, self.lease)
                 for line in lines:
                     key = (batch.id, line.line)
@@ -209,7 +220,7 @@ class BatchRunner:
 
     async def _line(self, batch: Batch, line: BatchLine) -> None:
         outcome = await self._outcome(batch, line)
-        async with self.runtime.sessions.begin() as session:
+        async with self.sessions.begin() as session:
             queue = BatchQueue(session)
             if outcome is None:
                 await queue.release(batch.id, [line.line])
@@ -225,16 +236,16 @@ class BatchRunner:
 
     async def _outcome(self, batch: Batch, line: BatchLine) -> LineOutcome | None:
         """The line's answer; None: it could not start now, and runs later."""
-        async with self.runtime.sessions() as session:
+        async with self.sessions() as session:
             principal = await key_principal(session, batch.api_key_id)
         if principal is None:
             refused = AuthenticationFailed("the key that created this batch was revoked")
             return LineOutcome(refused.status, refused.body(), None)
         left = (as_utc(batch.expires_at) - utcnow()).total_seconds()
-        priority = batch_priority(self.runtime, left)
+        priority = batch_priority(self.settings.engine, left)
         key = f"batch:{batch.id}:{line.line}"
         try:
-            return await run_line(self.runtime, principal, batch.endpoint, line.body, key, priority)
+            return await self.run_line(principal, batch.endpoint, line.body, key, priority)
         except Retry:
             return None
         except Exception:  # a defect: the line fails, the batch goes on
@@ -243,11 +254,10 @@ class BatchRunner:
             return LineOutcome(failed.status, failed.body(), None)
 
 
-def engine_slots(runtime: Runtime) -> int:
+def engine_slots(client: EngineClient | None) -> int:
     """The in-process engine's running slots (max_num_seqs); 128 for remote replicas.
     Batch lines hold half of them at most, so interactive work always finds a free slot
     instead of waiting for a line to finish or preempting one."""
-    client = runtime.engine_client
     if isinstance(client, InProcessEngineClient):
         return client.engine.engine.config.seqs_limit
     return REMOTE_SLOTS

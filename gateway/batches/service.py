@@ -12,13 +12,14 @@ from sqlalchemy.ext.asyncio import AsyncSession
 
 from gateway.batches.errors import BatchOverBudget, BatchTokenLimit
 from gateway.core.errors import InvalidRequest
-from gateway.runtime import Runtime
+from gateway.dispatch.directory import ModelDirectory
 from gateway.settings import Settings
 from tenants.batches import ENDPOINTS, WINDOWS, Batch, BatchStore, NewLine, batch_lines
+from tenants.billing.prices import PriceBook
 from tenants.blobs import BlobStore, FolderBlobStore, S3BlobStore
 from tenants.files import FileStore, StoredFile, parse_jsonl
 from tenants.models import utcnow
-from tenants.quota import month_period, tenant_scope
+from tenants.quota import QuotaStore, month_period, tenant_scope
 from tenants.services import Principal
 
 UPLOAD_PURPOSES = ("batch",)
@@ -33,10 +34,20 @@ class WorstCase:
 class BatchService:
     """One tenant's files and batches, for the routes."""
 
-    def __init__(self, runtime: Runtime, session: AsyncSession, principal: Principal) -> None:
-        self.runtime = runtime
+    def __init__(
+        self,
+        session: AsyncSession,
+        principal: Principal,
+        blobs: BlobStore,
+        directory: ModelDirectory,
+        prices: PriceBook,
+        store: QuotaStore,
+    ) -> None:
         self.principal = principal
-        self.files = FileStore(session, runtime.file_blobs, principal.tenant_id)
+        self.directory = directory
+        self.prices = prices
+        self.store = store
+        self.files = FileStore(session, blobs, principal.tenant_id)
         self.batches = BatchStore(session, principal.tenant_id)
 
     async def upload(self, filename: str, purpose: str, content: bytes) -> StoredFile:
@@ -91,9 +102,9 @@ class BatchService:
                 )
             if model not in prices:
                 # 404: no such model, or another tenant's adapter
-                engine, adapter = self.runtime.serving(model, self.principal.tenant_id)
+                engine, adapter = self.directory.ready(model, self.principal.tenant_id)
                 base = None if adapter is None else adapter.base_model
-                quote = await self.runtime.recorder.prices.quote(model, utcnow(), base)
+                quote = await self.prices.quote(model, utcnow(), base)
                 context = engine.max_model_len
                 prices[model] = (context, quote.price.for_batch())
             context, price = prices[model]
@@ -122,8 +133,7 @@ class BatchService:
         budget = self.principal.plan.limits.monthly_budget_micros
         if budget is None:
             return
-        store = self.runtime.admission.store
-        usage = await store.usage(tenant_scope(self.principal.tenant_id), month_period())
+        usage = await self.store.usage(tenant_scope(self.principal.tenant_id), month_period())
         pending = await self.batches.reserved_micros()  # other batches still running
         left = budget - usage.spent_micros - usage.reserved_micros - pending
         if micros > left:

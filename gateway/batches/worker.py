@@ -95,9 +95,9 @@ class RunLock:
 async def run_batch(runtime: Runtime, batch_id: str, budget_s: float) -> bool:
     """Run the batch with the embedded runner's code until it is final or `budget_s` has
     passed; the lines under way then finish (or go back to pending). True: not final."""
-    from gateway.batches.runner import BatchRunner
+    from gateway.app import embedded_runner
 
-    runner = BatchRunner(runtime, only=batch_id)
+    runner = embedded_runner(runtime, only=batch_id)
     runner.start()
     try:
         with contextlib.suppress(TimeoutError):

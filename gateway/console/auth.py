@@ -17,9 +17,10 @@ from typing import Any
 from litestar import Request, Response
 from litestar.datastructures import Cookie, FormMultiDict
 from litestar.di import NamedDependency
+from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
 
 from gateway.http.auth import audit_context
-from gateway.runtime import Runtime
+from gateway.settings import Settings
 from tenants.admins import AdminService, ConsoleAdmin
 from tenants.audit import Actor
 from tenants.errors import InvalidInputError
@@ -78,19 +79,21 @@ def console_actor(request: Request[Any, Any, Any], email: str) -> Actor:
     return Actor(f"console:{email}", audit_context(request))
 
 
-def idle_limit(runtime: Runtime) -> timedelta:
-    return timedelta(seconds=runtime.settings.console_idle_s)
+def idle_limit(settings: Settings) -> timedelta:
+    return timedelta(seconds=settings.console_idle_s)
 
 
 async def provide_console(
-    request: Request[Any, Any, Any], runtime: NamedDependency[Runtime]
+    request: Request[Any, Any, Any],
+    sessions: NamedDependency[async_sessionmaker[AsyncSession]],
+    settings: NamedDependency[Settings],
 ) -> Console:
     token = request.cookies.get(SESSION_COOKIE)
     if not token:
         raise SignInRequired
     # Its own transaction: the session stays alive even when the action it allows fails.
-    async with runtime.sessions.begin() as session:
-        signed_in = await AdminService(session).resume(token, idle_limit(runtime))
+    async with sessions.begin() as session:
+        signed_in = await AdminService(session).resume(token, idle_limit(settings))
     if signed_in is None:
         raise SignInRequired
     admin = signed_in.admin

@@ -13,6 +13,7 @@ from litestar.params import FromPath
 from gateway.console.context import ConsoleAction, ConsolePage
 from gateway.console.render import or_back_to
 from tenants.batches import BatchStore
+from tenants.blobs import BlobStore
 from tenants.errors import NotFoundError
 from tenants.files import FileStore
 from tenants.services import TenantService
@@ -43,6 +44,7 @@ class BatchesController(Controller):
         batch_id: FromPath[str],
         which: FromPath[str],
         ctx: NamedDependency[ConsolePage],
+        file_blobs: NamedDependency[BlobStore],
     ) -> Response[bytes]:
         """The batch's output (`output`) or error (`errors`) file, as JSONL."""
         tenant = await TenantService(ctx.db).get(name)
@@ -50,7 +52,7 @@ class BatchesController(Controller):
         file_id = {"output": batch.output_file_id, "errors": batch.error_file_id}.get(which)
         if file_id is None:
             raise NotFoundError(f"batch {batch_id} has no {which} file")
-        content = await FileStore(ctx.db, ctx.runtime.file_blobs, tenant.id).content(file_id)
+        content = await FileStore(ctx.db, file_blobs, tenant.id).content(file_id)
         disposition = f'attachment; filename="{batch_id}_{which}.jsonl"'
         return Response(
             content,

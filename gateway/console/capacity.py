@@ -262,8 +262,7 @@ class CapacityController(Controller):
 
     @get("/")
     async def capacity(self, ctx: NamedDependency[ConsolePage]) -> Response[str]:
-        runtime = ctx.runtime
-        replicas = await live_replicas(runtime.engine_client, runtime.settings.backend_secret)
+        replicas = await live_replicas(ctx.engine_client, ctx.settings.backend_secret)
         form = WhatIf.from_query(ctx.request)
         result, error, field = None, None, None
         try:

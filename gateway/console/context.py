@@ -21,18 +21,24 @@ from gateway.console.auth import (
     provide_form,
 )
 from gateway.console.render import back_to, page, query_text
-from gateway.runtime import Runtime
+from gateway.dispatch.engine_client import EngineClient
+from gateway.http.deps import MaybeEngine
+from gateway.settings import Settings
 from tenants.audit import Actor
+from tenants.billing.prices import PriceBook
 
 
 @dataclass(frozen=True)
 class ConsolePage:
-    """One console request: who is signed in, and the request's database session."""
+    """One console request: who is signed in, the request's database session, and the
+    services the pages read."""
 
     request: Request[Any, Any, Any]
-    runtime: Runtime
     db: AsyncSession
     console: Console
+    settings: Settings
+    engine_client: EngineClient | None  # None until the start has attached the engine
+    prices: PriceBook
 
     @property
     def actor(self) -> Actor:
@@ -64,17 +70,19 @@ class ConsoleAction(ConsolePage):
 
 def provide_page(
     request: Request[Any, Any, Any],
-    runtime: NamedDependency[Runtime],
     db_session: NamedDependency[AsyncSession],
     console: NamedDependency[Console],
+    settings: NamedDependency[Settings],
+    engine_client: MaybeEngine,
+    prices: NamedDependency[PriceBook],
 ) -> ConsolePage:
-    return ConsolePage(request, runtime, db_session, console)
+    return ConsolePage(request, db_session, console, settings, engine_client, prices)
 
 
 def provide_action(
     ctx: NamedDependency[ConsolePage], form: NamedDependency[FormMultiDict]
 ) -> ConsoleAction:
-    return ConsoleAction(ctx.request, ctx.runtime, ctx.db, ctx.console, form)
+    return ConsoleAction(**vars(ctx), form=form)
 
 
 def provide_owner_action(viewer_action: NamedDependency[ConsoleAction]) -> ConsoleAction:

@@ -93,7 +93,7 @@ class LedgerController(Controller):
 
     @get("/prices")
     async def prices(self, ctx: NamedDependency[ConsolePage]) -> Response[str]:
-        client = ctx.runtime.engine_client
+        client = ctx.engine_client
         now = utcnow()
         versions = await PriceService(ctx.db).list()
         in_force: dict[str, str] = {}
@@ -131,7 +131,7 @@ class LedgerController(Controller):
             export=status,
             waiting=waiting,
             overall=overall,
-            stripe_on=ctx.runtime.settings.stripe_api_key is not None,
+            stripe_on=ctx.settings.stripe_api_key is not None,
         )
 
     @get("/billing.csv")
@@ -179,7 +179,7 @@ class LedgerController(Controller):
             effective = effective_from(action.field("effective_from"))
             await PriceService(action.db, action.actor).create(model, price, effective)
         await action.db.commit()  # before the book is re-read
-        action.runtime.recorder.prices.invalidate()  # this replica prices by it at once
+        action.prices.invalidate()  # this replica prices by it at once
         return action.back("/admin/prices", f"New price for {model} from {_when(effective)}.")
 
     @post("/billing/requeue")

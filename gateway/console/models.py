@@ -49,7 +49,7 @@ class ModelsController(Controller):
 
     @get("/")
     async def models(self, ctx: NamedDependency[ConsolePage]) -> Response[str]:
-        client = ctx.runtime.engine_client
+        client = ctx.engine_client
         priced = {version.model for version in await PriceService(ctx.db).list()}
         return ctx.render(
             "models.html",

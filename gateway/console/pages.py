@@ -80,7 +80,7 @@ class PagesController(Controller):
         return {
             **data,
             "rejections": rejections(ctx.request.app.state.telemetry.metrics),
-            "replicas": replicas(ctx.runtime.engine_client),
+            "replicas": replicas(ctx.engine_client),
             "now": datetime.now(UTC).timestamp(),
         }
 

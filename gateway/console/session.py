@@ -24,7 +24,7 @@ from gateway.console.auth import (
 from gateway.console.context import ConsoleAction
 from gateway.console.render import page
 from gateway.http.auth import audit_context
-from gateway.runtime import Runtime
+from gateway.settings import Settings
 from tenants import audit
 from tenants.admins import AdminService
 from tenants.audit import client_address
@@ -109,7 +109,7 @@ class SessionController(Controller):
     async def login(
         self,
         request: Request[Any, Any, Any],
-        runtime: NamedDependency[Runtime],
+        settings: NamedDependency[Settings],
         db_session: NamedDependency[AsyncSession],
     ) -> Response[Any]:
         form = await read_form(request)
@@ -125,7 +125,7 @@ class SessionController(Controller):
         if token is not None:  # sweep sessions and counts nobody came back to, now and then
             await THROTTLE.succeeded(db_session, email, address)
             await THROTTLE.purge(db_session)
-            await AdminService(db_session).purge_idle(idle_limit(runtime))
+            await AdminService(db_session).purge_idle(idle_limit(settings))
         if token is None:
             return login_page(request, "Wrong email or password.", 401)
         response = Redirect(safe_next(str(form.get("next", ""))), status_code=303)

@@ -31,10 +31,12 @@ class ModelDirectory:
         sessions: async_sessionmaker[AsyncSession],
         build: Builder,
         default: EngineClient | None = None,
+        default_opened_at: int = 0,
     ) -> None:
         self.sessions = sessions
         self.build = build
         self.default = default
+        self.default_opened_at = default_opened_at  # when the default engine was attached
         self._specs: dict[str, ModelSpec] = {}  # what the registry says
         self._clients: dict[str, EngineClient] = {}  # what is built of it
         self._opened: dict[str, int] = {}  # when each client opened (unix seconds)
@@ -73,6 +75,17 @@ class ModelDirectory:
         """The tenant's adapters, by name."""
         mine = [a for a in self._adapters.values() if a.tenant_id == tenant_id]
         return sorted(mine, key=lambda a: a.name)
+
+    def ready(self, name: str, tenant_id: str) -> tuple[EngineClient, Adapter | None]:
+        """The client serving `name` for this tenant (404 when none does), 503 until it is
+        ready, and its LoRA adapter when `name` names one of the tenant's own (another
+        tenant's is a 404, as an unknown model)."""
+        client, adapter = self.resolve(name, tenant_id)
+        if not client.is_ready():
+            raise EngineUnavailable(
+                f"the model {name!r} is not ready yet", headers={"Retry-After": "1"}
+            )
+        return client, adapter
 
     def names(self) -> list[str]:
         """Every model served, the default entry first."""

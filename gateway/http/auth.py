@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import re
 import uuid
+from functools import partial
 from typing import Any
 
 from litestar import Request
@@ -12,14 +13,13 @@ from litestar.datastructures import Headers, MutableScopeHeaders
 from litestar.di import NamedDependency
 from litestar.types import Message, Scope
 
-from gateway.admission.key_cache import read_key_generation
+from gateway.admission.authentication import KeyAuthentication
 from gateway.core.errors import AuthenticationFailed
-from gateway.runtime import Runtime
 from gateway.telemetry import current_request
 from gateway.telemetry.request import client_request_id
 from tenants import keys
 from tenants.audit import AuditContext, client_address
-from tenants.services import ApiKeyService, Principal
+from tenants.services import Principal
 
 _REQUEST_ID = re.compile(r"^[A-Za-z0-9._:-]{1,64}$")
 _AUDIT_CONTEXT = "audit_context"  # where a request keeps its context, in its scope state
@@ -78,49 +78,31 @@ def bearer_token(request: Request[Any, Any, Any]) -> str | None:
 
 
 async def authenticate(
-    request: Request[Any, Any, Any], runtime: NamedDependency[Runtime]
+    request: Request[Any, Any, Any], authentication: NamedDependency[KeyAuthentication]
 ) -> Principal:
     token = bearer_token(request)
     if token is None:
-        note_failure(request, runtime, None, "missing_key")
+        note_failure(request, authentication, None, "missing_key")
         raise AuthenticationFailed(
             "missing API key: send 'Authorization: Bearer <key>'", code="missing_api_key"
         )
     scope = current_request()
     with scope.span("authenticate"):
-        principal = await _principal(request, runtime, token)
+        principal = await authentication.principal(token, partial(audit_context, request))
     if principal is None:
-        note_failure(request, runtime, keys.key_prefix(token), "invalid_key")
+        note_failure(request, authentication, keys.key_prefix(token), "invalid_key")
         # The same answer for unknown, malformed and revoked keys: no oracle for attackers.
         raise AuthenticationFailed("invalid or revoked API key")
     scope.identify(principal)
     return principal
 
 
-async def _principal(
-    request: Request[Any, Any, Any], runtime: Runtime, token: str
-) -> Principal | None:
-    """The caller remembered under the current key generation (gateway/admission/key_cache),
-    else the key's lookup. The generation is the listener's while it is live (PostgreSQL),
-    read on the loop's own connection (SQLite), else read through the pool."""
-    known = runtime.generations or runtime.sqlite_generation
-    generation = known.current() if known is not None else None
-    if generation is None:
-        generation = await read_key_generation(runtime.direct)
-    principal = runtime.keys.get(token, generation)
-    if principal is not None:
-        return principal
-    async with runtime.sessions.begin() as session:
-        principal = await ApiKeyService(session).authenticate(token, context=audit_context(request))
-    if principal is not None:
-        runtime.keys.put(token, principal, generation)
-    return principal
-
-
 def note_failure(
-    request: Request[Any, Any, Any], runtime: Runtime, key_prefix: str | None, reason: str
+    request: Request[Any, Any, Any],
+    authentication: KeyAuthentication,
+    key_prefix: str | None,
+    reason: str,
 ) -> None:
     """Count a refused caller for the aggregated `auth.failures` audit event."""
-    if runtime.auth_failures is not None:
-        ip = client_address(request.client.host if request.client else None)
-        runtime.auth_failures.note(ip, key_prefix, reason)
+    ip = client_address(request.client.host if request.client else None)
+    authentication.note_failure(ip, key_prefix, reason)

@@ -18,7 +18,6 @@ from litestar.di import NamedDependency
 
 from gateway.core.errors import AuthenticationFailed, PermissionDenied
 from gateway.http.auth import bearer_token
-from gateway.runtime import Runtime
 from gateway.telemetry.request import Telemetry
 from tenants.quota import QuotaStore, month_period, tenant_scope
 
@@ -30,11 +29,11 @@ LOOPBACK = ("127.0.0.1", "::1")
 
 @get("/metrics", include_in_schema=False)
 async def metrics(
-    request: Request[Any, Any, Any], runtime: NamedDependency[Runtime]
+    request: Request[Any, Any, Any], quota_store: NamedDependency[QuotaStore]
 ) -> Response[bytes]:
     telemetry: Telemetry = request.app.state.telemetry
     _check_access(request, telemetry.metrics_token)
-    await _refresh_tenant_gauges(telemetry, runtime.admission.store)
+    await _refresh_tenant_gauges(telemetry, quota_store)
     # As a header: a text/* media_type would get a second charset appended by Litestar.
     return Response(telemetry.metrics.exposition(), headers={"content-type": CONTENT_TYPE})
 

@@ -62,7 +62,7 @@ from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine, AsyncSession, a
 from gateway.admission.quota import Admission
 from gateway.admission.reconcile import to_us
 from gateway.core.tasks import Periodic, TaskSet
-from gateway.metering.usage import Charge, RequestUsage
+from gateway.core.usage import Charge, RequestUsage
 from gateway.telemetry.tracing import REQUEST_ID, in_span
 from tenants.adapters import AdapterService
 from tenants.billing import ledger

@@ -11,7 +11,18 @@ from typing import Any, Literal
 import msgspec
 from msgspec import Struct
 
-from gateway.api.tools import CalledFunction, ToolCall
+# Tool calls: the routes build them (gateway/api/tools.py) and answer them as they are.
+
+
+class CalledFunction(Struct):
+    name: str
+    arguments: str  # JSON text, as OpenAI sends it
+
+
+class ToolCall(Struct):
+    id: str
+    function: CalledFunction
+    type: Literal["function"] = "function"
 
 
 class ErrorDetail(Struct):

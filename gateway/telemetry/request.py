@@ -1,9 +1,9 @@
 """One request's telemetry: its root span, the phase spans under it, one metrics
 observation when it settles and one log line when it ends.
 
-An ASGI middleware opens a `RequestScope` for every /v1 request and keeps it in a
-context variable, so admission, dispatch and generation reach it with
-`current_request()` without threading it through every signature. Outside a request
+An ASGI middleware (gateway/http/telemetry.py) opens a `RequestScope` for every /v1
+request and keeps it in a context variable, so admission, dispatch and generation reach
+it with `current_request()` without threading it through every signature. Outside a request
 (unit tests, background tasks) that returns an inert scope that keeps nothing.
 
 Every HTTP request, /v1 or not (the admin API, the console, probes), gets one "request
@@ -23,8 +23,6 @@ from contextvars import ContextVar
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from litestar.enums import ScopeType
-from litestar.types import ASGIApp, Message, Receive, Scope, Send
 from opentelemetry import context, propagate, trace
 from opentelemetry.trace import (
     INVALID_SPAN,
@@ -42,7 +40,7 @@ from gateway.telemetry.logs import client_request_id_var, request_id_var
 from gateway.telemetry.metrics import GatewayMetrics, RequestObservation
 
 if TYPE_CHECKING:
-    from gateway.metering.usage import Metered, RequestUsage
+    from gateway.core.usage import Metered, RequestUsage
     from gateway.settings import Settings
     from tenants.services import Principal
 
@@ -116,99 +114,41 @@ class Telemetry:
             labelled = self.metrics.tenants.labelled
             self.budgets = {t: b for t, b in self.budgets.items() if t in labelled}
 
-    def middleware(self, app: ASGIApp) -> ASGIApp:
-        async def wrapped(scope: Scope, receive: Receive, send: Send) -> None:
-            if scope["type"] != ScopeType.HTTP:
-                await app(scope, receive, send)
-            elif scope["path"].startswith("/v1/"):
-                await self._serve(app, scope, receive, send)
-            else:
-                await _serve_plain(app, scope, receive, send)
 
-        return wrapped
-
-    async def _serve(self, app: ASGIApp, scope: Scope, receive: Receive, send: Send) -> None:
-        method, path = str(scope.get("method")), scope["path"]
-        headers = {
-            name.decode("latin-1"): value.decode("latin-1") for name, value in scope["headers"]
-        }
-        span = tracing.tracer().start_span(
-            f"{method} {path}",
-            propagate.extract(headers),  # join the caller's trace, if it sent a traceparent
-            kind=SpanKind.SERVER,
-            attributes={"http.request.method": method, "url.path": path},
-        )
-        request = RequestScope(self, span, access=access_fields(scope))
-        given = client_request_id(headers)
-        if given is not None:
-            span.set_attribute(CLIENT_REQUEST_ID, given)
-        tokens = (
-            context.attach(trace.set_span_in_context(span)),
-            _current.set(request),
-            request_id_var.set(None),
-            client_request_id_var.set(given),
-        )
-
-        async def send_status(message: Message) -> None:
-            if message["type"] == "http.response.start":
-                held = request.take_hold()
-                if held is not None:  # raises, before anything is sent, if it failed
-                    await asyncio.shield(held)
-                request.status = message["status"]
-            await send(message)
-
-        try:
-            await app(scope, receive, send_status)
-        except BaseException as exc:
-            span.record_exception(exc)
-            raise
-        finally:
-            request.close()
-            client_request_id_var.reset(tokens[3])
-            request_id_var.reset(tokens[2])
-            _current.reset(tokens[1])
-            context.detach(tokens[0])
-
-
-def access_fields(scope: Scope) -> dict[str, Any]:
-    """What an access log line says of a request: method, path (no query string: it may
-    carry what a log must not) and the client's address (the one behind a trusted proxy)."""
-    client = scope.get("client")
-    return {
-        "http_method": scope.get("method"),
-        "http_path": scope["path"],
-        "client_ip": client[0] if client else None,
-    }
-
-
-async def _serve_plain(app: ASGIApp, scope: Scope, receive: Receive, send: Send) -> None:
-    """A request outside /v1 (admin API, console, probes): no span, one log line."""
-    started = time.monotonic()
-    status, request_id = 500, None
-
-    async def send_status(message: Message) -> None:
-        nonlocal status, request_id
-        if message["type"] == "http.response.start":
-            status = message["status"]
-        await send(message)
-        if message["type"] == "http.response.start":
-            # The app's before_send hook (gateway.http.auth.echo_request_id), outside
-            # this middleware, gave the answer its id in place as it went out.
-            headers = dict(message.get("headers", ()))
-            ours = headers.get(b"x-tollgate-request-id") or headers.get(b"x-request-id")
-            request_id = ours.decode("latin-1") if ours else None
-
+@contextlib.contextmanager
+def opened(
+    telemetry: Telemetry, method: str, path: str, headers: dict[str, str], access: dict[str, Any]
+) -> Iterator[RequestScope]:
+    """One /v1 request's scope (gateway/http/telemetry.py opens it around the app): its
+    span, joined to the caller's trace, and its context, reachable by `current_request()`
+    until it closes."""
+    span = tracing.tracer().start_span(
+        f"{method} {path}",
+        propagate.extract(headers),  # join the caller's trace, if it sent a traceparent
+        kind=SpanKind.SERVER,
+        attributes={"http.request.method": method, "url.path": path},
+    )
+    request = RequestScope(telemetry, span, access=access)
+    given = client_request_id(headers)
+    if given is not None:
+        span.set_attribute(CLIENT_REQUEST_ID, given)
+    tokens = (
+        context.attach(trace.set_span_in_context(span)),
+        _current.set(request),
+        request_id_var.set(None),
+        client_request_id_var.set(given),
+    )
     try:
-        await app(scope, receive, send_status)
+        yield request
+    except BaseException as exc:
+        span.record_exception(exc)
+        raise
     finally:
-        line = {
-            **access_fields(scope),
-            "http_status": status,
-            "duration_ms": round((time.monotonic() - started) * 1000, 3),
-        }
-        if request_id is not None:
-            line["request_id"] = request_id
-        log.info("request finished", extra=line)
+        request.close()
+        client_request_id_var.reset(tokens[3])
+        request_id_var.reset(tokens[2])
+        _current.reset(tokens[1])
+        context.detach(tokens[0])
 
 
 @dataclass

@@ -13,8 +13,8 @@ from litestar.testing import AsyncTestClient
 from sqlalchemy import select
 
 from gateway.cli import commands as cli
+from gateway.core.usage import Charge, RequestUsage
 from gateway.dispatch.engine_client import InProcessEngineClient
-from gateway.metering.usage import Charge, RequestUsage
 from gateway.runtime import Runtime
 from tenants import audit
 from tenants.billing.models import PriceVersion

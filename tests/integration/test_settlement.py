@@ -14,8 +14,8 @@ from backend import SamplingParams
 from gateway.api.formats import CHAT_FORMAT
 from gateway.api.generation import Generation, Settlement
 from gateway.core.errors import Overloaded
+from gateway.core.usage import Charge
 from gateway.dispatch.engine_client import InProcessEngineClient
-from gateway.metering.usage import Charge
 from gateway.runtime import Runtime
 from tenants.models import UsageEvent, UsageStatus
 from tenants.services import ApiKeyService

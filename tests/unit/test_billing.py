@@ -6,7 +6,7 @@ import uuid
 
 import pytest
 
-from gateway.metering.usage import RequestUsage
+from gateway.core.usage import RequestUsage
 from gateway.settings import Settings, SettingsError
 from tenants.billing.reports import format_micros
 from tenants.billing.stripe_meters import Retry, event_identifier

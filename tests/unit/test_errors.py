@@ -11,7 +11,7 @@ from litestar.params import FromPath
 from litestar.testing import AsyncTestClient
 
 from backend.errors import InvalidParameterError
-from gateway.core.errors import exception_handlers
+from gateway.http.errors import exception_handlers
 from tenants.errors import ConflictError, NotFoundError
 from tenants.quota import StoreUnavailableError
 

@@ -8,7 +8,7 @@ from collections.abc import AsyncIterator
 from backend import RequestOutput, SamplingParams
 from gateway.api.formats import CHAT_FORMAT
 from gateway.api.generation import Generation
-from gateway.metering.usage import Charge
+from gateway.core.usage import Charge
 from gateway.telemetry import RequestScope, current_request
 from tenants.models import KeyRole
 from tenants.services import Principal
