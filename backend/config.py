@@ -89,6 +89,9 @@ class EngineConfig:
     step_time_target_ms: float | None = None  # a cap on every step, whatever runs
     min_prefill_tokens_per_step: int = 32  # the floor that keeps long prefills moving
     latency_window_s: float = 5.0  # a class counts as present this long after it was seen
+    # Rows held back beside protected work (batch rows beside interactive work, a tenant's
+    # rows past its share beside another's newcomer) may lengthen the step this much.
+    filler_slowdown: float | None = 1.3  # None: no row is held back
 
     def __post_init__(self) -> None:
         for name in ("block_size", "kv_cache_bytes", "max_num_batched_tokens"):
@@ -209,6 +212,9 @@ class EngineConfig:
         window = self.latency_window_s
         if not _is_number(window) or not 0 <= window < math.inf:
             raise ValueError(f"latency_window_s must be a non-negative number, got {window!r}")
+        slowdown = self.filler_slowdown
+        if slowdown is not None and (not _is_number(slowdown) or not 1 <= slowdown < math.inf):
+            raise ValueError(f"filler_slowdown must be a number >= 1 or None, got {slowdown!r}")
 
     def targets_s(self, priority: int) -> tuple[float | None, float | None]:
         """(TTFT, inter-token) targets in seconds of a request of this priority."""

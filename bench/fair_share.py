@@ -6,6 +6,11 @@ waiting in the engine), all at the plan's default priority; and the ratio. Targe
 p95 beside the backlog at most 2x alone. Each phase lasts past the 20 s after which B's
 backlog, aged from its arrival, used to outrank C (4 classes at 5 s a class).
 
+"Beside the backlog" counts C's chats sent once all of B's requests are in the engine
+(running or waiting, from /metrics); those sent while B's requests still arrive (the
+gateway admitting 200 requests at once, before the engine sees them) are reported apart,
+as `during_arrival`, outside the target.
+
     python -m bench.fair_share [--seconds 30] [--rate 1] [--backlog 200] [--repeat 2]
 """
 
@@ -15,6 +20,8 @@ import argparse
 import asyncio
 import contextlib
 import json
+import math
+import re
 import time
 from typing import Any
 
@@ -40,6 +47,27 @@ async def hold_stream(http: httpx.AsyncClient, base: str, key: str, model: str) 
             pass
 
 
+ENGINE_LOAD = re.compile(
+    r"^tollgate_engine_requests_(?:running|waiting)(?:\{[^}]*\})? ([0-9.e+-]+)$", re.M
+)
+
+
+async def backlog_in_engine(http: httpx.AsyncClient, base: str, backlog: int) -> float:
+    """When the engine first holds `backlog` requests, running or waiting."""
+    while True:
+        text = (await http.get(f"{base}/metrics")).text
+        if sum(float(m) for m in ENGINE_LOAD.findall(text)) >= backlog:
+            return time.monotonic()
+        await asyncio.sleep(0.05)
+
+
+def timed(send: Any) -> Any:
+    async def wrapped() -> tuple[float, float | None]:
+        return time.monotonic(), await send()
+
+    return wrapped
+
+
 async def measure(
     http: httpx.AsyncClient, base: str, keys_bc: tuple[str, str], model: str, args: Any, run: int
 ) -> dict[str, Any]:
@@ -54,8 +82,15 @@ async def measure(
         for _ in range(args.backlog)
     ]
     started = time.monotonic()
-    beside = [t for t in await open_loop(args.rate, args.seconds, chat) if t is not None]
+    settled = asyncio.ensure_future(backlog_in_engine(http, base, args.backlog))
+    sent = await open_loop(args.rate, args.seconds, timed(chat))
     held_s = time.monotonic() - started
+    settled_at = await settled if settled.done() else math.inf
+    settled.cancel()
+    if not any(at >= settled_at for at, _ in sent):
+        raise SystemExit(f"B's {args.backlog} requests were never all in the engine")
+    beside = [t for at, t in sent if t is not None and at >= settled_at]
+    arriving = [t for at, t in sent if t is not None and at < settled_at]
     still_open = sum(not s.done() for s in streams)
     for stream in streams:  # closing them cancels them in the engine
         stream.cancel()
@@ -77,6 +112,10 @@ async def measure(
         "p95_ratio": round(b95 / a95, 2),
         "target_met": b95 <= 2 * a95,
         "chat_requests": [len(alone), len(beside)],
+        "during_arrival": {
+            "backlog_in_engine_after_s": round(settled_at - started, 2),
+            "chat_ttft_ms": [round(t * 1e3, 1) for t in arriving],
+        },
         "backlog_streams_open_at_the_end": still_open,
         "backlog_held_s": round(held_s, 1),
     }

@@ -27,7 +27,7 @@ import math
 from collections.abc import Callable, Iterable, Iterator
 
 from backend.config import EngineConfig
-from backend.engine.request import Request
+from backend.engine.request import Request, RequestStatus
 from backend.errors import OverloadedError
 
 # How far into a tenant's queue the deadline tie-break looks: the queue is sorted by
@@ -89,14 +89,15 @@ class FairShare:
 class WaitingQueue:
     """Waiting (and preempted) requests, one list per tenant sorted by Ranking.key."""
 
-    def __init__(self, ranking: Ranking, fair: FairShare | None) -> None:
+    def __init__(self, ranking: Ranking, fair: FairShare | None, batch_priority: int) -> None:
         self.ranking = ranking
         self.fair = fair
+        self.batch_priority = batch_priority
         self._queues: dict[str | None, list[Request]] = {}
         self._served_at: dict[str | None, float] = {}  # each tenant's last service
         self._size = 0
         self.num_tokens = 0  # tokens to compute before their first output: shedding
-        self._by_priority: dict[int, int] = {}  # how many wait at each priority
+        self.num_batch = 0  # how many of the batch class wait
 
     def __len__(self) -> int:
         return self._size
@@ -122,7 +123,7 @@ class WaitingQueue:
         bisect.insort(queue, req, key=self.ranking.key)
         self._size += 1
         self.num_tokens += req.num_tokens
-        self._by_priority[req.priority] = self._by_priority.get(req.priority, 0) + 1
+        self.num_batch += req.priority >= self.batch_priority
 
     def admitted(self, req: Request, now: float) -> None:
         self.remove(req)
@@ -147,11 +148,15 @@ class WaitingQueue:
             del self._queues[req.tenant]
         self._size -= 1
         self.num_tokens -= req.num_tokens
-        self._by_priority[req.priority] -= 1
+        self.num_batch -= req.priority >= self.batch_priority
 
-    def count_from(self, priority: int) -> int:
-        """How many wait with a priority of `priority` or higher (less urgent)."""
-        return sum(n for p, n in self._by_priority.items() if p >= priority)
+    @property
+    def num_interactive(self) -> int:
+        return self._size - self.num_batch
+
+    def heads(self) -> Iterator[Request]:
+        """The best-ranked request of each tenant's queue."""
+        return (queue[0] for queue in self._queues.values())
 
     def best(self, now: float) -> Request | None:
         """The next request to admit: best effective class, then the neediest tenant of
@@ -360,3 +365,66 @@ def slot_share_victim(
         return None
     victim = min(eligible, key=lambda r: (r.num_computed_tokens, -r.arrival_time))
     return victim if recompute_s(victim) < wait_s else None
+
+
+def rows_to_hold(
+    running: list[Request],
+    waiting: WaitingQueue,
+    config: EngineConfig,
+    slots: int,
+    is_batch: Callable[[Request], bool],
+    is_newcomer: Callable[[Request], bool],
+) -> set[str] | None:
+    """The running requests this step holds back to fill what protected work leaves
+    (backend/SCHEDULING.md, "Protected work and filler rows"): the rows of the batch
+    class (`is_batch`: by effective class, so batch work that aged past the interactive
+    classes is held no more) while interactive work runs or waits; and, while a newcomer
+    (`is_newcomer`: a short interactive prompt before its first token) of a tenant below
+    its weighted share of the `slots` waits or prefills, the rows of the tenants above
+    their share. None: nothing to protect in this step."""
+    batch = config.batch_priority
+    interactive = waiting.num_interactive > 0
+    counts: dict[str | None, int] = {}
+    newcomers = [h for h in waiting.heads() if is_newcomer(h)]
+    for req in running:
+        counts[req.tenant] = counts.get(req.tenant, 0) + 1
+        if req.priority < batch:
+            interactive = True
+            if is_newcomer(req):
+                newcomers.append(req)
+    held = None
+    if interactive:
+        batch_rows = {r.request_id for r in running if is_batch(r)}
+        if batch_rows or waiting.num_batch:
+            held = batch_rows
+    if config.tenant_fairness and newcomers:
+        over = _over_share_rows(running, newcomers, counts, slots)
+        if over is not None:
+            held = over if held is None else held | over
+    return held
+
+
+def _over_share_rows(
+    running: list[Request],
+    newcomers: list[Request],
+    counts: dict[str | None, int],
+    slots: int,
+) -> set[str] | None:
+    """The rows of tenants above their weighted share of the slots, if a newcomer's tenant
+    is below its share (its newcomer counted in): shares among the tenants running and
+    the newcomers'. None: no newcomer's tenant is below its share."""
+    weights: dict[str | None, int] = {}
+    for req in [*running, *newcomers]:
+        weights[req.tenant] = max(weights.get(req.tenant, 1), req.weight)
+    total = sum(weights.values())
+
+    def share(tenant: str | None) -> float:
+        return slots * weights[tenant] / total
+
+    def below(req: Request) -> bool:
+        others = counts.get(req.tenant, 0) - (req.status == RequestStatus.RUNNING)
+        return others + 1 <= share(req.tenant)
+
+    if not any(below(r) for r in newcomers):
+        return None
+    return {r.request_id for r in running if counts[r.tenant] > share(r.tenant)}

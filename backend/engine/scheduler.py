@@ -42,6 +42,7 @@ from backend.engine.policy import (
     over_capacity,
     pick_victim,
     retry_after,
+    rows_to_hold,
     slot_share_victim,
 )
 from backend.engine.request import Request, RequestStatus
@@ -117,7 +118,7 @@ class Scheduler:
         self.clock = clock  # the simulator's virtual clock replaces time.monotonic
         self.ranking = Ranking(config.aging_interval_s)
         self.fair = FairShare() if config.tenant_fairness else None  # tokens served per tenant
-        self.waiting = WaitingQueue(self.ranking, self.fair)
+        self.waiting = WaitingQueue(self.ranking, self.fair, config.batch_priority)
         self.throughput = Throughput()
         self.step_cost = StepCostModel()  # fitted from observe_step; sizes step budgets
         self.requests: dict[str, Request] = {}
@@ -247,12 +248,18 @@ class Scheduler:
         cfg = self.config
         now = self.clock()
         plan = _Plan(cfg.max_num_batched_tokens)
+        # Rows held back go last, in what the protected work leaves of the step.
+        held = self._rows_to_hold(now)
+        filler: list[Request] = []
         # Decodes first, so a long prompt's chunks never hold back token streams.
         prefills: list[tuple[int, Request]] = []
         decoding: set[bool] = set()  # the classes (batch or not) with a token stream
         drafting: list[Request] = []  # decode rows with draft tokens proposed
         for req in list(self.running):  # a copy: preemption shrinks self.running
             self._seen_at[self._is_batch(req)] = now
+            if held and req.request_id in held:
+                filler.append(req)
+                continue
             left = req.num_tokens - req.num_computed_tokens
             if left > 1:
                 prefills.append((left, req))
@@ -266,6 +273,7 @@ class Scheduler:
         if drafting:
             self._add_drafts(plan, drafting)
         prefills.sort(key=_remaining)
+        prefilling = bool(prefills)  # a protected prompt is being computed
         # Short interactive prompts jump ahead of prefills of no greater urgency, running
         # or waiting (backend/SCHEDULING.md); the running ones keep at least the floor.
         sizing = cfg.adaptive_step_budget and self.step_cost.ready  # ready after warm-up
@@ -296,10 +304,68 @@ class Scheduler:
         self._run_prefills(prefills, plan, reserve, cap)
         # A step that had to preempt for blocks admits nobody: the pool is already short.
         if not plan.preempted:
-            self._admit_waiting(plan, now)
+            self._admit_waiting(plan, now, protected_only=held is not None)
         self._top_up(plan)
+        if held is not None:
+            self._fill(plan, filler, prefilling, now)
         self._note_least_urgent()
         return self._output(plan, now)
+
+    def _rows_to_hold(self, now: float) -> set[str] | None:
+        """The running requests this step schedules only in what the protected work
+        leaves (policy.rows_to_hold); None (nothing protected) without a fit or with
+        filler_slowdown None."""
+        if self.config.filler_slowdown is None or not self.step_cost.ready:
+            return None
+        floor = self.config.batch_priority
+
+        def still_batch(req: Request) -> bool:
+            return req.priority >= floor and self.ranking.effective(req, now) >= floor
+
+        return rows_to_hold(
+            self.running, self.waiting, self.config, self._max_running, still_batch, self._newcomer
+        )
+
+    def _newcomer(self, req: Request) -> bool:
+        """A short interactive prompt before its first token (its own TTFT at stake)."""
+        ttft, _ = self.config.targets_s(req.priority)
+        fresh = not req.output_token_ids and not self._is_batch(req)
+        return fresh and ttft is not None and self._short(req)
+
+    def _fill(self, plan: _Plan, filler: list[Request], prefilling: bool, now: float) -> None:
+        """The held rows, best-ranked first, while the step-cost fit predicts the step within
+        filler_slowdown x what the protected work takes alone: decode rows, then, unless
+        a protected prefill ran or waits, prefill chunks and admissions of held-back work
+        (the batch class). A step with no protected work holds nothing back."""
+        cost, slowdown = self.step_cost, self.config.filler_slowdown or 1.0
+        shape = StepShape.of_chunks((r.num_computed_tokens, n) for r, n in plan.chunks.values())
+        # A step with no protected work (it waits for a slot or blocks) has nothing to slow.
+        protected = bool(plan.chunks)
+        limit = slowdown * cost.predict(shape) if protected else math.inf
+        prefills: list[tuple[int, Request]] = []
+        for req in sorted(filler, key=self.ranking.key):
+            left = req.num_tokens - req.num_computed_tokens
+            if req.status != RequestStatus.RUNNING or plan.hard <= 0:
+                continue
+            if left > 1:
+                prefills.append((left, req))
+                continue
+            longer = shape.plus_decode(req.num_computed_tokens)
+            if _ends_with_pending_token(req) or cost.predict(longer) > limit:
+                continue
+            self._schedule_running(req, 1, plan)
+            if req.request_id in plan.chunks:  # not preempted for blocks
+                shape = longer
+        chunked = any(n > 1 + len(r.spec_token_ids) for r, n in plan.chunks.values())
+        waits = prefilling or chunked or self.waiting.num_interactive > 0
+        if (protected and waits) or plan.preempted:
+            return  # a protected prompt is computed or waits: held prompts wait too
+        start = max((req.num_computed_tokens for _, req in prefills), default=0)
+        plan.budget = min(plan.budget, cost.max_prefill_tokens(limit, shape, start, 0, plan.hard))
+        prefills.sort(key=_remaining)
+        self._run_prefills(prefills, plan, 0, self.config.long_prefill_cap)
+        self._admit_waiting(plan, now)
+        self._top_up(plan)
 
     def _is_batch(self, req: Request) -> bool:
         return req.priority >= self.config.batch_priority
@@ -404,8 +470,7 @@ class Scheduler:
         global step_time_target_ms caps it. None: nothing latency-sensitive."""
         cfg = self.config
         limits = [] if cfg.step_time_target_ms is None else [cfg.step_time_target_ms / 1000]
-        waiting_batch = self.waiting.count_from(cfg.batch_priority)
-        waiting = {True: waiting_batch > 0, False: len(self.waiting) > waiting_batch}
+        waiting = {True: self.waiting.num_batch > 0, False: self.waiting.num_interactive > 0}
         for batch in (False, True):
             ttft, itl = cfg.targets_s(cfg.batch_priority if batch else 0)
             if itl is not None and batch in decoding:
@@ -680,16 +745,20 @@ class Scheduler:
         (tokens, seconds), (more, longer_s) = before, after
         return more * seconds > DRAFT_MARGIN * tokens * longer_s
 
-    def _admit_waiting(self, plan: _Plan, now: float) -> None:
+    def _admit_waiting(self, plan: _Plan, now: float, protected_only: bool = False) -> None:
         """Admit in policy order. A LoRA request whose adapter finds no slot is set aside
-        for this step, so the requests behind it go on (no head-of-line blocking)."""
+        for this step, so the requests behind it go on (no head-of-line blocking).
+        `protected_only`: rows are held back this step, and the batch class waits for
+        what the protected work leaves (_fill)."""
         parked: list[Request] = []
         try:
-            self._admit_in_order(plan, now, parked)
+            self._admit_in_order(plan, now, parked, protected_only)
         finally:
             self._unpark(parked)
 
-    def _admit_in_order(self, plan: _Plan, now: float, parked: list[Request]) -> None:
+    def _admit_in_order(
+        self, plan: _Plan, now: float, parked: list[Request], protected_only: bool
+    ) -> None:
         """The best request is never overtaken (but by those behind a parked one). When it
         cannot start (no slot, budget or blocks), it may preempt a running request it
         outranks, or, when its tenant runs fewer than its share of the slots, one of a
@@ -699,6 +768,8 @@ class Scheduler:
             req = self._next_waiting(now)
             if req is None or not self._fork_ready(req):
                 return
+            if protected_only and self.ranking.effective(req, now) >= cfg.batch_priority:
+                return  # the batch class, not aged past it
             if not self._adapter_resident(req):
                 if self.requests.get(req.request_id) is req:  # not failed: it waits a slot
                     self._park(req, parked)

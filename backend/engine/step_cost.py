@@ -77,6 +77,15 @@ class StepShape:
             self.prefill_pairs + chunk_pairs(start, n),
         )
 
+    def plus_decode(self, start: int) -> StepShape:
+        """This step with one more decode row at position `start`."""
+        return StepShape(
+            self.prefill_tokens,
+            self.decode_rows + 1,
+            self.decode_context + start + 1,
+            self.prefill_pairs,
+        )
+
     def with_drafts(self, start: int, num_drafts: int) -> StepShape:
         """This step with its decode row at `start` carrying draft tokens: a chunk of
         1 + num_drafts tokens instead (speculative decoding)."""

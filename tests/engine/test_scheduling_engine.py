@@ -276,12 +276,14 @@ def test_the_metrics_show_predicted_and_actual_step_times(llama_dir: Path) -> No
 
 
 def test_interactive_decodes_shrink_the_step_and_batch_work_gets_it_all(llama_dir: Path) -> None:
-    """A long prompt beside a decoding chat gets a step sized to the chat's inter-token
-    target (a tiny target here: the floor, 16 tokens or half the step); the same prompt
-    beside a batch-class stream gets the whole static budget. The step is sized on a
-    known cost (the fit of a machine busy with other work can say anything)."""
+    """A long interactive prompt beside a decoding chat gets a step sized to the chat's
+    inter-token target (a tiny target here: the floor, 16 tokens or half the step); a
+    batch-class prompt there gets only what keeps the step within filler_slowdown of the
+    chat's alone; the same prompt beside a batch-class stream gets the whole static
+    budget. The step is sized on a known cost (the fit of a machine busy with other work
+    can say anything)."""
     budgets = {}
-    for chat_priority in (0, 5):
+    for chat_priority, doc_priority in ((0, 4), (0, 5), (5, 5)):
         engine = make_engine(
             llama_dir,
             interactive_itl_target_ms=0.001,
@@ -292,13 +294,16 @@ def test_interactive_decodes_shrink_the_step_and_batch_work_gets_it_all(llama_di
         )
         engine.add_request(EngineRequest([5, 6, 7], LONG, "chat", priority=chat_priority))
         step(engine)  # the chat's prefill; it decodes from now on
-        engine.add_request(EngineRequest(list(range(2, 300)), SHORT, "doc", priority=5))
+        doc = EngineRequest(list(range(2, 300)), SHORT, "doc", priority=doc_priority)
+        engine.add_request(doc)
         engine.scheduler.step_cost = StepCostModel.fixed(CPU_LIKE)
         step(engine)
         stats = engine.stats()
-        budgets[chat_priority] = (stats.step_prefill_tokens, stats.step_time_limit_s)
+        budgets[chat_priority, doc_priority] = (stats.step_prefill_tokens, stats.step_time_limit_s)
         run_to_completion(engine)
     # The floor: 16 tokens, or as many as the step's fixed part (overhead and the chat's
     # decode row) takes at the per-token cost: (15 + 1) / 1.1 ms, 14 tokens, on this cost.
-    assert budgets[0] == (16, 0.001 / 1000)
-    assert budgets[5] == (255, None)  # 256 less the chat's decode
+    assert budgets[0, 4] == (16, 0.001 / 1000)
+    # The chat's step alone, 16 ms, x 1.3 = 20.8 ms: 4 tokens at 1.1 ms.
+    assert budgets[0, 5][0] == 4
+    assert budgets[5, 5] == (255, None)  # 256 less the chat's decode
