@@ -21,7 +21,7 @@ import pytest
 from backend.builtin import BUILTIN_MODEL_DIR, BUILTIN_MODEL_NAME
 from backend.tokenizer import Tokenizer
 from gateway.dispatch.remote import HEALTH_TIMEOUT_S, RemoteEngineClient
-from gateway.dispatch.routing import MISSED_POLLS_TO_DOWN
+from gateway.dispatch.routing import MISSED_POLLS_TO_DOWN, affinity_key, pick
 from tests.e2e.processes import free_port
 
 
@@ -33,6 +33,7 @@ class StatsServer:
         self.delay_s = 0.0
         self.running = True
         self.aborted: list[str] = []
+        self.extra: dict[str, Any] = {}  # more stats fields to answer with
         self._server = ThreadingHTTPServer(("127.0.0.1", 0), self._handler())
         self._server.daemon_threads = True
 
@@ -46,7 +47,8 @@ class StatsServer:
         class Handler(BaseHTTPRequestHandler):
             def do_GET(self) -> None:
                 time.sleep(server.delay_s)  # a replica too busy to answer sooner
-                body = json.dumps({"running": server.running, "num_running": 1}).encode()
+                stats = {"running": server.running, "num_running": 1, **server.extra}
+                body = json.dumps(stats).encode()
                 with contextlib.suppress(OSError):  # the poll gave up: nobody reads it
                     self.send_response(200)
                     self.send_header("Content-Type", "application/json")
@@ -112,6 +114,29 @@ async def test_a_slow_replica_leaves_only_after_late_polls_in_a_row(stats: Stats
         stats.delay_s = 0.0  # it answers again: back in routing
         await remote.refresh()
         assert remote.is_ready()
+
+
+async def test_an_adapters_requests_route_to_the_replica_that_has_it_loaded() -> None:
+    """The stats poll reads each replica's loaded and running LoRA adapters."""
+    with StatsServer().serving() as one, StatsServer().serving() as two:
+        two.extra = {"loaded_lora_adapters": ["ft-a"], "running_lora_adapters": ["ft-b"]}
+        remote = RemoteEngineClient(
+            [one.url, two.url], "s3cret", Tokenizer(BUILTIN_MODEL_DIR), BUILTIN_MODEL_NAME, 2048
+        )
+        try:
+            await remote.refresh()
+            first, second = remote.replicas
+            assert first.adapters == frozenset()
+            assert second.adapters == frozenset({"ft-a", "ft-b"})
+            keys = [affinity_key("t", [i, 1, 2]) for i in range(50)]
+
+            def routed(adapter: str | None) -> set[str]:
+                return {r.url for k in keys if (r := pick(remote.replicas, k, adapter=adapter))}
+
+            assert routed(None) == {one.url, two.url}  # by the prompt alone: both
+            assert routed("ft-a") == routed("ft-b") == {two.url}
+        finally:
+            await remote.close()
 
 
 async def test_a_stopped_engine_leaves_at_once(stats: StatsServer) -> None:
