@@ -8,13 +8,13 @@ import json
 import secrets
 from datetime import datetime
 
-from sqlalchemy import BigInteger, DateTime, ForeignKey, Index, String, select
+from sqlalchemy import BigInteger, DateTime, ForeignKey, Index, String, func, select, update
 from sqlalchemy.ext.asyncio import AsyncSession
 from sqlalchemy.orm import Mapped, mapped_column
 
 from tenants.blobs import BlobStore
 from tenants.errors import InvalidInputError, NotFoundError
-from tenants.models import Base, as_utc, utcnow
+from tenants.models import Base, Tenant, as_utc, utcnow
 
 PURPOSES = frozenset({"batch", "batch_output"})  # what a client may upload: "batch"
 MAX_FILE_BYTES = 200 * 2**20  # OpenAI's limit for a batch input file
@@ -49,6 +49,10 @@ class StoredFile(Base):
             "status": "processed",
             "status_details": None,
         }
+
+
+class StorageFull(InvalidInputError):
+    """An upload that would take the tenant's stored files past its quota."""
 
 
 class MalformedLine(InvalidInputError):
@@ -88,9 +92,15 @@ class FileStore:
     def _blob(self, file_id: str) -> str:
         return f"{self.tenant_id}/{file_id}"
 
-    async def create(self, filename: str, purpose: str, content: bytes) -> StoredFile:
+    async def create(
+        self, filename: str, purpose: str, content: bytes, quota_bytes: int | None = None
+    ) -> StoredFile:
+        """`quota_bytes`: the most the tenant's files may hold with this one (None: no
+        quota, for what the gateway writes itself: a batch's results)."""
         if len(content) > MAX_FILE_BYTES:
             raise InvalidInputError(f"a file is at most {MAX_FILE_BYTES} bytes")
+        if quota_bytes is not None:
+            await self._check_room(len(content), quota_bytes)
         stored = StoredFile(
             id="file-" + secrets.token_hex(12),
             tenant_id=self.tenant_id,
@@ -104,6 +114,29 @@ class FileStore:
         self.session.add(stored)
         await self.session.flush()
         return stored
+
+    async def _check_room(self, size: int, quota_bytes: int) -> None:
+        """StorageFull unless `size` more bytes fit the quota, counting every file kept.
+        The tenant's row is written first: until this transaction ends it holds the
+        tenant's other uploads back (a row lock in PostgreSQL, the write lock in SQLite),
+        so two uploads cannot both take the room left for one."""
+        await self.session.execute(
+            update(Tenant)
+            .where(Tenant.id == self.tenant_id)
+            .values(id=Tenant.id)
+            .execution_options(synchronize_session=False)
+        )
+        used = await self.session.scalar(
+            select(func.coalesce(func.sum(StoredFile.bytes), 0)).where(
+                StoredFile.tenant_id == self.tenant_id, StoredFile.deleted_at.is_(None)
+            )
+        )
+        if int(used or 0) + size > quota_bytes:
+            raise StorageFull(
+                f"this file ({size} bytes) does not fit the tenant's file storage: "
+                f"{used} of {quota_bytes} bytes are in use; delete files to make room",
+                "file",
+            )
 
     async def get(self, file_id: str) -> StoredFile:
         if not is_stored_id(file_id):  # no query for what no id looks like (a NUL, say)

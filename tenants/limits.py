@@ -10,6 +10,7 @@ from tenants.models import LimitColumns, Plan
 LIMIT_NAMES = ("rpm", "tpm", "max_concurrent", "monthly_budget_micros", "max_tokens_per_request")
 LOWEST_PRIORITY = 9  # priorities run 0 (most urgent) to 9
 MAX_WHOLE = 2**31 - 1  # the limit columns are 32-bit integers
+MAX_BYTES = 2**50  # a byte count a plan may name (1 PiB; the column is 64-bit)
 MAX_MICROS = 10**15  # a billion dollars: anything above is a typo (and near BIGINT's end)
 
 
@@ -49,6 +50,7 @@ class PlanTerms:
     max_priority: int = 0  # the most urgent priority this plan may ask for
     weight: int = 1
     max_batch_tokens: int | None = None  # worst-case tokens of unfinished batches; None: any
+    max_file_bytes: int | None = None  # a tenant's stored files; None: the gateway's default
 
     @classmethod
     def of(cls, plan: Plan | None) -> PlanTerms:
@@ -62,6 +64,7 @@ class PlanTerms:
             max_priority=plan.max_priority,
             weight=plan.weight,
             max_batch_tokens=plan.max_batch_tokens,
+            max_file_bytes=plan.max_file_bytes,
         )
 
     def allows_model(self, model: str) -> bool:

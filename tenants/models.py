@@ -86,6 +86,7 @@ class Plan(LimitColumns, Base):
     max_priority: Mapped[int] = mapped_column(Integer, default=0)  # most urgent allowed
     weight: Mapped[int] = mapped_column(Integer, default=1)  # share under contention
     max_batch_tokens: Mapped[int | None] = mapped_column(BigInteger)  # enqueued (Batch API)
+    max_file_bytes: Mapped[int | None] = mapped_column(BigInteger)  # stored; None: default
     created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
 
 

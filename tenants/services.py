@@ -83,6 +83,7 @@ def _terms_view(terms: PlanTerms) -> dict[str, object]:
         "max_priority": terms.max_priority,
         "weight": terms.weight,
         "max_batch_tokens": terms.max_batch_tokens,
+        "max_file_bytes": terms.max_file_bytes,
     }
 
 
@@ -225,9 +226,12 @@ class PlanService(Audited):
         plan.default_priority = terms.default_priority
         plan.max_priority = terms.max_priority
         plan.weight = terms.weight
-        if terms.max_batch_tokens is not None and terms.max_batch_tokens < 0:
-            raise InvalidInputError("max_batch_tokens must be a whole number >= 0 or unset")
+        for name in ("max_batch_tokens", "max_file_bytes"):
+            value = getattr(terms, name)
+            if value is not None and value < 0:
+                raise InvalidInputError(f"{name} must be a whole number >= 0 or unset")
         plan.max_batch_tokens = terms.max_batch_tokens
+        plan.max_file_bytes = terms.max_file_bytes
 
     async def find(self, name: str) -> Plan | None:
         return await self.session.scalar(select(Plan).where(Plan.name == name))

@@ -7,7 +7,15 @@ from typing import Annotated, Any
 import msgspec
 from msgspec import Meta, Struct
 
-from tenants.limits import LIMIT_NAMES, LOWEST_PRIORITY, MAX_MICROS, MAX_WHOLE, LimitSet, PlanTerms
+from tenants.limits import (
+    LIMIT_NAMES,
+    LOWEST_PRIORITY,
+    MAX_BYTES,
+    MAX_MICROS,
+    MAX_WHOLE,
+    LimitSet,
+    PlanTerms,
+)
 from tenants.models import ApiKey, Plan, Tenant
 from tenants.registry import ModelKind, ModelSpec, Target
 
@@ -39,6 +47,7 @@ class PlanBody(LimitsBody, kw_only=True, forbid_unknown_fields=True):
     max_priority: Priority | msgspec.UnsetType = UNSET
     weight: Annotated[int, Meta(ge=1, le=MAX_WHOLE)] | msgspec.UnsetType = UNSET
     max_batch_tokens: Annotated[int, Meta(ge=0, le=MAX_WHOLE)] | msgspec.UnsetType | None = UNSET
+    max_file_bytes: Annotated[int, Meta(ge=0, le=MAX_BYTES)] | msgspec.UnsetType | None = UNSET
 
     def terms(self, current: PlanTerms) -> PlanTerms:
         models = current.allowed_models
@@ -53,9 +62,8 @@ class PlanBody(LimitsBody, kw_only=True, forbid_unknown_fields=True):
             default_priority=_or(self.default_priority, current.default_priority),
             max_priority=_or(self.max_priority, current.max_priority),
             weight=_or(self.weight, current.weight),
-            max_batch_tokens=current.max_batch_tokens
-            if isinstance(self.max_batch_tokens, msgspec.UnsetType)
-            else self.max_batch_tokens,
+            max_batch_tokens=_given(self.max_batch_tokens, current.max_batch_tokens),
+            max_file_bytes=_given(self.max_file_bytes, current.max_file_bytes),
         )
 
 
@@ -127,6 +135,11 @@ def _or(value: Any, default: int) -> int:
     return default if value is UNSET else int(value)
 
 
+def _given(value: int | msgspec.UnsetType | None, current: int | None) -> int | None:
+    """A nullable field: unset keeps `current`, null clears it."""
+    return current if isinstance(value, msgspec.UnsetType) else value
+
+
 def plan_view(plan: Plan) -> dict[str, Any]:
     terms = PlanTerms.of(plan)
     return {
@@ -137,6 +150,7 @@ def plan_view(plan: Plan) -> dict[str, Any]:
         "max_priority": terms.max_priority,
         "weight": terms.weight,
         "max_batch_tokens": terms.max_batch_tokens,
+        "max_file_bytes": terms.max_file_bytes,
     }
 
 

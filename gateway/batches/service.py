@@ -56,7 +56,10 @@ class BatchService:
                 f"purpose must be one of {', '.join(UPLOAD_PURPOSES)}", param="purpose"
             )
         parse_jsonl(content)  # a malformed line is refused now, naming its number
-        return await self.files.create(filename, purpose, content)
+        quota = self.principal.plan.max_file_bytes
+        if quota is None:
+            quota = self.runtime.settings.files_max_bytes_per_tenant
+        return await self.files.create(filename, purpose, content, quota_bytes=quota)
 
     async def create(
         self,

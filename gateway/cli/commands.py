@@ -204,6 +204,7 @@ def _budget(text: str) -> int | None:
 
 
 _UNSET = object()  # a flag that was not given: keep the current value
+PLAN_CAPS = ("max_batch_tokens", "max_file_bytes")  # a plan's caps beside its limits
 
 
 def _limit_flags(parser: argparse.ArgumentParser) -> None:
@@ -228,6 +229,18 @@ def _plan_flags(parser: argparse.ArgumentParser) -> None:
     add("--default-priority", type=int, default=_UNSET)
     add("--max-priority", type=int, default=_UNSET, help="most urgent priority allowed (0-9)")
     add("--weight", type=int, default=_UNSET, help="share of capacity under contention")
+    add(
+        "--max-batch-tokens",
+        type=_optional_int,
+        default=_UNSET,
+        help="worst-case tokens of a tenant's unfinished batches ('none': no cap)",
+    )
+    add(
+        "--max-file-bytes",
+        type=_optional_int,
+        default=_UNSET,
+        help="a tenant's stored files, in bytes ('none': TOLLGATE_FILES_MAX_BYTES_PER_TENANT)",
+    )
 
 
 def _limits_from(args: argparse.Namespace, current: LimitSet) -> LimitSet:
@@ -240,7 +253,7 @@ def _terms_from(args: argparse.Namespace, current: PlanTerms) -> PlanTerms:
     if args.models is not _UNSET:
         names = [m.strip() for m in args.models.split(",") if m.strip()]
         changes["allowed_models"] = None if args.models == "all" else frozenset(names)
-    for name in ("default_priority", "max_priority", "weight"):
+    for name in ("default_priority", "max_priority", "weight", *PLAN_CAPS):
         if getattr(args, name) is not _UNSET:
             changes[name] = getattr(args, name)
     return replace(current, **changes)  # type: ignore[arg-type]
@@ -255,8 +268,13 @@ def _describe_plan(plan: Plan) -> str:
     models = "all" if terms.allowed_models is None else ",".join(sorted(terms.allowed_models))
     return (
         f"{plan.name}\t{limits}\tmodels={models}\tpriority={terms.default_priority} "
-        f"(max {terms.max_priority})\tweight={terms.weight}"
+        f"(max {terms.max_priority})\tweight={terms.weight}\t"
+        + "\t".join(f"{name}={_shown(getattr(terms, name))}" for name in PLAN_CAPS)
     )
+
+
+def _shown(value: int | None) -> str:
+    return "-" if value is None else str(value)
 
 
 def _iso_time(text: str) -> datetime:

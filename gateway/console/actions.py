@@ -17,11 +17,12 @@ from gateway.console.context import ConsoleAction
 from gateway.console.render import or_back_to
 from tenants.admins import AdminService
 from tenants.errors import InvalidInputError
-from tenants.limits import LIMIT_NAMES, MAX_MICROS, MAX_WHOLE, LimitSet, PlanTerms
+from tenants.limits import LIMIT_NAMES, MAX_BYTES, MAX_MICROS, MAX_WHOLE, LimitSet, PlanTerms
 from tenants.models import KeyRole
 from tenants.services import ApiKeyService, PlanService, TenantService
 
 PLAN_FIELDS = ("default_priority", "max_priority", "weight")
+MIB = 2**20
 
 
 def whole_number(form: FormMultiDict, name: str) -> int | None:
@@ -62,6 +63,18 @@ def limits_from(form: FormMultiDict) -> LimitSet:
     return LimitSet(monthly_budget_micros=budget_micros(form), **values)
 
 
+def file_mib(form: FormMultiDict) -> int | None:
+    """The plan's cap on a tenant's stored files, given in MiB; blank: the default."""
+    raw = str(form.get("max_file_mib", "")).strip()
+    if not raw:
+        return None
+    if not (raw.isascii() and raw.isdigit()) or int(raw) * MIB > MAX_BYTES:
+        raise InvalidInputError(
+            f"stored files must be a whole number of MiB up to {MAX_BYTES // MIB:,}, or blank"
+        )
+    return int(raw) * MIB
+
+
 def terms_from(form: FormMultiDict, current: PlanTerms) -> PlanTerms:
     models_text = str(form.get("allowed_models", "")).strip()
     models = [m.strip() for m in models_text.split(",") if m.strip()]
@@ -73,6 +86,8 @@ def terms_from(form: FormMultiDict, current: PlanTerms) -> PlanTerms:
         default_priority=_or(numbers["default_priority"], current.default_priority),
         max_priority=_or(numbers["max_priority"], current.max_priority),
         weight=_or(numbers["weight"], current.weight),
+        max_batch_tokens=whole_number(form, "max_batch_tokens"),
+        max_file_bytes=file_mib(form),
     )
 
 

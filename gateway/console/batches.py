@@ -12,6 +12,7 @@ from litestar.params import FromPath
 
 from gateway.console.context import ConsoleAction, ConsolePage
 from gateway.console.render import or_back_to
+from tenants import audit
 from tenants.batches import BatchStore
 from tenants.blobs import BlobStore
 from tenants.errors import NotFoundError
@@ -68,6 +69,14 @@ class BatchesController(Controller):
         with or_back_to(here):
             tenant = await TenantService(action.db).get(name)
             await BatchStore(action.db, tenant.id).cancel(batch_id)
+        await audit.record(  # in the cancel's transaction, as the services' changes are
+            action.db,
+            actor=action.actor.name,
+            action="batch.cancel",
+            target=f"batch:{batch_id}",
+            tenant_id=tenant.id,
+            context=action.actor.context,
+        )
         await action.db.commit()
         action.request.app.state.batch_runner.wake(batch_id)
         return action.back(here, f"Cancelling {batch_id}: lines under way finish, the rest stop.")

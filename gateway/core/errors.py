@@ -71,6 +71,14 @@ class Conflict(ApiError):
     type = "conflict_error"
 
 
+class FileStorageFull(InvalidRequest):
+    """An upload past the tenant's file storage quota: a 400, as OpenAI refuses a file
+    over its limits; retrying cannot help until files are deleted."""
+
+    default_code = "file_storage_limit_exceeded"
+    retryable = False
+
+
 class ContextLengthExceeded(ApiError):
     status = 400  # as OpenAI answers it: SDKs raise BadRequestError, litellm maps the code
     type = "invalid_request_error"

@@ -20,6 +20,7 @@ from gateway.core.errors import (
     Cancelled,
     Conflict,
     DatabaseUnavailable,
+    FileStorageFull,
     InternalError,
     InvalidRequest,
     NotFound,
@@ -27,6 +28,7 @@ from gateway.core.errors import (
     QuotaStoreUnavailable,
 )
 from tenants.errors import ConflictError, DomainError, InvalidInputError, NotFoundError
+from tenants.files import StorageFull
 
 log = logging.getLogger(__name__)
 
@@ -48,6 +50,7 @@ DOMAIN_ERRORS: dict[type[Exception], type[ApiError]] = {
     NotFoundError: NotFound,
     ConflictError: Conflict,
     InvalidInputError: InvalidRequest,
+    StorageFull: FileStorageFull,
 }
 
 

@@ -343,6 +343,7 @@ class Plan(Struct):
     max_priority: int
     weight: int
     max_batch_tokens: int | None  # worst-case tokens of unfinished batches (None: any)
+    max_file_bytes: int | None  # the tenant's stored files (None: the gateway's default)
 
 
 class Tenant(Struct):

@@ -99,6 +99,9 @@ class Settings:
     batch_lease_s: int = 60
     batch_task_s: int = 300  # one Celery task runs a batch this long, then queues its sequel
     batch_sweep_s: int = 10  # beat queues a task for every unfinished batch this often
+    # The most one tenant's uploaded and result files may hold together (a plan's
+    # max_file_bytes overrides it): one tenant cannot fill the data folder or the bucket.
+    files_max_bytes_per_tenant: int = 10 * 2**30
 
     @classmethod
     def from_env(cls, env: Mapping[str, str] | None = None) -> Settings:
@@ -167,6 +170,9 @@ class Settings:
             batch_lease_s=_int(env, "TOLLGATE_BATCH_LEASE_S", 60, low=1, high=3600),
             batch_task_s=_int(env, "TOLLGATE_BATCH_TASK_S", 300, low=1, high=3000),
             batch_sweep_s=_int(env, "TOLLGATE_BATCH_SWEEP_S", 10, low=1, high=3600),
+            files_max_bytes_per_tenant=_int(
+                env, "TOLLGATE_FILES_MAX_BYTES_PER_TENANT", 10 * 2**30, low=0
+            ),
         )
 
     def with_overrides(self, **changes: object) -> Settings:

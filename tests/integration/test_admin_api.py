@@ -36,6 +36,10 @@ async def test_onboarding_through_the_admin_api(
         "/admin/api/plans/starter", json={"tpm": 1000, "rpm": None}, headers=admin
     )
     assert (patched.json()["tpm"], patched.json()["rpm"]) == (1000, None)
+    capped = await client.patch(  # past 2**31: a byte count, not a 32-bit limit
+        "/admin/api/plans/starter", json={"max_file_bytes": 5 * 2**30}, headers=admin
+    )
+    assert (capped.json()["max_file_bytes"], capped.json()["tpm"]) == (5 * 2**30, 1000)
 
     tenant = await client.post(
         "/admin/api/tenants", json={"name": "globex", "plan": "starter"}, headers=admin

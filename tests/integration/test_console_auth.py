@@ -28,6 +28,7 @@ from tenants.admins import (
     scrypt_cost_for_tests,
     verify_password,
 )
+from tenants.batches import BatchQueue, BatchStore, NewLine
 from tenants.billing.export_lock import STATE
 from tenants.billing.models import ExportState, OutboxRow, OutboxStatus
 from tenants.models import Tenant, UsageEvent, utcnow
@@ -370,6 +371,57 @@ async def test_owner_edits_a_plan_through_the_plan_service(
     assert events[0].actor == f"console:{OWNER}"
     bad = await client.post("/admin/plans/gold", data={"csrf_token": csrf, "rpm": "-5"})
     assert "whole number" in (await client.get(bad.headers["location"])).text
+
+
+async def test_a_plans_batch_token_and_file_caps_are_edited_and_kept(
+    client: Client, admins: None, sessions: async_sessionmaker[AsyncSession]
+) -> None:
+    """The plan form sets max_batch_tokens and the stored-files cap (MiB); saving other
+    fields keeps them (the form carries them), and the page shows them."""
+    csrf = await sign_in(client, OWNER)
+    form = {"csrf_token": csrf, "name": "gold", "max_batch_tokens": "9000", "max_file_mib": "5"}
+    assert (await client.post("/admin/plans", data=form)).status_code == 303
+    page = (await client.get("/admin/plans")).text
+    assert 'name="max_batch_tokens"' in page and 'value="9000"' in page and "5 MiB" in page
+    edit = {"csrf_token": csrf, "rpm": "7", "max_batch_tokens": "9000", "max_file_mib": "5"}
+    assert (await client.post("/admin/plans/gold", data=edit)).status_code == 303
+    async with sessions() as session:
+        plan = await PlanService(session).get("gold")
+    assert (plan.rpm, plan.max_batch_tokens, plan.max_file_bytes) == (7, 9000, 5 * 2**20)
+    bad = {"csrf_token": csrf, "max_file_mib": "lots"}
+    refused = await client.post("/admin/plans/gold", data=bad)
+    assert "MiB" in (await client.get(refused.headers["location"])).text
+
+
+async def test_a_console_batch_cancel_is_audited(
+    client: Client, admins: None, sessions: async_sessionmaker[AsyncSession]
+) -> None:
+    async with sessions.begin() as session:
+        tenant = await TenantService(session).create("acme")
+        key = (await ApiKeyService(session).create(tenant)).key
+        batch = await BatchStore(session, tenant.id).create(
+            api_key_id=key.id,
+            endpoint="/v1/chat/completions",
+            input_file_id="file-x",
+            completion_window="24h",
+            metadata=None,
+            lines=[NewLine(1, "a", {"model": "m", "messages": []})],
+            enqueued_tokens=1,
+            worst_case_micros=0,
+        )
+        # Its line under way (claimed for an hour) as it is committed: the gateway's runner
+        # cannot finish the batch before the cancel.
+        assert len(await BatchQueue(session).claim(batch.id, 1, timedelta(hours=1))) == 1
+    csrf = await sign_in(client, OWNER)
+    cancel = f"/admin/tenants/acme/batches/{batch.id}/cancel"
+    assert (await client.post(cancel, data={"csrf_token": csrf})).status_code == 303
+    async with sessions() as session:
+        events = await audit.list_events(session, action="batch.cancel")
+        status = (await BatchStore(session, tenant.id).get(batch.id)).status
+    assert status == "cancelling"
+    assert [(e.actor, e.target, e.tenant_id) for e in events] == [
+        (f"console:{OWNER}", f"batch:{batch.id}", tenant.id)
+    ]
 
 
 async def test_session_cookie_is_secure_over_https(

@@ -37,6 +37,19 @@ def test_tenants_and_keys_lifecycle(cli_env: Path, capsys: pytest.CaptureFixture
     assert "revoked" in capsys.readouterr().out
 
 
+def test_plans_set_their_batch_token_and_file_storage_caps(
+    cli_env: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    argv = ["plans", "create", "gold", "--rpm", "10", "--max-batch-tokens", "5000"]
+    assert main([*argv, "--max-file-bytes", "1048576"]) == 0
+    assert "max_batch_tokens=5000\tmax_file_bytes=1048576" in capsys.readouterr().out
+    assert main(["plans", "update", "gold", "--max-file-bytes", "none"]) == 0  # the default
+    updated = capsys.readouterr().out
+    assert "max_batch_tokens=5000\tmax_file_bytes=-" in updated and "rpm=10" in updated
+    with pytest.raises(SystemExit):  # argparse refuses it
+        main(["plans", "update", "gold", "--max-batch-tokens", "-1"])
+
+
 def test_errors_are_reported_not_raised(cli_env: Path, capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["keys", "create", "--tenant", "ghost"]) == 2
     assert "no tenant named 'ghost'" in capsys.readouterr().err
