@@ -19,6 +19,7 @@ from gateway.core.errors import InvalidRequest
 from gateway.dispatch.directory import ModelDirectory
 from gateway.http.auth import authenticate
 from gateway.openapi import AUTHENTICATED, documented
+from gateway.settings import Settings
 from tenants.billing.prices import PriceBook
 from tenants.blobs import BlobStore
 from tenants.files import MAX_FILE_BYTES
@@ -109,8 +110,12 @@ def provide_batch_service(
     directory: NamedDependency[ModelDirectory],
     prices: NamedDependency[PriceBook],
     quota_store: NamedDependency[QuotaStore],
+    settings: NamedDependency[Settings],
 ) -> BatchService:
-    return BatchService(db_session, principal, file_blobs, directory, prices, quota_store)
+    file_quota = settings.files_max_bytes_per_tenant
+    return BatchService(
+        db_session, principal, file_blobs, directory, prices, quota_store, file_quota
+    )
 
 
 _DEPENDENCIES = {

@@ -42,8 +42,10 @@ class BatchService:
         directory: ModelDirectory,
         prices: PriceBook,
         store: QuotaStore,
+        file_quota: int,  # the bytes a tenant's files may hold, where its plan names none
     ) -> None:
         self.principal = principal
+        self.file_quota = file_quota
         self.directory = directory
         self.prices = prices
         self.store = store
@@ -58,7 +60,7 @@ class BatchService:
         parse_jsonl(content)  # a malformed line is refused now, naming its number
         quota = self.principal.plan.max_file_bytes
         if quota is None:
-            quota = self.runtime.settings.files_max_bytes_per_tenant
+            quota = self.file_quota
         return await self.files.create(filename, purpose, content, quota_bytes=quota)
 
     async def create(
