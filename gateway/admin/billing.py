@@ -13,7 +13,6 @@ from typing import Any
 from litestar import Controller, Response, get, post, put
 from litestar.di import NamedDependency, Provide
 from litestar.params import FromPath, FromQuery, RawBody
-from sqlalchemy import select
 from sqlalchemy.ext.asyncio import AsyncSession
 
 from gateway.admin.controllers import admin_actor, require_admin
@@ -43,12 +42,12 @@ from gateway.openapi.shapes import (
 )
 from gateway.settings import Settings
 from tenants.audit import Actor
+from tenants.billing import ledger
 from tenants.billing.customers import StripeCustomerService
 from tenants.billing.export_lock import ExportBusy
 from tenants.billing.outbox import OutboxService
 from tenants.billing.prices import PriceBook, PriceService
 from tenants.billing.reports import build_report, export_csv
-from tenants.models import UsageEvent
 from tenants.pricing import Price
 from tenants.services import Principal, TenantService
 
@@ -83,12 +82,7 @@ class UsageController(Controller):
         event = None
         # Stored ids are short and printable (PostgreSQL text cannot even hold a NUL).
         if len(request_id) <= 64 and request_id.isprintable():
-            event = await db_session.scalar(
-                select(UsageEvent).where(
-                    UsageEvent.request_id == request_id,
-                    UsageEvent.tenant_id == principal.tenant_id,
-                )
-            )
+            event = await ledger.tenant_row(db_session, principal.tenant_id, request_id)
         if event is None:  # another tenant's request looks exactly like a missing one
             raise NotFound(f"no request {request_id!r}", param="request_id")
         return usage_row_view(event)

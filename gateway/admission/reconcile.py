@@ -24,12 +24,12 @@ from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
 from typing import Any
 
-from sqlalchemy import func, select
 from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
 
 from gateway.core.tasks import Periodic
+from tenants.billing import ledger
 from tenants.idempotency import IdempotencyService
-from tenants.models import UsageEvent, as_utc, utcnow
+from tenants.models import as_utc, utcnow
 from tenants.quota import QuotaStore, key_scope, month_period, tenant_scope
 
 log = logging.getLogger(__name__)
@@ -77,14 +77,8 @@ async def ledger_bases(
     bases: dict[str, int] = defaultdict(int)
     if until <= since:
         return bases
-    query = (
-        select(UsageEvent.tenant_id, UsageEvent.api_key_id, func.sum(UsageEvent.cost_micros))
-        .where(UsageEvent.created_at >= since, UsageEvent.created_at < until)
-        .where(UsageEvent.cost_micros > 0)
-        .group_by(UsageEvent.tenant_id, UsageEvent.api_key_id)
-    )
     async with sessions() as session:
-        for tenant_id, key_id, cost in await session.execute(query):
+        for tenant_id, key_id, cost in await ledger.cost_by_key(session, since, until):
             bases[tenant_scope(tenant_id)] += int(cost)
             bases[key_scope(key_id)] += int(cost)
     return bases
@@ -99,18 +93,7 @@ async def reconcile(
     """Charge every ledger row of [since, until) the store has not charged; returns how many."""
     repaired = 0
     async with sessions() as session:
-        rows = await session.stream(
-            select(
-                UsageEvent.request_id,
-                UsageEvent.tenant_id,
-                UsageEvent.api_key_id,
-                UsageEvent.cost_micros,
-                UsageEvent.created_at,
-            )
-            .where(UsageEvent.created_at >= since, UsageEvent.created_at < until)
-            .where(UsageEvent.cost_micros > 0)
-            .execution_options(yield_per=BATCH)
-        )
+        rows = await ledger.costed_rows(session, since, until, BATCH)
         async for batch in rows.partitions(BATCH):
             done = await store.charged([row.request_id for row in batch])
             missing = [row for row in batch if row.request_id not in done]
@@ -158,10 +141,7 @@ async def recently_active(sessions: async_sessionmaker[AsyncSession], within_s: 
     running others, whose leases it must restore before admission resumes)."""
     since = utcnow() - timedelta(seconds=within_s)
     async with sessions() as session:
-        found = await session.scalar(
-            select(UsageEvent.id).where(UsageEvent.created_at >= since).limit(1)
-        )
-    return found is not None
+        return await ledger.any_since(session, since)
 
 
 class Rebuilder:

@@ -10,20 +10,18 @@ from typing import Any
 from litestar import Controller, Response, get, post
 from litestar.datastructures import FormMultiDict
 from litestar.di import NamedDependency
-from sqlalchemy import func, select
-from sqlalchemy.ext.asyncio import AsyncSession
 
 from gateway.console.actions import micro_dollars
 from gateway.console.context import ConsoleAction, ConsolePage
 from gateway.console.pages import parse_moment
 from gateway.console.render import csv_download, or_back_to
 from tenants import audit
-from tenants.billing.models import OutboxRow, OutboxStatus
-from tenants.billing.outbox import OutboxService
+from tenants.billing.models import OutboxRow
+from tenants.billing.outbox import OutboxService, export_status, unexported_rows
 from tenants.billing.prices import ANY_MODEL, PriceService
 from tenants.billing.reports import Period, build_report, export_csv
 from tenants.errors import InvalidInputError
-from tenants.models import UsageEvent, as_utc, utcnow
+from tenants.models import as_utc, utcnow
 from tenants.pricing import Price
 from tenants.services import TenantService
 
@@ -51,41 +49,6 @@ def price_from(form: FormMultiDict) -> Price:
         cached_input_micros_per_mtok=dollars_per_mtok(form, "cached_input"),
         output_micros_per_mtok=dollars_per_mtok(form, "output"),
     )
-
-
-async def export_status(
-    session: AsyncSession, tenant_id: str, period: Period
-) -> dict[str, dict[str, int]]:
-    """Stripe outbox rows of a tenant's period, by status: how many and how much."""
-    rows = await session.execute(
-        select(OutboxRow.status, func.count(), func.coalesce(func.sum(OutboxRow.value), 0))
-        .where(
-            OutboxRow.tenant_id == tenant_id,
-            OutboxRow.occurred_at >= period.start,
-            OutboxRow.occurred_at < period.end,
-        )
-        .group_by(OutboxRow.status)
-    )
-    return {status: {"rows": int(n), "micros": int(total)} for status, n, total in rows.all()}
-
-
-async def unexported_rows(
-    session: AsyncSession, tenant_id: str, period: Period, limit: int = 20
-) -> list[tuple[OutboxRow, str]]:
-    """The period's rows Stripe has not taken yet (failed first), with their request ids."""
-    rows = await session.execute(
-        select(OutboxRow, UsageEvent.request_id)
-        .join(UsageEvent, UsageEvent.id == OutboxRow.usage_event_id)
-        .where(
-            OutboxRow.tenant_id == tenant_id,
-            OutboxRow.occurred_at >= period.start,
-            OutboxRow.occurred_at < period.end,
-            OutboxRow.status != OutboxStatus.EXPORTED,
-        )
-        .order_by(OutboxRow.status, OutboxRow.id)  # "failed" sorts before "pending"
-        .limit(limit)
-    )
-    return [(row, request_id) for row, request_id in rows.all()]
 
 
 class LedgerController(Controller):

@@ -15,12 +15,8 @@ from gateway.console.context import ConsolePage
 from gateway.console.queries import (
     CSV_HEADER,
     CSV_LIMIT,
-    UsageFilter,
     csv_record,
-    find_request,
-    find_usage,
     inter_token_ms,
-    known_models,
     rejections,
     replicas,
     tenant_series,
@@ -32,6 +28,7 @@ from gateway.telemetry.request import workload_class
 from tenants import audit
 from tenants.admins import AdminService
 from tenants.batches import batch_token_share
+from tenants.billing.ledger import UsageFilter, find_request, find_usage, known_models
 from tenants.limits import LIMIT_NAMES, PlanTerms
 from tenants.models import UsageStatus, parse_utc
 from tenants.quota import QuotaStore

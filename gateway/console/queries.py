@@ -1,6 +1,7 @@
 """Read-only questions the console asks of the usage ledger and the engine.
 
-The ledger is `usage_events` (one row per finished request, written by gateway/metering).
+The ledger is `usage_events` (one row per finished request), read through its owner,
+tenants/billing/ledger.py.
 Administrators see every tenant; each filter narrows by tenant id, never by name alone.
 """
 
@@ -9,107 +10,23 @@ from __future__ import annotations
 import math
 from collections import Counter, defaultdict
 from collections.abc import Sequence
-from dataclasses import dataclass
 from datetime import datetime, timedelta
 from typing import Any, Protocol
 
-from sqlalchemy import Select, select
 from sqlalchemy.ext.asyncio import AsyncSession
 
 from gateway.dispatch.engine_client import IN_PROCESS, EngineClient, InProcessEngineClient
 from gateway.dispatch.remote import RemoteEngineClient
 from gateway.telemetry.metrics import GatewayMetrics
 from gateway.telemetry.request import workload_class
-from tenants.models import ApiKey, Tenant, UsageEvent, as_utc, utcnow
+from tenants.billing import ledger
+from tenants.billing.ledger import UsageRow
+from tenants.models import as_utc, utcnow
 
-USAGE_PAGE = 200
 CSV_LIMIT = 100_000
 OVERVIEW_WINDOW = timedelta(minutes=10)
 OVERVIEW_BUCKET_S = 10
 OVERVIEW_ROWS = 50_000
-OVERVIEW_COLUMNS = (
-    UsageEvent.created_at,
-    UsageEvent.endpoint,
-    UsageEvent.status,
-    UsageEvent.error,
-    UsageEvent.finish_reason,
-    UsageEvent.prompt_tokens,
-    UsageEvent.completion_tokens,
-    UsageEvent.ttft_ms,
-    UsageEvent.e2e_ms,
-    UsageEvent.itl_ms,
-)
-
-
-@dataclass(frozen=True)
-class UsageFilter:
-    tenant: str | None = None  # tenant name
-    key: str | None = None  # key prefix
-    model: str | None = None
-    status: str | None = None
-    since: datetime | None = None
-    until: datetime | None = None
-
-    def as_query(self) -> dict[str, str]:
-        given = {
-            "tenant": self.tenant,
-            "key": self.key,
-            "model": self.model,
-            "status": self.status,
-            "since": self.since.strftime("%Y-%m-%dT%H:%M") if self.since else None,
-            "until": self.until.strftime("%Y-%m-%dT%H:%M") if self.until else None,
-        }
-        return {name: value for name, value in given.items() if value}
-
-
-@dataclass(frozen=True)
-class UsageRow:
-    event: UsageEvent
-    tenant: str
-    key_prefix: str
-
-
-def _usage_query(where: UsageFilter) -> Select[UsageEvent, str, str]:
-    query = (
-        select(UsageEvent, Tenant.name, ApiKey.prefix)
-        .join(Tenant, Tenant.id == UsageEvent.tenant_id)
-        .join(ApiKey, ApiKey.id == UsageEvent.api_key_id)
-        .order_by(UsageEvent.created_at.desc())
-    )
-    if where.tenant:
-        query = query.where(Tenant.name == where.tenant)
-    if where.key:
-        query = query.where(ApiKey.prefix == where.key)
-    if where.model:
-        query = query.where(UsageEvent.model == where.model)
-    if where.status:
-        query = query.where(UsageEvent.status == where.status)
-    if where.since:
-        query = query.where(UsageEvent.created_at >= where.since)
-    if where.until:
-        query = query.where(UsageEvent.created_at < where.until)
-    return query
-
-
-async def find_usage(
-    session: AsyncSession, where: UsageFilter, limit: int = USAGE_PAGE
-) -> list[UsageRow]:
-    result = await session.execute(_usage_query(where).limit(limit))
-    return [UsageRow(event, tenant, prefix) for event, tenant, prefix in result.all()]
-
-
-async def find_request(session: AsyncSession, request_id: str) -> UsageRow | None:
-    row = (
-        await session.execute(
-            _usage_query(UsageFilter()).where(UsageEvent.request_id == request_id)
-        )
-    ).one_or_none()
-    return None if row is None else UsageRow(*row)
-
-
-async def known_models(session: AsyncSession) -> list[str]:
-    result = await session.execute(select(UsageEvent.model).distinct().order_by(UsageEvent.model))
-    return list(result.scalars())
 
 
 CSV_HEADER = [
@@ -187,14 +104,7 @@ async def traffic(session: AsyncSession, now: datetime | None = None) -> dict[st
     start = now - OVERVIEW_WINDOW
     # Only the columns charted: this runs every 2 s for each open overview. Past
     # OVERVIEW_ROWS requests in the window, the newest are kept.
-    events = (
-        await session.execute(
-            select(*OVERVIEW_COLUMNS)
-            .where(UsageEvent.created_at >= start)
-            .order_by(UsageEvent.created_at.desc())
-            .limit(OVERVIEW_ROWS)
-        )
-    ).all()
+    events = await ledger.latest_outcomes(session, start, OVERVIEW_ROWS)
     buckets = int(OVERVIEW_WINDOW.total_seconds()) // OVERVIEW_BUCKET_S
     requests = [0] * buckets
     tokens = [0] * buckets
@@ -277,21 +187,11 @@ async def tenant_series(
     """Tokens, requests and cost per day for one tenant (its usage chart)."""
     now = now or utcnow()
     first_day = (now - timedelta(days=days - 1)).date()
-    rows = await session.execute(
-        select(
-            UsageEvent.created_at,
-            UsageEvent.prompt_tokens,
-            UsageEvent.completion_tokens,
-            UsageEvent.cost_micros,
-        ).where(
-            UsageEvent.tenant_id == tenant_id,
-            UsageEvent.created_at
-            >= datetime.combine(first_day, datetime.min.time(), tzinfo=now.tzinfo),
-        )
-    )
+    since = datetime.combine(first_day, datetime.min.time(), tzinfo=now.tzinfo)
+    rows = await ledger.tenant_usage_since(session, tenant_id, since)
     days_list = [first_day + timedelta(days=offset) for offset in range(days)]
     totals = {day: [0, 0, 0] for day in days_list}
-    for created, prompt, completion, cost in rows.all():
+    for created, prompt, completion, cost in rows:
         day = created.date()
         if day in totals:
             totals[day][0] += 1

@@ -44,20 +44,14 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import os
-import sqlite3
-import threading
 from collections.abc import Awaitable, Callable
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, replace
 from datetime import datetime, timedelta
-from typing import Any, cast
+from typing import Any
 
 import psycopg
-from sqlalchemy import Table, delete, select
-from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.exc import IntegrityError, OperationalError
-from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine, AsyncSession, async_sessionmaker
+from sqlalchemy.ext.asyncio import AsyncEngine, AsyncSession, async_sessionmaker
 
 from gateway.admission.quota import Admission
 from gateway.admission.reconcile import to_us
@@ -65,9 +59,9 @@ from gateway.core.tasks import Periodic, TaskSet
 from gateway.core.usage import Charge, RequestUsage
 from gateway.telemetry.tracing import REQUEST_ID, in_span
 from tenants.adapters import AdapterService
-from tenants.billing import ledger
+from tenants.billing import checkpoints, ledger
+from tenants.billing.ledger_writes import GroupRows, SqliteLedger, UnsyncedCommit, write_rows
 from tenants.billing.prices import PriceBook
-from tenants.db import sqlite_pragmas
 from tenants.models import UsageCheckpoint, UsageEvent, UsageStatus, as_utc, utcnow
 from tenants.quota import QuotaError, key_scope, month_period, tenant_scope
 from tenants.services import UsageService
@@ -83,13 +77,6 @@ ORPHAN_BATCH = 100
 # (a restart, a failover) before its rows are given up, logged by request id.
 LEDGER_RETRY_S = 10.0
 LEDGER_RETRY_MAX_PAUSE_S = 1.0
-SYNC_START_WAIT_S = 0.001  # how long the loop waits for the WAL's sync to start, at most
-
-
-class UnsyncedCommit(Exception):
-    """A group was committed but its sync to disk failed (the disk is failing): its rows
-    are in the ledger but may not survive a power cut. Trying its writes again would only
-    refuse them as duplicates, so each submitter hears this instead."""
 
 
 class UsageRecorder:
@@ -235,13 +222,11 @@ class UsageRecorder:
             return  # the streams asked about have settled meanwhile
         if self.direct is None:  # SQLite (or a recorder given no direct pool)
             if self.sqlite is not None:
-                streams = [write.event.request_id for write in settled if write.streamed]
-                rows = GroupRows(checkpoints, [write.event for write in settled], streams)
-                await self.sqlite.write(rows, lambda: _committed(settled))
+                await self.sqlite.write(_rows(checkpoints, settled), lambda: _committed(settled))
                 return
             async with self.sessions.begin() as session:
                 dialect = (await session.connection()).dialect.name
-                await _write_rows(session, dialect, checkpoints, settled)
+                await write_rows(session, dialect, _rows(checkpoints, settled))
             return
         # The settling requests encode their answers while the statement is on its way:
         # this runs once the write below waits for the server, its statement sent.
@@ -286,7 +271,8 @@ class UsageRecorder:
                     await ledger.record_all_direct(driver, [write.event for write in settled])
                 else:
                     async with driver.pipeline():
-                        await _write_rows(connection, "postgresql", checkpoints, settled, driver)
+                        rows = _rows(checkpoints, settled)
+                        await write_rows(connection, "postgresql", rows, driver)
             except (psycopg.OperationalError, OperationalError):
                 if not connection.invalidated:
                     await connection.invalidate()
@@ -301,26 +287,16 @@ class UsageRecorder:
         ids = {write.event.request_id: write.event.id for write in settled}
         async with self.sessions.begin() as session:
             if ids:
-                found = await session.execute(
-                    select(UsageEvent.request_id, UsageEvent.id).where(
-                        UsageEvent.request_id.in_(ids)
-                    )
-                )
-                if any(ids[request_id] == row_id for request_id, row_id in found):
+                found = await ledger.row_ids(session, ids)
+                if any(ids[request_id] == row_id for request_id, row_id in found.items()):
                     return  # all of it, then: one transaction
-            await _write_rows(session, "postgresql", checkpoints, settled)
+            await write_rows(session, "postgresql", _rows(checkpoints, settled))
 
     async def bill_orphans(self) -> int:
         """Write the ledger rows of streams whose gateway died; returns how many."""
         stale_before = utcnow() - timedelta(seconds=STALE_AFTER_S)
         async with self.sessions() as session:
-            stale = (
-                await session.scalars(
-                    select(UsageCheckpoint)
-                    .where(UsageCheckpoint.updated_at < stale_before)
-                    .limit(ORPHAN_BATCH)
-                )
-            ).all()
+            stale = await checkpoints.stale(session, stale_before, ORPHAN_BATCH)
             # A LoRA adapter's stream pays its base model's price (the checkpoint names
             # the adapter alone).
             bases = {a.name: a.base_model for a in await AdapterService(session).routes()}
@@ -339,18 +315,9 @@ class UsageRecorder:
         event = await self._orphan_event(checkpoint, base)
         try:
             async with self.sessions.begin() as session:
-                claimed = await session.execute(
-                    delete(UsageCheckpoint).where(
-                        UsageCheckpoint.request_id == checkpoint.request_id,
-                        UsageCheckpoint.updated_at == checkpoint.updated_at,
-                    )
-                )
-                if getattr(claimed, "rowcount", 0) != 1:
+                if not await checkpoints.claim(session, checkpoint):
                     return False
-                written = await session.scalar(
-                    select(UsageEvent.id).where(UsageEvent.request_id == checkpoint.request_id)
-                )
-                if written is not None:
+                if await ledger.row_ids(session, [checkpoint.request_id]):
                     return False
                 await UsageService(session).record(event)
         except IntegrityError:
@@ -426,139 +393,6 @@ class UsageRecorder:
 
 
 @dataclass(frozen=True)
-class GroupRows:
-    """What one group commit writes: running streams' checkpoints (upserted), ledger rows,
-    and the checkpoints of the streams those rows settle (deleted)."""
-
-    checkpoints: list[dict[str, Any]]
-    events: list[UsageEvent]
-    settled_streams: list[str]
-
-
-class SqliteLedger:
-    """A group's rows on SQLite through the stdlib driver (write_sqlite_rows), without
-    SQLAlchemy's and aiosqlite's ~0.9 ms of CPU a one-row group.
-
-    A group is committed on a connection the event loop owns, which never waits: no busy
-    timeout, and `synchronous=NORMAL`, so its COMMIT appends to the WAL without syncing it.
-    The write then returns once a thread of its own has synced the WAL file (fdatasync),
-    which is what `synchronous=FULL` does inside COMMIT: the rows are on disk before the
-    write returns, as before. The loop waits (at most SYNC_START_WAIT_S) for the thread to
-    reach the sync, as the thread needs the GIL to start it; then `on_commit` lets the
-    settling request encode its answer while the disk syncs. When another writer holds the
-    write lock, the group goes to the thread instead, on its own connection (FULL, a 30 s
-    busy timeout), which waits for the lock. The loop's connection never checkpoints (a
-    checkpoint syncs the database file); the thread runs a passive one every
-    CHECKPOINT_EVERY commits."""
-
-    CHECKPOINT_EVERY = 200
-
-    def __init__(self, path: str) -> None:
-        self.path = path
-        self.wal = f"{path}-wal"
-        self._thread = ThreadPoolExecutor(1, thread_name_prefix="tollgate-ledger")
-        self._connection: sqlite3.Connection | None = None  # the thread's
-        self._loop_connection: sqlite3.Connection | None = None  # the event loop's
-        self._commits = 0  # on the loop's connection since the thread's last checkpoint
-        self._wal: int | None = None  # the WAL file, opened by the thread
-
-    async def write(self, rows: GroupRows, on_commit: Callable[[], None] | None = None) -> None:
-        """The rows on disk; `on_commit` is called once they are committed on the loop's
-        connection, before they are synced (not when the thread writes them)."""
-        loop = asyncio.get_running_loop()
-        if self._commit_on_loop(rows):
-            syncing = threading.Event()
-            synced = loop.run_in_executor(self._thread, self._sync, syncing)
-            # Until the thread is in fdatasync (it needs the GIL to get there): the loop's
-            # next work, encoding the answer, then runs while the disk syncs.
-            syncing.wait(SYNC_START_WAIT_S)
-            if on_commit is not None:
-                on_commit()
-            try:
-                await synced
-            except OSError as exc:
-                raise UnsyncedCommit(f"the ledger's WAL could not be synced: {exc}") from exc
-        else:
-            await loop.run_in_executor(self._thread, self._write, rows)
-
-    def _commit_on_loop(self, rows: GroupRows) -> bool:
-        """The group committed, not yet synced; False when the write lock is taken."""
-        connection = self._loop_connection or self._connect_loop()
-        try:
-            connection.execute("BEGIN IMMEDIATE")
-        except sqlite3.OperationalError:  # locked by another writer: the thread waits
-            return False
-        _commit_begun(connection, rows)
-        return True
-
-    def _sync(self, syncing: threading.Event) -> None:
-        """The WAL on disk, the loop's last commit with it. Its file stays open: SQLite
-        deletes a WAL only when the last connection closes, and the loop's stays open."""
-        if self._wal is None:
-            self._wal = os.open(self.wal, os.O_RDONLY)
-        syncing.set()
-        os.fdatasync(self._wal)
-        self._commits += 1
-        if self._commits >= self.CHECKPOINT_EVERY:
-            self._commits = 0
-            try:  # the rows are on disk already: a failed checkpoint fails none of them
-                (self._connection or self._connect()).execute("PRAGMA wal_checkpoint(PASSIVE)")
-            except sqlite3.Error:
-                log.warning("WAL checkpoint failed: the next one tries again", exc_info=True)
-
-    def _write(self, rows: GroupRows) -> None:
-        connection = self._connection or self._connect()
-        connection.execute("BEGIN IMMEDIATE")
-        _commit_begun(connection, rows)
-
-    def _connect(self) -> sqlite3.Connection:
-        self._connection = _autocommit(self.path)
-        return self._connection
-
-    def _connect_loop(self) -> sqlite3.Connection:
-        connection = _autocommit(self.path)
-        connection.execute("PRAGMA busy_timeout = 0")
-        connection.execute("PRAGMA synchronous = NORMAL")
-        connection.execute("PRAGMA wal_autocheckpoint = 0")
-        self._loop_connection = connection
-        return connection
-
-    async def close(self) -> None:
-        """After the writes already submitted (one thread: in order)."""
-        await asyncio.get_running_loop().run_in_executor(self._thread, self._disconnect)
-        self._thread.shutdown()
-        if self._loop_connection is not None:
-            self._loop_connection.close()
-            self._loop_connection = None
-
-    def _disconnect(self) -> None:
-        if self._connection is not None:
-            self._connection.close()
-            self._connection = None
-        if self._wal is not None:
-            os.close(self._wal)
-            self._wal = None
-
-
-def _autocommit(path: str) -> sqlite3.Connection:
-    """A connection with the engine's PRAGMAs whose transactions are its user's own BEGIN
-    ... COMMIT; used by one thread at a time (closed at shutdown, maybe on another)."""
-    connection = sqlite3.connect(path, isolation_level=None, check_same_thread=False)
-    sqlite_pragmas(connection)
-    return connection
-
-
-def _commit_begun(connection: sqlite3.Connection, rows: GroupRows) -> None:
-    """The rows and COMMIT in the transaction begun on `connection`; ROLLBACK on failure."""
-    try:
-        write_sqlite_rows(connection, rows)
-        connection.execute("COMMIT")
-    except BaseException:
-        connection.execute("ROLLBACK")
-        raise
-
-
-@dataclass(frozen=True)
 class Checkpoint:
     """Record these running streams' delivered tokens."""
 
@@ -626,6 +460,11 @@ class GroupCommit:
             _resolve(done, None)
 
 
+def _rows(checkpoints: list[dict[str, Any]], settled: list[Settled]) -> GroupRows:
+    streams = [write.event.request_id for write in settled if write.streamed]
+    return GroupRows(checkpoints, [write.event for write in settled], streams)
+
+
 def _one_statement(checkpoints: list[dict[str, Any]], settled: list[Settled]) -> bool:
     """The group is ledger rows alone, few enough for one statement (no checkpoint to
     write, no stream's to delete)."""
@@ -651,69 +490,6 @@ def _resolve(done: asyncio.Future[None], error: BaseException | None) -> None:
         done.set_exception(error)
 
 
-# What a checkpoint of a stream already checkpointed rewrites.
-CHECKPOINT_CHANGES = (
-    "prompt_tokens",
-    "cached_tokens",
-    "completion_tokens",
-    "replica",
-    "updated_at",
-)
-
-
-def _checkpoint_upsert(insert: Callable[[type[UsageCheckpoint]], Any]) -> Any:
-    """The checkpoint upsert, built once per dialect (rows are its parameters): building
-    the ON CONFLICT clause per write was a measurable share of a stream's cost."""
-    statement = insert(UsageCheckpoint)
-    return statement.on_conflict_do_update(
-        index_elements=["request_id"],
-        set_={name: statement.excluded[name] for name in CHECKPOINT_CHANGES},
-    )
-
-
-_CHECKPOINT_UPSERTS = {
-    "postgresql": _checkpoint_upsert(postgresql.insert),
-    "sqlite": _checkpoint_upsert(sqlite.insert),
-}
-
-
-def write_sqlite_rows(connection: sqlite3.Connection, rows: GroupRows) -> None:
-    """_write_rows on SQLite, straight through the stdlib driver in the caller's
-    transaction: the same statements, each value bound as SQLAlchemy binds it."""
-    if rows.checkpoints:
-        connection.executemany(
-            _SQLITE_UPSERT, [_sqlite_checkpoint(row) for row in rows.checkpoints]
-        )
-    if rows.events:
-        ledger.record_all_sqlite(connection, rows.events)
-    if rows.settled_streams:
-        connection.executemany(_SQLITE_DELETE, [(stream,) for stream in rows.settled_streams])
-
-
-def _sqlite_checkpoint(row: dict[str, Any]) -> tuple[Any, ...]:
-    return tuple(
-        row[name] if bind is None else bind(row[name]) for name, bind in _SQLITE_CHECKPOINT_BINDS
-    )
-
-
-_SQLITE_DIALECT = sqlite.dialect()
-_CHECKPOINTS = cast(Table, UsageCheckpoint.__table__)
-# Each column's name and its bind processor for SQLite (None: the value as it is).
-_SQLITE_CHECKPOINT_BINDS = [
-    (column.name, column.type.dialect_impl(_SQLITE_DIALECT).bind_processor(_SQLITE_DIALECT))
-    for column in _CHECKPOINTS.columns
-]
-_SQLITE_UPSERT = (
-    'INSERT INTO "{}" ({}) VALUES ({}) ON CONFLICT ("request_id") DO UPDATE SET {}'.format(
-        _CHECKPOINTS.name,
-        ", ".join(f'"{name}"' for name, _ in _SQLITE_CHECKPOINT_BINDS),
-        ", ".join("?" for _ in _SQLITE_CHECKPOINT_BINDS),
-        ", ".join(f'"{name}" = excluded."{name}"' for name in CHECKPOINT_CHANGES),
-    )
-)
-_SQLITE_DELETE = f'DELETE FROM "{_CHECKPOINTS.name}" WHERE "request_id" = ?'
-
-
 def _checkpoint_row(charge: Charge, outcome: RequestUsage, now: datetime) -> dict[str, Any]:
     return {
         "request_id": charge.request_id,
@@ -730,27 +506,3 @@ def _checkpoint_row(charge: Charge, outcome: RequestUsage, now: datetime) -> dic
         "started_at": charge.started_at,
         "updated_at": now,
     }
-
-
-async def _write_rows(
-    executor: AsyncSession | AsyncConnection,
-    dialect: str,
-    checkpoints: list[dict[str, Any]],
-    settled: list[Settled],
-    direct: psycopg.AsyncConnection[Any] | None = None,
-) -> None:
-    """A group's statements: the checkpoint upsert, the ledger rows (straight through
-    psycopg on `direct`, the executor's own connection, when given), the settled streams'
-    checkpoints deleted."""
-    if checkpoints:
-        await executor.execute(_CHECKPOINT_UPSERTS[dialect], checkpoints)
-    events = [write.event for write in settled]
-    if events and direct is not None:
-        await ledger.record_all_direct(direct, events)
-    elif events:
-        await ledger.record_all(executor, events)
-    streams = [write.event.request_id for write in settled if write.streamed]
-    if streams:
-        await executor.execute(
-            delete(UsageCheckpoint).where(UsageCheckpoint.request_id.in_(streams))
-        )

@@ -1,20 +1,78 @@
-"""The usage ledger write: the usage rows and their outbox rows, in the caller's
-transaction, so a row is exported to Stripe exactly when it exists in the ledger."""
+"""The usage ledger (usage_events), its one owner for writes: the usage rows and their
+outbox rows, in the caller's transaction, so a row is exported to Stripe exactly when it
+exists in the ledger; and the lookups the recorder makes of its own rows."""
 
 from __future__ import annotations
 
 import functools
 import sqlite3
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Sequence
+from dataclasses import dataclass
+from datetime import datetime
 from typing import Any, cast
 
 import psycopg
-from sqlalchemy import Column, ColumnDefault, Table, insert, inspect
+from sqlalchemy import Column, ColumnDefault, Row, Select, Table, func, insert, inspect, select
 from sqlalchemy.dialects import sqlite
-from sqlalchemy.ext.asyncio import AsyncConnection, AsyncSession
+from sqlalchemy.ext.asyncio import AsyncConnection, AsyncResult, AsyncSession
 
 from tenants.billing.models import OutboxRow
-from tenants.models import UsageEvent, new_id, utcnow
+from tenants.models import ApiKey, Tenant, UsageEvent, new_id, utcnow
+
+
+async def row_ids(session: AsyncSession, request_ids: Collection[str]) -> dict[str, str]:
+    """The ledger rows of these requests, by request id: their rows' ids."""
+    query = select(UsageEvent.request_id, UsageEvent.id).where(
+        UsageEvent.request_id.in_(request_ids)
+    )
+    return dict((await session.execute(query)).all())
+
+
+async def tenant_row(session: AsyncSession, tenant_id: str, request_id: str) -> UsageEvent | None:
+    """A request's row, if it is the tenant's (another tenant's is not found)."""
+    query = select(UsageEvent).where(
+        UsageEvent.request_id == request_id, UsageEvent.tenant_id == tenant_id
+    )
+    return await session.scalar(query)
+
+
+async def any_since(session: AsyncSession, since: datetime) -> bool:
+    """Whether any request ended since `since`."""
+    query = select(UsageEvent.id).where(UsageEvent.created_at >= since).limit(1)
+    return await session.scalar(query) is not None
+
+
+async def cost_by_key(
+    session: AsyncSession, since: datetime, until: datetime
+) -> Sequence[Row[str, str, int]]:
+    """(tenant id, key id, cost) of the rows of [since, until) that cost something."""
+    query = (
+        select(UsageEvent.tenant_id, UsageEvent.api_key_id, func.sum(UsageEvent.cost_micros))
+        .where(UsageEvent.created_at >= since, UsageEvent.created_at < until)
+        .where(UsageEvent.cost_micros > 0)
+        .group_by(UsageEvent.tenant_id, UsageEvent.api_key_id)
+    )
+    return (await session.execute(query)).all()
+
+
+async def costed_rows(
+    session: AsyncSession, since: datetime, until: datetime, batch: int
+) -> AsyncResult[str, str, str, int, datetime]:
+    """The rows of [since, until) that cost something (request, tenant and key ids, cost,
+    time), streamed `batch` at a time."""
+    query = (
+        select(
+            UsageEvent.request_id,
+            UsageEvent.tenant_id,
+            UsageEvent.api_key_id,
+            UsageEvent.cost_micros,
+            UsageEvent.created_at,
+        )
+        .where(UsageEvent.created_at >= since, UsageEvent.created_at < until)
+        .where(UsageEvent.cost_micros > 0)
+        .execution_options(yield_per=batch)
+    )
+    return await session.stream(query)
 
 
 async def record(session: AsyncSession, event: UsageEvent) -> None:
@@ -60,7 +118,7 @@ async def record_all_direct(
 
 def record_all_sqlite(connection: sqlite3.Connection, events: Sequence[UsageEvent]) -> None:
     """record_all's rows on SQLite, straight through the stdlib driver, in the caller's
-    transaction (gateway.metering.recorder's SqliteLedger): one executemany per table, every
+    transaction (ledger_writes.SqliteLedger): one executemany per table, every
     column that the database does not fill given its value, else its Python-side default,
     else NULL, each bound as SQLAlchemy binds it for SQLite (its type's bind processor:
     times, enums). Through aiosqlite and SQLAlchemy a one-row group cost ~0.9 ms of CPU."""
@@ -182,3 +240,122 @@ _SQLITE_BINDS = {
     ]
     for table in (_USAGE_TABLE, _OUTBOX_TABLE)
 }
+
+
+# Reads: what the console shows of the ledger (gateway/console/queries.py, pages.py).
+
+USAGE_PAGE = 200
+# The outcome columns of a row, for the console's overview: created_at, endpoint, status,
+# error, finish_reason, prompt_tokens, completion_tokens, ttft_ms, e2e_ms, itl_ms.
+OutcomeRow = Row[
+    datetime, str, str, str | None, str | None, int, int, float | None, float | None, float | None
+]
+
+
+@dataclass(frozen=True)
+class UsageFilter:
+    tenant: str | None = None  # tenant name
+    key: str | None = None  # key prefix
+    model: str | None = None
+    status: str | None = None
+    since: datetime | None = None
+    until: datetime | None = None
+
+    def as_query(self) -> dict[str, str]:
+        given = {
+            "tenant": self.tenant,
+            "key": self.key,
+            "model": self.model,
+            "status": self.status,
+            "since": self.since.strftime("%Y-%m-%dT%H:%M") if self.since else None,
+            "until": self.until.strftime("%Y-%m-%dT%H:%M") if self.until else None,
+        }
+        return {name: value for name, value in given.items() if value}
+
+
+@dataclass(frozen=True)
+class UsageRow:
+    event: UsageEvent
+    tenant: str
+    key_prefix: str
+
+
+def _rows_query(where: UsageFilter) -> Select[UsageEvent, str, str]:
+    query = (
+        select(UsageEvent, Tenant.name, ApiKey.prefix)
+        .join(Tenant, Tenant.id == UsageEvent.tenant_id)
+        .join(ApiKey, ApiKey.id == UsageEvent.api_key_id)
+        .order_by(UsageEvent.created_at.desc())
+    )
+    if where.tenant:
+        query = query.where(Tenant.name == where.tenant)
+    if where.key:
+        query = query.where(ApiKey.prefix == where.key)
+    if where.model:
+        query = query.where(UsageEvent.model == where.model)
+    if where.status:
+        query = query.where(UsageEvent.status == where.status)
+    if where.since:
+        query = query.where(UsageEvent.created_at >= where.since)
+    if where.until:
+        query = query.where(UsageEvent.created_at < where.until)
+    return query
+
+
+async def find_usage(
+    session: AsyncSession, where: UsageFilter, limit: int = USAGE_PAGE
+) -> list[UsageRow]:
+    """The newest rows the filter takes, with their tenants' names and keys' prefixes."""
+    result = await session.execute(_rows_query(where).limit(limit))
+    return [UsageRow(event, tenant, prefix) for event, tenant, prefix in result.all()]
+
+
+async def find_request(session: AsyncSession, request_id: str) -> UsageRow | None:
+    row = (
+        await session.execute(_rows_query(UsageFilter()).where(UsageEvent.request_id == request_id))
+    ).one_or_none()
+    return None if row is None else UsageRow(*row)
+
+
+async def known_models(session: AsyncSession) -> list[str]:
+    result = await session.execute(select(UsageEvent.model).distinct().order_by(UsageEvent.model))
+    return list(result.scalars())
+
+
+async def latest_outcomes(
+    session: AsyncSession, since: datetime, limit: int
+) -> Sequence[OutcomeRow]:
+    """The outcome columns of the newest rows since `since` (at most `limit`): only what
+    the overview charts, which asks every 2 s for each open page."""
+    query = (
+        select(
+            UsageEvent.created_at,
+            UsageEvent.endpoint,
+            UsageEvent.status,
+            UsageEvent.error,
+            UsageEvent.finish_reason,
+            UsageEvent.prompt_tokens,
+            UsageEvent.completion_tokens,
+            UsageEvent.ttft_ms,
+            UsageEvent.e2e_ms,
+            UsageEvent.itl_ms,
+        )
+        .where(UsageEvent.created_at >= since)
+        .order_by(UsageEvent.created_at.desc())
+        .limit(limit)
+    )
+    return (await session.execute(query)).all()
+
+
+async def tenant_usage_since(
+    session: AsyncSession, tenant_id: str, since: datetime
+) -> Sequence[Row[datetime, int, int, int]]:
+    """(time, prompt tokens, completion tokens, cost) of each of the tenant's rows since
+    `since`."""
+    query = select(
+        UsageEvent.created_at,
+        UsageEvent.prompt_tokens,
+        UsageEvent.completion_tokens,
+        UsageEvent.cost_micros,
+    ).where(UsageEvent.tenant_id == tenant_id, UsageEvent.created_at >= since)
+    return (await session.execute(query)).all()

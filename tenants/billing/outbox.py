@@ -20,7 +20,8 @@ from tenants.billing.models import (
     StripeCustomerRequest,
 )
 from tenants.billing.relay import WARN_AGE, RelayResult
-from tenants.models import Tenant, utcnow
+from tenants.billing.reports import Period
+from tenants.models import Tenant, UsageEvent, utcnow
 
 
 @dataclass(frozen=True)
@@ -200,3 +201,38 @@ class OutboxService:
             context=self.actor.context,
         )
         return counts
+
+
+async def export_status(
+    session: AsyncSession, tenant_id: str, period: Period
+) -> dict[str, dict[str, int]]:
+    """Stripe outbox rows of a tenant's period, by status: how many and how much."""
+    rows = await session.execute(
+        select(OutboxRow.status, func.count(), func.coalesce(func.sum(OutboxRow.value), 0))
+        .where(
+            OutboxRow.tenant_id == tenant_id,
+            OutboxRow.occurred_at >= period.start,
+            OutboxRow.occurred_at < period.end,
+        )
+        .group_by(OutboxRow.status)
+    )
+    return {status: {"rows": int(n), "micros": int(total)} for status, n, total in rows.all()}
+
+
+async def unexported_rows(
+    session: AsyncSession, tenant_id: str, period: Period, limit: int = 20
+) -> list[tuple[OutboxRow, str]]:
+    """The period's rows Stripe has not taken yet (failed first), with their request ids."""
+    rows = await session.execute(
+        select(OutboxRow, UsageEvent.request_id)
+        .join(UsageEvent, UsageEvent.id == OutboxRow.usage_event_id)
+        .where(
+            OutboxRow.tenant_id == tenant_id,
+            OutboxRow.occurred_at >= period.start,
+            OutboxRow.occurred_at < period.end,
+            OutboxRow.status != OutboxStatus.EXPORTED,
+        )
+        .order_by(OutboxRow.status, OutboxRow.id)  # "failed" sorts before "pending"
+        .limit(limit)
+    )
+    return [(row, request_id) for row, request_id in rows.all()]

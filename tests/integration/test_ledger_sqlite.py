@@ -1,6 +1,6 @@
 """On SQLite the recorder writes a group of ledger rows through the stdlib driver
-(gateway.metering.recorder.SqliteLedger): committed on the event loop's connection and synced on a
-thread, or on the thread alone while another writer holds the lock. The rows are those
+(tenants.billing.ledger_writes.SqliteLedger): committed on the event loop's connection and
+synced on a thread, or on the thread alone while another writer holds the lock. The rows are those
 SQLAlchemy writes, a bad write still fails alone, and the WAL is checkpointed."""
 
 from __future__ import annotations
@@ -19,16 +19,10 @@ from sqlalchemy import func, select
 
 from gateway.app import create_app
 from gateway.dispatch.engine_client import InProcessEngineClient
-from gateway.metering.recorder import (
-    _CHECKPOINT_UPSERTS,
-    GroupRows,
-    Settled,
-    SqliteLedger,
-    UnsyncedCommit,
-    UsageRecorder,
-)
+from gateway.metering.recorder import Settled, UsageRecorder
 from gateway.settings import Settings
-from tenants.billing import ledger
+from tenants.billing import checkpoints, ledger
+from tenants.billing.ledger_writes import GroupRows, SqliteLedger, UnsyncedCommit
 from tenants.db import sqlite_path
 from tenants.models import UsageCheckpoint, UsageEvent, as_utc, utcnow
 from tests.conftest import eventually, serving
@@ -172,7 +166,7 @@ async def test_checkpoints_are_written_updated_and_deleted_as_sqlalchemy_does(
     acme = await owner(sessions, "acme")
     at = utcnow()
     async with sessions.begin() as session:
-        await session.execute(_CHECKPOINT_UPSERTS["sqlite"], [_checkpoint(acme, "req_core", 5, at)])
+        await checkpoints.upsert(session, "sqlite", [_checkpoint(acme, "req_core", 5, at)])
     writer = SqliteLedger(_file(sessions))
     try:
         await writer.write(GroupRows([_checkpoint(acme, "req_ours", 5, at)], [], []))
