@@ -14,14 +14,16 @@ buffers eagerly."""
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Protocol, TypeVar
 
 import numpy as np
 import torch
 
 from backend.attention_metadata import AttentionMetadata
+from backend.engine.batch import ScheduledRequest
 from backend.engine.block_tables import DeviceBlockTables
+from backend.layers.staging import to_device
 
 Forward = Callable[[torch.Tensor, torch.Tensor, AttentionMetadata], torch.Tensor]
 Buffer = TypeVar("Buffer", torch.Tensor, np.ndarray)
@@ -116,6 +118,29 @@ class DecodeGraphs:
 
     def fits(self, num_seqs: int) -> bool:
         return num_seqs <= self.sizes[-1]
+
+    def takes(self, reqs: Sequence[ScheduledRequest]) -> bool:
+        """A decode-only batch (one token a row, no LoRA adapter) of a captured size."""
+        return self.fits(len(reqs)) and all(len(r.token_ids) == 1 and r.lora_slot < 0 for r in reqs)
+
+    def replay_rows(
+        self,
+        reqs: list[ScheduledRequest],
+        tables: DeviceBlockTables,
+        patch: Callable[[torch.Tensor], object] | None = None,
+    ) -> torch.Tensor:
+        """`replay` of a batch that `takes`, its rows' block-table changes written first."""
+        rows, changes = tables.plan(reqs)
+        if changes:
+            tables.apply(to_device(torch.tensor(changes, dtype=torch.int64), self.device))
+        return self.replay(
+            [r.token_ids[0] for r in reqs],
+            [r.start_pos for r in reqs],
+            [r.block_ids for r in reqs],
+            tables,
+            rows,
+            patch,
+        )
 
     def replay(
         self,

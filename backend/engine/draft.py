@@ -21,6 +21,8 @@ import torch
 
 from backend.attention_metadata import AttentionMetadata
 from backend.engine.batch import ScheduledRequest, SchedulerOutput
+from backend.engine.block_tables import DeviceBlockTables
+from backend.engine.cuda_graphs import DecodeGraphs
 from backend.errors import CheckpointError
 from backend.layers import kv_quant
 from backend.layers.attention import AttentionBackend
@@ -66,6 +68,10 @@ class DraftModel:
         self.device = device
         self.dtype = dtype
         self.kv_cache: torch.Tensor | None = None  # sized by the runner: allocate()
+        # Its draft steps' CUDA graphs (one token a row), captured by the runner with its
+        # own; `use_graphs` follows the runner's switch.
+        self.graphs: DecodeGraphs | None = None
+        self.use_graphs = True
 
     def allocate(self, num_blocks: int, block_size: int, kv_dtype: torch.dtype) -> None:
         """Its pool, in the target's KV dtype (a quantized cache quantizes both)."""
@@ -78,13 +84,15 @@ class DraftModel:
         prepare: Prepare,
         generators: dict[str, torch.Generator | None],
         patch_for: PatchFor | None = None,
+        tables: DeviceBlockTables | None = None,
     ) -> torch.Tensor | None:
         """Mirror the step's tokens into the draft's cache, then fill each row's draft
         placeholders (the last num_drafts of its token_ids) with tokens drawn from the
         draft's distribution q (greedy rows: its argmax). Returns q of every draft token,
         [rows with drafts, K, vocab], for the verifier; None when no row drafts.
         `patch_for`: async scheduling's patch of input ids still on the device (rows
-        without drafts only: a row drafts only when all its tokens are known)."""
+        without drafts only: a row drafts only when all its tokens are known). `tables`:
+        the runner's device block tables, for the draft steps' graph replays."""
         assert self.kv_cache is not None
         spec = [r for r in batch.requests if r.num_drafts]
         first = SchedulerOutput([_mirrored(r) for r in batch.requests])
@@ -111,9 +119,21 @@ class DraftModel:
                     r.token_ids[len(r.token_ids) - r.num_drafts + j] = max(token, 0)
             if j + 1 == k:
                 break
-            step = SchedulerOutput([_draft_row(r, j) for r in spec])
-            logits = self.model.logits(self._run(step, prepare))
+            rows = [_draft_row(r, j) for r in spec]
+            graphs = self.graphs if self.use_graphs else None
+            if graphs is not None and tables is not None and graphs.takes(rows):
+                hidden = graphs.replay_rows(rows, tables)
+            else:
+                hidden = self._run(SchedulerOutput(rows), prepare)
+            logits = self.model.logits(hidden)
         return q
+
+    def forward(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata
+    ) -> torch.Tensor:
+        """Hidden states of a batch over the draft's own KV cache (what its graphs capture)."""
+        hidden: torch.Tensor = self.model(input_ids, positions, self.kv_cache, meta)
+        return hidden
 
     def _run(
         self,
@@ -124,8 +144,7 @@ class DraftModel:
         input_ids, positions, meta = prepare(batch)
         if patch is not None:
             patch(input_ids)
-        hidden: torch.Tensor = self.model(input_ids, positions, self.kv_cache, meta)
-        return hidden
+        return self.forward(input_ids, positions, meta)
 
 
 def _mirrored(r: ScheduledRequest) -> ScheduledRequest:

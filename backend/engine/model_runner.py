@@ -21,7 +21,7 @@ from backend.engine.batch import (
     SchedulerOutput,
 )
 from backend.engine.block_tables import DeviceBlockTables
-from backend.engine.cuda_graphs import DecodeGraphs, GraphableBackend, can_capture
+from backend.engine.cuda_graphs import DecodeGraphs, Forward, GraphableBackend, can_capture
 from backend.engine.draft import DraftModel
 from backend.errors import RequestStepError
 from backend.grammar import fill_bitmasks
@@ -113,26 +113,50 @@ class ModelRunner:
         self.block_tables = DeviceBlockTables(width, self.device)
         self.graphs: DecodeGraphs | None = None
         if self.device.type == "cuda" and not config.enforce_eager and can_capture(self.attention):
-            self.graphs = self._capture_graphs(max_model_len)
+            self._capture_graphs()
         self.use_cuda_graphs = self.graphs is not None  # may be switched off (benchmarks)
 
     @torch.inference_mode()
-    def _capture_graphs(self, max_model_len: int) -> DecodeGraphs:
-        bs = self.config.block_size
+    def _capture_graphs(self) -> None:
+        """The target's decode graphs, and the draft model's for its draft steps (one
+        token a row, the same block tables)."""
+        self.graphs = self._decode_graphs(
+            lambda ids, positions, meta: self.model(ids, positions, self.kv_cache, meta)
+        )
+        if self.drafter is not None:
+            self.drafter.graphs = self._decode_graphs(self.drafter.forward)
+
+    def _decode_graphs(self, forward: Forward) -> DecodeGraphs:
         graphs = DecodeGraphs(
-            lambda ids, positions, meta: self.model(ids, positions, self.kv_cache, meta),
+            forward,
             cast(GraphableBackend, self.attention),
             max_num_seqs=self.config.seqs_limit,
             max_blocks=self.block_tables.width,
-            block_size=bs,
+            block_size=self.config.block_size,
             device=self.device,
         )
         graphs.capture()
         return graphs
 
     @property
+    def use_cuda_graphs(self) -> bool:
+        return self._use_cuda_graphs
+
+    @use_cuda_graphs.setter
+    def use_cuda_graphs(self, on: bool) -> None:
+        """Decode steps replay the captured graphs (the draft model's too) or run eagerly."""
+        self._use_cuda_graphs = on
+        if self.drafter is not None:
+            self.drafter.use_graphs = on
+
+    @property
     def graph_replays(self) -> int:
         return 0 if self.graphs is None else self.graphs.replays
+
+    @property
+    def draft_graph_replays(self) -> int:
+        drafter = self.drafter
+        return 0 if drafter is None or drafter.graphs is None else drafter.graphs.replays
 
     @property
     def attention_name(self) -> str:
@@ -172,7 +196,11 @@ class ModelRunner:
         if self.drafter is not None:  # fills the rows' draft placeholders
             by_id = {r.request_id: g for r, g in zip(reqs, generators, strict=True)}
             draft_probs = self.drafter.propose(
-                batch, self._prepare, by_id, lambda b: _placeholder_patch(b, previous, self.device)
+                batch,
+                self._prepare,
+                by_id,
+                lambda b: _placeholder_patch(b, previous, self.device),
+                self.block_tables,
             )
         # One logits row per sampled position: a row with drafts samples at each of its
         # last num_drafts + 1 positions, with its parameters repeated.
@@ -316,23 +344,8 @@ class ModelRunner:
         steps that fit one, else the eager forward pass. `patch` rewrites the input ids
         on the device before either runs."""
         graphs, reqs = self.graphs, batch.requests
-        if (
-            self.use_cuda_graphs
-            and graphs is not None
-            and graphs.fits(len(reqs))
-            and all(len(r.token_ids) == 1 and r.lora_slot < 0 for r in reqs)
-        ):
-            rows, changes = self.block_tables.plan(reqs)
-            if changes:
-                self.block_tables.apply(to_device(_int64_tensor(changes), self.device))
-            return graphs.replay(
-                [r.token_ids[0] for r in reqs],
-                [r.start_pos for r in reqs],
-                [r.block_ids for r in reqs],
-                self.block_tables,
-                rows,
-                patch,
-            )
+        if self.use_cuda_graphs and graphs is not None and graphs.takes(reqs):
+            return graphs.replay_rows(reqs, self.block_tables, patch)
         input_ids, positions, meta = self._prepare(batch)
         if patch is not None:
             patch(input_ids)

@@ -142,10 +142,11 @@ def _with_graphs(engine: Engine) -> TensorMetadataTorch:
     backend = TensorMetadataTorch()
     runner = engine.runner
     runner.attention = backend
-    for module in runner.model.modules():
+    models = [runner.model] + ([runner.drafter.model] if runner.drafter else [])
+    for module in (m for model in models for m in model.modules()):
         if isinstance(module, LlamaAttention):
             module.backend = backend
-    runner.graphs = runner._capture_graphs(engine.max_model_len)
+    runner._capture_graphs()  # the draft model's too, when it has one
     runner.use_cuda_graphs = True
     return backend
 
@@ -180,6 +181,39 @@ def test_decode_graph_path_pads_and_gives_the_eager_tokens(llama_dir: Path) -> N
     assert graphed.runner.graph_replays > 0 and eager.runner.graph_replays == 0
     # Three decode rows run as a batch of 4, the fourth a padded row whose slot is -1.
     assert any(len(s) == 4 and s[3] == -1 and min(s[:3]) >= 0 for s in backend.slots)
+
+
+def test_draft_steps_replay_the_draft_models_graphs(llama_dir: Path) -> None:
+    """Speculative decoding with a draft model: its draft steps (one token a row) go
+    through its own decode graphs, three rows padded to four, and the tokens equal the
+    eager engine's (the target as its own draft: every draft accepted, so each step
+    drafts K tokens through K - 1 replays)."""
+    rng = random.Random(4)
+    prompts = [[rng.randrange(2, 300) for _ in range(n)] for n in (5, 9, 17)]
+    params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
+    spec = {"speculative_method": "draft", "speculative_model": str(llama_dir)}
+
+    def run(engine: Engine) -> dict[str, list[int]]:
+        engine.scheduler.weigh_drafts = False  # every draft proposed runs
+        for i, prompt in enumerate(prompts):
+            engine.add_request(EngineRequest(prompt, params, f"r{i}"))
+        return {k: tokens_of(v) for k, v in run_to_completion(engine).items()}
+
+    eager = make_engine(llama_dir, max_num_seqs=5, **spec)
+    graphed = make_engine(llama_dir, max_num_seqs=5, **spec)
+    backend = _with_graphs(graphed)
+    drafter = graphed.runner.drafter
+    assert drafter is not None and drafter.graphs is not None
+    assert run(graphed) == run(eager)
+    assert graphed.runner.draft_graph_replays >= 2 * (params.max_tokens // 5)
+    assert eager.runner.draft_graph_replays == 0
+    assert graphed.stats().spec_decode_acceptance_rate == 1.0
+    assert any(len(s) == 4 and s[3] == -1 and min(s[:3]) >= 0 for s in backend.slots)
+    # Switched off, the draft steps run eagerly again.
+    graphed.runner.use_cuda_graphs = False
+    replays = graphed.runner.draft_graph_replays
+    run(graphed)
+    assert graphed.runner.draft_graph_replays == replays
 
 
 def test_staging_uploads_each_dtype_in_one_buffer() -> None:

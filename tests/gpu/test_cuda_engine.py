@@ -1,5 +1,6 @@
 """The engine on CUDA (skipped without a GPU): transformers' greedy tokens, one wait per
-step, CUDA-graph decode equal to eager, and the KV budget from the device's memory."""
+step, CUDA-graph decode equal to eager (the draft model's draft steps too), and the KV
+budget from the device's memory."""
 
 from __future__ import annotations
 
@@ -99,6 +100,22 @@ def test_graph_decode_equals_eager(checkpoint: Path) -> None:
     params = [SamplingParams(max_tokens=n, temperature=0, ignore_eos=True) for n in (9, 3, 14)]
     assert run(graphed, params) == run(eager, params)
     assert graphed.runner.graph_replays > 0
+
+
+def test_draft_model_graphs_equal_eager(checkpoint: Path) -> None:
+    """The draft model's decode steps replay its own CUDA graphs; greedy tokens equal
+    the eager engine's and every draft of the target as its own draft is accepted."""
+    spec = {"speculative_method": "draft", "speculative_model": str(checkpoint)}
+    graphed = cuda_engine(checkpoint, max_num_seqs=8, **spec)
+    if graphed.runner.graphs is None:
+        pytest.skip(f"{graphed.runner.attention_name} cannot be captured in a CUDA graph")
+    eager = cuda_engine(checkpoint, max_num_seqs=8, enforce_eager=True, **spec)
+    for engine in (graphed, eager):
+        engine.scheduler.weigh_drafts = False
+    params = [SamplingParams(max_tokens=n, temperature=0, ignore_eos=True) for n in (9, 3, 14)]
+    assert run(graphed, params) == run(eager, params)
+    assert graphed.runner.draft_graph_replays > 0 and eager.runner.draft_graph_replays == 0
+    assert graphed.stats().spec_decode_acceptance_rate == 1.0
 
 
 def test_kv_budget_comes_from_the_device_memory(checkpoint: Path) -> None:
