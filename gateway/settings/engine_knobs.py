@@ -172,28 +172,31 @@ def from_env(
 ) -> EngineConfig:
     """`base` (or the defaults) with every knob whose variable is set."""
     env = os.environ if env is None else env
-    config = base or EngineConfig()
+    values: dict[Knob, object] = {}
     for knob in knobs():
         for name in (knob.env, *ALIASES.get(knob.name, ())):
             if env.get(name, "").strip():
-                config = _apply(config, knob, knob.parse(env[name]))
+                values[knob] = knob.parse(env[name])
                 break
-    return config
+    return _apply(base or EngineConfig(), values)
 
 
 def from_flags(config: EngineConfig, args: argparse.Namespace) -> EngineConfig:
     """`config` with the flags that were given on the command line."""
+    values: dict[Knob, object] = {}
     for knob in knobs():
         given = getattr(args, _DEST + knob.name, None)
-        if given is None:
-            continue
-        value = given if isinstance(given, bool) else knob.parse(given)
-        config = _apply(config, knob, value)
-    return config
+        if given is not None:
+            values[knob] = given if isinstance(given, bool) else knob.parse(given)
+    return _apply(config, values)
 
 
-def _apply(config: EngineConfig, knob: Knob, value: object) -> EngineConfig:
+def _apply(config: EngineConfig, values: dict[Knob, object]) -> EngineConfig:
+    """All the knobs at once: fields checked together (speculative_method draft needs
+    speculative_model) are valid only once both are set. An error names the first knob
+    given whose field the message names (else the first given)."""
     try:
-        return replace(config, **{knob.name: value})  # type: ignore[arg-type]
+        return replace(config, **{knob.name: value for knob, value in values.items()})  # type: ignore[arg-type]
     except ValueError as exc:
-        raise KnobError(f"{knob.where()}: {exc}") from None
+        named = [knob for knob in values if knob.name in str(exc)] or list(values)
+        raise KnobError(f"{named[0].where()}: {exc}") from None

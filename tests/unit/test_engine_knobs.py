@@ -119,6 +119,21 @@ def test_a_bad_value_exits_2_with_one_line_naming_flag_and_variable(
     assert started == []  # nothing started
 
 
+def test_knobs_checked_together_are_set_together(started: list[Settings]) -> None:
+    """--speculative-method draft needs --speculative-model: given both, variables or
+    flags, the engine gets both (one at a time, the first failed on its own)."""
+    draft = str(BUILTIN_MODEL_DIR)
+    both = {"TOLLGATE_SPECULATIVE_METHOD": "draft", "TOLLGATE_SPECULATIVE_MODEL": draft}
+    engine = Settings.from_env(both).engine
+    assert (engine.speculative_method, engine.speculative_model) == ("draft", draft)
+    flags = ["--speculative-method", "draft", "--speculative-model", draft]
+    assert launch.main(["serve", *flags]) == 0
+    engine = started.pop().engine
+    assert (engine.speculative_method, engine.speculative_model) == ("draft", draft)
+    with pytest.raises(SettingsError, match="--speculative-method / TOLLGATE_SPECULATIVE_METHOD"):
+        Settings.from_env({"TOLLGATE_SPECULATIVE_METHOD": "draft"})
+
+
 def test_a_bad_variable_names_itself_in_settings() -> None:
     with pytest.raises(SettingsError, match="--max-num-seqs / TOLLGATE_MAX_NUM_SEQS"):
         Settings.from_env({"TOLLGATE_MAX_NUM_SEQS": "0"})
