@@ -1,6 +1,9 @@
-"""Speculative decoding (n-gram drafts) against plain decoding (issue 34), through the HTTP
-API: two embedded `tollgate serve` on loopback with the built-in model, one with
-`--speculative-method ngram`, both up in the same run and measured alternately. At 1 and
+"""Speculative decoding against plain decoding (issue 34), through the HTTP API: embedded
+`tollgate serve` on loopback with the built-in model, one plain, one with
+`--speculative-method ngram` and one with `--speculative-method draft`, all up in the same
+run and measured alternately. The draft model is built here, nothing downloaded: the
+built-in model cut to its first `--draft-layers` layers (the same embeddings, tied LM
+head, final norm and tokenizer; an early exit, not a trained small model). At 1 and
 8 concurrent streamed requests: output tok/s (every completion token over the wall time,
 prefill included) and decode tok/s per stream (tokens after the first over the time from
 the first to the last: what speculation speeds up), on two workloads:
@@ -14,7 +17,7 @@ the first to the last: what speculation speeds up), on two workloads:
 
 Target: at least 1.5x on the repetitive workload at concurrency 1.
 
-    python -m bench.speculative [--repeat 2] [--tokens 128] [--k 4]
+    python -m bench.speculative [--repeat 2] [--tokens 128] [--k 4] [--methods ngram,draft]
 """
 
 from __future__ import annotations
@@ -27,12 +30,16 @@ import functools
 import inspect
 import json
 import random
+import shutil
+import tempfile
 import textwrap
 import time
+from pathlib import Path
 from typing import Any
 
 import httpx
 
+from backend.builtin import BUILTIN_MODEL_DIR
 from bench._common import long_tailed
 from bench.serve import Server, serving
 
@@ -128,20 +135,48 @@ async def spec_stats(server: Server) -> dict[str, float]:
     return found
 
 
+def truncated_draft(target: Path, folder: Path, layers: int) -> Path:
+    """`target` (a Llama checkpoint of one safetensors file) cut to its first `layers`
+    decoder layers, everything else (embeddings, final norm, tied LM head, tokenizer)
+    kept: a draft of the same vocabulary whose first layers are the target's own."""
+    from safetensors.torch import load_file, save_file
+
+    folder.mkdir(parents=True, exist_ok=True)
+    config = json.loads((target / "config.json").read_text())
+    config["num_hidden_layers"] = layers
+    (folder / "config.json").write_text(json.dumps(config))
+    kept = {
+        name: tensor
+        for name, tensor in load_file(target / "model.safetensors").items()
+        if not name.startswith("model.layers.") or int(name.split(".")[2]) < layers
+    }
+    save_file(kept, folder / "model.safetensors")
+    for name in ("tokenizer.json", "tokenizer_config.json", "generation_config.json"):
+        if (target / name).is_file():
+            shutil.copy(target / name, folder / name)
+    return folder
+
+
 async def run(args: argparse.Namespace) -> None:
     workloads = {
         "repetitive": repetitive_work(args.tokens),
         "long_tailed": long_tailed_work(16),
     }
+    methods = [m for m in args.methods.split(",") if m]
+    draft = Path(tempfile.mkdtemp(prefix="tollgate-bench-draft-"))
+    truncated_draft(BUILTIN_MODEL_DIR, draft, args.draft_layers)
     async with httpx.AsyncClient(timeout=600) as http, contextlib.AsyncExitStack() as stack:
+        stack.callback(shutil.rmtree, draft, True)
         servers = {
-            method: await stack.enter_async_context(serving(http, settings(method, args.k)))
-            for method in ("off", "ngram")
+            method: await stack.enter_async_context(serving(http, settings(method, args.k, draft)))
+            for method in ("off", *methods)
         }
         for server in servers.values():  # warm-up: first steps, allocator
             await rates(server, workloads["repetitive"][:2], 2)
         for attempt in range(args.repeat):
             report: dict[str, Any] = {"run": attempt + 1, "k": args.k}
+            if "draft" in methods:
+                report["draft_layers"] = args.draft_layers
             for workload, work in workloads.items():
                 for concurrency in (1, 8):
                     output, decode = {}, {}
@@ -150,15 +185,22 @@ async def run(args: argparse.Namespace) -> None:
                         output[name], decode[name] = round(got[0], 1), round(got[1], 1)
                     key = f"{workload}_c{concurrency}"
                     report[f"{key}_output_tok_s"] = output
-                    report[f"{key}_output_ratio"] = round(output["ngram"] / output["off"], 2)
                     report[f"{key}_decode_tok_s"] = decode
-                    report[f"{key}_decode_ratio"] = round(decode["ngram"] / decode["off"], 2)
-            report["ngram_metrics"] = await spec_stats(servers["ngram"])
+                    for method in methods:
+                        ratio = round(output[method] / output["off"], 2)
+                        report[f"{key}_output_ratio_{method}"] = ratio
+                        ratio = round(decode[method] / decode["off"], 2)
+                        report[f"{key}_decode_ratio_{method}"] = ratio
+            for method in methods:
+                report[f"{method}_metrics"] = await spec_stats(servers[method])
             print(json.dumps(report), flush=True)
 
 
-def settings(method: str, k: int) -> dict[str, str]:
-    return {"TOLLGATE_SPECULATIVE_METHOD": method, "TOLLGATE_NUM_SPECULATIVE_TOKENS": str(k)}
+def settings(method: str, k: int, draft: Path) -> dict[str, str]:
+    env = {"TOLLGATE_SPECULATIVE_METHOD": method, "TOLLGATE_NUM_SPECULATIVE_TOKENS": str(k)}
+    if method == "draft":
+        env["TOLLGATE_SPECULATIVE_MODEL"] = str(draft)
+    return env
 
 
 def main() -> None:
@@ -166,6 +208,10 @@ def main() -> None:
     parser.add_argument("--repeat", type=int, default=2)
     parser.add_argument("--tokens", type=int, default=128, help="per repetitive completion")
     parser.add_argument("--k", type=int, default=4, help="--num-speculative-tokens")
+    parser.add_argument("--methods", default="ngram,draft", help="beside plain decoding")
+    parser.add_argument(
+        "--draft-layers", type=int, default=1, help="the built-in model's layers the draft keeps"
+    )
     asyncio.run(run(parser.parse_args()))
 
 
