@@ -361,10 +361,4 @@ class UsageService:
         await ledger.record(self.session, event)
 
     async def for_tenant(self, tenant_id: str, limit: int = 100) -> list[UsageEvent]:
-        result = await self.session.execute(
-            select(UsageEvent)
-            .where(UsageEvent.tenant_id == tenant_id)
-            .order_by(UsageEvent.created_at.desc())
-            .limit(limit)
-        )
-        return list(result.scalars())
+        return await ledger.tenant_rows(self.session, tenant_id, limit)

@@ -34,18 +34,21 @@ def add_commands(commands: Any) -> None:
     report.add_argument("--period", type=_period, help="YYYY-MM, UTC (default: this month)")
     report.add_argument("--format", choices=("table", "json", "csv"), default="table")
     report.set_defaults(handler=_billing_report)
-    billing_commands.add_parser(
-        "export", help="send pending usage to Stripe now (TOLLGATE_STRIPE_API_KEY)"
-    ).set_defaults(handler=_billing_export)
-    billing_commands.add_parser(
-        "status", help="outbox rows pending, exported and failed; the oldest pending"
-    ).set_defaults(handler=_billing_status)
-    billing_commands.add_parser(
-        "requeue", help="send the rows Stripe rejected again (after fixing the cause)"
-    ).set_defaults(handler=_billing_requeue)
-    billing_commands.add_parser(
-        "unconfirmed", help="rows maybe in Stripe past its dedup window: check these in Stripe"
-    ).set_defaults(handler=_billing_unconfirmed)
+    for name, summary, handler in (  # these take no arguments
+        ("export", "send pending usage to Stripe now (TOLLGATE_STRIPE_API_KEY)", _billing_export),
+        ("status", "outbox rows pending, exported and failed; the oldest pending", _billing_status),
+        (
+            "requeue",
+            "send the rows Stripe rejected again (after fixing the cause)",
+            _billing_requeue,
+        ),
+        (
+            "unconfirmed",
+            "rows maybe in Stripe past its dedup window: check these in Stripe",
+            _billing_unconfirmed,
+        ),
+    ):
+        billing_commands.add_parser(name, help=summary).set_defaults(handler=handler)
     resolve = billing_commands.add_parser(
         "resolve", help="settle the unconfirmed rows once you checked them in Stripe"
     )

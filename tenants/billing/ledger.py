@@ -36,6 +36,17 @@ async def tenant_row(session: AsyncSession, tenant_id: str, request_id: str) -> 
     return await session.scalar(query)
 
 
+async def tenant_rows(session: AsyncSession, tenant_id: str, limit: int) -> list[UsageEvent]:
+    """The tenant's newest rows."""
+    query = (
+        select(UsageEvent)
+        .where(UsageEvent.tenant_id == tenant_id)
+        .order_by(UsageEvent.created_at.desc())
+        .limit(limit)
+    )
+    return list(await session.scalars(query))
+
+
 async def any_since(session: AsyncSession, since: datetime) -> bool:
     """Whether any request ended since `since`."""
     query = select(UsageEvent.id).where(UsageEvent.created_at >= since).limit(1)
