@@ -103,20 +103,8 @@ def function_call_deltas(call: ToolCall) -> list[dict[str, Any]]:
     return [{"function_call": named}, {"function_call": {"arguments": call.function.arguments}}]
 
 
-def call_deltas(calls: Sequence[ToolCall]) -> list[list[dict[str, Any]]]:
-    """Tool calls as OpenAI and vLLM stream them, a chunk's `delta.tool_calls` each: per
-    call, first its index, id, type and name with empty arguments, then its arguments
-    (whole: the engine's output is parsed into calls once it is complete)."""
-    chunks = []
-    for i, call in enumerate(calls):
-        named = {"name": call.function.name, "arguments": ""}
-        chunks.append([{"index": i, "id": call.id, "type": call.type, "function": named}])
-        chunks.append([{"index": i, "function": {"arguments": call.function.arguments}}])
-    return chunks
-
-
 def tool_calls_delta(index: int, deltas: list[dict[str, Any]]) -> dict[str, Any]:
-    """A streamed chat choice that carries tool-call deltas (`call_deltas`, or an
+    """A streamed chat choice that carries tool-call deltas (the gateway's, or an
     upstream's own)."""
     return choice_delta(index, {"tool_calls": deltas})
 

@@ -18,7 +18,6 @@ from typing import Any, TypeVar
 from backend import EngineDeadError, LoRARequest, RequestOutput, SamplingParams, TokenLogprobs
 from gateway.api.formats import (
     Format,
-    call_deltas,
     choice_delta,
     function_call_deltas,
     tool_calls_delta,
@@ -511,6 +510,27 @@ def _delta_event(gen: Generation, choice: dict[str, Any]) -> bytes:
     return _sse(body)
 
 
+def _held_end(
+    gen: Generation, engine: EngineClient, stream: ToolStream, index: int, reason: str | None
+) -> tuple[list[bytes], str | None]:
+    """The events that end a choice whose output was held for tool calls (content that is
+    not a call, what the calls still lack), and its finish reason. Text already streamed
+    as a call is not sent again as content, even where it did not parse (cut short by
+    max_tokens: OpenAI's and vLLM's streams end the same way, with "length")."""
+    content, calls = _calls(stream.plan, stream.pending, reason)
+    scanner = stream.scanner
+    events = []
+    if content and not (scanner is not None and scanner.announced):
+        events.append(_chunk(gen, engine, index, content, None))
+    if calls and stream.plan.legacy:
+        for delta in function_call_deltas(calls[0]):
+            events.append(_delta_event(gen, choice_delta(index, delta)))
+        return events, "function_call"
+    for delta in scanner.finish(calls) if scanner is not None else []:
+        events.append(_delta_event(gen, tool_calls_delta(index, [delta])))
+    return events, "tool_calls" if calls else reason
+
+
 def _tool_streams(gen: Generation) -> dict[int, ToolStream]:
     """Per choice, what holds back tool-call text while it streams (none without tools)."""
     if gen.tools is None or not gen.tools.active:
@@ -540,28 +560,23 @@ async def _events(
                     yield _first_chunk(gen, settlement.engine, index, tools=bool(held))
                 async for out in outputs:
                     _observe(usage, choices, gen, out)
-                    text = held[out.index].feed(out.text) if held else out.text
+                    text, calling = held[out.index].feed(out.text) if held else (out.text, [])
                     if text or out.logprobs or out.relayed_logprobs:
                         relayed = out.relayed_logprobs
                         yield chunk(out.index, text, None, logprobs=out.logprobs, relayed=relayed)
+                    for delta in calling:  # a call's arguments, as they are generated
+                        yield _delta_event(gen, tool_calls_delta(out.index, [delta]))
                     if out.tool_calls:  # an upstream's, relayed as they come
                         yield _delta_event(gen, tool_calls_delta(out.index, out.tool_calls))
                     usage.delivered = choices.completion_tokens  # once the chunk was sent
                     if out.finished:
                         reason = out.finish_reason
                         if held:  # what was held back: content that is not a call, calls
-                            stream = held[out.index]
-                            content, calls = _calls(stream.plan, stream.pending, reason)
-                            if content:
-                                yield chunk(out.index, content, None)
-                            if calls and stream.plan.legacy:
-                                for delta in function_call_deltas(calls[0]):
-                                    yield _delta_event(gen, choice_delta(out.index, delta))
-                                reason = "function_call"
-                            else:
-                                for deltas in call_deltas(calls):
-                                    yield _delta_event(gen, tool_calls_delta(out.index, deltas))
-                                reason = "tool_calls" if calls else reason
+                            ending, reason = _held_end(
+                                gen, settlement.engine, held[out.index], out.index, reason
+                            )
+                            for event in ending:
+                                yield event
                         yield chunk(out.index, "", reason)
                 await asyncio.shield(settlement.settle())
                 if gen.include_usage:

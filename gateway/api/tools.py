@@ -303,26 +303,286 @@ PARSERS: dict[str, Parser] = {
 
 @dataclass
 class ToolStream:
-    """For an active plan: streams content while the output cannot be a tool call, and
-    holds back what may be one until the end, when it is parsed (content deltas never
-    carry a call's text)."""
+    """For an active plan: streams content while the output cannot be a tool call; what
+    may be one is held back from content (content deltas never carry a call's text) and
+    streamed as tool-call deltas as it is read (`scanner`), then parsed at the end.
+    Answered with `functions` (legacy): the call is sent whole at the end."""
 
     plan: ToolPlan
     pending: str = ""
     holding: bool = False  # a call has begun (or the output is forced): hold the rest
     sent: bool = False
+    scanner: CallScanner | None = None
 
-    def feed(self, text: str) -> str:
-        """The part of the output so far that can be sent as content now."""
+    def __post_init__(self) -> None:
+        if not self.plan.legacy:
+            self.scanner = CallScanner(named=self.plan.named)
+
+    def feed(self, text: str) -> tuple[str, list[dict[str, Any]]]:
+        """The part of the output so far that can be sent as content now, and the
+        tool-call deltas of what is held."""
         self.pending += text
         if self.holding or self.plan.parser is None:  # forced: all of the output is calls
             self.holding = True
-            return ""
+            return "", self._scan(text)
         out, self.holding = PARSERS[self.plan.parser].split(self.pending, self.sent)
         self.pending = self.pending[len(out) :]
         self.sent = self.sent or bool(out)
-        return out
+        return out, self._scan(self.pending) if self.holding else []
+
+    def _scan(self, held: str) -> list[dict[str, Any]]:
+        return self.scanner.feed(held) if self.scanner is not None else []
 
     def finish(self) -> tuple[str | None, list[ToolCall]]:
         """What was held back at the end: content still unsent, and the parsed calls."""
         return self.plan.calls(self.pending)
+
+
+_SCALAR = frozenset("0123456789+-.eEtrufalsnNIinfy")  # numbers, true, false, null, NaN…
+
+
+def _canonical_escape(escape: str) -> str:
+    """A string's escape (`\\u00e9`, `\\/`, a surrogate pair) as json.dumps writes it."""
+    try:
+        return json.dumps(json.loads(f'"{escape}"'), ensure_ascii=False)[1:-1]
+    except ValueError:
+        return escape
+
+
+def _canonical_scalar(token: str) -> str:
+    try:
+        return json.dumps(json.loads(token))
+    except ValueError:
+        return token
+
+
+@dataclass
+class _Canonical:
+    """A JSON value's text fed a character at a time, written out as `_compact` writes the
+    whole value: no spaces, escapes and numbers as json.dumps writes them. So what is
+    streamed is a prefix of the arguments the finished call gets."""
+
+    out: list[str] = field(default_factory=list)
+    in_string: bool = False
+    escape: str = ""
+    token: str = ""  # a number or literal being read
+
+    def feed(self, ch: str) -> None:
+        if self.in_string:
+            self._string_char(ch)
+        elif ch in _SCALAR:
+            self.token += ch
+        else:
+            self.flush()
+            if ch not in " \t\r\n":
+                self.in_string = ch == '"'
+                self.out.append(ch)
+
+    def _string_char(self, ch: str) -> None:
+        if self.escape:
+            self.escape += ch
+            if self._escape_done():
+                self.out.append(_canonical_escape(self.escape))
+                self.escape = ""
+        elif ch == "\\":
+            self.escape = ch
+        else:
+            self.in_string = ch != '"'
+            self.out.append(ch)
+
+    def _escape_done(self) -> bool:
+        """`\\n` is whole at 2 characters, `\\uXXXX` at 6, a surrogate pair at 12."""
+        escape = self.escape
+        if escape[1] != "u":
+            return True
+        if len(escape) < 6:
+            return False
+        high = escape[2:4].lower() in ("d8", "d9", "da", "db")
+        return not high or len(escape) == 12 or (len(escape) >= 7 and escape[6] != "\\")
+
+    def flush(self) -> None:
+        if self.token:
+            self.out.append(_canonical_scalar(self.token))
+            self.token = ""
+
+    @property
+    def text(self) -> str:
+        return "".join(self.out)
+
+
+@dataclass
+class _Call:
+    """A call as its text streams: its name once read, its arguments as they come."""
+
+    id: str = field(default_factory=new_call_id)
+    name: str | None = None
+    arguments: _Canonical | None = None
+    announced: bool = False  # its first delta (id, type, name) was sent
+    sent: int = 0  # characters of its arguments sent
+
+
+_ARGUMENT_KEYS = frozenset({"arguments", "parameters"})
+
+
+@dataclass
+class CallScanner:
+    """Reads held tool-call text as it grows (Hermes blocks, Llama JSON, a forced list of
+    calls: each call a JSON object with `name` and `arguments` or `parameters`; or, for a
+    named function, the arguments alone) and says what to stream: a call's first delta
+    once its name is read, then its arguments as they are generated, as OpenAI and vLLM
+    stream them. Text between the call objects is not read."""
+
+    named: str | None = None  # the whole output is this function's arguments
+    calls: list[_Call] = field(default_factory=list)
+    _stack: list[str] = field(default_factory=list)  # open brackets of the current call
+    _in_string: bool = False
+    _escaped: bool = False
+    _string: list[str] = field(default_factory=list)  # a key or the name being read
+    _key: str | None = None
+    _role: str | None = None  # the depth-1 value being read: name, args, skip; None: a key
+
+    def __post_init__(self) -> None:
+        if self.named is not None:
+            self.calls.append(_Call(name=self.named, arguments=_Canonical()))
+
+    def feed(self, text: str) -> list[dict[str, Any]]:
+        """Read `text`, the output's next part; returns the deltas to send for it."""
+        for ch in text:
+            if self.named is not None:
+                arguments = self.calls[0].arguments
+                assert arguments is not None
+                arguments.feed(ch)
+            else:
+                self._read(ch)
+        return self._deltas()
+
+    def finish(self, calls: list[ToolCall]) -> list[dict[str, Any]]:
+        """The deltas that complete the stream once the output is parsed into `calls`:
+        the arguments not sent yet, or whole calls that were never announced."""
+        deltas = []
+        for index, call in enumerate(calls):
+            streamed = self.calls[index] if index < len(self.calls) else None
+            if streamed is None or not streamed.announced:
+                deltas += _whole_call(index, call)
+                continue
+            sent = streamed.arguments.text[: streamed.sent] if streamed.arguments else ""
+            rest = call.function.arguments
+            if rest.startswith(sent) and len(rest) > len(sent):
+                deltas.append({"index": index, "function": {"arguments": rest[len(sent) :]}})
+        return deltas
+
+    @property
+    def announced(self) -> bool:
+        return any(call.announced for call in self.calls)
+
+    def _deltas(self) -> list[dict[str, Any]]:
+        deltas: list[dict[str, Any]] = []
+        for index, call in enumerate(self.calls):
+            if call.name is None:
+                continue
+            if not call.announced:
+                call.announced = True
+                named = {"name": call.name, "arguments": ""}
+                deltas.append(
+                    {"index": index, "id": call.id, "type": "function", "function": named}
+                )
+            text = call.arguments.text if call.arguments is not None else ""
+            if len(text) > call.sent:
+                deltas.append({"index": index, "function": {"arguments": text[call.sent :]}})
+                call.sent = len(text)
+        return deltas
+
+    def _read(self, ch: str) -> None:
+        if not self._stack:  # between calls: a `{` begins one
+            if ch == "{":
+                self._stack.append(ch)
+                self.calls.append(_Call())
+                self._role, self._key = None, None
+            return
+        args = self.calls[-1].arguments if self._role == "args" else None
+        if self._in_string:
+            self._string_char(ch, args)
+        elif ch == '"':
+            self._in_string, self._string = True, []
+            if args is not None and len(self._stack) == 1:  # arguments as a JSON string:
+                self.calls[-1].arguments, self._role = None, "skip"  # sent whole at the end
+            elif args is not None:
+                args.feed(ch)
+        elif ch in "{[":
+            self._stack.append(ch)
+            if args is not None:
+                args.feed(ch)
+        elif ch in "}]":
+            self._close(ch, args)
+        elif len(self._stack) == 1 and ch in ":,":
+            self._punctuation(ch, args)
+        elif args is not None:
+            args.feed(ch)
+
+    def _string_char(self, ch: str, args: _Canonical | None) -> None:
+        if args is not None:
+            args.feed(ch)
+        if self._escaped:
+            self._escaped = False
+        elif ch == "\\":
+            self._escaped = True
+        elif ch == '"':
+            self._in_string = False
+            if len(self._stack) == 1:
+                self._string_done()
+            return
+        self._string.append(ch)
+
+    def _string_done(self) -> None:
+        """A string at the call object's own level ended: a key, the name, or a value."""
+        try:
+            value = json.loads('"' + "".join(self._string) + '"')
+        except ValueError:
+            value = None
+        if self._role is None:
+            self._key = value
+        elif self._role == "name" and isinstance(value, str):
+            self.calls[-1].name = value
+            self._role = "skip"
+        elif self._role == "args":
+            self._end_args()
+
+    def _punctuation(self, ch: str, args: _Canonical | None) -> None:
+        if ch == ":" and self._role is None:
+            self._role = "skip"
+            if self._key == "name":
+                self._role = "name"
+            elif self._key in _ARGUMENT_KEYS:
+                self._role = "args"
+                self.calls[-1].arguments = _Canonical()
+        elif ch == ",":
+            if args is not None:
+                self._end_args()
+            self._role, self._key = None, None
+
+    def _close(self, ch: str, args: _Canonical | None) -> None:
+        if len(self._stack) == 1:  # the call object ends
+            if args is not None:
+                self._end_args()
+            self._stack.pop()
+            return
+        self._stack.pop()
+        if args is not None:
+            args.feed(ch)
+            if len(self._stack) == 1:  # the arguments' object or list ended
+                self._end_args()
+
+    def _end_args(self) -> None:
+        arguments = self.calls[-1].arguments
+        if arguments is not None:
+            arguments.flush()
+        self._role = "skip"
+
+
+def _whole_call(index: int, call: ToolCall) -> list[dict[str, Any]]:
+    """A call sent at once: its first delta, then all of its arguments."""
+    named = {"name": call.function.name, "arguments": ""}
+    return [
+        {"index": index, "id": call.id, "type": call.type, "function": named},
+        {"index": index, "function": {"arguments": call.function.arguments}},
+    ]

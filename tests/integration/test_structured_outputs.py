@@ -307,17 +307,21 @@ async def test_tools_and_tool_turns_are_rendered_into_the_prompt(
 
 
 @pytest.mark.parametrize("stream", [False, True])
-async def test_a_forced_call_cut_short_by_max_tokens_is_sent_as_text_with_length(
+async def test_a_forced_call_cut_short_by_max_tokens_ends_with_length(
     client: Client, tenant_key: str, engine_client: InProcessEngineClient, stream: bool
 ) -> None:
+    """Whole, the cut-short arguments are the message's text; streamed, they were already
+    sent as the call's arguments as they came (as OpenAI and vLLM stream them), so the
+    stream ends with the call begun, no content, and "length"."""
     body = _body(engine_client.model_name, tools=TOOLS, tool_choice=NAMED, max_tokens=3)
     response = await _post(client, tenant_key, {**body, "stream": stream})
     assert response.status_code == 200, response.text
     if stream:
         deltas = [c["choices"][0] for c in _events(response.text)]
-        assert not any("tool_calls" in d["delta"] for d in deltas)
-        text = "".join(d["delta"].get("content") or "" for d in deltas)
-        finish = deltas[-1]["finish_reason"]
+        assert "".join(d["delta"].get("content") or "" for d in deltas) == ""
+        entries = [call for d in deltas for call in d["delta"].get("tool_calls", [])]
+        [call] = _assembled(entries)
+        text, finish = call["function"]["arguments"], deltas[-1]["finish_reason"]
     else:
         [choice] = response.json()["choices"]
         assert "tool_calls" not in choice["message"]
@@ -394,9 +398,59 @@ async def test_the_openai_sdk_stream_helper_sees_calls_and_no_content(
         final = await stream.get_final_completion()
     assert not [e for e in events if e.startswith("content")], events
     assert "tool_calls.function.arguments.done" in events
+    # The arguments come as they are generated, not whole after the name.
+    assert events.count("tool_calls.function.arguments.delta") > 3, events
     [call] = final.choices[0].message.tool_calls or []
     arguments = call.function.arguments  # type: ignore[union-attr]
     assert json.loads(arguments) and ", " not in arguments and '": ' not in arguments
+    await client.close()
+
+
+async def test_streamed_parallel_and_single_calls_share_one_spacing_and_come_in_pieces(
+    base_url: str, tenant_key: str, engine_client: InProcessEngineClient
+) -> None:
+    """Chunks iterated with the openai SDK and tool calls accumulated as clients do: a
+    call from a list of calls ("required", the parallel calls' shape) and a named call
+    each stream their arguments in several
+    fragments after a first delta with id, type, name and "", no content but null, and
+    the same spacing (none) as the whole answer's."""
+    client = openai.AsyncOpenAI(base_url=base_url, api_key=tenant_key, max_retries=0)
+    messages: list[ChatCompletionMessageParam] = [{"role": "user", "content": "Weather?"}]
+    tools = cast("list[ChatCompletionFunctionToolParam]", TOOLS)
+    for choice in ("required", NAMED):
+        stream = await client.chat.completions.create(
+            model=engine_client.model_name,
+            messages=messages,
+            tools=tools,
+            tool_choice=choice,  # type: ignore[arg-type]
+            max_tokens=CALL_MAX_TOKENS,
+            parallel_tool_calls=False,  # left to it, this model lists calls until max_tokens
+            seed=5,
+            stream=True,
+        )
+        calls: dict[int, dict[str, Any]] = {}
+        fragments: dict[int, int] = {}
+        finish = None
+        async for chunk in stream:
+            delta = chunk.choices[0].delta
+            assert delta.content is None, delta
+            finish = chunk.choices[0].finish_reason or finish
+            for entry in delta.tool_calls or []:
+                function = entry.function
+                assert function is not None
+                if entry.index not in calls:
+                    assert entry.id and entry.type == "function" and function.arguments == ""
+                    calls[entry.index] = {"name": function.name, "arguments": ""}
+                else:
+                    assert entry.id is None and function.name is None
+                    calls[entry.index]["arguments"] += function.arguments or ""
+                    fragments[entry.index] = fragments.get(entry.index, 0) + 1
+        assert finish == "tool_calls" and calls, choice
+        for index, call in calls.items():
+            arguments = call["arguments"]
+            jsonschema.validate(json.loads(arguments), TOOL_ARGS[call["name"]])
+            assert arguments == json.dumps(json.loads(arguments), separators=(",", ":"))
+            assert fragments[index] > 1, (choice, fragments)
     await client.close()
 
 

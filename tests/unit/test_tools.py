@@ -148,7 +148,7 @@ def test_llama3_parser_reads_json_calls_with_or_without_python_tag() -> None:
 def _stream(p: object, pieces: list[str]) -> tuple[str, ToolStream]:
     assert p is not None
     stream = ToolStream(p)  # type: ignore[arg-type]
-    return "".join(stream.feed(piece) for piece in pieces), stream
+    return "".join(stream.feed(piece)[0] for piece in pieces), stream
 
 
 def test_streaming_holds_back_a_hermes_call_but_sends_the_text_before_it() -> None:
@@ -183,3 +183,88 @@ def test_streaming_a_forced_output_sends_no_content() -> None:
     assert sent == ""
     # One spacing for every call's arguments (issue 32 item 17): OpenAI's, none.
     assert stream.finish()[1][0].function.arguments == '{"city":"Oslo"}'
+
+
+def _streamed(p: object, text: str) -> tuple[list[dict[str, Any]], list[Any]]:
+    """`text` fed a character at a time (as a model writes it): every tool-call delta
+    sent, the end's included, and the calls the finished output parses into."""
+    assert p is not None
+    stream = ToolStream(p)  # type: ignore[arg-type]
+    deltas = [delta for ch in text for delta in stream.feed(ch)[1]]
+    _, calls = stream.finish()
+    assert stream.scanner is not None
+    return deltas + stream.scanner.finish(calls), calls
+
+
+def _by_call(deltas: list[dict[str, Any]]) -> dict[int, list[dict[str, Any]]]:
+    calls: dict[int, list[dict[str, Any]]] = {}
+    for delta in deltas:
+        calls.setdefault(delta["index"], []).append(delta)
+    return calls
+
+
+def _check_incremental(deltas: list[dict[str, Any]], calls: list[Any]) -> None:
+    """OpenAI's shape: per call a first delta with id, type, name and arguments "", then
+    fragments (several) that add up to the finished call's arguments."""
+    by_call = _by_call(deltas)
+    assert sorted(by_call) == list(range(len(calls)))
+    for index, call in enumerate(calls):
+        first, *rest = by_call[index]
+        assert first["function"] == {"name": call.function.name, "arguments": ""}
+        assert first["id"].startswith("call_") and first["type"] == "function"
+        assert all(set(d) == {"index", "function"} for d in rest)
+        assert "".join(d["function"]["arguments"] for d in rest) == call.function.arguments
+        assert len(rest) > 1  # streamed as generated, not whole after the name
+
+
+def test_hermes_calls_stream_their_arguments_as_they_are_generated() -> None:
+    p = plan(tools(WEATHER, TIME), "auto", True, "hermes")
+    text = (
+        'Checking. <tool_call>\n{"name": "get_weather", "arguments": {"city": "Rome", '
+        '"days": 3}}\n</tool_call>\n<tool_call>\n{"name": "get_time", "arguments": '
+        '{"zone": "utc"}}\n</tool_call>'
+    )
+    deltas, calls = _streamed(p, text)
+    _check_incremental(deltas, calls)
+    assert [c.function.arguments for c in calls] == ['{"city":"Rome","days":3}', '{"zone":"utc"}']
+
+
+def test_arguments_read_before_the_name_follow_the_calls_first_delta() -> None:
+    p = plan(tools(TIME), "auto", True, "hermes")
+    text = '<tool_call>{"arguments": {"zone": "utc"}, "name": "get_time"}</tool_call>'
+    deltas, [call] = _streamed(p, text)
+    assert [d["function"] for d in deltas] == [
+        {"name": "get_time", "arguments": ""},
+        {"arguments": '{"zone":"utc"}'},
+    ]
+    assert call.function.arguments == '{"zone":"utc"}'
+
+
+def test_a_named_calls_arguments_stream_in_the_spacing_of_the_whole_call() -> None:
+    """Spaces, escapes and numbers as json.dumps writes the whole arguments: what was
+    streamed is a prefix of the finished call's, whatever the model wrote."""
+    p = plan(tools(WEATHER), named("get_weather"), True, "hermes")
+    text = '{ "city" : "Caf\\u00e9 \\/ \\ud83d\\ude00" ,\n "days": 1E1, "ok": [true , null, 2.50] }'
+    deltas, [call] = _streamed(p, text)
+    _check_incremental(deltas, [call])
+    assert (
+        call.function.arguments == '{"city":"Café / \U0001f600","days":10.0,"ok":[true,null,2.5]}'
+    )
+
+
+def test_a_required_list_of_calls_streams_each_call() -> None:
+    p = plan(tools(WEATHER, TIME), "required", True, "hermes")
+    text = '[{"name": "get_time", "parameters": {"zone": "cet"}}, '
+    text += '{"name": "get_weather", "parameters": {"city": "Oslo", "days": 2}}]'
+    deltas, calls = _streamed(p, text)
+    _check_incremental(deltas, calls)
+    assert [c.function.name for c in calls] == ["get_time", "get_weather"]
+
+
+def test_arguments_written_as_a_json_string_are_sent_whole_at_the_end() -> None:
+    p = plan(tools(WEATHER), "auto", True, "llama3_json")
+    text = '{"name": "get_weather", "parameters": "{\\"city\\": \\"X\\"}"}'
+    deltas, [call] = _streamed(p, text)
+    first, rest = _by_call(deltas)[0]
+    assert first["function"]["arguments"] == ""
+    assert rest["function"]["arguments"] == call.function.arguments == '{"city": "X"}'
