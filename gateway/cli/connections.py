@@ -26,24 +26,33 @@ from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 HEADER_TIMEOUT = b"HTTP/1.1 408 Request Timeout\r\nConnection: close\r\nContent-Length: 0\r\n\r\n"
 
 
-def _refusal(status: bytes, message: str, code: str) -> bytes:
+def _refusal(status: bytes, message: str, code: str, headers: bytes = b"") -> bytes:
     """A whole HTTP/1.1 answer with an OpenAI-shaped error, for a connection closed before
-    any request of it reached the app."""
+    any request of it reached the app; `headers`: more header lines, each ending CRLF."""
     body = msgspec.json.encode(
         {"error": {"message": message, "type": "rate_limit_error", "param": None, "code": code}}
     )
     head = (
-        b"HTTP/1.1 " + status + b"\r\nContent-Type: application/json\r\nRetry-After: 1\r\n"
-        b"Connection: close\r\nContent-Length: " + str(len(body)).encode() + b"\r\n\r\n"
+        b"HTTP/1.1 "
+        + status
+        + b"\r\nContent-Type: application/json\r\nRetry-After: 1\r\n"
+        + headers
+        + b"Connection: close\r\nContent-Length: "
+        + str(len(body)).encode()
+        + b"\r\n\r\n"
     )
     return head + body
 
 
-TOO_MANY = _refusal(
-    b"429 Too Many Requests",
-    "too many open connections from this address",
-    "too_many_connections",
-)
+def too_many(cap: int) -> bytes:
+    """The refusal of a connection past `cap`, naming the limit that refused it."""
+    limit = f"x-ratelimit-limit-connections: {cap}\r\nx-ratelimit-remaining-connections: 0\r\n"
+    return _refusal(
+        b"429 Too Many Requests",
+        "too many open connections from this address",
+        "too_many_connections",
+        limit.encode(),
+    )
 
 
 class ClientConnections:
@@ -52,6 +61,7 @@ class ClientConnections:
 
     def __init__(self, cap: int, trusted_proxies: tuple[str, ...] = ()) -> None:
         self.cap = cap
+        self.refusal = too_many(cap)
         self.open: Counter[str] = Counter()
         self._all_trusted = "*" in trusted_proxies
         self._trusted = [ipaddress.ip_network(p) for p in trusted_proxies if p != "*"]
@@ -97,7 +107,7 @@ class GuardedHttpTools(HttpToolsProtocol):
         super().connection_made(transport)
         host = self.client[0] if self.client else ""
         if not self.clients.admit(host):
-            transport.write(TOO_MANY)
+            transport.write(self.clients.refusal)
             transport.close()
             return
         self._counted = host

@@ -72,6 +72,8 @@ async def test_a_client_past_its_connection_cap_is_refused_until_one_closes() ->
         writer.close()
         assert refused.startswith(b"HTTP/1.1 429")
         assert b'"code":"too_many_connections"' in refused and b"Retry-After: 1" in refused
+        assert b"x-ratelimit-limit-connections: 3\r\n" in refused  # the limit that refused
+        assert b"x-ratelimit-remaining-connections: 0\r\n" in refused
         held.pop()[1].close()
 
         async def admitted() -> bool:
