@@ -672,3 +672,30 @@ def test_a_low_class_tenant_still_gets_in_once_aged_while_another_is_served() ->
     low = request("a", 4, tenant="A", priority=3, max_tokens=3, at=0.5)
     waited = _steps_until_scheduled(s, clock, low, 0.5, step_s=0.05) * 0.05
     assert 3.0 <= waited <= 3.0 + 4 * 0.05  # aged to class 0, then the next free slot
+
+
+@pytest.mark.parametrize("priority", [0, 2, 4])
+def test_a_served_backlog_never_ranks_above_another_tenants_request_of_its_class(
+    priority: int,
+) -> None:
+    """The ordering bound between tenants (backend/SCHEDULING.md): B's queue waited 100 s
+    (20 classes at 5 s) while B's streams were served every step; against C's request of
+    the same priority, every one of B's queued requests is still in that class or below,
+    and once B has been served one more step, C's fresh request takes the next free slot
+    (tokens served per weight decide within the class)."""
+    clock = Clock()
+    s = make(clock, max_num_seqs=2, tenant_fairness=True)
+    for i in range(6):
+        s.add_request(request(f"b{i}", 4, tenant="B", priority=priority, max_tokens=10_000))
+    for _ in range(100):
+        clock.now += 1.0
+        advance(s, s.schedule())
+    c = request("c", 4, tenant="C", priority=priority, at=clock.now)
+    s.add_request(c)
+    queued_b = [r for r in s.waiting if r.tenant == "B"]
+    assert len(queued_b) == 4
+    ranks = [s.waiting.competing_class(r, clock.now) for r in queued_b]
+    assert min(ranks) >= s.waiting.competing_class(c, clock.now) == priority
+    advance(s, s.schedule())  # both slots busy: B's streams are served, C waits
+    s.finish_requests(["b0"], RequestStatus.FINISHED_STOPPED)  # a slot frees
+    assert ids(s.schedule())[-1] == "c"
