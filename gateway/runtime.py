@@ -69,13 +69,8 @@ class Runtime:
         return self.blobs
 
     def authentication(self) -> KeyAuthentication:
-        return KeyAuthentication(
-            self.sessions,
-            self.direct,
-            self.keys,
-            self.generations or self.sqlite_generation,
-            self.auth_failures,
-        )
+        known = self.generations or self.sqlite_generation
+        return KeyAuthentication(self.sessions, self.direct, self.keys, known, self.auth_failures)
 
     def generation_services(self) -> GenerationServices:
         services = (self.admission, self.idempotency, self.recorder, self.tasks)

@@ -58,12 +58,10 @@ class BatchRunner:
         drain_s: float = 30.0,
         only: str | None = None,
     ) -> None:
-        self.sessions = sessions
-        self.settings = settings
+        self.sessions, self.settings, self.blobs = sessions, settings, blobs
         self.run_line = run_line
-        self.engine_client = engine_client
-        self.blobs = blobs
-        self._concurrency = concurrency
+        # Lines in the engine at once, all batches together.
+        self.concurrency = concurrency or engine_slots(engine_client) // 2 or 1
         self.poll_s = poll_s
         self.lease = lease or timedelta(seconds=settings.batch_lease_s)
         self.drain_s = drain_s  # how long a stop waits for the lines under way
@@ -73,11 +71,6 @@ class BatchRunner:
         self._wakeup = asyncio.Event()
         self._loop: asyncio.Task[None] | None = None
         self._renewed_at = utcnow()
-
-    @property
-    def concurrency(self) -> int:
-        """Lines in the engine at once, all batches together."""
-        return self._concurrency or engine_slots(self.engine_client) // 2 or 1
 
     def start(self) -> None:
         self._loop = asyncio.get_running_loop().create_task(self._run(), name="batch-runner")

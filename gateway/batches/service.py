@@ -46,9 +46,7 @@ class BatchService:
     ) -> None:
         self.principal = principal
         self.file_quota = file_quota
-        self.directory = directory
-        self.prices = prices
-        self.store = store
+        self.directory, self.prices, self.store = directory, prices, store
         self.files = FileStore(session, blobs, principal.tenant_id)
         self.batches = BatchStore(session, principal.tenant_id)
 
