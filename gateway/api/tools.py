@@ -405,10 +405,6 @@ class _Canonical:
             self.out.append(_canonical_scalar(self.token))
             self.token = ""
 
-    @property
-    def text(self) -> str:
-        return "".join(self.out)
-
 
 @dataclass
 class _Call:
@@ -418,7 +414,7 @@ class _Call:
     name: str | None = None
     arguments: _Canonical | None = None
     announced: bool = False  # its first delta (id, type, name) was sent
-    sent: int = 0  # characters of its arguments sent
+    sent: int = 0  # pieces of its arguments' text sent (a prefix of `arguments.out`)
 
 
 _ARGUMENT_KEYS = frozenset({"arguments", "parameters"})
@@ -465,7 +461,7 @@ class CallScanner:
             if streamed is None or not streamed.announced:
                 deltas += _whole_call(index, call)
                 continue
-            sent = streamed.arguments.text[: streamed.sent] if streamed.arguments else ""
+            sent = "".join(streamed.arguments.out[: streamed.sent]) if streamed.arguments else ""
             rest = call.function.arguments
             if rest.startswith(sent) and len(rest) > len(sent):
                 deltas.append({"index": index, "function": {"arguments": rest[len(sent) :]}})
@@ -486,10 +482,11 @@ class CallScanner:
                 deltas.append(
                     {"index": index, "id": call.id, "type": "function", "function": named}
                 )
-            text = call.arguments.text if call.arguments is not None else ""
-            if len(text) > call.sent:
-                deltas.append({"index": index, "function": {"arguments": text[call.sent :]}})
-                call.sent = len(text)
+            pieces = call.arguments.out if call.arguments is not None else []
+            new = "".join(pieces[call.sent :])  # only what came since: no quadratic joins
+            call.sent = len(pieces)
+            if new:
+                deltas.append({"index": index, "function": {"arguments": new}})
         return deltas
 
     def _read(self, ch: str) -> None:
