@@ -14,6 +14,17 @@ LORA_TARGET_MODULES = frozenset(
 )
 
 
+def unsupported_lora_options(config: dict[str, Any]) -> list[str]:
+    """The PEFT options of an adapter_config.json that the engine does not apply: served
+    anyway, the adapter would answer silently wrong (DoRA's magnitudes, trained biases,
+    whole modules saved beside the LoRA pairs, per-module ranks and alphas ignored)."""
+    found = [name for name in ("use_dora",) if config.get(name)]
+    if config.get("bias", "none") != "none":
+        found.append("bias")
+    found += [n for n in ("modules_to_save", "rank_pattern", "alpha_pattern") if config.get(n)]
+    return found
+
+
 @dataclass(frozen=True)
 class LoRARequest:
     """The LoRA adapter a request runs with: `name` identifies it in the engine's adapter

@@ -14,8 +14,10 @@ shapes when a request first names the adapter.
 
 from __future__ import annotations
 
+import asyncio
 import json
 import re
+from collections.abc import Collection
 from dataclasses import dataclass
 from datetime import datetime
 from pathlib import Path
@@ -24,13 +26,16 @@ from typing import Any
 from sqlalchemy import JSON, DateTime, ForeignKey, Integer, String, Text, select
 from sqlalchemy.orm import Mapped, mapped_column
 
-from backend.requests import LORA_TARGET_MODULES
+from backend.requests import LORA_TARGET_MODULES, unsupported_lora_options
 from tenants.errors import ConflictError, InvalidInputError, NotFoundError
 from tenants.models import Base, Tenant, new_id, utcnow
 from tenants.registry import ModelService
 from tenants.services import Audited, TenantService
 
 CONFIG_FILE, WEIGHTS_FILE = "adapter_config.json", "adapter_model.safetensors"
+MAX_CONFIG_BYTES = 1 << 20  # PEFT's are a few hundred bytes
+MAX_HEADER_BYTES = 100 << 20  # safetensors' own limit on a header
+_LORA_KEY = re.compile(r"\.lora_([AB])(?:\.\w+)?\.weight$")
 _NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._:/@+-]{0,127}$")  # as a model name
 
 
@@ -70,14 +75,15 @@ def read_folder(path: str, max_rank: int | None = None) -> AdapterFolder:
     folder = Path(path)
     if not folder.is_absolute():
         raise InvalidInputError("the adapter path must be an absolute folder", param="path")
-    try:
-        config = json.loads((folder / CONFIG_FILE).read_text())
-    except (OSError, ValueError):
-        raise InvalidInputError(f"{path!r} has no readable {CONFIG_FILE}", param="path") from None
-    if not (folder / WEIGHTS_FILE).is_file():
-        raise InvalidInputError(f"{path!r} has no {WEIGHTS_FILE}", param="path")
+    config = _read_config(folder / CONFIG_FILE, path)
+    header = _weights_header(folder / WEIGHTS_FILE, path)
     if not isinstance(config, dict) or config.get("peft_type", "LORA") != "LORA":
         raise InvalidInputError(f"{path!r} is not a LoRA adapter", param="path")
+    unsupported = unsupported_lora_options(config)
+    if unsupported:
+        raise InvalidInputError(
+            f"{path!r} uses {unsupported}; the engine serves plain LoRA", param="path"
+        )
     rank = config.get("r")
     if isinstance(rank, bool) or not isinstance(rank, int) or rank < 1:
         raise InvalidInputError(f"{path!r}: r must be a positive integer", param="path")
@@ -89,13 +95,58 @@ def read_folder(path: str, max_rank: int | None = None) -> AdapterFolder:
     targets = [targets] if isinstance(targets, str) else targets
     if not isinstance(targets, list) or not targets:
         raise InvalidInputError(f"{path!r} names no target_modules", param="path")
+    if not all(isinstance(t, str) for t in targets):
+        raise InvalidInputError(f"{path!r}: target_modules must be module names", param="path")
     unknown = sorted(str(t) for t in set(targets) - LORA_TARGET_MODULES)
     if unknown:
         raise InvalidInputError(
             f"the adapter targets {unknown}; the engine adapts {sorted(LORA_TARGET_MODULES)}",
             param="path",
         )
+    _check_ranks(header, rank, path)
     return AdapterFolder(rank, tuple(sorted(targets)))
+
+
+def _read_config(file: Path, path: str) -> Any:
+    """The parsed config, from a regular file of a config's size: a FIFO would block the
+    reader forever, a huge file hold it for seconds."""
+    unreadable = InvalidInputError(f"{path!r} has no readable {CONFIG_FILE}", param="path")
+    try:
+        if not file.is_file() or file.stat().st_size > MAX_CONFIG_BYTES:
+            raise unreadable
+        return json.loads(file.read_text())
+    except (OSError, ValueError):
+        raise unreadable from None
+
+
+def _weights_header(file: Path, path: str) -> dict[str, Any]:
+    """The safetensors header (8 bytes of its length, then JSON): a file that is not one
+    is refused now rather than failing every request that names the adapter."""
+    bad = InvalidInputError(f"{path!r} has no readable {WEIGHTS_FILE}", param="path")
+    try:
+        if not file.is_file():
+            raise bad
+        with file.open("rb") as weights:
+            length = int.from_bytes(weights.read(8), "little")
+            if not 2 <= length <= min(file.stat().st_size - 8, MAX_HEADER_BYTES):
+                raise bad
+            header = json.loads(weights.read(length))
+    except (OSError, ValueError):
+        raise bad from None
+    if not isinstance(header, dict):
+        raise bad
+    return header
+
+
+def _check_ranks(header: dict[str, Any], rank: int, path: str) -> None:
+    """Every lora_A is [r, in] and every lora_B [out, r], r as the config says."""
+    for key, entry in header.items():
+        found = _LORA_KEY.search(key)
+        shape = entry.get("shape") if isinstance(entry, dict) else None
+        if found is None or not isinstance(shape, list) or len(shape) != 2:
+            continue
+        if shape[0 if found[1] == "A" else 1] != rank:
+            raise InvalidInputError(f"{path!r}: {key} is {shape}, not of rank {rank}", param="path")
 
 
 def adapter_view(row: LoRAAdapter, tenant: str) -> dict[str, Any]:
@@ -115,8 +166,16 @@ class AdapterService(Audited):
     """Adding, listing and removing adapters, audited in the caller's transaction."""
 
     async def add(
-        self, name: str, base_model: str, path: str, tenant: str, max_rank: int | None = None
+        self,
+        name: str,
+        base_model: str,
+        path: str,
+        tenant: str,
+        max_rank: int | None = None,
+        served: Collection[str] | None = None,
     ) -> tuple[LoRAAdapter, Tenant]:
+        """`served`: the models the caller's gateway serves, when it knows them (the CLI
+        does not know a gateway's default entry): the base must be one, the name none."""
         if not _NAME.fullmatch(name):
             raise InvalidInputError(
                 "adapter name must be 1-128 characters of letters, digits and . _ : / @ + -, "
@@ -128,9 +187,20 @@ class AdapterService(Audited):
         if not _storable(tenant):
             raise NotFoundError(f"no tenant named {tenant[:100]!r}")
         owner = await TenantService(self.session).get(tenant)
-        folder = read_folder(path, max_rank)
-        if await self._find(name) is not None or await ModelService(self.session).find(name):
+        # In a thread: a folder on a slow or hung file system must not stall the gateway.
+        folder = await asyncio.to_thread(read_folder, path, max_rank)
+        if (
+            await self._find(name) is not None
+            or await ModelService(self.session).find(name)
+            or name in (served or ())
+        ):
             raise ConflictError(f"the name {name!r} is taken", param="name")
+        if await self._find(base_model) is not None or (
+            served is not None and base_model not in served
+        ):
+            raise InvalidInputError(
+                f"base_model {base_model!r} is not a served model", param="base_model"
+            )
         row = LoRAAdapter(
             name=name,
             tenant_id=owner.id,

@@ -195,6 +195,11 @@ class ModelService(Audited):
         spec = spec.checked()
         if await self.find(spec.name) is not None:
             raise ConflictError(f"model {spec.name!r} already exists")
+        from tenants.adapters import LoRAAdapter  # here: that module imports this one
+
+        taken = select(LoRAAdapter.id).where(LoRAAdapter.name == spec.name)
+        if await self.session.scalar(taken) is not None:  # the model would hide the adapter
+            raise ConflictError(f"{spec.name!r} is a tenant's LoRA adapter")
         row = ServedModel(name=spec.name)
         _store(row, spec)
         self.session.add(row)

@@ -13,11 +13,11 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 
 from backend.errors import AdapterRankError, UnknownAdapterError
 from backend.layers.lora import TARGETS, LoRALinear
-from backend.requests import LoRARequest
+from backend.requests import LoRARequest, unsupported_lora_options
 
 log = logging.getLogger(__name__)
 CONFIG_FILE, WEIGHTS_FILE = "adapter_config.json", "adapter_model.safetensors"
@@ -49,9 +49,16 @@ def read_spec(path: Path, max_rank: int) -> AdapterSpec:
         raise UnknownAdapterError(f"adapter at {path}: r must be a positive integer")
     if rank > max_rank:
         raise AdapterRankError(f"adapter rank {rank} is above max_lora_rank {max_rank}")
+    unsupported = unsupported_lora_options(config)
+    if unsupported:
+        raise UnknownAdapterError(
+            f"adapter at {path} uses {unsupported}, which this engine ignores"
+        )
     targets = config.get("target_modules")
     targets = [targets] if isinstance(targets, str) else targets
-    unknown = sorted(set(targets or ()) - TARGETS.keys())
+    if not isinstance(targets, list) or not all(isinstance(t, str) for t in targets):
+        raise UnknownAdapterError(f"adapter at {path}: target_modules must be module names")
+    unknown = sorted(set(targets) - TARGETS.keys())
     if not targets or unknown:
         raise UnknownAdapterError(
             f"adapter at {path} targets {unknown or 'nothing'}; "
@@ -86,6 +93,12 @@ class AdapterSlots:
     def _check_shapes(self, lora: LoRARequest, spec: AdapterSpec) -> None:
         """Every A is [r, in] and every B [out, r] of the layer it targets (read from
         the file's header alone), so a load at admission cannot fail on them."""
+        try:
+            self._check_header(lora, spec)
+        except (OSError, SafetensorError) as exc:  # not a safetensors file: the request's 400
+            raise UnknownAdapterError(f"adapter {lora.name}: unreadable {WEIGHTS_FILE}") from exc
+
+    def _check_header(self, lora: LoRARequest, spec: AdapterSpec) -> None:
         with safe_open(str(Path(lora.path) / WEIGHTS_FILE), framework="pt") as f:
             for key in f.keys():  # noqa: SIM118 (safe_open is not a mapping)
                 found = _KEY.search(key)

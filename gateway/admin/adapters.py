@@ -13,6 +13,7 @@ from msgspec import Struct
 
 from gateway.admin.controllers import admin_actor, audited, require_admin
 from gateway.api.schemas import decode
+from gateway.dispatch.directory import ModelDirectory
 from gateway.openapi import ADMIN, ADMIN_WRITE, documented
 from gateway.openapi.shapes import LoRAAdapter
 from gateway.settings import Settings
@@ -61,10 +62,12 @@ class AdapterAdminController(Controller):
         body: RawBody,
         adapters: NamedDependency[AdapterService],
         max_rank: NamedDependency[int],
+        directory: NamedDependency[ModelDirectory],
     ) -> dict[str, Any]:
         given = decode(body, AdapterBody)
+        served = directory.names()  # the default entry's name too, which no table holds
         row, owner = await adapters.add(
-            given.name, given.base_model, given.path, given.tenant, max_rank
+            given.name, given.base_model, given.path, given.tenant, max_rank, served
         )
         return adapter_view(row, owner.name)
 

@@ -61,11 +61,19 @@ class ModelDirectory:
         one of the tenant's own: another tenant's adapter is not found, word for word as
         a model that does not exist."""
         adapter = self.adapter(name, tenant_id)
-        return self.get(name if adapter is None else adapter.base_model), adapter
+        if adapter is None:
+            return self.get(name), None
+        if not self._serves(adapter.base_model):  # its own name, never its base's
+            raise not_found(name)
+        return self.get(adapter.base_model), adapter
 
     def adapter(self, name: str, tenant_id: str) -> Adapter | None:
         """The tenant's adapter of that name; None when `name` names no adapter; 404 for
-        another tenant's."""
+        another tenant's. A served model's name is never an adapter's: a row that takes
+        one (the CLI cannot know a gateway's default entry; a model added after the
+        adapter) cannot hide the model from every other tenant."""
+        if self._serves(name):
+            return None
         adapter = self._adapters.get(name)
         if adapter is not None and adapter.tenant_id != tenant_id:
             raise not_found(name)
@@ -73,8 +81,17 @@ class ModelDirectory:
 
     def adapters_of(self, tenant_id: str) -> list[Adapter]:
         """The tenant's adapters, by name."""
-        mine = [a for a in self._adapters.values() if a.tenant_id == tenant_id]
+        mine = [
+            a
+            for a in self._adapters.values()
+            if a.tenant_id == tenant_id and not self._serves(a.name)
+        ]
         return sorted(mine, key=lambda a: a.name)
+
+    def _serves(self, name: str) -> bool:
+        """A model of the registry or the default entry (an adapter is neither)."""
+        default = self.default
+        return name in self._specs or (default is not None and name == default.model_name)
 
     def ready(self, name: str, tenant_id: str) -> tuple[EngineClient, Adapter | None]:
         """The client serving `name` for this tenant (404 when none does), 503 until it is

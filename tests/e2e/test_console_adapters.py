@@ -38,7 +38,7 @@ def _folder(root: Path, rank: int) -> Path:
     root.mkdir()
     config = {"peft_type": "LORA", "r": rank, "lora_alpha": 16, "target_modules": ["q_proj"]}
     (root / "adapter_config.json").write_text(json.dumps(config))
-    (root / "adapter_model.safetensors").write_bytes(b"")
+    (root / "adapter_model.safetensors").write_bytes(b"\x02" + bytes(7) + b"{}")  # no tensors
     return root
 
 

@@ -204,6 +204,30 @@ def test_adapters_the_engine_cannot_serve_are_refused(
     assert not engine.has_work() and not plain.has_work()
 
 
+def test_an_adapter_the_engine_would_misread_is_its_requests_400(
+    llama_dir: Path, tmp_path: Path
+) -> None:
+    """A weights file that is no safetensors file is the request's UnknownAdapterError (a
+    400), not an engine failure (a 500); PEFT options the engine does not apply and target
+    modules that are not names are refused, not served wrong or crashed on."""
+    engine = make_engine(llama_dir, max_loras=1, max_lora_rank=8)
+    garbage = build_adapter(tmp_path / "garbage", llama_dir, 2, ("q_proj",))
+    (garbage / "adapter_model.safetensors").write_bytes(b"not a safetensors file")
+    dora = build_adapter(tmp_path / "dora", llama_dir, 2, ("q_proj",), use_dora=True)
+    nested = build_adapter(tmp_path / "nested", llama_dir, 2, ("q_proj",))
+    peft = json.loads((nested / "adapter_config.json").read_text())
+    (nested / "adapter_config.json").write_text(json.dumps(peft | {"target_modules": [["q"]]}))
+    for folder, error in [
+        (garbage, r"unreadable adapter_model\.safetensors"),
+        (dora, "use_dora"),
+        (nested, "target_modules must be module names"),
+    ]:
+        ask = EngineRequest([3], GREEDY, "x", lora=LoRARequest(folder.name, str(folder)))
+        with pytest.raises(UnknownAdapterError, match=error):
+            engine.add_request(ask)
+    assert not engine.has_work()
+
+
 def test_lora_requests_info_reaches_the_gateway_metrics(
     llama_dir: Path, adapters: dict[str, Path]
 ) -> None:

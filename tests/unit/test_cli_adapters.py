@@ -24,7 +24,7 @@ def _folder(root: Path, rank: int, targets: list[str]) -> Path:
     root.mkdir()
     config = {"peft_type": "LORA", "r": rank, "lora_alpha": 16, "target_modules": targets}
     (root / "adapter_config.json").write_text(json.dumps(config))
-    (root / "adapter_model.safetensors").write_bytes(b"")
+    (root / "adapter_model.safetensors").write_bytes(b"\x02" + bytes(7) + b"{}")  # no tensors
     return root
 
 
