@@ -344,6 +344,7 @@ class Scheduler:
         limit = slowdown * cost.predict(shape) if protected else math.inf
         prefills: list[tuple[int, Request]] = []
         for req in sorted(filler, key=self.ranking.key):
+            req.spec_token_ids = []  # drafts are worth running only in protected rows
             left = req.num_tokens - req.num_computed_tokens
             if req.status != RequestStatus.RUNNING or plan.hard <= 0:
                 continue

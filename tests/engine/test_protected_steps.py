@@ -52,6 +52,21 @@ def test_batch_rows_take_what_keeps_the_step_within_the_slowdown_of_interactive_
     assert len(rows_of(s.schedule(), "batch")) == 8  # the chat left: full width again
 
 
+def test_a_held_row_runs_without_its_drafts() -> None:
+    """Speculative decoding proposes drafts for every decoding row; a filler row runs
+    its one token only (its drafts would cost the step time it is held to)."""
+    clock = Clock()
+    s = fitted(make(clock))
+    decoding_batch(s, 2)
+    s.add_request(request("chat", 4, tenant="A", max_tokens=100))
+    advance(s, s.schedule())
+    for req in s.running:
+        req.spec_token_ids = [7, 7]
+    out = s.schedule()
+    assert dict(rows_of(out, "batch")) == {"batch0": 1, "batch1": 1}
+    assert all(r.num_drafts == 0 for r in out.requests if r.request_id.startswith("batch"))
+
+
 def test_batch_prefill_waits_while_an_interactive_prompt_waits_or_computes() -> None:
     clock = Clock()
     s = fitted(make(clock, long_prefill_token_threshold=16))
