@@ -10,6 +10,7 @@ from typing import Any
 
 from sqlalchemy.ext.asyncio import AsyncSession
 
+from gateway.admission.policy import check_model, check_priced
 from gateway.batches.errors import BatchOverBudget, BatchTokenLimit
 from gateway.core.errors import InvalidRequest
 from gateway.dispatch.directory import ModelDirectory
@@ -107,7 +108,10 @@ class BatchService:
                 # 404: no such model, or another tenant's adapter
                 engine, adapter = self.directory.ready(model, self.principal.tenant_id)
                 base = None if adapter is None else adapter.base_model
+                # Refused now as each line would be when it runs: the plan's models, a price.
+                check_model(self.principal, base or model)
                 quote = await self.prices.quote(model, utcnow(), base)
+                check_priced(quote, model, self.directory.spec(base or model) is not None)
                 context = engine.max_model_len
                 prices[model] = (context, quote.price.for_batch())
             context, price = prices[model]

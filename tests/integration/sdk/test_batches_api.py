@@ -237,6 +237,24 @@ async def test_a_batch_over_the_budget_is_refused_at_creation(
     assert (await poor.batches.list()).data == []
 
 
+async def test_a_batch_on_a_model_the_plan_excludes_is_refused_at_creation(
+    base_url: str,
+    engine_client: InProcessEngineClient,
+    sessions: async_sessionmaker[AsyncSession],
+) -> None:
+    """Not accepted and then failed line by line with 403s (found on a live gateway)."""
+    async with sessions.begin() as session:
+        terms = PlanTerms(name="narrow", allowed_models=frozenset({"another-model"}))
+        await PlanService(session).create("narrow", terms)
+    narrow = openai.AsyncOpenAI(
+        base_url=base_url, api_key=await _key(sessions, "narrow", "narrow"), max_retries=0
+    )
+    with pytest.raises(openai.PermissionDeniedError) as refused:
+        await _batch(narrow, _jsonl(engine_client.model_name, 2))
+    assert "model_not_allowed" in str(refused.value.body)
+    assert (await narrow.batches.list()).data == []
+
+
 async def test_the_plans_cap_on_enqueued_batch_tokens_refuses_a_batch_past_it(
     base_url: str,
     engine_client: InProcessEngineClient,
