@@ -126,17 +126,22 @@ class FileStore:
             .values(id=Tenant.id)
             .execution_options(synchronize_session=False)
         )
-        used = await self.session.scalar(
-            select(func.coalesce(func.sum(StoredFile.bytes), 0)).where(
-                StoredFile.tenant_id == self.tenant_id, StoredFile.deleted_at.is_(None)
-            )
-        )
-        if int(used or 0) + size > quota_bytes:
+        used = await self.used_bytes()
+        if used + size > quota_bytes:
             raise StorageFull(
                 f"this file ({size} bytes) does not fit the tenant's file storage: "
                 f"{used} of {quota_bytes} bytes are in use; delete files to make room",
                 "file",
             )
+
+    async def used_bytes(self) -> int:
+        """What the tenant's kept files hold."""
+        used = await self.session.scalar(
+            select(func.coalesce(func.sum(StoredFile.bytes), 0)).where(
+                StoredFile.tenant_id == self.tenant_id, StoredFile.deleted_at.is_(None)
+            )
+        )
+        return int(used or 0)
 
     async def get(self, file_id: str) -> StoredFile:
         if not is_stored_id(file_id):  # no query for what no id looks like (a NUL, say)

@@ -124,6 +124,9 @@ _DEPENDENCIES = {
 }
 
 
+FORM_BYTES = 2**16  # the form's fields and boundaries around the file, at most
+
+
 class FilesController(Controller):
     path = "/v1/files"
     tags = ["Files"]
@@ -132,13 +135,16 @@ class FilesController(Controller):
     @post(
         "/",
         status_code=200,
-        request_max_body_size=MAX_FILE_BYTES + 2**16,  # the file and its form fields
+        request_max_body_size=MAX_FILE_BYTES + FORM_BYTES,
         operation_class=documented(FileObject, errors=(*FILE_ERRORS, 413)),
     )
     async def upload(
         self, request: Request[Any, Any, Any], service: NamedDependency[BatchService]
     ) -> dict[str, Any]:
         """Upload a JSONL file of requests (multipart form: `file`, `purpose=batch`)."""
+        declared = request.headers.get("content-length", "")
+        if declared.isdigit() and int(declared) > FORM_BYTES:  # the file is at least the rest
+            await service.refuse_past_room(int(declared) - FORM_BYTES)
         form = await request.form()
         upload, purpose = form.get("file"), form.get("purpose")
         if not isinstance(upload, UploadFile):

@@ -18,7 +18,7 @@ from gateway.settings import Settings
 from tenants.batches import ENDPOINTS, WINDOWS, Batch, BatchStore, NewLine, batch_lines
 from tenants.billing.prices import PriceBook
 from tenants.blobs import BlobStore, FolderBlobStore, S3BlobStore
-from tenants.files import FileStore, StoredFile, parse_jsonl
+from tenants.files import FileStore, StorageFull, StoredFile, parse_jsonl
 from tenants.models import utcnow
 from tenants.quota import QuotaStore, month_period, tenant_scope
 from tenants.services import Principal
@@ -57,10 +57,23 @@ class BatchService:
                 f"purpose must be one of {', '.join(UPLOAD_PURPOSES)}", param="purpose"
             )
         parse_jsonl(content)  # a malformed line is refused now, naming its number
+        return await self.files.create(filename, purpose, content, quota_bytes=self._quota())
+
+    async def refuse_past_room(self, least_bytes: int) -> None:
+        """StorageFull before an upload of at least `least_bytes` is read, when it cannot
+        fit (unlocked: the check as the file is stored decides; this one spares reading
+        and spooling up to 200 MiB that a tenant over its quota sends again and again)."""
+        used, quota = await self.files.used_bytes(), self._quota()
+        if used + least_bytes > quota:
+            raise StorageFull(
+                f"this file (at least {least_bytes} bytes) does not fit the tenant's file "
+                f"storage: {used} of {quota} bytes are in use; delete files to make room",
+                "file",
+            )
+
+    def _quota(self) -> int:
         quota = self.principal.plan.max_file_bytes
-        if quota is None:
-            quota = self.file_quota
-        return await self.files.create(filename, purpose, content, quota_bytes=quota)
+        return self.file_quota if quota is None else quota
 
     async def create(
         self,

@@ -107,3 +107,26 @@ async def test_concurrent_uploads_cannot_both_take_the_last_room(
     stored = (await client.files.list()).data
     assert len(stored) == 2
     assert sum(f.bytes for f in stored) <= DEFAULT_QUOTA
+
+
+async def test_an_upload_that_cannot_fit_is_refused_before_its_body_is_read(
+    base_url: str, sessions: async_sessionmaker[AsyncSession]
+) -> None:
+    """A tenant over its quota must not make the gateway take in (and spool) up to
+    200 MiB each time: its declared length is answered before the body comes. The client
+    sends the headers and one chunk of a 100 MiB upload, then waits for the answer."""
+    client = await _client(base_url, sessions, None)
+    host, port = base_url.removeprefix("http://").removesuffix("/v1").split(":")
+    reader, writer = await asyncio.open_connection(host, int(port))
+    head = (
+        f"POST /v1/files HTTP/1.1\r\nHost: {host}\r\nAuthorization: Bearer {client.api_key}\r\n"
+        "Content-Type: multipart/form-data; boundary=b\r\n"
+        f"Content-Length: {100 * 2**20}\r\n\r\n"
+    )
+    writer.write(head.encode() + b'--b\r\nContent-Disposition: form-data; name="file"\r\n\r\n')
+    await writer.drain()
+    try:  # a bound on a failure (the gateway waiting for the rest), not synchronisation
+        status = await asyncio.wait_for(reader.readline(), timeout=30)
+    finally:
+        writer.close()
+    assert status.startswith(b"HTTP/1.1 400")
