@@ -20,7 +20,7 @@ from backend.engine.lora import AdapterSlots
 from backend.engine.model_runner import Launched, ModelRunner
 from backend.engine.request import Request, RequestStatus, fan_out
 from backend.engine.scheduler import Scheduler
-from backend.engine.speculative import Speculator
+from backend.engine.speculative import Speculator, draft_cost_ratio
 from backend.engine.step_cost import warm_up, warm_up_shapes
 from backend.errors import (
     GrammarTooComplexError,
@@ -127,7 +127,11 @@ class Engine:
             self.scheduler.adapters = self.adapters
         self.speculator: Speculator | None = None
         if config.speculative_method != "off":
-            self.speculator = Speculator(config.speculative_method, config.num_speculative_tokens)
+            drafter = self.runner.drafter
+            cost = 0.0 if drafter is None else draft_cost_ratio(drafter.model, self.runner.model)
+            self.speculator = Speculator(
+                config.speculative_method, config.num_speculative_tokens, cost
+            )
         # With speculation, steps with drafts still run in turn (_step_async).
         self.async_scheduling = config.async_scheduling == "on" or (
             config.async_scheduling == "auto" and self.runner.device.type == "cuda"
@@ -203,6 +207,8 @@ class Engine:
         if cfg.speculative_method == "off":
             return ""
         line = f" speculative={cfg.speculative_method} k={cfg.num_speculative_tokens}"
+        if self.speculator is not None:
+            line += f" min_acceptance={self.speculator.min_acceptance:.2f}"
         if drafter is not None and drafter.kv_cache is not None:
             line += f" draft_kv_bytes={drafter.kv_cache.numel() * drafter.kv_cache.element_size()}"
         return line

@@ -8,14 +8,17 @@ draft model (`draft`: the model runner drafts them in the step itself, see
 backend/engine/draft.py).
 
 Adaptive: each request keeps an acceptance average, starting from the engine's; when it
-falls below `MIN_ACCEPTANCE` the request stops drafting for a pause that doubles each
-time a probe fails again, so a workload whose drafts are rarely accepted pays almost
-nothing. Which drafts run in a step is then the scheduler's choice, by the step-cost fit
+falls below the floor (`MIN_ACCEPTANCE`, or for a draft model the cost of one draft
+token in target steps, if higher) the request stops drafting for a pause that doubles
+each time a probe fails again, so a workload whose drafts are rarely accepted pays
+almost nothing. Which drafts run in a step is then the scheduler's choice, by the step-cost fit
 (Scheduler._add_drafts)."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+
+import torch
 
 from backend.engine.request import Request
 
@@ -92,11 +95,16 @@ def ngram_drafts(req: Request, state: SpecState, k: int) -> list[int]:
 
 
 class Speculator:
-    """Proposes each step's drafts and records their acceptance (the step thread's)."""
+    """Proposes each step's drafts and records their acceptance (the step thread's).
+    `draft_cost`: what one draft token costs, in decode steps of the target (a draft
+    model's pass over its parameters against the target's: `draft_cost_ratio`); a
+    request whose acceptance stays below it loses time drafting, so it pauses as below
+    MIN_ACCEPTANCE (n-gram drafts cost nothing to make: 0)."""
 
-    def __init__(self, method: str, k: int) -> None:
+    def __init__(self, method: str, k: int, draft_cost: float = 0.0) -> None:
         self.method = method
         self.k = k
+        self.min_acceptance = max(MIN_ACCEPTANCE, draft_cost)
         self.states: dict[str, SpecState] = {}
         self.counters = SpecCounters(accepted_per_pos=[0] * k)
         self.step = 0
@@ -128,10 +136,16 @@ class Speculator:
 
     def _new_state(self) -> SpecState:
         state = SpecState(acceptance=self.acceptance)
-        if self.acceptance < MIN_ACCEPTANCE:  # a probe after the first pause
+        if self.acceptance < self.min_acceptance:  # a probe after the first pause
             state.paused_until = self.step + FIRST_PAUSE
-            state.acceptance = MIN_ACCEPTANCE + _EMA * (1 - MIN_ACCEPTANCE) / 2
+            state.acceptance = self._probe_acceptance()
         return state
+
+    def _probe_acceptance(self) -> float:
+        """A paused request's average when it probes again: one bad verification pauses
+        it again, a good one resumes it."""
+        floor = self.min_acceptance
+        return floor + _EMA * (1 - floor) / 2
 
     def observe(self, request_id: str, num_drafts: int, num_accepted: int) -> None:
         """A verified row: `num_accepted` of its `num_drafts` drafts were taken."""
@@ -148,11 +162,21 @@ class Speculator:
         state.acceptance += _EMA * (num_accepted / num_drafts - state.acceptance)
         if num_accepted == num_drafts:
             state.pause = FIRST_PAUSE
-        elif state.acceptance < MIN_ACCEPTANCE:
+        elif state.acceptance < self.min_acceptance:
             state.paused_until = self.step + state.pause
             state.pause = min(2 * state.pause, LONGEST_PAUSE)
-            # One probe after the pause: a bad one pauses it again, a good one resumes.
-            state.acceptance = MIN_ACCEPTANCE + _EMA * (1 - MIN_ACCEPTANCE) / 2
+            state.acceptance = self._probe_acceptance()
 
     def forget(self, request_id: str) -> None:
         self.states.pop(request_id, None)
+
+
+def draft_cost_ratio(draft: torch.nn.Module, target: torch.nn.Module) -> float:
+    """The draft model's parameters over the target's (each counted once, a tied LM head
+    included): what a draft token costs in target decode steps, as a decode step reads
+    every weight once (memory-bound on a GPU, and about so on a CPU at small batches)."""
+    return _num_params(draft) / max(_num_params(target), 1)
+
+
+def _num_params(model: torch.nn.Module) -> int:
+    return sum(p.numel() for p in model.parameters())

@@ -253,7 +253,8 @@ def test_greedy_tokens_equal_without_speculation_draft_model(
         assert run(engine, prompts, GREEDY) == expected
         stats = engine.stats()
         assert stats.spec_decode_num_drafts > 0
-        assert " speculative=draft k=4 draft_kv_bytes=" in engine.describe()
+        assert " speculative=draft k=4 min_acceptance=" in engine.describe()
+        assert " draft_kv_bytes=" in engine.describe()
         if accepted is not None:
             assert stats.spec_decode_acceptance_rate == accepted
             assert engine.num_steps < len(prompts) * GREEDY.max_tokens / 2
@@ -278,16 +279,17 @@ def test_draft_model_rollback_under_preemption_and_prefix_caching(
 
 
 def test_draft_model_sampling_keeps_the_distribution_end_to_end(
-    llama_dir: Path, small_draft: Path, monkeypatch: pytest.MonkeyPatch
+    llama_dir: Path, small_draft: Path
 ) -> None:
     """As the n-gram end-to-end test, with the small draft's q in the verification
     (never paused: every request's second token is verified)."""
-    monkeypatch.setattr(speculative, "MIN_ACCEPTANCE", 0.0)
     prompt = [5, 17, 42, 99, 7]
     params = SamplingParams(max_tokens=3, temperature=1.5, top_k=4, ignore_eos=True)
 
     def draw(**spec: object) -> Counter[tuple[int, int]]:
         engine = spec_engine(llama_dir, **BASE, max_num_seqs=64, **spec)
+        if engine.speculator is not None:
+            engine.speculator.min_acceptance = 0.0  # never paused
         torch.manual_seed(2)  # unseeded requests draw from torch's global generator
         for i in range(400):
             engine.add_request(EngineRequest(prompt, params, f"s{i}"))
@@ -379,6 +381,31 @@ def test_rows_the_verifier_cannot_take_decode_one_token_at_a_time(
         engine.add_request(EngineRequest([5, 6, 7], params, name))
     run_to_completion(engine)
     assert engine.stats().spec_decode_num_drafts == 0
+
+
+def test_a_draft_model_pauses_below_the_cost_of_its_drafts(
+    llama_dir: Path, small_draft: Path
+) -> None:
+    """A draft token costs the draft's share of the target's parameters in target steps:
+    below that acceptance drafting loses time, so the pause floor rises to it (n-gram
+    drafts cost nothing: the floor stays MIN_ACCEPTANCE)."""
+    engine = make_engine(llama_dir, speculative_method="draft", speculative_model=str(small_draft))
+    assert engine.runner.drafter is not None
+    ratio = speculative.draft_cost_ratio(engine.runner.drafter.model, engine.runner.model)
+    assert MIN_ACCEPTANCE < ratio < 1
+    assert engine.speculator is not None and engine.speculator.min_acceptance == ratio
+    assert Speculator("ngram", 4).min_acceptance == MIN_ACCEPTANCE
+    spec = Speculator("draft", 4, draft_cost=0.5)
+    req = _request("r", [1, 2, 3], 64)
+    req.num_computed_tokens = req.num_tokens - 1
+    req.output_token_ids = []
+    verified = 0
+    for _ in range(40):  # 30% accepted: above MIN_ACCEPTANCE, below the cost
+        spec.propose([req])
+        if req.spec_token_ids:
+            verified += 1
+            spec.observe("r", 4, 1 if verified % 3 else 2)
+    assert 3 <= verified <= 10  # paused after a few, then rare probes
 
 
 def test_drafting_pauses_when_drafts_are_rarely_accepted() -> None:
