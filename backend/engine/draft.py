@@ -7,9 +7,10 @@ the same number of blocks, in which block b holds the draft's keys and values fo
 same tokens as the target's block b. So the block manager's accounting, the prefix cache
 (a hit block holds both models' KV), preemption and the rollback of rejected slots cover
 it unchanged. To keep that true the draft computes every token the target computes
-(prompt chunks included: the small model's share of each step), and at a decode row it
-recomputes the position before the last token too: after a step whose drafts were all
-accepted, the draft never saw its own last draft as input."""
+(prompt chunks included: the small model's share of each step), and after a step whose
+drafts were all accepted its next decode row recomputes the position before the last
+token too: the draft never saw its own last draft as input. (Only then: a two-token row
+costs a CPU a prompt's path through attention, several times a decode row's.)"""
 
 from __future__ import annotations
 
@@ -72,6 +73,9 @@ class DraftModel:
         # own; `use_graphs` follows the runner's switch.
         self.graphs: DecodeGraphs | None = None
         self.use_graphs = True
+        # Requests whose last verification accepted every draft: the KV of the last
+        # draft's position is missing from the draft's cache until their next step.
+        self.behind: set[str] = set()
 
     def allocate(self, num_blocks: int, block_size: int, kv_dtype: torch.dtype) -> None:
         """Its pool, in the target's KV dtype (a quantized cache quantizes both)."""
@@ -95,7 +99,7 @@ class DraftModel:
         the runner's device block tables, for the draft steps' graph replays."""
         assert self.kv_cache is not None
         spec = [r for r in batch.requests if r.num_drafts]
-        first = SchedulerOutput([_mirrored(r) for r in batch.requests])
+        first = SchedulerOutput([self._mirrored(r) for r in batch.requests])
         hidden = self._run(first, prepare, None if patch_for is None else patch_for(first))
         if not spec:
             return None
@@ -128,6 +132,23 @@ class DraftModel:
             logits = self.model.logits(hidden)
         return q
 
+    def _mirrored(self, r: ScheduledRequest) -> ScheduledRequest:
+        """The row's real tokens (no drafts), from one position earlier for a decode row
+        whose last draft was accepted without the draft having computed it."""
+        real = r.token_ids[: len(r.token_ids) - r.num_drafts]
+        behind = r.request_id in self.behind
+        self.behind.discard(r.request_id)
+        before = _token_at(r, r.start_pos - 1) if behind and len(real) == 1 else None
+        if before is None:
+            return replace(r, token_ids=real)
+        return replace(r, token_ids=[before, *real], start_pos=r.start_pos - 1)
+
+    def verified(self, request_id: str, num_drafts: int, num_accepted: int) -> None:
+        """A row's verification: with every draft accepted, its next row recomputes the
+        last one."""
+        if num_accepted == num_drafts:
+            self.behind.add(request_id)
+
     def forward(
         self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata
     ) -> torch.Tensor:
@@ -145,15 +166,6 @@ class DraftModel:
         if patch is not None:
             patch(input_ids)
         return self.forward(input_ids, positions, meta)
-
-
-def _mirrored(r: ScheduledRequest) -> ScheduledRequest:
-    """The row's real tokens (no drafts), from one position earlier for a decode row."""
-    real = r.token_ids[: len(r.token_ids) - r.num_drafts]
-    before = _token_at(r, r.start_pos - 1) if len(real) == 1 else None
-    if before is None:
-        return replace(r, token_ids=real)
-    return replace(r, token_ids=[before, *real], start_pos=r.start_pos - 1)
 
 
 def _draft_row(r: ScheduledRequest, j: int) -> ScheduledRequest:

@@ -183,6 +183,8 @@ class ModelRunner:
         the output then see its tokens, while the device runs this step's forward
         pass."""
         for request_id in batch.finished_request_ids:
+            if self.drafter is not None:
+                self.drafter.behind.discard(request_id)
             self._generators.pop(request_id, None)
             self._prompt_masks.pop(request_id, None)
             self._biases.pop(request_id, None)
@@ -277,6 +279,8 @@ class ModelRunner:
         for i, n, token in zip(spec, host[0].tolist(), host[1].tolist(), strict=True):
             r = reqs[i]
             verified[r.request_id] = [*r.token_ids[len(r.token_ids) - r.num_drafts :][:n], token]
+            if self.drafter is not None:
+                self.drafter.verified(r.request_id, r.num_drafts, n)
         out = ModelRunnerOutput({}, verified=verified)
         if plain:
             sampled = dict(zip(plain, host[2].tolist(), strict=True))
