@@ -220,6 +220,7 @@ def open_runtime(settings: Settings, telemetry: Telemetry, stack: AsyncExitStack
         settings.checkpoint_ms / 1000,
         direct=direct if postgres else None,
         sqlite_file=sqlite_file,
+        key_retention=timedelta(seconds=settings.idempotency_retention_s),
     )
     _started(stack, recorder)  # checkpoints of running streams
     _started(stack, recorder.periodic())  # the orphan sweep

@@ -146,6 +146,11 @@ class UsageEvent(Base):
             ],
         ),
         Index("ix_usage_events_created_at", "created_at"),
+        # One row per Idempotency-Key: a rerun of a request whose answer was lost is not
+        # billed again (tenants.billing.ledger). NULLs are distinct: unkeyed rows pass.
+        Index(
+            "uq_usage_events_tenant_idempotency_key", "tenant_id", "idempotency_key", unique=True
+        ),
     )
 
     id: Mapped[str] = mapped_column(String(36), primary_key=True, default=new_id)
@@ -171,6 +176,7 @@ class UsageEvent(Base):
     replica: Mapped[str | None] = mapped_column(String(255))  # the backend that served it
     started_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True))  # priced at
     created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
+    idempotency_key: Mapped[str | None] = mapped_column(String(255))  # the request's, if any
 
 
 class UsageCheckpoint(Base):
@@ -193,6 +199,7 @@ class UsageCheckpoint(Base):
     replica: Mapped[str | None] = mapped_column(String(255))
     started_at: Mapped[datetime] = mapped_column(DateTime(timezone=True))
     updated_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), index=True)
+    idempotency_key: Mapped[str | None] = mapped_column(String(255))  # its row's (UsageEvent)
 
 
 class IdempotencyRecord(Base):

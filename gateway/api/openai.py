@@ -392,7 +392,9 @@ async def admit(
         raise
     scope.admitted = True
     headers = {"x-request-id": charge.request_id, **ticket.headers}
-    return Admitted(replace(charge, reservation=ticket.reservation), claim, headers)
+    key = None if claim is None else claim.key
+    charge = replace(charge, reservation=ticket.reservation, idempotency_key=key)
+    return Admitted(charge, claim, headers)
 
 
 async def respond_whole(

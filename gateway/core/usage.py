@@ -56,6 +56,9 @@ class Charge:
     started_at: datetime = field(default_factory=utcnow)  # prices in force then apply
     # A LoRA adapter's base model: priced as it unless the book prices `model` itself.
     base_model: str | None = None
+    # Its Idempotency-Key: the ledger bills a key once, so a rerun (the first answer lost
+    # to a crash) is not billed again (tenants.billing.ledger).
+    idempotency_key: str | None = None
 
     @property
     def batch(self) -> bool:

@@ -2,6 +2,13 @@
 costs something, its Stripe outbox row in the same transaction), priced by the price
 book version in force when the request started.
 
+A request with an Idempotency-Key (a batch line's too) is billed once per key: its row
+carries the key, and a request run again because the first run's answer was lost (the
+process died between the ledger commit and storing the answer) finds the key billed in
+the commit's transaction: it writes no row, settles its reservation at zero and is logged
+as a rerun (tenants.billing.ledger.reruns). A dead gateway's stream is billed from its
+checkpoint unless its key's rerun was billed first.
+
 Writes run as tracked tasks so a client disconnect (which cancels the request's task)
 cannot interrupt them, and shutdown waits for them: nothing metered is lost.
 
@@ -44,6 +51,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import sqlite3
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, replace
 from datetime import datetime, timedelta
@@ -60,7 +68,13 @@ from gateway.core.usage import Charge, RequestUsage
 from gateway.telemetry.tracing import REQUEST_ID, in_span
 from tenants.adapters import AdapterService
 from tenants.billing import checkpoints, ledger
-from tenants.billing.ledger_writes import GroupRows, SqliteLedger, UnsyncedCommit, write_rows
+from tenants.billing.ledger_writes import (
+    KEY_RETENTION,
+    GroupRows,
+    SqliteLedger,
+    UnsyncedCommit,
+    write_rows,
+)
 from tenants.billing.prices import PriceBook
 from tenants.models import UsageCheckpoint, UsageEvent, UsageStatus, as_utc, utcnow
 from tenants.quota import QuotaError, key_scope, month_period, tenant_scope
@@ -77,6 +91,8 @@ ORPHAN_BATCH = 100
 # (a restart, a failover) before its rows are given up, logged by request id.
 LEDGER_RETRY_S = 10.0
 LEDGER_RETRY_MAX_PAUSE_S = 1.0
+# A write refused by a constraint: through SQLAlchemy, the pipeline (psycopg), SqliteLedger.
+REFUSED = (IntegrityError, psycopg.IntegrityError, sqlite3.IntegrityError)
 
 
 class UsageRecorder:
@@ -89,6 +105,7 @@ class UsageRecorder:
         checkpoint_s: float = CHECKPOINT_S,
         direct: AsyncEngine | None = None,
         sqlite_file: str | None = None,
+        key_retention: timedelta = KEY_RETENTION,
     ) -> None:
         self.sessions = sessions
         self.direct = direct  # PostgreSQL's autocommit pool (tenants.db): pipelined commits
@@ -98,6 +115,9 @@ class UsageRecorder:
         self.tasks = tasks
         self.admission = admission
         self.checkpoint_s = checkpoint_s
+        # A usage row's Idempotency-Key counts this long (the stored answers' retention):
+        # a key reused later is a new request, billed.
+        self.key_retention = key_retention
         self._streams: dict[str, tuple[Charge, RequestUsage]] = {}  # running, for checkpoints
         self._checkpoints: asyncio.Task[None] | None = None
         self._writes = GroupCommit(self._commit, tasks)
@@ -168,6 +188,7 @@ class UsageRecorder:
             replica=outcome.replica,
             started_at=charge.started_at,
             created_at=utcnow(),  # the row's time, which settling passes to the store
+            idempotency_key=charge.idempotency_key,
         )
 
     async def _write(
@@ -184,11 +205,19 @@ class UsageRecorder:
             event = await self._event(charge, outcome)
             cost = event.cost_micros
             tokens = event.prompt_tokens + event.completion_tokens
-            await self._writes.submit(Settled(event, streamed, committed))
-            at_us = to_us(event.created_at)
+            write = Settled(event, streamed, committed)
+            await self._submit(write)
+            if write.rerun:
+                cost = tokens = 0  # its key was billed by the first run: not billed again
+                _log_rerun(event)
+            else:
+                at_us = to_us(event.created_at)
         except UnsyncedCommit:
             log.exception("usage row %s committed, but its sync to disk failed", request_id)
-            at_us = to_us(event.created_at)  # in the ledger: charged as written
+            if write.rerun:
+                cost = tokens = 0
+            else:
+                at_us = to_us(event.created_at)  # in the ledger: charged as written
             raise
         except Exception:
             # Never silently: the request id lets an operator reconcile by hand.
@@ -198,6 +227,17 @@ class UsageRecorder:
         finally:
             if charge.reservation is not None:
                 await self.admission.settle(charge.reservation, tokens, cost, at_us)
+
+    async def _submit(self, write: Settled) -> None:
+        """The row through the group commit. A keyed row refused by the unique index raced
+        another run of its key past the look-up (its in-flight lock expired): once more,
+        its look-up finds that run's row, and it is a rerun."""
+        try:
+            await self._writes.submit(write)
+        except REFUSED:
+            if write.event.idempotency_key is None:
+                raise
+            await self._writes.submit(write)
 
     async def checkpoint(self, only: set[str] | None = None) -> int:
         """Record every running stream's delivered tokens, or those of the streams in
@@ -222,10 +262,11 @@ class UsageRecorder:
             return  # the streams asked about have settled meanwhile
         if self.direct is None:  # SQLite (or a recorder given no direct pool)
             if self.sqlite is not None:
-                await self.sqlite.write(_rows(checkpoints, settled), lambda: _committed(settled))
+                await self._write_sqlite(checkpoints, settled)
                 return
             async with self.sessions.begin() as session:
                 dialect = (await session.connection()).dialect.name
+                await _mark_billed(session, settled, self._keys_since())
                 await write_rows(session, dialect, _rows(checkpoints, settled))
             return
         # The settling requests encode their answers while the statement is on its way:
@@ -236,6 +277,19 @@ class UsageRecorder:
         except (psycopg.OperationalError, OperationalError) as exc:
             log.warning("ledger commit lost its connection (%s): trying again", exc)
             await self._again_while_back(checkpoints, settled)
+
+    async def _write_sqlite(
+        self, checkpoints: list[dict[str, Any]], settled: list[Settled]
+    ) -> None:
+        """SqliteLedger's group: the reruns are found in its transaction (write_sqlite_rows)."""
+        assert self.sqlite is not None
+        streams = [write.event.request_id for write in settled if write.streamed]
+        events = [write.event for write in settled]
+        rows = GroupRows(checkpoints, events, streams, self._keys_since())
+        try:
+            await self.sqlite.write(rows, lambda: _committed(settled))
+        finally:  # committed, its sync failed (UnsyncedCommit): marked all the same
+            _mark_reruns(settled, rows.reruns)
 
     async def _again_while_back(
         self, checkpoints: list[dict[str, Any]], settled: list[Settled]
@@ -267,8 +321,12 @@ class UsageRecorder:
             driver = (await connection.get_raw_connection()).driver_connection
             assert isinstance(driver, psycopg.AsyncConnection)
             try:
+                # Keyed rows cost a look-up first (a round trip): is their key billed?
+                events = [write.event for write in settled]
+                billed = await ledger.billed_keys_direct(driver, events, self._keys_since())
+                _mark_reruns(settled, ledger.reruns(events, billed))
                 if _one_statement(checkpoints, settled):  # its own implicit transaction
-                    await ledger.record_all_direct(driver, [write.event for write in settled])
+                    await ledger.record_all_direct(driver, _first_runs(settled))
                 else:
                     async with driver.pipeline():
                         rows = _rows(checkpoints, settled)
@@ -290,7 +348,12 @@ class UsageRecorder:
                 found = await ledger.row_ids(session, ids)
                 if any(ids[request_id] == row_id for request_id, row_id in found.items()):
                     return  # all of it, then: one transaction
+            await _mark_billed(session, settled, self._keys_since())
             await write_rows(session, "postgresql", _rows(checkpoints, settled))
+
+    def _keys_since(self) -> datetime:
+        """Usage rows created since then hold their Idempotency-Keys (key_retention)."""
+        return utcnow() - self.key_retention
 
     async def bill_orphans(self) -> int:
         """Write the ledger rows of streams whose gateway died; returns how many."""
@@ -318,6 +381,10 @@ class UsageRecorder:
                 if not await checkpoints.claim(session, checkpoint):
                     return False
                 if await ledger.row_ids(session, [checkpoint.request_id]):
+                    return False
+                billed = await ledger.billed_keys(session, [event], self._keys_since())
+                if ledger.reruns([event], billed):
+                    _log_rerun(event)  # its key's rerun was billed: the checkpoint goes
                     return False
                 await UsageService(session).record(event)
         except IntegrityError:
@@ -362,6 +429,7 @@ class UsageRecorder:
             replica=checkpoint.replica,
             started_at=started_at,
             created_at=utcnow(),
+            idempotency_key=checkpoint.idempotency_key,
         )
 
     def periodic(self) -> Periodic:
@@ -399,7 +467,7 @@ class Checkpoint:
     streams: frozenset[str]
 
 
-@dataclass(frozen=True)
+@dataclass
 class Settled:
     """A finished request's ledger row; a stream's checkpoint goes with it (only streams
     have one)."""
@@ -407,6 +475,9 @@ class Settled:
     event: UsageEvent
     streamed: bool
     committed: asyncio.Future[None] | None = None  # resolved once under way (settle())
+    # Set by the commit: its Idempotency-Key was billed already (the first run's answer
+    # was lost), so no row was written (tenants.billing.ledger.reruns).
+    rerun: bool = False
 
 
 Write = Settled | Checkpoint
@@ -461,8 +532,40 @@ class GroupCommit:
 
 
 def _rows(checkpoints: list[dict[str, Any]], settled: list[Settled]) -> GroupRows:
+    """The group's rows, once its reruns are marked: theirs are not written."""
     streams = [write.event.request_id for write in settled if write.streamed]
-    return GroupRows(checkpoints, [write.event for write in settled], streams)
+    return GroupRows(checkpoints, _first_runs(settled), streams)
+
+
+async def _mark_billed(session: AsyncSession, settled: list[Settled], since: datetime) -> None:
+    """Mark the reruns among `settled`, looked up in the session's transaction."""
+    events = [write.event for write in settled]
+    billed = await ledger.billed_keys(session, events, since)
+    _mark_reruns(settled, ledger.reruns(events, billed))
+
+
+def _mark_reruns(settled: list[Settled], reruns: list[UsageEvent]) -> None:
+    rerun = {id(event) for event in reruns}
+    for write in settled:
+        write.rerun = id(write.event) in rerun
+
+
+def _first_runs(settled: list[Settled]) -> list[UsageEvent]:
+    """The rows to write: all but the reruns'."""
+    return [write.event for write in settled if not write.rerun]
+
+
+def _log_rerun(event: UsageEvent) -> None:
+    """A request run again under a key already billed: not billed again, but recorded."""
+    log.warning(
+        "request %s reran the Idempotency-Key of a billed request: not billed again",
+        event.request_id,
+        extra={
+            "request_id": event.request_id,
+            "tenant_id": event.tenant_id,
+            "idempotency_rerun": True,
+        },
+    )
 
 
 def _one_statement(checkpoints: list[dict[str, Any]], settled: list[Settled]) -> bool:
@@ -505,4 +608,5 @@ def _checkpoint_row(charge: Charge, outcome: RequestUsage, now: datetime) -> dic
         "replica": outcome.replica,
         "started_at": charge.started_at,
         "updated_at": now,
+        "idempotency_key": charge.idempotency_key,
     }

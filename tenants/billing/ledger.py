@@ -1,18 +1,38 @@
 """The usage ledger (usage_events), its one owner for writes: the usage rows and their
 outbox rows, in the caller's transaction, so a row is exported to Stripe exactly when it
-exists in the ledger; and the lookups the recorder makes of its own rows."""
+exists in the ledger; and the lookups the recorder makes of its own rows.
+
+A row carries its request's Idempotency-Key (unique per tenant): a request run again under
+a key whose answer was lost (the process died between the ledger write and storing the
+answer) is a rerun, and its row is not written (`reruns`, given the keys `billed_keys*`
+finds in the writer's transaction). The unique index refuses a rerun that raced past the
+look-up (its writer then looks again)."""
 
 from __future__ import annotations
 
 import functools
 import sqlite3
-from collections.abc import Callable, Collection, Sequence
+from collections.abc import Callable, Collection, Iterable, Sequence
 from dataclasses import dataclass
 from datetime import datetime
 from typing import Any, cast
 
 import psycopg
-from sqlalchemy import Column, ColumnDefault, Row, Select, Table, func, insert, inspect, select
+from sqlalchemy import (
+    Column,
+    ColumnDefault,
+    ColumnElement,
+    Row,
+    Select,
+    Table,
+    and_,
+    func,
+    insert,
+    inspect,
+    or_,
+    select,
+    update,
+)
 from sqlalchemy.dialects import sqlite
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncResult, AsyncSession
 
@@ -141,6 +161,131 @@ def record_all_sqlite(connection: sqlite3.Connection, events: Sequence[UsageEven
         connection.executemany(_sqlite_sql(_OUTBOX_TABLE.name), outbox)
 
 
+BilledKey = tuple[str, str]  # (tenant id, Idempotency-Key)
+
+
+def reruns(events: Sequence[UsageEvent], billed: set[BilledKey]) -> list[UsageEvent]:
+    """The events whose key has a row already (`billed`) or an earlier event here: not to
+    be written, nor billed."""
+    seen = set(billed)
+    found = []
+    for event in events:
+        key = _billed_key(event)
+        if key is None:
+            continue
+        if key in seen:
+            found.append(event)
+        seen.add(key)
+    return found
+
+
+async def billed_keys(
+    session: AsyncSession | AsyncConnection, events: Sequence[UsageEvent], since: datetime
+) -> set[BilledKey]:
+    """The events' keys that have a usage row created at `since` or later (the retention
+    of Idempotency-Keys); an older row's key is cleared, free for the reuse. No query when
+    no event has a key."""
+    billed: set[BilledKey] = set()
+    for keys in _key_batches(events):
+        found = await session.execute(
+            select(
+                UsageEvent.tenant_id, UsageEvent.idempotency_key, UsageEvent.created_at >= since
+            ).where(_pairs(keys))
+        )
+        stale = _split(found, billed)
+        if stale:
+            await session.execute(
+                update(UsageEvent).where(_pairs(stale)).values(idempotency_key=None)
+            )
+    return billed
+
+
+async def billed_keys_direct(
+    connection: psycopg.AsyncConnection[Any], events: Sequence[UsageEvent], since: datetime
+) -> set[BilledKey]:
+    """billed_keys through psycopg: one round trip (another to clear a stale key)."""
+    billed: set[BilledKey] = set()
+    for keys in _key_batches(events):
+        cursor = await connection.execute(_keys_sql(len(keys), "%s"), [since, *_flat(keys)])
+        stale = _split(await cursor.fetchall(), billed)
+        if stale:
+            await connection.execute(_clear_sql(len(stale), "%s"), _flat(stale))
+    return billed
+
+
+def billed_keys_sqlite(
+    connection: sqlite3.Connection, events: Sequence[UsageEvent], since: datetime
+) -> set[BilledKey]:
+    """billed_keys through the stdlib driver, in the caller's transaction."""
+    billed: set[BilledKey] = set()
+    for keys in _key_batches(events):
+        found = connection.execute(_keys_sql(len(keys), "?"), [_SQLITE_TIME(since), *_flat(keys)])
+        stale = _split(found, billed)
+        if stale:
+            connection.execute(_clear_sql(len(stale), "?"), _flat(stale))
+    return billed
+
+
+def _split(found: Iterable[Any], billed: set[BilledKey]) -> list[BilledKey]:
+    """Adds the recent rows' keys to `billed`; returns the stale ones."""
+    stale = []
+    for tenant, key, recent in found:
+        if recent:
+            billed.add((tenant, key))
+        else:
+            stale.append((tenant, key))
+    return stale
+
+
+def _pairs(keys: list[BilledKey]) -> ColumnElement[bool]:
+    return or_(
+        *(
+            and_(UsageEvent.tenant_id == tenant, UsageEvent.idempotency_key == key)
+            for tenant, key in keys
+        )
+    )
+
+
+def _billed_key(event: UsageEvent) -> BilledKey | None:
+    key = event.__dict__.get("idempotency_key")
+    return None if key is None else (event.tenant_id, key)
+
+
+def _key_batches(events: Sequence[UsageEvent]) -> list[list[BilledKey]]:
+    """The events' keys, KEYS_BATCH a query (SQLite parses an OR chain a level deep per
+    term, at most 1000); none when no event has a key."""
+    keys = sorted({key for event in events if (key := _billed_key(event)) is not None})
+    return [keys[start : start + KEYS_BATCH] for start in range(0, len(keys), KEYS_BATCH)]
+
+
+def _flat(keys: list[BilledKey]) -> list[str]:
+    return [value for key in keys for value in key]
+
+
+@functools.lru_cache(maxsize=64)
+def _keys_sql(count: int, placeholder: str) -> str:
+    """The look-up of `count` (tenant, key) pairs, each row said recent or not (the first
+    parameter, the retention's start): an OR of equalities, each one probe of the unique
+    index on both databases."""
+    return (
+        f'SELECT "tenant_id", "idempotency_key", "created_at" >= {placeholder} '
+        f'FROM "{_USAGE_TABLE.name}" WHERE {_pairs_sql(count, placeholder)}'
+    )
+
+
+@functools.lru_cache(maxsize=64)
+def _clear_sql(count: int, placeholder: str) -> str:
+    return (
+        f'UPDATE "{_USAGE_TABLE.name}" SET "idempotency_key" = NULL '
+        f"WHERE {_pairs_sql(count, placeholder)}"
+    )
+
+
+def _pairs_sql(count: int, placeholder: str) -> str:
+    pair = f'("tenant_id" = {placeholder} AND "idempotency_key" = {placeholder})'
+    return " OR ".join([pair] * count)
+
+
 def _sqlite_row(table: str, given: dict[str, Any]) -> tuple[Any, ...]:
     return tuple(
         value if bind is None else bind(value)
@@ -230,6 +375,7 @@ _INSERT_OUTBOX = insert(_OUTBOX_TABLE).inline()
 # Events per statement on PostgreSQL: a usage row takes a parameter a column (and its
 # outbox row a few more), and a statement at most 65,535.
 DIRECT_BATCH = 1000
+KEYS_BATCH = 200  # (tenant, key) pairs looked up a query
 # Per table, the columns a direct insert gives, each with its Python-side default (None: it
 # has none, so NULL when not given): all but those the server fills (the serial id; a
 # server default with no Python-side one), as SQLAlchemy's insert leaves those out.
@@ -251,6 +397,11 @@ _SQLITE_BINDS = {
     ]
     for table in (_USAGE_TABLE, _OUTBOX_TABLE)
 }
+# How SQLite stores a time (created_at's bind processor): what a look-up compares with.
+_SQLITE_TIME = cast(
+    Callable[[datetime], Any],
+    _USAGE_TABLE.c.created_at.type.dialect_impl(_SQLITE).bind_processor(_SQLITE),
+)
 
 
 # Reads: what the console shows of the ledger (gateway/console/queries.py, pages.py).

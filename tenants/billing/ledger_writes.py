@@ -13,7 +13,8 @@ import sqlite3
 import threading
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from datetime import datetime, timedelta
 from typing import Any
 
 import psycopg
@@ -21,11 +22,14 @@ from sqlalchemy.ext.asyncio import AsyncConnection, AsyncSession
 
 from tenants.billing import checkpoints, ledger
 from tenants.db import sqlite_pragmas
-from tenants.models import UsageEvent
+from tenants.models import UsageEvent, utcnow
 
 log = logging.getLogger(__name__)
 
 SYNC_START_WAIT_S = 0.001  # how long the loop waits for the WAL's sync to start, at most
+# How long a usage row's Idempotency-Key counts (the stored answers' retention), unless
+# the recorder is told (gateway/app.py: the setting).
+KEY_RETENTION = timedelta(hours=24)
 
 
 class UnsyncedCommit(Exception):
@@ -42,6 +46,10 @@ class GroupRows:
     checkpoints: list[dict[str, Any]]
     events: list[UsageEvent]
     settled_streams: list[str]
+    # On SQLite, the rows of keys billed since then are reruns, not written (ledger.reruns):
+    # write_sqlite_rows looks in its transaction, and lists them in `reruns`.
+    keys_since: datetime = field(default_factory=lambda: utcnow() - KEY_RETENTION)
+    reruns: list[UsageEvent] = field(default_factory=list)
 
 
 async def write_rows(
@@ -68,8 +76,12 @@ def write_sqlite_rows(connection: sqlite3.Connection, rows: GroupRows) -> None:
     transaction: the same statements, each value bound as SQLAlchemy binds it."""
     if rows.checkpoints:
         checkpoints.upsert_sqlite(connection, rows.checkpoints)
-    if rows.events:
-        ledger.record_all_sqlite(connection, rows.events)
+    billed = ledger.billed_keys_sqlite(connection, rows.events, rows.keys_since)
+    rows.reruns[:] = ledger.reruns(rows.events, billed)
+    rerun = {id(event) for event in rows.reruns}
+    events = [event for event in rows.events if id(event) not in rerun]
+    if events:
+        ledger.record_all_sqlite(connection, events)
     if rows.settled_streams:
         checkpoints.remove_sqlite(connection, rows.settled_streams)
 

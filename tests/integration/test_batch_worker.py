@@ -3,8 +3,8 @@ Celery task; a real Celery worker process (its embedded beat, its own in-process
 the built-in model) runs the lines, and the files live in an S3 bucket on a real
 S3-compatible server on loopback (moto's), so the input file the gateway stored is what
 the worker reads, and the output file the worker wrote is what the gateway serves.
-A worker SIGKILLed mid-batch and another started: exactly one result per line, and no
-line billed twice by the worker that took over."""
+A worker SIGKILLed mid-batch and another started: exactly one result and exactly one
+usage row per line."""
 
 from __future__ import annotations
 
@@ -22,7 +22,7 @@ from typing import Any
 
 import openai
 import pytest
-from sqlalchemy import select
+from sqlalchemy import delete, select, update
 from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
 
 from gateway.app import create_app
@@ -32,7 +32,7 @@ from gateway.dispatch.engine_client import InProcessEngineClient
 from gateway.settings import Settings
 from tenants.batches import Batch, BatchLine, BatchQueue, LineStatus
 from tenants.blobs import S3Location, s3_client
-from tenants.models import UsageEvent, as_utc, utcnow
+from tenants.models import IdempotencyRecord, UsageEvent, as_utc, utcnow
 from tenants.quota.redis import connect as connect_redis
 from tests.conftest import POSTGRES_URL, REDIS_URL, eventually, migrated_postgres, serving
 from tests.support.s3 import s3_env, s3_server
@@ -42,6 +42,7 @@ LEASE_S = 3  # a dead worker's lines and batch are taken over this soon
 # A line's Idempotency-Key lock outlives its request by 30 s (gateway/app.py): a line the
 # killed worker left in flight runs again that long after the kill, not sooner.
 REQUEST_TIMEOUT_S = 5
+LOST_ANSWERS = 3  # finished lines the kill is made to catch before their answers were stored
 
 
 @pytest.fixture
@@ -178,6 +179,47 @@ async def _billed(sessions: async_sessionmaker[AsyncSession]) -> dict[str, datet
     return {request_id: as_utc(created) for request_id, created in rows}
 
 
+async def _billed_keys(
+    sessions: async_sessionmaker[AsyncSession],
+) -> dict[str | None, list[tuple[str, datetime]]]:
+    """The batch lines' ledger rows by Idempotency-Key: (request id, when written)."""
+    found: dict[str | None, list[tuple[str, datetime]]] = {}
+    async with sessions() as session:
+        rows = await session.execute(
+            select(UsageEvent.idempotency_key, UsageEvent.request_id, UsageEvent.created_at).where(
+                UsageEvent.endpoint == "batch.chat.completions"
+            )
+        )
+    for key, request_id, created in rows:
+        found.setdefault(key, []).append((request_id, as_utc(created)))
+    return found
+
+
+async def _lose_answers(
+    sessions: async_sessionmaker[AsyncSession], batch_id: str, lines: list[BatchLine]
+) -> None:
+    """What a worker killed after these lines' ledger commits, before their answers were
+    stored (the Idempotency-Key records, then the lines' results), leaves: lines running
+    (taken over once their lease lapses), billed, with no answer."""
+    numbers = [line.line for line in lines]
+    async with sessions.begin() as session:
+        await session.execute(
+            delete(IdempotencyRecord).where(
+                IdempotencyRecord.key.in_([f"batch:{batch_id}:{n}" for n in numbers])
+            )
+        )
+        await session.execute(
+            update(BatchLine)
+            .where(BatchLine.batch_id == batch_id, BatchLine.line.in_(numbers))
+            .values(status=LineStatus.RUNNING, status_code=None, request_id=None, result=None)
+        )
+        await session.execute(
+            update(Batch)
+            .where(Batch.id == batch_id)
+            .values(completed=Batch.completed - len(numbers))
+        )
+
+
 async def _lines(sessions: async_sessionmaker[AsyncSession], batch_id: str) -> list[BatchLine]:
     async with sessions() as session:
         return await BatchQueue(session).lines(batch_id)
@@ -232,21 +274,26 @@ async def test_a_worker_killed_mid_batch_leaves_one_result_per_line(
     left = await _lines(sessions, batch.id)
     in_flight = sum(line.status == LineStatus.RUNNING for line in left)
     assert sum(line.status == LineStatus.SUCCEEDED for line in left) < total, "killed too late"
+    succeeded = [line for line in left if line.status == LineStatus.SUCCEEDED]
+    await _lose_answers(sessions, batch.id, succeeded[:LOST_ANSWERS])
     start_worker(workers, worker_env, tmp_path)
     done = await _completed(client, batch.id, timeout_s=180)
     assert done.status == "completed", done
     assert (done.request_counts.completed, done.request_counts.failed) == (total, 0)
     records = await _records(client, done.output_file_id)
     assert sorted(r["custom_id"] for r in records) == sorted(f"line-{i}" for i in range(total))
-    # Each line's kept result is the run it was billed for; no line the second worker ran
-    # was billed twice. The exception, a known gap: a line the kill caught between its
-    # ledger commit and its answer's commit (Idempotency-Key record) ran again, so a row
-    # of the dead worker's may be billed with no result (at most the lines in flight).
-    billed = await _billed(sessions)
-    kept = {line.request_id for line in await _lines(sessions, batch.id)}
-    assert len(kept) == total and kept <= billed.keys()
-    lost = {request_id: at for request_id, at in billed.items() if request_id not in kept}
-    assert all(at <= killed_at for at in lost.values()) and len(lost) <= in_flight
+    # Exactly one usage row per line, under its Idempotency-Key: a line the kill caught
+    # between its ledger commit and its answer's commit ran again unbilled (a rerun), so
+    # its kept result is the rerun's and its row the dead worker's run's; any other line's
+    # kept result is the run it was billed for. The kill caught LOST_ANSWERS lines there
+    # (made to) and perhaps some of those in flight.
+    lines = {f"batch:{batch.id}:{line.line}": line for line in await _lines(sessions, batch.id)}
+    billed = await _billed_keys(sessions)
+    assert sorted(billed, key=str) == sorted(lines)
+    assert all(len(rows) == 1 for rows in billed.values()), billed
+    reruns = [billed[key][0] for key, line in lines.items() if line.request_id != billed[key][0][0]]
+    assert all(at <= killed_at for _, at in reruns)
+    assert LOST_ANSWERS <= len(reruns) <= LOST_ANSWERS + in_flight
 
 
 async def test_one_task_holds_a_batch_and_a_dead_ones_hold_lapses() -> None:

@@ -145,7 +145,7 @@ def _checkpoint(who: Owner, request_id: str, delivered: int, at: datetime) -> di
             "model": "tiny", "endpoint": "chat.completions", "priority": 1,
             "prompt_tokens": 3, "cached_tokens": 1, "completion_tokens": delivered,
             "trace_id": "ab" * 16, "replica": "http://r", "started_at": at - timedelta(seconds=1),
-            "updated_at": at}  # fmt: skip
+            "updated_at": at, "idempotency_key": "k"}  # fmt: skip
 
 
 async def _checkpoint_rows(sessions: Sessions) -> dict[str, dict[str, Any]]:
