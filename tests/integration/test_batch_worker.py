@@ -289,6 +289,7 @@ async def test_a_worker_killed_mid_batch_leaves_one_result_per_line(
     # (made to) and perhaps some of those in flight.
     lines = {f"batch:{batch.id}:{line.line}": line for line in await _lines(sessions, batch.id)}
     billed = await _billed_keys(sessions)
+    assert sum(map(len, billed.values())) == total  # billed once a line
     assert sorted(billed, key=str) == sorted(lines)
     assert all(len(rows) == 1 for rows in billed.values()), billed
     reruns = [billed[key][0] for key, line in lines.items() if line.request_id != billed[key][0][0]]
