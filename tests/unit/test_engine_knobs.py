@@ -30,6 +30,8 @@ TEXT_SAMPLES = {
     "async_scheduling": "on",
     "speculative_model": str(BUILTIN_MODEL_DIR),  # a checkpoint folder that exists
 }
+# Numbers whose half of the default is out of range.
+NUMBER_SAMPLES = {"filler_slowdown": 2.0}  # a slowdown >= 1
 
 
 def _subparser(path: list[str]) -> argparse.ArgumentParser:
@@ -49,7 +51,7 @@ def _sample(knob: Knob) -> tuple[str, object]:
         value = 7 if default in (None, 7) else default + 1  # type: ignore[operator]
         return str(value), value
     if knob.kind is float:
-        value = 0.125 if default is None else default / 2  # type: ignore[operator]
+        value = NUMBER_SAMPLES.get(knob.name, 0.125 if default is None else default / 2)
         return str(value), value
     assert knob.name in TEXT_SAMPLES, f"add a valid sample value of {knob.name} to TEXT_SAMPLES"
     return TEXT_SAMPLES[knob.name], TEXT_SAMPLES[knob.name]
