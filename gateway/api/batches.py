@@ -91,11 +91,17 @@ class BatchList(Struct):
     has_more: bool
 
 
+# OpenAI's bounds on metadata: up to 16 pairs, keys of 64 characters, values of 512.
+MetadataKey = Annotated[str, Meta(max_length=64)]
+MetadataValue = Annotated[str, Meta(max_length=512)]
+Metadata = Annotated[dict[MetadataKey, MetadataValue], Meta(max_length=16)]
+
+
 class CreateBatch(Struct, kw_only=True):
     input_file_id: Annotated[str, Meta(min_length=1, max_length=64)]
     endpoint: str
     completion_window: str
-    metadata: dict[str, str] | None = None
+    metadata: Metadata | None = None
 
 
 def provide_batch_runner(state: State) -> BatchWaker:

@@ -237,6 +237,27 @@ async def test_a_batch_over_the_budget_is_refused_at_creation(
     assert (await poor.batches.list()).data == []
 
 
+@pytest.mark.parametrize(
+    "metadata", [{str(i): "v" for i in range(17)}, {"k" * 65: "v"}, {"k": "v" * 513}]
+)
+async def test_metadata_past_openais_bounds_is_refused(
+    client: openai.AsyncOpenAI, engine_client: InProcessEngineClient, metadata: dict[str, str]
+) -> None:
+    """16 pairs, keys of 64 characters, values of 512 (a live gateway stored any size)."""
+    uploaded = await client.files.create(
+        file=("in.jsonl", _jsonl(engine_client.model_name, 1)), purpose="batch"
+    )
+    with pytest.raises(openai.BadRequestError) as refused:
+        await client.batches.create(
+            input_file_id=uploaded.id,
+            endpoint="/v1/chat/completions",
+            completion_window="24h",
+            metadata=metadata,
+        )
+    assert "metadata" in str(refused.value.body)
+    assert (await client.batches.list()).data == []
+
+
 async def test_a_batch_on_a_model_the_plan_excludes_is_refused_at_creation(
     base_url: str,
     engine_client: InProcessEngineClient,
