@@ -65,6 +65,7 @@ class EngineStats:
     kv_blocks_free: int
     block_size: int
     num_steps: int
+    num_interactive: int = 0  # of those running or waiting, below the batch class
     busy_s: float = 0.0  # seconds spent stepping, cumulative (the busy share of the clock)
     kv_blocks_cached: int = 0
     prefix_cache_queries: int = 0  # tokens looked up in the prefix cache at admission

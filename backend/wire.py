@@ -125,6 +125,7 @@ class StatsReply(msgspec.Struct, frozen=True):
     running: bool
     num_running: int = 0
     num_waiting: int = 0
+    num_interactive: int = 0  # of those, below the batch class (batch runners wait for 0)
     kv_blocks_total: int = 0
     kv_blocks_used: int = 0
     prefix_cache_queries: int = 0

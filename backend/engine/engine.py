@@ -294,12 +294,21 @@ class Engine:
             pending = bool(self._inbox or self._aborts)
         return pending or self._in_flight is not None or self.scheduler.has_unfinished()
 
+    def num_interactive(self) -> int:
+        """Interactive (below the batch class) requests submitted, running or waiting:
+        a batch runner starts no line while there are any (gateway/batches/runner.py)."""
+        batch = self.scheduler.config.batch_priority
+        with self._lock:
+            queued = sum(req.priority < batch for req in self._inbox)
+        return queued + self.scheduler.num_interactive()
+
     def stats(self) -> EngineStats:
         bm, sched = self.block_manager, self.scheduler
         cost = sched.step_cost
         return EngineStats(
             num_running=len(sched.running),
             num_waiting=len(sched.waiting) + len(self._inbox),
+            num_interactive=self.num_interactive(),
             kv_blocks_total=bm.num_blocks,
             kv_blocks_used=bm.num_used_blocks,
             kv_blocks_free=bm.num_free_blocks - bm.num_cached_blocks,

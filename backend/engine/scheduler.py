@@ -232,6 +232,12 @@ class Scheduler:
     def has_unfinished(self) -> bool:
         return bool(self.requests)
 
+    def num_interactive(self) -> int:
+        """Requests below the batch class running or waiting (read from other threads:
+        the running list is copied, a count may lag a step)."""
+        running = sum(not self._is_batch(req) for req in list(self.running))
+        return running + max(0, self.waiting.num_interactive)
+
     def record_step(self, prefill_tokens: int, decode_tokens: int, seconds: float) -> None:
         """How long the last step took: the throughput behind deadline estimates."""
         self.throughput.record(prefill_tokens, decode_tokens, seconds)

@@ -6,7 +6,12 @@ a batch at its window with what is done, and writes its output and error files.
 A line is claimed by a conditional update and leased: a runner renews its lines' leases
 while they run, so another gateway takes over a dead one's lines once the lease lapses;
 an embedded gateway (SQLite, the only runner) takes its own back at start. A line run
-again answers from its Idempotency-Key's stored result when its first run finished."""
+again answers from its Idempotency-Key's stored result when its first run finished.
+
+Lines yield to interactive work: while the engine runs or queues any request below the
+batch class, the runner starts no line (the engine would hold its rows anyway, and its
+request path would take the gateway's event loop from the interactive requests); the lines
+under way go on, and new ones start, at full concurrency, once that work has drained."""
 
 from __future__ import annotations
 
@@ -15,6 +20,7 @@ import contextlib
 import json
 import logging
 from collections import defaultdict
+from collections.abc import Callable
 from datetime import timedelta
 from functools import partial
 from typing import Any
@@ -24,6 +30,7 @@ from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
 from gateway.batches.execute import LineOutcome, LineRunner, Retry, batch_priority
 from gateway.core.errors import AuthenticationFailed, InternalError
 from gateway.dispatch.engine_client import EngineClient, InProcessEngineClient
+from gateway.dispatch.remote import RemoteEngineClient
 from gateway.settings import Settings
 from tenants.batches import (
     ACTIVE,
@@ -42,6 +49,7 @@ from tenants.models import as_utc, utcnow
 log = logging.getLogger(__name__)
 
 REMOTE_SLOTS = 128  # replicas do not say their max_num_seqs: a GPU's default is 256
+HELD_POLL_S = 0.02  # while lines wait for interactive work: how often the engine is read
 
 
 class BatchRunner:
@@ -57,12 +65,17 @@ class BatchRunner:
         lease: timedelta | None = None,  # None: TOLLGATE_BATCH_LEASE_S
         drain_s: float = 30.0,
         only: str | None = None,
+        held_poll_s: float = HELD_POLL_S,
     ) -> None:
         self.sessions, self.settings, self.blobs = sessions, settings, blobs
         self.run_line = run_line
         # Lines in the engine at once, all batches together.
         self.concurrency = concurrency or engine_slots(engine_client) // 2 or 1
         self.poll_s = poll_s
+        # Interactive requests in the engine now; the lines wait while there are any.
+        self.interactive: Callable[[], int] = partial(interactive_work, engine_client)
+        self.held_poll_s = held_poll_s
+        self.held = False  # the last round started no line: interactive work was in the engine
         self.lease = lease or timedelta(seconds=settings.batch_lease_s)
         self.drain_s = drain_s  # how long a stop waits for the lines under way
         self.only = only  # one batch (a Celery task's runner), or all of them (a gateway's)
@@ -108,8 +121,22 @@ class BatchRunner:
             except Exception:  # a database hiccup: the next round tries again
                 log.exception("batch round failed")
             self._wakeup.clear()
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self._wakeup.wait(), self.poll_s)
+            if self.held:
+                await self._until_drained()
+            else:
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(self._wakeup.wait(), self.poll_s)
+
+    async def _until_drained(self) -> None:
+        """Until the engine has no interactive work, or the next round (poll_s: leases,
+        expiry and cancellations go on). The engine has no event for it: a cheap count,
+        read every held_poll_s."""
+        loop = asyncio.get_running_loop()
+        until = loop.time() + self.poll_s
+        while loop.time() < until:
+            if not self.interactive():
+                return
+            await asyncio.sleep(self.held_poll_s)
 
     async def _take_back_all(self) -> None:
         async with self.sessions.begin() as session:
@@ -191,6 +218,9 @@ class BatchRunner:
         free = self.concurrency - len(self._running)
         if free <= 0 or not batches:
             return
+        self.held = self.interactive() > 0
+        if self.held:
+            return
         by_tenant: dict[str, list[Batch]] = defaultdict(list)
         for batch in batches:
             by_tenant[batch.tenant_id].append(batch)
@@ -208,7 +238,8 @@ class BatchRunner:
 
     def _done(self, key: tuple[str, int], _: asyncio.Task[None]) -> None:
         self._running.pop(key, None)
-        if len(self._running) <= self.concurrency // 2:  # claim in bulk, not line by line
+        # Claim in bulk, not line by line; held, the next look waits for _until_drained.
+        if not self.held and len(self._running) <= self.concurrency // 2:
             self._wakeup.set()
 
     async def _line(self, batch: Batch, line: BatchLine) -> None:
@@ -254,6 +285,16 @@ def engine_slots(client: EngineClient | None) -> int:
     if isinstance(client, InProcessEngineClient):
         return client.engine.engine.config.seqs_limit
     return REMOTE_SLOTS
+
+
+def interactive_work(client: EngineClient | None) -> int:
+    """Requests below the batch class running or waiting in the engine: the in-process
+    one's count now, the replicas' from their last stats poll (every HEALTH_INTERVAL_S)."""
+    if isinstance(client, InProcessEngineClient):
+        return client.engine.engine.num_interactive()
+    if isinstance(client, RemoteEngineClient):
+        return sum(r.interactive for r in client.replicas if r.healthy)
+    return 0
 
 
 def _record(batch: Batch, line: BatchLine, cancelled: bool) -> dict[str, Any]:

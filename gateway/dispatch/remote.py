@@ -349,6 +349,7 @@ class RemoteEngineClient(LocalTokens):
             return
         replica.waiting = stats.num_waiting
         replica.running = stats.num_running
+        replica.interactive = stats.num_interactive
         replica.kv_used_fraction = stats.kv_blocks_used / max(1, stats.kv_blocks_total)
         queries = max(1, stats.prefix_cache_queries)
         replica.prefix_cache_hit_rate = stats.prefix_cache_hits / queries

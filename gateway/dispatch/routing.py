@@ -34,6 +34,7 @@ class Replica:
     in_flight: int = 0  # requests this gateway has open on it
     waiting: int = 0  # from its last stats report
     running: int = 0
+    interactive: int = 0  # of those running or waiting, below the batch class
     kv_used_fraction: float = 0.0
     prefix_cache_hit_rate: float = 0.0  # for the console; routing does not use it
     overclaims: int = 0  # answers whose usage exceeded what was reserved: suspect

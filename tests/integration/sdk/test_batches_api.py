@@ -376,3 +376,44 @@ async def test_lines_left_running_by_a_killed_gateway_answer_from_their_first_ru
     async with sessions() as session:
         billed = await session.scalar(select(func.count()).select_from(UsageEvent))
     assert billed == total
+
+
+async def test_lines_wait_for_interactive_work_to_drain_then_all_run(
+    settings: Settings,
+    engine_client: InProcessEngineClient,
+    tenant_key: str,
+    sessions: async_sessionmaker[AsyncSession],
+) -> None:
+    """While an interactive request runs in the engine the runner starts no line (the
+    engine would hold its rows, and its request path would slow the interactive one);
+    once it is done, every line runs."""
+    app = create_app(settings, engine_client=engine_client)
+    async with serving(app) as url:
+        client = openai.AsyncOpenAI(base_url=url + "/v1", api_key=tenant_key, max_retries=0)
+        runner = app.state.batch_runner
+        model = engine_client.model_name
+        long_chat = {
+            "model": model,
+            "messages": [{"role": "user", "content": "Talk."}],
+            "max_tokens": 1900,
+            "ignore_eos": True,
+            "stream": True,
+        }
+        headers = {"Authorization": f"Bearer {tenant_key}"}
+        async with (
+            httpx.AsyncClient() as http,
+            http.stream("POST", f"{url}/v1/chat/completions", json=long_chat, headers=headers),
+        ):
+            await eventually(lambda: engine_client.engine.engine.num_interactive() == 1)
+            batch = await _batch(client, _jsonl(model, 3))
+            await eventually(lambda: runner.held)  # a round looked, and started nothing
+            async with sessions() as session:
+                statuses = await session.scalars(
+                    select(BatchLine.status).where(BatchLine.batch_id == batch.id)
+                )
+                assert set(statuses) == {LineStatus.PENDING}
+            assert engine_client.engine.engine.num_interactive() == 1  # still running
+        # Leaving the stream aborts the chat: the lines start.
+        done = await _until(client, batch.id, "completed")
+        assert (done.request_counts.completed, done.request_counts.failed) == (3, 0)
+        assert not runner.held
