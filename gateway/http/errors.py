@@ -12,7 +12,7 @@ from litestar import MediaType, Request, Response
 from litestar.exceptions import HTTPException
 from litestar.types import ExceptionHandlersMap
 from redis import exceptions as redis_errors
-from sqlalchemy.exc import DataError, InterfaceError, OperationalError
+from sqlalchemy.exc import DataError, IntegrityError, InterfaceError, OperationalError
 
 from gateway.core.errors import (
     ApiError,
@@ -100,6 +100,23 @@ def handle_unstorable(request: Request[Any, Any, Any], exc: Exception) -> Respon
     )
 
 
+def handle_integrity(request: Request[Any, Any, Any], exc: Exception) -> Response[bytes]:
+    """A unique index refused a row whose name a concurrent request took between the
+    service's check and its write (two admins adding one tenant, plan, model or adapter):
+    the 409 the check gives when they do not overlap. Any other violation is a defect."""
+    if not _is_unique_violation(exc):
+        return handle_unexpected(request, exc)
+    log.info("unique violation on %s: a concurrent request took the name", request.url.path)
+    return error_response(Conflict("the name is taken (by a concurrent request)"))
+
+
+def _is_unique_violation(exc: Exception) -> bool:
+    cause = getattr(exc, "orig", None)
+    return getattr(cause, "sqlstate", None) == "23505" or str(cause).startswith(
+        "UNIQUE constraint failed"  # SQLite's words: it has no SQLSTATE
+    )
+
+
 def handle_store_down(_: Request[Any, Any, Any], exc: Exception) -> Response[bytes]:
     """Redis (locks, idempotency) unreachable: retryable, not a defect."""
     log.warning("shared store unreachable: %s", exc)
@@ -137,6 +154,7 @@ def exception_handlers() -> ExceptionHandlersMap:
         HTTPException: handle_http_exception,
         RecursionError: handle_too_deep,
         DataError: handle_unstorable,  # SQLSTATE class 22: a value, not the statement
+        IntegrityError: handle_integrity,  # a name taken by a concurrent request
         OperationalError: handle_database_down,  # connection lost or refused
         InterfaceError: handle_database_down,
         Exception: handle_unexpected,
