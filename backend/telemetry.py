@@ -238,13 +238,16 @@ class EngineStatsCollector(Collector):
             "Share of KV blocks referenced by requests",
             stats.kv_blocks_used / max(1, stats.kv_blocks_total),
         )
-        blocks = GaugeMetricFamily(
-            "tollgate_engine_kv_blocks", "KV blocks by state", labels=["state"]
+        yield _gauge_by(
+            "tollgate_engine_kv_blocks",
+            "KV blocks by state",
+            "state",
+            {
+                "used": stats.kv_blocks_used,
+                "cached": stats.kv_blocks_cached,
+                "free": stats.kv_blocks_free,
+            },
         )
-        blocks.add_metric(["used"], stats.kv_blocks_used)
-        blocks.add_metric(["cached"], stats.kv_blocks_cached)
-        blocks.add_metric(["free"], stats.kv_blocks_free)
-        yield blocks
         yield _gauge(
             "tollgate_engine_prefix_cache_hit_ratio",
             "Prompt tokens found in the prefix cache, over tokens looked up (since start)",
@@ -339,26 +342,24 @@ def _step_cost_metrics(stats: EngineStats) -> Iterator[Metric]:
         "Moving average of |predicted - actual| / actual step time",
         stats.step_time_error_ratio,
     )
-    terms = GaugeMetricFamily(
-        "tollgate_engine_step_cost_seconds", "Seconds per unit of each fitted term", labels=["term"]
+    yield _gauge_by(
+        "tollgate_engine_step_cost_seconds",
+        "Seconds per unit of each fitted term",
+        "term",
+        stats.step_cost_s,
     )
-    for term, seconds in stats.step_cost_s.items():
-        terms.add_metric([term], seconds)
-    yield terms
     yield _gauge(
         "tollgate_engine_step_time_limit_seconds",
         "The time target that sized the last step's budget (0: none, the static budget)",
         stats.step_time_limit_s or 0.0,
     )
-    step = GaugeMetricFamily(
+    yield _gauge_by(
         "tollgate_engine_step_tokens",
         "Tokens the last step computed, by kind (decode: one per generating request, "
         "plus its drafts under speculative decoding)",
-        labels=["kind"],
+        "kind",
+        {"prefill": stats.step_prefill_tokens, "decode": stats.step_decode_tokens},
     )
-    step.add_metric(["prefill"], stats.step_prefill_tokens)
-    step.add_metric(["decode"], stats.step_decode_tokens)
-    yield step
     yield _gauge(
         "tollgate_engine_step_prefill_budget_tokens",
         "Tokens the last step could spend after its decodes",
@@ -373,6 +374,16 @@ def _step_cost_metrics(stats: EngineStats) -> Iterator[Metric]:
 
 def _gauge(name: str, help_text: str, value: float) -> GaugeMetricFamily:
     return GaugeMetricFamily(name, help_text, value=value)
+
+
+def _gauge_by(
+    name: str, help_text: str, label: str, values: Mapping[str, float]
+) -> GaugeMetricFamily:
+    """One gauge with a sample per value of `label`."""
+    family = GaugeMetricFamily(name, help_text, labels=[label])
+    for value_of_label, value in values.items():
+        family.add_metric([value_of_label], value)
+    return family
 
 
 class ModelServerCollector(Collector):

@@ -97,23 +97,23 @@ class Cancelled(ApiError):
     default_code = "client_closed_request"
 
 
-class EngineUnavailable(ApiError):
+class Unavailable(ApiError):
+    """Something the request needs is down for now (a 503): retrying later can help."""
+
     status = 503
-    type = "server_error"
+
+
+class EngineUnavailable(Unavailable):
     default_code = "engine_unavailable"
 
 
-class Overloaded(ApiError):
-    status = 503
-    type = "server_error"
+class Overloaded(Unavailable):
     default_code = "overloaded"
 
 
-class QuotaStoreUnavailable(ApiError):
+class QuotaStoreUnavailable(Unavailable):
     """The quota store is down, or does not know the tenant's spend yet: retryable."""
 
-    status = 503
-    type = "server_error"
     default_code = "quota_unavailable"
 
 
@@ -124,9 +124,7 @@ class DeadlineExceeded(ApiError):
 
 
 class InternalError(ApiError):
-    status = 500
-    type = "server_error"
-    default_code = "internal_error"
+    default_code = "internal_error"  # ApiError's own status and type: 500, server_error
 
 
 class UpstreamFailed(ApiError):
@@ -134,13 +132,10 @@ class UpstreamFailed(ApiError):
     credentials): a bad gateway, as a proxy answers it."""
 
     status = 502
-    type = "server_error"
     default_code = "upstream_error"
 
 
-class DatabaseUnavailable(ApiError):
+class DatabaseUnavailable(Unavailable):
     """The database cannot be reached right now (a restart, a failover): retryable."""
 
-    status = 503
-    type = "server_error"
     default_code = "database_unavailable"

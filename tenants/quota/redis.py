@@ -204,19 +204,24 @@ local function expire_scope(st, lease, held, now)
   end
 end
 
+-- Remove the ids scored up to `upto` (a ZRANGEBYSCORE bound) from the ZSET `times` and
+-- the HASH `amounts`, and take the sum of their amounts off st's `field`.
+local function drain(st, field, times, amounts, upto)
+  while true do
+    local ids = redis.call('ZRANGEBYSCORE', times, '-inf', upto, 'LIMIT', 0, PAGE)
+    if #ids == 0 then return end
+    local values = redis.call('HMGET', amounts, unpack(ids))
+    local sum = 0
+    for i = 1, #ids do sum = sum + (tonumber(values[i]) or 0) end
+    redis.call('HDEL', amounts, unpack(ids))
+    redis.call('ZREM', times, unpack(ids))
+    add(st, field, -sum)
+  end
+end
+
 -- Drop admissions that left the window (time <= now - WINDOW) and their tokens.
 local function prune_window(st, win, wtok, now)
-  local cutoff = int(now - WINDOW)
-  while true do
-    local ids = redis.call('ZRANGEBYSCORE', win, '-inf', cutoff, 'LIMIT', 0, PAGE)
-    if #ids == 0 then return end
-    local amounts = redis.call('HMGET', wtok, unpack(ids))
-    local sum = 0
-    for i = 1, #ids do sum = sum + (tonumber(amounts[i]) or 0) end
-    redis.call('HDEL', wtok, unpack(ids))
-    redis.call('ZREM', win, unpack(ids))
-    add(st, 'wtokens', -sum)
-  end
+  drain(st, 'wtokens', win, wtok, int(now - WINDOW))
 end
 
 -- Charge a ledger row's cost to one scope, unless the row is older than the scope's
@@ -510,16 +515,7 @@ local period, cutoff = ARGV[1], tonumber(ARGV[2])
 for i = 1, #KEYS / 3 do
   local st, chg, chgc = KEYS[3 * i - 2], KEYS[3 * i - 1], KEYS[3 * i]
   if cutoff >= tonumber(redis.call('HGET', st, 'cut:' .. period) or -1) then
-    while true do
-      local ids = redis.call('ZRANGEBYSCORE', chg, '-inf', '(' .. int(cutoff), 'LIMIT', 0, PAGE)
-      if #ids == 0 then break end
-      local costs = redis.call('HMGET', chgc, unpack(ids))
-      local sum = 0
-      for j = 1, #ids do sum = sum + (tonumber(costs[j]) or 0) end
-      redis.call('HDEL', chgc, unpack(ids))
-      redis.call('ZREM', chg, unpack(ids))
-      add(st, 'recent:' .. period, -sum)
-    end
+    drain(st, 'recent:' .. period, chg, chgc, '(' .. int(cutoff))  -- the base holds those
     local recent = tonumber(redis.call('HGET', st, 'recent:' .. period) or 0)
     redis.call('HSET', st, 'spent:' .. period, int(tonumber(ARGV[2 + i]) + recent),
                'cut:' .. period, int(cutoff))
