@@ -27,10 +27,11 @@ from sqlalchemy import JSON, DateTime, ForeignKey, Integer, String, Text, select
 from sqlalchemy.orm import Mapped, mapped_column
 
 from backend.requests import LORA_TARGET_MODULES, unsupported_lora_options
+from tenants.audit import Audited
 from tenants.errors import ConflictError, InvalidInputError, NotFoundError
 from tenants.models import Base, Tenant, new_id, utcnow
 from tenants.registry import ModelService
-from tenants.services import Audited, TenantService
+from tenants.services import TenantService
 
 CONFIG_FILE, WEIGHTS_FILE = "adapter_config.json", "adapter_model.safetensors"
 MAX_CONFIG_BYTES = 1 << 20  # PEFT's are a few hundred bytes

@@ -23,11 +23,9 @@ from datetime import datetime, timedelta
 from typing import TypeVar
 
 from sqlalchemy import DateTime, ForeignKey, String, delete, func, select
-from sqlalchemy.ext.asyncio import AsyncSession
 from sqlalchemy.orm import Mapped, mapped_column
 
-from tenants import audit
-from tenants.audit import SYSTEM, Actor
+from tenants.audit import Audited
 from tenants.errors import ConflictError, InvalidInputError, NotFoundError
 from tenants.keys import hash_key
 from tenants.models import Base, as_utc, new_id, utcnow
@@ -164,10 +162,8 @@ def _unb64(text: str) -> bytes:
     return base64.b64decode(text.encode(), validate=True)
 
 
-class AdminService:
-    def __init__(self, session: AsyncSession, actor: Actor = SYSTEM) -> None:
-        self.session = session
-        self.actor = actor  # who creates administrators, for the audit log
+class AdminService(Audited):
+    """Console administrators; `actor` is who creates them, for the audit log."""
 
     async def create(self, email: str, role: str, password: str) -> ConsoleAdmin:
         email = email.strip().lower()
@@ -183,14 +179,7 @@ class AdminService:
         admin = ConsoleAdmin(email=email, role=role, password_hash=hashed)
         self.session.add(admin)
         await self.session.flush()
-        await audit.record(
-            self.session,
-            actor=self.actor.name,
-            action="console_admin.create",
-            target=f"admin:{email}",
-            details={"role": role},
-            context=self.actor.context,
-        )
+        await self._audit("console_admin.create", f"admin:{email}", None, role=role)
         return admin
 
     async def find(self, email: str) -> ConsoleAdmin | None:

@@ -161,6 +161,27 @@ async def record_unless_recent(
     return await _append(session, actor, action, target, tenant_id, details, context)
 
 
+class Audited:
+    """A service whose changes are written to the audit log, in the caller's transaction."""
+
+    def __init__(self, session: AsyncSession, actor: Actor = SYSTEM) -> None:
+        self.session = session
+        self.actor = actor
+
+    async def _audit(
+        self, action: str, target: str, tenant_id: str | None, **details: object
+    ) -> None:
+        await record(
+            self.session,
+            actor=self.actor.name,
+            action=action,
+            target=target,
+            tenant_id=tenant_id,
+            details=details,
+            context=self.actor.context,
+        )
+
+
 async def _append(
     session: AsyncSession,
     actor: str,

@@ -22,9 +22,9 @@ from urllib.parse import urlsplit
 from sqlalchemy import JSON, DateTime, Integer, String, Text, select
 from sqlalchemy.orm import Mapped, mapped_column
 
+from tenants.audit import Audited
 from tenants.errors import ConflictError, InvalidInputError, NotFoundError
 from tenants.models import Base, new_id, utcnow
-from tenants.services import Audited
 
 _NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._:/@+-]{0,127}$")  # OpenAI-style model ids
 UPSTREAM_KEY_PREFIX = "TOLLGATE_UPSTREAM_KEY_"

@@ -12,7 +12,7 @@ from sqlalchemy import Text, cast, func, select, update
 from sqlalchemy.ext.asyncio import AsyncSession
 
 from tenants import audit, keys
-from tenants.audit import SYSTEM, Actor, AuditContext
+from tenants.audit import AuditContext, Audited
 from tenants.billing import ledger
 from tenants.errors import ConflictError, InvalidInputError, NotFoundError
 from tenants.limits import LIMIT_NAMES, LimitSet, PlanTerms, check_priorities
@@ -115,27 +115,6 @@ async def keys_changed(session: AsyncSession) -> None:
             session.info[KEY_GENERATION_BUMPED] = int(value)
     else:
         await session.execute(_BUMP)
-
-
-class Audited:
-    """A service whose changes are written to the audit log, in the caller's transaction."""
-
-    def __init__(self, session: AsyncSession, actor: Actor = SYSTEM) -> None:
-        self.session = session
-        self.actor = actor
-
-    async def _audit(
-        self, action: str, target: str, tenant_id: str | None, **details: object
-    ) -> None:
-        await audit.record(
-            self.session,
-            actor=self.actor.name,
-            action=action,
-            target=target,
-            tenant_id=tenant_id,
-            details=details,
-            context=self.actor.context,
-        )
 
 
 class TenantService(Audited):

@@ -31,13 +31,13 @@ from gateway.http.auth import audit_context, authenticate, note_failure
 from gateway.http.deps import month_usage
 from gateway.openapi import ADMIN, ADMIN_WRITE, documented
 from gateway.openapi.shapes import CreatedKey, Key, Plan, ServedModel, Tenant, TenantQuota
-from tenants.audit import Actor
+from tenants.audit import Actor, Audited
 from tenants.limits import PlanTerms
 from tenants.models import KeyRole
 from tenants.quota import QuotaStore
 from tenants.registry import ModelService, model_view
 from tenants.registry import ServedModel as RegistryRow
-from tenants.services import ApiKeyService, Audited, PlanService, Principal, TenantService
+from tenants.services import ApiKeyService, PlanService, Principal, TenantService
 
 S = TypeVar("S", bound=Audited)
 

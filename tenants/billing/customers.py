@@ -6,10 +6,8 @@ from __future__ import annotations
 import re
 
 from sqlalchemy import delete, select
-from sqlalchemy.ext.asyncio import AsyncSession
 
-from tenants import audit
-from tenants.audit import SYSTEM, Actor
+from tenants.audit import Audited
 from tenants.billing.models import StripeCustomer, StripeCustomerRequest
 from tenants.errors import ConflictError, InvalidInputError
 from tenants.models import Tenant
@@ -17,11 +15,7 @@ from tenants.models import Tenant
 _CUSTOMER_ID = re.compile(r"^cus_[A-Za-z0-9]{1,250}$")
 
 
-class StripeCustomerService:
-    def __init__(self, session: AsyncSession, actor: Actor = SYSTEM) -> None:
-        self.session = session
-        self.actor = actor
-
+class StripeCustomerService(Audited):
     async def find(self, tenant: Tenant) -> str | None:
         return await self.session.scalar(
             select(StripeCustomer.customer_id).where(StripeCustomer.tenant_id == tenant.id)
@@ -48,12 +42,10 @@ class StripeCustomerService:
             delete(StripeCustomerRequest).where(StripeCustomerRequest.tenant_id == tenant.id)
         )
         await self.session.flush()
-        await audit.record(
-            self.session,
-            actor=self.actor.name,
-            action="billing.customer.link",
-            target=f"tenant:{tenant.name}",
-            tenant_id=tenant.id,
-            details={"customer_id": customer_id, "previous": previous},
-            context=self.actor.context,
+        await self._audit(
+            "billing.customer.link",
+            f"tenant:{tenant.name}",
+            tenant.id,
+            customer_id=customer_id,
+            previous=previous,
         )

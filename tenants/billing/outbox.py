@@ -9,8 +9,7 @@ from datetime import datetime
 from sqlalchemy import func, select, update
 from sqlalchemy.ext.asyncio import AsyncSession
 
-from tenants import audit
-from tenants.audit import SYSTEM, Actor
+from tenants.audit import Audited
 from tenants.billing.export_lock import STATE
 from tenants.billing.models import (
     CustomerRequestStatus,
@@ -88,11 +87,7 @@ class TooOld:
     micros: int
 
 
-class OutboxService:
-    def __init__(self, session: AsyncSession, actor: Actor = SYSTEM) -> None:
-        self.session = session
-        self.actor = actor
-
+class OutboxService(Audited):
     async def status(self, now: datetime | None = None) -> ExportStatus:
         moment = now or utcnow()
         rows = await self.session.execute(
@@ -136,14 +131,7 @@ class OutboxService:
             .values(status=CustomerRequestStatus.PENDING, next_attempt_at=None, attempts=0)
         )
         count = int(result.rowcount or 0)  # type: ignore[attr-defined]
-        await audit.record(
-            self.session,
-            actor=self.actor.name,
-            action="billing.export.requeue",
-            target="stripe",
-            details={"rows": count},
-            context=self.actor.context,
-        )
+        await self._audit("billing.export.requeue", "stripe", None, rows=count)
         return count
 
     async def resolve_unconfirmed(self, in_stripe: bool, rows: list[int] | None = None) -> int:
@@ -159,13 +147,8 @@ class OutboxService:
             query = query.where(OutboxRow.id.in_(rows))
         result = await self.session.execute(query.values(next_attempt_at=None, **values))
         count = int(result.rowcount or 0)  # type: ignore[attr-defined]
-        await audit.record(
-            self.session,
-            actor=self.actor.name,
-            action="billing.export.resolve",
-            target="stripe",
-            details={"rows": count, "in_stripe": in_stripe, "only": rows},
-            context=self.actor.context,
+        await self._audit(
+            "billing.export.resolve", "stripe", None, rows=count, in_stripe=in_stripe, only=rows
         )
         return count
 
@@ -192,14 +175,7 @@ class OutboxService:
     async def record_export(self, result: RelayResult) -> dict[str, int]:
         """Audit an export someone ran by hand; returns its counts."""
         counts = result.counts()
-        await audit.record(
-            self.session,
-            actor=self.actor.name,
-            action="billing.export",
-            target="stripe",
-            details=counts,
-            context=self.actor.context,
-        )
+        await self._audit("billing.export", "stripe", None, **counts)
         return counts
 
 

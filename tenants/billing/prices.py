@@ -18,11 +18,11 @@ from datetime import datetime, timedelta
 from sqlalchemy import select
 from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
 
+from tenants.audit import Audited
 from tenants.billing.models import PriceVersion
 from tenants.errors import ConflictError, InvalidInputError
 from tenants.models import as_utc, utcnow
 from tenants.pricing import DEFAULT_PRICE, Price
-from tenants.services import Audited
 
 ANY_MODEL = "*"  # a version for every model that has none of its own
 MAX_MICROS_PER_MTOK = 10**12  # a million currency units per million tokens: surely a typo
