@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import os
+from collections.abc import Awaitable, Callable
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, TypeVar
 
 import sqlalchemy
 from sqlalchemy import event, text
@@ -25,6 +27,7 @@ MIGRATIONS_DIR = Path(__file__).resolve().parent.parent / "migrations"
 
 _ASYNC_DRIVERS = {"sqlite": "sqlite+aiosqlite", "postgresql": "postgresql+psycopg"}
 _SYNC_DRIVERS = {"sqlite": "sqlite", "postgresql": "postgresql+psycopg"}
+T = TypeVar("T")
 DIRECT_APPLICATION_NAME = "tollgate-direct"  # the direct pool's connections, in pg_stat_activity
 
 
@@ -124,6 +127,21 @@ def session_factory(
     """`sync_session_class`: a Session subclass of the caller's, to hear only its own
     sessions' events."""
     return async_sessionmaker(engine, expire_on_commit=False, sync_session_class=sync_session_class)
+
+
+def run_once(url: str, work: Callable[[AsyncSession], Awaitable[T]]) -> T:
+    """Run `work` in one transaction on an engine opened for it and disposed of after (a
+    CLI command, a worker's task): committed when it returns, rolled back when it raises."""
+
+    async def run() -> T:
+        engine = create_engine(url)
+        try:
+            async with session_factory(engine).begin() as session:
+                return await work(session)
+        finally:
+            await engine.dispose()
+
+    return asyncio.run(run())
 
 
 def alembic_config(url: str) -> Config:

@@ -5,12 +5,11 @@ CLI user. The folder is checked against the engine's knobs as this environment s
 from __future__ import annotations
 
 import argparse
-import json
 from typing import Any
 
 from sqlalchemy.ext.asyncio import AsyncSession
 
-from gateway.cli.support import actor, in_session
+from gateway.cli.support import actor, in_session, print_views
 from gateway.settings import Settings
 from tenants.adapters import AdapterService, adapter_view
 
@@ -53,19 +52,12 @@ def _list(settings: Settings, args: argparse.Namespace) -> int:
         rows = await AdapterService(session).list(args.tenant)
         return [adapter_view(row, owner) for row, owner in rows]
 
-    views = in_session(settings, work)
-    if args.json:
-        print(json.dumps(views, indent=2))
-        return 0
-    print("\n".join(["NAME\tTENANT\tBASE\tRANK\tTARGETS\tPATH", *map(_row, views)]))
-    return 0
+    header = "NAME\tTENANT\tBASE\tRANK\tTARGETS\tPATH"
+    return print_views(in_session(settings, work), header, _row, args.json)
 
 
 def _remove(settings: Settings, args: argparse.Namespace) -> int:
-    async def work(session: AsyncSession) -> None:
-        await AdapterService(session, actor()).remove(args.name)
-
-    in_session(settings, work)
+    in_session(settings, lambda session: AdapterService(session, actor()).remove(args.name))
     print(f"removed {args.name} (gateways stop serving it within a few seconds)")
     return 0
 

@@ -4,13 +4,12 @@ user. Every gateway replica picks a change up within a few seconds."""
 from __future__ import annotations
 
 import argparse
-import json
 from collections.abc import Awaitable, Callable
 from typing import Any
 
 from sqlalchemy.ext.asyncio import AsyncSession
 
-from gateway.cli.support import actor, in_session
+from gateway.cli.support import actor, in_session, print_views
 from gateway.settings import Settings
 from tenants.billing.prices import ANY_MODEL, PriceService
 from tenants.errors import InvalidInputError
@@ -114,20 +113,12 @@ def _list(settings: Settings, args: argparse.Namespace) -> int:
     async def work(session: AsyncSession) -> list[dict[str, Any]]:
         return [model_view(row) for row in await ModelService(session).list()]
 
-    views = in_session(settings, work)
-    if args.json:
-        print(json.dumps(views, indent=2))
-        return 0
     header = "NAME\tKIND\tTARGETS\tCONTEXT\tTOKENIZER\tUPSTREAM MODEL\tAPI KEY VARIABLE"
-    print("\n".join([header, *(_row(view) for view in views)]))
-    return 0
+    return print_views(in_session(settings, work), header, _row, args.json)
 
 
 def _remove(settings: Settings, args: argparse.Namespace) -> int:
-    async def work(session: AsyncSession) -> None:
-        await ModelService(session, actor()).remove(args.name)
-
-    in_session(settings, work)
+    in_session(settings, lambda session: ModelService(session, actor()).remove(args.name))
     print(f"removed {args.name} (gateways stop serving it within a few seconds)")
     return 0
 

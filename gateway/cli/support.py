@@ -1,14 +1,14 @@
 """What every `tollgate` subcommand module shares: the audit actor, one transaction per
-command, and amounts of money typed on the command line."""
+command, listings, and amounts of money typed on the command line."""
 
 from __future__ import annotations
 
 import argparse
-import asyncio
 import getpass
+import json
 from collections.abc import Awaitable, Callable
 from decimal import Decimal, InvalidOperation
-from typing import TypeVar
+from typing import Any, TypeVar
 
 from sqlalchemy.ext.asyncio import AsyncSession
 
@@ -29,16 +29,15 @@ def actor() -> Actor:
 
 def in_session(settings: Settings, work: Callable[[AsyncSession], Awaitable[T]]) -> T:
     """Run `work` in one transaction: committed when it returns, rolled back when it raises."""
+    return db.run_once(settings.database_url, work)
 
-    async def run() -> T:
-        engine = db.create_engine(settings.database_url)
-        try:
-            async with db.session_factory(engine).begin() as session:
-                return await work(session)
-        finally:
-            await engine.dispose()
 
-    return asyncio.run(run())
+def print_views(
+    views: list[dict[str, Any]], header: str, row: Callable[[dict[str, Any]], str], as_json: bool
+) -> int:
+    """A listing as JSON (`--json`), or as a tab-separated table under `header`."""
+    print(json.dumps(views, indent=2) if as_json else "\n".join([header, *map(row, views)]))
+    return 0
 
 
 def micros(text: str, example: str, what: str) -> int:

@@ -4,8 +4,6 @@ Callers pass in what they read from their settings (gateway/billing/stripe.py)."
 
 from __future__ import annotations
 
-import asyncio
-
 from sqlalchemy import Engine, create_engine
 
 from tenants import db
@@ -20,12 +18,4 @@ def sync_engine(database_url: str) -> Engine:
 
 
 def rollup_once(database_url: str) -> int:
-    async def run() -> int:
-        engine = db.create_engine(database_url)
-        try:
-            async with db.session_factory(engine).begin() as session:
-                return await rebuild_recent(session)
-        finally:
-            await engine.dispose()
-
-    return asyncio.run(run())
+    return db.run_once(database_url, rebuild_recent)

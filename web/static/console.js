@@ -103,6 +103,17 @@ function fillTable(table, rows, empty) {
   }
 }
 
+// A list of "reason: count" items, or one "none" when `counts` is empty.
+function listCounts(list, counts) {
+  const entries = Object.entries(counts);
+  list.replaceChildren();
+  for (const [reason, count] of entries.length ? entries : [["none", ""]]) {
+    const li = document.createElement("li");
+    li.textContent = count === "" ? reason : `${reason}: ${count}`;
+    list.appendChild(li);
+  }
+}
+
 const gauges = { t: [], waiting: [], running: [], kv: [], hits: [] };
 const latencyHistory = {}; // workload class -> TTFT p95 (ms) at each refresh
 
@@ -157,22 +168,8 @@ function drawOverview(data) {
     const dd = document.createElement("dd"); dd.textContent = String(count);
     outcomes.append(dt, dd);
   }
-  const rejected = document.getElementById("rejections");
-  rejected.replaceChildren();
-  const turnedAway = Object.entries(data.rejections);
-  for (const [reason, count] of turnedAway.length ? turnedAway : [["none", ""]]) {
-    const li = document.createElement("li");
-    li.textContent = count === "" ? reason : `${reason}: ${count}`;
-    rejected.appendChild(li);
-  }
-  const reasons = document.getElementById("reasons");
-  reasons.replaceChildren();
-  const entries = Object.entries(data.not_completed_by_reason);
-  for (const [reason, count] of entries.length ? entries : [["none", ""]]) {
-    const li = document.createElement("li");
-    li.textContent = count === "" ? reason : `${reason}: ${count}`;
-    reasons.appendChild(li);
-  }
+  listCounts(document.getElementById("rejections"), data.rejections);
+  listCounts(document.getElementById("reasons"), data.not_completed_by_reason);
   document.getElementById("updated").textContent = "Updated " + clock(data.now) + " UTC.";
 }
 
