@@ -26,7 +26,7 @@ from sqlalchemy import DateTime, ForeignKey, String, delete, func, select
 from sqlalchemy.orm import Mapped, mapped_column
 
 from tenants.audit import Audited
-from tenants.errors import ConflictError, InvalidInputError, NotFoundError
+from tenants.errors import ConflictError, InvalidInputError, found
 from tenants.keys import hash_key
 from tenants.models import Base, as_utc, new_id, utcnow
 
@@ -189,10 +189,7 @@ class AdminService(Audited):
         return await self.session.scalar(select(ConsoleAdmin).where(ConsoleAdmin.email == email))
 
     async def get(self, email: str) -> ConsoleAdmin:
-        admin = await self.find(email)
-        if admin is None:
-            raise NotFoundError(f"no administrator {email!r}")
-        return admin
+        return found(await self.find(email), f"no administrator {email!r}")
 
     async def list(self) -> list[ConsoleAdmin]:
         result = await self.session.execute(select(ConsoleAdmin).order_by(ConsoleAdmin.email))

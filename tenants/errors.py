@@ -5,6 +5,12 @@
 and the CLI show its message. The others are the layer's own failures (the quota store,
 Stripe), handled where they happen; one that escapes is a 500."""
 
+from __future__ import annotations
+
+from typing import TypeVar
+
+T = TypeVar("T")
+
 
 class TenantsError(Exception):
     """Root of every error tenants/ raises on purpose."""
@@ -21,6 +27,13 @@ class DomainError(TenantsError):
 
 class NotFoundError(DomainError):
     pass
+
+
+def found(row: T | None, missing: str) -> T:
+    """`row`, or NotFoundError(`missing`) when a lookup found none."""
+    if row is None:
+        raise NotFoundError(missing)
+    return row
 
 
 class ConflictError(DomainError):

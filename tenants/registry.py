@@ -23,7 +23,7 @@ from sqlalchemy import JSON, DateTime, Integer, String, Text, select
 from sqlalchemy.orm import Mapped, mapped_column
 
 from tenants.audit import Audited
-from tenants.errors import ConflictError, InvalidInputError, NotFoundError
+from tenants.errors import ConflictError, InvalidInputError, found
 from tenants.models import Base, new_id, utcnow
 
 _NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._:/@+-]{0,127}$")  # OpenAI-style model ids
@@ -186,10 +186,7 @@ class ModelService(Audited):
         return rows.scalar_one_or_none()
 
     async def get(self, name: str) -> ServedModel:
-        row = await self.find(name)
-        if row is None:
-            raise NotFoundError(f"no model named {name!r}")
-        return row
+        return found(await self.find(name), f"no model named {name!r}")
 
     async def add(self, spec: ModelSpec) -> ServedModel:
         spec = spec.checked()

@@ -14,7 +14,7 @@ from sqlalchemy.ext.asyncio import AsyncSession
 from tenants import audit, keys
 from tenants.audit import AuditContext, Audited
 from tenants.billing import ledger
-from tenants.errors import ConflictError, InvalidInputError, NotFoundError
+from tenants.errors import ConflictError, InvalidInputError, found
 from tenants.limits import LIMIT_NAMES, LimitSet, PlanTerms, check_priorities
 from tenants.models import (
     ApiKey,
@@ -140,16 +140,10 @@ class TenantService(Audited):
         return result.scalar_one_or_none()
 
     async def get(self, name: str) -> Tenant:
-        tenant = await self.find(name)
-        if tenant is None:
-            raise NotFoundError(f"no tenant named {name!r}")
-        return tenant
+        return found(await self.find(name), f"no tenant named {name!r}")
 
     async def get_by_id(self, tenant_id: str) -> Tenant:
-        tenant = await self.session.get(Tenant, tenant_id)
-        if tenant is None:
-            raise NotFoundError(f"no tenant with id {tenant_id!r}")
-        return tenant
+        return found(await self.session.get(Tenant, tenant_id), f"no tenant with id {tenant_id!r}")
 
     async def list(self) -> list[Tenant]:
         result = await self.session.execute(select(Tenant).order_by(Tenant.name))
@@ -216,10 +210,7 @@ class PlanService(Audited):
         return await self.session.scalar(select(Plan).where(Plan.name == name))
 
     async def get(self, name: str) -> Plan:
-        plan = await self.find(name)
-        if plan is None:
-            raise NotFoundError(f"no plan named {name!r}")
-        return plan
+        return found(await self.find(name), f"no plan named {name!r}")
 
     async def list(self) -> list[Plan]:
         return list((await self.session.execute(select(Plan).order_by(Plan.name))).scalars())
@@ -254,10 +245,9 @@ class ApiKeyService(Audited):
                 (ApiKey.id == key_id_or_prefix) | (ApiKey.prefix == key_id_or_prefix)
             )
         )
-        key = result.scalar_one_or_none()
-        if key is None:
-            raise NotFoundError(f"no API key with id or prefix {key_id_or_prefix!r}")
-        return key
+        return found(
+            result.scalar_one_or_none(), f"no API key with id or prefix {key_id_or_prefix!r}"
+        )
 
     async def set_limits(
         self, key_id_or_prefix: str, limits: LimitSet | Callable[[LimitSet], LimitSet]
