@@ -120,6 +120,7 @@ class BatchRunner:
                 await self.round()
             except Exception:  # a database hiccup: the next round tries again
                 log.exception("batch round failed")
+                self.held = False  # after the poll interval, not at once
             self._wakeup.clear()
             if self.held:
                 await self._until_drained()
@@ -216,10 +217,9 @@ class BatchRunner:
     async def _start_lines(self, batches: list[Batch]) -> None:
         """Free slots shared between tenants equally, then between a tenant's batches."""
         free = self.concurrency - len(self._running)
-        if free <= 0 or not batches:
-            return
-        self.held = self.interactive() > 0
-        if self.held:
+        # Not held with nothing to start: the loop then waits for a wake-up, not the engine.
+        self.held = free > 0 and bool(batches) and self.interactive() > 0
+        if free <= 0 or not batches or self.held:
             return
         by_tenant: dict[str, list[Batch]] = defaultdict(list)
         for batch in batches:

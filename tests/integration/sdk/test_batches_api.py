@@ -405,8 +405,14 @@ async def test_lines_wait_for_interactive_work_to_drain_then_all_run(
             http.stream("POST", f"{url}/v1/chat/completions", json=long_chat, headers=headers),
         ):
             await eventually(lambda: engine_client.engine.engine.num_interactive() == 1)
-            batch = await _batch(client, _jsonl(model, 3))
+            cancelled = await _batch(client, _jsonl(model, 3))
             await eventually(lambda: runner.held)  # a round looked, and started nothing
+            await client.batches.cancel(cancelled.id)
+            done = await _until(client, cancelled.id, "cancelled")
+            assert done.request_counts.completed == 0
+            await eventually(lambda: not runner.held)  # nothing left to start: nothing held
+            batch = await _batch(client, _jsonl(model, 3))
+            await eventually(lambda: runner.held)
             async with sessions() as session:
                 statuses = await session.scalars(
                     select(BatchLine.status).where(BatchLine.batch_id == batch.id)
