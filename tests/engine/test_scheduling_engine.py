@@ -134,6 +134,25 @@ def test_prefill_protection_lets_a_chat_start_through_a_document_burst(llama_dir
     assert steps[False] >= 4  # behind the rest of 360 prompt tokens
 
 
+def test_num_interactive_counts_requests_below_the_batch_class(llama_dir: Path) -> None:
+    """What a batch runner waits on: interactive requests submitted, waiting or running."""
+    engine = make_engine(llama_dir, max_num_seqs=1)
+    engine.add_request(EngineRequest([5, 6, 7], LONG, "batch", priority=5))
+    engine.add_request(EngineRequest([2, 3, 4], SHORT, "chat", priority=0))
+    assert engine.stats().num_interactive == 1  # submitted, not yet scheduled
+    step(engine)  # one slot: the chat runs, the batch line waits
+    engine.add_request(EngineRequest([8, 9, 10], SHORT, "chat-2", priority=1))
+    step(engine)
+    assert engine.num_interactive() == engine.stats().num_interactive == 2
+    assert engine.stats().num_running + engine.stats().num_waiting == 3
+    for _ in range(20):  # the chats' few tokens
+        if not engine.num_interactive():
+            break
+        step(engine)
+    assert engine.num_interactive() == 0
+    assert "batch" in engine.scheduler.requests  # the batch line alone is left
+
+
 def test_a_full_queue_sheds_new_requests(llama_dir: Path) -> None:
     engine = make_engine(llama_dir, max_num_seqs=1, max_waiting_requests=1)
     engine.add_request(EngineRequest([2, 3, 4], LONG, "running"))
