@@ -19,13 +19,12 @@ from __future__ import annotations
 import torch
 
 from backend.config import KV_CACHE_DTYPES
-from backend.layers.quant import FP8, FP8_MAX, INT8_MAX, QuantizationError
+from backend.layers.quant import FP8, FP8_MAX, INT8_MAX, QuantizationError, require_fp8
 from backend.models.config import ModelConfig
 
 SCALE_BYTES = 4  # one float32 per (token, KV head) of K and of V
 STORAGE = {"int8": torch.int8, "fp8": FP8}
 LIMITS = {torch.int8: float(INT8_MAX), FP8: float(FP8_MAX)}
-_FP8_CAPABILITY = (8, 9)
 
 
 def cache_dtype(kv_cache_dtype: str, compute: torch.dtype) -> torch.dtype:
@@ -42,13 +41,7 @@ def check_kv_cache_dtype(kv_cache_dtype: str, device: torch.device) -> None:
     path converts e4m3 itself, so it runs anywhere."""
     if kv_cache_dtype != "fp8" or device.type != "cuda":
         return
-    capability = torch.cuda.get_device_capability(device)
-    if capability < _FP8_CAPABILITY:
-        name = torch.cuda.get_device_name(device)
-        raise QuantizationError(
-            f"kv_cache_dtype fp8 needs compute capability 8.9+; {name} has "
-            f"{capability[0]}.{capability[1]}: use int8"
-        )
+    require_fp8(device, "kv_cache_dtype fp8")
 
 
 def is_quantized(cache: torch.Tensor) -> bool:

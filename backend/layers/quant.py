@@ -86,11 +86,16 @@ def check_quantization(method: str, device: torch.device) -> None:
             "quantization fp8 needs a GPU with fp8 (compute capability 8.9+: Ada, Hopper); "
             f"this engine runs on {device.type}: use int8"
         )
+    require_fp8(device, "quantization fp8")
+
+
+def require_fp8(device: torch.device, what: str) -> None:
+    """Raise QuantizationError unless the GPU `device` loads fp8 (8.9+: Ada, Hopper)."""
     capability = torch.cuda.get_device_capability(device)
     if capability < _FP8_CAPABILITY:
         name = torch.cuda.get_device_name(device)
         raise QuantizationError(
-            f"quantization fp8 needs compute capability 8.9+; {name} has "
+            f"{what} needs compute capability 8.9+; {name} has "
             f"{capability[0]}.{capability[1]}: use int8"
         )
 
