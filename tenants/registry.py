@@ -22,9 +22,9 @@ from urllib.parse import urlsplit
 from sqlalchemy import JSON, DateTime, Integer, String, Text, select
 from sqlalchemy.orm import Mapped, mapped_column
 
-from tenants.audit import Audited
-from tenants.errors import ConflictError, InvalidInputError, found
+from tenants.errors import ConflictError, InvalidInputError
 from tenants.models import Base, new_id, utcnow
+from tenants.named import ByName
 
 _NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._:/@+-]{0,127}$")  # OpenAI-style model ids
 UPSTREAM_KEY_PREFIX = "TOLLGATE_UPSTREAM_KEY_"
@@ -174,19 +174,10 @@ def _check_tokenizer(folder: str) -> None:
         raise InvalidInputError(f"tokenizer folder {folder!r} has no tokenizer.json")
 
 
-class ModelService(Audited):
+class ModelService(ByName[ServedModel]):
     """Adding, changing and removing served models, audited in the caller's transaction."""
 
-    async def list(self) -> list[ServedModel]:
-        rows = await self.session.execute(select(ServedModel).order_by(ServedModel.name))
-        return list(rows.scalars())
-
-    async def find(self, name: str) -> ServedModel | None:
-        rows = await self.session.execute(select(ServedModel).where(ServedModel.name == name))
-        return rows.scalar_one_or_none()
-
-    async def get(self, name: str) -> ServedModel:
-        return found(await self.find(name), f"no model named {name!r}")
+    table, what = ServedModel, "model"
 
     async def add(self, spec: ModelSpec) -> ServedModel:
         spec = spec.checked()

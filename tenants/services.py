@@ -27,6 +27,7 @@ from tenants.models import (
     as_utc,
     utcnow,
 )
+from tenants.named import ByName
 
 _TENANT_NAME = re.compile(r"^[a-z0-9][a-z0-9_.-]{0,99}$")
 LAST_USED_GRANULARITY = timedelta(minutes=1)
@@ -117,7 +118,9 @@ async def keys_changed(session: AsyncSession) -> None:
         await session.execute(_BUMP)
 
 
-class TenantService(Audited):
+class TenantService(ByName[Tenant]):
+    table, what = Tenant, "tenant"
+
     async def create(self, name: str, plan_name: str | None = None) -> Tenant:
         """A new tenant, on `plan_name` when given (else unlimited)."""
         if not _TENANT_NAME.match(name):
@@ -135,19 +138,8 @@ class TenantService(Audited):
             await self.set_plan(name, plan_name)
         return tenant
 
-    async def find(self, name: str) -> Tenant | None:
-        result = await self.session.execute(select(Tenant).where(Tenant.name == name))
-        return result.scalar_one_or_none()
-
-    async def get(self, name: str) -> Tenant:
-        return found(await self.find(name), f"no tenant named {name!r}")
-
     async def get_by_id(self, tenant_id: str) -> Tenant:
         return found(await self.session.get(Tenant, tenant_id), f"no tenant with id {tenant_id!r}")
-
-    async def list(self) -> list[Tenant]:
-        result = await self.session.execute(select(Tenant).order_by(Tenant.name))
-        return list(result.scalars())
 
     async def set_plan(self, name: str, plan_name: str | None) -> Tenant:
         tenant = await self.get(name)
@@ -165,7 +157,9 @@ class TenantService(Audited):
         return tenant
 
 
-class PlanService(Audited):
+class PlanService(ByName[Plan]):
+    table, what = Plan, "plan"
+
     async def create(self, name: str, terms: PlanTerms) -> Plan:
         if not _TENANT_NAME.match(name):
             raise InvalidInputError("plan name must be 1-100 characters of a-z, 0-9, '_', '.', '-'")
@@ -205,15 +199,6 @@ class PlanService(Audited):
                 raise InvalidInputError(f"{name} must be a whole number >= 0 or unset")
         plan.max_batch_tokens = terms.max_batch_tokens
         plan.max_file_bytes = terms.max_file_bytes
-
-    async def find(self, name: str) -> Plan | None:
-        return await self.session.scalar(select(Plan).where(Plan.name == name))
-
-    async def get(self, name: str) -> Plan:
-        return found(await self.find(name), f"no plan named {name!r}")
-
-    async def list(self) -> list[Plan]:
-        return list((await self.session.execute(select(Plan).order_by(Plan.name))).scalars())
 
 
 class ApiKeyService(Audited):
