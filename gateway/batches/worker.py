@@ -30,9 +30,11 @@ from typing import TYPE_CHECKING, Any, TypeVar
 from celery import Celery
 from celery.signals import worker_process_shutdown, worker_ready, worker_shutdown
 from redis.asyncio import Redis
+from sqlalchemy.ext.asyncio import AsyncSession
 
 from gateway.batches.tasks import RUN_TASK, SWEEP_TASK
 from gateway.settings import Settings
+from tenants.db import run_once
 from tenants.quota.redis import connect as connect_redis
 
 if TYPE_CHECKING:  # the runtime's modules (the engine's among them) load at the first task:
@@ -107,11 +109,10 @@ async def run_batch(runtime: Runtime, batch_id: str, budget_s: float) -> bool:
     return not runner.idle.is_set()
 
 
-async def unfinished_batches(runtime: Runtime) -> list[str]:
+async def unfinished_batches(session: AsyncSession) -> list[str]:
     from tenants.batches import BatchQueue
 
-    async with runtime.sessions() as session:
-        return [batch.id for batch in await BatchQueue(session).active()]
+    return [batch.id for batch in await BatchQueue(session).active()]
 
 
 class BatchHost:
@@ -190,7 +191,9 @@ def register_batch_tasks(celery: Celery, settings: Settings) -> None:
         return outcome
 
     def sweep() -> int:
-        batch_ids = host.call(lambda runtime, _: unfinished_batches(runtime))
+        # The database alone: the runtime would wait for the engine or its replicas, and
+        # the worker's other tasks (the ledger's export) behind it.
+        batch_ids = run_once(settings.database_url, unfinished_batches)
         for batch_id in batch_ids:
             run_task.apply_async((batch_id,), queue=queue, expires=settings.batch_sweep_s)
         return len(batch_ids)
