@@ -14,6 +14,7 @@ from backend import AsyncEngine, EngineDeadError, PromptTooLongError, RequestOut
 from backend.engine.engine import Engine
 from backend.requests import EngineRequest
 from backend.sampling import SamplingParams
+from tests.conftest import eventually
 from tests.engine.engine_support import SMALL, make_engine, run_to_completion, text_of, tokens_of
 
 GREEDY = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
@@ -93,6 +94,10 @@ async def test_plain_break_aborts(engine: AsyncEngine) -> None:
     # A reference cycle can keep the dropped generator until the cyclic collector runs;
     # what is tested is its finaliser's abort, not when the collector happens to run.
     gc.collect()
+    # The finaliser's aclose runs in a task the loop schedules later: once the stream is
+    # gone its abort is queued (the same synchronous block), so the follow-up comes after
+    # it. Without this wait a starved loop let the follow-up finish first.
+    await eventually(lambda: "breaker" not in engine._streams)
     await assert_idle(engine)
 
 
