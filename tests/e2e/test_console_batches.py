@@ -23,7 +23,8 @@ from tests.e2e.test_console import (  # noqa: F401 (fixtures)
     shot,
     sign_in,
 )
-from tests.integration.sdk.test_batches_api import _batch, _jsonl, _until
+from tests.integration.sdk.test_batches_api import _until
+from tests.support.batches import chat_lines, submit
 
 pytestmark = pytest.mark.e2e
 
@@ -35,9 +36,9 @@ async def test_owner_follows_downloads_and_cancels_batches(
     engine_client: InProcessEngineClient,
 ) -> None:
     client = openai.AsyncOpenAI(base_url=server + "/v1", api_key=tenant_key, max_retries=0)
-    done = await _batch(client, _jsonl(engine_client.model_name, 3))
+    done = await submit(client, chat_lines(engine_client.model_name, 3))
     await _until(client, done.id, "completed")
-    running = await _batch(client, _jsonl(engine_client.model_name, 400, max_tokens=32))
+    running = await submit(client, chat_lines(engine_client.model_name, 400, max_tokens=32))
 
     context = await new_context(browser, server, LAPTOP)
     page = await context.new_page()

@@ -35,6 +35,7 @@ from tenants.blobs import S3Location, s3_client
 from tenants.models import IdempotencyRecord, UsageEvent, as_utc, utcnow
 from tenants.quota.redis import connect as connect_redis
 from tests.conftest import POSTGRES_URL, REDIS_URL, eventually, migrated_postgres, serving
+from tests.support.batches import chat_lines, submit
 from tests.support.s3 import s3_env, s3_server
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -127,31 +128,6 @@ def start_worker(workers: list[Worker], env: dict[str, str], tmp_path: Path) -> 
     return worker
 
 
-def _jsonl(model: str, count: int, max_tokens: int) -> bytes:
-    lines = [
-        {
-            "custom_id": f"line-{i}",
-            "method": "POST",
-            "url": "/v1/chat/completions",
-            "body": {
-                "model": model,
-                "messages": [{"role": "user", "content": f"Count to {i}."}],
-                "max_tokens": max_tokens,
-                "temperature": 0,
-            },
-        }
-        for i in range(count)
-    ]
-    return b"".join(json.dumps(line).encode() + b"\n" for line in lines)
-
-
-async def _submit(client: openai.AsyncOpenAI, content: bytes) -> Any:
-    uploaded = await client.files.create(file=("requests.jsonl", content), purpose="batch")
-    return await client.batches.create(
-        input_file_id=uploaded.id, endpoint="/v1/chat/completions", completion_window="24h"
-    )
-
-
 async def _completed(client: openai.AsyncOpenAI, batch_id: str, timeout_s: float) -> Any:
     found: dict[str, Any] = {}
 
@@ -235,7 +211,7 @@ async def test_a_celery_worker_runs_a_batch_with_its_files_in_s3(
     tmp_path: Path,
 ) -> None:
     total = 6
-    batch = await _submit(client, _jsonl(engine_client.model_name, total, max_tokens=4))
+    batch = await submit(client, chat_lines(engine_client.model_name, total, max_tokens=4))
     start_worker(workers, worker_env, tmp_path)
     done = await _completed(client, batch.id, timeout_s=120)
     assert done.status == "completed", done
@@ -260,7 +236,7 @@ async def test_a_worker_killed_mid_batch_leaves_one_result_per_line(
     tmp_path: Path,
 ) -> None:
     total = 60
-    batch = await _submit(client, _jsonl(engine_client.model_name, total, max_tokens=16))
+    batch = await submit(client, chat_lines(engine_client.model_name, total, max_tokens=16))
     first = start_worker(workers, worker_env, tmp_path)
 
     async def partly_done() -> bool:

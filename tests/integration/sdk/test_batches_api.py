@@ -26,6 +26,7 @@ from tenants.models import KeyRole, UsageEvent, utcnow
 from tenants.pricing import DEFAULT_PRICE
 from tenants.services import ApiKeyService, PlanService, TenantService
 from tests.conftest import eventually, migrated_postgres, migrated_sqlite, serving
+from tests.support.batches import chat_lines, submit
 
 
 @pytest.fixture(params=["sqlite", "postgresql"])
@@ -34,34 +35,6 @@ def database_url(request: pytest.FixtureRequest, tmp_path: Path) -> str:
     if request.param == "sqlite":
         return migrated_sqlite(tmp_path / "sdk.db")
     return migrated_postgres()
-
-
-def _jsonl(model: str, count: int, max_tokens: int = 4) -> bytes:
-    lines = [
-        {
-            "custom_id": f"line-{i}",
-            "method": "POST",
-            "url": "/v1/chat/completions",
-            "body": {
-                "model": model,
-                "messages": [{"role": "user", "content": f"Count to {i}."}],
-                "max_tokens": max_tokens,
-                "temperature": 0,
-            },
-        }
-        for i in range(count)
-    ]
-    return b"".join(json.dumps(line).encode() + b"\n" for line in lines)
-
-
-async def _batch(client: openai.AsyncOpenAI, content: bytes) -> Any:
-    uploaded = await client.files.create(file=("requests.jsonl", content), purpose="batch")
-    return await client.batches.create(
-        input_file_id=uploaded.id,
-        endpoint="/v1/chat/completions",
-        completion_window="24h",
-        metadata={"job": "test"},
-    )
 
 
 async def _until(client: openai.AsyncOpenAI, batch_id: str, *statuses: str) -> Any:
@@ -96,7 +69,7 @@ async def test_a_batch_runs_every_line_once_at_the_batch_price(
     sessions: async_sessionmaker[AsyncSession],
 ) -> None:
     model = engine_client.model_name
-    batch = await _batch(client, _jsonl(model, 5))
+    batch = await submit(client, chat_lines(model, 5), {"job": "test"})
     assert batch.status == "in_progress" and batch.request_counts.total == 5
     done = await _until(client, batch.id, "completed", "failed")
     assert done.status == "completed", done
@@ -148,7 +121,7 @@ async def test_a_malformed_line_is_refused_naming_its_number(client: openai.Asyn
 async def test_duplicate_custom_ids_and_other_endpoints_are_refused_at_creation(
     client: openai.AsyncOpenAI, engine_client: InProcessEngineClient
 ) -> None:
-    line = _jsonl(engine_client.model_name, 1)
+    line = chat_lines(engine_client.model_name, 1)
     uploaded = await client.files.create(file=("dup.jsonl", line + line), purpose="batch")
     with pytest.raises(openai.BadRequestError, match="not unique"):
         await client.batches.create(
@@ -166,7 +139,7 @@ async def test_one_tenant_never_sees_another_tenants_files_or_batches(
     engine_client: InProcessEngineClient,
     sessions: async_sessionmaker[AsyncSession],
 ) -> None:
-    batch = await _batch(client, _jsonl(engine_client.model_name, 1))
+    batch = await submit(client, chat_lines(engine_client.model_name, 1))
     other = openai.AsyncOpenAI(
         base_url=base_url, api_key=await _key(sessions, "globex", None), max_retries=0
     )
@@ -191,7 +164,7 @@ async def test_one_tenant_never_sees_another_tenants_files_or_batches(
 async def test_cancel_keeps_what_ran_and_reports_the_rest(
     client: openai.AsyncOpenAI, engine_client: InProcessEngineClient
 ) -> None:
-    batch = await _batch(client, _jsonl(engine_client.model_name, 400, max_tokens=32))
+    batch = await submit(client, chat_lines(engine_client.model_name, 400, max_tokens=32))
     cancelling = await client.batches.cancel(batch.id)
     assert cancelling.status in ("cancelling", "cancelled")
     done = await _until(client, batch.id, "cancelled")
@@ -209,7 +182,7 @@ async def test_a_batch_expires_at_its_window_with_what_is_done(
     engine_client: InProcessEngineClient,
     sessions: async_sessionmaker[AsyncSession],
 ) -> None:
-    batch = await _batch(client, _jsonl(engine_client.model_name, 400, max_tokens=32))
+    batch = await submit(client, chat_lines(engine_client.model_name, 400, max_tokens=32))
     async with sessions.begin() as session:
         await session.execute(update(Batch).where(Batch.id == batch.id).values(expires_at=utcnow()))
     done = await _until(client, batch.id, "expired")
@@ -231,7 +204,7 @@ async def test_a_batch_over_the_budget_is_refused_at_creation(
         base_url=base_url, api_key=await _key(sessions, "poor", "small"), max_retries=0
     )
     with pytest.raises(openai.APIStatusError) as refused:
-        await _batch(poor, _jsonl(engine_client.model_name, 50))
+        await submit(poor, chat_lines(engine_client.model_name, 50))
     assert refused.value.status_code == 402
     assert "batch_over_budget" in str(refused.value.body)
     assert (await poor.batches.list()).data == []
@@ -245,7 +218,7 @@ async def test_metadata_past_openais_bounds_is_refused(
 ) -> None:
     """16 pairs, keys of 64 characters, values of 512 (a live gateway stored any size)."""
     uploaded = await client.files.create(
-        file=("in.jsonl", _jsonl(engine_client.model_name, 1)), purpose="batch"
+        file=("in.jsonl", chat_lines(engine_client.model_name, 1)), purpose="batch"
     )
     with pytest.raises(openai.BadRequestError) as refused:
         await client.batches.create(
@@ -271,7 +244,7 @@ async def test_a_batch_on_a_model_the_plan_excludes_is_refused_at_creation(
         base_url=base_url, api_key=await _key(sessions, "narrow", "narrow"), max_retries=0
     )
     with pytest.raises(openai.PermissionDeniedError) as refused:
-        await _batch(narrow, _jsonl(engine_client.model_name, 2))
+        await submit(narrow, chat_lines(engine_client.model_name, 2))
     assert "model_not_allowed" in str(refused.value.body)
     assert (await narrow.batches.list()).data == []
 
@@ -287,16 +260,18 @@ async def test_the_plans_cap_on_enqueued_batch_tokens_refuses_a_batch_past_it(
     capped = openai.AsyncOpenAI(
         base_url=base_url, api_key=await _key(sessions, "capped", "capped"), max_retries=0
     )
-    first = await _batch(capped, _jsonl(engine_client.model_name, 2))  # 48 tokens a line at most
+    first = await submit(
+        capped, chat_lines(engine_client.model_name, 2)
+    )  # 48 tokens a line at most
     with pytest.raises(openai.RateLimitError) as refused:
-        await _batch(capped, _jsonl(engine_client.model_name, 3))  # past 200 with the first
+        await submit(capped, chat_lines(engine_client.model_name, 3))  # past 200 with the first
     assert "token_limit_exceeded" in str(refused.value.body)
     limit = refused.value.response.headers  # the cap that refused, and what is left of it
     assert limit["x-ratelimit-limit-tokens"] == "200"
     assert 0 <= int(limit["x-ratelimit-remaining-tokens"]) < 200
     await _until(capped, first.id, "completed")
     await _until(
-        capped, (await _batch(capped, _jsonl(engine_client.model_name, 2))).id, "completed"
+        capped, (await submit(capped, chat_lines(engine_client.model_name, 2))).id, "completed"
     )
 
 
@@ -309,7 +284,7 @@ async def test_a_gateway_stopped_mid_batch_resumes_with_one_result_per_line(
     total = 150
     async with serving(create_app(settings, engine_client=engine_client)) as url:
         client = openai.AsyncOpenAI(base_url=url + "/v1", api_key=tenant_key, max_retries=0)
-        batch = await _batch(client, _jsonl(engine_client.model_name, total, max_tokens=24))
+        batch = await submit(client, chat_lines(engine_client.model_name, total, max_tokens=24))
 
         async def partly_done() -> bool:
             counts = (await client.batches.retrieve(batch.id)).request_counts
@@ -352,7 +327,7 @@ async def test_lines_left_running_by_a_killed_gateway_answer_from_their_first_ru
     total = 8
     async with serving(create_app(settings, engine_client=engine_client)) as url:
         client = openai.AsyncOpenAI(base_url=url + "/v1", api_key=tenant_key, max_retries=0)
-        batch = await _batch(client, _jsonl(engine_client.model_name, total))
+        batch = await submit(client, chat_lines(engine_client.model_name, total))
         first = await _records(client, (await _until(client, batch.id, "completed")).output_file_id)
     # As a gateway killed before keeping them, two minutes ago: its lease has lapsed.
     died = utcnow() - timedelta(minutes=2)
@@ -405,13 +380,13 @@ async def test_lines_wait_for_interactive_work_to_drain_then_all_run(
             http.stream("POST", f"{url}/v1/chat/completions", json=long_chat, headers=headers),
         ):
             await eventually(lambda: engine_client.engine.engine.num_interactive() == 1)
-            cancelled = await _batch(client, _jsonl(model, 3))
+            cancelled = await submit(client, chat_lines(model, 3))
             await eventually(lambda: runner.held)  # a round looked, and started nothing
             await client.batches.cancel(cancelled.id)
             done = await _until(client, cancelled.id, "cancelled")
             assert done.request_counts.completed == 0
             await eventually(lambda: not runner.held)  # nothing left to start: nothing held
-            batch = await _batch(client, _jsonl(model, 3))
+            batch = await submit(client, chat_lines(model, 3))
             await eventually(lambda: runner.held)
             async with sessions() as session:
                 statuses = await session.scalars(
