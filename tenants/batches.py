@@ -19,7 +19,6 @@ from sqlalchemy import (
     Integer,
     String,
     UniqueConstraint,
-    case,
     func,
     select,
     update,
@@ -35,13 +34,11 @@ from tenants.models import (
     KeyStatus,
     Plan,
     Tenant,
-    UsageEvent,
     as_utc,
     utcnow,
 )
 from tenants.services import Principal
 
-BATCH_ENDPOINT_PREFIX = "batch."  # a batch line's endpoint in the ledger: batch spend apart
 ENDPOINTS = ("/v1/chat/completions", "/v1/completions", "/v1/embeddings")
 WINDOWS = {"24h": timedelta(hours=24)}
 
@@ -437,21 +434,3 @@ async def key_principal(session: AsyncSession, key_id: str) -> Principal | None:
         return None
     key, tenant_name, plan = row
     return Principal.of(key, tenant_name, plan)
-
-
-async def batch_token_share(session: AsyncSession, since: datetime) -> float | None:
-    """The share of the tokens the engine computed since `since` (prompt tokens not
-    served from the prefix cache, and output tokens) that went to batch lines: the
-    batch share of engine time, as the ledger sees it. None: no tokens at all."""
-    computed = UsageEvent.prompt_tokens - UsageEvent.cached_tokens + UsageEvent.completion_tokens
-    is_batch = UsageEvent.endpoint.startswith(BATCH_ENDPOINT_PREFIX)
-    row = (
-        await session.execute(
-            select(
-                func.coalesce(func.sum(computed), 0),
-                func.coalesce(func.sum(case((is_batch, computed), else_=0)), 0),
-            ).where(UsageEvent.created_at >= since)
-        )
-    ).one()
-    total, batch = int(row[0]), int(row[1])
-    return None if total == 0 else batch / total

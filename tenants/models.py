@@ -127,6 +127,9 @@ class KeyGeneration(Base):
     value: Mapped[int] = mapped_column(BigInteger)
 
 
+BATCH_ENDPOINT_PREFIX = "batch."  # a batch line's endpoint in the ledger: batch spend apart
+
+
 class UsageEvent(Base):
     """The ledger: one row per request, whatever its outcome."""
 

@@ -19,7 +19,7 @@ from gateway.api.schemas import ChatCompletionRequest, CompletionRequest, decode
 from gateway.api.services import GenerationServices
 from gateway.batches.execute import RETRY_STATUSES, LineOutcome, Retry
 from gateway.core.errors import ApiError, InvalidRequest
-from tenants.batches import BATCH_ENDPOINT_PREFIX
+from tenants.models import BATCH_ENDPOINT_PREFIX
 from tenants.services import Principal
 
 

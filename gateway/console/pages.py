@@ -27,8 +27,13 @@ from gateway.http.deps import month_usage
 from gateway.telemetry.request import workload_class
 from tenants import audit
 from tenants.admins import AdminService
-from tenants.batches import batch_token_share
-from tenants.billing.ledger import UsageFilter, find_request, find_usage, known_models
+from tenants.billing.ledger import (
+    UsageFilter,
+    batch_token_share,
+    find_request,
+    find_usage,
+    known_models,
+)
 from tenants.limits import LIMIT_NAMES, PlanTerms
 from tenants.models import UsageStatus, parse_utc
 from tenants.quota import QuotaStore

@@ -10,8 +10,7 @@ from datetime import datetime
 from typing import Protocol
 
 from backend import SamplingParams
-from tenants.batches import BATCH_ENDPOINT_PREFIX
-from tenants.models import UsageStatus, utcnow
+from tenants.models import BATCH_ENDPOINT_PREFIX, UsageStatus, utcnow
 from tenants.quota import Reservation
 from tenants.services import Principal
 

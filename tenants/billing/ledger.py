@@ -1,6 +1,7 @@
-"""The usage ledger (usage_events), its one owner for writes: the usage rows and their
-outbox rows, in the caller's transaction, so a row is exported to Stripe exactly when it
-exists in the ledger; and the lookups the recorder makes of its own rows.
+"""The usage ledger (usage_events), its one owner: the usage rows and their outbox rows,
+written in the caller's transaction, so a row is exported to Stripe exactly when it exists
+in the ledger; and every read of the table (the recorder's look-ups, usage pages, billing
+reports, daily rollups, the console's batch share).
 
 A row carries its request's Idempotency-Key (unique per tenant): a request run again under
 a key whose answer was lost (the process died between the ledger write and storing the
@@ -22,22 +23,27 @@ from sqlalchemy import (
     Column,
     ColumnDefault,
     ColumnElement,
+    Date,
     Row,
     Select,
     Table,
     and_,
+    case,
     func,
     insert,
     inspect,
+    literal,
     or_,
     select,
     update,
 )
+from sqlalchemy import cast as sql_cast
 from sqlalchemy.dialects import sqlite
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncResult, AsyncSession
+from sqlalchemy.orm import InstrumentedAttribute
 
 from tenants.billing.models import OutboxRow
-from tenants.models import ApiKey, Tenant, UsageEvent, new_id, utcnow
+from tenants.models import BATCH_ENDPOINT_PREFIX, ApiKey, Tenant, UsageEvent, new_id, utcnow
 
 
 async def row_ids(session: AsyncSession, request_ids: Collection[str]) -> dict[str, str]:
@@ -521,3 +527,78 @@ async def tenant_usage_since(
         UsageEvent.cost_micros,
     ).where(UsageEvent.tenant_id == tenant_id, UsageEvent.created_at >= since)
     return (await session.execute(query)).all()
+
+
+def utc_day(column: InstrumentedAttribute[datetime], dialect: str) -> ColumnElement[Any]:
+    """The UTC calendar day of a timestamp column, on PostgreSQL (whatever the session's
+    time zone) and on SQLite (which stores UTC text)."""
+    if dialect == "postgresql":
+        return sql_cast(func.timezone("UTC", column), Date)
+    return func.date(column)
+
+
+async def tenant_days(
+    session: AsyncSession, tenant_id: str, start: datetime, end: datetime
+) -> Sequence[Any]:
+    """The tenant's rows in [start, end) summed by UTC day, model, status and batch or
+    not: (day, model, status, batch, requests, prompt, cached, completion, cost). Reads
+    (tenant_id, created_at) and the columns the PostgreSQL index includes."""
+    day = utc_day(UsageEvent.created_at, session.get_bind().dialect.name).label("day")
+    batch = UsageEvent.endpoint.startswith(BATCH_ENDPOINT_PREFIX).label("batch")
+    query = (
+        select(
+            day,
+            UsageEvent.model,
+            UsageEvent.status,
+            batch,
+            func.count().label("requests"),
+            func.coalesce(func.sum(UsageEvent.prompt_tokens), 0).label("prompt"),
+            func.coalesce(func.sum(UsageEvent.cached_tokens), 0).label("cached"),
+            func.coalesce(func.sum(UsageEvent.completion_tokens), 0).label("completion"),
+            func.coalesce(func.sum(UsageEvent.cost_micros), 0).label("cost"),
+        )
+        .where(UsageEvent.tenant_id == tenant_id)
+        .where(UsageEvent.created_at >= start, UsageEvent.created_at < end)
+        .group_by(day, UsageEvent.model, UsageEvent.status, batch)
+    )
+    return (await session.execute(query)).all()
+
+
+def daily_sums(dialect: str, start: datetime, end: datetime) -> Select[Any]:
+    """Every row in [start, end) summed by UTC day, tenant and model, as the daily
+    rollups' columns: (day, tenant, model, requests, prompt, cached, completion, cost,
+    now), for an INSERT ... SELECT."""
+    day = utc_day(UsageEvent.created_at, dialect)
+    return (
+        select(
+            day,
+            UsageEvent.tenant_id,
+            UsageEvent.model,
+            func.count(),
+            func.sum(UsageEvent.prompt_tokens),
+            func.sum(UsageEvent.cached_tokens),
+            func.sum(UsageEvent.completion_tokens),
+            func.sum(UsageEvent.cost_micros),
+            literal(utcnow()),
+        )
+        .where(UsageEvent.created_at >= start, UsageEvent.created_at < end)
+        .group_by(day, UsageEvent.tenant_id, UsageEvent.model)
+    )
+
+
+async def batch_token_share(session: AsyncSession, since: datetime) -> float | None:
+    """The share of the tokens the engine computed since `since` (prompt tokens not
+    served from the prefix cache, and output tokens) that went to batch lines: the
+    batch share of engine time, as the ledger sees it. None: no tokens at all."""
+    computed = UsageEvent.prompt_tokens - UsageEvent.cached_tokens + UsageEvent.completion_tokens
+    is_batch = UsageEvent.endpoint.startswith(BATCH_ENDPOINT_PREFIX)
+    row = (
+        await session.execute(
+            select(
+                func.coalesce(func.sum(computed), 0),
+                func.coalesce(func.sum(case((is_batch, computed), else_=0)), 0),
+            ).where(UsageEvent.created_at >= since)
+        )
+    ).one()
+    total, batch = int(row[0]), int(row[1])
+    return None if total == 0 else batch / total

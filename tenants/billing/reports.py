@@ -16,16 +16,13 @@ from dataclasses import dataclass, field
 from datetime import UTC, date, datetime
 from typing import Any
 
-from sqlalchemy import Date, cast, func, select
 from sqlalchemy.ext.asyncio import AsyncSession
-from sqlalchemy.orm import InstrumentedAttribute
-from sqlalchemy.sql.elements import ColumnElement
 
 from tenants import audit
 from tenants.audit import Actor
-from tenants.batches import BATCH_ENDPOINT_PREFIX
+from tenants.billing import ledger
 from tenants.errors import InvalidInputError
-from tenants.models import Tenant, UsageEvent, utcnow
+from tenants.models import Tenant, utcnow
 
 _PERIOD = re.compile(r"^(\d{4})-(\d{2})$")
 
@@ -156,36 +153,9 @@ def format_micros(micros: int) -> str:
     return f"{sign}{whole}.{fraction:06d}"
 
 
-def utc_day(column: InstrumentedAttribute[datetime], dialect: str) -> ColumnElement[Any]:
-    """The UTC calendar day of a timestamp column, on PostgreSQL (whatever the session's
-    time zone) and on SQLite (which stores UTC text)."""
-    if dialect == "postgresql":
-        return cast(func.timezone("UTC", column), Date)
-    return func.date(column)
-
-
 async def build_report(session: AsyncSession, tenant: Tenant, period: Period) -> Report:
-    dialect = session.get_bind().dialect.name
-    day = utc_day(UsageEvent.created_at, dialect).label("day")
-    batch = UsageEvent.endpoint.startswith(BATCH_ENDPOINT_PREFIX).label("batch")
-    query = (
-        select(
-            day,
-            UsageEvent.model,
-            UsageEvent.status,
-            batch,
-            func.count().label("requests"),
-            func.coalesce(func.sum(UsageEvent.prompt_tokens), 0).label("prompt"),
-            func.coalesce(func.sum(UsageEvent.cached_tokens), 0).label("cached"),
-            func.coalesce(func.sum(UsageEvent.completion_tokens), 0).label("completion"),
-            func.coalesce(func.sum(UsageEvent.cost_micros), 0).label("cost"),
-        )
-        .where(UsageEvent.tenant_id == tenant.id)
-        .where(UsageEvent.created_at >= period.start, UsageEvent.created_at < period.end)
-        .group_by(day, UsageEvent.model, UsageEvent.status, batch)
-    )
     report = Report(tenant.id, tenant.name, period)
-    for row in await session.execute(query):
+    for row in await ledger.tenant_days(session, tenant.id, period.start, period.end):
         totals = Totals(
             requests=int(row.requests),
             input_tokens=int(row.prompt) - int(row.cached),

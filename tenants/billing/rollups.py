@@ -8,12 +8,12 @@ from __future__ import annotations
 
 from datetime import UTC, date, datetime, time, timedelta
 
-from sqlalchemy import delete, func, insert, literal, select
+from sqlalchemy import delete, insert
 from sqlalchemy.ext.asyncio import AsyncSession
 
+from tenants.billing.ledger import daily_sums
 from tenants.billing.models import DailyUsage
-from tenants.billing.reports import utc_day
-from tenants.models import UsageEvent, utcnow
+from tenants.models import utcnow
 
 ROLLUP_EVERY_S = 300.0  # how often the recent days are rebuilt (Celery beat, or in process)
 
@@ -22,22 +22,7 @@ async def rebuild_days(session: AsyncSession, first: date, last: date) -> int:
     """Replace the rollups of days [first, last]; returns how many rows were written."""
     start = datetime.combine(first, time(), tzinfo=UTC)
     end = datetime.combine(last + timedelta(days=1), time(), tzinfo=UTC)
-    day = utc_day(UsageEvent.created_at, session.get_bind().dialect.name)
-    summed = (
-        select(
-            day,
-            UsageEvent.tenant_id,
-            UsageEvent.model,
-            func.count(),
-            func.sum(UsageEvent.prompt_tokens),
-            func.sum(UsageEvent.cached_tokens),
-            func.sum(UsageEvent.completion_tokens),
-            func.sum(UsageEvent.cost_micros),
-            literal(utcnow()),
-        )
-        .where(UsageEvent.created_at >= start, UsageEvent.created_at < end)
-        .group_by(day, UsageEvent.tenant_id, UsageEvent.model)
-    )
+    summed = daily_sums(session.get_bind().dialect.name, start, end)
     await session.execute(delete(DailyUsage).where(DailyUsage.day.between(first, last)))
     result = await session.execute(
         insert(DailyUsage).from_select(
