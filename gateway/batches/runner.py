@@ -30,7 +30,6 @@ from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
 from gateway.batches.execute import LineOutcome, LineRunner, Retry, batch_priority
 from gateway.core.errors import AuthenticationFailed, InternalError
 from gateway.dispatch.engine_client import EngineClient, InProcessEngineClient
-from gateway.dispatch.remote import RemoteEngineClient
 from gateway.settings import Settings
 from tenants.batches import (
     ACTIVE,
@@ -73,7 +72,9 @@ class BatchRunner:
         self.concurrency = concurrency or engine_slots(engine_client) // 2 or 1
         self.poll_s = poll_s
         # Interactive requests in the engine now; the lines wait while there are any.
-        self.interactive: Callable[[], int] = partial(interactive_work, engine_client)
+        self.interactive: Callable[[], int] = (
+            engine_client.interactive_work if engine_client is not None else lambda: 0
+        )
         self.held_poll_s = held_poll_s
         self.held = False  # the last round started no line: interactive work was in the engine
         self.lease = lease or timedelta(seconds=settings.batch_lease_s)
@@ -285,16 +286,6 @@ def engine_slots(client: EngineClient | None) -> int:
     if isinstance(client, InProcessEngineClient):
         return client.engine.engine.config.seqs_limit
     return REMOTE_SLOTS
-
-
-def interactive_work(client: EngineClient | None) -> int:
-    """Requests below the batch class running or waiting in the engine: the in-process
-    one's count now, the replicas' from their last stats poll (every HEALTH_INTERVAL_S)."""
-    if isinstance(client, InProcessEngineClient):
-        return client.engine.engine.num_interactive()
-    if isinstance(client, RemoteEngineClient):
-        return sum(r.interactive for r in client.replicas if r.healthy)
-    return 0
 
 
 def _record(batch: Batch, line: BatchLine, cancelled: bool) -> dict[str, Any]:

@@ -127,6 +127,11 @@ class EngineClient(Protocol):
         restarted on their own.)"""
         ...
 
+    def interactive_work(self) -> int:
+        """Requests below the batch class running or waiting behind this client (a batch
+        runner starts no line while there are any); 0 where it cannot tell."""
+        ...
+
     async def close(self) -> None: ...
 
 
@@ -218,6 +223,9 @@ class InProcessEngineClient(LocalTokens):
 
     def is_alive(self) -> bool:
         return not self.engine.has_crashed()
+
+    def interactive_work(self) -> int:
+        return self.engine.engine.num_interactive()
 
     async def close(self) -> None:
         await self.engine.shutdown()

@@ -171,6 +171,10 @@ class RemoteEngineClient(LocalTokens):
     def is_alive(self) -> bool:
         return True  # a dead replica is its own supervisor's to restart
 
+    def interactive_work(self) -> int:
+        """From each replica's last stats poll (every HEALTH_INTERVAL_S)."""
+        return sum(r.interactive for r in self.replicas if r.healthy)
+
     async def generate(self, request: GenerateRequest) -> AsyncIterator[RequestOutput]:
         """Replicas run the gateway's tokens, not `source`."""
         request_id = request.request_id

@@ -456,6 +456,9 @@ class OpenAIUpstreamClient:
     def is_alive(self) -> bool:
         return True  # an upstream is its own operator's to restart
 
+    def interactive_work(self) -> int:
+        return 0  # an upstream does not say: its batch lines are not held back
+
     async def refresh(self) -> None:
         """Probe every target: health, and load for routing."""
         await asyncio.gather(*(load.probe(self._http, t) for t in self.targets))
