@@ -602,7 +602,7 @@ class Engine:
         for req in self.scheduler.finish_requests(request_ids, RequestStatus.FINISHED_FAILED):
             req.rejection = kind
             self.num_failed_requests += 1
-            outputs.append(self._finish(req, "", [], [], None))
+            outputs.append(self._finish(req))
             self.abort(req.external_id)
         return outputs
 
@@ -610,7 +610,7 @@ class Engine:
         """Final outputs of requests the policy rejected; their siblings are aborted."""
         outputs = []
         for req in self.scheduler.take_rejected():
-            outputs.append(self._finish(req, "", [], [], None))
+            outputs.append(self._finish(req))
             self.abort(req.external_id)
         return outputs
 
@@ -620,7 +620,7 @@ class Engine:
         live = self.scheduler.requests
         ids = [r.request_id for r in reqs if live.get(r.request_id) is r]
         done = self.scheduler.finish_requests(ids, RequestStatus.FINISHED_ABORTED)
-        return [self._finish(req, "", [], [], None) for req in done]
+        return [self._finish(req) for req in done]
 
     def _observe_drafts(self, batch: SchedulerOutput, result: ModelRunnerOutput) -> None:
         assert self.speculator is not None
@@ -678,7 +678,8 @@ class Engine:
         if status is None:
             return self._output(req, delta, [token], [now], lps)
         self.scheduler.finish_requests([req.request_id], status)
-        return self._finish(req, delta, [token], [now], lps)
+        self._forget(req)
+        return self._output(req, delta, [token], [now], lps)
 
     def _stop_status(self, req: Request, token: int) -> RequestStatus | None:
         p = req.params
@@ -690,14 +691,15 @@ class Engine:
             return RequestStatus.FINISHED_LENGTH
         return None
 
-    def _finish(
-        self,
-        req: Request,
-        text: str,
-        token_ids: list[int],
-        times: list[float],
-        logprobs: list[TokenLogprobs] | None,
-    ) -> RequestOutput:
+    def _finish(self, req: Request) -> RequestOutput:
+        """The last output of a request that ended with no new token (failed, rejected,
+        aborted)."""
+        self._forget(req)
+        return self._output(req, "", [], [], None)
+
+    def _forget(self, req: Request) -> None:
+        """Drop a finished request's state: its drafts, its detokenizer, and its group of
+        completions (n > 1) once every one has finished."""
         if self.speculator is not None:
             self.speculator.forget(req.request_id)
         with self._lock:
@@ -705,7 +707,6 @@ class Engine:
             group = self._groups.get(req.external_id)
             if group is not None and all(r.is_finished for r in group):
                 del self._groups[req.external_id]
-        return self._output(req, text, token_ids, times, logprobs)
 
     def _output(
         self,
