@@ -9,7 +9,7 @@ from typing import Any
 
 from sqlalchemy.ext.asyncio import AsyncSession
 
-from gateway.cli.support import actor, in_session, print_views
+from gateway.cli.support import actor, in_session, print_views, remove_served
 from gateway.settings import Settings
 from tenants.billing.prices import ANY_MODEL, PriceService
 from tenants.errors import InvalidInputError
@@ -118,9 +118,7 @@ def _list(settings: Settings, args: argparse.Namespace) -> int:
 
 
 def _remove(settings: Settings, args: argparse.Namespace) -> int:
-    in_session(settings, lambda session: ModelService(session, actor()).remove(args.name))
-    print(f"removed {args.name} (gateways stop serving it within a few seconds)")
-    return 0
+    return remove_served(settings, ModelService, args.name)
 
 
 def _targets(given: list[str], weights: list[str] | None) -> tuple[Target, ...]:

@@ -1,5 +1,6 @@
 """What every `tollgate` subcommand module shares: the audit actor, one transaction per
-command, listings, and amounts of money typed on the command line."""
+command, removing what the gateways serve, listings, and amounts of money typed on the
+command line."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ import getpass
 import json
 from collections.abc import Awaitable, Callable
 from decimal import Decimal, InvalidOperation
-from typing import Any, TypeVar
+from typing import Any, Protocol, TypeVar
 
 from sqlalchemy.ext.asyncio import AsyncSession
 
@@ -30,6 +31,20 @@ def actor() -> Actor:
 def in_session(settings: Settings, work: Callable[[AsyncSession], Awaitable[T]]) -> T:
     """Run `work` in one transaction: committed when it returns, rolled back when it raises."""
     return db.run_once(settings.database_url, work)
+
+
+class _Removes(Protocol):
+    async def remove(self, name: str) -> None: ...
+
+
+def remove_served(
+    settings: Settings, service: Callable[[AsyncSession, Actor], _Removes], name: str
+) -> int:
+    """Remove a served model or adapter as the CLI's user (audited), and say when that
+    takes effect: every gateway drops it at its next refresh of the registry."""
+    in_session(settings, lambda session: service(session, actor()).remove(name))
+    print(f"removed {name} (gateways stop serving it within a few seconds)")
+    return 0
 
 
 def print_views(
