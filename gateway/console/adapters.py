@@ -11,7 +11,6 @@ from litestar import Controller, Response, get, post
 from litestar.di import NamedDependency
 
 from gateway.console.context import ConsoleAction, ConsolePage
-from gateway.console.render import or_back_to
 from tenants.adapters import AdapterService
 
 HERE = "/admin/adapters"
@@ -32,7 +31,4 @@ class AdaptersController(Controller):
 
     @post("/remove")
     async def remove_adapter(self, action: NamedDependency[ConsoleAction]) -> Response[Any]:
-        name = action.field("name")
-        with or_back_to(HERE):
-            await AdapterService(action.db, action.actor).remove(name)
-        return action.back(HERE, f"Removed {name}.")
+        return await action.remove(HERE, AdapterService(action.db, action.actor).remove)

@@ -6,6 +6,7 @@ CSRF-checked: signing out, verifying the audit chain)."""
 
 from __future__ import annotations
 
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -20,7 +21,7 @@ from gateway.console.auth import (
     provide_console,
     provide_form,
 )
-from gateway.console.render import back_to, page, query_text
+from gateway.console.render import back_to, or_back_to, page, query_text
 from gateway.dispatch.engine_client import EngineClient
 from gateway.http.deps import MaybeEngine
 from gateway.settings import Settings
@@ -66,6 +67,14 @@ class ConsoleAction(ConsolePage):
     def back(self, path: str, message: str, kind: str = "ok") -> Response[Any]:
         """Post/redirect/get: go to `path` with a one-time notice."""
         return back_to(self.request, path, message, kind)
+
+    async def remove(self, path: str, remove: Callable[[str], Awaitable[object]]) -> Response[Any]:
+        """Remove what the form's `name` field names, then back to `path` saying so (or
+        with the reason it was refused)."""
+        name = self.field("name")
+        with or_back_to(path):
+            await remove(name)
+        return self.back(path, f"Removed {name}.")
 
 
 def provide_page(

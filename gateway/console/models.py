@@ -68,7 +68,4 @@ class ModelsController(Controller):
 
     @post("/remove")
     async def remove_model(self, action: NamedDependency[ConsoleAction]) -> Response[Any]:
-        name = action.field("name")
-        with or_back_to(HERE):
-            await ModelService(action.db, action.actor).remove(name)
-        return action.back(HERE, f"Removed {name}.")
+        return await action.remove(HERE, ModelService(action.db, action.actor).remove)
