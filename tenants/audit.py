@@ -126,38 +126,25 @@ async def record(
     tenant_id: str | None = None,
     details: Mapping[str, object] | None = None,
     context: AuditContext | None = None,
-) -> AuditEvent:
-    """Append an event in the caller's transaction: it commits with the change it records,
-    or not at all. Never put secrets in `details`."""
-    await _lock_chain(session)
-    return await _append(session, actor, action, target, tenant_id, details, context)
-
-
-async def record_unless_recent(
-    session: AsyncSession,
-    *,
-    within: timedelta,
-    actor: str,
-    action: str,
-    target: str,
-    tenant_id: str | None = None,
-    details: Mapping[str, object] | None = None,
-    context: AuditContext | None = None,
+    unless_within: timedelta | None = None,
 ) -> AuditEvent | None:
-    """Like `record`, unless an event with this action and target is younger than `within`
-    (rate-limits noisy security events, e.g. one per revoked key per minute)."""
+    """Append an event in the caller's transaction: it commits with the change it records,
+    or not at all. Never put secrets in `details`. `unless_within`: append nothing (None)
+    while an event with this action and target is younger than that (rate-limits noisy
+    security events, e.g. one per revoked key per minute)."""
     await _lock_chain(session)
-    recent = await session.scalar(
-        select(AuditEvent.id)
-        .where(
-            AuditEvent.action == action,
-            AuditEvent.target == target,
-            AuditEvent.occurred_at > utcnow() - within,
+    if unless_within is not None:
+        recent = await session.scalar(
+            select(AuditEvent.id)
+            .where(
+                AuditEvent.action == action,
+                AuditEvent.target == target,
+                AuditEvent.occurred_at > utcnow() - unless_within,
+            )
+            .limit(1)
         )
-        .limit(1)
-    )
-    if recent is not None:
-        return None
+        if recent is not None:
+            return None
     return await _append(session, actor, action, target, tenant_id, details, context)
 
 

@@ -280,15 +280,15 @@ class ApiKeyService(Audited):
         if not keys.matches(secret, key.key_hash):
             return None
         if key.status != KeyStatus.ACTIVE:
-            await audit.record_unless_recent(
+            await audit.record(
                 self.session,
-                within=REVOKED_KEY_AUDIT_INTERVAL,
                 actor=f"key:{key.prefix}",
                 action="auth.revoked_key",
                 target=f"key:{key.prefix}",
                 tenant_id=key.tenant_id,
                 details={"key_id": key.id},
                 context=context,
+                unless_within=REVOKED_KEY_AUDIT_INTERVAL,
             )
             return None
         now = now or utcnow()

@@ -87,13 +87,13 @@ async def attempt(
             context=context,
         )
     else:  # names an attacker made up are not worth an event each
-        await audit.record_unless_recent(
+        await audit.record(
             session,
-            within=timedelta(minutes=1),
             actor="console:unknown",
             action=FAILED,
             target="admin:unknown",
             context=context,
+            unless_within=timedelta(minutes=1),
         )
     return None
 

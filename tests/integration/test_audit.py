@@ -552,11 +552,15 @@ async def test_services_audit_as_system_by_default(sessions: Sessions) -> None:
     ]
 
 
-async def test_record_unless_recent_rate_limits_per_action_and_target(sessions: Sessions) -> None:
+async def test_record_unless_within_rate_limits_per_action_and_target(sessions: Sessions) -> None:
     async def attempt(target: str, within: timedelta) -> bool:
         async with sessions.begin() as session:
-            event = await audit.record_unless_recent(
-                session, within=within, actor="key:k", action="auth.revoked_key", target=target
+            event = await audit.record(
+                session,
+                actor="key:k",
+                action="auth.revoked_key",
+                target=target,
+                unless_within=within,
             )
         return event is not None
 
