@@ -9,30 +9,24 @@ from typing import Any
 
 from sqlalchemy.ext.asyncio import AsyncSession
 
-from gateway.cli.support import actor, in_session, print_views, remove_served
+from gateway.cli.support import actor, command, group, in_session, print_views, remove_served
 from gateway.settings import Settings
 from tenants.adapters import AdapterService, adapter_view
 
 
 def add_commands(commands: Any) -> None:
-    adapters = commands.add_parser("adapters", help="tenants' LoRA adapters").add_subparsers(
-        required=True
-    )
-    add = adapters.add_parser("add", help="give a tenant a LoRA adapter (a PEFT folder)")
+    adapters = group(commands, "adapters", "tenants' LoRA adapters")
+    add = command(adapters, "add", "give a tenant a LoRA adapter (a PEFT folder)", _add)
     add.add_argument("name", help="what the tenant names in `model`")
     add.add_argument("--base", required=True, help="the served model it adapts")
     add.add_argument(
         "--path", required=True, help="absolute PEFT folder (adapter_config.json + weights)"
     )
     add.add_argument("--tenant", required=True, help="the tenant that owns it")
-    add.set_defaults(handler=_add)
-    listing = adapters.add_parser("list", help="adapters, every tenant's or one's")
+    listing = command(adapters, "list", "adapters, every tenant's or one's", _list)
     listing.add_argument("--tenant", help="only this tenant's")
     listing.add_argument("--json", action="store_true", help="as JSON")
-    listing.set_defaults(handler=_list)
-    remove = adapters.add_parser("remove", help="remove an adapter")
-    remove.add_argument("name")
-    remove.set_defaults(handler=_remove)
+    command(adapters, "remove", "remove an adapter", _remove).add_argument("name")
 
 
 def _add(settings: Settings, args: argparse.Namespace) -> int:

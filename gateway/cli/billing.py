@@ -11,7 +11,7 @@ from typing import Any
 from sqlalchemy.ext.asyncio import AsyncSession
 
 from gateway.billing.stripe import export_once
-from gateway.cli.support import actor, in_session, micros
+from gateway.cli.support import actor, command, group, in_session, micros
 from gateway.settings import Settings
 from tenants.billing.customers import StripeCustomerService
 from tenants.billing.models import PriceVersion
@@ -27,13 +27,11 @@ from tenants.services import TenantService
 
 def add_commands(commands: Any) -> None:
     """Register the subcommands on the CLI's top-level subparsers."""
-    billing = commands.add_parser("billing", help="usage reports and Stripe export")
-    billing_commands = billing.add_subparsers(required=True)
-    report = billing_commands.add_parser("report", help="a tenant's usage and spend for a month")
+    billing = group(commands, "billing", "usage reports and Stripe export")
+    report = command(billing, "report", "a tenant's usage and spend for a month", _billing_report)
     report.add_argument("--tenant", required=True)
     report.add_argument("--period", type=_period, help="YYYY-MM, UTC (default: this month)")
     report.add_argument("--format", choices=("table", "json", "csv"), default="table")
-    report.set_defaults(handler=_billing_report)
     for name, summary, handler in (  # these take no arguments
         ("export", "send pending usage to Stripe now (TOLLGATE_STRIPE_API_KEY)", _billing_export),
         ("status", "outbox rows pending, exported and failed; the oldest pending", _billing_status),
@@ -48,9 +46,12 @@ def add_commands(commands: Any) -> None:
             _billing_unconfirmed,
         ),
     ):
-        billing_commands.add_parser(name, help=summary).set_defaults(handler=handler)
-    resolve = billing_commands.add_parser(
-        "resolve", help="settle the unconfirmed rows once you checked them in Stripe"
+        command(billing, name, summary, handler)
+    resolve = command(
+        billing,
+        "resolve",
+        "settle the unconfirmed rows once you checked them in Stripe",
+        _billing_resolve,
     )
     found = resolve.add_mutually_exclusive_group(required=True)
     found.add_argument("--in-stripe", action="store_true", help="they are there: mark exported")
@@ -60,23 +61,25 @@ def add_commands(commands: Any) -> None:
     resolve.add_argument(
         "--row", type=int, action="append", help="only this outbox row id (repeatable)"
     )
-    resolve.set_defaults(handler=_billing_resolve)
-    billing_commands.add_parser(
-        "too-old", help="rows older than Stripe accepts (35 days), per tenant: bill them by hand"
-    ).set_defaults(handler=_billing_too_old)
-    customer = billing_commands.add_parser(
-        "customer", help="show, or --link, the Stripe customer a tenant is billed as"
+    command(
+        billing,
+        "too-old",
+        "rows older than Stripe accepts (35 days), per tenant: bill them by hand",
+        _billing_too_old,
+    )
+    customer = command(
+        billing,
+        "customer",
+        "show, or --link, the Stripe customer a tenant is billed as",
+        _billing_customer,
     )
     customer.add_argument("--tenant", required=True)
     customer.add_argument("--link", metavar="CUSTOMER_ID", help="an existing cus_… id")
-    customer.set_defaults(handler=_billing_customer)
 
-    prices = commands.add_parser("prices", help="the price book").add_subparsers(required=True)
-    list_prices = prices.add_parser("list", help="every price version")
-    list_prices.add_argument("--model")
-    list_prices.set_defaults(handler=_prices_list)
-    set_price = prices.add_parser(
-        "set", help="add a price version (amounts per million tokens, e.g. 0.10)"
+    prices = group(commands, "prices", "the price book")
+    command(prices, "list", "every price version", _prices_list).add_argument("--model")
+    set_price = command(
+        prices, "set", "add a price version (amounts per million tokens, e.g. 0.10)", _prices_set
     )
     set_price.add_argument("--model", required=True, help="model name, or '*' for every model")
     set_price.add_argument("--input", type=_per_mtok, required=True)
@@ -85,7 +88,6 @@ def add_commands(commands: Any) -> None:
     set_price.add_argument(
         "--effective", type=_day, help="YYYY-MM-DD, from midnight UTC (default: now)"
     )
-    set_price.set_defaults(handler=_prices_set)
 
 
 def _period(text: str) -> Period:

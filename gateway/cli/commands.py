@@ -21,7 +21,7 @@ from gateway.cli import billing as billing_cli
 from gateway.cli import capacity as capacity_cli
 from gateway.cli import models as models_cli
 from gateway.cli import quota as quota_cli
-from gateway.cli.support import actor, in_session, micros
+from gateway.cli.support import actor, command, group, in_session, micros
 from gateway.settings import Settings, SettingsError, engine_knobs, gateway_engine_defaults
 from tenants import audit, db
 from tenants.admins import AdminService
@@ -62,124 +62,107 @@ def _parser() -> argparse.ArgumentParser:
 
 def _add_serve_commands(commands: Any) -> None:
     """`serve` and `backend serve`: the gateway and engine processes."""
-    serve = commands.add_parser("serve", help="run the gateway with the in-process engine")
+    serve = command(commands, "serve", "run the gateway with the in-process engine", _serve)
     serve.add_argument("--host", help="interface to bind (TOLLGATE_HOST, default 127.0.0.1)")
     serve.add_argument("--port", type=int, help="port (TOLLGATE_PORT, default 8000)")
     serve.add_argument("--model", type=Path, help="checkpoint folder (TOLLGATE_MODEL)")
     engine_knobs.add_flags(serve, gateway_engine_defaults())
-    serve.set_defaults(handler=_serve)
-
-    backend = commands.add_parser("backend", help="inference backend replicas")
-    backend_commands = backend.add_subparsers(required=True)
-    backend_serve = backend_commands.add_parser("serve", help=backend_cli.HELP)
-    backend_cli.add_flags(backend_serve)
-    backend_serve.set_defaults(handler=backend_cli.run)
+    backend = group(commands, "backend", "inference backend replicas")
+    backend_cli.add_flags(command(backend, "serve", backend_cli.HELP, backend_cli.run))
 
 
 def _add_db_commands(commands: Any) -> None:
     """`db …`: the schema, and the application role."""
-    database = commands.add_parser("db", help="database schema").add_subparsers(required=True)
-    upgrade = database.add_parser("upgrade", help="apply migrations")
+    database = group(commands, "db", "database schema")
+    upgrade = command(database, "upgrade", "apply migrations", _db_upgrade)
     upgrade.add_argument("revision", nargs="?", default="head")
-    upgrade.set_defaults(handler=_db_upgrade)
-    downgrade = database.add_parser("downgrade", help="revert migrations")
-    downgrade.add_argument("revision")
-    downgrade.set_defaults(handler=_db_downgrade)
-    database.add_parser("current", help="show the applied revision").set_defaults(
-        handler=_db_current
-    )
-    grant = database.add_parser(
+    command(database, "downgrade", "revert migrations", _db_downgrade).add_argument("revision")
+    command(database, "current", "show the applied revision", _db_current)
+    grant = command(
+        database,
         "grant-app-role",
-        help="PostgreSQL: let an existing role run the gateway (no UPDATE/DELETE on the audit log)",
+        "PostgreSQL: let an existing role run the gateway (no UPDATE/DELETE on the audit log)",
+        _db_grant_app_role,
     )
     grant.add_argument("--role", required=True, help="the role the gateway connects as")
-    grant.set_defaults(handler=_db_grant_app_role)
 
 
 def _add_audit_commands(commands: Any) -> None:
     """`audit …`: verify and list the audit log."""
-    audit_log = commands.add_parser("audit", help="the tamper-evident audit log")
-    audit_commands = audit_log.add_subparsers(required=True)
-    verify = audit_commands.add_parser(
-        "verify", help="check the hash chain; exit 1 naming the first bad event"
+    audit_log = group(commands, "audit", "the tamper-evident audit log")
+    verify = command(
+        audit_log,
+        "verify",
+        "check the hash chain; exit 1 naming the first bad event",
+        _audit_verify,
     )
     verify.add_argument("--anchor", type=_anchor, help="ID:HASH printed by an earlier verify")
-    verify.set_defaults(handler=_audit_verify)
-    list_events = audit_commands.add_parser("list", help="recent events, newest first")
+    list_events = command(audit_log, "list", "recent events, newest first", _audit_list)
     list_events.add_argument("--tenant", help="tenant name")
     list_events.add_argument("--action", help="e.g. key.revoke, auth.failures")
     list_events.add_argument("--actor", help="e.g. key:tg-AbCd1234, cli:alice")
     list_events.add_argument("--since", type=_iso_time, help="ISO 8601 time, UTC if no zone")
     list_events.add_argument("--limit", type=int, default=50)
-    list_events.set_defaults(handler=_audit_list)
 
 
 def _add_plan_commands(commands: Any) -> None:
     """`plans …`."""
-    plans = commands.add_parser("plans", help="plans and their limits").add_subparsers(
-        required=True
-    )
-    create_plan = plans.add_parser("create", help="create a plan")
+    plans = group(commands, "plans", "plans and their limits")
+    create_plan = command(plans, "create", "create a plan", _plans_create)
     create_plan.add_argument("name")
     _plan_flags(create_plan)
-    create_plan.set_defaults(handler=_plans_create)
-    update_plan = plans.add_parser("update", help="change a plan (flags not given stay)")
+    update_plan = command(plans, "update", "change a plan (flags not given stay)", _plans_update)
     update_plan.add_argument("name")
     _plan_flags(update_plan)
-    update_plan.set_defaults(handler=_plans_update)
-    plans.add_parser("list", help="list plans").set_defaults(handler=_plans_list)
+    command(plans, "list", "list plans", _plans_list)
 
 
 def _add_tenant_commands(commands: Any) -> None:
     """`tenants …`."""
-    tenants = commands.add_parser("tenants", help="tenants").add_subparsers(required=True)
-    create_tenant = tenants.add_parser("create", help="create a tenant")
+    tenants = group(commands, "tenants", "tenants")
+    create_tenant = command(tenants, "create", "create a tenant", _tenants_create)
     create_tenant.add_argument("name")
     create_tenant.add_argument("--plan", help="plan name (default: none, i.e. unlimited)")
-    create_tenant.set_defaults(handler=_tenants_create)
-    tenants.add_parser("list", help="list tenants").set_defaults(handler=_tenants_list)
-    set_plan = tenants.add_parser("set-plan", help="move a tenant to a plan ('none': unlimited)")
+    command(tenants, "list", "list tenants", _tenants_list)
+    set_plan = command(
+        tenants, "set-plan", "move a tenant to a plan ('none': unlimited)", _tenants_set_plan
+    )
     set_plan.add_argument("name")
     set_plan.add_argument("plan")
-    set_plan.set_defaults(handler=_tenants_set_plan)
 
 
 def _add_key_commands(commands: Any) -> None:
     """`keys …`."""
-    api_keys = commands.add_parser("keys", help="API keys").add_subparsers(required=True)
-    create_key = api_keys.add_parser("create", help="create a key (printed once)")
+    api_keys = group(commands, "keys", "API keys")
+    create_key = command(api_keys, "create", "create a key (printed once)", _keys_create)
     create_key.add_argument("--tenant", required=True)
     create_key.add_argument("--name", default="")
     create_key.add_argument("--admin", action="store_true", help="may also administer")
-    create_key.set_defaults(handler=_keys_create)
-    list_keys = api_keys.add_parser("list", help="list keys (prefixes only)")
-    list_keys.add_argument("--tenant")
-    list_keys.set_defaults(handler=_keys_list)
-    key_limits = api_keys.add_parser(
-        "limits", help="override the plan's limits for one key ('none' clears an override)"
+    command(api_keys, "list", "list keys (prefixes only)", _keys_list).add_argument("--tenant")
+    key_limits = command(
+        api_keys,
+        "limits",
+        "override the plan's limits for one key ('none' clears an override)",
+        _keys_limits,
     )
     key_limits.add_argument("key", help="key id or prefix")
     _limit_flags(key_limits)
-    key_limits.set_defaults(handler=_keys_limits)
-    revoke = api_keys.add_parser("revoke", help="revoke a key by id or prefix")
-    revoke.add_argument("key")
-    revoke.set_defaults(handler=_keys_revoke)
+    command(api_keys, "revoke", "revoke a key by id or prefix", _keys_revoke).add_argument("key")
 
 
 def _add_admin_commands(commands: Any) -> None:
     """`admins …`: console administrators."""
-    admins = commands.add_parser("admins", help="console administrators").add_subparsers(
-        required=True
-    )
-    create_admin = admins.add_parser(
+    admins = group(commands, "admins", "console administrators")
+    create_admin = command(
+        admins,
         "create",
-        help="create a console administrator; the password comes from "
+        "create a console administrator; the password comes from "
         "TOLLGATE_ADMIN_PASSWORD, else stdin when piped, else a prompt",
+        _admins_create,
     )
     create_admin.add_argument("--email", required=True)
     create_admin.add_argument("--role", choices=["owner", "viewer"], default="viewer")
-    create_admin.set_defaults(handler=_admins_create)
-    admins.add_parser("list", help="list console administrators").set_defaults(handler=_admins_list)
+    command(admins, "list", "list console administrators", _admins_list)
 
 
 def _optional_int(text: str) -> int | None:

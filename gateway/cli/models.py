@@ -9,7 +9,7 @@ from typing import Any
 
 from sqlalchemy.ext.asyncio import AsyncSession
 
-from gateway.cli.support import actor, in_session, print_views, remove_served
+from gateway.cli.support import actor, command, group, in_session, print_views, remove_served
 from gateway.settings import Settings
 from tenants.billing.prices import ANY_MODEL, PriceService
 from tenants.errors import InvalidInputError
@@ -25,23 +25,18 @@ OPTIONAL = {  # flag dest -> the ModelSpec field it sets
 
 
 def add_commands(commands: Any) -> None:
-    models = commands.add_parser("models", help="the model registry").add_subparsers(required=True)
-    add = models.add_parser("add", help="serve a model from Tollgate replicas or an upstream")
+    models = group(commands, "models", "the model registry")
+    add = command(models, "add", "serve a model from Tollgate replicas or an upstream", _add)
     add.add_argument("name")
     _model_flags(add, kind_required=True)
-    add.set_defaults(handler=_add)
-    update = models.add_parser(
-        "update", help=f"change a model (flags not given stay; '{CLEAR}' clears one)"
+    update = command(
+        models, "update", f"change a model (flags not given stay; '{CLEAR}' clears one)", _update
     )
     update.add_argument("name")
     _model_flags(update, kind_required=False)
-    update.set_defaults(handler=_update)
-    listing = models.add_parser("list", help="the registry's models")
+    listing = command(models, "list", "the registry's models", _list)
     listing.add_argument("--json", action="store_true", help="as JSON")
-    listing.set_defaults(handler=_list)
-    remove = models.add_parser("remove", help="stop serving a model")
-    remove.add_argument("name")
-    remove.set_defaults(handler=_remove)
+    command(models, "remove", "stop serving a model", _remove).add_argument("name")
 
 
 def _model_flags(parser: argparse.ArgumentParser, *, kind_required: bool) -> None:

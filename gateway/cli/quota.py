@@ -10,6 +10,7 @@ from dataclasses import asdict
 from typing import Any
 
 from gateway.admission.reconcile import Rebuilder, Rebuilt
+from gateway.cli.support import command, group
 from gateway.settings import Settings
 from tenants import db
 from tenants.quota import open_quota_store
@@ -19,14 +20,14 @@ _PERIOD = re.compile(r"^\d{4}-(0[1-9]|1[0-2])$")
 
 def add_commands(commands: Any) -> None:
     """Register the subcommands on the CLI's top-level subparsers."""
-    quota = commands.add_parser("quota", help="the quota store (TOLLGATE_REDIS_URL)")
-    quota_commands = quota.add_subparsers(required=True)
-    rebuild = quota_commands.add_parser(
+    quota = group(commands, "quota", "the quota store (TOLLGATE_REDIS_URL)")
+    rebuild = command(
+        quota,
         "rebuild",
-        help="set every tenant's and key's spent from the ledger (safe while gateways run)",
+        "set every tenant's and key's spent from the ledger (safe while gateways run)",
+        _quota_rebuild,
     )
     rebuild.add_argument("--period", type=_period, help="YYYY-MM, UTC (default: this month)")
-    rebuild.set_defaults(handler=_quota_rebuild)
 
 
 def _period(text: str) -> str:

@@ -1,6 +1,6 @@
-"""What every `tollgate` subcommand module shares: the audit actor, one transaction per
-command, removing what the gateways serve, listings, and amounts of money typed on the
-command line."""
+"""What every `tollgate` subcommand module shares: registering commands, the audit actor,
+one transaction per command, removing what the gateways serve, listings, and amounts of
+money typed on the command line."""
 
 from __future__ import annotations
 
@@ -18,6 +18,21 @@ from tenants import db
 from tenants.audit import Actor
 
 T = TypeVar("T")
+
+
+Handler = Callable[[Settings, argparse.Namespace], int]
+
+
+def group(commands: Any, name: str, summary: str) -> Any:
+    """`tollgate NAME …`: a command whose own commands are added to what it returns."""
+    return commands.add_parser(name, help=summary).add_subparsers(required=True)
+
+
+def command(commands: Any, name: str, summary: str, handler: Handler) -> argparse.ArgumentParser:
+    """A command that runs `handler(settings, args)`; its flags go on what it returns."""
+    parser: argparse.ArgumentParser = commands.add_parser(name, help=summary)
+    parser.set_defaults(handler=handler)
+    return parser
 
 
 def actor() -> Actor:
