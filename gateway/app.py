@@ -260,7 +260,7 @@ def open_admission(
     stack.push_async_callback(rebuilder.close)
     admission.rebuilds = rebuilder
     rebuilder.ensure()
-    _started(stack, Upkeep(sessions, store, settings.lease_s, rebuilder).periodic())
+    _started(stack, Upkeep(rebuilder).periodic())
     return admission
 
 

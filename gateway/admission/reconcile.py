@@ -201,19 +201,10 @@ def _log_failure(task: asyncio.Task[Rebuilt]) -> None:
 
 
 class Upkeep:
-    """Periodic jobs of one gateway process. They are idempotent, so replicas running
-    them side by side do no harm."""
+    """Periodic jobs of one gateway process, on the rebuilder's database and store. They
+    are idempotent, so replicas running them side by side do no harm."""
 
-    def __init__(
-        self,
-        sessions: async_sessionmaker[AsyncSession],
-        store: QuotaStore,
-        lease_s: float,
-        rebuilder: Rebuilder,
-    ) -> None:
-        self.sessions = sessions
-        self.store = store
-        self.lease_s = lease_s
+    def __init__(self, rebuilder: Rebuilder) -> None:
         self.rebuilder = rebuilder
 
     async def reconcile_period(self) -> None:
@@ -221,14 +212,14 @@ class Upkeep:
         await self.rebuilder.ensure()
 
     async def clean_idempotency(self) -> None:
-        async with self.sessions.begin() as session:
+        async with self.rebuilder.sessions.begin() as session:
             await IdempotencyService(session).delete_expired()
 
     def periodic(self) -> Periodic:
         return Periodic(
             [
                 (self.reconcile_period, RECONCILE_EVERY_S),
-                (self.store.expire_leases, self.lease_s),
+                (self.rebuilder.store.expire_leases, self.rebuilder.lease_s),
                 (self.clean_idempotency, 3600.0),
             ]
         )
