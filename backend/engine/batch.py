@@ -34,6 +34,8 @@ class ScheduledRequest:
     # the row samples at each of its last num_drafts + 1 positions.
     num_drafts: int = 0
     lora_slot: int = -1  # the LoRA adapter's device slot (backend/engine/lora.py); -1: none
+    # How often the request was preempted: its KV (a draft model's too) was freed each time.
+    num_preemptions: int = 0
 
 
 @dataclass(frozen=True)

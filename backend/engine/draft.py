@@ -4,13 +4,18 @@ target verifies them.
 
 Its KV cache is paged like the target's and shares the target's block tables: a pool of
 the same number of blocks, in which block b holds the draft's keys and values for the
-same tokens as the target's block b. So the block manager's accounting, the prefix cache
-(a hit block holds both models' KV), preemption and the rollback of rejected slots cover
-it unchanged. To keep that true the draft computes every token the target computes
-(prompt chunks included: the small model's share of each step), and after a step whose
-drafts were all accepted its next decode row recomputes the position before the last
-token too: the draft never saw its own last draft as input. (Only then: a two-token row
-costs a CPU a prompt's path through attention, several times a decode row's.)"""
+same positions as the target's block b. So the block manager's accounting, preemption
+and the rollback of rejected slots cover it unchanged.
+
+The draft computes a request's tokens only when the request drafts: while drafting is
+paused (or the row cannot draft, or is a prompt chunk) its KV lags behind the target's,
+and the next step that drafts catches it up with one pass over the tokens it missed
+(prefill-style: many tokens a row, far cheaper per token than a pass a step). It knows
+where each request's draft KV ends (`_done`): from 0 for a new request (a prefix-cache
+hit holds the target's KV, the draft's only if a drafting request wrote it) and after a
+preemption (the blocks were freed); after a verification, up to the accepted drafts its
+draft steps computed (the last draft of a row whose every draft passed was never its
+input)."""
 
 from __future__ import annotations
 
@@ -35,9 +40,6 @@ from backend.models.llama import LlamaForCausalLM
 
 # The runner's ModelRunner._prepare: a batch's input ids, positions and metadata.
 Prepare = Callable[[SchedulerOutput], tuple[torch.Tensor, torch.Tensor, AttentionMetadata]]
-# What writes the step in flight's sampled tokens over a batch's PLACEHOLDER input ids on
-# the device (async scheduling), for that batch; None when it has none.
-PatchFor = Callable[[SchedulerOutput], Callable[[torch.Tensor], object] | None]
 
 
 class DraftModel:
@@ -50,6 +52,7 @@ class DraftModel:
         device: torch.device,
         max_positions: int,
         backend: AttentionBackend,
+        max_tokens: int,
     ) -> None:
         self.config = load_model_config(model_dir)
         if self.config.vocab_size != target.vocab_size:
@@ -73,9 +76,12 @@ class DraftModel:
         # own; `use_graphs` follows the runner's switch.
         self.graphs: DecodeGraphs | None = None
         self.use_graphs = True
-        # Requests whose last verification accepted every draft: the KV of the last
-        # draft's position is missing from the draft's cache until their next step.
-        self.behind: set[str] = set()
+        self.max_tokens = max_tokens  # the most tokens of one catch-up pass
+        # request -> (its preemption count, positions 0..n-1 whose KV the draft holds)
+        self._done: dict[str, tuple[int, int]] = {}
+        # Rows drafted this step: (end of the real tokens, end of the KV the draft steps wrote)
+        self._fed: dict[str, tuple[int, int]] = {}
+        self.passes = 0  # forward passes of the draft (catch-ups and draft steps)
 
     def allocate(self, num_blocks: int, block_size: int, kv_dtype: torch.dtype) -> None:
         """Its pool, in the target's KV dtype (a quantized cache quantizes both)."""
@@ -87,33 +93,24 @@ class DraftModel:
         batch: SchedulerOutput,
         prepare: Prepare,
         generators: dict[str, torch.Generator | None],
-        patch_for: PatchFor | None = None,
         tables: DeviceBlockTables | None = None,
     ) -> torch.Tensor | None:
-        """Mirror the step's tokens into the draft's cache, then fill each row's draft
-        placeholders (the last num_drafts of its token_ids) with tokens drawn from the
-        draft's distribution q (greedy rows: its argmax). Returns q of every draft token,
-        [rows with drafts, K, vocab], for the verifier; None when no row drafts.
-        `patch_for`: async scheduling's patch of input ids still on the device (rows
-        without drafts only: a row drafts only when all its tokens are known). `tables`:
-        the runner's device block tables, for the draft steps' graph replays."""
+        """Catch the draft's cache up on the tokens of each row with drafts, then fill its
+        draft placeholders (the last num_drafts of its token_ids) with tokens drawn from
+        the draft's distribution q (greedy rows: its argmax). Returns q of every draft
+        token, [rows with drafts, K, vocab], for the verifier; None (and no pass of the
+        draft at all) when no row drafts. `tables`: the runner's device block tables, for
+        the draft steps' graph replays."""
         assert self.kv_cache is not None
         spec = [r for r in batch.requests if r.num_drafts]
-        first = SchedulerOutput([self._mirrored(r) for r in batch.requests])
-        hidden = self._run(first, prepare, None if patch_for is None else patch_for(first))
         if not spec:
             return None
-        ends, end = [], 0
-        for r in first.requests:
-            end += len(r.token_ids)
-            if r.num_drafts:
-                ends.append(end - 1)
         k = max(r.num_drafts for r in spec)
         vocab = self.config.vocab_size
         sampling = SamplingTensors.build([r.params for r in spec], vocab, self.device)
         gens = [generators.get(r.request_id) for r in spec]
         q = torch.zeros(len(spec), k, vocab, device=self.device)
-        logits = self.model.logits(hidden[torch.tensor(ends, device=self.device)])
+        logits = self.model.logits(self._catch_up(spec, prepare))
         for j in range(k):
             probs = sampling_probs(logits, sampling)
             q[:, j] = probs
@@ -126,28 +123,63 @@ class DraftModel:
             rows = [_draft_row(r, j) for r in spec]
             graphs = self.graphs if self.use_graphs else None
             if graphs is not None and tables is not None and graphs.takes(rows):
+                self.passes += 1
                 hidden = graphs.replay_rows(rows, tables)
             else:
                 hidden = self._run(SchedulerOutput(rows), prepare)
             logits = self.model.logits(hidden)
+        for r in spec:  # the draft steps wrote the KV of its first k - 1 drafts
+            real_end = r.start_pos + len(r.token_ids) - r.num_drafts
+            self._fed[r.request_id] = (real_end, real_end + min(r.num_drafts, k - 1))
         return q
 
-    def _mirrored(self, r: ScheduledRequest) -> ScheduledRequest:
-        """The row's real tokens (no drafts), from one position earlier for a decode row
-        whose last draft was accepted without the draft having computed it."""
-        real = r.token_ids[: len(r.token_ids) - r.num_drafts]
-        behind = r.request_id in self.behind
-        self.behind.discard(r.request_id)
-        before = _token_at(r, r.start_pos - 1) if behind and len(real) == 1 else None
-        if before is None:
-            return replace(r, token_ids=real)
-        return replace(r, token_ids=[before, *real], start_pos=r.start_pos - 1)
+    def _catch_up(self, spec: list[ScheduledRequest], prepare: Prepare) -> torch.Tensor:
+        """One pass (chunks of at most max_tokens) over each row's tokens the draft has
+        not computed: those since it last drafted, and the row's own. Returns the hidden
+        state of each row's last real token, [len(spec), hidden]."""
+        pieces: list[list[ScheduledRequest]] = [[]]
+        used = 0
+        last: list[tuple[int, int]] = []  # each row's (pass, index) of its last token
+        for r in spec:
+            start, tokens = self._missing(r)
+            at = 0
+            while at < len(tokens):
+                if used == self.max_tokens:
+                    pieces.append([])
+                    used = 0
+                take = min(self.max_tokens - used, len(tokens) - at)
+                piece = tokens[at : at + take]
+                pieces[-1].append(replace(r, token_ids=piece, start_pos=start + at))
+                at, used = at + take, used + take
+            last.append((len(pieces) - 1, used - 1))
+            self._done[r.request_id] = (r.num_preemptions, start + len(tokens))
+        hidden = [self._run(SchedulerOutput(rows), prepare) for rows in pieces]
+        return torch.stack([hidden[p][i] for p, i in last])
 
-    def verified(self, request_id: str, num_drafts: int, num_accepted: int) -> None:
-        """A row's verification: with every draft accepted, its next row recomputes the
-        last one."""
-        if num_accepted == num_drafts:
-            self.behind.add(request_id)
+    def _missing(self, r: ScheduledRequest) -> tuple[int, list[int]]:
+        """Where the draft's cache of the row's request ends, and the tokens from there to
+        the row's last real one. From 0 after a preemption (its blocks were freed, the
+        draft's KV with them) and for a new request (a prefix-cache hit holds the
+        target's KV, and the draft's only if a request that drafted wrote it)."""
+        epoch, done = self._done.get(r.request_id, (r.num_preemptions, 0))
+        done = min(done, r.start_pos) if epoch == r.num_preemptions else 0
+        real = r.token_ids[: len(r.token_ids) - r.num_drafts]
+        return done, _history(r, done, r.start_pos) + real
+
+    def verified(self, request_id: str, num_accepted: int) -> None:
+        """A row's verification: the draft's cache holds its real tokens and the accepted
+        drafts the draft steps computed (all but the last when every one passed)."""
+        fed = self._fed.pop(request_id, None)
+        if fed is not None:
+            real_end, end = fed
+            epoch, _ = self._done[request_id]
+            self._done[request_id] = (epoch, min(end, real_end + num_accepted))
+
+    def forget(self, request_ids: list[str]) -> None:
+        """Requests that left: nothing of theirs is kept."""
+        for request_id in request_ids:
+            self._done.pop(request_id, None)
+            self._fed.pop(request_id, None)
 
     def forward(
         self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata
@@ -156,15 +188,9 @@ class DraftModel:
         hidden: torch.Tensor = self.model(input_ids, positions, self.kv_cache, meta)
         return hidden
 
-    def _run(
-        self,
-        batch: SchedulerOutput,
-        prepare: Prepare,
-        patch: Callable[[torch.Tensor], object] | None = None,
-    ) -> torch.Tensor:
+    def _run(self, batch: SchedulerOutput, prepare: Prepare) -> torch.Tensor:
+        self.passes += 1
         input_ids, positions, meta = prepare(batch)
-        if patch is not None:
-            patch(input_ids)
         return self.forward(input_ids, positions, meta)
 
 
@@ -176,12 +202,10 @@ def _draft_row(r: ScheduledRequest, j: int) -> ScheduledRequest:
     return replace(r, token_ids=[r.token_ids[real + at]], start_pos=r.start_pos + real + at)
 
 
-def _token_at(r: ScheduledRequest, position: int) -> int | None:
-    """The row's token at `position`; None where its history has none (position -1, or
-    the warm-up's synthetic rows)."""
-    prompt = len(r.prompt_token_ids)
-    if 0 <= position < prompt:
-        return r.prompt_token_ids[position]
-    if 0 <= position - prompt < len(r.output_token_ids):
-        return r.output_token_ids[position - prompt]
-    return None
+def _history(r: ScheduledRequest, start: int, end: int) -> list[int]:
+    """The request's tokens at positions start..end-1, from its prompt and output."""
+    prompt = r.prompt_token_ids
+    tokens = prompt[start:end]
+    if end > len(prompt):
+        tokens += r.output_token_ids[max(start - len(prompt), 0) : end - len(prompt)]
+    return tokens

@@ -95,6 +95,7 @@ class ModelRunner:
                 device=self.device,
                 max_positions=max_model_len,
                 backend=self.attention,
+                max_tokens=config.max_num_batched_tokens,
             )
             # Its pool mirrors the target's block for block: the budget holds both.
             per_block += kv_bytes_per_block(self.drafter.config, config.block_size, self.kv_dtype)
@@ -182,9 +183,9 @@ class ModelRunner:
         caller can read `previous` back there: a grammar's mask and the penalties over
         the output then see its tokens, while the device runs this step's forward
         pass."""
+        if self.drafter is not None:
+            self.drafter.forget(batch.finished_request_ids)
         for request_id in batch.finished_request_ids:
-            if self.drafter is not None:
-                self.drafter.behind.discard(request_id)
             self._generators.pop(request_id, None)
             self._prompt_masks.pop(request_id, None)
             self._biases.pop(request_id, None)
@@ -197,13 +198,7 @@ class ModelRunner:
         patch = _placeholder_patch(batch, previous, self.device)
         if self.drafter is not None:  # fills the rows' draft placeholders
             by_id = {r.request_id: g for r, g in zip(reqs, generators, strict=True)}
-            draft_probs = self.drafter.propose(
-                batch,
-                self._prepare,
-                by_id,
-                lambda b: _placeholder_patch(b, previous, self.device),
-                self.block_tables,
-            )
+            draft_probs = self.drafter.propose(batch, self._prepare, by_id, self.block_tables)
         # One logits row per sampled position: a row with drafts samples at each of its
         # last num_drafts + 1 positions, with its parameters repeated.
         speculative = any(r.num_drafts for r in reqs)
@@ -280,7 +275,7 @@ class ModelRunner:
             r = reqs[i]
             verified[r.request_id] = [*r.token_ids[len(r.token_ids) - r.num_drafts :][:n], token]
             if self.drafter is not None:
-                self.drafter.verified(r.request_id, r.num_drafts, n)
+                self.drafter.verified(r.request_id, n)
         out = ModelRunnerOutput({}, verified=verified)
         if plain:
             sampled = dict(zip(plain, host[2].tolist(), strict=True))

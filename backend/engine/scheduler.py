@@ -994,6 +994,7 @@ class Scheduler:
                     matcher=req.matcher,
                     num_drafts=len(drafts),
                     lora_slot=-1 if self.adapters is None else self.adapters.slot(req.caller.lora),
+                    num_preemptions=req.num_preemptions,
                 )
             )
         finished, self._finished_ids = self._finished_ids, []

@@ -323,8 +323,9 @@ def _has_drafts(batch: Any) -> bool:
 
 def test_draft_model_composes_with_async_scheduling(llama_dir: Path, tmp_path: Path) -> None:
     """A draft model whose drafts are rarely accepted (unrelated weights): drafting
-    pauses, the steps between overlap, and the draft mirrors their rows with the input
-    token still on the device. The tokens equal the engine's without either."""
+    pauses, the steps between overlap (the draft runs none of their rows), and a probe
+    catches the draft up on their tokens once they are read back. The tokens equal the
+    engine's without either."""
     from tests.engine.engine_support import build_checkpoint
 
     draft = build_checkpoint(tmp_path / "draft", "llama", num_hidden_layers=1, hidden_size=32)
@@ -347,7 +348,7 @@ def test_draft_model_composes_with_async_scheduling(llama_dir: Path, tmp_path: P
     assert _ngram_reference(engine, prompts, params) == expected
     assert engine.stats().spec_decode_num_drafts > 0
     assert overlaps[0] > 10
-    # Its input ids in the steps that overlapped came from the device: none is a PLACEHOLDER.
+    # It catches up on the overlapped steps' tokens as read back: none is a PLACEHOLDER.
     assert len(draft_inputs) > 20 and PLACEHOLDER not in draft_inputs
 
 

@@ -7,12 +7,14 @@ from __future__ import annotations
 from collections import Counter
 from dataclasses import replace
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
 
 from backend.config import EngineConfig
 from backend.engine import speculative
+from backend.engine.batch import ScheduledRequest, SchedulerOutput
 from backend.engine.block_manager import BlockManager
 from backend.engine.engine import Engine
 from backend.engine.request import Request, fan_out
@@ -260,22 +262,129 @@ def test_greedy_tokens_equal_without_speculation_draft_model(
             assert engine.num_steps < len(prompts) * GREEDY.max_tokens / 2
 
 
+def force_pauses(engine: Engine, steps: int) -> list[tuple[int, int]]:
+    """Pause every request for `steps` steps after each of its verifications (whatever
+    its acceptance), so the draft's KV lags and catches up; returns the (start, tokens)
+    of every catch-up row the draft runs."""
+    spec, drafter = engine.speculator, engine.runner.drafter
+    assert spec is not None and drafter is not None
+    observe, missing = spec.observe, drafter._missing
+    rows: list[tuple[int, int]] = []
+
+    def pausing(request_id: str, num_drafts: int, num_accepted: int) -> None:
+        observe(request_id, num_drafts, num_accepted)
+        state = spec.states.get(request_id)
+        if state is not None:
+            state.paused_until = spec.step + steps
+
+    def recorded(r: ScheduledRequest) -> tuple[int, list[int]]:
+        start, tokens = missing(r)
+        rows.append((start, len(tokens)))
+        return start, tokens
+
+    spec.observe = pausing  # type: ignore[method-assign]
+    drafter._missing = recorded  # type: ignore[method-assign]
+    return rows
+
+
+def test_draft_model_catches_up_after_pauses_exactly(
+    llama_dir: Path, reference: tuple[list[list[int]], dict[str, list[int]]]
+) -> None:
+    """Drafting paused for 3 steps after every verification: the draft's KV lags, and
+    each resumed row catches up in one pass over the missed tokens. The target as its own
+    draft still has every draft accepted (the caught-up KV is the KV it would have
+    computed), and the tokens are the plain engine's."""
+    prompts, expected = reference
+    engine = spec_engine(
+        llama_dir, **BASE, speculative_method="draft", speculative_model=str(llama_dir)
+    )
+    rows = force_pauses(engine, 3)
+    assert run(engine, prompts, GREEDY) == expected
+    stats = engine.stats()
+    assert stats.spec_decode_num_drafts > 0
+    assert stats.spec_decode_acceptance_rate == 1.0
+    # Resumed rows (not a request's first catch-up, from 0) cover the paused steps' tokens.
+    resumed = [n for start, n in rows if start > 0]
+    assert resumed and max(resumed) >= 4
+
+
 def test_draft_model_rollback_under_preemption_and_prefix_caching(
     llama_dir: Path, reference: tuple[list[list[int]], dict[str, list[int]]]
 ) -> None:
     """The draft's cache shares the target's block tables: preemption, prefix-cache
-    hits and rejected slots leave both consistent (same tokens, exact accounting)."""
+    hits, pauses (the draft's KV lagging) and rejected slots leave both consistent: the
+    same tokens, exact accounting, and the target as its own draft accepts every draft
+    (a preempted request's draft KV is recomputed from its start)."""
     prompts, expected = reference
-    engine = spec_engine(
-        llama_dir,
-        **{**BASE, "num_kv_blocks": 48, "max_model_len": 600},
-        speculative_method="draft",
-        speculative_model=str(llama_dir),
+    for pause in (0, 2):
+        engine = spec_engine(
+            llama_dir,
+            **{**BASE, "num_kv_blocks": 48, "max_model_len": 600},
+            speculative_method="draft",
+            speculative_model=str(llama_dir),
+        )
+        if pause:
+            force_pauses(engine, pause)
+        assert run(engine, prompts, GREEDY) == expected
+        assert engine.stats().num_preemptions > 0
+        assert run(engine, prompts, GREEDY) == expected  # on a warm prefix cache
+        stats = engine.stats()
+        assert stats.prefix_cache_hits > 0
+        assert stats.spec_decode_acceptance_rate == 1.0
+
+
+def test_the_draft_recomputes_from_the_start_after_a_preemption(
+    llama_dir: Path, small_draft: Path
+) -> None:
+    """Where the draft's KV of a row starts: where it ended (a resumed row), and from 0
+    for a request it never drafted for (a prefix-cache hit holds the target's KV only)
+    and after a preemption (the blocks it wrote were freed)."""
+    engine = make_engine(
+        llama_dir, **BASE, speculative_method="draft", speculative_model=str(small_draft)
     )
-    assert run(engine, prompts, GREEDY) == expected
-    assert engine.stats().num_preemptions > 0
-    assert run(engine, prompts, GREEDY) == expected  # on a warm prefix cache
-    assert engine.stats().prefix_cache_hits > 0
+    drafter = engine.runner.drafter
+    assert drafter is not None
+    prompt = list(range(5, 45))
+    row = ScheduledRequest(
+        "r", [7, -1, -1], 48, list(range(4)), GREEDY, True, prompt, [1] * 9, None, 2
+    )
+    assert drafter._missing(row) == (0, [*prompt, *[1] * 8, 7])  # a hit: from 0 all the same
+    drafter._done["r"] = (0, 45)
+    assert drafter._missing(row) == (45, [1, 1, 1, 7])  # drafted before: the lag only
+    assert drafter._missing(replace(row, num_preemptions=1)) == (0, [*prompt, *[1] * 8, 7])
+    drafter.forget(["r"])
+    assert drafter._missing(replace(row, start_pos=40, output_token_ids=[])) == (0, [*prompt, 7])
+
+
+def test_no_draft_pass_runs_in_a_step_without_drafts(
+    llama_dir: Path, small_draft: Path, reference: tuple[list[list[int]], dict[str, list[int]]]
+) -> None:
+    """A draft whose drafts are rarely accepted pauses: the steps where no row drafts run
+    no pass of the draft model at all (its KV lags until a probe), the steps with drafts
+    run a catch-up and K - 1 draft steps; the tokens are the plain engine's."""
+    prompts, _ = reference
+    params = replace(GREEDY, max_tokens=40)
+    plain = run(make_engine(llama_dir, **BASE), prompts[:4], params)
+    engine = spec_engine(
+        llama_dir, **BASE, speculative_method="draft", speculative_model=str(small_draft)
+    )
+    drafter = engine.runner.drafter
+    assert drafter is not None
+    launch = engine.runner.launch
+    passes: dict[bool, list[int]] = {True: [], False: []}
+
+    def counted(batch: SchedulerOutput, *args: Any, **kwargs: Any) -> Any:
+        before = drafter.passes
+        launched = launch(batch, *args, **kwargs)
+        if batch.requests:
+            passes[any(r.num_drafts for r in batch.requests)].append(drafter.passes - before)
+        return launched
+
+    engine.runner.launch = counted  # type: ignore[method-assign]
+    assert run(engine, prompts[:4], params) == plain
+    assert len(passes[False]) > 2 * len(passes[True]) > 0  # mostly paused
+    assert set(passes[False]) == {0}
+    assert min(passes[True]) >= 1
 
 
 def test_draft_model_sampling_keeps_the_distribution_end_to_end(
