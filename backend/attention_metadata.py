@@ -66,8 +66,28 @@ class AttentionMetadata:
             return [DecodeGroup.build(self, self.decode_seqs, whole_batch=True)]
         return [DecodeGroup.build(self, seqs) for seqs in groups]
 
+    @cached_property
+    def short_query_bias(self) -> dict[int, torch.Tensor]:
+        """Sequences with a few new tokens over cached keys (a verify row: its last token
+        and its drafts; a short catch-up) -> [n, width * block_size] additive bias: query
+        j, at position seq_len - n + j, sees the keys up to it. Built once per step for
+        every layer; the torch backend attends such a row in one SDPA call over its
+        blocks, as a decode row (a prompt's path cost twice a decode row's per layer)."""
+        found = {}
+        for i in self.prefill_seqs:
+            n = self.query_start_loc[i + 1] - self.query_start_loc[i]
+            seq_len = self.seq_lens[i]
+            if n > SHORT_QUERY_TOKENS or n == seq_len:
+                continue
+            device = self.block_tables.device
+            keys = torch.arange(-(-seq_len // self.block_size) * self.block_size, device=device)
+            hidden = keys[None, :] > torch.arange(seq_len - n, seq_len, device=device)[:, None]
+            found[i] = torch.zeros(hidden.shape, device=device).masked_fill_(hidden, -torch.inf)
+        return found
+
 
 DECODE_GROUP_TOKENS = 2048  # timed on the 8-layer 512-wide bench Llama: beat 4,096 and "all"
+SHORT_QUERY_TOKENS = 16  # the most new tokens of a row attended as `short_query_bias` says
 
 
 @dataclass(frozen=True)

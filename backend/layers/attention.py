@@ -56,7 +56,8 @@ def attention_backend(name: str, device: torch.device) -> AttentionBackend:
 
 class TorchPagedAttention:
     """The CPU backend and reference: one SDPA call per group of decode rows of similar
-    length (AttentionMetadata.decode_groups), then one per prefilling sequence. Query j
+    length (AttentionMetadata.decode_groups), then one per prefilling sequence (a
+    short one, such as a verify row, as a decode row of several queries). Query j
     of a sequence with n new tokens sits at position seq_len - n + j and sees every key
     up to it: cached blocks (an earlier chunk, a prefix-cache hit, a preempted request's
     recomputed part) and this step's keys alike."""
@@ -83,8 +84,12 @@ class TorchPagedAttention:
             assert group.rows is not None  # a whole-batch group is the only group
             rows = q.index_select(0, group.rows)
             out.index_copy_(0, group.rows, _attend_decodes(rows, kv_cache, group, scale))
+        short = meta.short_query_bias
         for i in meta.prefill_seqs:
-            _attend_one(q, kv_cache, meta, scale, i, out)
+            if i in short:
+                _attend_short(q, kv_cache, meta, scale, i, out)
+            else:
+                _attend_one(q, kv_cache, meta, scale, i, out)
         return out
 
 
@@ -104,6 +109,32 @@ def _attend_decodes(
     bias = d.bias.to(q.dtype)  # as SDPA's CUDA kernels want it; free in float32
     o = functional.scaled_dot_product_attention(qg, k, v, attn_mask=bias, scale=scale)
     return o.reshape(num, heads, dim)
+
+
+def _attend_short(
+    q: torch.Tensor,
+    kv_cache: torch.Tensor,
+    meta: AttentionMetadata,
+    scale: float,
+    i: int,
+    out: torch.Tensor,
+) -> None:
+    """A row of a few new tokens as a decode row of n queries: its whole blocks gathered
+    once, its [n * group] queries per KV head against them, `short_query_bias` masking
+    each query's future (and the last block's unused slots)."""
+    start, end = meta.query_start_loc[i], meta.query_start_loc[i + 1]
+    n, heads, dim = end - start, q.shape[1], q.shape[2]
+    bias = meta.short_query_bias[i]
+    kv_heads, length = kv_cache.shape[-2], bias.shape[-1]
+    group = heads // kv_heads
+    blocks = meta.block_tables[i, : length // meta.block_size]
+    k = _blocks(kv_cache[0], blocks, q.dtype).view(1, length, kv_heads, dim).transpose(1, 2)
+    v = _blocks(kv_cache[1], blocks, q.dtype).view(1, length, kv_heads, dim).transpose(1, 2)
+    # Rows query-major within each KV head: row j * group + g is query j's head g.
+    qg = q[start:end].view(n, kv_heads, group, dim).transpose(0, 1).reshape(1, kv_heads, -1, dim)
+    mask = bias.to(q.dtype).repeat_interleave(group, 0)
+    o = functional.scaled_dot_product_attention(qg, k, v, attn_mask=mask, scale=scale)
+    out[start:end] = o.view(kv_heads, n, group, dim).transpose(0, 1).reshape(n, heads, dim)
 
 
 def _attend_one(

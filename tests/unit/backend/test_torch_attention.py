@@ -82,3 +82,25 @@ def test_a_decode_only_batch_in_one_group_equals_one_call_per_sequence(
         _attend_one(q, kv_cache, meta, 0.2, i, want)
     tol = 1e-5 if dtype == torch.float32 else 1e-2
     torch.testing.assert_close(got, want, atol=tol, rtol=tol)
+
+
+# Verify rows (a token and its drafts) over cached keys, at and off block boundaries,
+# beside decode rows and a chunk too long for the short path.
+SHORT = [(37, 5), (16, 5), (300, 1), (64, 16), (17, 3), (150, 40), (6, 2)]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("block_size", [4, 16])
+@pytest.mark.parametrize(("heads", "kv_heads"), HEADS)
+def test_short_rows_attend_as_one_call_per_sequence(
+    heads: int, kv_heads: int, block_size: int, dtype: torch.dtype
+) -> None:
+    q, kv_cache, meta = _batch(heads, kv_heads, block_size, SHORT)
+    q, kv_cache = q.to(dtype), kv_cache.to(dtype)
+    assert sorted(meta.short_query_bias) == [0, 1, 3, 4, 6]  # not the decode row or the chunk
+    got = TorchPagedAttention().attend(q, kv_cache, meta, scale=0.2)
+    want = torch.empty_like(q)
+    for i in range(len(SHORT)):
+        _attend_one(q, kv_cache, meta, 0.2, i, want)
+    tol = 1e-5 if dtype == torch.float32 else 1e-2
+    torch.testing.assert_close(got, want, atol=tol, rtol=tol)
