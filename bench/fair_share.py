@@ -9,7 +9,9 @@ backlog, aged from its arrival, used to outrank C (4 classes at 5 s a class).
 "Beside the backlog" counts C's chats sent once all of B's requests are in the engine
 (running or waiting, from /metrics); those sent while B's requests still arrive (the
 gateway admitting 200 requests at once, before the engine sees them) are reported apart,
-as `during_arrival`, outside the target.
+as `during_arrival`, outside the target. `backlog_tokens_per_s`: B's streamed chunks (a
+token each) per second over the same span, so a change that helps C can be seen not to
+cost B.
 
     python -m bench.fair_share [--seconds 30] [--rate 1] [--backlog 200] [--repeat 2]
 """
@@ -32,8 +34,11 @@ from bench.hostile_load import open_loop, ttft
 from bench.serve import serving
 
 
-async def hold_stream(http: httpx.AsyncClient, base: str, key: str, model: str) -> None:
-    """One of B's long streams, read until it ends or is cancelled."""
+async def hold_stream(
+    http: httpx.AsyncClient, base: str, key: str, model: str, chunks: list[float]
+) -> None:
+    """One of B's long streams, read until it ends or is cancelled; the time of each of
+    its chunks (one a token) goes to `chunks`."""
     body = {
         "model": model,
         "messages": [{"role": "user", "content": "Tell me a very long story."}],
@@ -43,8 +48,9 @@ async def hold_stream(http: httpx.AsyncClient, base: str, key: str, model: str) 
     }
     headers = {"Authorization": f"Bearer {key}"}
     async with http.stream("POST", f"{base}/v1/chat/completions", json=body, headers=headers) as r:
-        async for _ in r.aiter_lines():
-            pass
+        async for line in r.aiter_lines():
+            if line.startswith("data: {"):
+                chunks.append(time.monotonic())
 
 
 ENGINE_LOAD = re.compile(
@@ -77,14 +83,16 @@ async def measure(
         return ttft(http, base, chat_key, model)
 
     alone = [t for t in await open_loop(args.rate, args.seconds, chat) if t is not None]
+    chunks: list[float] = []
     streams = [
-        asyncio.ensure_future(hold_stream(http, base, backlog_key, model))
+        asyncio.ensure_future(hold_stream(http, base, backlog_key, model, chunks))
         for _ in range(args.backlog)
     ]
     started = time.monotonic()
     settled = asyncio.ensure_future(backlog_in_engine(http, base, args.backlog))
     sent = await open_loop(args.rate, args.seconds, timed(chat))
-    held_s = time.monotonic() - started
+    ended = time.monotonic()
+    held_s = ended - started
     settled_at = await settled if settled.done() else math.inf
     settled.cancel()
     if not any(at >= settled_at for at, _ in sent):
@@ -117,6 +125,10 @@ async def measure(
             "chat_ttft_ms": [round(t * 1e3, 1) for t in arriving],
         },
         "backlog_streams_open_at_the_end": still_open,
+        # B's throughput once all its requests were in: its streams' chunks per second
+        "backlog_tokens_per_s": round(
+            sum(at >= settled_at for at in chunks) / max(ended - settled_at, 1e-9), 1
+        ),
         "backlog_held_s": round(held_s, 1),
     }
 
