@@ -73,6 +73,7 @@ class EngineStats:
     num_preemptions: int = 0  # all of them: for KV blocks and for priority
     num_priority_preemptions: int = 0  # a waiting request outranked a running one
     num_slot_share_preemptions: int = 0  # a tenant short of its share of max_num_seqs
+    num_steps_given_way: int = 0  # abandoned mid-way for a newcomer (Engine._interruption)
     num_rejected_overloaded: int = 0  # shed: at submission, or displaced by a more urgent one
     num_rejected_deadline: int = 0  # deadline_exceeded, at submission or in the queue
     waiting_tokens: int = 0  # tokens the waiting requests must compute (shedding)

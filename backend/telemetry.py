@@ -370,6 +370,11 @@ def _step_cost_metrics(stats: EngineStats) -> Iterator[Metric]:
         "Requests preempted so a tenant short of its share of max_num_seqs could start",
         value=stats.num_slot_share_preemptions,
     )
+    yield CounterMetricFamily(
+        "tollgate_engine_steps_given_way",
+        "Steps abandoned between layers so a tenant short of its share could start",
+        value=stats.num_steps_given_way,
+    )
 
 
 def _gauge(name: str, help_text: str, value: float) -> GaugeMetricFamily:

@@ -67,6 +67,10 @@ class ModelRunner:
             _keep_freed_memory()
             if config.cpu_threads is not None:
                 torch.set_num_threads(config.cpu_threads)
+        # Called before each layer of an eager forward pass of a step: raising there
+        # abandons the step before it samples (Engine._give_way). What the step wrote is
+        # never read as computed: its KV slots lie past its rows' computed tokens.
+        self.between_layers: Callable[[], None] | None = None
         self.dtype = resolve_dtype(config.dtype, self.device, model_config)
         self.attention: AttentionBackend = attention_backend(config.attention_backend, self.device)
         check_quantization(config.quantization, self.device)  # before the load: fail fast
@@ -348,7 +352,10 @@ class ModelRunner:
         input_ids, positions, meta = self._prepare(batch)
         if patch is not None:
             patch(input_ids)
-        return self.model(input_ids, positions, self.kv_cache, meta)  # type: ignore[no-any-return]
+        hidden: torch.Tensor = self.model(
+            input_ids, positions, self.kv_cache, meta, self.between_layers
+        )
+        return hidden
 
     def _stage_logit_work(self, stage: Staging, reqs: list[ScheduledRequest]) -> None:
         """Penalties (rows, each row's output so far padded with -1, its three penalty

@@ -404,6 +404,15 @@ def rows_to_hold(
     return held
 
 
+def over_share_rows(running: list[Request], newcomer: Request, slots: int) -> set[str]:
+    """The rows a waiting `newcomer` would make filler (rows_to_hold): those of the
+    tenants above their share, if its tenant is below its own; else none."""
+    counts: dict[str | None, int] = {}
+    for req in running:
+        counts[req.tenant] = counts.get(req.tenant, 0) + 1
+    return _over_share_rows(running, [newcomer], counts, slots) or set()
+
+
 def _over_share_rows(
     running: list[Request],
     newcomers: list[Request],

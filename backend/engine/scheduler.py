@@ -40,6 +40,7 @@ from backend.engine.policy import (
     check_capacity,
     deadline_feasible,
     over_capacity,
+    over_share_rows,
     pick_victim,
     retry_after,
     rows_to_hold,
@@ -131,6 +132,7 @@ class Scheduler:
         )
         self._seen_at: dict[bool, float] = {}  # when each class (batch or not) was last seen
         self.step_limit_s: float | None = None  # the last step's time target, if any
+        self.protecting = False  # the last step held rows back for protected work
         self.step_prefill_budget = 0  # the last step's budget after decodes
         self._express_budget = 0  # prefill tokens a step with an express prompt may take
         self.num_preemptions = 0
@@ -256,6 +258,7 @@ class Scheduler:
         plan = _Plan(cfg.max_num_batched_tokens)
         # Rows held back go last, in what the protected work leaves of the step.
         held = self._rows_to_hold(now)
+        self.protecting = held is not None
         filler: list[Request] = []
         # Decodes first, so a long prompt's chunks never hold back token streams.
         prefills: list[tuple[int, Request]] = []
@@ -331,6 +334,18 @@ class Scheduler:
         return rows_to_hold(
             self.running, self.waiting, self.config, self._max_running, still_batch, self._newcomer
         )
+
+    def gives_way_to(self, req: Request) -> bool:
+        """Whether a step that holds nothing back is worth abandoning for `req`, which
+        arrived while it runs (Engine._run_sync): `req` would be protected work in the
+        next step (a newcomer of a tenant below its share of the slots while another
+        tenant runs above its own: their rows are filler then) and could start there (a
+        slot free, or a slot-share victim that pays). Called by the step thread."""
+        if self.config.filler_slowdown is None or self.fair is None or not self._newcomer(req):
+            return False
+        if not self.step_cost.ready or not over_share_rows(self.running, req, self._max_running):
+            return False
+        return len(self.running) < self._max_running or self._slot_share_victim(req) is not None
 
     def _newcomer(self, req: Request) -> bool:
         """A short interactive prompt before its first token (its own TTFT at stake)."""

@@ -5,6 +5,8 @@ Parameter names follow Hugging Face, except that q/k/v and gate/up are fused;
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 from torch import nn
 
@@ -118,13 +120,18 @@ class LlamaForCausalLM(nn.Module):
         positions: torch.Tensor,
         kv_caches: torch.Tensor,
         meta: AttentionMetadata,
+        between_layers: Callable[[], None] | None = None,
     ) -> torch.Tensor:
         """input_ids, positions: [T]; kv_caches: [layers, 2, blocks, block_size, kv_heads, D].
-        Returns hidden states [T, hidden]; call `logits` on the rows that sample."""
+        Returns hidden states [T, hidden]; call `logits` on the rows that sample.
+        `between_layers` is called before each layer: raising there abandons the pass
+        (the engine's step that gives way to a newcomer, Engine._run_sync)."""
         m = self.model
         x = m.embed_tokens(input_ids)
         residual: torch.Tensor | None = None
         for i, layer in enumerate(m.layers):
+            if between_layers is not None:
+                between_layers()
             x, residual = layer(x, residual, positions, m.rotary, kv_caches[i], meta)
         if residual is None:  # no layers
             return m.norm(x)  # type: ignore[no-any-return]

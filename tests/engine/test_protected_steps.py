@@ -140,3 +140,38 @@ def test_with_filler_slowdown_none_nothing_is_held() -> None:
 def test_filler_slowdown_is_validated(value: object) -> None:
     with pytest.raises(ValueError, match="filler_slowdown"):
         EngineConfig(filler_slowdown=value)  # type: ignore[arg-type]
+
+
+def test_a_step_gives_way_only_to_a_newcomer_it_would_hold_rows_for() -> None:
+    """Engine._run_sync abandons a step that holds nothing back for a request that
+    arrived during it if that request would be protected in the next step: a short
+    interactive prompt of a tenant below its share while another runs above its own,
+    with a slot for it (here the slot share's victim)."""
+    clock = Clock()
+    s = fitted(make(clock, max_num_seqs=8, num_blocks=2048))
+    for i in range(8):
+        s.add_request(request(f"b{i}", 40, tenant="B", max_tokens=2000))
+    for _ in range(3):
+        advance(s, s.schedule())
+    assert not s.protecting
+    assert s.gives_way_to(request("c", 4, tenant="C", max_tokens=10))
+    assert not s.gives_way_to(request("b8", 4, tenant="B", max_tokens=10))  # above its share
+    assert not s.gives_way_to(request("c-doc", 600, tenant="C"))  # not a short prompt
+    assert not s.gives_way_to(request("c-batch", 4, priority=BATCH, tenant="C"))  # no target
+    s.add_request(request("c", 4, tenant="C", max_tokens=10))
+    advance(s, s.schedule())
+    assert s.protecting  # the newcomer's step holds B's rows: it would not give way again
+
+
+def test_no_step_gives_way_within_shares_or_without_filler_rows() -> None:
+    clock = Clock()
+    s = fitted(make(clock, max_num_seqs=8, num_blocks=2048))
+    for i in range(3):  # 3 of 8 slots: within half
+        s.add_request(request(f"b{i}", 40, tenant="B", max_tokens=2000))
+    advance(s, s.schedule())
+    assert not s.gives_way_to(request("c", 4, tenant="C", max_tokens=10))
+    off = fitted(make(clock, max_num_seqs=8, num_blocks=2048, filler_slowdown=None))
+    for i in range(8):
+        off.add_request(request(f"b{i}", 40, tenant="B", max_tokens=2000))
+    advance(off, off.schedule())
+    assert not off.gives_way_to(request("c", 4, tenant="C", max_tokens=10))

@@ -326,3 +326,43 @@ def test_interactive_decodes_shrink_the_step_and_batch_work_gets_it_all(llama_di
     # The chat's step alone, 16 ms, x 1.3 = 20.8 ms: 4 tokens at 1.1 ms.
     assert budgets[0, 5][0] == 4
     assert budgets[5, 5] == (255, None)  # 256 less the chat's decode
+
+
+def test_a_step_gives_way_to_another_tenants_newcomer_without_changing_tokens(
+    llama_dir: Path,
+) -> None:
+    """A request of a tenant below its share arrives while a step of another tenant's
+    rows runs (here: added by a hook inside the first layer): the step is abandoned
+    before its second, the newcomer's prompt runs in the next step, and what everyone
+    generates is what they generate without it."""
+    engine = make_engine(llama_dir, max_num_seqs=6)
+    for i in range(5):
+        engine.add_request(EngineRequest([2 + i, 3, 4], LONG, f"b{i}", tenant="B"))
+    for _ in range(3):
+        step(engine)
+    arrive = [EngineRequest([30, 3, 4], SHORT, "c", tenant="C")]
+
+    def arrival(*_: object) -> None:
+        if arrive:
+            engine.add_request(arrive.pop())
+
+    layers = engine.runner.model.model.layers
+    assert len(layers) > 1
+    hook = layers[0].register_forward_pre_hook(arrival)
+    try:
+        assert step(engine) == []  # given way: no token for anyone
+    finally:
+        hook.remove()
+    assert engine.stats().num_steps_given_way == 1
+    step(engine)
+    assert engine.scheduler.requests["c"].first_scheduled_time is not None
+    results = run_to_completion(engine)
+
+    alone = make_engine(llama_dir, max_num_seqs=6)
+    for i in range(5):
+        alone.add_request(EngineRequest([2 + i, 3, 4], LONG, f"b{i}", tenant="B"))
+    reference = run_to_completion(alone)
+    for i in range(5):
+        before = len(tokens_of(reference[f"b{i}"])) - len(tokens_of(results[f"b{i}"]))
+        assert tokens_of(results[f"b{i}"]) == tokens_of(reference[f"b{i}"])[before:]
+    assert len(tokens_of(results["c"])) == SHORT.max_tokens - 1  # its first came a step before
