@@ -60,11 +60,24 @@ def _ensure_sqlite_dir(url: URL) -> None:
             os.close(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600))
 
 
+# SQLite connections kept open: each new aiosqlite connection starts a thread (the event
+# loop blocks until it runs) and opens the file; a batch's lines (half the engine's slots)
+# and the interactive requests beside them need more at once than SQLAlchemy's 5.
+SQLITE_POOL = 32
+
+
+def _sqlite_pool(url: URL) -> dict[str, int]:
+    """A file database's pool sizes (an in-memory one has a single, static connection)."""
+    if url.database in (None, "", ":memory:"):
+        return {}
+    return {"pool_size": SQLITE_POOL, "max_overflow": SQLITE_POOL}
+
+
 def create_engine(url: str) -> AsyncEngine:
     parsed = async_url(url)
     _ensure_sqlite_dir(parsed)
     if parsed.get_backend_name() == "sqlite":
-        engine = create_async_engine(parsed, connect_args={"timeout": 30})
+        engine = create_async_engine(parsed, connect_args={"timeout": 30}, **_sqlite_pool(parsed))
         event.listen(engine.sync_engine, "connect", sqlite_pragmas)
         return engine
     return create_async_engine(parsed, pool_size=10, max_overflow=20, pool_pre_ping=True)
@@ -80,7 +93,10 @@ def create_direct_engine(url: str) -> AsyncEngine:
     parsed = async_url(url)
     if parsed.get_backend_name() == "sqlite":
         return create_async_engine(
-            parsed, connect_args={"timeout": 30}, isolation_level="AUTOCOMMIT"
+            parsed,
+            connect_args={"timeout": 30},
+            isolation_level="AUTOCOMMIT",
+            **_sqlite_pool(parsed),
         )
     return create_async_engine(
         parsed,

@@ -1,5 +1,11 @@
 """The asyncio front: the engine steps in its own thread; each step's outputs are handed
-to the event loop with call_soon_threadsafe, into one asyncio.Queue per request."""
+to the event loop with call_soon_threadsafe, into one asyncio.Queue per request.
+
+A batch-class request's outputs wait while interactive work is in the engine (for
+BATCH_HOLD_S at most): what a batch request does on the event loop at each output, and
+its settlement after the last, would take the GIL from the step thread and the loop from
+the interactive streams (bench/batch_fill.py). They are handed on, in order, once that
+work has drained; the batch rows themselves go on in the engine meanwhile."""
 
 from __future__ import annotations
 
@@ -8,6 +14,7 @@ import contextlib
 import logging
 import sys
 import threading
+import time
 from collections.abc import AsyncGenerator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -35,11 +42,16 @@ log = logging.getLogger(__name__)
 # engine p95 18 ms, 7 ms at 1 ms; bench/README.md, issue 32), at no cost in throughput.
 SWITCH_INTERVAL_S = 0.001
 
+BATCH_HOLD_S = 1.0  # the longest a batch request's outputs wait for interactive work
+
 
 @dataclass
 class _Stream:
     loop: asyncio.AbstractEventLoop
     queue: asyncio.Queue[RequestOutput | BaseException]
+    batch: bool = False  # its outputs wait while interactive work is in the engine
+    held: list[RequestOutput] = field(default_factory=list)  # the step thread's
+    held_since: float = 0.0
 
 
 @dataclass
@@ -59,6 +71,7 @@ class AsyncEngine:
         self.model_name = model_name or engine.model_dir.name
         self._streams: dict[str, _Stream] = {}
         self._embeddings: list[_Embedding] = []  # waiting for the step thread, oldest first
+        self._held: dict[str, _Stream] = {}  # batch streams with outputs held (step thread)
         self._lock = threading.Lock()
         self._wake = threading.Event()
         self._stopping = False
@@ -99,7 +112,8 @@ class AsyncEngine:
         Raises OverloadedError or DeadlineExceededError (before the first output) when the
         scheduling policy rejects the request."""
         request_id, params = request.request_id, request.params
-        stream = _Stream(asyncio.get_running_loop(), asyncio.Queue())
+        batch = request.priority >= self.engine.config.batch_priority
+        stream = _Stream(asyncio.get_running_loop(), asyncio.Queue(), batch)
         with self._lock:  # the same lock _fail_all takes, so no stream is left unanswered
             if self._dead is not None:
                 raise EngineDeadError(self._dead)
@@ -164,6 +178,7 @@ class AsyncEngine:
                 if embedding is not None:
                     self._embed_one(embedding)
                 elif not self.engine.has_work():
+                    self._dispatch([])  # what was held: nothing interactive is left
                     self._wake.wait()
                     self._wake.clear()
                     continue
@@ -204,15 +219,42 @@ class AsyncEngine:
     def _dispatch(self, outputs: list[RequestOutput]) -> None:
         """A step's outputs, handed to each event loop in one call: a wake-up of the loop
         per step, not per token (call_soon_threadsafe writes to the loop's self-pipe)."""
+        if not outputs and not self._held:
+            return
         by_loop: dict[asyncio.AbstractEventLoop, list[tuple[_Stream, RequestOutput]]] = {}
+        hold = self.engine.num_interactive() > 0
+        now = time.monotonic()
         with self._lock:
             for out in outputs:
                 stream = self._streams.get(out.request_id)
-                if stream is not None:  # the consumer may have gone; its abort is on the way
-                    by_loop.setdefault(stream.loop, []).append((stream, out))
+                if stream is None:  # the consumer may have gone; its abort is on the way
+                    continue
+                if hold and stream.batch:
+                    self._hold(out.request_id, stream, out, now)
+                else:
+                    by_loop.setdefault(stream.loop, []).extend(self._release(out.request_id))
+                    by_loop[stream.loop].append((stream, out))
+            for request_id, stream in list(self._held.items()):
+                if not hold or now - stream.held_since > BATCH_HOLD_S:
+                    by_loop.setdefault(stream.loop, []).extend(self._release(request_id))
         for loop, items in by_loop.items():
             with contextlib.suppress(RuntimeError):  # a closed event loop: nobody listens
                 loop.call_soon_threadsafe(_deliver, items)
+
+    def _hold(self, request_id: str, stream: _Stream, out: RequestOutput, now: float) -> None:
+        if not stream.held:
+            stream.held_since = now
+            self._held[request_id] = stream
+        stream.held.append(out)
+
+    def _release(self, request_id: str) -> list[tuple[_Stream, RequestOutput]]:
+        """The stream's held outputs, oldest first, to hand on now (under self._lock: its
+        consumer may have gone, and then nobody gets them)."""
+        stream = self._held.pop(request_id, None)
+        if stream is None:
+            return []
+        held, stream.held = stream.held, []
+        return [(stream, out) for out in held] if request_id in self._streams else []
 
     def _fail_all(self, reason: str) -> None:
         with self._lock:

@@ -191,3 +191,30 @@ async def test_leaving_an_n_request_aborts_every_completion(engine: AsyncEngine)
         async for _ in stream:
             break
     await assert_idle(engine)
+
+
+async def test_batch_outputs_wait_for_interactive_work(
+    engine: AsyncEngine, llama_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A batch-class request's outputs reach its consumer only once no interactive request
+    is in the engine, all of them, in order (the hold's cap out of the way)."""
+    monkeypatch.setattr("backend.engine.async_engine.BATCH_HOLD_S", 600.0)
+    batch_priority = engine.engine.config.batch_priority
+    interactive = engine.generate(EngineRequest("The quick", LONG, "chat"))
+    await anext(interactive)  # running
+    interactive_left: list[int] = []  # the engine's interactive work at each batch output
+
+    async def batch() -> list[RequestOutput]:
+        outs = []
+        request = EngineRequest("Paged attention", GREEDY, "line", priority=batch_priority)
+        async for out in engine.generate(request):
+            interactive_left.append(engine.engine.num_interactive())
+            outs.append(out)
+        return outs
+
+    line = asyncio.ensure_future(batch())
+    rest = [out async for out in interactive]
+    outs = await line
+    assert rest[-1].finished and interactive_left == [0] * len(outs)
+    ref = sync_reference(llama_dir, "Paged attention", GREEDY)
+    assert tokens_of(outs) == tokens_of(ref) and outs[-1].finished
