@@ -37,7 +37,7 @@ class CeleryBatches:
 
     def __init__(self, settings: Settings) -> None:
         assert settings.redis_url is not None
-        self.queue = settings.celery_queue
+        self.queue = settings.celery_batch_queue
         self.celery = Celery("tollgate", broker=settings.redis_url, set_as_current=False)
         self.celery.conf.update(broker_connection_retry_on_startup=True)
         self._sending: set[asyncio.Future[None]] = set()

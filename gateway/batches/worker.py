@@ -3,7 +3,9 @@ batch with the embedded runner's own code (gateway/batches/runner.py, restricted
 batch): the same claims, leases, per-line admission, dispatch and settlement, the same
 finalizing. It runs until the batch is final or TOLLGATE_BATCH_TASK_S passed, then queues
 its sequel. One task holds a batch at a time (a leased Redis key, renewed while it runs);
-the others queued for it return at once.
+the others queued for it return at once. The tasks go to a queue of their own
+(TOLLGATE_CELERY_BATCH_QUEUE), served by workers of their own: a run holds its worker slot
+for minutes, and the billing relay must not wait behind it.
 
 A worker killed mid-batch loses nothing: its lines' results already kept stay kept; its
 lines under way are taken over once their lease lapses (TOLLGATE_BATCH_LEASE_S), and a
@@ -171,11 +173,17 @@ class BatchHost:
         loop.call_soon_threadsafe(loop.stop)
 
 
+def batch_routes(queue: str) -> dict[str, dict[str, str]]:
+    return {RUN_TASK: {"queue": queue}, SWEEP_TASK: {"queue": queue}}
+
+
 def register_batch_tasks(celery: Celery, settings: Settings) -> None:
     """The batch tasks on the worker's app, beat's sweep in its schedule, and a sweep as a
     worker starts (what a dead worker left is queued again at once)."""
     host = BatchHost(settings)
-    queue = settings.celery_queue
+    queue = settings.celery_batch_queue
+    # Sent without a queue (by hand, or by another app): the batch queue all the same.
+    celery.conf.task_routes = {**(celery.conf.task_routes or {}), **batch_routes(queue)}
     budget_s = float(settings.batch_task_s)
 
     def run(batch_id: str) -> str:

@@ -2,6 +2,7 @@
 and the batches' in gateway/batches/worker.py).
 
     celery -A gateway.billing.worker worker -Q tollgate      # TOLLGATE_CELERY_QUEUE
+    celery -A gateway.billing.worker worker -Q tollgate-batches  # TOLLGATE_CELERY_BATCH_QUEUE
     celery -A gateway.billing.worker beat
 
 Settings come from the TOLLGATE_* environment when Celery first looks up `app`, not at

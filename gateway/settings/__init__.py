@@ -54,6 +54,9 @@ class Settings:
     export_interval_s: int = 30  # embedded mode: how often the gateway runs the relay
     export_retry_s: int = 30  # a row Stripe deferred waits this long, doubling per try (<= 1 h)
     celery_queue: str = "tollgate"
+    # The batch tasks' own queue: a batch run holds a worker slot for minutes
+    # (batch_task_s), so they get workers of their own and the billing tasks never wait.
+    celery_batch_queue: str = "tollgate-batches"
     console_idle_s: int = 1800  # admin console sessions end after this long unused
     log_format: str = "json"  # one JSON object per line, or "text"
     metrics_token: str | None = None  # None: /metrics answers loopback clients only
@@ -143,7 +146,9 @@ class Settings:
             stripe_retry_base_ms=_int(env, "TOLLGATE_STRIPE_RETRY_BASE_MS", 200, low=1),
             export_interval_s=_int(env, "TOLLGATE_EXPORT_INTERVAL_S", 30, low=1, high=86400),
             export_retry_s=_int(env, "TOLLGATE_EXPORT_RETRY_S", 30, low=1, high=3600),
-            celery_queue=env.get("TOLLGATE_CELERY_QUEUE", "").strip() or "tollgate",
+            celery_queue=(queue := env.get("TOLLGATE_CELERY_QUEUE", "").strip() or "tollgate"),
+            celery_batch_queue=env.get("TOLLGATE_CELERY_BATCH_QUEUE", "").strip()
+            or f"{queue}-batches",
             console_idle_s=_int(env, "TOLLGATE_CONSOLE_IDLE_S", 1800, low=60),
             trusted_proxies=_proxies(env.get("TOLLGATE_TRUSTED_PROXIES", "")),
             header_timeout_s=float(_int(env, "TOLLGATE_HEADER_TIMEOUT_S", 10, low=1, high=300)),

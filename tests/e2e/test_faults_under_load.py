@@ -145,8 +145,9 @@ class Worker:
 
     def start(self) -> None:
         schedule = self.folder / f"beat-{next(self.runs)}"
+        queue = self.env["TOLLGATE_CELERY_QUEUE"]  # and its batch queue, named after it
         command = [sys.executable, "-m", "celery", "-A", "gateway.billing.worker", "worker",
-                   "-B", "-s", str(schedule), "-Q", self.env["TOLLGATE_CELERY_QUEUE"],
+                   "-B", "-s", str(schedule), "-Q", f"{queue},{queue}-batches",
                    "-P", "solo", "--loglevel", "WARNING", "--without-gossip",
                    "--without-mingle", "--without-heartbeat"]  # fmt: skip
         with (self.folder / "worker.log").open("a") as log:  # the child keeps its own copy

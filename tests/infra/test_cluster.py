@@ -146,9 +146,9 @@ def cluster(tmp_path: Path, stripe: FakeStripe) -> Iterator[Cluster]:
         for host in BACKEND_HOSTS:
             cluster.start_backend(host)
         celery = [str(BIN / "celery"), "-A", "gateway.billing.worker"]
-        queue = env["TOLLGATE_CELERY_QUEUE"]
+        queues = f"{env['TOLLGATE_CELERY_QUEUE']},{env['TOLLGATE_CELERY_QUEUE']}-batches"
         cluster.celery = [
-            spawn([*celery, "worker", "-Q", queue, "--concurrency", "1", "--pool", "solo"], env),
+            spawn([*celery, "worker", "-Q", queues, "--concurrency", "1", "--pool", "solo"], env),
             spawn([*celery, "beat", "--schedule", str(tmp_path / "beat-schedule")], env),
         ]
         for port in cluster.gateway_ports:  # they wait for a first backend (discovery.py)

@@ -366,6 +366,19 @@ def test_beat_has_exactly_one_replica(values: str) -> None:
 
 
 @ALL
+def test_the_worker_pod_serves_the_billing_and_the_batch_queues_apart(values: str) -> None:
+    """A batch run holds its worker slot for minutes: the relay's worker is another."""
+    from gateway.settings import Settings
+
+    docs = _docs(values)
+    pod = _one(docs, "Deployment", f"{FULLNAME}-worker")["spec"]["template"]["spec"]
+    queues = {c["name"]: c["args"][c["args"].index("-Q") + 1] for c in pod["containers"]}
+    settings = Settings.from_env(_container_env(docs, pod["containers"][0]))
+    assert queues == {"worker": settings.celery_queue, "batches": settings.celery_batch_queue}
+    assert settings.celery_queue != settings.celery_batch_queue
+
+
+@ALL
 def test_every_container_requests_resources_and_runs_as_non_root(values: str) -> None:
     for name, pod in _pod_specs(_docs(values)):
         pod_context = pod.get("securityContext", {})

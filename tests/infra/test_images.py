@@ -151,6 +151,21 @@ def test_compose_gateway_env_is_accepted_by_settings() -> None:
     assert settings.redis_url == "redis://redis:6379/0"
 
 
+def test_compose_workers_consume_the_billing_and_the_batch_queues_apart() -> None:
+    """A batch run holds its worker slot for minutes: the relay's worker is another."""
+    services = _compose()["services"]
+    env = {k: re.sub(r"\$\{[^}]*\}", "value", v) for k, v in _env(services["worker"]).items()}
+    settings = Settings.from_env(env)
+    queues = {}
+    for name in ("worker", "batch-worker"):
+        command = services[name]["command"]
+        queues[name] = command[command.index("-Q") + 1]
+    assert queues == {"worker": settings.celery_queue, "batch-worker": settings.celery_batch_queue}
+    assert services["batch-worker"]["depends_on"]["migrate"] == {
+        "condition": "service_completed_successfully"
+    }
+
+
 def test_compose_files_it_mounts_exist() -> None:
     for name, service in _compose()["services"].items():
         for volume in service.get("volumes") or []:

@@ -90,6 +90,12 @@ async def client(
         yield openai.AsyncOpenAI(base_url=url + "/v1", api_key=tenant_key, max_retries=0)
 
 
+def _queues(env: dict[str, str]) -> str:
+    """The billing queue and the batch queue (its name derived from the first)."""
+    settings = Settings.from_env(env)
+    return f"{settings.celery_queue},{settings.celery_batch_queue}"
+
+
 class Worker:
     """A Celery worker process with its embedded beat, in a session of its own so that a
     SIGKILL reaches both."""
@@ -97,7 +103,7 @@ class Worker:
     def __init__(self, env: dict[str, str], schedule: Path) -> None:
         command = [
             sys.executable, "-m", "celery", "-A", "gateway.billing.worker", "worker",
-            "-B", "-s", str(schedule), "-Q", env["TOLLGATE_CELERY_QUEUE"], "-P", "solo",
+            "-B", "-s", str(schedule), "-Q", _queues(env), "-P", "solo",
             "--loglevel", "WARNING", "--without-gossip", "--without-mingle",
             "--without-heartbeat",
         ]  # fmt: skip
