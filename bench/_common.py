@@ -5,12 +5,36 @@ from __future__ import annotations
 
 import json
 import math
+import shutil
 from pathlib import Path
 from typing import Any
 
 import torch
 
 CACHE = Path(__file__).resolve().parent.parent / ".bench_cache"
+
+
+def truncated_draft(target: Path, folder: Path, layers: int) -> Path:
+    """`target` (a Llama checkpoint: one safetensors file or shards) cut to its first
+    `layers` decoder layers, everything else (embeddings, final norm, LM head, tokenizer)
+    kept, in one file: a draft of the same vocabulary whose first layers are the
+    target's own (an early exit, not a trained small model)."""
+    from safetensors.torch import load_file, save_file
+
+    folder.mkdir(parents=True, exist_ok=True)
+    config = json.loads((target / "config.json").read_text())
+    config["num_hidden_layers"] = layers
+    (folder / "config.json").write_text(json.dumps(config))
+    kept = {}
+    for file in sorted(target.glob("*.safetensors")):
+        for name, tensor in load_file(file).items():
+            if not name.startswith("model.layers.") or int(name.split(".")[2]) < layers:
+                kept[name] = tensor
+    save_file(kept, folder / "model.safetensors", metadata={"format": "pt"})
+    for name in ("tokenizer.json", "tokenizer_config.json", "generation_config.json"):
+        if (target / name).is_file():
+            shutil.copy(target / name, folder / name)
+    return folder
 
 
 def build_random_llama(

@@ -40,7 +40,7 @@ from typing import Any
 import httpx
 
 from backend.builtin import BUILTIN_MODEL_DIR
-from bench._common import long_tailed
+from bench._common import long_tailed, truncated_draft
 from bench.serve import Server, serving
 
 Request = dict[str, Any]  # a /v1/completions body without "model"
@@ -133,28 +133,6 @@ async def spec_stats(server: Server) -> dict[str, float]:
             if line.startswith(f"tollgate_engine_spec_decode_{name} "):
                 found[name] = round(float(line.split()[-1]), 2)
     return found
-
-
-def truncated_draft(target: Path, folder: Path, layers: int) -> Path:
-    """`target` (a Llama checkpoint of one safetensors file) cut to its first `layers`
-    decoder layers, everything else (embeddings, final norm, tied LM head, tokenizer)
-    kept: a draft of the same vocabulary whose first layers are the target's own."""
-    from safetensors.torch import load_file, save_file
-
-    folder.mkdir(parents=True, exist_ok=True)
-    config = json.loads((target / "config.json").read_text())
-    config["num_hidden_layers"] = layers
-    (folder / "config.json").write_text(json.dumps(config))
-    kept = {
-        name: tensor
-        for name, tensor in load_file(target / "model.safetensors").items()
-        if not name.startswith("model.layers.") or int(name.split(".")[2]) < layers
-    }
-    save_file(kept, folder / "model.safetensors")
-    for name in ("tokenizer.json", "tokenizer_config.json", "generation_config.json"):
-        if (target / name).is_file():
-            shutil.copy(target / name, folder / name)
-    return folder
 
 
 async def run(args: argparse.Namespace) -> None:

@@ -75,8 +75,10 @@ def test_the_dry_run_runs_every_section(tmp_path: Path) -> None:
     assert steps["greedy_equal"] is True
     assert steps["off"]["step_ms"] > 0 and steps["on"]["step_ms"] > 0 and steps["speedup"] > 0
     spec = sections["speculative_1b"]
-    assert spec["greedy_equal"] is True
+    assert spec["greedy_equal"] is True and spec["greedy_equal_draft"] is True
     assert spec["ngram"]["c8"]["tokens_per_s"] > 0 and spec["speedup_c1"] > 0
+    assert spec["draft"]["c8"]["tokens_per_s"] > 0 and spec["speedup_c1_draft"] > 0
+    assert spec["draft"]["tokens_per_step"] >= 1
     mix = sections["serving_mix_8b"]
     assert mix["api"].startswith("in-process")
     assert mix["mix"]["docs_in_flight"] == 8 and mix["mix"]["vocab"] == 512  # the tiny 8B
