@@ -338,14 +338,26 @@ class Scheduler:
     def gives_way_to(self, req: Request) -> bool:
         """Whether a step that holds nothing back is worth abandoning for `req`, which
         arrived while it runs (Engine._run_sync): `req` would be protected work in the
-        next step (a newcomer of a tenant below its share of the slots while another
-        tenant runs above its own: their rows are filler then) and could start there (a
-        slot free, or a slot-share victim that pays). Called by the step thread."""
-        if self.config.filler_slowdown is None or self.fair is None or not self._newcomer(req):
+        next step (an interactive newcomer beside batch rows, which are filler then; or a
+        newcomer of a tenant below its share of the slots while another tenant runs above
+        its own: their rows are filler then) and could start there (a slot free, or a
+        slot-share victim that pays). Called by the step thread."""
+        if self.config.filler_slowdown is None or not self._newcomer(req):
             return False
-        if not self.step_cost.ready or not over_share_rows(self.running, req, self._max_running):
+        if not self.step_cost.ready:
+            return False
+        if len(self.running) < self._max_running and self._runs_batch_rows():
+            return True  # the batch lane: the step of batch rows waits for the newcomer's
+        if self.fair is None or not over_share_rows(self.running, req, self._max_running):
             return False
         return len(self.running) < self._max_running or self._slot_share_victim(req) is not None
+
+    def _runs_batch_rows(self) -> bool:
+        """Rows that an interactive request makes filler: batch ones not aged past it."""
+        now, floor = self.clock(), self.config.batch_priority
+        return any(
+            r.priority >= floor and self.ranking.effective(r, now) >= floor for r in self.running
+        )
 
     def _newcomer(self, req: Request) -> bool:
         """A short interactive prompt before its first token (its own TTFT at stake)."""

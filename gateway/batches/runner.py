@@ -11,7 +11,9 @@ again answers from its Idempotency-Key's stored result when its first run finish
 Lines yield to interactive work: while the engine runs or queues any request below the
 batch class, the runner starts no line (the engine would hold its rows anyway, and its
 request path would take the gateway's event loop from the interactive requests); the lines
-under way go on, and new ones start, at full concurrency, once that work has drained."""
+under way go on (the engine holds their outputs meanwhile: backend/engine/async_engine.py),
+and new ones start once that work has drained, RAMP_LINES at a time, so that a chat
+arriving meanwhile finds a few lines' request paths on the event loop, not a round's."""
 
 from __future__ import annotations
 
@@ -49,6 +51,8 @@ log = logging.getLogger(__name__)
 
 REMOTE_SLOTS = 128  # replicas do not say their max_num_seqs: a GPU's default is 256
 HELD_POLL_S = 0.02  # while lines wait for interactive work: how often the engine is read
+RAMP_LINES = 4  # lines started at once; the next ones RAMP_S later, unless a chat came
+RAMP_S = 0.025
 
 
 class BatchRunner:
@@ -65,6 +69,7 @@ class BatchRunner:
         drain_s: float = 30.0,
         only: str | None = None,
         held_poll_s: float = HELD_POLL_S,
+        ramp_s: float = RAMP_S,
     ) -> None:
         self.sessions, self.settings, self.blobs = sessions, settings, blobs
         self.run_line = run_line
@@ -76,6 +81,7 @@ class BatchRunner:
             engine_client.interactive_work if engine_client is not None else lambda: 0
         )
         self.held_poll_s = held_poll_s
+        self.ramp_s = ramp_s  # between groups of RAMP_LINES lines started
         self.held = False  # the last round started no line: interactive work was in the engine
         self.lease = lease or timedelta(seconds=settings.batch_lease_s)
         self.drain_s = drain_s  # how long a stop waits for the lines under way
@@ -231,11 +237,32 @@ class BatchRunner:
             for batch in tenant_batches:
                 async with self.sessions.begin() as session:
                     lines = await BatchQueue(session).claim(batch.id, per_batch, self.lease)
-                for line in lines:
-                    key = (batch.id, line.line)
-                    task = asyncio.get_running_loop().create_task(self._line(batch, line))
-                    self._running[key] = task
-                    task.add_done_callback(partial(self._done, key))
+                if not await self._ramp(batch, lines):
+                    return
+
+    async def _ramp(self, batch: Batch, lines: list[BatchLine]) -> bool:
+        """Start the claimed lines RAMP_LINES at a time, ramp_s apart, so a chat arriving
+        meanwhile finds a few lines' request paths on the event loop, not a round's; the
+        rest go back to pending if one did (False: held)."""
+        started = 0
+        try:
+            for started, line in enumerate(lines):
+                if started and started % RAMP_LINES == 0:
+                    await asyncio.sleep(self.ramp_s)
+                    if self.interactive():
+                        self.held = True
+                        return False
+                key = (batch.id, line.line)
+                task = asyncio.get_running_loop().create_task(self._line(batch, line))
+                self._running[key] = task
+                task.add_done_callback(partial(self._done, key))
+            started = len(lines)
+            return True
+        finally:
+            if started < len(lines):
+                rest = [line.line for line in lines[started:]]
+                async with self.sessions.begin() as session:
+                    await BatchQueue(session).release(batch.id, rest)
 
     def _done(self, key: tuple[str, int], _: asyncio.Task[None]) -> None:
         self._running.pop(key, None)

@@ -175,3 +175,22 @@ def test_no_step_gives_way_within_shares_or_without_filler_rows() -> None:
         off.add_request(request(f"b{i}", 40, tenant="B", max_tokens=2000))
     advance(off, off.schedule())
     assert not off.gives_way_to(request("c", 4, tenant="C", max_tokens=10))
+
+
+def test_a_step_of_batch_rows_gives_way_to_an_interactive_newcomer() -> None:
+    """The batch lane: a chat arriving during a step of batch rows at full width would
+    make them filler in the next step, so that step is abandoned for it (a slot free:
+    the gateway's lines hold half of them); a batch newcomer, or one with no slot, not."""
+    clock = Clock()
+    s = fitted(make(clock, max_num_seqs=16, num_blocks=2048))
+    decoding_batch(s, 8)
+    advance(s, s.schedule())
+    assert not s.protecting
+    assert s.gives_way_to(request("chat", 4, tenant="A", max_tokens=10))
+    assert not s.gives_way_to(request("line", 4, priority=BATCH, tenant="A", max_tokens=10))
+    full = fitted(make(clock, max_num_seqs=8, num_blocks=2048))
+    decoding_batch(full, 8)  # every slot: the chat waits for one (its tenant's is T's)
+    assert not full.gives_way_to(request("chat", 4, tenant="T", max_tokens=10))
+    s.add_request(request("chat", 4, tenant="A", max_tokens=10))
+    advance(s, s.schedule())
+    assert s.protecting  # the chat's step holds the batch rows: it would not give way

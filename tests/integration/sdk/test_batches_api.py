@@ -18,6 +18,7 @@ from sqlalchemy import func, select, update
 from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
 
 from gateway.app import create_app
+from gateway.batches.runner import RAMP_LINES
 from gateway.dispatch.engine_client import InProcessEngineClient
 from gateway.settings import Settings
 from tenants.batches import Batch, BatchLine, LineStatus
@@ -398,3 +399,50 @@ async def test_lines_wait_for_interactive_work_to_drain_then_all_run(
         done = await _until(client, batch.id, "completed")
         assert (done.request_counts.completed, done.request_counts.failed) == (3, 0)
         assert not runner.held
+
+
+async def test_a_round_starts_its_lines_a_few_at_a_time_and_gives_back_the_rest(
+    settings: Settings,
+    engine_client: InProcessEngineClient,
+    tenant_key: str,
+    sessions: async_sessionmaker[AsyncSession],
+) -> None:
+    """Lines start RAMP_LINES at a time: a chat that arrives after the first few finds
+    only their request paths on the event loop; the lines claimed after it go back to
+    pending, and run once it is done."""
+    app = create_app(settings, engine_client=engine_client)
+    async with serving(app) as url:
+        client = openai.AsyncOpenAI(base_url=url + "/v1", api_key=tenant_key, max_retries=0)
+        runner = app.state.batch_runner
+        runner.concurrency = 10
+        looks: list[int] = []
+        chat = [0]  # the engine's interactive work, as the runner sees it
+
+        def interactive() -> int:
+            looks.append(chat[0])
+            if len(looks) == 1:
+                chat[0] = 1  # a chat arrives just after the round's first look
+                return 0
+            return chat[0]
+
+        runner.interactive = interactive
+        batch = await submit(client, chat_lines(engine_client.model_name, 10))
+
+        async def counts() -> dict[str, int]:
+            async with sessions() as session:
+                statuses = list(
+                    await session.scalars(
+                        select(BatchLine.status).where(BatchLine.batch_id == batch.id)
+                    )
+                )
+            return {status: statuses.count(status) for status in set(statuses)}
+
+        async def started_ones_done() -> bool:
+            return LineStatus.RUNNING not in await counts()
+
+        await eventually(lambda: runner.held)
+        await eventually(started_ones_done)
+        assert await counts() == {LineStatus.SUCCEEDED: RAMP_LINES, LineStatus.PENDING: 6}
+        chat[0] = 0  # the chat is done: the rest run
+        done = await _until(client, batch.id, "completed")
+        assert (done.request_counts.completed, done.request_counts.failed) == (10, 0)
