@@ -10,8 +10,9 @@ backend/engine/draft.py).
 Adaptive: each request keeps an acceptance average, starting from the engine's; when it
 falls below the floor (`MIN_ACCEPTANCE`, or for a draft model the cost of one draft
 token in target steps, if higher) the request stops drafting for a pause that doubles
-each time a probe fails again, so a workload whose drafts are rarely accepted pays
-almost nothing. Which drafts run in a step is then the scheduler's choice, by the step-cost fit
+each time a probe fails again, and new requests start paused as long as the longest
+pause so far, so a workload whose drafts are rarely accepted pays almost nothing.
+Which drafts run in a step is then the scheduler's choice, by the step-cost fit
 (Scheduler._add_drafts)."""
 
 from __future__ import annotations
@@ -111,6 +112,11 @@ class Speculator:
         # Acceptance over all requests: a new request starts from it, so a workload whose
         # drafts are rarely accepted does not pay a few failed verifications per request.
         self.acceptance = 1.0
+        # A new request's first pause when that is below the floor: the longest pause a
+        # request has reached since a row last accepted every draft, so where every
+        # probe fails, short requests stop probing at all (each probe of a draft model
+        # costs its passes, and a catch-up over the prompt).
+        self.pause = FIRST_PAUSE
 
     def propose(self, running: list[Request]) -> None:
         """Drafts for the next step of each decoding request, in `req.spec_token_ids`.
@@ -137,7 +143,8 @@ class Speculator:
     def _new_state(self) -> SpecState:
         state = SpecState(acceptance=self.acceptance)
         if self.acceptance < self.min_acceptance:  # a probe after the first pause
-            state.paused_until = self.step + FIRST_PAUSE
+            state.paused_until = self.step + self.pause
+            state.pause = min(2 * self.pause, LONGEST_PAUSE)
             state.acceptance = self._probe_acceptance()
         return state
 
@@ -161,9 +168,10 @@ class Speculator:
             return
         state.acceptance += _EMA * (num_accepted / num_drafts - state.acceptance)
         if num_accepted == num_drafts:
-            state.pause = FIRST_PAUSE
+            state.pause = self.pause = FIRST_PAUSE
         elif state.acceptance < self.min_acceptance:
             state.paused_until = self.step + state.pause
+            self.pause = max(self.pause, state.pause)
             state.pause = min(2 * state.pause, LONGEST_PAUSE)
             state.acceptance = self._probe_acceptance()
 

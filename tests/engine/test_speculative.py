@@ -540,6 +540,16 @@ def test_drafting_pauses_when_drafts_are_rarely_accepted() -> None:
     other.num_computed_tokens = other.num_tokens - 1
     spec.propose([other])
     assert other.spec_token_ids == []
+    # For as long as the longest pause so far: where every probe fails, short requests
+    # never probe.
+    assert spec.pause >= 8 * speculative.FIRST_PAUSE
+    assert spec.states["s"].paused_until == spec.step + spec.pause
+    # A row that accepts every draft brings new requests back to the first pause.
+    spec.observe("r", 2, 2)
+    third = _request("t", [1, 2, 1, 2, 1, 2], 64)
+    third.num_computed_tokens = third.num_tokens - 1
+    spec.propose([third])
+    assert spec.states["t"].paused_until == spec.step + speculative.FIRST_PAUSE
 
 
 @pytest.mark.parametrize("expensive", [True, False])
