@@ -1,7 +1,8 @@
 """Speculative decoding against plain decoding (issue 34), through the HTTP API: embedded
 `tollgate serve` on loopback with the built-in model, one plain, one with
 `--speculative-method ngram` and one with `--speculative-method draft`, all up in the same
-run and measured alternately. The draft model is built here, nothing downloaded: the
+run and measured alternately (each cell starting with the next side, so that none is
+always measured last). The draft model is built here, nothing downloaded: the
 built-in model cut to its first `--draft-layers` layers (the same embeddings, tied LM
 head, final norm and tokenizer; an early exit, not a trained small model). At 1 and
 8 concurrent streamed requests: output tok/s (every completion token over the wall time,
@@ -151,6 +152,7 @@ async def run(args: argparse.Namespace) -> None:
         }
         for server in servers.values():  # warm-up: first steps, allocator
             await rates(server, workloads["repetitive"][:2], 2)
+        names, cell = list(servers), 0
         for attempt in range(args.repeat):
             report: dict[str, Any] = {"run": attempt + 1, "k": args.k}
             if "draft" in methods:
@@ -158,8 +160,10 @@ async def run(args: argparse.Namespace) -> None:
             for workload, work in workloads.items():
                 for concurrency in (1, 8):
                     output, decode = {}, {}
-                    for name, server in servers.items():
-                        got = await rates(server, work, concurrency)
+                    # Each cell starts with the next side: none is always measured last.
+                    shift, cell = cell % len(names), cell + 1
+                    for name in names[shift:] + names[:shift]:
+                        got = await rates(servers[name], work, concurrency)
                         output[name], decode[name] = round(got[0], 1), round(got[1], 1)
                     key = f"{workload}_c{concurrency}"
                     report[f"{key}_output_tok_s"] = output
