@@ -206,8 +206,8 @@ def register_batch_tasks(celery: Celery, settings: Settings) -> None:
             run_task.apply_async((batch_id,), queue=queue, expires=settings.batch_sweep_s)
         return len(batch_ids)
 
-    run_task = celery.task(name=RUN_TASK, acks_late=True)(run)
-    sweep_task = celery.task(name=SWEEP_TASK, acks_late=True)(sweep)
+    run_task = celery.task(name=RUN_TASK, acks_late=True, shared=False)(run)
+    sweep_task = celery.task(name=SWEEP_TASK, acks_late=True, shared=False)(sweep)
     celery.conf.beat_schedule["batch-sweep"] = {
         "task": SWEEP_TASK,
         "schedule": float(settings.batch_sweep_s),

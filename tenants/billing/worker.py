@@ -67,8 +67,8 @@ def create_celery(config: WorkerConfig, export: Export) -> Celery:
     def rollup_task() -> int:
         return rollup_once(config.database_url)
 
-    relay = celery.task(name="tollgate.billing.relay", acks_late=True)(relay_task)
-    celery.task(name="tollgate.billing.rollup", acks_late=True)(rollup_task)
+    relay = celery.task(name="tollgate.billing.relay", acks_late=True, shared=False)(relay_task)
+    celery.task(name="tollgate.billing.rollup", acks_late=True, shared=False)(rollup_task)
 
     def relay_at_start(sender: Any, **_: Any) -> None:
         # A worker that starts, or restarts after a crash, relays what is pending now

@@ -11,7 +11,7 @@ from gateway.billing.worker import create_worker
 from gateway.settings import Settings
 from tenants.billing.export_lock import ExportBusy
 from tenants.billing.relay import RelayResult
-from tenants.billing.worker import run_relay
+from tenants.billing.worker import WorkerConfig, create_celery, run_relay
 
 
 def _settings(env: dict[str, str]) -> Settings:
@@ -75,3 +75,13 @@ def test_a_relay_run_reports_busy_and_counts() -> None:
         "deferred": 1,
         "rejected": 0,
     }
+
+
+def test_each_app_runs_its_own_tasks() -> None:
+    """Tasks made by a factory are not shared: a second app in one process (the tests, a
+    worker that rebuilds its app) would otherwise run the first app's callables."""
+    config = WorkerConfig("redis://127.0.0.1:6379/0", "bill", 30.0, "sqlite://")
+    first = create_celery(config, lambda budget_s: RelayResult(exported=1))
+    second = create_celery(config, lambda budget_s: RelayResult(exported=2))
+    assert first.tasks["tollgate.billing.relay"]()["exported"] == 1
+    assert second.tasks["tollgate.billing.relay"]()["exported"] == 2
