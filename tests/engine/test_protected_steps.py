@@ -95,16 +95,21 @@ def test_batch_work_aged_past_the_interactive_classes_is_no_longer_held() -> Non
     assert len(rows_of(s.schedule(), "batch")) == 8
 
 
-def test_a_tenant_past_its_share_fills_what_another_tenants_newcomer_leaves() -> None:
-    """B runs all 8 slots; C's short chat arrives. The slot share gives C a slot at once,
-    and the step that computes C's prompt carries only what keeps it within 1.3x of C's
-    chunk alone; the next step, C decoding, carries every row again."""
-    clock = Clock()
-    s = fitted(make(clock, max_num_seqs=8, num_blocks=2048))
+def _b_running_in_every_slot() -> Scheduler:
+    """Tenant B's 8 long requests decoding in all 8 slots, three steps in."""
+    s = fitted(make(Clock(), max_num_seqs=8, num_blocks=2048))
     for i in range(8):
         s.add_request(request(f"b{i}", 40, tenant="B", max_tokens=2000))
     for _ in range(3):
         advance(s, s.schedule())
+    return s
+
+
+def test_a_tenant_past_its_share_fills_what_another_tenants_newcomer_leaves() -> None:
+    """B runs all 8 slots; C's short chat arrives. The slot share gives C a slot at once,
+    and the step that computes C's prompt carries only what keeps it within 1.3x of C's
+    chunk alone; the next step, C decoding, carries every row again."""
+    s = _b_running_in_every_slot()
     s.add_request(request("c", 4, tenant="C", max_tokens=10))
     out = s.schedule()
     assert rows_of(out, "c") == [("c", 4)]
@@ -147,12 +152,7 @@ def test_a_step_gives_way_only_to_a_newcomer_it_would_hold_rows_for() -> None:
     arrived during it if that request would be protected in the next step: a short
     interactive prompt of a tenant below its share while another runs above its own,
     with a slot for it (here the slot share's victim)."""
-    clock = Clock()
-    s = fitted(make(clock, max_num_seqs=8, num_blocks=2048))
-    for i in range(8):
-        s.add_request(request(f"b{i}", 40, tenant="B", max_tokens=2000))
-    for _ in range(3):
-        advance(s, s.schedule())
+    s = _b_running_in_every_slot()
     assert not s.protecting
     assert s.gives_way_to(request("c", 4, tenant="C", max_tokens=10))
     assert not s.gives_way_to(request("b8", 4, tenant="B", max_tokens=10))  # above its share
