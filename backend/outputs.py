@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 
@@ -50,6 +50,35 @@ class RequestOutput:
     # request took its place in a full queue. AsyncEngine raises it instead.
     error: str | None = None
     retry_after_s: float | None = None  # with "overloaded"
+
+    def then(self, later: RequestOutput) -> RequestOutput:
+        """This delta and the `later` one of the same completion as one delta, as if the
+        engine had produced both runs of tokens in one step."""
+        logprobs = None
+        if self.logprobs is not None and later.logprobs is not None:
+            logprobs = self.logprobs + later.logprobs
+        return replace(
+            later,
+            text=self.text + later.text,
+            token_ids=self.token_ids + later.token_ids,
+            token_times=self.token_times + later.token_times,
+            logprobs=logprobs,
+            first_scheduled_time=self.first_scheduled_time or later.first_scheduled_time,
+            first_token_time=self.first_token_time or later.first_token_time,
+        )
+
+
+def coalesced(outputs: list[RequestOutput]) -> list[RequestOutput]:
+    """One delta per completion for a request's `outputs` (in order of each completion's
+    first delta): what a consumer that waited for them all receives in one wake-up
+    instead of one per token. Unchanged if one is an error (it ends the request)."""
+    if any(out.error is not None for out in outputs):
+        return outputs
+    merged: dict[int, RequestOutput] = {}
+    for out in outputs:
+        last = merged.get(out.index)
+        merged[out.index] = out if last is None else last.then(out)
+    return list(merged.values())
 
 
 @dataclass(frozen=True)

@@ -5,7 +5,8 @@ A batch-class request's outputs wait while interactive work is in the engine (fo
 BATCH_HOLD_S at most): what a batch request does on the event loop at each output, and
 its settlement after the last, would take the GIL from the step thread and the loop from
 the interactive streams (bench/batch_fill.py). They are handed on, in order, once that
-work has drained; the batch rows themselves go on in the engine meanwhile."""
+work has drained, each completion's run of deltas as one; the batch rows themselves go on
+in the engine meanwhile."""
 
 from __future__ import annotations
 
@@ -29,7 +30,7 @@ from backend.errors import (
     OverloadedError,
     RequestFailedError,
 )
-from backend.outputs import EngineStats, RequestOutput
+from backend.outputs import EngineStats, RequestOutput, coalesced
 from backend.requests import EngineRequest
 from backend.sampling import SamplingParams
 from backend.tokenizer import Tokenizer
@@ -254,7 +255,11 @@ class AsyncEngine:
         if stream is None:
             return []
         held, stream.held = stream.held, []
-        return [(stream, out) for out in held] if request_id in self._streams else []
+        if request_id not in self._streams:
+            return []
+        # One delta per completion, not one per held token: a second of a batch line's
+        # tokens costs the event loop one wake-up of its consumer, not ~100.
+        return [(stream, out) for out in coalesced(held)]
 
     def _fail_all(self, reason: str) -> None:
         with self._lock:

@@ -687,12 +687,7 @@ class Engine:
             if req.is_finished:
                 break
             req.output_token_ids.append(token)
-            out = self._process_token(req, token, None)
-            merged.text += out.text
-            merged.token_ids += out.token_ids
-            merged.token_times += out.token_times
-            merged.finished, merged.finish_reason = out.finished, out.finish_reason
-            merged.completion_tokens = out.completion_tokens
+            merged = merged.then(self._process_token(req, token, None))
         return merged
 
     def _process_token(

@@ -197,7 +197,8 @@ async def test_batch_outputs_wait_for_interactive_work(
     engine: AsyncEngine, llama_dir: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """A batch-class request's outputs reach its consumer only once no interactive request
-    is in the engine, all of them, in order (the hold's cap out of the way)."""
+    is in the engine, all of them, in order, what waited as one delta (the hold's cap out
+    of the way)."""
     monkeypatch.setattr("backend.engine.async_engine.BATCH_HOLD_S", 600.0)
     batch_priority = engine.engine.config.batch_priority
     interactive = engine.generate(EngineRequest("The quick", LONG, "chat"))
@@ -218,3 +219,5 @@ async def test_batch_outputs_wait_for_interactive_work(
     assert rest[-1].finished and interactive_left == [0] * len(outs)
     ref = sync_reference(llama_dir, "Paged attention", GREEDY)
     assert tokens_of(outs) == tokens_of(ref) and outs[-1].finished
+    # What waited came as one delta, not one per token (a wake-up of the consumer each).
+    assert len(outs) < len(tokens_of(outs)), [len(o.token_ids) for o in outs]

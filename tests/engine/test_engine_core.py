@@ -8,7 +8,7 @@ import pytest
 
 from backend.engine.engine import Engine
 from backend.errors import PromptTooLongError
-from backend.outputs import RequestOutput
+from backend.outputs import RequestOutput, coalesced
 from backend.requests import EngineRequest
 from backend.sampling import SamplingParams
 from tests.engine.engine_support import (
@@ -58,6 +58,32 @@ def test_outputs_are_deltas_with_cumulative_counts(llama_dir: Path) -> None:
     first = outs[0]
     assert first.first_scheduled_time is not None and first.first_token_time is not None
     assert first.arrival_time <= first.first_scheduled_time <= first.first_token_time
+
+
+def flat(outs: list[RequestOutput], field: str) -> list[object]:
+    return [item for out in outs for item in getattr(out, field) or []]
+
+
+def test_coalesced_deltas_read_as_the_deltas_one_by_one(llama_dir: Path) -> None:
+    """What the asyncio front hands on for held batch outputs: each completion's deltas
+    as one, with the same tokens, text, times, logprobs and final state."""
+    engine = make_engine(llama_dir)
+    params = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True, n=2, logprobs=1)
+    outs = generate(engine, PROMPT, params)
+    merged = coalesced(outs)
+    assert len(merged) < len(outs)
+    for index in (0, 1):
+        mine = [o for o in outs if o.index == index]
+        one = [o for o in merged if o.index == index]
+        assert tokens_of(one) == tokens_of(mine) and text_of(one) == text_of(mine)
+        for field in ("token_times", "logprobs"):
+            assert flat(one, field) == flat(mine, field)
+        assert one[-1].finished and one[-1].completion_tokens == 6
+        assert one[0].first_token_time == mine[0].first_token_time
+    assert len(merged) == 2
+    # A rejection ends the request: outputs with one are handed on as they are.
+    failed = [*outs[:2], RequestOutput("x", "", [], True, "rejected", 0, 0, error="overloaded")]
+    assert coalesced(failed) == failed
 
 
 def test_stop_string_is_cut_from_the_text(llama_dir: Path) -> None:
