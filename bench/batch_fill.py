@@ -24,7 +24,7 @@ from typing import Any
 import httpx
 
 from bench._common import percentile
-from bench.serve import serving
+from bench.serve import phase_options, serving
 
 CHAT = [{"role": "user", "content": "Write a haiku about the sea."}]
 BUSY = re.compile(r"^tollgate_engine_busy_seconds(?:\{[^}]*\})? ([0-9.e+-]+)$", re.M)
@@ -191,15 +191,14 @@ async def measure(
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--seconds", type=float, default=40.0, help="per phase")
-    parser.add_argument("--rate", type=float, default=2.0, help="chats per second per tenant")
+    parser = phase_options(
+        __doc__, seconds=40.0, rate=2.0, rate_help="chats per second per tenant", repeat=1
+    )
     parser.add_argument("--burst", type=float, default=3.0, help="seconds of traffic")
     parser.add_argument("--gap", type=float, default=3.0, help="idle seconds between bursts")
     parser.add_argument("--max-tokens", type=int, default=32, help="per interactive chat")
     parser.add_argument("--lines", type=int, default=2000, help="requests in the batch")
     parser.add_argument("--batch-max-tokens", type=int, default=32)
-    parser.add_argument("--repeat", type=int, default=1)
     asyncio.run(run(parser.parse_args()))
 
 

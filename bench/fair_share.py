@@ -31,7 +31,7 @@ import httpx
 
 from bench._common import percentile
 from bench.hostile_load import open_loop, ttft
-from bench.serve import serving
+from bench.serve import phase_options, serving
 
 
 async def hold_stream(
@@ -144,11 +144,8 @@ async def run(args: argparse.Namespace) -> None:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--seconds", type=float, default=30.0, help="per phase")
-    parser.add_argument("--rate", type=float, default=1.0, help="C's chats per second")
+    parser = phase_options(__doc__, seconds=30.0, rate=1.0, rate_help="C's chats per second")
     parser.add_argument("--backlog", type=int, default=200, help="B's open streams")
-    parser.add_argument("--repeat", type=int, default=2)
     asyncio.run(run(parser.parse_args()))
 
 

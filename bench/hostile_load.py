@@ -18,7 +18,7 @@ from typing import Any
 import httpx
 
 from bench._common import percentile
-from bench.serve import serving
+from bench.serve import phase_options, serving
 
 QUOTA_RPM = 60  # the hostile tenant's plan: one request a second
 CHAT = [{"role": "user", "content": "Write a haiku about the sea."}]
@@ -104,10 +104,7 @@ async def measure(
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--seconds", type=float, default=20.0, help="per phase")
-    parser.add_argument("--rate", type=float, default=2.0, help="chat requests per second")
-    parser.add_argument("--repeat", type=int, default=2)
+    parser = phase_options(__doc__, seconds=20.0, rate=2.0, rate_help="chat requests per second")
     asyncio.run(run(parser.parse_args()))
 
 

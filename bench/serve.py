@@ -10,6 +10,7 @@ and stopped when the block ends.
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import contextlib
 import gc
@@ -30,6 +31,20 @@ import httpx
 from tenants import keys
 
 STARTUP = re.compile(r"engine: [^\"\n]*")
+
+
+def phase_options(
+    doc: str, *, seconds: float, rate: float, rate_help: str, repeat: int = 2
+) -> argparse.ArgumentParser:
+    """The options of the open-loop benchmarks against a served gateway (fair_share,
+    hostile_load, batch_fill): seconds per phase, the measured chats' rate, and how many
+    times to measure; a script adds its own. `doc`: its docstring (the first paragraph
+    is the help's description)."""
+    parser = argparse.ArgumentParser(description=doc.split("\n\n")[0])
+    parser.add_argument("--seconds", type=float, default=seconds, help="per phase")
+    parser.add_argument("--rate", type=float, default=rate, help=rate_help)
+    parser.add_argument("--repeat", type=int, default=repeat)
+    return parser
 
 
 @dataclass
