@@ -11,7 +11,7 @@ from typing import Any
 from sqlalchemy.ext.asyncio import AsyncSession
 
 from gateway.billing.stripe import export_once
-from gateway.cli.support import actor, command, group, in_session, micros
+from gateway.cli.support import actor, command, group, in_session, micros, print_in_session
 from gateway.settings import Settings
 from tenants.billing.customers import StripeCustomerService
 from tenants.billing.models import PriceVersion
@@ -250,8 +250,7 @@ def _billing_customer(settings: Settings, args: argparse.Namespace) -> int:
         customer_id = await service.find(tenant)
         return f"{tenant.name}\t{customer_id or 'none yet (created on the first export)'}"
 
-    print(in_session(settings, work))
-    return 0
+    return print_in_session(settings, work)
 
 
 def _describe(version: PriceVersion) -> str:

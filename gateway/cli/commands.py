@@ -21,7 +21,7 @@ from gateway.cli import billing as billing_cli
 from gateway.cli import capacity as capacity_cli
 from gateway.cli import models as models_cli
 from gateway.cli import quota as quota_cli
-from gateway.cli.support import actor, command, group, in_session, micros
+from gateway.cli.support import actor, command, group, in_session, micros, print_in_session
 from gateway.settings import Settings, SettingsError, engine_knobs, gateway_engine_defaults
 from tenants import audit, db
 from tenants.admins import AdminService
@@ -347,8 +347,7 @@ def _plans_create(settings: Settings, args: argparse.Namespace) -> int:
         plan = await service.create(args.name, _terms_from(args, PlanTerms()))
         return "created plan " + _describe_plan(plan)
 
-    print(in_session(settings, work))
-    return 0
+    return print_in_session(settings, work)
 
 
 def _plans_update(settings: Settings, args: argparse.Namespace) -> int:
@@ -358,8 +357,7 @@ def _plans_update(settings: Settings, args: argparse.Namespace) -> int:
         )
         return "updated plan " + _describe_plan(plan)
 
-    print(in_session(settings, work))
-    return 0
+    return print_in_session(settings, work)
 
 
 def _plans_list(settings: Settings, args: argparse.Namespace) -> int:
@@ -376,8 +374,7 @@ def _tenants_set_plan(settings: Settings, args: argparse.Namespace) -> int:
         tenant = await TenantService(session, actor()).set_plan(args.name, plan)
         return f"tenant {tenant.name} is on plan {plan or 'none (unlimited)'}"
 
-    print(in_session(settings, work))
-    return 0
+    return print_in_session(settings, work)
 
 
 def _keys_limits(settings: Settings, args: argparse.Namespace) -> int:
@@ -389,8 +386,7 @@ def _keys_limits(settings: Settings, args: argparse.Namespace) -> int:
         shown = ", ".join(f"{n}={getattr(limits, n)}" for n in LIMIT_NAMES)
         return f"key {key.prefix}: {shown} (None: the plan's)"
 
-    print(in_session(settings, work))
-    return 0
+    return print_in_session(settings, work)
 
 
 def _tenants_create(settings: Settings, args: argparse.Namespace) -> int:
@@ -398,8 +394,7 @@ def _tenants_create(settings: Settings, args: argparse.Namespace) -> int:
         tenant = await TenantService(session, actor()).create(args.name, args.plan or None)
         return f"created tenant {tenant.name} ({tenant.id})"
 
-    print(in_session(settings, work))
-    return 0
+    return print_in_session(settings, work)
 
 
 def _tenants_list(settings: Settings, args: argparse.Namespace) -> int:
@@ -453,8 +448,7 @@ def _keys_revoke(settings: Settings, args: argparse.Namespace) -> int:
         key = await ApiKeyService(session, actor()).revoke(args.key)
         return f"revoked {key.prefix} ({key.id})"
 
-    print(in_session(settings, work))
-    return 0
+    return print_in_session(settings, work)
 
 
 def _admin_password(settings: Settings) -> str:
@@ -475,8 +469,7 @@ def _admins_create(settings: Settings, args: argparse.Namespace) -> int:
         admin = await AdminService(session, actor()).create(args.email, args.role, password)
         return f"created {admin.role} {admin.email}: sign in at /admin"
 
-    print(in_session(settings, work))
-    return 0
+    return print_in_session(settings, work)
 
 
 def _when(moment: datetime | None) -> str:

@@ -48,6 +48,13 @@ def in_session(settings: Settings, work: Callable[[AsyncSession], Awaitable[T]])
     return db.run_once(settings.database_url, work)
 
 
+def print_in_session(settings: Settings, work: Callable[[AsyncSession], Awaitable[str]]) -> int:
+    """A command whose outcome is one message: run `work` as in_session does and print
+    what it returns."""
+    print(in_session(settings, work))
+    return 0
+
+
 class _Removes(Protocol):
     async def remove(self, name: str) -> None: ...
 
