@@ -11,7 +11,15 @@ from typing import Any
 from sqlalchemy.ext.asyncio import AsyncSession
 
 from gateway.billing.stripe import export_once
-from gateway.cli.support import actor, command, group, in_session, micros, print_in_session
+from gateway.cli.support import (
+    actor,
+    command,
+    group,
+    in_session,
+    micros,
+    period_flag,
+    print_in_session,
+)
 from gateway.settings import Settings
 from tenants.billing.customers import StripeCustomerService
 from tenants.billing.models import PriceVersion
@@ -19,7 +27,6 @@ from tenants.billing.outbox import OutboxService, TooOld
 from tenants.billing.prices import PriceService
 from tenants.billing.reports import Period, Report, build_report, format_micros
 from tenants.billing.stripe_meters import event_identifier
-from tenants.errors import InvalidInputError
 from tenants.models import as_utc
 from tenants.pricing import TOKENS_PER_UNIT, Price
 from tenants.services import TenantService
@@ -30,7 +37,7 @@ def add_commands(commands: Any) -> None:
     billing = group(commands, "billing", "usage reports and Stripe export")
     report = command(billing, "report", "a tenant's usage and spend for a month", _billing_report)
     report.add_argument("--tenant", required=True)
-    report.add_argument("--period", type=_period, help="YYYY-MM, UTC (default: this month)")
+    period_flag(report)
     report.add_argument("--format", choices=("table", "json", "csv"), default="table")
     for name, summary, handler in (  # these take no arguments
         ("export", "send pending usage to Stripe now (TOLLGATE_STRIPE_API_KEY)", _billing_export),
@@ -88,13 +95,6 @@ def add_commands(commands: Any) -> None:
     set_price.add_argument(
         "--effective", type=_day, help="YYYY-MM-DD, from midnight UTC (default: now)"
     )
-
-
-def _period(text: str) -> Period:
-    try:
-        return Period.parse(text)
-    except InvalidInputError as exc:  # shown as a usage error
-        raise argparse.ArgumentTypeError(str(exc)) from None
 
 
 def _per_mtok(text: str) -> int:

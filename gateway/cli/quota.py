@@ -5,17 +5,14 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import re
 from dataclasses import asdict
 from typing import Any
 
 from gateway.admission.reconcile import Rebuilder, Rebuilt
-from gateway.cli.support import command, group
+from gateway.cli.support import command, group, period_flag
 from gateway.settings import Settings
 from tenants import db
 from tenants.quota import open_quota_store
-
-_PERIOD = re.compile(r"^\d{4}-(0[1-9]|1[0-2])$")
 
 
 def add_commands(commands: Any) -> None:
@@ -27,17 +24,12 @@ def add_commands(commands: Any) -> None:
         "set every tenant's and key's spent from the ledger (safe while gateways run)",
         _quota_rebuild,
     )
-    rebuild.add_argument("--period", type=_period, help="YYYY-MM, UTC (default: this month)")
-
-
-def _period(text: str) -> str:
-    if not _PERIOD.match(text):
-        raise argparse.ArgumentTypeError(f"not a YYYY-MM month: {text!r}")
-    return text
+    period_flag(rebuild)
 
 
 def _quota_rebuild(settings: Settings, args: argparse.Namespace) -> int:
-    rebuilt = asyncio.run(rebuild_now(settings, args.period))
+    period = args.period.label if args.period else None
+    rebuilt = asyncio.run(rebuild_now(settings, period))
     print(json.dumps(asdict(rebuilt)))
     return 0 if rebuilt.ready else 1
 

@@ -16,6 +16,8 @@ from sqlalchemy.ext.asyncio import AsyncSession
 from gateway.settings import Settings
 from tenants import db
 from tenants.audit import Actor
+from tenants.billing.reports import Period
+from tenants.errors import InvalidInputError
 
 T = TypeVar("T")
 
@@ -33,6 +35,19 @@ def command(commands: Any, name: str, summary: str, handler: Handler) -> argpars
     parser: argparse.ArgumentParser = commands.add_parser(name, help=summary)
     parser.set_defaults(handler=handler)
     return parser
+
+
+def period_flag(parser: argparse.ArgumentParser) -> None:
+    """`--period YYYY-MM`, a calendar month in UTC read as a Period (None when left out:
+    the command takes this month)."""
+    parser.add_argument("--period", type=_period, help="YYYY-MM, UTC (default: this month)")
+
+
+def _period(text: str) -> Period:
+    try:
+        return Period.parse(text)
+    except InvalidInputError as exc:  # shown as a usage error
+        raise argparse.ArgumentTypeError(str(exc)) from None
 
 
 def actor() -> Actor:
