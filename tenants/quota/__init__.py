@@ -9,11 +9,7 @@ from __future__ import annotations
 
 from tenants.quota.contract import (
     CONCURRENCY_RETRY_HINT_S,
-    DEFAULT_SETTLED_TTL_S,
     KEY_SCOPE,
-    MAX_SCOPES,
-    TENANT_SCOPE,
-    WINDOW_S,
     Denied,
     DenyReason,
     Granted,
@@ -54,11 +50,7 @@ def open_quota_store(
 
 __all__ = [
     "CONCURRENCY_RETRY_HINT_S",
-    "DEFAULT_SETTLED_TTL_S",
     "KEY_SCOPE",
-    "MAX_SCOPES",
-    "TENANT_SCOPE",
-    "WINDOW_S",
     "Denied",
     "DenyReason",
     "Granted",
