@@ -5,8 +5,9 @@ A batch-class request's outputs wait while interactive work is in the engine (fo
 BATCH_HOLD_S at most): what a batch request does on the event loop at each output, and
 its settlement after the last, would take the GIL from the step thread and the loop from
 the interactive streams (bench/batch_fill.py). They are handed on, in order, once that
-work has drained, each completion's run of deltas as one; the batch rows themselves go on
-in the engine meanwhile."""
+work has drained, each completion's deltas as one; the batch rows themselves go on in the
+engine meanwhile. Without interactive work they go out every BATCH_COALESCE_S, and at the
+end, likewise as one delta each."""
 
 from __future__ import annotations
 
@@ -44,6 +45,10 @@ log = logging.getLogger(__name__)
 SWITCH_INTERVAL_S = 0.001
 
 BATCH_HOLD_S = 1.0  # the longest a batch request's outputs wait for interactive work
+# With no interactive work, a batch request's outputs still go out this often (and at its
+# end), as one delta: a token per step would wake its consumer on the event loop ~100
+# times a second, for a client that reads the answer whole (a batch line).
+BATCH_COALESCE_S = 0.05
 
 
 @dataclass
@@ -179,7 +184,7 @@ class AsyncEngine:
                 if embedding is not None:
                     self._embed_one(embedding)
                 elif not self.engine.has_work():
-                    self._dispatch([])  # what was held: nothing interactive is left
+                    self._dispatch([], drain=True)  # what was held: nothing is left
                     self._wake.wait()
                     self._wake.clear()
                     continue
@@ -217,26 +222,30 @@ class AsyncEngine:
         if outcome is not None:
             _resolve(job, outcome)
 
-    def _dispatch(self, outputs: list[RequestOutput]) -> None:
+    def _dispatch(self, outputs: list[RequestOutput], drain: bool = False) -> None:
         """A step's outputs, handed to each event loop in one call: a wake-up of the loop
-        per step, not per token (call_soon_threadsafe writes to the loop's self-pipe)."""
+        per step, not per token (call_soon_threadsafe writes to the loop's self-pipe).
+        A batch stream's wait (while interactive work is in the engine, and between its
+        deliveries) ends with `drain`."""
         if not outputs and not self._held:
             return
         by_loop: dict[asyncio.AbstractEventLoop, list[tuple[_Stream, RequestOutput]]] = {}
-        hold = self.engine.num_interactive() > 0
+        hold = self.engine.num_interactive() > 0 and not drain
         now = time.monotonic()
         with self._lock:
             for out in outputs:
                 stream = self._streams.get(out.request_id)
                 if stream is None:  # the consumer may have gone; its abort is on the way
                     continue
-                if hold and stream.batch:
-                    self._hold(out.request_id, stream, out, now)
-                else:
+                if not stream.batch:
+                    by_loop.setdefault(stream.loop, []).append((stream, out))
+                    continue
+                self._hold(out.request_id, stream, out, now)
+                if not hold and (out.finished or drain):  # its last, with what waited
                     by_loop.setdefault(stream.loop, []).extend(self._release(out.request_id))
-                    by_loop[stream.loop].append((stream, out))
             for request_id, stream in list(self._held.items()):
-                if not hold or now - stream.held_since > BATCH_HOLD_S:
+                waited = now - stream.held_since
+                if drain or waited > BATCH_HOLD_S or (not hold and waited >= BATCH_COALESCE_S):
                     by_loop.setdefault(stream.loop, []).extend(self._release(request_id))
         for loop, items in by_loop.items():
             with contextlib.suppress(RuntimeError):  # a closed event loop: nobody listens

@@ -221,3 +221,20 @@ async def test_batch_outputs_wait_for_interactive_work(
     assert tokens_of(outs) == tokens_of(ref) and outs[-1].finished
     # What waited came as one delta, not one per token (a wake-up of the consumer each).
     assert len(outs) < len(tokens_of(outs)), [len(o.token_ids) for o in outs]
+
+
+async def test_batch_outputs_go_out_coalesced_without_interactive_work(
+    engine: AsyncEngine, llama_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Alone in the engine, a batch-class request's deltas wait BATCH_COALESCE_S between
+    deliveries and its last goes out at once: with the interval long, one delta with every
+    token; an interactive request's come one per step."""
+    monkeypatch.setattr("backend.engine.async_engine.BATCH_COALESCE_S", 600.0)
+    priority = engine.engine.config.batch_priority
+    request = EngineRequest("Paged attention", GREEDY, "line", priority=priority)
+    outs = [out async for out in engine.generate(request)]
+    assert len(outs) == 1 and outs[0].finished and outs[0].completion_tokens == 12
+    chat = [out async for out in engine.generate(EngineRequest("Paged attention", GREEDY, "c"))]
+    assert [len(o.token_ids) for o in chat] == [1] * 12
+    ref = sync_reference(llama_dir, "Paged attention", GREEDY)
+    assert tokens_of(outs) == tokens_of(ref) == tokens_of(chat)
