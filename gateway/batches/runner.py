@@ -46,6 +46,7 @@ from tenants.blobs import BlobStore
 from tenants.db import is_postgres
 from tenants.files import FileStore
 from tenants.models import as_utc, utcnow
+from tenants.services import Principal
 
 log = logging.getLogger(__name__)
 
@@ -237,10 +238,15 @@ class BatchRunner:
             for batch in tenant_batches:
                 async with self.sessions.begin() as session:
                     lines = await BatchQueue(session).claim(batch.id, per_batch, self.lease)
-                if not await self._ramp(batch, lines):
+                    # Once per claim, not per line (a three-table read on the event loop):
+                    # a key revoked from now on fails the lines claimed after it.
+                    principal = await key_principal(session, batch.api_key_id) if lines else None
+                if not await self._ramp(batch, lines, principal):
                     return
 
-    async def _ramp(self, batch: Batch, lines: list[BatchLine]) -> bool:
+    async def _ramp(
+        self, batch: Batch, lines: list[BatchLine], principal: Principal | None
+    ) -> bool:
         """Start the claimed lines RAMP_LINES at a time, ramp_s apart, so a chat arriving
         meanwhile finds a few lines' request paths on the event loop, not a round's; the
         rest go back to pending if one did (False: held)."""
@@ -253,7 +259,7 @@ class BatchRunner:
                         self.held = True
                         return False
                 key = (batch.id, line.line)
-                task = asyncio.get_running_loop().create_task(self._line(batch, line))
+                task = asyncio.get_running_loop().create_task(self._line(batch, line, principal))
                 self._running[key] = task
                 task.add_done_callback(partial(self._done, key))
             started = len(lines)
@@ -270,8 +276,8 @@ class BatchRunner:
         if not self.held and len(self._running) <= self.concurrency // 2:
             self._wakeup.set()
 
-    async def _line(self, batch: Batch, line: BatchLine) -> None:
-        outcome = await self._outcome(batch, line)
+    async def _line(self, batch: Batch, line: BatchLine, principal: Principal | None) -> None:
+        outcome = await self._outcome(batch, line, principal)
         async with self.sessions.begin() as session:
             queue = BatchQueue(session)
             if outcome is None:
@@ -286,10 +292,11 @@ class BatchRunner:
                 outcome.body,
             )
 
-    async def _outcome(self, batch: Batch, line: BatchLine) -> LineOutcome | None:
-        """The line's answer; None: it could not start now, and runs later."""
-        async with self.sessions() as session:
-            principal = await key_principal(session, batch.api_key_id)
+    async def _outcome(
+        self, batch: Batch, line: BatchLine, principal: Principal | None
+    ) -> LineOutcome | None:
+        """The line's answer as `principal` (None: the batch's key is revoked); None: it
+        could not start now, and runs later."""
         if principal is None:
             refused = AuthenticationFailed("the key that created this batch was revoked")
             return LineOutcome(refused.status, refused.body(), None)

@@ -193,6 +193,32 @@ async def test_a_batch_expires_at_its_window_with_what_is_done(
     assert done.expired_at is not None
 
 
+async def test_lines_claimed_after_the_key_is_revoked_fail_and_the_batch_finishes(
+    client: openai.AsyncOpenAI,
+    engine_client: InProcessEngineClient,
+    sessions: async_sessionmaker[AsyncSession],
+) -> None:
+    """The key that created a batch is revoked while it runs: the lines claimed from then
+    on fail as unauthenticated (the key is read once per claim), the batch still finishes,
+    and every line has exactly one answer."""
+    batch = await submit(client, chat_lines(engine_client.model_name, 400, max_tokens=32))
+    async with sessions.begin() as session:
+        created = await session.get(Batch, batch.id)
+        assert created is not None
+        await ApiKeyService(session).revoke(created.api_key_id)
+
+    async def finished() -> bool:
+        async with sessions() as session:
+            row = await session.get(Batch, batch.id, populate_existing=True)
+            return row is not None and row.status == "completed"
+
+    await eventually(finished, timeout_s=120)
+    async with sessions() as session:
+        query = select(BatchLine.status_code).where(BatchLine.batch_id == batch.id)
+        codes = list((await session.execute(query)).scalars())
+    assert len(codes) == 400 and set(codes) <= {200, 401} and 401 in codes
+
+
 async def test_a_batch_over_the_budget_is_refused_at_creation(
     base_url: str,
     engine_client: InProcessEngineClient,
