@@ -241,7 +241,7 @@ class AsyncEngine:
                     by_loop.setdefault(stream.loop, []).append((stream, out))
                     continue
                 self._hold(out.request_id, stream, out, now)
-                if not hold and (out.finished or drain):  # its last, with what waited
+                if not hold and out.finished:  # its last, with what waited
                     by_loop.setdefault(stream.loop, []).extend(self._release(out.request_id))
             for request_id, stream in list(self._held.items()):
                 waited = now - stream.held_since
