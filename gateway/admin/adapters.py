@@ -14,7 +14,7 @@ from msgspec import Struct
 from gateway.admin.controllers import admin_actor, audited, require_admin
 from gateway.api.schemas import decode
 from gateway.dispatch.directory import ModelDirectory
-from gateway.openapi import ADMIN, ADMIN_WRITE, documented
+from gateway.openapi import ADMIN, ADMIN_WRITE, route
 from gateway.openapi.shapes import LoRAAdapter
 from gateway.settings import Settings
 from tenants.adapters import AdapterService, adapter_view
@@ -45,18 +45,14 @@ class AdapterAdminController(Controller):
         "max_rank": Provide(max_lora_rank, sync_to_thread=False),
     }
 
-    @get("/", operation_class=documented(list[LoRAAdapter], errors=ADMIN))
+    @route(get, "/", list[LoRAAdapter], errors=ADMIN)
     async def list_adapters(
         self, adapters: NamedDependency[AdapterService], tenant: FromQuery[str | None] = None
     ) -> list[dict[str, Any]]:
         """Every tenant's adapters, or `?tenant=NAME`'s alone."""
         return [adapter_view(row, owner) for row, owner in await adapters.list(tenant)]
 
-    @post(
-        "/",
-        status_code=201,
-        operation_class=documented(LoRAAdapter, body=AdapterBody, status=201, errors=ADMIN_WRITE),
-    )
+    @route(post, "/", LoRAAdapter, body=AdapterBody, status=201, errors=ADMIN_WRITE)
     async def create_adapter(
         self,
         body: RawBody,
@@ -71,11 +67,7 @@ class AdapterAdminController(Controller):
         )
         return adapter_view(row, owner.name)
 
-    @delete(
-        "/{name:path}",
-        status_code=204,
-        operation_class=documented(None, status=204, errors=ADMIN_WRITE),
-    )
+    @route(delete, "/{name:path}", None, status=204, errors=ADMIN_WRITE)
     async def remove_adapter(
         self, name: FromPath[str], adapters: NamedDependency[AdapterService]
     ) -> None:

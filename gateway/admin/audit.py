@@ -12,7 +12,7 @@ from sqlalchemy.ext.asyncio import AsyncSession
 
 from gateway.admin.controllers import require_admin
 from gateway.core.errors import InvalidRequest
-from gateway.openapi import ADMIN, documented
+from gateway.openapi import ADMIN, route
 from gateway.openapi.shapes import AuditPage, AuditVerification
 from tenants import audit
 from tenants.errors import InvalidInputError
@@ -40,7 +40,7 @@ class AuditController(Controller):
     tags = ["Admin"]
     dependencies = {"admin": Provide(require_admin)}
 
-    @get("/", operation_class=documented(AuditPage, errors=ADMIN))
+    @route(get, "/", AuditPage, errors=ADMIN)
     async def list_events(
         self,
         db_session: NamedDependency[AsyncSession],
@@ -71,7 +71,7 @@ class AuditController(Controller):
             "next_cursor": events[-1].id if more else None,
         }
 
-    @post("/verify", status_code=200, operation_class=documented(AuditVerification, errors=ADMIN))
+    @route(post, "/verify", AuditVerification, errors=ADMIN)
     async def verify(
         self,
         db_session: NamedDependency[AsyncSession],

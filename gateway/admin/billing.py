@@ -28,7 +28,7 @@ from gateway.billing.schemas import (
 from gateway.billing.stripe import export_once
 from gateway.core.errors import Conflict, InvalidRequest, NotFound
 from gateway.http.auth import authenticate
-from gateway.openapi import ADMIN, ADMIN_WRITE, AUTHENTICATED, documented
+from gateway.openapi import ADMIN, ADMIN_WRITE, AUTHENTICATED, route
 from gateway.openapi.shapes import (
     ExportRun,
     ExportStatus,
@@ -57,7 +57,7 @@ class UsageController(Controller):
     tags = ["Usage"]
     dependencies = {"principal": Provide(authenticate)}
 
-    @get("/", operation_class=documented(TenantUsageReport, errors=AUTHENTICATED))
+    @route(get, "/", TenantUsageReport, errors=AUTHENTICATED)
     async def usage(
         self,
         db_session: NamedDependency[AsyncSession],
@@ -69,10 +69,7 @@ class UsageController(Controller):
         report = await build_report(db_session, tenant, period_of(period))
         return {"object": "usage", **report.view()}
 
-    @get(
-        "/requests/{request_id:str}",
-        operation_class=documented(UsageRow, errors=(*AUTHENTICATED, 404)),
-    )
+    @route(get, "/requests/{request_id:str}", UsageRow, errors=(*AUTHENTICATED, 404))
     async def request_usage(
         self,
         request_id: FromPath[str],
@@ -93,10 +90,7 @@ class BillingAdminController(Controller):
     tags = ["Billing"]
     dependencies = {"admin": Provide(require_admin), "actor": Provide(admin_actor)}
 
-    @get(
-        "/billing/reports/{tenant:str}/{period:str}",
-        operation_class=documented(Report, errors=ADMIN),
-    )
+    @route(get, "/billing/reports/{tenant:str}/{period:str}", Report, errors=ADMIN)
     async def report(
         self,
         tenant: FromPath[str],
@@ -107,9 +101,12 @@ class BillingAdminController(Controller):
         found = await TenantService(db_session).get(tenant)
         return (await build_report(db_session, found, period_of(period))).view()
 
-    @get(
+    @route(
+        get,
         "/billing/reports/{tenant:str}/{period:str}/csv",
-        operation_class=documented(str, media_type="text/csv", errors=ADMIN),
+        str,
+        media_type="text/csv",
+        errors=ADMIN,
     )
     async def report_csv(
         self,
@@ -127,10 +124,7 @@ class BillingAdminController(Controller):
             headers={"Content-Disposition": f'attachment; filename="{filename}"'},
         )
 
-    @get(
-        "/billing/customers/{tenant:str}",
-        operation_class=documented(StripeCustomer, errors=ADMIN),
-    )
+    @route(get, "/billing/customers/{tenant:str}", StripeCustomer, errors=ADMIN)
     async def stripe_customer(
         self,
         tenant: FromPath[str],
@@ -141,9 +135,12 @@ class BillingAdminController(Controller):
         customer_id = await StripeCustomerService(db_session).find(found)
         return {"tenant": found.name, "customer_id": customer_id}
 
-    @put(
+    @route(
+        put,
         "/billing/customers/{tenant:str}",
-        operation_class=documented(StripeCustomer, body=CustomerBody, errors=ADMIN_WRITE),
+        StripeCustomer,
+        body=CustomerBody,
+        errors=ADMIN_WRITE,
     )
     async def link_stripe_customer(
         self,
@@ -158,7 +155,7 @@ class BillingAdminController(Controller):
         await StripeCustomerService(db_session, actor).link(found, link.customer_id)
         return {"tenant": found.name, "customer_id": link.customer_id}
 
-    @get("/prices", operation_class=documented(list[PriceVersion], errors=ADMIN))
+    @route(get, "/prices", list[PriceVersion], errors=ADMIN)
     async def list_prices(
         self,
         db_session: NamedDependency[AsyncSession],
@@ -167,11 +164,7 @@ class BillingAdminController(Controller):
     ) -> list[dict[str, Any]]:
         return [price_view(v) for v in await PriceService(db_session).list(model)]
 
-    @post(
-        "/prices",
-        status_code=201,
-        operation_class=documented(PriceVersion, body=PriceBody, status=201, errors=ADMIN_WRITE),
-    )
+    @route(post, "/prices", PriceVersion, body=PriceBody, status=201, errors=ADMIN_WRITE)
     async def create_price(
         self,
         body: RawBody,
@@ -194,7 +187,7 @@ class BillingAdminController(Controller):
         prices.invalidate()  # this process sees it at once, others soon
         return price_view(version)
 
-    @get("/billing/export", operation_class=documented(ExportStatus, errors=ADMIN))
+    @route(get, "/billing/export", ExportStatus, errors=ADMIN)
     async def export_status(
         self,
         settings: NamedDependency[Settings],
@@ -204,22 +197,14 @@ class BillingAdminController(Controller):
         status = (await OutboxService(db_session).status()).view()
         return {"stripe": settings.stripe_api_key is not None, **status}
 
-    @post(
-        "/billing/export/requeue",
-        status_code=200,
-        operation_class=documented(Requeued, errors=ADMIN_WRITE),
-    )
+    @route(post, "/billing/export/requeue", Requeued, errors=ADMIN_WRITE)
     async def requeue(
         self, db_session: NamedDependency[AsyncSession], actor: NamedDependency[Actor]
     ) -> dict[str, Any]:
         """Put the rows Stripe rejected back in the queue (audited)."""
         return {"requeued": await OutboxService(db_session, actor).requeue_failed()}
 
-    @post(
-        "/billing/export/resolve",
-        status_code=200,
-        operation_class=documented(Resolved, body=ResolveBody, errors=ADMIN_WRITE),
-    )
+    @route(post, "/billing/export/resolve", Resolved, body=ResolveBody, errors=ADMIN_WRITE)
     async def resolve(
         self,
         body: RawBody,
@@ -232,11 +217,7 @@ class BillingAdminController(Controller):
         count = await service.resolve_unconfirmed(checked.in_stripe, checked.rows)
         return {"resolved": count, "in_stripe": checked.in_stripe}
 
-    @post(
-        "/billing/export",
-        status_code=200,
-        operation_class=documented(ExportRun, errors=ADMIN_WRITE),
-    )
+    @route(post, "/billing/export", ExportRun, errors=ADMIN_WRITE)
     async def export(
         self,
         settings: NamedDependency[Settings],

@@ -29,7 +29,7 @@ from gateway.dispatch.directory import ModelDirectory
 from gateway.dispatch.upstream import OpenAIUpstreamClient
 from gateway.http.auth import audit_context, authenticate, note_failure
 from gateway.http.deps import month_usage
-from gateway.openapi import ADMIN, ADMIN_WRITE, documented
+from gateway.openapi import ADMIN, ADMIN_WRITE, route
 from gateway.openapi.shapes import CreatedKey, Key, Plan, ServedModel, Tenant, TenantQuota
 from tenants.audit import Actor, Audited
 from tenants.limits import PlanTerms
@@ -86,15 +86,11 @@ class AdminController(Controller):
         "models": audited(ModelService),
     }
 
-    @get("/plans", operation_class=documented(list[Plan], errors=ADMIN))
+    @route(get, "/plans", list[Plan], errors=ADMIN)
     async def list_plans(self, plans: NamedDependency[PlanService]) -> list[dict[str, Any]]:
         return [plan_view(plan) for plan in await plans.list()]
 
-    @post(
-        "/plans",
-        status_code=201,
-        operation_class=documented(Plan, body=PlanBody, status=201, errors=ADMIN_WRITE),
-    )
+    @route(post, "/plans", Plan, body=PlanBody, status=201, errors=ADMIN_WRITE)
     async def create_plan(
         self, body: RawBody, plans: NamedDependency[PlanService]
     ) -> dict[str, Any]:
@@ -103,44 +99,34 @@ class AdminController(Controller):
             raise InvalidRequest("a plan needs a name", param="name")
         return plan_view(await plans.create(plan.name, plan.terms(PlanTerms())))
 
-    @patch(
-        "/plans/{name:str}",
-        operation_class=documented(Plan, body=PlanBody, errors=ADMIN_WRITE),
-    )
+    @route(patch, "/plans/{name:str}", Plan, body=PlanBody, errors=ADMIN_WRITE)
     async def update_plan(
         self, name: FromPath[str], body: RawBody, plans: NamedDependency[PlanService]
     ) -> dict[str, Any]:
         return plan_view(await plans.update(name, decode(body, PlanBody).terms))
 
-    @get("/tenants", operation_class=documented(list[Tenant], errors=ADMIN))
+    @route(get, "/tenants", list[Tenant], errors=ADMIN)
     async def list_tenants(
         self, plans: NamedDependency[PlanService], tenants: NamedDependency[TenantService]
     ) -> list[dict[str, Any]]:
         names = {plan.id: plan.name for plan in await plans.list()}
         return [tenant_view(t, names.get(t.plan_id or "")) for t in await tenants.list()]
 
-    @post(
-        "/tenants",
-        status_code=201,
-        operation_class=documented(Tenant, body=TenantBody, status=201, errors=ADMIN_WRITE),
-    )
+    @route(post, "/tenants", Tenant, body=TenantBody, status=201, errors=ADMIN_WRITE)
     async def create_tenant(
         self, body: RawBody, tenants: NamedDependency[TenantService]
     ) -> dict[str, Any]:
         new = decode(body, TenantBody)
         return tenant_view(await tenants.create(new.name, new.plan), new.plan)
 
-    @patch(
-        "/tenants/{name:str}",
-        operation_class=documented(Tenant, body=TenantPatch, errors=ADMIN_WRITE),
-    )
+    @route(patch, "/tenants/{name:str}", Tenant, body=TenantPatch, errors=ADMIN_WRITE)
     async def update_tenant(
         self, name: FromPath[str], body: RawBody, tenants: NamedDependency[TenantService]
     ) -> dict[str, Any]:
         plan = decode(body, TenantPatch).plan
         return tenant_view(await tenants.set_plan(name, plan), plan)
 
-    @get("/tenants/{name:str}/usage", operation_class=documented(TenantQuota, errors=ADMIN))
+    @route(get, "/tenants/{name:str}/usage", TenantQuota, errors=ADMIN)
     async def tenant_usage(
         self,
         name: FromPath[str],
@@ -159,7 +145,7 @@ class AdminController(Controller):
             "tokens_last_minute": usage.tokens_in_window,
         }
 
-    @get("/tenants/{name:str}/keys", operation_class=documented(list[Key], errors=ADMIN))
+    @route(get, "/tenants/{name:str}/keys", list[Key], errors=ADMIN)
     async def list_keys(
         self,
         name: FromPath[str],
@@ -168,10 +154,8 @@ class AdminController(Controller):
     ) -> list[dict[str, Any]]:
         return [key_view(key) for key, _ in await keys.list(await tenants.get(name))]
 
-    @post(
-        "/tenants/{name:str}/keys",
-        status_code=201,
-        operation_class=documented(CreatedKey, body=KeyBody, status=201, errors=ADMIN_WRITE),
+    @route(
+        post, "/tenants/{name:str}/keys", CreatedKey, body=KeyBody, status=201, errors=ADMIN_WRITE
     )
     async def create_key(
         self,
@@ -185,20 +169,13 @@ class AdminController(Controller):
         created = await keys.create(await tenants.get(name), new.name, role)
         return {**key_view(created.key), "key": created.secret}  # shown this once
 
-    @post(
-        "/keys/{key:str}/revoke",
-        status_code=200,
-        operation_class=documented(Key, errors=ADMIN_WRITE),
-    )
+    @route(post, "/keys/{key:str}/revoke", Key, errors=ADMIN_WRITE)
     async def revoke_key(
         self, key: FromPath[str], keys: NamedDependency[ApiKeyService]
     ) -> dict[str, Any]:
         return key_view(await keys.revoke(key))
 
-    @patch(
-        "/keys/{key:str}/limits",
-        operation_class=documented(Key, body=LimitsBody, errors=ADMIN_WRITE),
-    )
+    @route(patch, "/keys/{key:str}/limits", Key, body=LimitsBody, errors=ADMIN_WRITE)
     async def set_key_limits(
         self, key: FromPath[str], body: RawBody, keys: NamedDependency[ApiKeyService]
     ) -> dict[str, Any]:
@@ -206,13 +183,13 @@ class AdminController(Controller):
 
     # Models: every gateway replica serves a change within a few seconds (the directory's
     # refresh), so nothing here touches this replica's clients. `path`: names may hold '/'.
-    @get("/models", operation_class=documented(list[ServedModel], errors=ADMIN))
+    @route(get, "/models", list[ServedModel], errors=ADMIN)
     async def list_models(
         self, models: NamedDependency[ModelService], directory: NamedDependency[ModelDirectory]
     ) -> list[dict[str, Any]]:
         return [served(row, directory) for row in await models.list()]
 
-    @get("/models/{name:path}", operation_class=documented(ServedModel, errors=ADMIN))
+    @route(get, "/models/{name:path}", ServedModel, errors=ADMIN)
     async def get_model(
         self,
         name: FromPath[str],
@@ -221,20 +198,13 @@ class AdminController(Controller):
     ) -> dict[str, Any]:
         return served(await models.get(name.lstrip("/")), directory)
 
-    @post(
-        "/models",
-        status_code=201,
-        operation_class=documented(ServedModel, body=ModelBody, status=201, errors=ADMIN_WRITE),
-    )
+    @route(post, "/models", ServedModel, body=ModelBody, status=201, errors=ADMIN_WRITE)
     async def create_model(
         self, body: RawBody, models: NamedDependency[ModelService]
     ) -> dict[str, Any]:
         return {**model_view(await models.add(decode(body, ModelBody).spec())), "upstreams": []}
 
-    @patch(
-        "/models/{name:path}",
-        operation_class=documented(ServedModel, body=ModelPatch, errors=ADMIN_WRITE),
-    )
+    @route(patch, "/models/{name:path}", ServedModel, body=ModelPatch, errors=ADMIN_WRITE)
     async def update_model(
         self, name: FromPath[str], body: RawBody, models: NamedDependency[ModelService]
     ) -> dict[str, Any]:
@@ -243,11 +213,7 @@ class AdminController(Controller):
             raise InvalidRequest("nothing to change: give at least one field")
         return {**model_view(await models.update(name.lstrip("/"), **changes)), "upstreams": []}
 
-    @delete(
-        "/models/{name:path}",
-        status_code=204,
-        operation_class=documented(None, status=204, errors=ADMIN_WRITE),
-    )
+    @route(delete, "/models/{name:path}", None, status=204, errors=ADMIN_WRITE)
     async def remove_model(
         self, name: FromPath[str], models: NamedDependency[ModelService]
     ) -> None:

@@ -18,7 +18,7 @@ from gateway.batches.tasks import BatchWaker
 from gateway.core.errors import InvalidRequest
 from gateway.dispatch.directory import ModelDirectory
 from gateway.http.auth import authenticate
-from gateway.openapi import AUTHENTICATED, documented
+from gateway.openapi import AUTHENTICATED, documented, route
 from gateway.settings import Settings
 from tenants.billing.prices import PriceBook
 from tenants.blobs import BlobStore
@@ -138,7 +138,7 @@ class FilesController(Controller):
     tags = ["Files"]
     dependencies = _DEPENDENCIES
 
-    @post(
+    @post(  # not route(): it sets its own body limit too
         "/",
         status_code=200,
         request_max_body_size=MAX_FILE_BYTES + FORM_BYTES,
@@ -160,34 +160,27 @@ class FilesController(Controller):
         stored = await service.upload(upload.filename or "", purpose, await upload.read())
         return stored.as_openai()
 
-    @get("/", operation_class=documented(FileList, errors=AUTHENTICATED))
+    @route(get, "/", FileList, errors=AUTHENTICATED)
     async def list_files(
         self, service: NamedDependency[BatchService], purpose: FromQuery[str | None] = None
     ) -> dict[str, Any]:
         files = await service.files.list(purpose)
         return {"object": "list", "data": [f.as_openai() for f in files], "has_more": False}
 
-    @get("/{file_id:str}", operation_class=documented(FileObject, errors=FILE_ERRORS))
+    @route(get, "/{file_id:str}", FileObject, errors=FILE_ERRORS)
     async def retrieve(
         self, file_id: FromPath[str], service: NamedDependency[BatchService]
     ) -> dict[str, Any]:
         return (await service.files.get(file_id)).as_openai()
 
-    @get(
-        "/{file_id:str}/content",
-        operation_class=documented(str, errors=FILE_ERRORS, media_type="application/jsonl"),
-    )
+    @route(get, "/{file_id:str}/content", str, errors=FILE_ERRORS, media_type="application/jsonl")
     async def content(
         self, file_id: FromPath[str], service: NamedDependency[BatchService]
     ) -> Response[bytes]:
         body = await service.files.content(file_id)
         return Response(body, media_type="application/jsonl")
 
-    @delete(
-        "/{file_id:str}",
-        status_code=200,
-        operation_class=documented(DeletedFile, errors=FILE_ERRORS),
-    )
+    @route(delete, "/{file_id:str}", DeletedFile, errors=FILE_ERRORS)
     async def delete_file(
         self, file_id: FromPath[str], service: NamedDependency[BatchService]
     ) -> dict[str, Any]:
@@ -203,11 +196,7 @@ class BatchesController(Controller):
         "runner": Provide(provide_batch_runner, sync_to_thread=False),
     }
 
-    @post(
-        "/",
-        status_code=200,
-        operation_class=documented(BatchObject, body=CreateBatch, errors=CREATE_ERRORS),
-    )
+    @route(post, "/", BatchObject, body=CreateBatch, errors=CREATE_ERRORS)
     async def create(
         self,
         request: Request[Any, Any, Any],
@@ -224,7 +213,7 @@ class BatchesController(Controller):
         runner.wake(batch.id)
         return answer
 
-    @get("/", operation_class=documented(BatchList, errors=FILE_ERRORS))  # 404: `after`
+    @route(get, "/", BatchList, errors=FILE_ERRORS)  # 404: `after`
     async def list_batches(
         self,
         service: NamedDependency[BatchService],
@@ -243,17 +232,13 @@ class BatchesController(Controller):
             "has_more": len(batches) > limit,
         }
 
-    @get("/{batch_id:str}", operation_class=documented(BatchObject, errors=FILE_ERRORS))
+    @route(get, "/{batch_id:str}", BatchObject, errors=FILE_ERRORS)
     async def retrieve(
         self, batch_id: FromPath[str], service: NamedDependency[BatchService]
     ) -> dict[str, Any]:
         return (await service.batches.get(batch_id)).as_openai()
 
-    @post(
-        "/{batch_id:str}/cancel",
-        status_code=200,
-        operation_class=documented(BatchObject, errors=(*FILE_ERRORS, 409)),
-    )
+    @route(post, "/{batch_id:str}/cancel", BatchObject, errors=(*FILE_ERRORS, 409))
     async def cancel(
         self,
         batch_id: FromPath[str],

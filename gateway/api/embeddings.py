@@ -29,7 +29,7 @@ from gateway.core.errors import InvalidRequest, Overloaded
 from gateway.core.usage import Charge, RequestUsage
 from gateway.dispatch.engine_client import EngineClient
 from gateway.http.auth import authenticate, new_request_id
-from gateway.openapi import GENERATION, documented
+from gateway.openapi import GENERATION, route
 from gateway.openapi.shapes import EmbeddingList
 from gateway.telemetry import current_request
 from tenants.models import UsageStatus
@@ -104,12 +104,13 @@ class EmbeddingsController(Controller):
     path = "/v1"
     dependencies = {"principal": Provide(authenticate)}
 
-    @post(
+    @route(
+        post,
         "/embeddings",
-        status_code=200,
-        operation_class=documented(
-            EmbeddingList, body=EmbeddingRequest, errors=GENERATION, idempotent=True
-        ),
+        EmbeddingList,
+        body=EmbeddingRequest,
+        errors=GENERATION,
+        idempotent=True,
     )
     async def create_embeddings(
         self,

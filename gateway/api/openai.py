@@ -39,7 +39,7 @@ from gateway.dispatch.engine_client import (
     chat_chars,
 )
 from gateway.http.auth import authenticate, new_request_id
-from gateway.openapi import AUTHENTICATED, GENERATION, documented
+from gateway.openapi import AUTHENTICATED, GENERATION, route
 from gateway.openapi.shapes import ChatCompletion, ChatCompletionChunk, Completion, Model, ModelList
 from gateway.telemetry import current_request
 from tenants.adapters import Adapter
@@ -98,16 +98,14 @@ class OpenAIController(Controller):
     tags = ["OpenAI-compatible"]
     dependencies = {"principal": Provide(authenticate)}
 
-    @post(
+    @route(
+        post,
         "/chat/completions",
-        status_code=200,
-        operation_class=documented(
-            ChatCompletion,
-            body=ChatCompletionRequest,
-            errors=GENERATION,
-            stream=ChatCompletionChunk,
-            idempotent=True,
-        ),
+        ChatCompletion,
+        body=ChatCompletionRequest,
+        errors=GENERATION,
+        stream=ChatCompletionChunk,
+        idempotent=True,
     )
     async def chat_completions(
         self,
@@ -118,16 +116,14 @@ class OpenAIController(Controller):
         body = decode(await request.body(), ChatCompletionRequest)
         return await chat(request, services, principal, body)
 
-    @post(
+    @route(
+        post,
         "/completions",
-        status_code=200,
-        operation_class=documented(
-            Completion,
-            body=CompletionRequest,
-            errors=GENERATION,
-            stream=Completion,
-            idempotent=True,
-        ),
+        Completion,
+        body=CompletionRequest,
+        errors=GENERATION,
+        stream=Completion,
+        idempotent=True,
     )
     async def completions(
         self,
@@ -138,7 +134,7 @@ class OpenAIController(Controller):
         body = decode(await request.body(), CompletionRequest)
         return await complete(request, services, principal, body)
 
-    @get("/models", operation_class=documented(ModelList, errors=AUTHENTICATED))
+    @route(get, "/models", ModelList, errors=AUTHENTICATED)
     async def list_models(
         self, directory: NamedDependency[ModelDirectory], principal: NamedDependency[Principal]
     ) -> dict[str, Any]:
@@ -149,10 +145,8 @@ class OpenAIController(Controller):
                 cards.append(_adapter_card(directory, adapter))
         return {"object": "list", "data": cards}
 
-    @get(
-        "/models/{model_id:path}",  # ids may hold '/' (meta-llama/Llama-3.1-8B)
-        operation_class=documented(Model, errors=(*AUTHENTICATED, 403, 404)),
-    )
+    # `path`: ids may hold '/' (meta-llama/Llama-3.1-8B)
+    @route(get, "/models/{model_id:path}", Model, errors=(*AUTHENTICATED, 403, 404))
     async def get_model(
         self,
         model_id: FromPath[str],

@@ -38,7 +38,7 @@ from gateway.api.schemas import (
 from gateway.api.services import GenerationServices
 from gateway.core.errors import InvalidRequest
 from gateway.http.auth import authenticate
-from gateway.openapi import GENERATION, documented
+from gateway.openapi import GENERATION, route
 from gateway.openapi.shapes import ResponseEvent, ResponseObject
 from tenants.limits import LOWEST_PRIORITY
 from tenants.services import Principal
@@ -153,16 +153,14 @@ class ResponsesController(Controller):
     path = "/v1"
     dependencies = {"principal": Provide(authenticate)}
 
-    @post(
+    @route(
+        post,
         "/responses",
-        status_code=200,
-        operation_class=documented(
-            ResponseObject,
-            body=ResponsesRequest,
-            errors=GENERATION,
-            stream=ResponseEvent,
-            idempotent=True,
-        ),
+        ResponseObject,
+        body=ResponsesRequest,
+        errors=GENERATION,
+        stream=ResponseEvent,
+        idempotent=True,
     )
     async def create_response(
         self,

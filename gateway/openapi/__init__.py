@@ -2,15 +2,16 @@
 
 Most handlers decode their raw body with msgspec (for precise errors) and return dicts,
 so Litestar cannot see their shapes: each route names them with `documented(...)`, its
-operation class. The msgspec structs' JSON Schemas (msgspec's own, exactly what the
-decoders accept) join the document's components when it is served. The docs page is
-rendered here, on the server: no script or stylesheet from a CDN."""
+operation class, most through `route(...)`, which sets the route's status from it too.
+The msgspec structs' JSON Schemas (msgspec's own, exactly what the decoders accept) join
+the document's components when it is served. The docs page is rendered here, on the
+server: no script or stylesheet from a CDN."""
 
 from __future__ import annotations
 
 import html
 import json
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, fields
 from importlib.metadata import version
 from typing import Any
@@ -18,6 +19,7 @@ from typing import Any
 import msgspec
 from litestar import Request
 from litestar.enums import ParamType
+from litestar.handlers import HTTPRouteHandler
 from litestar.openapi import OpenAPIConfig
 from litestar.openapi.plugins import JsonRenderPlugin, OpenAPIRenderPlugin
 from litestar.openapi.spec import (
@@ -120,6 +122,21 @@ def documented(
             self.parameters = [*(self.parameters or []), *headers] or None
 
     return Documented
+
+
+def route(
+    method: Callable[..., HTTPRouteHandler],
+    path: str,
+    ok: Any,
+    *,
+    status: int = 200,
+    **documentation: Any,
+) -> HTTPRouteHandler:
+    """The route `method(path)` (litestar's get, post, …) answering `ok` with `status`,
+    documented by `documented(ok, status=status, **documentation)`: the status is named
+    once, so what the route answers and what its document says cannot drift apart."""
+    operation = documented(ok, status=status, **documentation)
+    return method(path, status_code=status, operation_class=operation)
 
 
 def _event_schema(stream: type) -> Schema:
