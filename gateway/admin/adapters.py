@@ -11,7 +11,7 @@ from litestar.di import NamedDependency, Provide
 from litestar.params import FromPath, FromQuery, RawBody
 from msgspec import Struct
 
-from gateway.admin.controllers import admin_actor, audited, require_admin
+from gateway.admin.controllers import admin_dependencies
 from gateway.api.schemas import decode
 from gateway.dispatch.directory import ModelDirectory
 from gateway.openapi import ADMIN, ADMIN_WRITE, route
@@ -39,9 +39,7 @@ class AdapterAdminController(Controller):
     path = "/admin/api/adapters"
     tags = ["Admin"]
     dependencies = {
-        "admin": Provide(require_admin),
-        "actor": Provide(admin_actor),
-        "adapters": audited(AdapterService),
+        **admin_dependencies(adapters=AdapterService),
         "max_rank": Provide(max_lora_rank, sync_to_thread=False),
     }
 

@@ -15,7 +15,7 @@ from litestar.di import NamedDependency, Provide
 from litestar.params import FromPath, FromQuery, RawBody
 from sqlalchemy.ext.asyncio import AsyncSession
 
-from gateway.admin.controllers import admin_actor, require_admin
+from gateway.admin.controllers import admin_dependencies
 from gateway.api.schemas import decode
 from gateway.billing.schemas import (
     CustomerBody,
@@ -88,7 +88,7 @@ class UsageController(Controller):
 class BillingAdminController(Controller):
     path = "/admin/api"
     tags = ["Billing"]
-    dependencies = {"admin": Provide(require_admin), "actor": Provide(admin_actor)}
+    dependencies = admin_dependencies()
 
     @route(get, "/billing/reports/{tenant:str}/{period:str}", Report, errors=ADMIN)
     async def report(

@@ -66,6 +66,17 @@ def audited(service: type[S]) -> Provide:
     return Provide(provide, sync_to_thread=False)
 
 
+def admin_dependencies(**services: type[Audited]) -> dict[str, Provide]:
+    """An admin controller's dependencies: the calling key (refused unless an admin key),
+    its actor for the audit log, and each of `services`, by its handlers' parameter name,
+    in the request's transaction, auditing that actor (see `audited`)."""
+    return {
+        "admin": Provide(require_admin),
+        "actor": Provide(admin_actor),
+        **{name: audited(service) for name, service in services.items()},
+    }
+
+
 def served(row: RegistryRow, directory: ModelDirectory) -> dict[str, Any]:
     """A registry model, with its upstreams' health as this replica sees them (an
     upstream that claimed more usage than was reserved is `suspect`)."""
@@ -77,14 +88,9 @@ def served(row: RegistryRow, directory: ModelDirectory) -> dict[str, Any]:
 class AdminController(Controller):
     path = "/admin/api"
     tags = ["Admin"]
-    dependencies = {
-        "admin": Provide(require_admin),
-        "actor": Provide(admin_actor),
-        "plans": audited(PlanService),
-        "tenants": audited(TenantService),
-        "keys": audited(ApiKeyService),
-        "models": audited(ModelService),
-    }
+    dependencies = admin_dependencies(
+        plans=PlanService, tenants=TenantService, keys=ApiKeyService, models=ModelService
+    )
 
     @route(get, "/plans", list[Plan], errors=ADMIN)
     async def list_plans(self, plans: NamedDependency[PlanService]) -> list[dict[str, Any]]:
