@@ -17,18 +17,11 @@ from sqlalchemy.ext.asyncio import AsyncSession
 
 from gateway.admin.controllers import admin_dependencies
 from gateway.api.schemas import decode
-from gateway.billing.schemas import (
-    CustomerBody,
-    PriceBody,
-    ResolveBody,
-    period_of,
-    price_view,
-    usage_row_view,
-)
+from gateway.billing.schemas import CustomerBody, PriceBody, ResolveBody, period_of
 from gateway.billing.stripe import export_once
 from gateway.core.errors import Conflict, InvalidRequest, NotFound
 from gateway.http.auth import authenticate
-from gateway.openapi import ADMIN, ADMIN_WRITE, AUTHENTICATED, route
+from gateway.openapi import ADMIN, ADMIN_WRITE, AUTHENTICATED, route, shaped
 from gateway.openapi.shapes import (
     ExportRun,
     ExportStatus,
@@ -45,11 +38,32 @@ from tenants.audit import Actor
 from tenants.billing import ledger
 from tenants.billing.customers import StripeCustomerService
 from tenants.billing.export_lock import ExportBusy
+from tenants.billing.models import PriceVersion as PriceRow
 from tenants.billing.outbox import OutboxService
 from tenants.billing.prices import PriceBook, PriceService
 from tenants.billing.reports import build_report, export_csv
+from tenants.models import UsageEvent, as_utc
 from tenants.pricing import Price
 from tenants.services import Principal, TenantService
+
+
+def price_view(version: PriceRow) -> dict[str, Any]:
+    return shaped(
+        PriceVersion,
+        version,
+        effective_from=as_utc(version.effective_from).isoformat(),
+        created_at=as_utc(version.created_at).isoformat(),
+    )
+
+
+def usage_row_view(event: UsageEvent) -> dict[str, Any]:
+    """One ledger row as its tenant may see it (no internal error text, no key secret)."""
+    return shaped(
+        UsageRow,
+        event,
+        started_at=as_utc(event.started_at).isoformat() if event.started_at else None,
+        created_at=as_utc(event.created_at).isoformat(),
+    )
 
 
 class UsageController(Controller):

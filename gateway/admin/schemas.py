@@ -7,6 +7,8 @@ from typing import Annotated, Any
 import msgspec
 from msgspec import Meta, Struct
 
+from gateway.openapi import shaped
+from gateway.openapi.shapes import Key
 from tenants.limits import (
     LIMIT_NAMES,
     LOWEST_PRIORITY,
@@ -164,13 +166,10 @@ def tenant_view(tenant: Tenant, plan_name: str | None) -> dict[str, Any]:
 
 
 def key_view(key: ApiKey) -> dict[str, Any]:
-    return {
-        "id": key.id,
-        "prefix": key.prefix,
-        "name": key.name,
-        "role": key.role,
-        "status": key.status,
-        "created_at": key.created_at.isoformat(),
-        "last_used_at": key.last_used_at.isoformat() if key.last_used_at else None,
-        "limits": {name: getattr(key, name) for name in LIMIT_NAMES},
-    }
+    return shaped(
+        Key,
+        key,
+        created_at=key.created_at.isoformat(),
+        last_used_at=key.last_used_at.isoformat() if key.last_used_at else None,
+        limits={name: getattr(key, name) for name in LIMIT_NAMES},
+    )

@@ -1,17 +1,16 @@
-"""Billing bodies and views."""
+"""Billing bodies."""
 
 from __future__ import annotations
 
 from datetime import UTC, date, datetime
-from typing import Annotated, Any
+from typing import Annotated
 
 from msgspec import Meta, Struct
 
 from gateway.core.errors import InvalidRequest
-from tenants.billing.models import PriceVersion
 from tenants.billing.reports import Period
 from tenants.errors import InvalidInputError
-from tenants.models import UsageEvent, as_utc, parse_utc, utcnow
+from tenants.models import parse_utc, utcnow
 
 MicrosPerMtok = Annotated[int, Meta(ge=0, le=10**12)]
 RowId = Annotated[int, Meta(ge=1, le=2**63 - 1)]  # a BIGINT; SQLite refuses anything past it
@@ -61,40 +60,3 @@ def period_of(text: str | None) -> Period:
         return Period.current() if text is None else Period.parse(text)
     except InvalidInputError as exc:
         raise InvalidRequest(str(exc), param="period") from None
-
-
-def price_view(version: PriceVersion) -> dict[str, Any]:
-    return {
-        "id": version.id,
-        "model": version.model,
-        "input_micros_per_mtok": version.input_micros_per_mtok,
-        "cached_input_micros_per_mtok": version.cached_input_micros_per_mtok,
-        "output_micros_per_mtok": version.output_micros_per_mtok,
-        "batch_discount_pct": version.batch_discount_pct,
-        "effective_from": as_utc(version.effective_from).isoformat(),
-        "created_by": version.created_by,
-        "created_at": as_utc(version.created_at).isoformat(),
-    }
-
-
-def usage_row_view(event: UsageEvent) -> dict[str, Any]:
-    """One ledger row as its tenant may see it (no internal error text, no key secret)."""
-    return {
-        "request_id": event.request_id,
-        "model": event.model,
-        "endpoint": event.endpoint,
-        "status": event.status,
-        "finish_reason": event.finish_reason,
-        "priority": event.priority,
-        "prompt_tokens": event.prompt_tokens,
-        "cached_tokens": event.cached_tokens,
-        "completion_tokens": event.completion_tokens,
-        "cost_micros": event.cost_micros,
-        "price_version_id": event.price_version_id,
-        "queue_ms": event.queue_ms,
-        "ttft_ms": event.ttft_ms,
-        "itl_ms": event.itl_ms,
-        "e2e_ms": event.e2e_ms,
-        "started_at": as_utc(event.started_at).isoformat() if event.started_at else None,
-        "created_at": as_utc(event.created_at).isoformat(),
-    }

@@ -139,6 +139,15 @@ def route(
     return method(path, status_code=status, operation_class=operation)
 
 
+def shaped(shape: type[msgspec.Struct], row: object, **computed: Any) -> dict[str, Any]:
+    """`row` answered as `shape` documents it: the shape's fields, in its order, each from
+    `computed` where given there, else `row`'s attribute of that name."""
+    return {
+        name: computed[name] if name in computed else getattr(row, name)
+        for name in shape.__struct_fields__
+    }
+
+
 def _event_schema(stream: type) -> Schema:
     """One server-sent event, as OpenAPI 3.1 tools parse a `text/event-stream` (the
     schema describes each event, not the whole body): its `data` is a `stream` as JSON
