@@ -6,9 +6,10 @@ from __future__ import annotations
 
 import enum
 import secrets
+from collections import defaultdict
 from dataclasses import dataclass
 from datetime import datetime, timedelta
-from typing import Any
+from typing import Any, cast
 
 from sqlalchemy import (
     JSON,
@@ -18,7 +19,9 @@ from sqlalchemy import (
     Index,
     Integer,
     String,
+    Table,
     UniqueConstraint,
+    bindparam,
     func,
     select,
     update,
@@ -286,6 +289,48 @@ class BatchStore:
         return int(total or 0)
 
 
+@dataclass(frozen=True)
+class LineOutcome:
+    """What a line's run answered: its HTTP status, body and request id."""
+
+    status_code: int
+    body: dict[str, Any]
+    request_id: str | None
+
+    @property
+    def succeeded(self) -> bool:
+        return self.status_code == 200
+
+
+@dataclass(frozen=True)
+class LineResult:
+    """A line's outcome, to keep (BatchQueue.finish)."""
+
+    batch_id: str
+    line: int
+    outcome: LineOutcome
+
+
+_LINE_TABLE = cast(Table, BatchLine.__table__)
+_LINES = _LINE_TABLE.c
+# A line's result, if it is still running: built once (a statement's construction costs
+# more than its execution, once compiled and cached), run a line at a time for its rowcount.
+_KEEP = (
+    update(_LINE_TABLE)
+    .where(
+        _LINES.batch_id == bindparam("b_batch"),
+        _LINES.line == bindparam("b_line"),
+        _LINES.status == LineStatus.RUNNING,
+    )
+    .values(
+        status=bindparam("b_status"),
+        status_code=bindparam("b_code"),
+        request_id=bindparam("b_request"),
+        result=bindparam("b_result"),
+    )
+)
+
+
 class BatchQueue:
     """The runner's view: lines to claim and results to keep, across tenants."""
 
@@ -345,37 +390,32 @@ class BatchQueue:
                 .values(claimed_at=utcnow())
             )
 
-    async def finish(
-        self,
-        batch_id: str,
-        line: int,
-        succeeded: bool,
-        status_code: int,
-        request_id: str | None,
-        result: dict[str, Any],
-    ) -> bool:
-        """Keep a line's result, once: False when it was kept already (or expired)."""
-        kept = await self.session.execute(
-            update(BatchLine)
-            .where(
-                BatchLine.batch_id == batch_id,
-                BatchLine.line == line,
-                BatchLine.status == LineStatus.RUNNING,
+    async def finish(self, results: list[LineResult]) -> int:
+        """Keep each line's result, once (a line kept already, or expired, is passed over),
+        and count them in their batches; returns how many were kept."""
+        connection = await self.session.connection()
+        counts: dict[tuple[str, bool], int] = defaultdict(int)
+        for result in results:
+            outcome = result.outcome
+            kept = await connection.execute(
+                _KEEP,
+                {
+                    "b_batch": result.batch_id,
+                    "b_line": result.line,
+                    "b_status": LineStatus.SUCCEEDED if outcome.succeeded else LineStatus.FAILED,
+                    "b_code": outcome.status_code,
+                    "b_request": outcome.request_id,
+                    "b_result": outcome.body,
+                },
             )
-            .values(
-                status=LineStatus.SUCCEEDED if succeeded else LineStatus.FAILED,
-                status_code=status_code,
-                request_id=request_id,
-                result=result,
-            )
-        )
-        if kept.rowcount != 1:  # type: ignore[attr-defined]
-            return False
-        counter = Batch.completed if succeeded else Batch.failed
-        await self.session.execute(
-            update(Batch).where(Batch.id == batch_id).values({counter: counter + 1})
-        )
-        return True
+            counts[result.batch_id, outcome.succeeded] += kept.rowcount
+        for (batch_id, succeeded), count in counts.items():
+            counter = Batch.completed if succeeded else Batch.failed
+            if count:
+                await self.session.execute(
+                    update(Batch).where(Batch.id == batch_id).values({counter: counter + count})
+                )
+        return sum(counts.values())
 
     async def release(self, batch_id: str, lines: list[int] | None = None) -> None:
         """Running lines back to pending (all of the batch's when `lines` is None): their

@@ -1,7 +1,9 @@
 """One batch line through the same path as the request it stands for: admission (its
 reservation at the batch price), the engine (at the batch class), settlement (one ledger
-row). The line's Idempotency-Key makes a line run again after a restart answer with the
-stored result when the first run finished: no line is run, nor billed, twice."""
+row). The line's Idempotency-Key bills it once: a line run again after a restart (billed,
+its result not yet kept) is not billed again. It claims no stored answer nor in-flight lock
+(gateway/api/openai.py's admit): the line keeps its result, and its lease runs it once at a
+time."""
 
 from __future__ import annotations
 
@@ -17,8 +19,9 @@ from gateway.api.embeddings import EmbeddingRequest, embed
 from gateway.api.openai import chat, complete
 from gateway.api.schemas import ChatCompletionRequest, CompletionRequest, decode
 from gateway.api.services import GenerationServices
-from gateway.batches.execute import RETRY_STATUSES, LineOutcome, Retry
+from gateway.batches.execute import RETRY_STATUSES, Retry
 from gateway.core.errors import ApiError, InvalidRequest
+from tenants.batches import LineOutcome
 from tenants.models import BATCH_ENDPOINT_PREFIX
 from tenants.services import Principal
 

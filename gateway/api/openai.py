@@ -356,18 +356,21 @@ async def admit(
     output_tokens: int,
 ) -> Admitted | Response[Any]:
     """Claim the Idempotency-Key (a finished request's answer is replayed: the Response)
-    and reserve the worst case of `output_tokens` at the price in force now."""
+    and reserve the worst case of `output_tokens` at the price in force now. A batch line's
+    key claims nothing: the runner keeps its answer with the line and runs it once at a
+    time (its lease), and the key still bills it once (the ledger's unique key)."""
     scope = current_request()
     claim: Claim | None = None
     raw_key = request.headers.get(idempotency.HEADER)
-    if raw_key is not None:
+    key = raw_key if charge.batch else None
+    if raw_key is not None and not charge.batch:
         with scope.span("idempotency"):
             begun = await services.idempotency.begin(
                 principal, raw_key, charge.endpoint, await request.body()
             )
         if isinstance(begun, Replay):
             return _replay(begun.record)
-        claim = begun
+        claim, key = begun, begun.key
     try:
         with scope.span("admission"):
             # Reserve at the price the request will be charged (the book's version now).
@@ -386,7 +389,6 @@ async def admit(
         raise
     scope.admitted = True
     headers = {"x-request-id": charge.request_id, **ticket.headers}
-    key = None if claim is None else claim.key
     charge = replace(charge, reservation=ticket.reservation, idempotency_key=key)
     return Admitted(charge, claim, headers)
 

@@ -1,29 +1,19 @@
-"""What the batch runner knows of one line's run: its outcome, the refusal that makes it
-run later, and the engine class it runs at. The run itself goes through the same path as
-the request it stands for (gateway/api/batch_lines.py, given to the runner by the app)."""
+"""What the batch runner knows of one line's run: the runner that answers it (its outcome:
+tenants.batches.LineOutcome), the refusal that makes it run later, and the engine class
+it runs at. The run itself goes through the same path as the request it stands for
+(gateway/api/batch_lines.py, given to the runner by the app)."""
 
 from __future__ import annotations
 
 import math
 from collections.abc import Awaitable
-from dataclasses import dataclass
 from typing import Any, Protocol
 
 from backend import EngineConfig
+from tenants.batches import LineOutcome
 from tenants.services import Principal
 
 RETRY_STATUSES = frozenset({409, 429, 499, 503})  # busy, not wrong: the line runs later
-
-
-@dataclass(frozen=True)
-class LineOutcome:
-    status_code: int
-    body: dict[str, Any]
-    request_id: str | None
-
-    @property
-    def succeeded(self) -> bool:
-        return self.status_code == 200
 
 
 class Retry(Exception):

@@ -5,8 +5,9 @@ a batch at its window with what is done, and writes its output and error files.
 
 A line is claimed by a conditional update and leased: a runner renews its lines' leases
 while they run, so another gateway takes over a dead one's lines once the lease lapses;
-an embedded gateway (SQLite, the only runner) takes its own back at start. A line run
-again answers from its Idempotency-Key's stored result when its first run finished.
+an embedded gateway (SQLite, the only runner) takes its own back at start. A line's
+result is kept with it; one run again (its runner died after the line was billed, before
+its result was kept) is not billed again: its key is in the ledger.
 
 Lines yield to interactive work: while the engine runs or queues any request below the
 batch class, the runner starts no line (the engine would hold its rows anyway, and its
@@ -29,8 +30,10 @@ from typing import Any
 
 from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
 
-from gateway.batches.execute import LineOutcome, LineRunner, Retry, batch_priority
+from gateway.batches.execute import LineRunner, Retry, batch_priority
 from gateway.core.errors import AuthenticationFailed, InternalError
+from gateway.core.group_commit import GroupCommit
+from gateway.core.tasks import TaskSet
 from gateway.dispatch.engine_client import EngineClient, InProcessEngineClient
 from gateway.settings import Settings
 from tenants.batches import (
@@ -39,6 +42,8 @@ from tenants.batches import (
     BatchLine,
     BatchQueue,
     BatchStatus,
+    LineOutcome,
+    LineResult,
     LineStatus,
     key_principal,
 )
@@ -89,6 +94,10 @@ class BatchRunner:
         self.only = only  # one batch (a Celery task's runner), or all of them (a gateway's)
         self.idle = asyncio.Event()  # a round found nothing to run: every batch is final
         self._running: dict[tuple[str, int], asyncio.Task[None]] = {}
+        # Lines finish in bursts (started together, of like lengths): their results are
+        # kept a group a transaction, not one each on the event loop.
+        self._keeping = TaskSet()
+        self._results = GroupCommit(self._keep, self._keeping)
         self._wakeup = asyncio.Event()
         self._loop: asyncio.Task[None] | None = None
         self._renewed_at = utcnow()
@@ -113,6 +122,7 @@ class BatchRunner:
         for task in lines.values():
             task.cancel()
         await asyncio.gather(*lines.values(), return_exceptions=True)
+        await self._keeping.drain()  # results under way are kept before the rest go back
         by_batch: dict[str, list[int]] = defaultdict(list)
         for batch_id, line in lines:
             by_batch[batch_id].append(line)
@@ -278,19 +288,15 @@ class BatchRunner:
 
     async def _line(self, batch: Batch, line: BatchLine, principal: Principal | None) -> None:
         outcome = await self._outcome(batch, line, principal)
+        if outcome is None:
+            async with self.sessions.begin() as session:
+                await BatchQueue(session).release(batch.id, [line.line])
+            return
+        await self._results.submit(LineResult(batch.id, line.line, outcome))
+
+    async def _keep(self, results: list[LineResult]) -> None:
         async with self.sessions.begin() as session:
-            queue = BatchQueue(session)
-            if outcome is None:
-                await queue.release(batch.id, [line.line])
-                return
-            await queue.finish(
-                batch.id,
-                line.line,
-                outcome.succeeded,
-                outcome.status_code,
-                outcome.request_id,
-                outcome.body,
-            )
+            await BatchQueue(session).finish(results)
 
     async def _outcome(
         self, batch: Batch, line: BatchLine, principal: Principal | None

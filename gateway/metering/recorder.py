@@ -52,7 +52,6 @@ import asyncio
 import contextlib
 import logging
 import sqlite3
-from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, replace
 from datetime import datetime, timedelta
 from typing import Any
@@ -63,6 +62,7 @@ from sqlalchemy.ext.asyncio import AsyncEngine, AsyncSession, async_sessionmaker
 
 from gateway.admission.quota import Admission
 from gateway.admission.reconcile import to_us
+from gateway.core.group_commit import GroupCommit, resolve
 from gateway.core.tasks import Periodic, TaskSet
 from gateway.core.usage import Charge, RequestUsage
 from gateway.telemetry.tracing import REQUEST_ID, in_span
@@ -120,7 +120,7 @@ class UsageRecorder:
         self.key_retention = key_retention
         self._streams: dict[str, tuple[Charge, RequestUsage]] = {}  # running, for checkpoints
         self._checkpoints: asyncio.Task[None] | None = None
-        self._writes = GroupCommit(self._commit, tasks)
+        self._writes = GroupCommit[Write](self._commit, tasks, final=(UnsyncedCommit,))
 
     def track(self, charge: Charge, outcome: RequestUsage) -> asyncio.Task[None]:
         """A stream is under way: checkpoint its delivered tokens until it settles. Its
@@ -151,7 +151,7 @@ class UsageRecorder:
         write = self._write(charge, replace(outcome), committed)
         task = self.tasks.spawn(in_span("settle", write, **{REQUEST_ID: charge.request_id}))
         if committed is not None:
-            task.add_done_callback(lambda _: _resolve(committed, None))
+            task.add_done_callback(lambda _: resolve(committed, None))
         return task
 
     async def _event(self, charge: Charge, outcome: RequestUsage) -> UsageEvent:
@@ -481,54 +481,6 @@ class Settled:
 
 
 Write = Settled | Checkpoint
-Waiting = tuple[Write, "asyncio.Future[None]"]
-
-
-class GroupCommit:
-    """Writes submitted while a commit is under way wait, and go together in the next one;
-    each submitter returns once the commit holding its write is done. A group that fails
-    is retried write by write, so one bad write fails only its own submitter; unless it
-    was committed (UnsyncedCommit): then every submitter hears that."""
-
-    def __init__(self, commit: Callable[[list[Write]], Awaitable[None]], tasks: TaskSet) -> None:
-        self.commit = commit
-        self.tasks = tasks  # the committer is tracked: shutdown waits for it
-        self._waiting: list[Waiting] = []
-        self._committer: asyncio.Task[None] | None = None
-
-    async def submit(self, write: Write) -> None:
-        done = asyncio.get_running_loop().create_future()
-        self._waiting.append((write, done))
-        if self._committer is None:
-            self._committer = self.tasks.spawn(self._commit_waiting())
-        await asyncio.shield(done)  # a cancelled submitter does not cancel the others'
-
-    async def _commit_waiting(self) -> None:
-        group: list[Waiting] = []
-        try:
-            while self._waiting:
-                group, self._waiting = self._waiting, []
-                await self._commit_group(group)
-        except BaseException as exc:  # cancelled (shutdown cut short): nobody waits forever
-            for _, done in [*group, *self._waiting]:
-                _resolve(done, exc)
-            raise
-        finally:
-            self._committer = None
-
-    async def _commit_group(self, group: list[Waiting]) -> None:
-        try:
-            await self.commit([write for write, _ in group])
-        except Exception as exc:
-            if len(group) == 1 or isinstance(exc, UnsyncedCommit):  # nothing to try again
-                for _, done in group:
-                    _resolve(done, exc)
-                return
-            for waiting in group:
-                await self._commit_group([waiting])
-            return
-        for _, done in group:
-            _resolve(done, None)
 
 
 def _rows(checkpoints: list[dict[str, Any]], settled: list[Settled]) -> GroupRows:
@@ -581,16 +533,7 @@ def _one_statement(checkpoints: list[dict[str, Any]], settled: list[Settled]) ->
 def _committed(settled: list[Settled]) -> None:
     for write in settled:
         if write.committed is not None:
-            _resolve(write.committed, None)
-
-
-def _resolve(done: asyncio.Future[None], error: BaseException | None) -> None:
-    if done.done():
-        return
-    if error is None:
-        done.set_result(None)
-    else:
-        done.set_exception(error)
+            resolve(write.committed, None)
 
 
 def _checkpoint_row(charge: Charge, outcome: RequestUsage, now: datetime) -> dict[str, Any]:

@@ -22,7 +22,7 @@ from typing import Any
 
 import openai
 import pytest
-from sqlalchemy import delete, select, update
+from sqlalchemy import select, update
 from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
 
 from gateway.app import create_app
@@ -32,7 +32,7 @@ from gateway.dispatch.engine_client import InProcessEngineClient
 from gateway.settings import Settings
 from tenants.batches import Batch, BatchLine, BatchQueue, LineStatus
 from tenants.blobs import S3Location, s3_client
-from tenants.models import IdempotencyRecord, UsageEvent, as_utc, utcnow
+from tenants.models import UsageEvent, as_utc, utcnow
 from tenants.quota.redis import connect as connect_redis
 from tests.conftest import POSTGRES_URL, REDIS_URL, eventually, migrated_postgres, serving
 from tests.support.batches import chat_lines, submit
@@ -40,9 +40,6 @@ from tests.support.s3 import s3_env, s3_server
 
 ROOT = Path(__file__).resolve().parents[2]
 LEASE_S = 3  # a dead worker's lines and batch are taken over this soon
-# A line's Idempotency-Key lock outlives its request by 30 s (gateway/app.py): a line the
-# killed worker left in flight runs again that long after the kill, not sooner.
-REQUEST_TIMEOUT_S = 5
 LOST_ANSWERS = 3  # finished lines the kill is made to catch before their answers were stored
 
 
@@ -68,7 +65,6 @@ def worker_env(s3: S3Location, tmp_path: Path) -> dict[str, str]:
         "TOLLGATE_DATA_DIR": str(tmp_path / "worker-data"),
         "TOLLGATE_BATCH_LEASE_S": str(LEASE_S),
         "TOLLGATE_BATCH_SWEEP_S": "1",
-        "TOLLGATE_REQUEST_TIMEOUT_S": str(REQUEST_TIMEOUT_S),
         "TOLLGATE_LOG_LEVEL": "warning",
         **s3_env(s3),
     }
@@ -180,16 +176,11 @@ async def _billed_keys(
 async def _lose_answers(
     sessions: async_sessionmaker[AsyncSession], batch_id: str, lines: list[BatchLine]
 ) -> None:
-    """What a worker killed after these lines' ledger commits, before their answers were
-    stored (the Idempotency-Key records, then the lines' results), leaves: lines running
-    (taken over once their lease lapses), billed, with no answer."""
+    """What a worker killed after these lines' ledger commits, before their results were
+    kept, leaves: lines running (taken over once their lease lapses), billed, with no
+    answer."""
     numbers = [line.line for line in lines]
     async with sessions.begin() as session:
-        await session.execute(
-            delete(IdempotencyRecord).where(
-                IdempotencyRecord.key.in_([f"batch:{batch_id}:{n}" for n in numbers])
-            )
-        )
         await session.execute(
             update(BatchLine)
             .where(BatchLine.batch_id == batch_id, BatchLine.line.in_(numbers))

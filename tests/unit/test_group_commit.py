@@ -1,6 +1,6 @@
-"""The recorder's group commit: writes that arrive during a commit go together in the
-next one, each submitter returns after its own write's commit, and one bad write fails
-only its submitter."""
+"""Group commit (the recorder's ledger rows, batch lines' results): writes that arrive
+during a commit go together in the next one, each submitter returns after its own write's
+commit, and one bad write fails only its submitter."""
 
 from __future__ import annotations
 
@@ -8,8 +8,9 @@ import asyncio
 
 import pytest
 
+from gateway.core.group_commit import GroupCommit
 from gateway.core.tasks import TaskSet
-from gateway.metering.recorder import Checkpoint, GroupCommit, Write
+from gateway.metering.recorder import Checkpoint, Write
 
 
 def _write(name: str) -> Checkpoint:
@@ -60,3 +61,25 @@ async def test_a_failing_commit_reaches_the_submitter() -> None:
 
     with pytest.raises(OSError, match="database away"):
         await GroupCommit(commit, TaskSet()).submit(_write("a"))
+
+
+async def test_a_final_error_reaches_every_submitter_without_a_retry() -> None:
+    """A group committed but unsynced must not be written again line by line."""
+    commits: list[list[Write]] = []
+    committing, release = asyncio.Event(), asyncio.Event()
+
+    async def commit(writes: list[Write]) -> None:
+        commits.append(writes)
+        committing.set()
+        await release.wait()
+        if len(writes) > 1:
+            raise LookupError("committed, then the sync failed")
+
+    writes = GroupCommit(commit, TaskSet(), final=(LookupError,))
+    first = asyncio.create_task(writes.submit(_write("first")))
+    await committing.wait()
+    group = [asyncio.create_task(writes.submit(_write(n))) for n in ("a", "b")]
+    release.set()
+    results = await asyncio.gather(first, *group, return_exceptions=True)
+    assert [type(r) for r in results] == [type(None), LookupError, LookupError]
+    assert commits == [[_write("first")], [_write("a"), _write("b")]]  # no retry one by one
