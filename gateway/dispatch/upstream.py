@@ -8,9 +8,11 @@ chat requests as messages (the upstream applies its own template) and completion
 client's text or token ids, always streamed and always with `include_usage`, so the
 ledger takes the upstream's usage; where it disagrees with the gateway's count, that is
 a metric and a log line. What is billed never exceeds what was reserved (the gateway's
-count of the prompt, `max_tokens` per completion): an upstream that claims more is capped
-there, counted (metric and log line) and marked suspect (Replica.overclaims, shown by the
-admin API), so a faulty or hostile upstream cannot drain a tenant's budget.
+count of the prompt, `max_tokens` per completion), nor what was streamed (a token is at
+least a byte of text in a byte-level vocabulary: a completion's bytes, plus its stop
+string and end token, which are counted but not sent): an upstream that claims more is
+capped there, counted (metric and log line) and marked suspect (Replica.overclaims, shown
+by the admin API), so a faulty or hostile upstream cannot drain a tenant's budget.
 
 What the upstream answers itself goes to it as the client sent it (ClientPrompt.fields:
 `response_format`, `tools`, `tool_choice`, `parallel_tool_calls`; and `logprobs`), and
@@ -412,12 +414,12 @@ class OpenAIUpstreamClient:
     def overclaimed(
         self, target: Replica, request_id: str, kind: str, claimed: int, billed: int
     ) -> None:
-        """The upstream claimed more `kind` tokens than were reserved: `billed` is what the
-        ledger takes; the upstream is marked suspect."""
+        """The upstream claimed more `kind` tokens than were reserved or streamed:
+        `billed` is what the ledger takes; the upstream is marked suspect."""
         target.overclaims += 1
         self.options.on_overclaim(self.model_name, target.url, kind, claimed, billed)
         log.warning(
-            "upstream usage exceeds what was reserved: billed the reservation",
+            "upstream usage exceeds what was reserved or streamed: billed at most that",
             extra={
                 "model": self.model_name,
                 "upstream": target.url,
@@ -558,6 +560,7 @@ class StreamReader:
     done: bool = False
     arrival: float = field(default_factory=time.monotonic)
     counted: dict[int, int] = field(default_factory=dict)
+    streamed_bytes: int = 0  # of text and tool calls, all choices: what caps the bill
     finish: dict[int, str] = field(default_factory=dict)
     usage: _Usage | None = None
 
@@ -601,6 +604,8 @@ class StreamReader:
         calls = None if choice.delta is None else choice.delta.tool_calls
         if not text and not calls and choice.logprobs is None:
             return  # the role announcement, or a chunk that only finishes
+        self.streamed_bytes += len(text.encode()) if text else 0
+        self.streamed_bytes += len(msgspec.json.encode(calls)) if calls else 0
         count = min(self.counted.get(choice.index, 0) + bool(text or calls), self.max_tokens)
         self.counted[choice.index] = count
         self.started = True
@@ -662,8 +667,7 @@ class StreamReader:
             self.client.compare("completion", sum(counted), usage.completion_tokens)
             prompt = self._capped("prompt", usage.prompt_tokens, self.prompt_tokens)
             cached = min((details.cached_tokens or 0) if details is not None else 0, prompt)
-            reserved = self.n * self.max_tokens
-            completion = self._capped("completion", usage.completion_tokens, reserved)
+            completion = self._capped("completion", usage.completion_tokens, self._most())
             counted = _spread(completion, counted, self.max_tokens)
         self.started = True
         return [
@@ -682,10 +686,17 @@ class StreamReader:
             for index in range(self.n)
         ]
 
-    def _capped(self, kind: str, claimed: int, reserved: int) -> int:
-        """What is billed of an upstream's `claimed` count: at most what was reserved."""
-        billed = max(0, min(claimed, reserved))
-        if claimed > reserved:
+    def _most(self) -> int:
+        """The most completion tokens billed: what was reserved, and what was streamed
+        (a byte a token, and each completion's stop string and end token, not sent)."""
+        stop_bytes = max((len(stop.encode()) for stop in self.params.stop), default=0)
+        unsent = self.n * (stop_bytes + 1)
+        return min(self.n * self.max_tokens, self.streamed_bytes + unsent)
+
+    def _capped(self, kind: str, claimed: int, most: int) -> int:
+        """What is billed of an upstream's `claimed` count: at most `most`."""
+        billed = max(0, min(claimed, most))
+        if claimed > most:
             self.client.overclaimed(self.target, self.request_id, kind, claimed, billed)
         return billed
 

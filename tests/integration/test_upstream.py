@@ -346,6 +346,31 @@ async def test_usage_an_upstream_overclaims_is_billed_at_the_reservation(
         ]
 
 
+async def test_usage_past_what_was_streamed_is_billed_at_what_was_streamed(
+    gateway: Gateway, caplog: pytest.LogCaptureFixture
+) -> None:
+    """An upstream that streams one character and claims the whole max_tokens: billed at
+    most a token per byte streamed, plus the stop string and end token it counts but does
+    not send; the disagreement is logged as an overclaim."""
+    caplog.set_level(logging.WARNING, logger="gateway.dispatch.upstream")
+    async with upstream(tokens=1, claimed_completion_tokens=16) as url:
+        await gateway.register(url)
+        sdk = gateway.sdk(await gateway.key("acme"))
+        plain = await sdk.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=16)  # type: ignore[arg-type]
+        stopped = await sdk.chat.completions.create(
+            model=MODEL,
+            messages=MESSAGES,  # type: ignore[arg-type]
+            max_tokens=16,
+            stop=["END"],
+        )
+        assert plain.choices[0].message.content == stopped.choices[0].message.content == "T"
+        await eventually(lambda: gateway.settled(2))
+        billed = sorted(r.completion_tokens for r in await gateway.rows())
+        assert billed == [1 + 1, 1 + len("END") + 1]
+        lines = [r for r in caplog.records if hasattr(r, "billed_tokens")]
+        assert sorted((r.upstream_tokens, r.billed_tokens) for r in lines) == [(16, 2), (16, 5)]  # type: ignore[attr-defined]
+
+
 async def test_each_tenant_gets_its_own_cache_salt(gateway: Gateway) -> None:
     async with upstream(tokens=2) as url:
         await gateway.register(url)
