@@ -64,6 +64,7 @@ def _sampling(
             top_k=fields.top_k or 0,
             seed=fields.seed,
             stop=fields.stop_strings(),
+            stop_token_ids=fields.stop_token_ids,
             ignore_eos=fields.ignore_eos,
             n=fields.n,
             logprobs=fields.engine_logprobs(),

@@ -51,6 +51,7 @@ Seed = Annotated[int, Meta(ge=0, le=MAX_SEED)]
 MAX_STOP_CHARS = 1024  # each stop string is searched for after every token
 StopString = Annotated[str, Meta(min_length=1, max_length=MAX_STOP_CHARS)]
 StopList = Annotated[list[StopString], Meta(max_length=4)]
+MAX_STOP_TOKEN_IDS = 64  # vLLM's extra; each step looks for its token among them
 DeadlineMs = Annotated[int, Meta(ge=1, le=3_600_000)]  # an hour: longer is no deadline
 TopLogprobs = Annotated[int, Meta(ge=0, le=20)]
 Penalty = Annotated[float, Meta(ge=-2.0, le=2.0)]
@@ -138,6 +139,31 @@ class JsonSchemaResponse(Struct, tag_field="type", tag="json_schema"):
 ResponseFormat = TextResponse | JsonObjectResponse | JsonSchemaResponse
 
 
+NOT_SUPPORTED = Meta(
+    description="Not supported: a 400 naming it, unless it asks for what the server does anyway."
+)
+# The unsupported fields (best_of aside: it may equal n), each with the values that ask for
+# what the server does anyway (text out, nothing stored, no beam search, stops cut).
+UNSUPPORTED_FIELDS: dict[str, tuple[Any, ...]] = {
+    "suffix": (),
+    "prediction": (),
+    "audio": (),
+    "modalities": (["text"],),
+    "reasoning_effort": (),
+    "web_search_options": (),
+    "store": (False,),
+    "service_tier": ("auto", "default"),
+    "use_beam_search": (False,),
+    "length_penalty": (1.0,),
+    "allowed_token_ids": (),
+    "bad_words": ([],),
+    "prompt_logprobs": (),
+    "include_stop_str_in_output": (False,),
+    "truncate_prompt_tokens": (),
+    "guided_whitespace_pattern": (),
+}
+
+
 class SamplingFields(Struct, kw_only=True):
     """Fields shared by chat and text completions."""
 
@@ -150,6 +176,7 @@ class SamplingFields(Struct, kw_only=True):
     top_k: NonNegativeInt | None = None
     n: Annotated[int, Meta(ge=1, le=16)] = 1
     stop: StopString | StopList | None = None
+    stop_token_ids: Annotated[list[TokenId], Meta(max_length=MAX_STOP_TOKEN_IDS)] = []
     seed: Seed | None = None
     ignore_eos: bool = False
     min_tokens: NonNegativeInt = 0
@@ -160,11 +187,25 @@ class SamplingFields(Struct, kw_only=True):
     logit_bias: dict[str, Annotated[float, Meta(ge=-MAX_LOGIT_BIAS, le=MAX_LOGIT_BIAS)]] | None = (
         None
     )
-    # Well-known OpenAI fields this server does not honour: refused by name, not ignored.
-    best_of: int | None = None
-    suffix: str | None = None
-    prediction: dict[str, Any] | None = None
-    audio: dict[str, Any] | None = None
+    # Well-known OpenAI and vLLM fields this server does not honour: refused by name
+    # (refuse_unsupported), not ignored, unless they ask for what it does anyway.
+    best_of: Annotated[int, NOT_SUPPORTED] | None = None
+    suffix: Annotated[str, NOT_SUPPORTED] | None = None
+    prediction: Annotated[dict[str, Any], NOT_SUPPORTED] | None = None
+    audio: Annotated[dict[str, Any], NOT_SUPPORTED] | None = None
+    modalities: Annotated[list[str], NOT_SUPPORTED] | None = None
+    reasoning_effort: Annotated[str, NOT_SUPPORTED] | None = None
+    web_search_options: Annotated[dict[str, Any], NOT_SUPPORTED] | None = None
+    store: Annotated[bool, NOT_SUPPORTED] | None = None
+    service_tier: Annotated[str, NOT_SUPPORTED] | None = None
+    use_beam_search: Annotated[bool, NOT_SUPPORTED] | None = None
+    length_penalty: Annotated[float, NOT_SUPPORTED] | None = None
+    allowed_token_ids: Annotated[list[int], NOT_SUPPORTED] | None = None
+    bad_words: Annotated[list[str], NOT_SUPPORTED] | None = None
+    prompt_logprobs: Annotated[int, NOT_SUPPORTED] | None = None
+    include_stop_str_in_output: Annotated[bool, NOT_SUPPORTED] | None = None
+    truncate_prompt_tokens: Annotated[int, NOT_SUPPORTED] | None = None
+    guided_whitespace_pattern: Annotated[str, NOT_SUPPORTED] | None = None
     priority: Annotated[int, Meta(ge=0, le=LOWEST_PRIORITY)] | None = None  # 0: most urgent
     ttft_deadline_ms: DeadlineMs | None = None  # the first token within this, else 504
     user: str | None = None
@@ -179,8 +220,9 @@ class SamplingFields(Struct, kw_only=True):
         an answer that silently ignores it."""
         if self.best_of is not None and self.best_of != self.n:
             raise InvalidRequest("best_of is not supported (use n)", param="best_of")
-        for name in ("suffix", "prediction", "audio"):
-            if getattr(self, name) is not None:
+        for name, as_is in UNSUPPORTED_FIELDS.items():
+            value = getattr(self, name)
+            if value is not None and value not in as_is:
                 raise InvalidRequest(f"{name} is not supported", param=name)
 
     def token_biases(self) -> dict[int, float]:

@@ -225,6 +225,24 @@ async def test_logit_bias_and_min_p_are_honoured_through_the_api(embedded: Targe
     assert narrowed == greedy
 
 
+async def test_stop_token_ids_end_the_output_at_that_token(embedded: Target) -> None:
+    """vLLM's `stop_token_ids` (issue 32 item 16: honoured, not ignored). Every token
+    forced to one id by logit_bias runs to the length; that id as a stop token ends the
+    output at its first token, `stop`."""
+    headers = {"Authorization": f"Bearer {embedded.keys[1]}"}
+    body = {"model": embedded.model, "prompt": "def add(a, b):", "max_tokens": 6}
+    body |= {"logit_bias": {"70": 100}, "ignore_eos": True}
+    async with httpx.AsyncClient(timeout=60) as http:
+        url = f"{embedded.base}/completions"
+        forced = await http.post(url, json=body, headers=headers)
+        stopped = await http.post(url, json={**body, "stop_token_ids": [70]}, headers=headers)
+    assert forced.status_code == stopped.status_code == 200, stopped.text
+    assert forced.json()["choices"][0]["finish_reason"] == "length"
+    assert forced.json()["usage"]["completion_tokens"] == 6
+    assert stopped.json()["choices"][0]["finish_reason"] == "stop"
+    assert stopped.json()["usage"]["completion_tokens"] == 1
+
+
 async def test_functions_are_read_as_tools(embedded: Target) -> None:
     """Issue 32 item 16: `functions` / `function_call` (OpenAI's older form of tools)
     were ignored; a named function_call now forces that function's call."""
