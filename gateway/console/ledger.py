@@ -91,6 +91,7 @@ class LedgerController(Controller):
             tenant_name=tenant_name,
             period=period,
             report=report.view() if report else None,
+            apart=report.apart() if report else None,
             export=status,
             waiting=waiting,
             overall=overall,

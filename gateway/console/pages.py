@@ -34,6 +34,7 @@ from tenants.billing.ledger import (
     find_usage,
     known_models,
 )
+from tenants.billing.reports import Period, build_report
 from tenants.limits import LIMIT_NAMES, PlanTerms
 from tenants.models import UsageStatus, parse_utc
 from tenants.quota import QuotaStore
@@ -154,11 +155,17 @@ class PagesController(Controller):
     @get("/usage")
     async def usage(self, ctx: NamedDependency[ConsolePage]) -> Response[str]:
         where = usage_filter(ctx)
+        period, apart = Period.current(), None
+        tenant = await TenantService(ctx.db).find(where.tenant) if where.tenant else None
+        if tenant is not None:  # the month's usage report, batch spend apart
+            apart = (await build_report(ctx.db, tenant, period)).apart()
         return ctx.render(
             "usage.html",
             title="Usage",
             rows=await find_usage(ctx.db, where),
             where=where,
+            period=period,
+            apart=apart,
             models=await known_models(ctx.db),
             tenants=await TenantService(ctx.db).list(),
             statuses=[status.value for status in UsageStatus],

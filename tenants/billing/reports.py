@@ -70,6 +70,15 @@ class Totals:
         self.output_tokens += other.output_tokens
         self.cost_micros += other.cost_micros
 
+    def minus(self, other: Totals) -> Totals:
+        return Totals(
+            requests=self.requests - other.requests,
+            input_tokens=self.input_tokens - other.input_tokens,
+            cached_input_tokens=self.cached_input_tokens - other.cached_input_tokens,
+            output_tokens=self.output_tokens - other.output_tokens,
+            cost_micros=self.cost_micros - other.cost_micros,
+        )
+
     def view(self) -> dict[str, int]:
         return {
             "requests": self.requests,
@@ -93,6 +102,10 @@ class Report:
     by_status: dict[str, int] = field(default_factory=dict)
     by_day_model: dict[tuple[date, str], Totals] = field(default_factory=dict)
     batch: Totals = field(default_factory=Totals)  # of the totals: batch lines (Batch API)
+
+    def apart(self) -> dict[str, Totals]:
+        """The totals split: interactive requests and batch lines, for the console."""
+        return {"interactive": self.totals.minus(self.batch), "batch": self.batch}
 
     def daily(self) -> list[tuple[date, Totals]]:
         days: dict[date, Totals] = defaultdict(Totals)

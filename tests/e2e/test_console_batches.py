@@ -1,7 +1,7 @@
 """The console's Batches page in real headless Chromium, against the gateway under
 uvicorn: a tenant's batch (sent with the openai SDK) shows its progress and counts, its
-results download, an owner cancels a running one, and the overview shows the batch share
-of engine time."""
+results download, an owner cancels a running one, the overview shows the batch share
+of engine time, and the billing and usage pages show batch spend apart."""
 
 from __future__ import annotations
 
@@ -10,14 +10,20 @@ import json
 import openai
 import pytest
 from playwright.async_api import Browser, expect
+from sqlalchemy import func, select
+from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
 
 from gateway.dispatch.engine_client import InProcessEngineClient
+from tenants.models import BATCH_ENDPOINT_PREFIX, UsageEvent
+from tests.conftest import eventually
 from tests.e2e.test_console import (  # noqa: F401 (fixtures)
     LAPTOP,
     OWNER,
     admins,
     browser,
+    chat,
     database_url,
+    micros,
     new_context,
     server,
     shot,
@@ -68,3 +74,54 @@ async def test_owner_follows_downloads_and_cancels_batches(
     await expect(other.locator(".batch-status")).to_have_text("cancelled")
     await expect(other.get_by_role("button")).to_have_count(0)
     await context.close()
+
+
+async def ledger_sums(
+    sessions: async_sessionmaker[AsyncSession], batch: bool
+) -> tuple[int, int, int]:
+    """What the ledger holds for the batch rows (or the others): (rows, output tokens, cost)."""
+    is_batch = UsageEvent.endpoint.startswith(BATCH_ENDPOINT_PREFIX)
+    query = select(
+        func.count(),
+        func.coalesce(func.sum(UsageEvent.completion_tokens), 0),
+        func.coalesce(func.sum(UsageEvent.cost_micros), 0),
+    ).where(is_batch if batch else ~is_batch)
+    async with sessions() as session:
+        rows, output, cost = (await session.execute(query)).one()
+    return int(rows), int(output), int(cost)
+
+
+async def test_billing_and_usage_pages_show_batch_spend_apart(
+    browser: Browser,  # noqa: F811
+    server: str,  # noqa: F811
+    sessions: async_sessionmaker[AsyncSession],
+    tenant_key: str,
+    engine_client: InProcessEngineClient,
+) -> None:
+    client = openai.AsyncOpenAI(base_url=server + "/v1", api_key=tenant_key, max_retries=0)
+    done = await submit(client, chat_lines(engine_client.model_name, 3))
+    await _until(client, done.id, "completed")
+    await chat(server, tenant_key, engine_client.model_name)
+    await eventually(lambda: _all_written(sessions))
+    batch = await ledger_sums(sessions, batch=True)
+    interactive = await ledger_sums(sessions, batch=False)
+    assert batch[0] == 3 and batch[2] > 0 and interactive[0] == 1
+
+    context = await new_context(browser, server, LAPTOP)
+    page = await context.new_page()
+    await sign_in(page, OWNER)
+    for path in ("/admin/billing?tenant=acme", "/admin/usage?tenant=acme"):
+        await page.goto(path)
+        for kind, (rows, output, cost) in (("batch", batch), ("interactive", interactive)):
+            row = page.locator(f'#spend-apart tr[data-kind="{kind}"]')
+            await expect(row.locator(".requests")).to_have_text(str(rows))
+            await expect(row.locator(".output")).to_have_text(str(output))
+            assert micros(await row.locator(".spend").inner_text()) == cost, (path, kind)
+    await shot(page, "usage-batch-apart")
+    await context.close()
+
+
+async def _all_written(sessions: async_sessionmaker[AsyncSession]) -> bool:
+    """The batch's 3 lines and the interactive request are in the ledger."""
+    async with sessions() as session:
+        return await session.scalar(select(func.count()).select_from(UsageEvent)) == 4
