@@ -38,6 +38,7 @@ from gateway.dispatch.engine_client import EngineClient, InProcessEngineClient
 from gateway.settings import Settings
 from tenants.batches import (
     ACTIVE,
+    WINDOWS,
     Batch,
     BatchLine,
     BatchQueue,
@@ -59,6 +60,7 @@ REMOTE_SLOTS = 128  # replicas do not say their max_num_seqs: a GPU's default is
 HELD_POLL_S = 0.02  # while lines wait for interactive work: how often the engine is read
 RAMP_LINES = 4  # lines started at once; the next ones RAMP_S later, unless a chat came
 RAMP_S = 0.025
+LATE_SHARE = 0.5  # of a batch's window: in the rest, its lines run beside interactive work
 
 
 class BatchRunner:
@@ -233,11 +235,16 @@ class BatchRunner:
                 await BatchQueue(session).renew(batch_id, numbers)
 
     async def _start_lines(self, batches: list[Batch]) -> None:
-        """Free slots shared between tenants equally, then between a tenant's batches."""
+        """Free slots shared between tenants equally, then between a tenant's batches;
+        while interactive work is in the engine, only batches late in their window."""
         free = self.concurrency - len(self._running)
-        # Not held with nothing to start: the loop then waits for a wake-up, not the engine.
-        self.held = free > 0 and bool(batches) and self.interactive() > 0
-        if free <= 0 or not batches or self.held:
+        if batches and self.interactive() > 0:
+            batches = [batch for batch in batches if late(batch)]
+            # Not held with nothing to start: the loop then waits for a wake-up.
+            self.held = free > 0 and not batches
+        else:
+            self.held = False
+        if free <= 0 or not batches:
             return
         by_tenant: dict[str, list[Batch]] = defaultdict(list)
         for batch in batches:
@@ -260,12 +267,12 @@ class BatchRunner:
         """Start the claimed lines RAMP_LINES at a time, ramp_s apart, so a chat arriving
         meanwhile finds a few lines' request paths on the event loop, not a round's; the
         rest go back to pending if one did (False: held)."""
-        started = 0
+        started, yields = 0, not late(batch)
         try:
             for started, line in enumerate(lines):
                 if started and started % RAMP_LINES == 0:
                     await asyncio.sleep(self.ramp_s)
-                    if self.interactive():
+                    if yields and self.interactive():
                         self.held = True
                         return False
                 key = (batch.id, line.line)
@@ -317,6 +324,16 @@ class BatchRunner:
             log.exception("batch line failed")
             failed = InternalError("the line failed on the server")
             return LineOutcome(failed.status, failed.body(), None)
+
+
+def late(batch: Batch) -> bool:
+    """In the last LATE_SHARE of its window: its lines no longer wait for interactive work
+    to drain (a steady trickle of chats would otherwise hold them to the deadline); they
+    run beside it, at the batch class, which the engine still ranks below interactive
+    work. A batch thus has the first part of its window to fill idle capacity, and the
+    rest to finish unless interactive work saturates the engine."""
+    window = WINDOWS[batch.completion_window]
+    return as_utc(batch.expires_at) - utcnow() < window * LATE_SHARE
 
 
 def engine_slots(client: EngineClient | None) -> int:

@@ -430,6 +430,46 @@ async def test_lines_wait_for_interactive_work_to_drain_then_all_run(
         assert not runner.held
 
 
+async def test_a_batch_late_in_its_window_runs_beside_interactive_work(
+    settings: Settings,
+    engine_client: InProcessEngineClient,
+    tenant_key: str,
+    sessions: async_sessionmaker[AsyncSession],
+) -> None:
+    """A steady trickle of chats would hold a batch's lines to its deadline: in the last
+    half of its window a batch runs beside interactive work (its rows the engine's filler)
+    and completes while the chat still streams."""
+    app = create_app(settings, engine_client=engine_client)
+    async with serving(app) as url:
+        client = openai.AsyncOpenAI(base_url=url + "/v1", api_key=tenant_key, max_retries=0)
+        runner = app.state.batch_runner
+        model = engine_client.model_name
+        long_chat = {
+            "model": model,
+            "messages": [{"role": "user", "content": "Talk."}],
+            "max_tokens": 1900,
+            "ignore_eos": True,
+            "stream": True,
+        }
+        headers = {"Authorization": f"Bearer {tenant_key}"}
+        async with (
+            httpx.AsyncClient() as http,
+            http.stream("POST", f"{url}/v1/chat/completions", json=long_chat, headers=headers),
+        ):
+            await eventually(lambda: engine_client.engine.engine.num_interactive() == 1)
+            batch = await submit(client, chat_lines(model, 3))
+            await eventually(lambda: runner.held)  # early in its window: it waits
+            async with sessions.begin() as session:  # as if 13 of its 24 hours had passed
+                await session.execute(
+                    update(Batch)
+                    .where(Batch.id == batch.id)
+                    .values(expires_at=utcnow() + timedelta(hours=11))
+                )
+            done = await _until(client, batch.id, "completed")
+            assert (done.request_counts.completed, done.request_counts.failed) == (3, 0)
+            assert engine_client.engine.engine.num_interactive() == 1  # the chat still runs
+
+
 async def test_a_round_starts_its_lines_a_few_at_a_time_and_gives_back_the_rest(
     settings: Settings,
     engine_client: InProcessEngineClient,
