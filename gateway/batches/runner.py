@@ -101,6 +101,8 @@ class BatchRunner:
         self._keeping = TaskSet()
         self._results = GroupCommit(self._keep, self._keeping)
         self._wakeup = asyncio.Event()
+        self._turns: dict[str, int] = {}  # when each tenant and batch was last served
+        self._turn = 0
         self._loop: asyncio.Task[None] | None = None
         self._renewed_at = utcnow()
 
@@ -246,13 +248,16 @@ class BatchRunner:
             self.held = False
         if free <= 0 or not batches:
             return
-        by_tenant: dict[str, list[Batch]] = defaultdict(list)
+        by_tenant: dict[str, dict[str, Batch]] = defaultdict(dict)
         for batch in batches:
-            by_tenant[batch.tenant_id].append(batch)
-        per_tenant = max(1, free // len(by_tenant))
-        for tenant_batches in by_tenant.values():
-            per_batch = max(1, per_tenant // len(tenant_batches))
-            for batch in tenant_batches:
+            by_tenant[batch.tenant_id][batch.id] = batch
+        present = {*by_tenant, *(batch.id for batch in batches)}  # forget the finished
+        self._turns = {key: turn for key, turn in self._turns.items() if key in present}
+        tenants, per_tenant = self._take_turns(list(by_tenant), free)
+        for tenant in tenants:
+            named = by_tenant[tenant]
+            chosen, per_batch = self._take_turns(list(named), per_tenant)
+            for batch in (named[batch_id] for batch_id in chosen):
                 async with self.sessions.begin() as session:
                     lines = await BatchQueue(session).claim(batch.id, per_batch, self.lease)
                     # Once per claim, not per line (a three-table read on the event loop):
@@ -260,6 +265,16 @@ class BatchRunner:
                     principal = await key_principal(session, batch.api_key_id) if lines else None
                 if not await self._ramp(batch, lines, principal):
                     return
+
+    def _take_turns(self, keys: list[str], slots: int) -> tuple[list[str], int]:
+        """Of `keys` (tenants, or a tenant's batches), at most `slots`, those served
+        longest ago first (the rest wait for the next round: no round starts more lines
+        than it has slots), and the slots each gets."""
+        chosen = sorted(keys, key=lambda key: self._turns.get(key, -1))[:slots]
+        for key in chosen:
+            self._turn += 1
+            self._turns[key] = self._turn
+        return chosen, slots // len(chosen)
 
     async def _ramp(
         self, batch: Batch, lines: list[BatchLine], principal: Principal | None

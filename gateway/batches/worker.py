@@ -10,9 +10,10 @@ for minutes, and the billing relay must not wait behind it.
 A worker killed mid-batch loses nothing: its lines' results already kept stay kept; its
 lines under way are taken over once their lease lapses (TOLLGATE_BATCH_LEASE_S). A line
 killed after its ledger row and before its result was kept (a few milliseconds) runs
-again, unbilled: its key is in the ledger, so no line is billed twice. Beat's sweep (`tollgate.batches.sweep`, every
-TOLLGATE_BATCH_SWEEP_S, and once as a worker starts) queues a run for every unfinished
-batch, so the batch of a dead task is picked up again without a redelivery.
+again, unbilled: its key is in the ledger, so no line is billed twice. Beat's sweep
+(`tollgate.batches.sweep`, every TOLLGATE_BATCH_SWEEP_S, and once as a worker starts)
+queues a run for every unfinished batch, so the batch of a dead task is picked up again
+without a redelivery.
 
 The tasks need the gateway's runtime (database, Redis, the engine or its replicas, the
 file store): each worker process opens one at its first task, on an event loop in a

@@ -127,14 +127,16 @@ async def test_a_tenant_with_two_batches_gets_no_more_than_one_with_one(
     assert await _one_round(runner, sessions, lines) == {older: 1, newer: 1, other: 2}
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="runner.py gives each tenant max(1, free // tenants) lines: past `concurrency` "
-    "tenants, a round starts one line each, over the cap (reported to the lead, issue 36)",
-)
-async def test_more_tenants_than_free_slots_never_start_more_lines_than_the_cap(
+async def test_more_tenants_than_free_slots_take_turns_within_the_cap(
     runner: BatchRunner, sessions: Sessions, lines: HeldLines
 ) -> None:
-    for i in range(6):
-        await _batch(sessions, f"tenant-{i}")
-    assert (await _one_round(runner, sessions, lines)).total() <= runner.concurrency
+    """Six tenants, four slots: a round starts four lines, one for each of the first four
+    tenants; once they finish, the two left out go first."""
+    batches = [await _batch(sessions, f"tenant-{i}") for i in range(6)]
+    assert await _one_round(runner, sessions, lines) == dict.fromkeys(batches[:4], 1)
+    lines.released.set()
+    await eventually(lambda: not runner._running)
+    lines.released.clear()
+    second = await _one_round(runner, sessions, lines)
+    assert second.total() == runner.concurrency
+    assert set(batches[4:]) <= set(second)
