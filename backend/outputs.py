@@ -96,6 +96,7 @@ class EngineStats:
     num_steps: int
     num_interactive: int = 0  # of those running or waiting, below the batch class
     busy_s: float = 0.0  # seconds spent stepping, cumulative (the busy share of the clock)
+    batch_busy_s: float = 0.0  # of those, the batch class's: a step's by its rows' tokens
     kv_blocks_cached: int = 0
     prefix_cache_queries: int = 0  # tokens looked up in the prefix cache at admission
     prefix_cache_hits: int = 0  # of those, tokens found (their prefill was skipped)

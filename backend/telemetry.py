@@ -328,6 +328,13 @@ def _step_cost_metrics(stats: EngineStats) -> Iterator[Metric]:
         stats.busy_s,
     )
     yield _gauge(
+        "tollgate_engine_batch_busy_seconds",
+        "Of the busy seconds, those of batch-class rows (priority >= batch_priority): each "
+        "step's time split by its rows' tokens (a counter: over busy_seconds' rate, the "
+        "batch share of engine time)",
+        stats.batch_busy_s,
+    )
+    yield _gauge(
         "tollgate_engine_step_time_predicted_seconds",
         "The last step's time as the step-cost fit predicted it",
         stats.step_time_predicted_s,

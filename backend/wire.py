@@ -130,6 +130,8 @@ class StatsReply(msgspec.Struct, frozen=True):
     kv_blocks_used: int = 0
     prefix_cache_queries: int = 0
     prefix_cache_hits: int = 0
+    busy_s: float = 0.0  # seconds spent stepping, and of those the batch class's (console)
+    batch_busy_s: float = 0.0
     running_lora_adapters: list[str] = msgspec.field(default_factory=list)
     loaded_lora_adapters: list[str] = msgspec.field(default_factory=list)  # in a slot
 

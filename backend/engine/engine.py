@@ -149,6 +149,10 @@ class Engine:
         log.info("%s", self.describe())
         self.num_steps = 0
         self.busy_s = 0.0  # seconds spent in step(), cumulative
+        # Of busy_s, the batch class's part: each step's time split by its rows' tokens.
+        self.batch_busy_s = 0.0
+        # Of the step read back in this step() (async: its wait is most of the call).
+        self._step_batch_fraction = 0.0
         self.num_failed_requests = 0  # failed by a fault while stepping them
         self._failed_steps = 0  # in a row
         self._step_tokens = (0, 0)  # prefill, decode tokens of the last step
@@ -324,6 +328,7 @@ class Engine:
             block_size=bm.block_size,
             num_steps=self.num_steps,
             busy_s=self.busy_s,
+            batch_busy_s=self.batch_busy_s,
             kv_blocks_cached=bm.num_cached_blocks,
             prefix_cache_queries=sched.prefix_cache_queries,
             prefix_cache_hits=sched.prefix_cache_hits,
@@ -376,10 +381,13 @@ class Engine:
 
     def step(self) -> list[RequestOutput]:
         step_started = time.perf_counter()
+        self._step_batch_fraction = 0.0
         try:
             return self._step(step_started)
         finally:  # the engine's busy time: its share of the wall clock is its load
-            self.busy_s += time.perf_counter() - step_started
+            busy = time.perf_counter() - step_started
+            self.busy_s += busy
+            self.batch_busy_s += busy * self._step_batch_fraction
 
     def _step(self, step_started: float) -> list[RequestOutput]:
         with self._lock:
@@ -459,6 +467,7 @@ class Engine:
     ) -> list[RequestOutput]:
         """A step's tokens, read back: progress, stop checks, text. `placed`: the step
         was launched asynchronously and advanced then (its placeholders to resolve)."""
+        self._step_batch_fraction = self._batch_fraction(batch)
         self.scheduler.record_step(batch.num_prefill_tokens, batch.num_decode_tokens, run_s)
         # Aborts that arrived during the forward pass win over its tokens.
         outputs = self._apply_aborts()
@@ -483,6 +492,18 @@ class Engine:
         prefill, decode = self._total_tokens
         self._total_tokens = (prefill + batch.num_prefill_tokens, decode + batch.num_decode_tokens)
         return outputs
+
+    def _batch_fraction(self, batch: SchedulerOutput) -> float:
+        """The share of a step's tokens computed for batch-class rows (priority at or
+        above batch_priority), read before its finished requests leave."""
+        floor, live = self.config.batch_priority, self.scheduler.requests
+        total = sum(len(item.token_ids) for item in batch.requests)
+        batch_tokens = sum(
+            len(item.token_ids)
+            for item in batch.requests
+            if (req := live.get(item.request_id)) is not None and req.priority >= floor
+        )
+        return batch_tokens / total if total else 0.0
 
     # -- async scheduling: step N + 1 is scheduled and launched before N is read back --
 

@@ -16,6 +16,7 @@ from gateway.console.queries import (
     CSV_HEADER,
     CSV_LIMIT,
     csv_record,
+    engine_time,
     inter_token_ms,
     rejections,
     replicas,
@@ -75,7 +76,14 @@ class PagesController(Controller):
     async def overview(self, ctx: NamedDependency[ConsolePage]) -> Response[str]:
         since = datetime.now(UTC) - BATCH_SHARE_WINDOW
         share = await batch_token_share(ctx.db, since)
-        return ctx.render("overview.html", title="Overview", batch_share=share)
+        busy_s, batch_busy_s = engine_time(ctx.engine_client)
+        return ctx.render(
+            "overview.html",
+            title="Overview",
+            batch_share=share,
+            busy_s=busy_s,
+            batch_busy_s=batch_busy_s,
+        )
 
     @get("/overview.json", media_type=MediaType.JSON)
     async def overview_data(self, ctx: NamedDependency[ConsolePage]) -> dict[str, Any]:

@@ -164,6 +164,8 @@ def replicas(client: EngineClient | None) -> list[dict[str, Any]]:
                 "waiting": stats.num_waiting,
                 "kv_used_fraction": stats.kv_blocks_used / max(1, stats.kv_blocks_total),
                 "prefix_cache_hit_rate": stats.prefix_cache_hit_rate,
+                "busy_s": stats.busy_s,
+                "batch_busy_s": stats.batch_busy_s,
             }
         ]
     if isinstance(client, RemoteEngineClient):
@@ -175,10 +177,19 @@ def replicas(client: EngineClient | None) -> list[dict[str, Any]]:
                 "waiting": replica.waiting,
                 "kv_used_fraction": replica.kv_used_fraction,
                 "prefix_cache_hit_rate": replica.prefix_cache_hit_rate,
+                "busy_s": replica.busy_s,
+                "batch_busy_s": replica.batch_busy_s,
             }
             for replica in client.replicas
         ]
     return []
+
+
+def engine_time(client: EngineClient | None) -> tuple[float, float]:
+    """Seconds the engine replicas spent stepping since they started, and of those the
+    batch class's (each step's time split by its rows' tokens: Engine.batch_busy_s)."""
+    rows = replicas(client)
+    return sum(r["busy_s"] for r in rows), sum(r["batch_busy_s"] for r in rows)
 
 
 async def tenant_series(

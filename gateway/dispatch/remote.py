@@ -357,6 +357,7 @@ class RemoteEngineClient(LocalTokens):
         replica.kv_used_fraction = stats.kv_blocks_used / max(1, stats.kv_blocks_total)
         queries = max(1, stats.prefix_cache_queries)
         replica.prefix_cache_hit_rate = stats.prefix_cache_hits / queries
+        replica.busy_s, replica.batch_busy_s = stats.busy_s, stats.batch_busy_s
         replica.adapters = frozenset(stats.loaded_lora_adapters + stats.running_lora_adapters)
 
     async def close(self) -> None:

@@ -37,6 +37,8 @@ class Replica:
     interactive: int = 0  # of those running or waiting, below the batch class
     kv_used_fraction: float = 0.0
     prefix_cache_hit_rate: float = 0.0  # for the console; routing does not use it
+    busy_s: float = 0.0  # for the console too: seconds spent stepping since it started,
+    batch_busy_s: float = 0.0  # and of those, the batch class's
     overclaims: int = 0  # answers whose usage exceeded what was reserved: suspect
     adapters: frozenset[str] = frozenset()  # LoRA adapters it reports loaded or in use
 

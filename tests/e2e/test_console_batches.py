@@ -51,6 +51,9 @@ async def test_owner_follows_downloads_and_cancels_batches(
     page.on("dialog", lambda dialog: dialog.accept())
     await sign_in(page, OWNER)
     await expect(page.locator("#batch-share")).to_contain_text("% of the tokens computed")
+    engine_share = await page.locator("#batch-engine-share").inner_text()
+    assert "s the engine spent stepping since it started went to batch rows" in engine_share
+    assert float(engine_share.split("%")[0]) > 0  # the completed batch's steps
     await page.goto("/admin/tenants/acme")
     await page.get_by_role("link", name="Batches").click()
     await expect(page.get_by_role("heading", name="Batches of acme")).to_be_visible()

@@ -292,6 +292,35 @@ def test_the_metrics_show_predicted_and_actual_step_times(llama_dir: Path) -> No
         assert f"{name} {value!r}" in text or f"{name} {float(value)}" in text
     assert 'tollgate_engine_step_cost_seconds{term="prefill_token"}' in text
     assert "tollgate_engine_step_prefill_budget_tokens" in text
+    assert f"tollgate_engine_batch_busy_seconds {stats.batch_busy_s!r}" in text
+
+
+def test_batch_busy_time_is_each_steps_time_split_by_its_rows_tokens(llama_dir: Path) -> None:
+    """The batch class's part of the engine's busy time (the console's batch share of
+    engine time): none for interactive work, all of it for batch work alone, and for a
+    step of both, its time split by the rows' tokens."""
+    engine = make_engine(llama_dir)
+    engine.add_request(EngineRequest([2, 3, 4, 5], SHORT, "chat", priority=0))
+    run_to_completion(engine)
+    assert engine.busy_s > 0 and engine.batch_busy_s == 0
+
+    busy, floor = engine.busy_s, engine.config.batch_priority
+    engine.add_request(EngineRequest([2, 3, 4, 5], SHORT, "line", priority=floor + 3))
+    run_to_completion(engine)
+    assert engine.batch_busy_s == pytest.approx(engine.busy_s - busy)
+
+    engine.add_request(EngineRequest([20, 21, 22, 23, 24, 25], SHORT, "chat-2", priority=0))
+    engine.add_request(EngineRequest([30, 31], SHORT, "line-2", priority=floor))
+    shares = []
+    for expected_tokens in ((6, 0), (2, 1), (0, 2)):  # the chat's prefill protected, then:
+        busy, batch_busy = engine.busy_s, engine.batch_busy_s  # the line's beside its decode
+        step(engine)
+        stats = engine.stats()
+        assert (stats.step_prefill_tokens, stats.step_decode_tokens) == expected_tokens
+        shares.append((engine.batch_busy_s - batch_busy) / (engine.busy_s - busy))
+    assert shares == pytest.approx([0, 2 / 3, 1 / 2])
+    stats = engine.stats()
+    assert (stats.busy_s, stats.batch_busy_s) == (engine.busy_s, engine.batch_busy_s)
 
 
 def test_interactive_decodes_shrink_the_step_and_batch_work_gets_it_all(llama_dir: Path) -> None:

@@ -193,7 +193,7 @@ async def test_a_remote_backend_sheds_with_a_typed_error(tmp_path: Path) -> None
 
 async def test_remote_replica_load_snapshot_follows_its_stats(tmp_path: Path) -> None:
     """What the gateway learns from a replica's stats (routing load, the console's
-    prefix-cache hit rate) is what the replica's engine reports."""
+    prefix-cache hit rate and engine time) is what the replica's engine reports."""
     engine = AsyncEngine.from_pretrained(BUILTIN_MODEL_DIR, ONE_AT_A_TIME)
     app = create_backend_app(engine, BUILTIN_MODEL_DIR, secret="s3cret")
     async with serving(app) as url:
@@ -211,6 +211,9 @@ async def test_remote_replica_load_snapshot_follows_its_stats(tmp_path: Path) ->
             assert stats.prefix_cache_hits > 0
             assert replica.healthy and replica.prefix_cache_hit_rate == stats.prefix_cache_hit_rate
             assert replica.kv_used_fraction == stats.kv_blocks_used / stats.kv_blocks_total
+            # The console's engine time: these requests were interactive (the step loop
+            # may have stepped since the poll).
+            assert 0 < replica.busy_s <= stats.busy_s and replica.batch_busy_s == 0
         finally:
             await remote.close()
 
