@@ -196,7 +196,10 @@ class BatchRunner:
                 await queue.expire_pending(batch.id)
             if await queue.unfinished(batch.id) > 0:
                 return not ending
-            await self._finalize(session, current, ending)
+            if ending or current.status == BatchStatus.FINALIZING:
+                await self._finalize(session, current, ending)
+            else:  # OpenAI's `finalizing`, seen until the next round has written the files
+                current.status, current.finalizing_at = BatchStatus.FINALIZING, now
             return False
 
     async def _finalize(self, session: Any, batch: Batch, ending: bool) -> None:
@@ -208,7 +211,7 @@ class BatchRunner:
         ok = [r for r, line in zip(outputs, lines, strict=True) if line.status == "succeeded"]
         bad = [r for r, line in zip(outputs, lines, strict=True) if line.status != "succeeded"]
         files = FileStore(session, self.blobs, batch.tenant_id)
-        batch.finalizing_at = now
+        batch.finalizing_at = batch.finalizing_at or now
         if ok:
             batch.output_file_id = (
                 await files.create(f"{batch.id}_output.jsonl", "batch_output", _jsonl(ok))

@@ -1,5 +1,6 @@
-"""The batch runner's fair share (BatchRunner._start_lines): a round's free slots go to
-the tenants equally, whoever submitted first, then to a tenant's batches equally. The
+"""The batch runner's rounds: its fair share (BatchRunner._start_lines), a round's free
+slots going to the tenants equally, whoever submitted first, then to a tenant's batches
+equally; and a finished batch's `finalizing` round. The
 runner here runs its lines with a LineRunner that records each and holds it until
 released, so a round's claims stand still to be counted; no engine (no interactive
 work to wait for)."""
@@ -18,7 +19,7 @@ from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
 
 from gateway.batches.runner import BatchRunner
 from gateway.settings import Settings
-from tenants.batches import BatchLine, BatchStore, LineOutcome, LineStatus, NewLine
+from tenants.batches import Batch, BatchLine, BatchStore, LineOutcome, LineStatus, NewLine
 from tenants.blobs import FolderBlobStore
 from tenants.models import KeyRole
 from tenants.services import ApiKeyService, Principal, TenantService
@@ -140,3 +141,23 @@ async def test_more_tenants_than_free_slots_take_turns_within_the_cap(
     second = await _one_round(runner, sessions, lines)
     assert second.total() == runner.concurrency
     assert set(batches[4:]) <= set(second)
+
+
+async def test_a_finished_batch_is_finalizing_for_a_round_then_completed(
+    runner: BatchRunner, sessions: Sessions, lines: HeldLines
+) -> None:
+    """OpenAI's statuses: in_progress, then finalizing while the files are written (the
+    round after the last line), then completed with its output file."""
+    batch_id = await _batch(sessions, "acme", count=2)
+    assert await _one_round(runner, sessions, lines) == {batch_id: 2}
+    lines.released.set()
+    await eventually(lambda: not runner._running)
+    seen = []
+    for _ in range(2):
+        await runner.round()
+        async with sessions() as session:
+            batch = await session.get(Batch, batch_id)
+            assert batch is not None
+            seen.append((batch.status, batch.finalizing_at is not None, batch.output_file_id))
+    assert seen[0] == ("finalizing", True, None)
+    assert seen[1][:2] == ("completed", True) and seen[1][2] is not None
