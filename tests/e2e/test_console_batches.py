@@ -29,8 +29,7 @@ from tests.e2e.test_console import (  # noqa: F401 (fixtures)
     shot,
     sign_in,
 )
-from tests.integration.sdk.test_batches_api import _until
-from tests.support.batches import chat_lines, submit
+from tests.support.batches import chat_lines, submit, until
 
 pytestmark = pytest.mark.e2e
 
@@ -43,7 +42,7 @@ async def test_owner_follows_downloads_and_cancels_batches(
 ) -> None:
     client = openai.AsyncOpenAI(base_url=server + "/v1", api_key=tenant_key, max_retries=0)
     done = await submit(client, chat_lines(engine_client.model_name, 3))
-    await _until(client, done.id, "completed")
+    await until(client, done.id, "completed")
     running = await submit(client, chat_lines(engine_client.model_name, 400, max_tokens=32))
 
     context = await new_context(browser, server, LAPTOP)
@@ -71,7 +70,7 @@ async def test_owner_follows_downloads_and_cancels_batches(
     other = page.locator(f'#batches-table tr[data-batch="{running.id}"]')
     await other.get_by_role("button", name=f"Cancel {running.id}").click()
     await expect(page.get_by_role("status")).to_contain_text(f"Cancelling {running.id}")
-    cancelled = await _until(client, running.id, "cancelled")
+    cancelled = await until(client, running.id, "cancelled")
     assert cancelled.request_counts.completed < 400
     await page.reload()
     await expect(other.locator(".batch-status")).to_have_text("cancelled")
@@ -103,7 +102,7 @@ async def test_billing_and_usage_pages_show_batch_spend_apart(
 ) -> None:
     client = openai.AsyncOpenAI(base_url=server + "/v1", api_key=tenant_key, max_retries=0)
     done = await submit(client, chat_lines(engine_client.model_name, 3))
-    await _until(client, done.id, "completed")
+    await until(client, done.id, "completed")
     await chat(server, tenant_key, engine_client.model_name)
     await eventually(lambda: _all_written(sessions))
     batch = await ledger_sums(sessions, batch=True)

@@ -6,10 +6,10 @@ result per line."""
 
 from __future__ import annotations
 
-import json
+import contextlib
+from collections.abc import AsyncIterator
 from datetime import timedelta
 from pathlib import Path
-from typing import Any
 
 import httpx
 import openai
@@ -27,7 +27,7 @@ from tenants.models import IdempotencyRecord, KeyRole, UsageEvent, utcnow
 from tenants.pricing import DEFAULT_PRICE
 from tenants.services import ApiKeyService, PlanService, TenantService
 from tests.conftest import eventually, migrated_postgres, migrated_sqlite, serving
-from tests.support.batches import chat_lines, submit
+from tests.support.batches import chat_lines, records, submit, until
 
 
 @pytest.fixture(params=["sqlite", "postgresql"])
@@ -36,24 +36,6 @@ def database_url(request: pytest.FixtureRequest, tmp_path: Path) -> str:
     if request.param == "sqlite":
         return migrated_sqlite(tmp_path / "sdk.db")
     return migrated_postgres()
-
-
-async def _until(client: openai.AsyncOpenAI, batch_id: str, *statuses: str) -> Any:
-    found: dict[str, Any] = {}
-
-    async def reached() -> bool:
-        found["batch"] = await client.batches.retrieve(batch_id)
-        return found["batch"].status in statuses
-
-    await eventually(reached, timeout_s=120)
-    return found["batch"]
-
-
-async def _records(client: openai.AsyncOpenAI, file_id: str | None) -> list[dict[str, Any]]:
-    if file_id is None:
-        return []
-    content = await client.files.content(file_id)
-    return [json.loads(line) for line in content.text.splitlines()]
 
 
 async def _key(sessions: async_sessionmaker[AsyncSession], tenant: str, plan: str | None) -> str:
@@ -72,14 +54,14 @@ async def test_a_batch_runs_every_line_once_at_the_batch_price(
     model = engine_client.model_name
     batch = await submit(client, chat_lines(model, 5), {"job": "test"})
     assert batch.status == "in_progress" and batch.request_counts.total == 5
-    done = await _until(client, batch.id, "completed", "failed")
+    done = await until(client, batch.id, "completed", "failed")
     assert done.status == "completed", done
     counts = (done.request_counts.completed, done.request_counts.failed)
-    assert counts == (5, 0), await _records(client, done.error_file_id)
+    assert counts == (5, 0), await records(client, done.error_file_id)
     assert done.error_file_id is None and done.metadata == {"job": "test"}
-    records = await _records(client, done.output_file_id)
-    assert sorted(r["custom_id"] for r in records) == [f"line-{i}" for i in range(5)]
-    for record in records:
+    output = await records(client, done.output_file_id)
+    assert sorted(r["custom_id"] for r in output) == [f"line-{i}" for i in range(5)]
+    for record in output:
         assert record["error"] is None and record["response"]["status_code"] == 200
         assert record["response"]["body"]["object"] == "chat.completion"
     async with sessions() as session:
@@ -159,7 +141,7 @@ async def test_one_tenant_never_sees_another_tenants_files_or_batches(
             completion_window="24h",
         )
     assert (await other.batches.list()).data == [] and (await other.files.list()).data == []
-    await _until(client, batch.id, "completed")
+    await until(client, batch.id, "completed")
 
 
 async def test_cancel_keeps_what_ran_and_reports_the_rest(
@@ -168,10 +150,10 @@ async def test_cancel_keeps_what_ran_and_reports_the_rest(
     batch = await submit(client, chat_lines(engine_client.model_name, 400, max_tokens=32))
     cancelling = await client.batches.cancel(batch.id)
     assert cancelling.status in ("cancelling", "cancelled")
-    done = await _until(client, batch.id, "cancelled")
+    done = await until(client, batch.id, "cancelled")
     counts = done.request_counts
-    errors = await _records(client, done.error_file_id)
-    outputs = await _records(client, done.output_file_id)
+    errors = await records(client, done.error_file_id)
+    outputs = await records(client, done.output_file_id)
     assert len(outputs) == counts.completed and counts.completed < 400
     cancelled = [r for r in errors if r["error"] and r["error"]["code"] == "batch_cancelled"]
     assert len(outputs) + len(errors) == 400 and cancelled
@@ -186,8 +168,8 @@ async def test_a_batch_expires_at_its_window_with_what_is_done(
     batch = await submit(client, chat_lines(engine_client.model_name, 400, max_tokens=32))
     async with sessions.begin() as session:
         await session.execute(update(Batch).where(Batch.id == batch.id).values(expires_at=utcnow()))
-    done = await _until(client, batch.id, "expired")
-    errors = await _records(client, done.error_file_id)
+    done = await until(client, batch.id, "expired")
+    errors = await records(client, done.error_file_id)
     assert errors and all(r["error"]["code"] == "batch_expired" for r in errors)
     assert done.request_counts.completed + len(errors) == 400
     assert done.expired_at is not None
@@ -296,8 +278,8 @@ async def test_the_plans_cap_on_enqueued_batch_tokens_refuses_a_batch_past_it(
     limit = refused.value.response.headers  # the cap that refused, and what is left of it
     assert limit["x-ratelimit-limit-tokens"] == "200"
     assert 0 <= int(limit["x-ratelimit-remaining-tokens"]) < 200
-    await _until(capped, first.id, "completed")
-    await _until(
+    await until(capped, first.id, "completed")
+    await until(
         capped, (await submit(capped, chat_lines(engine_client.model_name, 2))).id, "completed"
     )
 
@@ -322,10 +304,10 @@ async def test_a_gateway_stopped_mid_batch_resumes_with_one_result_per_line(
     assert stopped < total  # stopped mid-batch
     async with serving(create_app(settings, engine_client=engine_client)) as url:
         client = openai.AsyncOpenAI(base_url=url + "/v1", api_key=tenant_key, max_retries=0)
-        done = await _until(client, batch.id, "completed")
-        records = await _records(client, done.output_file_id)
+        done = await until(client, batch.id, "completed")
+        output = await records(client, done.output_file_id)
     assert done.request_counts.completed == total and done.request_counts.failed == 0
-    assert sorted(r["custom_id"] for r in records) == sorted(f"line-{i}" for i in range(total))
+    assert sorted(r["custom_id"] for r in output) == sorted(f"line-{i}" for i in range(total))
     async with sessions() as session:
         billed = await session.scalar(
             select(func.count()).where(
@@ -356,7 +338,7 @@ async def test_lines_left_running_by_a_killed_gateway_run_again_unbilled(
     async with serving(create_app(settings, engine_client=engine_client)) as url:
         client = openai.AsyncOpenAI(base_url=url + "/v1", api_key=tenant_key, max_retries=0)
         batch = await submit(client, chat_lines(engine_client.model_name, total))
-        first = await _records(client, (await _until(client, batch.id, "completed")).output_file_id)
+        first = await records(client, (await until(client, batch.id, "completed")).output_file_id)
     # As a gateway killed before keeping them, two minutes ago: its lease has lapsed.
     died = utcnow() - timedelta(minutes=2)
     async with sessions.begin() as session:
@@ -372,7 +354,7 @@ async def test_lines_left_running_by_a_killed_gateway_run_again_unbilled(
         )
     async with serving(create_app(settings, engine_client=engine_client)) as url:
         client = openai.AsyncOpenAI(base_url=url + "/v1", api_key=tenant_key, max_retries=0)
-        again = await _records(client, (await _until(client, batch.id, "completed")).output_file_id)
+        again = await records(client, (await until(client, batch.id, "completed")).output_file_id)
     assert sorted(r["custom_id"] for r in again) == sorted(r["custom_id"] for r in first)
     assert all(r["response"]["status_code"] == 200 for r in again)
     async with sessions() as session:
@@ -381,6 +363,28 @@ async def test_lines_left_running_by_a_killed_gateway_run_again_unbilled(
     assert billed == {r["response"]["request_id"] for r in first}  # one row a line, the first
     assert billed.isdisjoint(r["response"]["request_id"] for r in again)  # the reruns: unbilled
     assert stored == 0
+
+
+@contextlib.asynccontextmanager
+async def _streaming_chat(
+    url: str, engine_client: InProcessEngineClient, key: str
+) -> AsyncIterator[None]:
+    """A long chat streaming while the block runs: interactive work in the engine from the
+    block's start (leaving the block aborts it)."""
+    chat = {
+        "model": engine_client.model_name,
+        "messages": [{"role": "user", "content": "Talk."}],
+        "max_tokens": 1900,
+        "ignore_eos": True,
+        "stream": True,
+    }
+    headers = {"Authorization": f"Bearer {key}"}
+    async with (
+        httpx.AsyncClient() as http,
+        http.stream("POST", f"{url}/v1/chat/completions", json=chat, headers=headers),
+    ):
+        await eventually(lambda: engine_client.engine.engine.num_interactive() == 1)
+        yield
 
 
 async def test_lines_wait_for_interactive_work_to_drain_then_all_run(
@@ -397,23 +401,11 @@ async def test_lines_wait_for_interactive_work_to_drain_then_all_run(
         client = openai.AsyncOpenAI(base_url=url + "/v1", api_key=tenant_key, max_retries=0)
         runner = app.state.batch_runner
         model = engine_client.model_name
-        long_chat = {
-            "model": model,
-            "messages": [{"role": "user", "content": "Talk."}],
-            "max_tokens": 1900,
-            "ignore_eos": True,
-            "stream": True,
-        }
-        headers = {"Authorization": f"Bearer {tenant_key}"}
-        async with (
-            httpx.AsyncClient() as http,
-            http.stream("POST", f"{url}/v1/chat/completions", json=long_chat, headers=headers),
-        ):
-            await eventually(lambda: engine_client.engine.engine.num_interactive() == 1)
+        async with _streaming_chat(url, engine_client, tenant_key):
             cancelled = await submit(client, chat_lines(model, 3))
             await eventually(lambda: runner.held)  # a round looked, and started nothing
             await client.batches.cancel(cancelled.id)
-            done = await _until(client, cancelled.id, "cancelled")
+            done = await until(client, cancelled.id, "cancelled")
             assert done.request_counts.completed == 0
             await eventually(lambda: not runner.held)  # nothing left to start: nothing held
             batch = await submit(client, chat_lines(model, 3))
@@ -425,7 +417,7 @@ async def test_lines_wait_for_interactive_work_to_drain_then_all_run(
                 assert set(statuses) == {LineStatus.PENDING}
             assert engine_client.engine.engine.num_interactive() == 1  # still running
         # Leaving the stream aborts the chat: the lines start.
-        done = await _until(client, batch.id, "completed")
+        done = await until(client, batch.id, "completed")
         assert (done.request_counts.completed, done.request_counts.failed) == (3, 0)
         assert not runner.held
 
@@ -444,19 +436,7 @@ async def test_a_batch_late_in_its_window_runs_beside_interactive_work(
         client = openai.AsyncOpenAI(base_url=url + "/v1", api_key=tenant_key, max_retries=0)
         runner = app.state.batch_runner
         model = engine_client.model_name
-        long_chat = {
-            "model": model,
-            "messages": [{"role": "user", "content": "Talk."}],
-            "max_tokens": 1900,
-            "ignore_eos": True,
-            "stream": True,
-        }
-        headers = {"Authorization": f"Bearer {tenant_key}"}
-        async with (
-            httpx.AsyncClient() as http,
-            http.stream("POST", f"{url}/v1/chat/completions", json=long_chat, headers=headers),
-        ):
-            await eventually(lambda: engine_client.engine.engine.num_interactive() == 1)
+        async with _streaming_chat(url, engine_client, tenant_key):
             batch = await submit(client, chat_lines(model, 3))
             await eventually(lambda: runner.held)  # early in its window: it waits
             async with sessions.begin() as session:  # as if 13 of its 24 hours had passed
@@ -465,7 +445,7 @@ async def test_a_batch_late_in_its_window_runs_beside_interactive_work(
                     .where(Batch.id == batch.id)
                     .values(expires_at=utcnow() + timedelta(hours=11))
                 )
-            done = await _until(client, batch.id, "completed")
+            done = await until(client, batch.id, "completed")
             assert (done.request_counts.completed, done.request_counts.failed) == (3, 0)
             assert engine_client.engine.engine.num_interactive() == 1  # the chat still runs
 
@@ -513,5 +493,5 @@ async def test_a_round_starts_its_lines_a_few_at_a_time_and_gives_back_the_rest(
         await eventually(started_ones_done)
         assert await counts() == {LineStatus.SUCCEEDED: RAMP_LINES, LineStatus.PENDING: 6}
         chat[0] = 0  # the chat is done: the rest run
-        done = await _until(client, batch.id, "completed")
+        done = await until(client, batch.id, "completed")
         assert (done.request_counts.completed, done.request_counts.failed) == (10, 0)
