@@ -14,6 +14,7 @@ token each) per second over the same span, so a change that helps C can be seen 
 cost B.
 
     python -m bench.fair_share [--seconds 30] [--rate 1] [--backlog 200] [--repeat 2]
+        [--fresh-tenants]
 """
 
 from __future__ import annotations
@@ -139,6 +140,8 @@ async def run(args: argparse.Namespace) -> None:
         backlog_key = await server.tenant_key()
         for attempt in range(args.repeat):
             keys_bc = (backlog_key, server.key)
+            if args.fresh_tenants:  # each run's B and C new to the engine
+                keys_bc = (await server.tenant_key(), await server.tenant_key())
             report = await measure(http, server.base, keys_bc, server.model, args, attempt + 1)
             print(json.dumps(report), flush=True)
 
@@ -146,6 +149,9 @@ async def run(args: argparse.Namespace) -> None:
 def main() -> None:
     parser = phase_options(__doc__, seconds=30.0, rate=1.0, rate_help="C's chats per second")
     parser.add_argument("--backlog", type=int, default=200, help="B's open streams")
+    parser.add_argument(
+        "--fresh-tenants", action="store_true", help="a new B and C for each run of --repeat"
+    )
     asyncio.run(run(parser.parse_args()))
 
 
