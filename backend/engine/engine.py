@@ -497,12 +497,13 @@ class Engine:
         """The share of a step's tokens computed for batch-class rows (priority at or
         above batch_priority), read before its finished requests leave."""
         floor, live = self.config.batch_priority, self.scheduler.requests
-        total = sum(len(item.token_ids) for item in batch.requests)
-        batch_tokens = sum(
-            len(item.token_ids)
-            for item in batch.requests
-            if (req := live.get(item.request_id)) is not None and req.priority >= floor
-        )
+        total = batch_tokens = 0
+        for item in batch.requests:  # one pass: the step thread runs this every step
+            tokens = len(item.token_ids)
+            total += tokens
+            req = live.get(item.request_id)
+            if req is not None and req.priority >= floor:
+                batch_tokens += tokens
         return batch_tokens / total if total else 0.0
 
     # -- async scheduling: step N + 1 is scheduled and launched before N is read back --
