@@ -11,6 +11,8 @@ from functools import cached_property
 
 import torch
 
+from backend.config import SHORT_QUERY_TOKENS
+
 
 @dataclass(frozen=True)
 class AttentionMetadata:
@@ -87,7 +89,6 @@ class AttentionMetadata:
 
 
 DECODE_GROUP_TOKENS = 2048  # timed on the 8-layer 512-wide bench Llama: beat 4,096 and "all"
-SHORT_QUERY_TOKENS = 16  # the most new tokens of a row attended as `short_query_bias` says
 
 
 @dataclass(frozen=True)

@@ -16,6 +16,10 @@ ATTENTION_BACKENDS = ("auto", "torch", "triton")  # auto: triton on CUDA, torch 
 # off; ngram: drafts looked up in the request's own tokens; draft: a small second model
 SPECULATIVE_METHODS = ("off", "ngram", "draft")
 MAX_SPECULATIVE_TOKENS = 16
+# The most new tokens of a row over cached keys that attention reads as a decode row reads
+# its keys, once for all its queries (a verify row, a short catch-up); longer chunks
+# attend as prompts. The torch backend's path (short_query_bias) and the step-cost fit.
+SHORT_QUERY_TOKENS = 16
 _DEVICE = re.compile(r"^(auto|cpu|cuda(:\d+)?)$")
 # max_num_seqs=None by device: a GPU's batch grows nearly free up to its compute knee (vLLM
 # also runs 256); on a CPU each running row costs step time, and 64 at the 256 MiB KV

@@ -79,6 +79,11 @@ class BlockManager:
     def block_ids(self, request_id: str) -> list[int]:
         return self._tables.get(request_id, [])
 
+    def num_cached_tokens(self, request_id: str) -> int:
+        """Tokens of the request's leading blocks registered in the prefix cache: what a
+        recompute after freeing its blocks finds there, unless they are evicted first."""
+        return self._num_registered.get(request_id, 0) * self.block_size
+
     def get_computed_blocks(self, req: Request) -> list[int]:
         """The longest run of cached blocks equal to the request's leading full blocks,
         leaving at least one token to compute (its logits are needed). Takes nothing."""

@@ -847,17 +847,21 @@ class Scheduler:
     def _slot_share_victim(self, req: Request) -> Request | None:
         """max_num_seqs is full: the running request to preempt so that `req`'s tenant
         gets its weighted share of the slots, if recomputing it is predicted to cost less
-        than waiting for the first running request to finish (policy.slot_share_victim)."""
+        than waiting for the first running request to finish (policy.slot_share_victim).
+        Recomputing is the tokens past its blocks in the prefix cache: preemption frees
+        them there, and its readmission finds them (unless the pool evicts them first)."""
         if not self.step_cost.ready:
             return None
         rows = [(r.num_computed_tokens, 1) for r in self.running]
         step_s = self.step_cost.step_time(rows)
         soonest = min(r.max_len - r.num_computed_tokens for r in self.running)
-        cost = self.step_cost
+        cost, blocks = self.step_cost, self.block_manager
 
         def recompute_s(victim: Request) -> float:
             n = victim.num_computed_tokens
-            return cost.predict(StepShape().plus_prefill(0, n)) - cost.predict(StepShape())
+            kept = max(0, min(blocks.num_cached_tokens(victim.request_id), n - 1))
+            tail = StepShape().plus_prefill(kept, n - kept)
+            return cost.predict(tail) - cost.predict(StepShape())
 
         return slot_share_victim(self.running, req, self.config, recompute_s, soonest * step_s)
 

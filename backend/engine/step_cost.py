@@ -10,7 +10,12 @@ chunk of n tokens at position s: n x s + n (n + 1) / 2). The two attention terms
 apart because they cost differently: a decode row's keys are read from memory once per
 query (memory-bound), a chunk's are reused by all of its queries (compute-bound, on this
 project's CPU about 20x cheaper per pair); one shared term let a document's chunks over
-their cached prefixes leak into the overhead and decode-row terms. Every step adds one
+their cached prefixes leak into the overhead and decode-row terms. A chunk of a few
+tokens over cached keys (at most SHORT_QUERY_TOKENS: a verify row, a preempted request's
+uncached tail) is attended as a decode row is, its keys read once, so its attention
+counts as decode context: counted as pairs, a backlog whose only prefills were such
+tails taught the pair term a price 1,000x too high (issue 32), and a 500-token prompt
+looked seconds long. Every step adds one
 observation; older ones fade (a half-life in steps), so the fit follows the machine (a
 busy CPU, a GPU that warms up). Before the first step, a few warm-up steps of varied
 shapes (`warm_up_batches`) make sure the scheduler never sizes a step blind. The
@@ -24,6 +29,7 @@ import time
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 
+from backend.config import SHORT_QUERY_TOKENS
 from backend.engine.batch import ScheduledRequest, SchedulerOutput
 from backend.engine.block_manager import BlockManager
 from backend.sampling import SamplingParams
@@ -48,21 +54,16 @@ class StepShape:
 
     prefill_tokens: int = 0
     decode_rows: int = 0
-    decode_context: int = 0  # keys the decode rows read
-    prefill_pairs: int = 0  # query-key pairs the prefill chunks attend
+    decode_context: int = 0  # keys read once: by the decode rows and the short chunks
+    prefill_pairs: int = 0  # query-key pairs the longer prefill chunks attend
 
     @classmethod
     def of_chunks(cls, chunks: Iterable[tuple[int, int]]) -> StepShape:
         """From (start, num_tokens) chunks; a one-token chunk counts as a decode row."""
-        prefill = decode = context = pairs = 0
+        shape = cls()
         for start, n in chunks:
-            if n == 1:
-                decode += 1
-                context += start + 1
-            else:
-                prefill += n
-                pairs += chunk_pairs(start, n)
-        return cls(prefill, decode, context, pairs)
+            shape = shape.plus_decode(start) if n == 1 else shape.plus_prefill(start, n)
+        return shape
 
     @classmethod
     def of(cls, out: SchedulerOutput) -> StepShape:
@@ -70,11 +71,12 @@ class StepShape:
 
     def plus_prefill(self, start: int, n: int) -> StepShape:
         """This step with one more prefill chunk of n tokens at position `start`."""
+        keys, pairs = chunk_attention(start, n)
         return StepShape(
             self.prefill_tokens + n,
             self.decode_rows,
-            self.decode_context,
-            self.prefill_pairs + chunk_pairs(start, n),
+            self.decode_context + keys,
+            self.prefill_pairs + pairs,
         )
 
     def plus_decode(self, start: int) -> StepShape:
@@ -90,11 +92,12 @@ class StepShape:
         """This step with its decode row at `start` carrying draft tokens: a chunk of
         1 + num_drafts tokens instead (speculative decoding)."""
         n = 1 + num_drafts
+        keys, pairs = chunk_attention(start, n)
         return StepShape(
             self.prefill_tokens + n,
             self.decode_rows - 1,
-            self.decode_context - (start + 1),
-            self.prefill_pairs + chunk_pairs(start, n),
+            self.decode_context - (start + 1) + keys,
+            self.prefill_pairs + pairs,
         )
 
     def features(self) -> Theta:
@@ -105,6 +108,14 @@ class StepShape:
 def chunk_pairs(start: int, n: int) -> int:
     """Query-key pairs of a causal chunk of n tokens at position `start`."""
     return n * start + n * (n + 1) // 2
+
+
+def chunk_attention(start: int, n: int) -> tuple[int, int]:
+    """(keys read once, query-key pairs) of a chunk of n tokens at position `start`: a
+    short chunk over cached keys reads them as a decode row does; the rest attend pairs."""
+    if start > 0 and n <= SHORT_QUERY_TOKENS:
+        return start + n, 0
+    return 0, chunk_pairs(start, n)
 
 
 class StepCostModel:

@@ -33,7 +33,8 @@ class Clock:
 def make(clock: Clock, num_blocks: int = 256, **knobs: object) -> Scheduler:
     knobs = {"max_num_seqs": 64, **knobs}  # the library default these were written for
     cfg = EngineConfig(block_size=4, num_kv_blocks=num_blocks, **knobs)  # type: ignore[arg-type]
-    return Scheduler(cfg, BlockManager(num_blocks, 4), clock=clock)
+    blocks = BlockManager(num_blocks, 4, enable_caching=cfg.enable_prefix_caching)
+    return Scheduler(cfg, blocks, clock=clock)
 
 
 _ids = iter(range(10**9))
@@ -550,7 +551,7 @@ def test_a_new_tenant_gets_its_share_of_full_slots_by_preemption() -> None:
 
 def test_slots_are_not_taken_when_waiting_is_cheaper_or_the_share_is_below_one() -> None:
     clock = Clock()
-    s = fitted(make(clock, max_num_seqs=4))
+    s = fitted(make(clock, max_num_seqs=4, enable_prefix_caching=False))
     for i in range(4):  # each has 2 tokens left: a slot frees sooner than a recompute
         s.add_request(request(f"loud{i}", 200, tenant="loud", max_tokens=2))
     advance(s, s.schedule())
@@ -563,6 +564,27 @@ def test_slots_are_not_taken_when_waiting_is_cheaper_or_the_share_is_below_one()
     s.add_request(request("quiet", 4, tenant="quiet"))
     s.schedule()
     assert s.num_slot_share_preemptions == 0
+
+
+def test_a_victim_s_recompute_is_only_what_the_prefix_cache_does_not_keep() -> None:
+    """The same full slots as above, with the prefix cache on: a preempted request's
+    full blocks stay in the cache, so taking the slot costs the quiet tenant's victim
+    the 1 token past them, not its 200 (issue 32: counted whole, a backlog's long streams
+    were never worth a slot to a tenant short of its share)."""
+    clock = Clock()
+    s = fitted(make(clock, max_num_seqs=4))
+    for i in range(4):
+        s.add_request(request(f"loud{i}", 200, tenant="loud", max_tokens=2))
+    advance(s, s.schedule())
+    s.add_request(request("quiet", 4, tenant="quiet"))
+    out = s.schedule()
+    assert s.num_slot_share_preemptions == 1 and "quiet" in ids(out)
+    (victim,) = [r for r in s.requests.values() if r.status == RequestStatus.PREEMPTED]
+    advance(s, out)
+    others = [r.request_id for r in s.running if r.tenant == "loud"]
+    s.finish_requests(others, RequestStatus.FINISHED_LENGTH)  # their slots free
+    (chunk,) = [r for r in s.schedule().requests if r.request_id == victim.request_id]
+    assert chunk.start_pos == 200 and len(chunk.token_ids) == 1  # from its cached blocks
 
 
 def test_short_prompts_get_the_tokens_their_ttft_target_needs_up_to_the_stretch() -> None:

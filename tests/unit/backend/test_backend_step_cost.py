@@ -132,3 +132,41 @@ def test_decode_reads_and_chunk_attention_are_told_apart() -> None:
     big_chunk = StepShape.of_chunks([(0, 1024)])
     for probe in (long_decodes, big_chunk):
         assert model.predict(probe) == pytest.approx(true_time(probe), rel=0.05)
+
+
+def machine_time(chunks: list[tuple[int, int]]) -> float:
+    """TRUE's machine, timed by what its attention does rather than by StepShape: a
+    decode row, and a chunk of a few tokens over cached keys (a verify row, a preempted
+    request's uncached tail), read their keys once (memory-bound); a longer chunk
+    attends its pairs (compute-bound)."""
+    overhead, per_token, per_row, per_key, per_pair = TRUE
+    seconds = overhead
+    for start, n in chunks:
+        if n == 1:
+            seconds += per_row + per_key * (start + 1)
+        elif start > 0 and n <= 16:
+            seconds += per_token * n + per_key * (start + n)
+        else:
+            seconds += per_token * n + per_pair * (n * start + n * (n + 1) // 2)
+    return seconds
+
+
+def test_a_backlog_of_streams_does_not_teach_the_fit_that_prompts_are_dear() -> None:
+    """Issue 32: a server that ran a backlog of 32 long streams for minutes, whose only
+    prefills were the few tokens a preempted stream recomputes past its cached blocks,
+    predicted seconds for recomputing a 500-token request (its pair term grew 1,000-fold,
+    fitted to those short chunks' key reads), so no tenant short of its share of the
+    slots ever took one. A short chunk's keys are read as a decode row's are."""
+    model = StepCostModel()
+    rng = random.Random(7)  # up to 20% slower, as on a shared machine
+    for chunks in warm_up_shapes(2048, 10**6):
+        model.observe(StepShape.of_chunks(chunks), machine_time(chunks) * rng.uniform(1, 1.2))
+    for step in range(6000):  # ~4 minutes of the backlog: 32 streams growing to 1,800
+        context = 100 + step % 1700
+        chunks = [(context, 1)] * (32 if step % 6 else 3)
+        if step % 40 == 0:
+            chunks.append((context + 50, 3))  # a preempted stream's uncached tail
+        model.observe(StepShape.of_chunks(chunks), machine_time(chunks) * rng.uniform(1, 1.2))
+    for chunks in ([(0, 542)], [(0, 1024)], [(1800, 3)], [(1800, 1)] * 32):
+        truth = machine_time(chunks) * 1.1
+        assert model.predict(StepShape.of_chunks(chunks)) == pytest.approx(truth, rel=0.25)
