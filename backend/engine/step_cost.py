@@ -15,12 +15,11 @@ tokens over cached keys (at most SHORT_QUERY_TOKENS: a verify row, a preempted r
 uncached tail) is attended as a decode row is, its keys read once, so its attention
 counts as decode context: counted as pairs, a backlog whose only prefills were such
 tails taught the pair term a price 1,000x too high (issue 32), and a 500-token prompt
-looked seconds long. Every step adds one
-observation; older ones fade (a half-life in steps), so the fit follows the machine (a
-busy CPU, a GPU that warms up). Before the first step, a few warm-up steps of varied
-shapes (`warm_up_batches`) make sure the scheduler never sizes a step blind. The
-scheduler inverts the fit: the most prefill tokens a step may take and still end within a
-time target (backend/SCHEDULING.md)."""
+looked seconds long. Every step adds one observation; older ones fade (a half-life in
+steps), so the fit follows the machine (a busy CPU, a GPU that warms up). Before the
+first step, a few warm-up steps of varied shapes (`warm_up_batches`) make sure the
+scheduler never sizes a step blind. The scheduler inverts the fit: the most prefill
+tokens a step may take and still end within a time target (backend/SCHEDULING.md)."""
 
 from __future__ import annotations
 
@@ -60,10 +59,17 @@ class StepShape:
     @classmethod
     def of_chunks(cls, chunks: Iterable[tuple[int, int]]) -> StepShape:
         """From (start, num_tokens) chunks; a one-token chunk counts as a decode row."""
-        shape = cls()
-        for start, n in chunks:
-            shape = shape.plus_decode(start) if n == 1 else shape.plus_prefill(start, n)
-        return shape
+        prefill = decode = context = pairs = 0
+        for start, n in chunks:  # every step's rows: ints, no shape per chunk
+            if n == 1:
+                decode += 1
+                context += start + 1
+            else:
+                keys, attended = chunk_attention(start, n)
+                prefill += n
+                context += keys
+                pairs += attended
+        return cls(prefill, decode, context, pairs)
 
     @classmethod
     def of(cls, out: SchedulerOutput) -> StepShape:
